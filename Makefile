@@ -1,0 +1,46 @@
+# One command sets up a fresh machine and runs the main job; one sets it up and runs the tests.
+#   make run    create .venv (torch 2.9.1, every extra CI uses) and run the main job
+#   make test   create .venv and run the whole test suite (this is what CI runs)
+# Both are idempotent: the environment is rebuilt only when pyproject.toml changes.
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# fairseq2 0.8.1 pins torch 2.9.1 (through fairseq2n); install it first so pip never picks another.
+TORCH   := torch==2.9.1
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast bench lint clean system-deps
+
+setup: $(STAMP)
+
+# fairseq2n loads libsndfile.so.1 at import time.
+system-deps:
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libsndfile\.so\.1'; then \
+	  echo "installing libsndfile1 (needed by fairseq2)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libsndfile1; \
+	fi
+
+$(STAMP): pyproject.toml examples/third_party_plugin/pyproject.toml | system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[all]' -e examples/third_party_plugin
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/mixer-plugins list
+
+test: setup
+	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m pytest benchmarks --benchmark-only --benchmark-autosave
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks

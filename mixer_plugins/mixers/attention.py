@@ -1,0 +1,123 @@
+"""``attention``: standard multi-head softmax attention, the baseline every other mixer is compared with.
+
+Matrix: ``M_h = softmax_j(scale * q_i . k_j)`` (causal: ``j <= i``), applied to the value heads, followed
+by the output projection. The fast path is ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from ..registry.spec import MixerConfig, MixerSpec
+from .base import MatrixMixer, MixerContext
+
+__all__ = ["AttentionConfig", "SoftmaxAttention", "SPEC", "attention_bias_mask"]
+
+
+class AttentionConfig(MixerConfig):
+    num_heads: int = Field(8, gt=0, description="number of attention heads")
+    head_dim: Optional[int] = Field(
+        None, gt=0, description="width of each head; default dim // num_heads (dim must then be divisible)"
+    )
+    qkv_bias: bool = Field(True, description="bias in the q/k/v projections")
+    out_bias: bool = Field(True, description="bias in the output projection")
+    causal: bool = Field(False, description="mask future positions (decoder-style attention)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the attention probabilities (training)")
+    scale: Optional[float] = Field(None, gt=0, description="logit scale; default 1/sqrt(head_dim)")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> AttentionConfig:
+        if self.head_dim is None and self.dim % self.num_heads != 0:
+            raise ValueError(
+                f"dim ({self.dim}) is not divisible by num_heads ({self.num_heads}); "
+                "choose num_heads dividing dim, or set head_dim"
+            )
+        return self
+
+
+def attention_bias_mask(mask: Tensor | None, length: int, causal: bool, device: torch.device) -> Tensor | None:
+    """Bool (batch|1, 1, L, L) mask of allowed (query, key) pairs, or None when everything is allowed.
+
+    Pad keys are excluded. Rows with no real token at all keep every key allowed so softmax stays finite;
+    their outputs are zeroed afterwards like every pad output.
+    """
+    allowed = None
+    if causal:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+    if mask is not None:
+        keys = mask | ~mask.any(dim=1, keepdim=True)  # empty rows: allow all (outputs are zeroed later)
+        keys = keys[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    return allowed
+
+
+class SoftmaxAttention(MatrixMixer):
+    """Multi-head softmax attention (q/k/v/out projections, SDPA fast path)."""
+
+    def __init__(self, config: AttentionConfig):
+        super().__init__(config)
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim or config.dim // config.num_heads
+        inner = self.num_heads * self.head_dim
+        self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.qkv = nn.Linear(config.dim, 3 * inner, bias=config.qkv_bias)
+        self.proj = nn.Linear(inner, config.dim, bias=config.out_bias)
+        self.dropout = config.dropout
+
+    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+        b, l, _ = x.shape
+        q, k, v = self.qkv(x).view(b, l, 3, self.num_heads, self.head_dim).unbind(2)
+        return MixerContext(values=v, mask=mask, q=q, k=k)
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (ctx.q, ctx.k, ctx.values))
+        l = q.shape[2]
+        allowed = attention_bias_mask(ctx.mask, l, self.causal, q.device)
+        y = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=allowed if (allowed is not None and (ctx.mask is not None)) else None,
+            is_causal=self.causal and ctx.mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
+        )
+        return y.transpose(1, 2)
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        scores = torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) * self.scale
+        allowed = attention_bias_mask(ctx.mask, scores.shape[-1], self.causal, scores.device)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return scores.softmax(dim=-1)
+
+    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+        return self.proj(y.flatten(2))
+
+    def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
+        inner = self.num_heads * self.head_dim
+        tokens = batch * length
+        return {
+            "qkv_proj": 2 * tokens * self.dim * 3 * inner,
+            "scores": 2 * batch * self.num_heads * length * length * self.head_dim,
+            "weighted_values": 2 * batch * self.num_heads * length * length * self.head_dim,
+            "out_proj": 2 * tokens * inner * self.dim,
+        }
+
+
+SPEC = MixerSpec(
+    name="attention",
+    aliases=("softmax_attention", "mha"),
+    config=AttentionConfig,
+    builder=SoftmaxAttention,
+    summary="multi-head softmax attention (SDPA); the baseline",
+    matrix_class="dense (softmax)",
+    direction="either",
+    complexity="O(L^2)",
+    data_dependent="yes",
+    test_options={"num_heads": 4},
+)

@@ -1,0 +1,204 @@
+"""The mixer contract: :class:`MatrixMixer`.
+
+A matrix mixer maps ``x: (batch, length, dim) -> (batch, length, dim)`` and, per head, applies an
+L x L matrix to its (projected) values. Every mixer is written as four small steps::
+
+    ctx = self.prepare(x, mask)   # projections etc.: ctx.values is (batch, length, heads, head_dim)
+    y   = self.mix(ctx)           # the fast path: y_i = sum_j M_ij v_j, never building M if avoidable
+    M   = self.matrix(ctx)        # the same M, materialized: (batch, heads, length, length)
+    out = self.finish(ctx, y)     # gates, norms, output projection
+
+and the base class assembles the public API from them:
+
+* ``forward(x, *, mask=None)``: ``finish(prepare(x), mix(...))``;
+* ``materialize(x, *, mask=None)``: ``matrix(prepare(x))``, the framework's defining object;
+* ``forward_via_matrix(x, *, mask=None)``: ``finish(M @ values)``, the oracle every fast path is tested
+  against (the conformance kit checks ``forward == forward_via_matrix``);
+* ``flops(batch, length)``: analytic FLOPs (2 per multiply-add) of the mixer's own work.
+
+``mask`` is an optional bool ``(batch, length)`` tensor, True on real tokens, right-padded. Outputs at
+real positions equal what the mixer gives on the unpadded row; outputs at pads are zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..registry.errors import MixerInputError, SequenceLengthError
+from ..registry.spec import MixerConfig
+
+__all__ = ["MatrixMixer", "MixerContext", "check_mixer_input", "padding_mask_to_bool"]
+
+
+class MixerContext:
+    """Per-call intermediate tensors shared by ``mix``, ``matrix`` and ``finish``.
+
+    Always has ``values`` (batch, length, heads, head_dim) and ``mask`` (bool (batch, length) or None);
+    mixers attach whatever else they need as attributes.
+    """
+
+    def __init__(self, values: Tensor, mask: Tensor | None = None, **fields: Any):
+        self.values = values
+        self.mask = mask
+        self.__dict__.update(fields)
+
+    def __repr__(self) -> str:
+        items = ", ".join(
+            f"{k}={tuple(v.shape) if isinstance(v, Tensor) else v!r}" for k, v in self.__dict__.items()
+        )
+        return f"MixerContext({items})"
+
+
+def padding_mask_to_bool(mask: Tensor, batch: int, length: int) -> Tensor:
+    """Validate a padding mask and return it as bool (batch, length), True on real tokens."""
+    if not isinstance(mask, Tensor):
+        raise MixerInputError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise MixerInputError(
+            f"mask must be bool (True on real tokens), got dtype {mask.dtype}; "
+            "additive float masks are not accepted because their meaning is ambiguous"
+        )
+    if mask.shape != (batch, length):
+        raise MixerInputError(f"mask must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        if ((mask != 0) & (mask != 1)).any():
+            raise MixerInputError("an integer mask must hold only 0 and 1")
+        mask = mask != 0
+    if length > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise MixerInputError(
+            "mask must be right-padded: each row is True on its real tokens, then False on the pads"
+        )
+    return mask
+
+
+def check_mixer_input(module: nn.Module, x: Tensor, mask: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
+    """Clear errors for every way an input can be wrong (rank, width, dtype, device, mask)."""
+    if not isinstance(x, Tensor):
+        raise MixerInputError(f"input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise MixerInputError(
+            f"input must have shape (batch, length, dim={dim}); got a {x.dim()}-D tensor of shape {tuple(x.shape)}"
+        )
+    if x.shape[-1] != dim:
+        raise MixerInputError(f"input width {x.shape[-1]} does not match the mixer's dim={dim}")
+    if x.shape[1] == 0:
+        raise MixerInputError("input length must be at least 1")
+    if not x.dtype.is_floating_point:
+        raise MixerInputError(f"input must be a floating-point tensor, got dtype {x.dtype}")
+    param = next(iter(module.parameters()), None)
+    if param is not None:
+        if param.device != x.device and param.device.type != "meta":
+            raise MixerInputError(f"input is on {x.device} but the mixer's parameters are on {param.device}")
+        if (
+            param.dtype != x.dtype
+            and param.dtype.is_floating_point
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            raise MixerInputError(
+                f"input dtype {x.dtype} does not match the mixer's parameters ({param.dtype}); "
+                f"convert one of them (e.g. mixer.to({x.dtype})) or run under torch.autocast"
+            )
+    if mask is not None:
+        mask = padding_mask_to_bool(mask.to(x.device), x.shape[0], x.shape[1])
+    return x, mask
+
+
+class MatrixMixer(nn.Module):
+    """Base class of every mixer in the library (and a convenient one for plugins).
+
+    Subclasses implement :meth:`prepare`, :meth:`matrix`, :meth:`finish`, :meth:`flops` and usually a
+    fast :meth:`mix`. Data-independent mixers set :attr:`max_seq_len`; they then accept any length up to
+    it (using the leading L x L block of their matrix, which is what makes them padding-invariant) and
+    raise :class:`SequenceLengthError` beyond it.
+    """
+
+    #: True when output i depends only on inputs j <= i.
+    causal: bool = False
+    #: Longest supported sequence for data-independent mixers; None means any length.
+    max_seq_len: int | None = None
+    #: Number of heads of the materialized matrix.
+    num_heads: int = 1
+    #: False for mixers that are not linear in their values; their ``matrix`` raises
+    #: :class:`NotMaterializableError` (e.g. the ``mult`` bidirectional ablation).
+    materializable: bool = True
+
+    def __init__(self, config: MixerConfig):
+        super().__init__()
+        self.config = config
+        self.dim = config.dim
+        self.causal = bool(getattr(config, "causal", type(self).causal))
+
+    # -- hooks implemented by subclasses ---------------------------------------------------------
+    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+        raise NotImplementedError
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        """The L x L matrix per head, (batch, heads, length, length), applied to ``ctx.values``."""
+        raise NotImplementedError
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        """Apply the matrix to the values. The default builds the matrix (O(L^2)); override when faster."""
+        return torch.einsum("bhij,bjhp->bihp", self.matrix(ctx), ctx.values)
+
+    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def flops(self, batch: int, length: int) -> int:
+        """Analytic FLOPs (2 per multiply-add) of one forward at this batch and length."""
+        return int(sum(self.flops_breakdown(batch, length).values()))
+
+    def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
+        """FLOPs per part (projections, scores, scan, ...). Subclasses implement this or :meth:`flops`."""
+        raise NotImplementedError(f"{type(self).__name__} does not report its FLOPs")
+
+    # -- public API ------------------------------------------------------------------------------
+    def check_length(self, length: int) -> None:
+        if self.max_seq_len is not None and length > self.max_seq_len:
+            raise SequenceLengthError(
+                f"{type(self).__name__} is data-independent: its parameters cover sequences of up to "
+                f"max_seq_len={self.max_seq_len} tokens, got length {length}. Build it with a larger "
+                "max_seq_len, or use the data-dependent variant (data_dependent=True) where there is one"
+            )
+
+    def _begin(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        x, mask = check_mixer_input(self, x, mask, self.dim)
+        self.check_length(x.shape[1])
+        return x, mask
+
+    @staticmethod
+    def _zero_pads(out: Tensor, mask: Tensor | None) -> Tensor:
+        if mask is None:
+            return out
+        return out.masked_fill(~mask.unsqueeze(-1), 0.0)
+
+    def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        x, mask = self._begin(x, mask)
+        ctx = self.prepare(x, mask)
+        return self._zero_pads(self.finish(ctx, self.mix(ctx)), mask)
+
+    def materialize(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        """The mixer's matrix for this input, (batch, heads, length, length); zero on pad rows/columns."""
+        x, mask = self._begin(x, mask)
+        ctx = self.prepare(x, mask)
+        matrix = self.matrix(ctx)
+        if mask is not None:
+            keep = mask[:, None, :, None] & mask[:, None, None, :]
+            matrix = matrix.masked_fill(~keep, 0.0)
+        return matrix
+
+    def forward_via_matrix(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        """Forward computed through the materialized matrix: the oracle for :meth:`forward`."""
+        x, mask = self._begin(x, mask)
+        ctx = self.prepare(x, mask)
+        matrix = self.matrix(ctx)
+        y = torch.einsum("bhij,bjhp->bihp", matrix, ctx.values)
+        return self._zero_pads(self.finish(ctx, y), mask)
+
+    def extra_repr(self) -> str:
+        opts = ", ".join(
+            f"{k}={v!r}" for k, v in self.config.model_dump().items() if k != "dim"
+        )
+        return f"dim={self.dim}" + (f", {opts}" if opts else "")

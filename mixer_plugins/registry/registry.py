@@ -1,0 +1,282 @@
+"""The mixer registry: discovery through entry points, lazy loading, aliases, clear errors.
+
+Rules (see the design notes):
+
+* One entry-point group, :data:`ENTRY_POINT_GROUP`. An entry point's name is the mixer's name and its
+  object is a :class:`~mixer_plugins.registry.spec.MixerSpec`. Our own built-in mixers are declared the
+  same way in our ``pyproject.toml``: one discovery path for everybody.
+* Listing names reads entry-point metadata only; a plugin's module is imported the first time its spec
+  is needed.
+* A plugin that fails to import (or yields something that is not a valid spec) is reported with its
+  distribution and error and never breaks the others.
+* A name claimed by two distributions is an error naming both; the other names keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import threading
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+from .errors import (
+    DuplicateMixerError,
+    MixerPluginWarning,
+    PluginLoadError,
+    UnknownMixerError,
+)
+from .spec import MixerSpec
+
+__all__ = ["ENTRY_POINT_GROUP", "MixerRegistry", "PluginProblem", "IN_PROCESS"]
+
+ENTRY_POINT_GROUP = "mixer_plugins.mixers"
+IN_PROCESS = "<in-process>"
+
+
+def normalize_name(name: str) -> str:
+    """Names are matched case-insensitively, with ``-`` and ``_`` equivalent (``low-rank`` == ``low_rank``)."""
+    return name.strip().lower().replace("-", "_")
+
+
+@dataclasses.dataclass
+class _Entry:
+    name: str
+    distribution: str
+    target: str
+    load: Callable[[], Any]
+    spec: MixerSpec | None = None
+    error: PluginLoadError | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginProblem:
+    """A broken plugin or a name claimed more than once."""
+
+    name: str
+    kind: str  # "broken" | "duplicate" | "alias-conflict"
+    message: str
+    distributions: tuple[str, ...]
+
+
+def _distribution_name(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "<unknown distribution>"
+    try:
+        return dist.metadata["Name"] or dist.name
+    except Exception:  # pragma: no cover - malformed metadata
+        return getattr(dist, "name", "<unknown distribution>")
+
+
+class MixerRegistry:
+    """A registry of mixer specs fed by an entry-point group and by in-process registrations."""
+
+    def __init__(self, group: str = ENTRY_POINT_GROUP):
+        self.group = group
+        self._lock = threading.RLock()
+        self._entries: dict[str, list[_Entry]] | None = None
+        self._in_process: dict[str, _Entry] = {}
+        self._warned: set[tuple[str, str]] = set()
+
+    # -- discovery -----------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Forget discovered entry points (e.g. after installing a plugin at run time)."""
+        with self._lock:
+            self._entries = None
+            self._warned.clear()
+
+    def _discover(self) -> dict[str, list[_Entry]]:
+        with self._lock:
+            if self._entries is None:
+                entries: dict[str, list[_Entry]] = {}
+                seen: set[tuple[str, str, str]] = set()
+                for ep in metadata.entry_points(group=self.group):
+                    dist = _distribution_name(ep)
+                    key = (ep.name, normalize_name(dist), ep.value)
+                    if key in seen:  # the same distribution seen twice on sys.path
+                        continue
+                    seen.add(key)
+                    entries.setdefault(normalize_name(ep.name), []).append(
+                        _Entry(name=ep.name, distribution=dist, target=ep.value, load=ep.load)
+                    )
+                self._entries = entries
+            merged = {k: list(v) for k, v in self._entries.items()}
+            for key, entry in self._in_process.items():
+                merged.setdefault(key, []).append(entry)
+            return merged
+
+    # -- loading -------------------------------------------------------------------------------
+    def _load(self, entry: _Entry) -> MixerSpec:
+        if entry.spec is not None:
+            return entry.spec
+        if entry.error is not None:
+            raise entry.error
+        try:
+            obj = entry.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, not ours
+            entry.error = PluginLoadError(entry.name, entry.distribution, entry.target, exc)
+            raise entry.error from exc
+        if not isinstance(obj, MixerSpec):
+            entry.error = PluginLoadError(
+                entry.name, entry.distribution, entry.target,
+                f"the entry point must point to a mixer_plugins.MixerSpec, got {type(obj).__name__}",
+            )
+            raise entry.error
+        if normalize_name(obj.name) != normalize_name(entry.name):
+            entry.error = PluginLoadError(
+                entry.name, entry.distribution, entry.target,
+                f"the entry point is named {entry.name!r} but its spec is named {obj.name!r}",
+            )
+            raise entry.error
+        entry.spec = dataclasses.replace(obj, distribution=entry.distribution)
+        return entry.spec
+
+    def _single(self, key: str, candidates: list[_Entry]) -> _Entry:
+        if len(candidates) > 1:
+            raise DuplicateMixerError(
+                candidates[0].name, [f"{c.distribution} ({c.target})" for c in candidates]
+            )
+        return candidates[0]
+
+    def _all_specs(self, *, warn: bool) -> tuple[list[MixerSpec], list[PluginProblem]]:
+        specs: list[MixerSpec] = []
+        problems: list[PluginProblem] = []
+        for _key, candidates in sorted(self._discover().items()):
+            if len(candidates) > 1:
+                err = DuplicateMixerError(candidates[0].name, [c.distribution for c in candidates])
+                problems.append(
+                    PluginProblem(candidates[0].name, "duplicate", str(err),
+                                  tuple(c.distribution for c in candidates))
+                )
+                continue
+            try:
+                specs.append(self._load(candidates[0]))
+            except PluginLoadError as err:
+                problems.append(PluginProblem(candidates[0].name, "broken", str(err),
+                                              (candidates[0].distribution,)))
+        # Aliases must be unambiguous too.
+        owners: dict[str, list[MixerSpec]] = {}
+        names = {normalize_name(s.name) for s in specs}
+        for spec in specs:
+            for alias in spec.aliases:
+                owners.setdefault(normalize_name(alias), []).append(spec)
+        for alias, owning in sorted(owners.items()):
+            if len(owning) > 1 or alias in names:
+                claim = [f"{s.distribution} (alias of {s.name!r})" for s in owning]
+                if alias in names:
+                    other = next(s for s in specs if normalize_name(s.name) == alias)
+                    claim.append(f"{other.distribution} (mixer {other.name!r})")
+                problems.append(
+                    PluginProblem(alias, "alias-conflict", str(DuplicateMixerError(alias, claim)),
+                                  tuple(s.distribution or "" for s in owning))
+                )
+        if warn:
+            for problem in problems:
+                marker = (problem.name, problem.message)
+                if marker not in self._warned:
+                    self._warned.add(marker)
+                    warnings.warn(problem.message, MixerPluginWarning, stacklevel=3)
+        return specs, problems
+
+    # -- public API ----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Names of every registered mixer, sorted. Imports no plugin code."""
+        return sorted(candidates[0].name for candidates in self._discover().values())
+
+    def specs(self) -> list[MixerSpec]:
+        """Every loadable spec (imports all plugins). Broken or duplicate ones are warned about and skipped."""
+        with self._lock:
+            return self._all_specs(warn=True)[0]
+
+    def problems(self) -> list[PluginProblem]:
+        """Broken plugins, duplicated names and conflicting aliases (imports all plugins)."""
+        with self._lock:
+            return self._all_specs(warn=False)[1]
+
+    def get_spec(self, name: str) -> MixerSpec:
+        """The spec of a mixer, by name or alias (case-insensitive, ``-`` == ``_``)."""
+        if isinstance(name, MixerSpec):
+            return name
+        if not isinstance(name, str):
+            raise TypeError(f"mixer name must be a string, got {type(name).__name__}")
+        key = normalize_name(name)
+        with self._lock:
+            entries = self._discover()
+            if key in entries:
+                return self._load(self._single(key, entries[key]))
+            specs, _ = self._all_specs(warn=True)
+            owners = [s for s in specs if key in {normalize_name(a) for a in s.aliases}]
+            if len(owners) == 1:
+                return owners[0]
+            if len(owners) > 1:
+                raise DuplicateMixerError(name, [f"{s.distribution} (alias of {s.name!r})" for s in owners])
+            vocabulary = {normalize_name(e[0].name): e[0].name for e in entries.values()}
+            for spec in specs:
+                for alias in spec.aliases:
+                    vocabulary.setdefault(normalize_name(alias), alias)
+            close = difflib.get_close_matches(key, list(vocabulary), n=3, cutoff=0.6)
+            raise UnknownMixerError(name, [vocabulary[c] for c in close], self.names())
+
+    def create(self, name: str, dim: int | None = None, /, **options: Any):
+        """Validate ``options`` with the mixer's config model and build the mixer."""
+        spec = self.get_spec(name)
+        config = spec.make_config(dim, **options)
+        return spec.build(config)
+
+    def register(self, spec: MixerSpec, *, replace: bool = False) -> MixerSpec:
+        """Register a spec in this process only (notebooks, tests). Entry points are the way to ship one."""
+        if not isinstance(spec, MixerSpec):
+            raise TypeError(f"register() takes a MixerSpec, got {type(spec).__name__}")
+        key = normalize_name(spec.name)
+        with self._lock:
+            existing = self._discover().get(key, [])
+            if existing and not replace:
+                raise DuplicateMixerError(spec.name, [e.distribution for e in existing] + [IN_PROCESS])
+            if replace and self._entries is not None:
+                self._entries.pop(key, None)
+            spec = dataclasses.replace(spec, distribution=spec.distribution or IN_PROCESS)
+            self._in_process[key] = _Entry(
+                name=spec.name, distribution=spec.distribution, target=IN_PROCESS, load=lambda: spec,
+                spec=spec,
+            )
+            return spec
+
+    def unregister(self, name: str) -> None:
+        """Remove an in-process registration (entry points cannot be removed at run time)."""
+        key = normalize_name(name)
+        with self._lock:
+            if key not in self._in_process:
+                raise UnknownMixerError(name, known=sorted(e.name for e in self._in_process.values()))
+            del self._in_process[key]
+            self.refresh()
+
+
+def make_register_function(registry: MixerRegistry):
+    """Build the public ``register_mixer`` bound to ``registry``.
+
+    It takes either a ready :class:`MixerSpec`, or a name plus spec fields and then decorates the builder::
+
+        @register_mixer("my_mixer", config=MyConfig, summary="...")
+        class MyMixer(MatrixMixer): ...
+    """
+
+    def register_mixer(spec_or_name: MixerSpec | str, *, replace: bool = False, **fields: Any):
+        if isinstance(spec_or_name, MixerSpec):
+            if fields:
+                raise TypeError("pass either a MixerSpec or a name with spec fields, not both")
+            return registry.register(spec_or_name, replace=replace)
+
+        def decorator(builder: Callable[[Any], Any]):
+            config = fields.pop("config", None) or getattr(builder, "config_class", None)
+            if config is None:
+                raise TypeError("register_mixer needs config=<MixerConfig subclass>")
+            spec = MixerSpec(name=spec_or_name, config=config, builder=builder, **fields)
+            registry.register(spec, replace=replace)
+            return builder
+
+        return decorator
+
+    return register_mixer

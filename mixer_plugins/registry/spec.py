@@ -1,0 +1,184 @@
+"""What a registry entry is: a :class:`MixerSpec` (metadata + builder) and a :class:`MixerConfig`.
+
+A plugin exposes one ``MixerSpec`` object through the ``mixer_plugins.mixers`` entry-point group.
+The spec names a pydantic config model (a :class:`MixerConfig` subclass) that validates every option,
+and a builder that turns a validated config into an ``nn.Module`` following the mixer contract
+(see :class:`mixer_plugins.MatrixMixer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import InvalidMixerOptions
+
+__all__ = ["MixerConfig", "MixerSpec", "Direction", "DataDependence"]
+
+Direction = Literal["causal", "bidirectional", "either"]
+DataDependence = Literal["yes", "no", "option"]
+
+
+class MixerConfig(BaseModel):
+    """Base class of every mixer's options.
+
+    Subclasses add fields with ``pydantic.Field(default, description=...)``; the description is what
+    ``mixer-plugins info NAME`` prints. Configs are immutable and reject unknown options.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    dim: int = Field(gt=0, description="model width: the mixer maps (batch, length, dim) to (batch, length, dim)")
+
+
+def _closest(word: str, candidates: list[str]) -> list[str]:
+    return difflib.get_close_matches(word, candidates, n=2, cutoff=0.6)
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    problems = []
+    for item in err.errors():
+        loc = ".".join(str(p) for p in item.get("loc", ()))
+        msg = item.get("msg", "invalid value")
+        # pydantic prefixes custom ValueErrors with "Value error, "; it reads better without it.
+        msg = msg.removeprefix("Value error, ")
+        if item.get("type") == "missing":
+            problems.append(f"{loc}: required option is missing")
+        elif loc:
+            problems.append(f"{loc}={item.get('input')!r}: {msg}")
+        else:
+            problems.append(msg)
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerSpec:
+    """Registry entry of one mixer.
+
+    Attributes:
+        name: canonical name; must equal the entry point's name.
+        config: the pydantic model validating the mixer's options (subclass of :class:`MixerConfig`).
+        builder: ``builder(config) -> nn.Module``; usually the mixer class itself.
+        summary: one line shown by ``mixer-plugins list``.
+        aliases: other names accepted by :func:`mixer_plugins.create_mixer`.
+        matrix_class: the structured-matrix class of the mixer's L x L matrix (e.g. ``"quasiseparable"``).
+        direction: ``"causal"``, ``"bidirectional"`` or ``"either"`` (a ``causal`` option).
+        complexity: time complexity in the sequence length, e.g. ``"O(L)"``.
+        data_dependent: ``"yes"`` (sequence-aligned), ``"no"`` (free L-sized parameters) or ``"option"``.
+        test_options: small options used by the conformance kit and ``mixer-plugins show``.
+        distribution: the distribution that provided the spec (filled in by the registry).
+    """
+
+    name: str
+    config: type[MixerConfig]
+    builder: Callable[[Any], Any]
+    summary: str = ""
+    aliases: tuple[str, ...] = ()
+    matrix_class: str = ""
+    direction: Direction = "bidirectional"
+    complexity: str = ""
+    data_dependent: DataDependence = "yes"
+    test_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    distribution: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise TypeError(f"MixerSpec.name must be a Python identifier, got {self.name!r}")
+        if not (isinstance(self.config, type) and issubclass(self.config, MixerConfig)):
+            raise TypeError(f"MixerSpec.config of {self.name!r} must be a MixerConfig subclass, got {self.config!r}")
+        if not callable(self.builder):
+            raise TypeError(f"MixerSpec.builder of {self.name!r} must be callable")
+        if self.direction not in ("causal", "bidirectional", "either"):
+            raise TypeError(f"MixerSpec.direction of {self.name!r} must be causal, bidirectional or either")
+        if self.data_dependent not in ("yes", "no", "option"):
+            raise TypeError(f"MixerSpec.data_dependent of {self.name!r} must be yes, no or option")
+        object.__setattr__(self, "aliases", tuple(self.aliases))
+
+    # -- options ---------------------------------------------------------------------------------
+    def option_names(self) -> list[str]:
+        return list(self.config.model_fields)
+
+    def make_config(self, dim: int | None = None, /, **options: Any) -> MixerConfig:
+        """Validate ``options`` with the spec's config model, with "did you mean" for misspelt names."""
+        if dim is not None:
+            if "dim" in options:
+                raise InvalidMixerOptions(self.name, ["dim given twice (positionally and as an option)"])
+            options["dim"] = dim
+        known = self.option_names()
+        problems = []
+        for key in options:
+            if key not in known:
+                close = _closest(key, known)
+                hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+                problems.append(f"unknown option {key!r}{hint} (options: {', '.join(known)})")
+        if problems:
+            raise InvalidMixerOptions(self.name, problems)
+        try:
+            return self.config(**options)
+        except ValidationError as err:
+            raise InvalidMixerOptions(self.name, _format_validation_error(err)) from None
+
+    def build(self, config: MixerConfig | None = None, /, **options: Any):
+        """Build the mixer from a validated config, or from options (validated here)."""
+        if config is None:
+            config = self.make_config(**options)
+        elif options:
+            raise TypeError("pass either a config or options, not both")
+        elif not isinstance(config, self.config):
+            raise InvalidMixerOptions(
+                self.name, [f"expected a {self.config.__name__}, got {type(config).__name__}"]
+            )
+        module = self.builder(config)
+        # Record where the module came from, so adapters (timm, fairseq2) can serialise it by name.
+        try:
+            module.mixer_name = self.name
+        except AttributeError:  # pragma: no cover - exotic builders returning immutable objects
+            pass
+        return module
+
+    def options_table(self) -> list[tuple[str, str, str, str]]:
+        """(name, type, default, help) for every option; used by ``mixer-plugins info``."""
+        rows = []
+        for fname, field in self.config.model_fields.items():
+            default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            help_text = field.description or ""
+            constraints = [_describe_constraint(m) for m in field.metadata]
+            constraints = [c for c in constraints if c]
+            if constraints:
+                help_text = (help_text + " " if help_text else "") + "(" + ", ".join(constraints) + ")"
+            rows.append((fname, _type_name(field.annotation), default, help_text))
+        return rows
+
+
+def _type_name(annotation: Any) -> str:
+    """Readable type names: ``int | None``, ``list[int]``, ``'a' | 'b'``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        inner = ", ".join(_type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+_CONSTRAINT_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "min_length": "min length",
+                       "max_length": "max length", "multiple_of": "multiple of"}
+
+
+def _describe_constraint(meta: Any) -> str:
+    for attr, symbol in _CONSTRAINT_SYMBOLS.items():
+        value = getattr(meta, attr, None)
+        if value is not None:
+            return f"{symbol} {value}"
+    return ""

@@ -1,0 +1,357 @@
+"""The conformance kit: checks any registered mixer against the mixer contract.
+
+Use it on your own plugin::
+
+    from mixer_plugins.testing import check_mixer
+    check_mixer("my_mixer")                      # raises ConformanceError listing every failed check
+
+or, in a pytest module, get one test per (mixer, check)::
+
+    from mixer_plugins.testing import conformance_test
+    test_my_mixer = conformance_test(["my_mixer"])
+
+Checks (each one a function in :data:`CHECKS`):
+
+* ``output``: shape and dtype preserved (float32 and float64), outputs finite, eval forward deterministic;
+* ``materialize``: ``materialize`` is (batch, heads, L, L) and ``forward == forward_via_matrix``
+  (the mixer's fast path agrees with its own matrix), in float64; non-linear mixers must raise
+  ``NotMaterializableError`` instead;
+* ``padding``: with a right-padded mask, real positions equal the unpadded run row by row, pad contents
+  do not leak, pad outputs are zero;
+* ``lengths``: length 1, an odd length and a length longer than the chunk size all run and agree with
+  the matrix;
+* ``gradients``: every parameter receives a finite, non-zero gradient;
+* ``state_dict``: a second instance loaded from the first's ``state_dict`` gives identical outputs;
+* ``sequence_length``: data-independent mixers raise ``SequenceLengthError`` past ``max_seq_len``;
+* ``bad_input``: wrong rank, width, dtype or mask raise ``MixerInputError``;
+* ``bad_config``: a bad ``dim`` or a misspelt option raise ``InvalidMixerOptions`` (with a suggestion);
+* ``causality``: causal mixers ignore the future and have a lower-triangular matrix;
+* ``low_precision``: bfloat16 parameters and inputs give a finite bfloat16 output.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..registry import (
+    InvalidMixerOptions,
+    MixerInputError,
+    MixerSpec,
+    NotMaterializableError,
+    SequenceLengthError,
+    default_registry,
+)
+
+__all__ = ["CHECKS", "ConformanceError", "CheckResult", "MixerHarness", "check_mixer", "run_check", "conformance_test"]
+
+
+class ConformanceError(AssertionError):
+    """One or more conformance checks failed; the message lists each failure."""
+
+
+@dataclasses.dataclass
+class CheckResult:
+    check: str
+    passed: bool
+    message: str = ""
+
+
+@dataclasses.dataclass
+class MixerHarness:
+    """Builds instances of one mixer for the checks, with small, fast defaults."""
+
+    spec: MixerSpec
+    dim: int = 32
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    batch: int = 2
+
+    def build(self, *, seed: int | None = None, dtype: torch.dtype = torch.float64, **overrides: Any):
+        torch.manual_seed(self.seed if seed is None else seed)
+        opts = {**self.spec.test_options, **self.options, **overrides}
+        mixer = self.spec.build(self.spec.make_config(self.dim, **opts))
+        return mixer.to(dtype).eval()
+
+    def inputs(self, length: int, *, batch: int | None = None, dtype: torch.dtype = torch.float64,
+               seed: int = 1) -> Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(batch or self.batch, length, self.dim, generator=gen, dtype=dtype)
+
+    def lengths(self, mixer) -> dict[str, int]:
+        """Length 1, an odd length, and one longer than the chunk size (capped by max_seq_len)."""
+        chunk = getattr(mixer.config, "chunk_size", None) or 16
+        cap = mixer.max_seq_len or 10**9
+        return {"one": 1, "odd": min(7, cap), "past_chunk": min(2 * chunk + 3, cap)}
+
+    def default_length(self, mixer) -> int:
+        return min(12, mixer.max_seq_len or 12)
+
+
+def _close(a: Tensor, b: Tensor, *, rtol: float, atol: float) -> tuple[bool, float]:
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return bool(torch.allclose(a, b, rtol=rtol, atol=atol + rtol * scale)), err
+
+
+def _expect_raises(exc_type, fn: Callable[[], Any], what: str) -> None:
+    try:
+        fn()
+    except exc_type as err:
+        if not str(err):
+            raise AssertionError(f"{what}: raised {type(err).__name__} with an empty message") from None
+        return
+    except Exception as err:  # noqa: BLE001
+        raise AssertionError(f"{what}: expected {exc_type.__name__}, got {type(err).__name__}: {err}") from None
+    raise AssertionError(f"{what}: expected {exc_type.__name__}, nothing was raised")
+
+
+# -- the checks ------------------------------------------------------------------------------------
+
+def check_output(h: MixerHarness) -> None:
+    for dtype in (torch.float32, torch.float64):
+        mixer = h.build(dtype=dtype)
+        length = h.default_length(mixer)
+        x = h.inputs(length, dtype=dtype)
+        with torch.no_grad():
+            y = mixer(x)
+            y2 = mixer(x)
+        assert isinstance(y, Tensor), f"forward returned {type(y).__name__}, not a Tensor"
+        assert y.shape == x.shape, f"output shape {tuple(y.shape)} != input shape {tuple(x.shape)}"
+        assert y.dtype == dtype, f"output dtype {y.dtype} != input dtype {dtype}"
+        assert torch.isfinite(y).all(), f"non-finite output in {dtype}"
+        assert torch.equal(y, y2), "two eval-mode forwards of the same input differ"
+
+
+def check_materialize(h: MixerHarness) -> None:
+    mixer = h.build()
+    length = h.default_length(mixer)
+    x = h.inputs(length)
+    if not mixer.materializable:
+        _expect_raises(NotMaterializableError, lambda: mixer.materialize(x), "materialize of a non-linear mixer")
+        return
+    with torch.no_grad():
+        matrix = mixer.materialize(x)
+        y = mixer(x)
+        y_ref = mixer.forward_via_matrix(x)
+    expected = (h.batch, mixer.num_heads, length, length)
+    assert tuple(matrix.shape) == expected, f"materialize shape {tuple(matrix.shape)} != {expected}"
+    assert torch.isfinite(matrix).all(), "materialized matrix has non-finite entries"
+    ok, err = _close(y, y_ref, rtol=1e-7, atol=1e-9)
+    assert ok, f"forward and forward_via_matrix disagree (max abs err {err:.3e}) at length {length}"
+
+
+def check_padding(h: MixerHarness) -> None:
+    mixer = h.build()
+    length = h.default_length(mixer)
+    real = [length, max(1, length - 5), 1]
+    x = h.inputs(length, batch=len(real))
+    mask = torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+    noisy = torch.where(mask[..., None], x, 100.0 * torch.randn_like(x))
+    with torch.no_grad():
+        y = mixer(x, mask=mask)
+        y_noisy = mixer(noisy, mask=mask)
+        for row, n in enumerate(real):
+            alone = mixer(x[row:row + 1, :n])
+            ok, err = _close(y[row, :n], alone[0], rtol=1e-7, atol=1e-9)
+            assert ok, f"row {row} (real length {n}): padded and unpadded outputs differ by {err:.3e}"
+    ok, err = _close(y, y_noisy, rtol=1e-7, atol=1e-9)
+    assert ok, f"pad contents leak into real positions (max abs err {err:.3e})"
+    assert (y[~mask] == 0).all(), "outputs at pad positions must be zero"
+    if mixer.materializable:
+        with torch.no_grad():
+            matrix = mixer.materialize(x, mask=mask)
+            y_ref = mixer.forward_via_matrix(x, mask=mask)
+        keep = mask[:, None, :, None] & mask[:, None, None, :]
+        assert (matrix[~keep.expand_as(matrix)] == 0).all(), "materialize must be zero on pad rows/columns"
+        ok, err = _close(y, y_ref, rtol=1e-7, atol=1e-9)
+        assert ok, f"masked forward and forward_via_matrix disagree (max abs err {err:.3e})"
+
+
+def check_lengths(h: MixerHarness) -> None:
+    mixer = h.build()
+    for label, length in h.lengths(mixer).items():
+        x = h.inputs(length)
+        with torch.no_grad():
+            y = mixer(x)
+            assert y.shape == x.shape and torch.isfinite(y).all(), f"bad output at length {length} ({label})"
+            if mixer.materializable:
+                ok, err = _close(y, mixer.forward_via_matrix(x), rtol=1e-7, atol=1e-9)
+                assert ok, f"forward disagrees with its matrix at length {length} ({label}): {err:.3e}"
+
+
+def check_gradients(h: MixerHarness) -> None:
+    mixer = h.build().train()
+    length = h.default_length(mixer)
+    x = h.inputs(length).requires_grad_(True)
+    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    (mixer(x) * probe).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all(), "no finite gradient w.r.t. the input"
+    missing, dead = [], []
+    for name, p in mixer.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None or not torch.isfinite(p.grad).all():
+            missing.append(name)
+        elif p.grad.abs().max() == 0:
+            dead.append(name)
+    assert not missing, f"parameters without a finite gradient: {missing}"
+    assert not dead, f"parameters whose gradient is exactly zero (dead at init?): {dead}"
+
+
+def check_state_dict(h: MixerHarness) -> None:
+    first = h.build(seed=11)
+    second = h.build(seed=12)
+    x = h.inputs(h.default_length(first))
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    with torch.no_grad():
+        assert torch.equal(first(x), second(x)), "outputs differ after a state_dict round-trip"
+
+
+def check_sequence_length(h: MixerHarness) -> None:
+    mixer = h.build()
+    if mixer.max_seq_len is None:
+        # Data-dependent: must run past any length it was configured with.
+        x = h.inputs(h.lengths(mixer)["past_chunk"] + 1)
+        with torch.no_grad():
+            assert torch.isfinite(mixer(x)).all()
+        return
+    x = h.inputs(mixer.max_seq_len + 1)
+    _expect_raises(SequenceLengthError, lambda: mixer(x), f"length {mixer.max_seq_len + 1} > max_seq_len")
+    with torch.no_grad():
+        assert mixer(h.inputs(mixer.max_seq_len)).shape[1] == mixer.max_seq_len
+
+
+def check_bad_input(h: MixerHarness) -> None:
+    mixer = h.build()
+    n = h.default_length(mixer)
+    x = h.inputs(n)
+    cases = {
+        "2-D input": lambda: mixer(x[0]),
+        "4-D input": lambda: mixer(x[None]),
+        "wrong width": lambda: mixer(torch.randn(2, n, h.dim + 1, dtype=x.dtype)),
+        "integer input": lambda: mixer(torch.ones(2, n, h.dim, dtype=torch.long)),
+        "float32 input to a float64 mixer": lambda: mixer(x.float()),
+        "float mask": lambda: mixer(x, mask=torch.ones(2, n)),
+        "mask of the wrong shape": lambda: mixer(x, mask=torch.ones(2, n + 1, dtype=torch.bool)),
+        "left-padded mask": lambda: mixer(x, mask=torch.arange(n).expand(2, n) >= 1),
+    }
+    for what, fn in cases.items():
+        _expect_raises(MixerInputError, fn, what)
+
+
+def check_bad_config(h: MixerHarness) -> None:
+    spec = h.spec
+    opts = {**spec.test_options, **h.options}
+    for bad_dim in (0, -4):
+        _expect_raises(InvalidMixerOptions, lambda d=bad_dim: spec.make_config(d, **opts), f"dim={bad_dim}")
+    option = next((o for o in spec.option_names() if o != "dim"), None)
+    if option is not None and len(option) > 3:
+        typo = option[:-1]
+        try:
+            spec.make_config(h.dim, **{**opts, typo: 1})
+        except InvalidMixerOptions as err:
+            assert repr(option) in str(err), f"misspelt option {typo!r}: no 'did you mean {option!r}' in: {err}"
+        else:
+            raise AssertionError(f"misspelt option {typo!r} was accepted")
+
+
+def check_causality(h: MixerHarness) -> None:
+    mixer = h.build()
+    if not mixer.causal:
+        return
+    length = h.default_length(mixer)
+    x = h.inputs(length)
+    t = length // 2
+    x2 = x.clone()
+    x2[:, t + 1:] += torch.randn_like(x2[:, t + 1:])
+    with torch.no_grad():
+        y, y2 = mixer(x), mixer(x2)
+    ok, err = _close(y[:, : t + 1], y2[:, : t + 1], rtol=1e-9, atol=1e-11)
+    assert ok, f"causal mixer: output at t <= {t} changed when only the future changed ({err:.3e})"
+    if mixer.materializable:
+        with torch.no_grad():
+            upper = torch.triu(mixer.materialize(x), diagonal=1)
+        assert (upper == 0).all(), "causal mixer: materialized matrix is not lower-triangular"
+
+
+def check_low_precision(h: MixerHarness) -> None:
+    mixer = h.build(dtype=torch.bfloat16)
+    x = h.inputs(h.default_length(mixer), dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = mixer(x)
+    assert y.dtype == torch.bfloat16, f"bfloat16 input gave a {y.dtype} output"
+    assert torch.isfinite(y).all(), "bfloat16 forward gave non-finite values"
+
+
+#: Every check, by name, in the order the kit runs them.
+CHECKS: dict[str, Callable[[MixerHarness], None]] = {
+    "output": check_output,
+    "materialize": check_materialize,
+    "padding": check_padding,
+    "lengths": check_lengths,
+    "gradients": check_gradients,
+    "state_dict": check_state_dict,
+    "sequence_length": check_sequence_length,
+    "bad_input": check_bad_input,
+    "bad_config": check_bad_config,
+    "causality": check_causality,
+    "low_precision": check_low_precision,
+}
+
+
+def _harness(mixer: str | MixerSpec, dim: int | None, options: Mapping[str, Any] | None, seed: int) -> MixerHarness:
+    spec = mixer if isinstance(mixer, MixerSpec) else default_registry.get_spec(mixer)
+    return MixerHarness(spec=spec, dim=dim or 32, options=dict(options or {}), seed=seed)
+
+
+def run_check(mixer: str | MixerSpec, check: str, *, dim: int | None = None,
+              options: Mapping[str, Any] | None = None, seed: int = 0) -> None:
+    """Run one check; raises AssertionError with a clear message when it fails."""
+    if check not in CHECKS:
+        raise KeyError(f"unknown check {check!r}; checks: {', '.join(CHECKS)}")
+    CHECKS[check](_harness(mixer, dim, options, seed))
+
+
+def check_mixer(mixer: str | MixerSpec, *, dim: int | None = None, options: Mapping[str, Any] | None = None,
+                checks: Iterable[str] | None = None, seed: int = 0, raise_on_failure: bool = True) -> list[CheckResult]:
+    """Run the conformance checks on one mixer (by name, alias or spec)."""
+    harness = _harness(mixer, dim, options, seed)
+    results = []
+    for name in checks or CHECKS:
+        try:
+            CHECKS[name](harness)
+        except Exception as err:  # noqa: BLE001 - every failure is reported, not just the first
+            results.append(CheckResult(name, False, f"{type(err).__name__}: {err}"))
+        else:
+            results.append(CheckResult(name, True))
+    failed = [r for r in results if not r.passed]
+    if failed and raise_on_failure:
+        lines = "\n".join(f"  - {r.check}: {r.message}" for r in failed)
+        raise ConformanceError(f"mixer {harness.spec.name!r} failed {len(failed)} conformance check(s):\n{lines}")
+    return results
+
+
+def conformance_test(mixers: Iterable[str] | None = None, *, checks: Iterable[str] | None = None,
+                     options: Mapping[str, Mapping[str, Any]] | None = None):
+    """A pytest test function parametrized over (mixer, check); assign it to a ``test_*`` name.
+
+    ``mixers`` defaults to every registered mixer; ``options`` maps a mixer name to extra options.
+    """
+    import pytest
+
+    names = list(mixers) if mixers is not None else default_registry.names()
+    check_names = list(checks or CHECKS)
+    per_mixer = dict(options or {})
+
+    @pytest.mark.parametrize("check", check_names)
+    @pytest.mark.parametrize("mixer", names)
+    def test_conformance(mixer: str, check: str) -> None:
+        run_check(mixer, check, options=per_mixer.get(mixer))
+
+    return test_conformance

@@ -1,0 +1,96 @@
+"""The conformance kit, run on every registered mixer, and tests that the kit catches broken mixers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixer_plugins as mp
+from mixer_plugins.mixers.attention import AttentionConfig, SoftmaxAttention
+from mixer_plugins.testing import CHECKS, ConformanceError, MixerHarness, check_mixer, conformance_test, run_check
+
+# Every registered mixer (built-ins and installed plugins, e.g. the example plugin) x every check.
+test_every_registered_mixer = conformance_test()
+
+
+# -- the kit must fail mixers that break the contract -------------------------------------------------
+
+class _FastPathBug(SoftmaxAttention):
+    """forward drifts from the mixer's own matrix."""
+
+    def mix(self, ctx):
+        return super().mix(ctx) * 1.001
+
+
+class _LeaksPads(SoftmaxAttention):
+    """ignores the mask in the fast path: pad keys leak into real positions."""
+
+    def mix(self, ctx):
+        ctx.mask = None
+        return super().mix(ctx)
+
+
+class _FalselyCausal(SoftmaxAttention):
+    causal = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.causal = True
+
+    def matrix(self, ctx):
+        scores = torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) * self.scale
+        return scores.softmax(-1)
+
+    def mix(self, ctx):
+        return torch.einsum("bhij,bjhp->bihp", self.matrix(ctx), ctx.values)
+
+
+class _DeadParameter(SoftmaxAttention):
+    def __init__(self, config):
+        super().__init__(config)
+        self.unused = nn.Parameter(torch.zeros(3))
+
+
+class _SilentInput(SoftmaxAttention):
+    """accepts anything: no input checks."""
+
+    def forward(self, x, *, mask=None):
+        ctx = self.prepare(x.reshape(x.shape[0], -1, self.dim).to(self.qkv.weight.dtype), None)
+        return self.finish(ctx, self.mix(ctx))
+
+
+@pytest.mark.parametrize(
+    "cls, failing_check",
+    [
+        (_FastPathBug, "materialize"),
+        (_LeaksPads, "padding"),
+        (_FalselyCausal, "causality"),
+        (_DeadParameter, "gradients"),
+        (_SilentInput, "bad_input"),
+    ],
+)
+def test_kit_catches_contract_violations(cls, failing_check):
+    spec = mp.MixerSpec(name="broken_" + failing_check, config=AttentionConfig, builder=cls,
+                        test_options={"num_heads": 2})
+    with pytest.raises(AssertionError):
+        CHECKS[failing_check](MixerHarness(spec=spec))
+    with pytest.raises(ConformanceError, match=failing_check):
+        check_mixer(spec)
+
+
+def test_kit_catches_a_config_without_validation():
+    from mixer_plugins import MixerConfig
+
+    class Loose(MixerConfig):
+        dim: int = 8  # no positivity constraint: dim=0 would be accepted
+
+    spec = mp.MixerSpec(name="loose", config=Loose, builder=lambda c: SoftmaxAttention(AttentionConfig(dim=8)))
+    with pytest.raises(AssertionError, match="dim=0"):
+        run_check(spec, "bad_config")
+
+
+def test_check_mixer_reports_every_check_by_name():
+    results = check_mixer("attention", options={"causal": True})
+    assert [r.check for r in results] == list(CHECKS)
+    assert all(r.passed for r in results)

@@ -1,0 +1,264 @@
+"""The registry: entry-point discovery, laziness, aliases, errors, broken and duplicate plugins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+from conftest import make_fake_distribution
+from pydantic import Field, ValidationError
+
+import mixer_plugins as mp
+from mixer_plugins.registry import MixerRegistry
+
+SPEC_MODULE = """
+from pydantic import Field, ValidationError
+from mixer_plugins import MixerConfig, MixerSpec
+from mixer_plugins.mixers.attention import SoftmaxAttention, AttentionConfig
+
+class Cfg(AttentionConfig):
+    pass
+
+SPEC = MixerSpec(name="{name}", config=Cfg, builder=SoftmaxAttention, summary="fake {name}",
+                 aliases={aliases!r})
+"""
+
+
+def spec_module(name: str, aliases: tuple[str, ...] = ()) -> str:
+    return SPEC_MODULE.format(name=name, aliases=aliases)
+
+
+def test_builtin_attention_is_discovered_through_entry_points():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep for ep in entry_points(group=mp.ENTRY_POINT_GROUP)}
+    assert eps["attention"].value == "mixer_plugins.mixers.attention:SPEC"
+    assert "attention" in mp.list_mixers()
+    assert mp.get_spec("attention").distribution == "mixer-plugins"
+
+
+def test_example_plugin_is_listed_created_and_conforms():
+    assert "ema" in mp.list_mixers()
+    spec = mp.get_spec("ema")
+    assert spec.distribution == "mixer-plugins-example"
+    mixer = mp.create_mixer("moving_average", dim=16, num_heads=2)
+    assert type(mixer).__name__ == "EMAMixer"
+    from mixer_plugins.testing import check_mixer
+
+    assert all(r.passed for r in check_mixer("ema"))
+
+
+def test_listing_names_imports_no_plugin_code():
+    code = (
+        "import sys, mixer_plugins as mp; names = mp.list_mixers(); "
+        "assert 'attention' in names and 'ema' in names, names; "
+        "loaded = [m for m in ('mixer_plugins.mixers.attention', 'mixer_plugins_example') if m in sys.modules]; "
+        "assert not loaded, loaded; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_aliases_and_name_normalisation():
+    assert mp.get_spec("mha").name == "attention"
+    assert mp.get_spec("Softmax-Attention").name == "attention"
+    assert mp.get_spec(" ATTENTION ").name == "attention"
+
+
+def test_misspelt_name_suggests_the_right_one():
+    with pytest.raises(mp.UnknownMixerError) as info:
+        mp.create_mixer("attentoin", dim=64)
+    assert "did you mean 'attention'" in str(info.value)
+    assert "attention" in info.value.suggestions
+
+
+def test_unknown_name_without_close_match_lists_known_names():
+    with pytest.raises(mp.UnknownMixerError) as info:
+        mp.create_mixer("zzzzzz", dim=64)
+    assert "did you mean" not in str(info.value)
+    assert "attention" in str(info.value)
+
+
+def test_indivisible_heads_say_why():
+    with pytest.raises(mp.InvalidMixerOptions) as info:
+        mp.create_mixer("attention", dim=64, num_heads=5)
+    message = str(info.value)
+    assert "64" in message and "5" in message and "divisible" in message
+
+
+def test_misspelt_option_suggests_the_right_one():
+    with pytest.raises(mp.InvalidMixerOptions) as info:
+        mp.create_mixer("attention", dim=64, num_head=4)
+    assert "did you mean 'num_heads'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"dim": 0}, "dim=0"),
+        ({"dim": 64, "dropout": 1.5}, "dropout=1.5"),
+        ({"dim": 64, "num_heads": "many"}, "num_heads='many'"),
+        ({}, "dim: required option is missing"),
+    ],
+)
+def test_invalid_option_values_name_the_option(options, fragment):
+    with pytest.raises(mp.InvalidMixerOptions) as info:
+        mp.create_mixer("attention", **options)
+    assert fragment in str(info.value)
+
+
+def test_config_is_immutable_and_recorded_on_the_module():
+    mixer = mp.create_mixer("attention", 32, num_heads=2)
+    assert mixer.config.num_heads == 2 and mixer.mixer_name == "attention"
+    with pytest.raises(ValidationError, match="frozen"):
+        mixer.config.num_heads = 4
+
+
+def test_register_mixer_in_process_and_duplicates():
+    from mixer_plugins.mixers.attention import AttentionConfig, SoftmaxAttention
+
+    class NotebookConfig(AttentionConfig):
+        pass
+
+    @mp.register_mixer("notebook_attention", config=NotebookConfig, summary="in-process", aliases=("nb_attn",))
+    class NotebookAttention(SoftmaxAttention):
+        pass
+
+    try:
+        assert "notebook_attention" in mp.list_mixers()
+        spec = mp.get_spec("nb_attn")
+        assert spec.distribution == "<in-process>"
+        assert isinstance(mp.create_mixer("notebook_attention", dim=16, num_heads=2), NotebookAttention)
+        with pytest.raises(mp.DuplicateMixerError, match="notebook_attention"):
+            mp.register_mixer(spec)
+        with pytest.raises(mp.DuplicateMixerError, match="mixer-plugins"):
+            mp.register_mixer(mp.MixerSpec(name="attention", config=NotebookConfig, builder=NotebookAttention))
+        mp.register_mixer(spec, replace=True)
+    finally:
+        mp.unregister_mixer("notebook_attention")
+    assert "notebook_attention" not in mp.list_mixers()
+
+
+def test_spec_validation_is_strict():
+    from mixer_plugins.mixers.attention import AttentionConfig, SoftmaxAttention
+
+    with pytest.raises(TypeError, match="identifier"):
+        mp.MixerSpec(name="bad name", config=AttentionConfig, builder=SoftmaxAttention)
+    with pytest.raises(TypeError, match="MixerConfig"):
+        mp.MixerSpec(name="x", config=dict, builder=SoftmaxAttention)
+    with pytest.raises(TypeError, match="direction"):
+        mp.MixerSpec(name="x", config=AttentionConfig, builder=SoftmaxAttention, direction="sideways")
+
+
+def test_options_table_has_types_defaults_and_help():
+    class Cfg(mp.MixerConfig):
+        width: int = Field(3, gt=0, description="a width")
+
+    spec = mp.MixerSpec(name="tbl", config=Cfg, builder=lambda c: None)
+    rows = {r[0]: r for r in spec.options_table()}
+    assert rows["width"] == ("width", "int", "3", "a width (> 0)")
+    assert rows["dim"][2] == "(required)"
+
+
+# -- throwaway distributions ------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_site(tmp_path, monkeypatch):
+    """A fresh folder on sys.path for fake distributions; the default registry is refreshed around it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    mp.default_registry.refresh()
+    yield site
+    monkeypatch.undo()
+    mp.default_registry.refresh()
+    for name in list(sys.modules):
+        if name.startswith("fake_mixer_"):
+            del sys.modules[name]
+
+
+def test_broken_plugin_is_reported_and_the_others_still_work(fake_site):
+    make_fake_distribution(fake_site, "broken-mixers", {"broken": "fake_mixer_broken:SPEC"},
+                           {"fake_mixer_broken": "raise ImportError('needs a GPU library')"})
+    make_fake_distribution(fake_site, "good-mixers", {"good": "fake_mixer_good:SPEC"},
+                           {"fake_mixer_good": spec_module("good")})
+    registry = MixerRegistry()
+    assert {"broken", "good", "attention"} <= set(registry.names())
+    with pytest.warns(mp.MixerPluginWarning, match="broken-mixers"):
+        specs = registry.specs()
+    names = {s.name for s in specs}
+    assert "good" in names and "attention" in names and "broken" not in names
+    [problem] = [p for p in registry.problems() if p.name == "broken"]
+    assert problem.kind == "broken" and "broken-mixers" in problem.message and "needs a GPU library" in problem.message
+    with pytest.raises(mp.PluginLoadError, match="needs a GPU library") as info:
+        registry.create("broken", 16)
+    assert info.value.distribution == "broken-mixers"
+    assert registry.create("good", 16, num_heads=2) is not None
+
+
+def test_entry_point_to_something_that_is_not_a_spec(fake_site):
+    make_fake_distribution(fake_site, "odd-mixers", {"odd": "fake_mixer_odd:SPEC", "misnamed": "fake_mixer_mis:SPEC"},
+                           {"fake_mixer_odd": "SPEC = 42", "fake_mixer_mis": spec_module("other_name")})
+    registry = MixerRegistry()
+    with pytest.raises(mp.PluginLoadError, match="must point to a mixer_plugins.MixerSpec, got int"):
+        registry.get_spec("odd")
+    with pytest.raises(mp.PluginLoadError, match="named 'misnamed' but its spec is named 'other_name'"):
+        registry.get_spec("misnamed")
+
+
+def test_name_claimed_twice_names_both_distributions(fake_site):
+    make_fake_distribution(fake_site, "dup-one", {"twin": "fake_mixer_twin1:SPEC"},
+                           {"fake_mixer_twin1": spec_module("twin")})
+    make_fake_distribution(fake_site / "..", "dup-two", {"twin": "fake_mixer_twin2:SPEC"},
+                           {"fake_mixer_twin2": spec_module("twin")})
+    sys.path.insert(0, str((fake_site / "..").resolve()))
+    try:
+        registry = MixerRegistry()
+        with pytest.raises(mp.DuplicateMixerError) as info:
+            registry.create("twin", 16, num_heads=2)
+        assert "dup-one" in str(info.value) and "dup-two" in str(info.value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", mp.MixerPluginWarning)
+            assert "attention" in {s.name for s in registry.specs()}
+        assert any(p.kind == "duplicate" and p.name == "twin" for p in registry.problems())
+    finally:
+        sys.path.remove(str((fake_site / "..").resolve()))
+
+
+def test_builtin_name_claimed_by_a_plugin_is_an_error_naming_both(fake_site):
+    make_fake_distribution(fake_site, "hijacker", {"attention": "fake_mixer_hijack:SPEC"},
+                           {"fake_mixer_hijack": spec_module("attention")})
+    registry = MixerRegistry()
+    with pytest.raises(mp.DuplicateMixerError) as info:
+        registry.get_spec("attention")
+    assert "mixer-plugins" in str(info.value) and "hijacker" in str(info.value)
+
+
+def test_alias_claimed_twice_is_an_error(fake_site):
+    make_fake_distribution(fake_site, "alias-a", {"first": "fake_mixer_a:SPEC"},
+                           {"fake_mixer_a": spec_module("first", ("shared_alias",))})
+    make_fake_distribution(fake_site, "alias-b", {"second": "fake_mixer_b:SPEC"},
+                           {"fake_mixer_b": spec_module("second", ("shared_alias",))})
+    registry = MixerRegistry()
+    with pytest.raises(mp.DuplicateMixerError, match="alias-a.*alias-b|alias-b.*alias-a"):
+        registry.get_spec("shared_alias")
+    assert any(p.kind == "alias-conflict" for p in registry.problems())
+    assert registry.get_spec("first").name == "first"
+
+
+def test_cli_list_with_a_broken_plugin_lists_the_others(fake_site):
+    make_fake_distribution(fake_site, "broken-mixers", {"broken": "fake_mixer_broken2:SPEC"},
+                           {"fake_mixer_broken2": "import does_not_exist_anywhere"})
+    env_path = str(fake_site)
+    code = "import sys; from mixer_plugins.cli import main; sys.exit(main(['list']))"
+    import os
+
+    env = dict(os.environ, PYTHONPATH=env_path + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "attention" in out.stdout and "ema" in out.stdout
+    assert "broken" not in out.stdout
+    assert "broken-mixers" in out.stderr and "does_not_exist_anywhere" in out.stderr
