@@ -14,7 +14,7 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 def _snippet(first_line: str) -> str:
     match = re.search(r"```python\n" + re.escape(first_line) + r"\n(.*?)```", README, re.S)
     assert match, f"README has no python block starting with {first_line!r}"
-    return match.group(1)
+    return first_line + "\n" + match.group(1)
 
 
 def test_readme_plugin_example_passes_the_kit():
