@@ -1,0 +1,141 @@
+"""Materialized (O(L^2)) semiseparable and quasiseparable matrices: the oracle of the scan kernels.
+
+Everything here builds the full L x L matrix per head from the per-token generators and multiplies.
+It is exact in float64, simple to read, and is what ``materialize`` of the SSM mixers returns.
+
+Notation (per head h, group g(h) = h // (heads / groups), a_k = A_h * dt_k <= 0, P = cumsum(a),
+E = P - a the exclusive cumsum):
+
+* forward (lower) direction, unshifted (Mamba-2 SSD):   m_ij = C_i . B_j exp(P_i - P_j) dt_j,  j <= i
+* forward, shifted (Hydra):                              m_ij = C_{i-1} . B_j exp(E_i - P_j) dt_j,  j < i
+* backward (upper) direction, unshifted:                  m_ij = C_i . B_j exp(E_j - E_i) dt_j,  j >= i
+* backward, shifted (Hydra):                              m_ij = C_{i+1} . B_j exp(E_j - P_i) dt_j,  j > i
+* diagonal: m_ii += diag_i
+
+These are the entries of ``QS(X) = shift(SS_f(X)) + flip(shift(SS_b(flip X))) + D X`` (Hydra, Prop. 3.7)
+written without flips: the backward direction at original positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["scan_matrix", "scan_reference"]
+
+
+def _expand_groups(t: Tensor, heads: int) -> Tensor:
+    """(b, l, g, n) -> (b, l, h, n): head h reads group h // (heads // g)."""
+    groups = t.shape[2]
+    if heads % groups:
+        raise ValueError(f"number of heads ({heads}) must be a multiple of the number of groups ({groups})")
+    return t.repeat_interleave(heads // groups, dim=2)
+
+
+def _direction_matrix(dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, upper: bool, shift: bool) -> Tensor:
+    """(b, h, l, l) matrix of one direction."""
+    b, l, h = dt.shape
+    a = (dt * A.to(dt.dtype)).transpose(1, 2)                      # (b, h, l)
+    P = a.cumsum(-1)
+    E = P - a
+    Bh = _expand_groups(B, h)
+    Ch = _expand_groups(C, h)
+    idx = torch.arange(l, device=dt.device)
+    if not upper:
+        if shift:
+            Ch = torch.cat([torch.zeros_like(Ch[:, :1]), Ch[:, :-1]], dim=1)   # C_{i-1}
+            log_decay = E[..., :, None] - P[..., None, :]
+            allowed = idx[:, None] > idx[None, :]
+        else:
+            log_decay = P[..., :, None] - P[..., None, :]
+            allowed = idx[:, None] >= idx[None, :]
+    else:
+        if shift:
+            Ch = torch.cat([Ch[:, 1:], torch.zeros_like(Ch[:, :1])], dim=1)    # C_{i+1}
+            log_decay = E[..., None, :] - P[..., :, None]
+            allowed = idx[:, None] < idx[None, :]
+        else:
+            log_decay = E[..., None, :] - E[..., :, None]
+            allowed = idx[:, None] <= idx[None, :]
+    decay = torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
+    cb = torch.einsum("bihn,bjhn->bhij", Ch, Bh)
+    return cb * decay * dt.transpose(1, 2)[..., None, :]
+
+
+def scan_matrix(
+    dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
+    dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
+    diag: Tensor | None = None, seq_idx: Tensor | None = None, *, shift: bool = False,
+) -> Tensor:
+    """The (b, h, l, l) matrix of a forward and/or backward scan plus a diagonal.
+
+    ``dt_*``: (b, l, h) step sizes (already softplus'ed); ``A_*``: (h,); ``B_*``, ``C_*``: (b, l, g, n);
+    ``diag``: (b, l, h); ``seq_idx``: (b, l) ints, tokens interact only within equal values.
+    """
+    matrix = None
+    if dt_f is not None:
+        matrix = _direction_matrix(dt_f, A_f, B_f, C_f, upper=False, shift=shift)
+    if dt_b is not None:
+        upper = _direction_matrix(dt_b, A_b, B_b, C_b, upper=True, shift=shift)
+        matrix = upper if matrix is None else matrix + upper
+    if matrix is None:
+        if diag is None:
+            raise ValueError("scan_matrix needs at least one direction or a diagonal")
+        b, l, h = diag.shape
+        matrix = diag.new_zeros(b, h, l, l)
+    if diag is not None:
+        matrix = matrix + torch.diag_embed(diag.transpose(1, 2))
+    if seq_idx is not None:
+        same = seq_idx[:, None, :, None] == seq_idx[:, None, None, :]
+        matrix = matrix.masked_fill(~same, 0.0)
+    return matrix
+
+
+def scan_reference(
+    x: Tensor,
+    dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
+    dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
+    diag: Tensor | None = None, seq_idx: Tensor | None = None, initial_state: Tensor | None = None,
+    *, shift: bool = False, return_final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Apply :func:`scan_matrix` to ``x`` (b, l, h, p); forward-direction initial/final states supported.
+
+    ``initial_state`` (b, h, p, n) enters the forward direction before token 0 (only the first segment when
+    ``seq_idx`` is given); the final state is the forward state after the last token.
+    """
+    matrix = scan_matrix(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx, shift=shift)
+    y = torch.einsum("bhij,bjhp->bihp", matrix.to(x.dtype), x)
+    h = x.shape[2]
+    need_forward_state = initial_state is not None or return_final_state
+    if need_forward_state and dt_f is None:
+        raise ValueError("initial and final states belong to the forward direction, which is absent")
+    if initial_state is not None:
+        a = (dt_f * A_f.to(dt_f.dtype))                              # (b, l, h)
+        P = a.cumsum(1)
+        query_log = (P - a) if shift else P                           # decay from before token 0 to query i
+        Ch = _expand_groups(C_f, h)
+        if shift:
+            Ch = torch.cat([torch.zeros_like(Ch[:, :1]), Ch[:, :-1]], dim=1)
+        contrib = torch.einsum("blhn,bhpn->blhp", Ch, initial_state.to(x.dtype)) * torch.exp(query_log)[..., None]
+        if shift:
+            # The shifted direction reads the state *before* token i; at i = 0 that is C_{-1}, which does not exist.
+            contrib[:, 0] = 0
+        if seq_idx is not None:
+            contrib = contrib * (seq_idx == seq_idx[:, :1])[..., None, None]
+        y = y + contrib
+    if not return_final_state:
+        return y
+    a = dt_f * A_f.to(dt_f.dtype)
+    total = a.sum(1)                                                  # (b, h)
+    to_end = torch.exp(total[:, None] - a.cumsum(1))                 # exp(P_last - P_j)
+    weight = to_end * dt_f
+    if seq_idx is not None:
+        weight = weight * (seq_idx == seq_idx[:, -1:])[..., None]
+    Bh = _expand_groups(B_f, h)
+    final = torch.einsum("blh,blhn,blhp->bhpn", weight.to(x.dtype), Bh.to(x.dtype), x)
+    if initial_state is not None:
+        keep = torch.exp(total)
+        if seq_idx is not None:
+            keep = keep * (seq_idx[:, :1] == seq_idx[:, -1:]).to(keep.dtype)
+        final = final + keep[..., None, None].to(x.dtype) * initial_state.to(x.dtype)
+    return y, final

@@ -1,0 +1,221 @@
+"""The matrix-mixer block of the Hydra paper (Mamba-2 style), shared by the structured mixers.
+
+    in_proj -> depthwise short conv (non-causal, kernel 7) -> activation -> matrix mixer
+            -> gated RMSNorm (norm before gate, over the whole inner width) -> out_proj
+
+Only the matrix changes between mixers. A mixer built on :class:`MatrixMixerBlock` declares the channel
+groups its ``in_proj`` produces (:meth:`channel_groups`) and turns the per-token groups into values and
+matrix generators (:meth:`build_context`); the block does the rest, including padding: with a mask,
+pad positions are zeroed before the convolution (so they are neutral inputs, exactly like the conv's own
+zero padding on the unpadded row) and again after the convolution and activation (the conv bias would
+otherwise make them non-zero), so no scan direction ever reads a pad.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from ..registry.spec import MixerConfig
+from .base import MatrixMixer, MixerContext
+
+__all__ = [
+    "BlockConfig",
+    "DataIndependentOptions",
+    "ChannelGroup",
+    "GatedRMSNorm",
+    "MatrixMixerBlock",
+]
+
+
+class BlockConfig(MixerConfig):
+    """Options of the shared block (the paper's defaults)."""
+
+    #: Causal-only mixers (semiseparable) set this: their short convolution is causal, any kernel size.
+    always_causal: ClassVar[bool] = False
+
+    expand: int = Field(2, gt=0, description="inner width = expand * dim")
+    headdim: int = Field(64, gt=0, description="channels per head (P); heads = expand * dim / headdim")
+    d_conv: int = Field(7, gt=0, description="kernel size of the depthwise short convolution")
+    conv_bias: bool = Field(True, description="bias in the short convolution")
+    proj_bias: bool = Field(False, description="bias in in_proj and out_proj")
+    norm_eps: float = Field(1e-5, gt=0, description="epsilon of the gated RMSNorm")
+    norm_before_gate: bool = Field(
+        True, description="gated RMSNorm order: norm(y) * silu(z) (Hydra) or norm(y * silu(z)) (Mamba-2)"
+    )
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.dim
+
+    @property
+    def num_heads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @model_validator(mode="after")
+    def _check_block(self) -> BlockConfig:
+        if self.d_inner % self.headdim:
+            raise ValueError(
+                f"inner width expand*dim = {self.expand}*{self.dim} = {self.d_inner} is not divisible by "
+                f"headdim ({self.headdim}); choose headdim dividing {self.d_inner}"
+            )
+        if not (self.always_causal or getattr(self, "causal", False)) and self.d_conv % 2 == 0:
+            raise ValueError(
+                f"d_conv ({self.d_conv}) must be odd for a non-causal (centred) short convolution"
+            )
+        return self
+
+
+class DataIndependentOptions(MixerConfig):
+    """Mixin fields of mixers that have a data-independent (free L-sized parameters) form."""
+
+    data_dependent: bool = Field(
+        True, description="sequence-aligned matrix from per-token projections (True) or free L-sized parameters"
+    )
+    max_seq_len: Optional[int] = Field(
+        None, gt=0, description="length covered by the free parameters; required when data_dependent=False "
+        "(ignored otherwise)"
+    )
+
+    @model_validator(mode="after")
+    def _check_max_len(self) -> DataIndependentOptions:
+        if not self.data_dependent and self.max_seq_len is None:
+            raise ValueError("the data-independent form (data_dependent=False) needs max_seq_len")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelGroup:
+    """One slice of in_proj's output: ``width`` channels, optionally convolved and activated."""
+
+    name: str
+    width: int
+    conv: bool = True
+    activation: bool = True
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * y / rms(y) * silu(z)`` over the whole inner width (or ``w * u / rms(u)``, ``u = y * silu(z)``)."""
+
+    def __init__(self, width: int, eps: float = 1e-5, norm_before_gate: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, y: Tensor, z: Tensor) -> Tensor:
+        dtype = y.dtype
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        y, z = y.to(compute), z.to(compute)
+        if self.norm_before_gate:
+            out = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * F.silu(z)
+        else:
+            u = y * F.silu(z)
+            out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.to(out.dtype)).to(dtype)
+
+
+class MatrixMixerBlock(MatrixMixer):
+    """Base of the structured mixers: the shared block around a per-head L x L matrix.
+
+    Subclasses implement :meth:`channel_groups`, :meth:`build_context`, :meth:`matrix` (and usually a fast
+    :meth:`mix`) and :meth:`mixer_flops`. ``ctx.values`` is the post-conv, post-activation value group
+    reshaped to (batch, length, heads, headdim).
+    """
+
+    def __init__(self, config: BlockConfig, *, causal_conv: bool | None = None, out_width: int | None = None):
+        super().__init__(config)
+        self.d_inner = config.d_inner
+        self.headdim = config.headdim
+        self.num_heads = config.num_heads
+        self.causal_conv = self.causal if causal_conv is None else causal_conv
+        groups = list(self.channel_groups())
+        names = [g.name for g in groups]
+        if len(set(names)) != len(names) or "z" in names:
+            raise ValueError(f"channel group names must be unique and not 'z': {names}")
+        self.groups = groups
+        # z gates the normalized output; concat-style mixers produce a wider output than d_inner.
+        self.out_width = out_width or self.d_inner
+        self.in_proj = nn.Linear(config.dim, self.out_width + sum(g.width for g in groups), bias=config.proj_bias)
+        conv_width = sum(g.width for g in groups if g.conv)
+        self.conv1d = (
+            nn.Conv1d(conv_width, conv_width, config.d_conv, groups=conv_width, bias=config.conv_bias)
+            if conv_width else None
+        )
+        self.norm = GatedRMSNorm(self.out_width, config.norm_eps, config.norm_before_gate)
+        self.out_proj = nn.Linear(self.out_width, config.dim, bias=config.proj_bias)
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def channel_groups(self) -> list[ChannelGroup]:
+        """The groups in_proj produces after z, in order."""
+        raise NotImplementedError
+
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+        """Per-token groups (batch, length, width) -> context with values (batch, length, heads, headdim)."""
+        raise NotImplementedError
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        """FLOPs of the mixer core (the matrix product and whatever builds it)."""
+        raise NotImplementedError
+
+    # -- the block ------------------------------------------------------------------------------------
+    def _conv(self, u: Tensor) -> Tensor:
+        """Depthwise conv over time on (batch, length, channels): centred, or causal for causal mixers."""
+        k = self.conv1d.kernel_size[0]
+        left, right = (k - 1, 0) if self.causal_conv else ((k - 1) // 2, (k - 1) // 2)
+        u = F.pad(u.transpose(1, 2), (left, right))
+        return self.conv1d(u).transpose(1, 2)
+
+    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+        proj = self.in_proj(x)
+        z, rest = proj.split([self.out_width, proj.shape[-1] - self.out_width], dim=-1)
+        widths = [g.width for g in self.groups]
+        pieces = dict(zip([g.name for g in self.groups], rest.split(widths, dim=-1)))
+        keep = mask[..., None].to(x.dtype) if mask is not None else None
+        conv_groups = [g for g in self.groups if g.conv]
+        if conv_groups:
+            u = torch.cat([pieces[g.name] for g in conv_groups], dim=-1)
+            if keep is not None:
+                u = u * keep          # pads are neutral inputs, like the conv's zero padding
+            u = self._conv(u)
+            for g, part in zip(conv_groups, u.split([g.width for g in conv_groups], dim=-1)):
+                pieces[g.name] = part
+        for g in self.groups:
+            if g.activation:
+                pieces[g.name] = F.silu(pieces[g.name])
+            if keep is not None and (g.conv or g.activation):
+                pieces[g.name] = pieces[g.name] * keep
+        ctx = self.build_context(pieces, mask)
+        ctx.z = z
+        return ctx
+
+    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+        return self.out_proj(self.norm(y.flatten(2), ctx.z))
+
+    def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
+        tokens = batch * length
+        parts = {"in_proj": 2 * tokens * self.dim * self.in_proj.out_features}
+        if self.conv1d is not None:
+            parts["conv"] = 2 * tokens * self.conv1d.in_channels * self.conv1d.kernel_size[0]
+        parts.update(self.mixer_flops(batch, length))
+        parts["out_proj"] = 2 * tokens * self.out_width * self.dim
+        return parts
+
+    # -- helpers for subclasses -------------------------------------------------------------------
+    def heads(self, t: Tensor) -> Tensor:
+        """(batch, length, heads * k) -> (batch, length, heads, k)."""
+        return t.unflatten(-1, (self.num_heads, -1))
+
+    def identity_plus(self, matrix: Tensor, scale: float) -> Tensor:
+        """``scale * M + I``: the einsum mixers of the paper add their own input (the residual term)."""
+        eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+        return scale * matrix + eye
+
+    def length_prefix(self, param: Tensor, length: int, dim: int = 0) -> Tensor:
+        """The first ``length`` positions of an L-sized parameter (data-independent mixers)."""
+        return param.narrow(dim, 0, length)

@@ -1,0 +1,69 @@
+"""``block_attention``: softmax attention as the matrix of the Hydra block (the paper's Table 2 row).
+
+Per head ``M_ij = softmax_j(<q_i, k_j> / sqrt(qk_dim))``, applied as ``y = M v + v`` inside the block
+(in_proj, short conv, SiLU on v only, gated RMSNorm, out_proj). Data-independent form: free
+(max_seq_len, heads, qk_dim) Q, K — the form the released code meant but could not run (its einsum
+mislabelled the length axis as heads). Named ``block_attention`` so it does not clash with the plain
+``attention`` mixer (standard multi-head attention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..registry.spec import MixerSpec
+from .attention import attention_bias_mask
+from .base import MixerContext
+from .qk_block import QKBlockConfig, QKMixerBlock
+
+__all__ = ["BlockAttentionConfig", "BlockAttentionMixer", "SPEC"]
+
+
+class BlockAttentionConfig(QKBlockConfig):
+    pass
+
+
+class BlockAttentionMixer(QKMixerBlock):
+    def output_scale(self) -> float:
+        return 1.0
+
+    def _allowed(self, ctx: MixerContext, length: int) -> Tensor | None:
+        return attention_bias_mask(ctx.mask, length, self.causal, ctx.values.device)
+
+    def raw_matrix(self, ctx: MixerContext) -> Tensor:
+        b, length = ctx.values.shape[:2]
+        scores = torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) / math.sqrt(self.qk_dim)
+        allowed = self._allowed(ctx, length)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return scores.softmax(-1).expand(b, -1, -1, -1)
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        v = ctx.values
+        b, length = v.shape[:2]
+        q = ctx.q.expand(b, -1, -1, -1).transpose(1, 2)
+        k = ctx.k.expand(b, -1, -1, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2),
+            attn_mask=self._allowed(ctx, length) if ctx.mask is not None else None,
+            is_causal=self.causal and ctx.mask is None,
+            scale=1.0 / math.sqrt(self.qk_dim),
+        )
+        return y.transpose(1, 2) + v
+
+
+SPEC = MixerSpec(
+    name="block_attention",
+    config=BlockAttentionConfig,
+    builder=BlockAttentionMixer,
+    summary="softmax attention as the matrix of the Hydra block (Table 2's attention row)",
+    matrix_class="dense (softmax)",
+    direction="either",
+    complexity="O(L^2)",
+    data_dependent="option",
+    test_options={"headdim": 16, "qk_dim": 4},
+)

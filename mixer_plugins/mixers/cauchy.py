@@ -1,0 +1,76 @@
+"""``cauchy``: the Cauchy matrix mixer.
+
+Data-dependent: per head ``M_ij = sum_d 1 / (exp(q_{i,d}) + exp(k_{j,d}) + c)``, the paper's
+``1/(q - k + c)`` realised with positive exponential terms, applied as ``y = s M v + v`` with
+``s = 1/sqrt(L qk_dim)``. Data-independent: the same with free (max_seq_len, heads, qk_dim) Q, K.
+
+The shift ``c = softplus(c_raw)`` is learned and kept positive, so no denominator can vanish (the released
+code's raw ``2 beta`` could cross ``-min(exp(q) + exp(k))`` and divide by zero). It starts at 1.0 (the
+code's beta = 0.5) in the data-dependent form and at 0.01 (the paper: "c initialized to 0") in the
+data-independent one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..registry.spec import MixerSpec
+from .base import MixerContext
+from .qk_block import QKBlockConfig, QKMixerBlock
+
+__all__ = ["CauchyConfig", "CauchyMixer", "SPEC"]
+
+_TOL = 1e-8
+
+
+def _inverse_softplus(value: float) -> float:
+    return math.log(math.expm1(value))
+
+
+class CauchyConfig(QKBlockConfig):
+    pass
+
+
+class CauchyMixer(QKMixerBlock):
+    def __init__(self, config: CauchyConfig):
+        super().__init__(config)
+        start = 1.0 if config.data_dependent else 0.01
+        self.shift_raw = nn.Parameter(torch.tensor(_inverse_softplus(start)))
+
+    def output_scale(self) -> float:
+        return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
+
+    def qk_matrix(self, q: Tensor, k: Tensor, ctx: MixerContext) -> Tensor:
+        shift = F.softplus(self.shift_raw).to(q.dtype) + _TOL
+        eq = torch.exp(q).permute(0, 2, 1, 3)                                            # (b, h, L, d)
+        ek = torch.exp(k).permute(0, 2, 1, 3)
+        matrix = None
+        for d in range(self.qk_dim):  # O(L^2) memory, not O(L^2 qk_dim)
+            term = torch.reciprocal(eq[..., d, None] + ek[..., d, None].transpose(-1, -2) + shift)
+            matrix = term if matrix is None else matrix + term
+        return matrix
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        h, p = self.num_heads, self.headdim
+        return {
+            "apply": 2 * batch * h * length * length * p,
+            # two additions, a reciprocal and a sum per (i, j, d): elementwise, not a matmul
+            "matrix_elementwise": 4 * batch * h * length * length * self.qk_dim,
+        }
+
+
+SPEC = MixerSpec(
+    name="cauchy",
+    config=CauchyConfig,
+    builder=CauchyMixer,
+    summary="Cauchy matrix mixer sum_d 1/(e^q + e^k + c), data-dependent or free",
+    matrix_class="Cauchy",
+    direction="either",
+    complexity="O(L^2) (materialized)",
+    data_dependent="option",
+    test_options={"headdim": 16, "qk_dim": 4},
+)

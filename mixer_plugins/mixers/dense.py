@@ -1,0 +1,70 @@
+"""``dense``: a free L x L matrix per head (MLP-Mixer's token mixing) in the Hydra block.
+
+``M = W_h`` with ``W`` a (heads, max_seq_len, max_seq_len) parameter (xavier-normal), applied as
+``y = s M v + v`` with ``s = 1/sqrt(max_seq_len)``. Data-independent only: sequences up to ``max_seq_len``
+use the leading block of W (a causal variant uses its lower triangle).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from ..registry.spec import MixerSpec
+from .base import MixerContext
+from .block import BlockConfig, ChannelGroup, MatrixMixerBlock
+
+__all__ = ["DenseConfig", "DenseMixer", "SPEC"]
+
+
+class DenseConfig(BlockConfig):
+    max_seq_len: int = Field(gt=0, description="size of the free L x L matrices; longer inputs are refused")
+    causal: bool = Field(False, description="use only the lower triangle (j <= i)")
+
+
+class DenseMixer(MatrixMixerBlock):
+    def __init__(self, config: DenseConfig):
+        super().__init__(config)
+        self.max_seq_len = config.max_seq_len
+        self.weight = nn.Parameter(torch.empty(self.num_heads, config.max_seq_len, config.max_seq_len))
+        nn.init.xavier_normal_(self.weight)
+
+    def channel_groups(self) -> list[ChannelGroup]:
+        return [ChannelGroup("v", self.d_inner)]
+
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+        return MixerContext(values=self.heads(parts["v"]), mask=mask)
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        b, length = ctx.values.shape[:2]
+        w = self.weight[:, :length, :length].to(ctx.values.dtype)
+        if self.causal:
+            w = torch.tril(w)
+        return self.identity_plus(w, 1.0 / math.sqrt(self.max_seq_len))[None].expand(b, -1, -1, -1)
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        b, length = ctx.values.shape[:2]
+        w = self.weight[:, :length, :length].to(ctx.values.dtype)
+        if self.causal:
+            w = torch.tril(w)
+        return torch.einsum("hij,bjhp->bihp", w, ctx.values) / math.sqrt(self.max_seq_len) + ctx.values
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        return {"apply": 2 * batch * self.num_heads * length * length * self.headdim}
+
+
+SPEC = MixerSpec(
+    name="dense",
+    aliases=("mlp_mixer",),
+    config=DenseConfig,
+    builder=DenseMixer,
+    summary="free L x L matrix per head (MLP-Mixer token mixing), in the Hydra block",
+    matrix_class="dense",
+    direction="either",
+    complexity="O(L^2)",
+    data_dependent="no",
+    test_options={"headdim": 16, "max_seq_len": 40},
+)

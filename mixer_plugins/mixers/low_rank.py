@@ -1,0 +1,72 @@
+"""``low_rank`` (alias ``linear_attention``): the low-rank matrix mixer, i.e. linear attention.
+
+Matrix (per head): ``M_ij = <q_i, k_j>`` with SiLU-activated queries and keys, applied as
+``y = s M v + v`` with ``s = 1/sqrt(L * qk_dim)`` (L = ``scale_length``, or ``max_seq_len`` for the
+data-independent form). The fast path never builds M: bidirectionally ``y_i = s q_i (sum_j k_j v_j^T) + v_i``
+in O(L); causally the same sum restricted to j <= i, computed by the chunked scan with no decay
+(A = 0, dt = 1), also O(L).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..kernels import ssd
+from ..registry.spec import MixerSpec
+from .base import MixerContext
+from .qk_block import QKBlockConfig, QKMixerBlock
+
+__all__ = ["LowRankConfig", "LowRankMixer", "SPEC"]
+
+
+class LowRankConfig(QKBlockConfig):
+    pass
+
+
+class LowRankMixer(QKMixerBlock):
+    qk_activation = True
+
+    def output_scale(self) -> float:
+        return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
+
+    def qk_matrix(self, q: Tensor, k: Tensor, ctx: MixerContext) -> Tensor:
+        return torch.einsum("bihd,bjhd->bhij", q, k)
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        v = ctx.values
+        b, length, h, _ = v.shape
+        q, k = ctx.q.expand(b, -1, -1, -1), ctx.k.expand(b, -1, -1, -1)
+        s = self.output_scale()
+        if not self.causal:
+            state = torch.einsum("bjhd,bjhp->bhdp", k, v)
+            return s * torch.einsum("bihd,bhdp->bihp", q, state) + v
+        # Causal linear attention is SSD with no decay: A = 0, dt = 1, one group per head (B = k, C = q).
+        ones = v.new_ones(b, length, h)
+        zeros = v.new_zeros(h)
+        y = ssd(v, ones, zeros, k.contiguous(), q.contiguous(), chunk_size=64)
+        return s * y + v
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        h, p, d = self.num_heads, self.headdim, self.qk_dim
+        if not self.causal:
+            return {"kv_state": 2 * batch * length * h * d * p, "readout": 2 * batch * length * h * d * p}
+        from ..kernels.custom_ops import chunked_scan_flops
+
+        return {"scan": chunked_scan_flops(batch, length, h, p, h, d, 1, 64)}
+
+
+SPEC = MixerSpec(
+    name="low_rank",
+    aliases=("linear_attention",),
+    config=LowRankConfig,
+    builder=LowRankMixer,
+    summary="low-rank matrix mixer = linear attention (SiLU q, k), in the Hydra block",
+    matrix_class="low-rank",
+    direction="either",
+    complexity="O(L)",
+    data_dependent="option",
+    test_options={"headdim": 16, "qk_dim": 4},
+)

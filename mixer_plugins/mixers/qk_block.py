@@ -1,0 +1,117 @@
+"""Common machinery of the block mixers whose matrix is built from per-position query/key vectors.
+
+Vandermonde, Cauchy, low-rank and the block's softmax attention all have the same two forms:
+
+* data-dependent (sequence-aligned): q_i, k_i in R^{heads x qk_dim} come from token i through in_proj and
+  the short convolution, so the mixer runs at any length;
+* data-independent: Q, K are free (max_seq_len, heads, qk_dim) parameters; lengths up to max_seq_len use
+  their leading rows.
+
+The output is ``y = s * M v + v`` (the paper's einsum mixers add their own input), so the matrix they
+apply to their values is ``s * M + I``; subclasses give ``M`` (:meth:`QKMixerBlock.qk_matrix`) and ``s``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from .base import MixerContext
+from .block import BlockConfig, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
+
+__all__ = ["SequenceBlockConfig", "QKBlockConfig", "QKMixerBlock"]
+
+
+class SequenceBlockConfig(BlockConfig, DataIndependentOptions):
+    """Block options shared by the mixers with a data-dependent and a data-independent form."""
+
+    scale_length: int = Field(
+        128, gt=0, description="L in the output scale 1/sqrt(L ...) of the data-dependent form; fixed (not the "
+        "input length) so outputs do not depend on padding and the mixer extends to any length"
+    )
+    causal: bool = Field(False, description="keep only j <= i (lower-triangular matrix, causal short conv)")
+
+
+class QKBlockConfig(SequenceBlockConfig):
+    qk_dim: int = Field(16, gt=0, description="width of the per-head query/key vectors")
+
+
+class QKMixerBlock(MatrixMixerBlock):
+    """Block mixer with ``M = f(q, k)`` per head; subclasses define ``qk_matrix`` and ``output_scale``."""
+
+    #: Whether the data-dependent q and k pass through SiLU after the convolution (low-rank: yes).
+    qk_activation: ClassVar[bool] = False
+
+    def __init__(self, config: QKBlockConfig):
+        self.qk_dim = config.qk_dim
+        self.data_dependent = config.data_dependent
+        super().__init__(config)
+        self.max_seq_len = None if config.data_dependent else config.max_seq_len
+        # The L of the paper's 1/sqrt(L ...) output scales.
+        self.norm_length = config.scale_length if config.data_dependent else config.max_seq_len
+        if not config.data_dependent and self.uses_free_qk():
+            shape = (config.max_seq_len, self.num_heads, config.qk_dim)
+            self.q_param = nn.Parameter(torch.empty(shape))
+            self.k_param = nn.Parameter(torch.empty(shape))
+            self.reset_free_qk()
+
+    # -- hooks ----------------------------------------------------------------------------------------
+    def uses_free_qk(self) -> bool:
+        """Whether the data-independent form has free Q/K parameters (the DFT form of Vandermonde has none)."""
+        return True
+
+    def reset_free_qk(self) -> None:
+        nn.init.xavier_normal_(self.q_param)
+        nn.init.xavier_normal_(self.k_param)
+
+    def qk_matrix(self, q: Tensor, k: Tensor, ctx: MixerContext) -> Tensor:
+        """(b|1, L, h, qk) queries and keys -> (b|1, h, L, L) matrix M (before scale and identity)."""
+        raise NotImplementedError
+
+    def output_scale(self) -> float:
+        raise NotImplementedError
+
+    # -- block hooks ----------------------------------------------------------------------------------
+    def channel_groups(self) -> list[ChannelGroup]:
+        groups = [ChannelGroup("v", self.d_inner, conv=True, activation=True)]
+        if self.data_dependent:
+            width = self.num_heads * self.qk_dim
+            groups += [
+                ChannelGroup("q", width, conv=True, activation=self.qk_activation),
+                ChannelGroup("k", width, conv=True, activation=self.qk_activation),
+            ]
+        return groups
+
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+        values = self.heads(parts["v"])
+        length = values.shape[1]
+        if self.data_dependent:
+            q, k = self.heads(parts["q"]), self.heads(parts["k"])
+        elif self.uses_free_qk():
+            q = self.length_prefix(self.q_param, length)[None].to(values.dtype)
+            k = self.length_prefix(self.k_param, length)[None].to(values.dtype)
+        else:
+            q = k = None
+        return MixerContext(values=values, mask=mask, q=q, k=k)
+
+    def raw_matrix(self, ctx: MixerContext) -> Tensor:
+        """M (without scale and identity), causal-masked, broadcast to the batch."""
+        matrix = self.qk_matrix(ctx.q, ctx.k, ctx)
+        if self.causal:
+            matrix = torch.tril(matrix)
+        return matrix.expand(ctx.values.shape[0], -1, -1, -1)
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        return self.identity_plus(self.raw_matrix(ctx), self.output_scale())
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        # Materialized form: build M (about 2 * qk_dim multiply-adds per entry, counted as one contraction)
+        # and apply it to the values.
+        heads, p = self.num_heads, self.headdim
+        return {
+            "matrix": 2 * batch * heads * length * length * self.qk_dim,
+            "apply": 2 * batch * heads * length * length * p,
+        }

@@ -1,0 +1,85 @@
+"""``semiseparable`` (aliases ``ssd``, ``mamba2``): the causal Mamba-2 SSD mixer in the Hydra block.
+
+Per head the matrix is lower-triangular and N-semiseparable:
+``m_ij = C_i.B_j exp(A sum_{k=j+1..i} dt_k) dt_j`` for ``j <= i``, plus the skip ``D`` on the diagonal,
+computed in O(L) by :func:`mixer_plugins.kernels.ssd` (chunked SSD). The short convolution is causal
+(kernel 4 by default, as in Mamba-2) and A starts in [-16, -1] as in Mamba-2. The block normalizes before
+gating like the rest of the framework; ``norm_before_gate=False`` gives Mamba-2's order.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from ..kernels import scan_matrix, ssd
+from ..kernels.custom_ops import chunked_scan_flops
+from ..registry.spec import MixerSpec
+from .base import MixerContext
+from .block import ChannelGroup, MatrixMixerBlock
+from .quasiseparable import SSMBlockConfig, SSMParameters
+
+__all__ = ["SemiseparableConfig", "SemiseparableMixer", "SPEC"]
+
+
+class SemiseparableConfig(SSMBlockConfig):
+    always_causal: ClassVar[bool] = True
+
+    d_conv: int = Field(4, gt=0, description="kernel size of the causal short convolution")
+    A_init_range: tuple[float, float] = Field((1.0, 16.0), description="A = -U[lo, hi] per head at init")
+
+
+class SemiseparableMixer(MatrixMixerBlock):
+    causal = True
+
+    def __init__(self, config: SemiseparableConfig):
+        self.d_state = config.d_state
+        self.ngroups = config.ngroups
+        self.chunk_size = config.chunk_size
+        super().__init__(config, causal_conv=True)
+        self.ssm = SSMParameters(self.num_heads, config, with_d=True)
+
+    def channel_groups(self) -> list[ChannelGroup]:
+        gn = self.ngroups * self.d_state
+        return [
+            ChannelGroup("x", self.d_inner),
+            ChannelGroup("B", gn),
+            ChannelGroup("C", gn),
+            ChannelGroup("dt", self.config.num_heads, conv=False, activation=False),
+        ]
+
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+        x = self.heads(parts["x"])
+        gn = (self.ngroups, self.d_state)
+        return MixerContext(
+            values=x, mask=mask, delta=self.ssm.delta(parts["dt"]), A=self.ssm.A(x.dtype),
+            B=parts["B"].unflatten(-1, gn), C=parts["C"].unflatten(-1, gn),
+        )
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        diag = self.ssm.D.to(ctx.values.dtype).expand_as(ctx.delta)
+        return scan_matrix(ctx.delta, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        return ssd(ctx.values, ctx.delta, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D)
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        return {"scan": chunked_scan_flops(batch, length, self.num_heads, self.headdim, self.ngroups,
+                                           self.d_state, 1, self.chunk_size)}
+
+
+SPEC = MixerSpec(
+    name="semiseparable",
+    aliases=("ssd", "mamba2"),
+    config=SemiseparableConfig,
+    builder=SemiseparableMixer,
+    summary="causal Mamba-2 SSD: semiseparable (lower-triangular) matrix mixer",
+    matrix_class="semiseparable",
+    direction="causal",
+    complexity="O(L)",
+    data_dependent="yes",
+    test_options={"headdim": 16, "d_state": 8, "chunk_size": 8},
+)

@@ -1,0 +1,95 @@
+"""``toeplitz``: the Toeplitz matrix mixer (a long convolution), applied by FFT in O(L log L).
+
+Per head ``M_ij = c_{i-j}``, applied as ``y = s M v + v`` with ``s = 0.5/sqrt(L)``.
+
+* Data-dependent: token t generates the taps of offset +t and -t, ``c_t = fw_t`` and ``c_{-t} = rv_t``
+  (per-head scalars from in_proj, the short conv and SiLU), as the paper describes. The released code's
+  taps are this kernel rotated cyclically by one offset and only run at L = max_seq_len; here the taps
+  follow the paper and the mixer runs at any length (``L = scale_length`` in the scale).
+* Data-independent: free taps ``c`` of shape (heads, 2 max_seq_len - 1); shorter sequences use the central
+  2L - 1 of them.
+
+``causal=True`` keeps the non-negative offsets only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels.toeplitz import toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
+from ..registry.spec import MixerSpec
+from .base import MixerContext
+from .block import ChannelGroup, MatrixMixerBlock
+from .qk_block import SequenceBlockConfig
+
+__all__ = ["ToeplitzConfig", "ToeplitzMixer", "SPEC"]
+
+
+class ToeplitzConfig(SequenceBlockConfig):
+    pass
+
+
+class ToeplitzMixer(MatrixMixerBlock):
+    def __init__(self, config: ToeplitzConfig):
+        self.data_dependent = config.data_dependent
+        super().__init__(config)
+        self.max_seq_len = None if config.data_dependent else config.max_seq_len
+        norm_length = config.scale_length if config.data_dependent else config.max_seq_len
+        self.scale = 0.5 / math.sqrt(norm_length)
+        if not config.data_dependent:
+            self.taps = nn.Parameter(torch.empty(self.num_heads, 2 * config.max_seq_len - 1))
+            nn.init.xavier_uniform_(self.taps)
+
+    def channel_groups(self) -> list[ChannelGroup]:
+        groups = [ChannelGroup("v", self.d_inner)]
+        if self.data_dependent:
+            groups.append(ChannelGroup("fw", self.num_heads))
+            if not self.causal:
+                groups.append(ChannelGroup("rv", self.num_heads))
+        return groups
+
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+        values = self.heads(parts["v"])
+        length = values.shape[1]
+        if self.data_dependent:
+            fw = parts["fw"].transpose(1, 2)                                   # (b, h, L): taps 0 .. L-1
+            if self.causal:
+                negative = fw.new_zeros(fw.shape[0], fw.shape[1], length - 1)
+            else:
+                negative = parts["rv"].transpose(1, 2)[..., 1:].flip(-1)      # taps -(L-1) .. -1 from rv_{L-1..1}
+            taps = torch.cat([negative, fw], dim=-1)
+        else:
+            centre = self.max_seq_len - 1
+            taps = self.taps[:, centre - (length - 1): centre + length][None].to(values.dtype)
+            if self.causal:
+                taps = torch.cat([torch.zeros_like(taps[..., : length - 1]), taps[..., length - 1:]], dim=-1)
+        return MixerContext(values=values, mask=mask, taps=taps)
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        b, length = ctx.values.shape[:2]
+        matrix = toeplitz_matrix(ctx.taps, length).expand(b, -1, -1, -1)
+        return self.identity_plus(matrix, self.scale)
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        return toeplitz_mix(self.scale * ctx.taps, ctx.values) + ctx.values
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        tap_batch = batch if self.data_dependent else 1
+        return {"fft_conv": toeplitz_fft_flops(batch, length, self.num_heads, self.headdim, tap_batch)}
+
+
+SPEC = MixerSpec(
+    name="toeplitz",
+    aliases=("long_conv",),
+    config=ToeplitzConfig,
+    builder=ToeplitzMixer,
+    summary="Toeplitz matrix mixer (long convolution by FFT), data-dependent taps or free taps",
+    matrix_class="Toeplitz",
+    direction="either",
+    complexity="O(L log L)",
+    data_dependent="option",
+    test_options={"headdim": 16},
+)
