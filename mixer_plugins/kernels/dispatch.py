@@ -9,7 +9,7 @@ Backends, in the order the automatic choice tries them:
 * ``reference`` — the materialized O(L^2) oracle (any dtype, float64 included). Never chosen automatically.
 
 ``backend=None`` means automatic; the ``MIXER_PLUGINS_BACKEND`` environment variable or
-:func:`use_backend` override it. Asking for an unavailable backend raises a clear error instead of
+:func:`use_backend` override it (under ``torch.compile`` the automatic choice is ``torch``, our custom ops). Asking for an unavailable backend raises a clear error instead of
 silently falling back.
 """
 
@@ -115,6 +115,13 @@ def use_backend(backend: str | None) -> Iterator[None]:
 
 def resolve_backend(op: str, backend: str | None, device: torch.device) -> Callable:
     """The implementation of ``op`` to run: the requested backend, or the automatic choice."""
+    if torch.compiler.is_compiling():
+        # Under torch.compile, run the custom-op ("torch") path unless a backend is named explicitly: it is
+        # one opaque op with a fake kernel, and availability probing (imports) cannot be traced.
+        chosen = backend or "torch"
+        if chosen not in _IMPLEMENTATIONS.get(op, {}):
+            raise BackendUnavailableError(f"op {op!r} has no {chosen!r} implementation")
+        return _IMPLEMENTATIONS[op][chosen]
     requested = backend or getattr(_local, "backend", None) or os.environ.get("MIXER_PLUGINS_BACKEND") or None
     if requested is not None:
         ok, reason = backend_status(op, requested, device)
