@@ -1,10 +1,8 @@
-"""Shared test configuration: small thread counts (CI has 2 cores), deterministic seeds, fake plugins."""
+"""Shared test configuration: small thread counts (CI has 2 cores) and deterministic seeds."""
 
 from __future__ import annotations
 
 import os
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,21 +15,3 @@ torch.set_num_threads(int(os.environ.get("MIXER_PLUGINS_TEST_THREADS", "1")))
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-def make_fake_distribution(root: Path, dist_name: str, entry_points: dict[str, str],
-                           modules: dict[str, str] | None = None,
-                           group: str = "mixer_plugins.mixers") -> Path:
-    """Write a throwaway installed distribution (a ``.dist-info`` folder plus modules) under ``root``.
-
-    Put ``root`` on ``sys.path`` and ``importlib.metadata`` sees it exactly like a pip-installed package.
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    info = root / f"{dist_name.replace('-', '_')}-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1.0\n")
-    lines = [f"[{group}]"] + [f"{name} = {target}" for name, target in entry_points.items()]
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-    for module, source in (modules or {}).items():
-        (root / f"{module}.py").write_text(textwrap.dedent(source))
-    return root

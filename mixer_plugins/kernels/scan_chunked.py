@@ -128,14 +128,16 @@ def scan_chunked(
             h_prev = initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
         else:
             h_prev = x.new_zeros(bsz, groups, rep, hdim, nstate)
+        # unbind once: indexing states[:, c] inside the loop would make the backward quadratic in chunks
+        state_list, decay_list = states.unbind(1), chunk_decay.to(dtype).unbind(1)
         entering = []
         for c in range(nchunks):
             entering.append(h_prev)
-            carry = chunk_decay[:, c, ..., None, None].to(dtype)
+            carry = decay_list[c][..., None, None]
             if seq is not None:
                 prev_seq = seq[:, c - 1, -1] if c > 0 else seq[:, 0, 0]
                 carry = carry * (seq[:, c, -1] == prev_seq).to(dtype).view(bsz, 1, 1, 1, 1)
-            h_prev = carry * h_prev + states[:, c]
+            h_prev = carry * h_prev + state_list[c]
         final_state = h_prev.reshape(bsz, heads, hdim, nstate)
         entering = torch.stack(entering, dim=1)                                           # (b,c,g,r,p,n)
         query = torch.exp(q_log).to(dtype)                                                # (b,c,g,r,Q)
@@ -161,13 +163,14 @@ def scan_chunked(
         states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", from_start.to(dtype), B_c, x_c)
         chunk_decay = torch.exp(p[..., -1])
         g_next = x.new_zeros(bsz, groups, rep, hdim, nstate)
+        state_list, decay_list = states.unbind(1), chunk_decay.to(dtype).unbind(1)
         entering = [None] * nchunks
         for c in range(nchunks - 1, -1, -1):
             entering[c] = g_next
-            carry = chunk_decay[:, c, ..., None, None].to(dtype)
+            carry = decay_list[c][..., None, None]
             if seq is not None and c + 1 < nchunks:
                 carry = carry * (seq[:, c, 0] == seq[:, c + 1, 0]).to(dtype).view(bsz, 1, 1, 1, 1)
-            g_next = carry * g_next + states[:, c]
+            g_next = carry * g_next + state_list[c]
         entering = torch.stack(entering, dim=1)
         query = torch.exp(p[..., -1:] - q_log).to(dtype)
         if seq is not None:

@@ -1,0 +1,60 @@
+"""Shared fixture of the benchmark suites: one mixer run timed by pytest-benchmark, with ``extra_info``
+holding FLOPs counted by PyTorch's FlopCounterMode, the analytic FLOPs, achieved FLOP/s and peak memory.
+
+Run the suites (saving JSON under .benchmarks/):   make bench
+Render a comparison table from saved runs:          mixer-plugins bench-table .benchmarks
+In CI they run once with --benchmark-disable, so they cannot rot.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mixer_plugins.benchmarking import _step, build_mixer, count_flops, peak_memory
+
+# Benchmarks use every core unless told otherwise; the test suite pins one thread per worker instead.
+torch.set_num_threads(int(os.environ.get("MIXER_PLUGINS_BENCH_THREADS", os.cpu_count() or 1)))
+
+
+def is_disabled(benchmark) -> bool:
+    return bool(getattr(benchmark, "disabled", False))
+
+
+@pytest.fixture
+def benchmarking_enabled(benchmark) -> bool:
+    """False under --benchmark-disable (CI): timing and memory targets are then skipped."""
+    return not is_disabled(benchmark)
+
+
+@pytest.fixture
+def mixer_benchmark(benchmark):
+    """``mixer_benchmark(name, dim=, length=, batch=, mode=)``: time one forward or forward+backward."""
+
+    def run(name: str, *, dim: int, length: int, batch: int = 1, mode: str = "forward", causal=None,
+            options=None, rounds: int = 3):
+        torch.manual_seed(0)
+        mixer = build_mixer(name, dim, length, causal=causal, options=options)
+        mixer.train(mode == "forward_backward")
+        x = torch.randn(batch, length, dim, requires_grad=mode == "forward_backward")
+        fn = _step(mixer, x, mode)
+        benchmark.group = f"{mode} L={length} B={batch} D={dim}"
+        benchmark.extra_info.update(mixer=mixer.mixer_name, length=length, batch=batch, dim=dim, mode=mode)
+        if is_disabled(benchmark):  # CI: run once, check it works
+            benchmark.pedantic(fn, rounds=1, iterations=1)
+            return None
+        flops = count_flops(fn)
+        analytic = mixer.flops(batch, length) * (3 if mode == "forward_backward" else 1)
+        with peak_memory() as mem:
+            fn()
+        benchmark.pedantic(fn, rounds=rounds, warmup_rounds=1, iterations=1)
+        median = benchmark.stats.stats.median
+        benchmark.extra_info.update(
+            flops=flops, analytic_flops=analytic, flops_per_second=flops / median,
+            tokens_per_second=batch * length / median, peak_memory_bytes=mem["peak_bytes"],
+        )
+        return benchmark.extra_info
+
+    return run
