@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Importing the timm adapter registers our timm model names (vit_base, hydra_vit_base, ...) and
+# attn_layer='<mixer name>' in timm.
+from .backbones.timm import swap_mixer
 from .mixers.base import MatrixMixer, MixerContext
 from .registry import (
     ENTRY_POINT_GROUP,
@@ -103,4 +106,5 @@ __all__ = [
     "SequenceLengthError",
     "NotMaterializableError",
     "MixerPluginWarning",
+    "swap_mixer",
 ]

@@ -344,3 +344,22 @@ def test_fft_size_covers_the_linear_convolution():
         n = _fft_size(length)
         assert n >= 2 * length - 1 and n & (n - 1) == 0 and n < 4 * length
         assert math.log2(n).is_integer()
+
+
+# -- depthwise short convolution ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal, kernel", [(False, 7), (False, 1), (True, 4), (True, 1)])
+def test_depthwise_conv_matches_conv1d(causal, kernel):
+    from mixer_plugins.kernels.conv import depthwise_conv1d
+
+    x = torch.randn(2, 11, 5, dtype=F64, requires_grad=True)
+    w = torch.randn(5, kernel, dtype=F64, requires_grad=True)
+    b = torch.randn(5, dtype=F64, requires_grad=True)
+    pad = (kernel - 1, 0) if causal else ((kernel - 1) // 2, (kernel - 1) // 2)
+    expected = F.conv1d(F.pad(x.transpose(1, 2), pad), w[:, None], b, groups=5).transpose(1, 2)
+    torch.testing.assert_close(depthwise_conv1d(x, w, b, causal=causal), expected)
+    assert torch.autograd.gradcheck(lambda x, w, b: depthwise_conv1d(x, w, b, causal=causal), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: depthwise_conv1d(x, w, None, causal=causal), (x, w))
+    with FlopCounterMode(display=False) as counter:
+        depthwise_conv1d(x, w, b, causal=causal)
+    assert counter.get_total_flops() == 2 * 2 * 11 * 5 * kernel

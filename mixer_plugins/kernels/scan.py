@@ -19,6 +19,7 @@ from torch import Tensor
 from ..registry.errors import MixerInputError
 from .custom_ops import chunked_scan
 from .dispatch import register_backend, resolve_backend
+from .scan_chunked import scan_chunked
 from .scan_reference import scan_reference
 
 __all__ = ["ssd", "quasiseparable", "directional_scan", "prepare_dt"]
@@ -58,6 +59,24 @@ def prepare_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
     if lo > 0.0 or hi != math.inf:
         dt = dt.clamp(min=lo, max=hi)
     return dt
+
+
+def _run_chunked(x: Tensor, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx, init, shift: bool,
+                 chunk_size: int) -> tuple[Tensor, Tensor | None]:
+    """The chunked scan: plain autograd in eager mode (fastest), the custom op under ``torch.compile``.
+
+    Eager autograd keeps the intra-chunk tensors for the backward (memory O(L * chunk_size) per head, linear
+    in L); the custom op is opaque to the compiler (fake kernel) and recomputes them in its backward.
+    """
+    if torch.compiler.is_compiling():
+        y, final = chunked_scan(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx, init, bool(shift),
+                                int(chunk_size))
+        return y, (final if dt_f is not None else None)
+    if dt_f is not None:
+        return scan_chunked(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx, init, shift=shift,
+                            chunk_size=chunk_size, return_final_state=True)
+    return scan_chunked(x, None, None, None, None, dt_b, A_b, B_b, C_b, diag, seq_idx, None, shift=shift,
+                        chunk_size=chunk_size), None
 
 
 def _upcast(*tensors: Tensor | None) -> list[Tensor | None]:
@@ -120,8 +139,8 @@ def _ssd_local(use_reference: bool):
             result = scan_reference(xs, delta, A_s, Bs, Cs, seq_idx=seq_idx, initial_state=init,
                                     return_final_state=True)
         else:
-            result = chunked_scan(xs, delta, A_s, Bs, Cs, None, None, None, None, None, seq_idx, init,
-                                  False, int(chunk_size))
+            result = _run_chunked(xs, delta, A_s, Bs, Cs, None, None, None, None, None, seq_idx, init, False,
+                                  chunk_size)
         y, final = result
         y = _ssd_epilogue(y, xs, D, z).to(out_dtype)
         return (y, final) if return_final_states else y
@@ -195,8 +214,7 @@ def _qs_local(use_reference: bool):
         if use_reference:
             y = scan_reference(xs, dt_f, Af, Bf, Cf, dt_b, Ab, Bb, Cb, dg, seq_idx, shift=shift)
         else:
-            y, _ = chunked_scan(xs, dt_f, Af, Bf, Cf, dt_b, Ab, Bb, Cb, dg, seq_idx, None, bool(shift),
-                                int(chunk_size))
+            y, _ = _run_chunked(xs, dt_f, Af, Bf, Cf, dt_b, Ab, Bb, Cb, dg, seq_idx, None, shift, chunk_size)
         return y.to(out_dtype)
 
     return impl
@@ -257,7 +275,7 @@ def _directional_local(use_reference: bool):
         if use_reference:
             y = scan_reference(xs, *fwd, *bwd, None, seq_idx, shift=shift)
         else:
-            y, _ = chunked_scan(xs, *fwd, *bwd, None, seq_idx, None, bool(shift), int(chunk_size))
+            y, _ = _run_chunked(xs, *fwd, *bwd, None, seq_idx, None, shift, chunk_size)
         return y.to(out_dtype)
 
     return impl

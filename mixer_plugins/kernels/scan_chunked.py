@@ -88,7 +88,7 @@ def scan_chunked(
         seq = None
 
     idx = torch.arange(Q, device=x.device)
-    y = torch.zeros(bsz, nchunks, Q, groups, rep, hdim, dtype=dtype, device=x.device)
+    terms: list[Tensor] = []  # summed once at the end (no zero-initialised accumulator)
     block = None  # the summed intra-chunk matrix, (b, c, g, r, Q, Q)
 
     def direction_terms(dt: Tensor, A: Tensor, B: Tensor, C: Tensor):
@@ -97,11 +97,13 @@ def scan_chunked(
         a = a.permute(0, 1, 3, 4, 2)                                                      # (b,c,g,r,Q)
         p = a.cumsum(-1)
         e = p - a
-        dtp = dt_c.permute(0, 1, 3, 4, 2)                                                 # (b,c,g,r,Q)
         B_c = _chunks(_pad_time(B, pad), Q)                                               # (b,c,Q,g,n)
         C_c = _chunks(_pad_time(C, pad), Q)
-        cb = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)                                 # (b,c,g,Q,Q)
-        return p, e, dtp, B_c, C_c, cb
+        # dt_j folded into the keys once, per head: the Q x Q products below then need no broadcasting,
+        # so their backward needs no reductions over Q x Q tensors.
+        B_dt = B_c[:, :, :, :, None, :] * dt_c[..., None].to(B_c.dtype)                   # (b,c,Q,g,r,n)
+        cb_dt = torch.einsum("bcign,bcjgrn->bcgrij", C_c, B_dt)                           # (b,c,g,r,Q,Q)
+        return p, e, B_dt, C_c, cb_dt
 
     same = None
     if seq is not None:
@@ -110,19 +112,20 @@ def scan_chunked(
     # ---------------------------------------------------------------- forward (lower) direction
     final_state = None
     if dt_f is not None:
-        p, e, dtp, B_c, C_c, cb = direction_terms(dt_f, A_f, B_f, C_f)
+        p, e, B_dt, C_c, cb_dt = direction_terms(dt_f, A_f, B_f, C_f)
         q_log = e if shift else p
         allowed = (idx[:, None] > idx[None, :]) if shift else (idx[:, None] >= idx[None, :])
         log_decay = q_log[..., :, None] - p[..., None, :]                                 # (b,c,g,r,Q,Q)
         if same is not None:
             allowed = allowed & same
         w = torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
-        block = cb[:, :, :, None] * w * dtp[..., None, :]
+        block = cb_dt * w.to(dtype)
         # chunk states: sum_j exp(p_last - p_j) dt_j B_j x_j^T
-        to_end = torch.exp(p[..., -1:] - p) * dtp                                         # (b,c,g,r,Q)
+        to_end = torch.exp(p[..., -1:] - p)                                               # (b,c,g,r,Q)
         if seq is not None:
             to_end = to_end * (seq == seq[..., -1:])[:, :, None, None, :]
-        states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", to_end.to(dtype), B_c, x_c)
+        keys = B_dt * to_end.permute(0, 1, 4, 2, 3)[..., None].to(dtype)                 # (b,c,Q,g,r,n)
+        states = torch.einsum("bcjgrn,bcjgrp->bcgrpn", keys, x_c)
         chunk_decay = torch.exp(p[..., -1])                                               # (b,c,g,r)
         if initial_state is not None:
             h_prev = initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
@@ -144,23 +147,24 @@ def scan_chunked(
         if seq is not None:
             boundary = torch.cat([seq[:, :1, :1], seq[:, :-1, -1:]], dim=1)               # seq before chunk
             query = query * (seq == boundary)[:, :, None, None, :]
-        y = y + torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering)
+        terms.append(torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering))
 
     # ---------------------------------------------------------------- backward (upper) direction
     if dt_b is not None:
-        p, e, dtp, B_c, C_c, cb = direction_terms(dt_b, A_b if A_b is not None else A_f, B_b, C_b)
+        p, e, B_dt, C_c, cb_dt = direction_terms(dt_b, A_b if A_b is not None else A_f, B_b, C_b)
         q_log = p if shift else e
         allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
         log_decay = e[..., None, :] - q_log[..., :, None]
         if same is not None:
             allowed = allowed & same
         w = torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
-        upper = cb[:, :, :, None] * w * dtp[..., None, :]
+        upper = cb_dt * w.to(dtype)
         block = upper if block is None else block + upper
-        from_start = torch.exp(e) * dtp                                                    # exp(e_j) dt_j
+        from_start = torch.exp(e)                                                          # exp(e_j)
         if seq is not None:
             from_start = from_start * (seq == seq[..., :1])[:, :, None, None, :]
-        states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", from_start.to(dtype), B_c, x_c)
+        keys = B_dt * from_start.permute(0, 1, 4, 2, 3)[..., None].to(dtype)
+        states = torch.einsum("bcjgrn,bcjgrp->bcgrpn", keys, x_c)
         chunk_decay = torch.exp(p[..., -1])
         g_next = x.new_zeros(bsz, groups, rep, hdim, nstate)
         state_list, decay_list = states.unbind(1), chunk_decay.to(dtype).unbind(1)
@@ -177,13 +181,15 @@ def scan_chunked(
             # seq of the first token after each chunk; nothing enters the last chunk from the right anyway
             after = torch.cat([seq[:, 1:, :1], seq[:, -1:, -1:]], dim=1)
             query = query * (seq == after)[:, :, None, None, :]
-        y = y + torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering)
+        terms.append(torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering))
 
     # ---------------------------------------------------------------- intra-chunk block (+ diagonal)
     if diag is not None:
         d = _chunks(_pad_time(diag, pad), Q).view(bsz, nchunks, Q, groups, rep)
-        y = y + d[..., None].to(dtype) * x_c
-    y = y + torch.einsum("bcgrij,bcjgrp->bcigrp", block.to(dtype), x_c)
+        terms.append(d[..., None].to(dtype) * x_c)
+    y = torch.einsum("bcgrij,bcjgrp->bcigrp", block.to(dtype), x_c)
+    for term in terms:
+        y = y + term
     y = y.reshape(bsz, nchunks * Q, heads, hdim)[:, :length]
     if return_final_state:
         if final_state is None:

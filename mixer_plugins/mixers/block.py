@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from ..kernels.conv import depthwise_conv1d
 from ..registry.spec import MixerConfig
 from .base import MatrixMixer, MixerContext
 
@@ -143,6 +144,7 @@ class MatrixMixerBlock(MatrixMixer):
         self.out_width = out_width or self.d_inner
         self.in_proj = nn.Linear(config.dim, self.out_width + sum(g.width for g in groups), bias=config.proj_bias)
         conv_width = sum(g.width for g in groups if g.conv)
+        # nn.Conv1d holds the parameters (Mamba's layout and names); the product is our depthwise op.
         self.conv1d = (
             nn.Conv1d(conv_width, conv_width, config.d_conv, groups=conv_width, bias=config.conv_bias)
             if conv_width else None
@@ -166,10 +168,7 @@ class MatrixMixerBlock(MatrixMixer):
     # -- the block ------------------------------------------------------------------------------------
     def _conv(self, u: Tensor) -> Tensor:
         """Depthwise conv over time on (batch, length, channels): centred, or causal for causal mixers."""
-        k = self.conv1d.kernel_size[0]
-        left, right = (k - 1, 0) if self.causal_conv else ((k - 1) // 2, (k - 1) // 2)
-        u = F.pad(u.transpose(1, 2), (left, right))
-        return self.conv1d(u).transpose(1, 2)
+        return depthwise_conv1d(u, self.conv1d.weight[:, 0, :], self.conv1d.bias, causal=self.causal_conv)
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
         proj = self.in_proj(x)
