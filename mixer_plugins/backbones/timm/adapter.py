@@ -1,0 +1,391 @@
+"""timm's Attention contract around any registered mixer.
+
+timm's ViT-family blocks build their token mixer as ``attn_layer(dim, num_heads=..., qkv_bias=..., ...)`` and call
+it as ``attn(x, attn_mask=None, is_causal=False)`` (Eva adds ``rope=``, BEiT ``shared_rel_pos_bias=``).
+:class:`TimmMixerAttention` accepts exactly that, builds the mixer through the registry, and maps timm's
+arguments onto the mixer contract ``mixer(x, mask=...)``:
+
+* ``attn_mask`` (bool, True = attend; or additive float, 0 = attend and very negative = masked, as NaFlexViT
+  builds it) becomes our right-padded key mask. Masks that are not padding (causal patterns, per-head masks,
+  additive biases) raise :class:`~mixer_plugins.MixerInputError`: a mixer cannot apply them.
+* ``is_causal=True`` is accepted by causal mixers and refused by bidirectional ones.
+* ``rope`` and ``shared_rel_pos_bias`` are accepted and ignored: position then comes from the mixer itself (or
+  the model's absolute position embedding). :func:`~mixer_plugins.backbones.timm.swap_mixer` warns when that
+  leaves a model without any positional information.
+
+The adapter is an FX leaf (``register_notrace_module``), so tracing never enters mixer code, and its forward is
+TorchScript-compatible, so a model scripts whenever its mixer does. timm re-initialises every ``nn.Linear`` after
+building a model and then calls ``init_weights()`` on modules that define it; ours re-draws the mixer's own
+initialisation, so mixers keep their init under every ``weight_init`` mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar, Optional
+
+import torch
+from timm.layers import DropPath, LayerNorm, LayerScale, register_notrace_module
+from torch import Tensor, nn
+
+from ...registry import InvalidMixerOptions, MixerConfig, MixerError, MixerInputError, MixerSpec, default_registry
+
+__all__ = [
+    "TimmMixerAttention",
+    "MixerOnlyBlock",
+    "padding_mask_from_attn_mask",
+    "resolve_mixer_config",
+    "attn_layer_class",
+    "register_attn_layers",
+    "MASKED_LOGIT_THRESHOLD",
+]
+
+#: Additive-mask entries at or below this value mean "masked". timm fills masked entries with
+#: ``torch.finfo(dtype).min`` (NaFlexViT) or ``-inf``; ``torch.finfo`` itself is not TorchScript-compatible.
+MASKED_LOGIT_THRESHOLD = -1.0e4
+
+
+def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length: int) -> Optional[Tensor]:
+    """timm's attention mask as our bool ``(batch, length)`` key mask (True on real tokens); None if all are real.
+
+    Accepts a bool mask (True = may attend) or an additive float mask (0 = may attend, ``<= -1e4`` or ``-inf`` =
+    masked) of shape ``(batch | 1, heads | 1, queries | 1, length)`` or ``(queries, length)``. Both NaFlexViT
+    layouts, the symmetric ``[B, 1, N, N]`` one and the key-only ``[B, 1, 1, N]`` one, give the same key mask.
+    Anything that is not a key-padding mask raises :class:`MixerInputError`, because a mixer applies its own
+    L x L matrix and cannot honour arbitrary (query, key) patterns.
+    """
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        allowed = attn_mask
+    elif attn_mask.is_floating_point():
+        allowed = attn_mask == 0
+        masked = attn_mask <= -1.0e4  # MASKED_LOGIT_THRESHOLD (TorchScript cannot read float globals)
+        if not bool((allowed | masked).all()):
+            raise MixerInputError(
+                "attn_mask holds additive biases (entries that are neither 0 nor <= -1e4): a matrix mixer "
+                "only accepts padding masks (0 = attend, large negative or -inf = masked)"
+            )
+    else:
+        raise MixerInputError("attn_mask must be bool (True = attend) or an additive float mask, got " +
+                              str(attn_mask.dtype))
+    if allowed.dim() == 2:
+        allowed = allowed.unsqueeze(0).unsqueeze(0)
+    if allowed.dim() != 4:
+        raise MixerInputError("attn_mask must have shape (batch, heads, queries, keys) or (queries, keys), got " +
+                              str(list(attn_mask.shape)))
+    rows, heads, queries, keys = allowed.shape
+    if keys != length or rows not in (1, batch) or queries not in (1, length):
+        raise MixerInputError("attn_mask of shape " + str(list(attn_mask.shape)) + " does not fit a sequence of "
+                              + str(batch) + " x " + str(length) + " tokens")
+    allowed = allowed.expand(batch, heads, queries, keys)
+    key_valid = allowed.any(dim=2).any(dim=1)                     # key j is attended by some query
+    query_live = allowed.any(dim=3, keepdim=True)                 # query i attends to something
+    if not torch.equal(allowed, key_valid[:, None, None, :] & query_live):
+        raise MixerInputError(
+            "attn_mask is not a key-padding mask (it differs between queries or heads, e.g. a causal pattern): "
+            "mixers accept padding masks only; use is_causal=True with a causal mixer for causal masking"
+        )
+    if bool(key_valid.all()):
+        return None
+    return key_valid
+
+
+# timm's attention arguments -> the mixer option(s) they set, when the mixer's config has such a field.
+# Only options that mean the same thing as in timm's Attention are targeted: `proj_bias` (attention output
+# projection) goes to `out_bias`, not to the `proj_bias` of Hydra-style mixers (their in/out projections, off by
+# default in the paper), so those keep their own defaults.
+_HOST_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_heads": ("num_heads",),
+    "qkv_bias": ("qkv_bias",),
+    "proj_bias": ("out_bias",),
+    "attn_drop": ("attn_drop", "dropout"),
+    "qk_norm": ("qk_norm",),
+    "scale_norm": ("scale_norm",),
+    "seq_len": ("max_seq_len",),
+    "num_prefix_tokens": ("num_prefix_tokens",),
+}
+# Host arguments that only matter when they switch a feature on; forwarding the "off" value would override a
+# mixer's own default (e.g. a mixer whose ``dropout`` defaults to 0.1).
+_ONLY_WHEN_SET = {"attn_drop", "qk_norm", "scale_norm"}
+
+
+def resolve_mixer_config(spec: MixerSpec, dim: int, options: Mapping[str, Any] | None = None,
+                         host: Mapping[str, Any] | None = None) -> MixerConfig:
+    """The mixer's validated config: ``dim``, then what timm's block asks for, then the user's ``options``.
+
+    ``host`` holds timm's attention arguments (``num_heads``, ``qkv_bias``, ``proj_bias``, ``attn_drop``,
+    ``qk_norm``, ``scale_norm``) plus ``seq_len`` (the model's token count) and ``num_prefix_tokens``. Each is
+    forwarded only to a config field of the same meaning (``num_heads``, ``qkv_bias``, ``proj_bias`` ->
+    ``out_bias``, ``attn_drop`` -> ``attn_drop`` or ``dropout``, ``seq_len`` -> ``max_seq_len``,
+    ``num_prefix_tokens``); every other option keeps the mixer's default, and the user's options win.
+    A host feature the mixer cannot honour (``attn_drop > 0``, ``qk_norm``, ``scale_norm``) is warned about.
+    """
+    options = dict(options or {})
+    if "dim" in options:
+        raise InvalidMixerOptions(spec.name, ["dim is set by the timm model (its embed_dim); do not pass it"])
+    fields = spec.config.model_fields
+    merged: dict[str, Any] = {}
+    for host_key, value in (host or {}).items():
+        if value is None or host_key not in _HOST_FIELDS:
+            continue
+        if host_key in _ONLY_WHEN_SET and not value:
+            continue
+        target = next((f for f in _HOST_FIELDS[host_key] if f in fields), None)
+        if target is None:
+            if host_key in _ONLY_WHEN_SET:
+                warnings.warn(
+                    f"the timm model asks for {host_key}={value!r}, but mixer {spec.name!r} has no such option; "
+                    "it is ignored", UserWarning, stacklevel=3,
+                )
+            continue
+        merged[target] = value
+    merged.update(options)
+    max_len = fields.get("max_seq_len")
+    if max_len is not None and max_len.is_required() and "max_seq_len" not in merged:
+        raise MixerError(
+            f"mixer {spec.name!r} is data-independent and needs the token count (max_seq_len), which timm's "
+            "attn_layer hook does not pass. Build it with mixer_plugins.swap_mixer(model, "
+            f"{spec.name!r}) or timm.create_model('vit_base', mixer={spec.name!r}) (which read the token count "
+            "from the model), or pass max_seq_len explicitly"
+        )
+    return spec.make_config(dim, **merged)
+
+
+class TimmMixerAttention(nn.Module):
+    """A registered mixer behind timm's Attention interface (constructor, forward, ``proj``, ``init_weights``).
+
+    Build it like timm's ``Attention`` plus ``mixer=`` (a registered name or alias) and ``mixer_options=``;
+    subclasses made by :func:`attn_layer_class` carry the mixer name, which is how ``attn_layer='<name>'``
+    works on timm's own ViT names. ``seq_len`` (the model's token count) sets ``max_seq_len`` for
+    data-independent mixers; ``inherit_num_heads=False`` leaves the head count to the mixer's own default.
+
+    The mixer is the submodule ``mixer``, so its parameters are ``blocks.{i}.attn.mixer.*``.
+    """
+
+    #: Mixer built when the constructor gets no ``mixer=``; set by :func:`attn_layer_class`.
+    default_mixer: ClassVar[Optional[str]] = None
+    # ``proj`` is a Python-side alias for timm's fix_init; TorchScript must not compile it.
+    __jit_unused_properties__ = ["proj"]
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            qkv_bias: bool = False,
+            qk_norm: bool = False,
+            scale_norm: bool = False,
+            proj_bias: bool = True,
+            attn_drop: float = 0.0,
+            proj_drop: float = 0.0,
+            norm_layer: Optional[type] = None,
+            *,
+            mixer: Optional[str] = None,
+            mixer_options: Optional[Mapping[str, Any]] = None,
+            seq_len: Optional[int] = None,
+            num_prefix_tokens: int = 0,
+            inherit_num_heads: bool = True,
+            device: Any = None,
+            dtype: Optional[torch.dtype] = None,
+            **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        name = mixer or self.default_mixer
+        if name is None:
+            raise MixerError(
+                "TimmMixerAttention needs a mixer: pass mixer='<name>', or use attn_layer='<name>' "
+                "(a registered mixer name) instead of the bare class"
+            )
+        if not isinstance(name, str):
+            raise TypeError(f"mixer must be a registered mixer name (str), got {type(name).__name__}")
+        # Later timm versions may pass more constructor arguments; `depth` is DiffAttention's and harmless.
+        ignored = {k: v for k, v in kwargs.items() if k != "depth" and v not in (None, False, 0, 0.0)}
+        if ignored:
+            warnings.warn(f"TimmMixerAttention ignores timm attention arguments it does not know: {ignored}",
+                          UserWarning, stacklevel=2)
+        spec = default_registry.get_spec(name)
+        host = {
+            "num_heads": num_heads if inherit_num_heads else None,
+            "qkv_bias": qkv_bias,
+            "proj_bias": proj_bias,
+            "attn_drop": attn_drop,
+            "qk_norm": qk_norm,
+            "scale_norm": scale_norm,
+            "seq_len": seq_len,
+            "num_prefix_tokens": num_prefix_tokens,
+        }
+        self.mixer_config = resolve_mixer_config(spec, dim, mixer_options, host)
+        self.mixer_name: str = spec.name
+        self.mixer_options = dict(mixer_options or {})
+        self.num_heads: int = num_heads  # timm's head count (what a swap back to Attention would use)
+        # What timm asked for, kept so a later swap_mixer builds the next mixer from the same arguments.
+        self.host_arguments = {"num_heads": num_heads, "qkv_bias": qkv_bias, "qk_norm": qk_norm,
+                               "scale_norm": scale_norm, "proj_bias": proj_bias, "attn_drop": attn_drop,
+                               "proj_drop": proj_drop}
+        self.inherit_num_heads: bool = inherit_num_heads
+        self.num_prefix_tokens: int = num_prefix_tokens
+        self.seq_len: Optional[int] = seq_len
+        self.mixer = self._build_mixer(spec, self.mixer_config, device, dtype)
+        self.causal: bool = bool(getattr(self.mixer, "causal", False))
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    @staticmethod
+    def _build_mixer(spec: MixerSpec, config: MixerConfig, device: Any, dtype: Optional[torch.dtype]) -> nn.Module:
+        if device is not None:
+            with torch.device(device):
+                module = spec.build(config)
+        else:
+            module = spec.build(config)
+        return module.to(dtype=dtype) if dtype is not None else module
+
+    def forward(
+            self,
+            x: Tensor,
+            attn_mask: Optional[Tensor] = None,
+            is_causal: bool = False,
+            rope: Optional[Tensor] = None,
+            shared_rel_pos_bias: Optional[Tensor] = None,
+    ) -> Tensor:
+        # rope (Eva) and shared_rel_pos_bias (BEiT) are attention-specific position signals; mixers carry
+        # position themselves (or rely on the model's absolute position embedding).
+        if is_causal and not self.causal:
+            raise MixerInputError(
+                "mixer '" + self.mixer_name + "' is bidirectional and cannot run with is_causal=True; "
+                "build a causal mixer (e.g. mixer_options={'causal': True} where the mixer has that option)"
+            )
+        mask = padding_mask_from_attn_mask(attn_mask, x.shape[0], x.shape[1])
+        return self.proj_drop(self.mixer(x, mask=mask))
+
+    @torch.jit.ignore
+    def init_weights(self) -> None:
+        """Re-draw the mixer's own initialisation (timm calls this after re-initialising every ``nn.Linear``)."""
+        reference = next(iter(self.mixer.parameters()), None)
+        if reference is None or reference.device.type == "meta":
+            return
+        spec = default_registry.get_spec(self.mixer_name)
+        fresh = self._build_mixer(spec, self.mixer_config, reference.device, None)
+        # load_state_dict copies with dtype conversion, so a bf16 or mixed-precision mixer keeps its dtypes.
+        self.mixer.load_state_dict(fresh.state_dict())
+
+    @property
+    def proj(self) -> nn.Module:
+        """The mixer's output projection (``proj`` or ``out_proj``); timm's ``fix_init`` rescales its weight."""
+        for name in ("proj", "out_proj"):
+            module = getattr(self.mixer, name, None)
+            if isinstance(module, nn.Module):
+                return module
+        raise AttributeError(
+            f"mixer {self.mixer_name!r} has no output projection named 'proj' or 'out_proj', which timm's "
+            "fix_init=True rescales; build the model with fix_init=False"
+        )
+
+    @torch.jit.ignore
+    def flops(self, batch: int, length: int) -> int:
+        """Analytic FLOPs of the mixer at this batch size and token count (see ``MatrixMixer.flops``)."""
+        return int(self.mixer.flops(batch, length))
+
+    def extra_repr(self) -> str:
+        return f"mixer={self.mixer_name!r}, seq_len={self.seq_len}, num_prefix_tokens={self.num_prefix_tokens}"
+
+
+register_notrace_module(TimmMixerAttention)  # FX: subclasses are leaves too (timm checks with isinstance)
+
+
+class MixerOnlyBlock(nn.Module):
+    """A pre-norm residual block with a token mixer and no MLP: ``x + drop_path(ls(attn(norm1(x))))``.
+
+    Hydra's ImageNet ViT uses such blocks (twice as many, since the gated, expanded mixer also mixes channels).
+    Takes timm's block arguments (``mlp_ratio``, ``mlp_layer``, ``act_layer`` are accepted and unused) and builds
+    its mixer from ``attn_layer`` (a class, or a key of timm's ``ATTN_LAYERS`` such as a mixer name).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            mlp_ratio: float = 4.0,
+            qkv_bias: bool = False,
+            qk_norm: bool = False,
+            scale_attn_norm: bool = False,
+            scale_mlp_norm: bool = False,
+            proj_bias: bool = True,
+            proj_drop: float = 0.0,
+            attn_drop: float = 0.0,
+            init_values: Optional[float] = None,
+            drop_path: float = 0.0,
+            act_layer: Optional[type] = None,
+            norm_layer: type = LayerNorm,
+            mlp_layer: Optional[type] = None,
+            attn_layer: Any = TimmMixerAttention,
+            depth: int = 0,
+            device: Any = None,
+            dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        if isinstance(attn_layer, str):
+            from timm.models.vision_transformer import ATTN_LAYERS
+
+            if attn_layer not in ATTN_LAYERS:
+                raise MixerError(f"unknown attn_layer {attn_layer!r}; known: {sorted(ATTN_LAYERS)}")
+            attn_layer = ATTN_LAYERS[attn_layer]
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = attn_layer(
+            dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm, scale_norm=scale_attn_norm,
+            proj_bias=proj_bias, attn_drop=attn_drop, proj_drop=proj_drop, norm_layer=norm_layer, **dd,
+        )
+        self.ls1 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        return x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
+
+
+# -- attn_layer='<mixer name>' on timm's own names ---------------------------------------------------------------
+
+_ATTN_LAYER_CLASSES: dict[str, type[TimmMixerAttention]] = {}
+
+
+def attn_layer_class(name: str) -> type[TimmMixerAttention]:
+    """A :class:`TimmMixerAttention` subclass bound to mixer ``name`` (usable as timm's ``attn_layer=``).
+
+    Classes are cached and stored in this module under ``TimmMixerAttention_<name>``, so models holding them
+    pickle and unpickle like any other module (after ``import mixer_plugins``).
+    """
+    cls = _ATTN_LAYER_CLASSES.get(name)
+    if cls is None:
+        cls_name = f"TimmMixerAttention_{name}"
+        cls = type(cls_name, (TimmMixerAttention,), {
+            "default_mixer": name,
+            "__module__": __name__,
+            "__qualname__": cls_name,
+            "__doc__": f"TimmMixerAttention building mixer {name!r} (timm attn_layer={name!r}).",
+        })
+        _ATTN_LAYER_CLASSES[name] = cls
+        globals()[cls_name] = cls
+    return cls
+
+
+def register_attn_layers(names: list[str] | None = None) -> list[str]:
+    """Make ``attn_layer='<mixer name>'`` work in timm (keys of ``vision_transformer.ATTN_LAYERS``).
+
+    Registers every registered mixer's canonical name (default: ``mixer_plugins.list_mixers()``, which imports no
+    plugin code). timm's own keys (``''``, ``'attn'``, ``'diff'``) are never overwritten. Called by
+    ``import mixer_plugins``; call it again after registering a mixer at run time. Returns the names added.
+    """
+    from timm.models import vision_transformer
+
+    table = vision_transformer.ATTN_LAYERS
+    added = []
+    for name in names if names is not None else default_registry.names():
+        current = table.get(name)
+        if current is not None and not (isinstance(current, type) and issubclass(current, TimmMixerAttention)):
+            warnings.warn(f"timm already has an attn_layer named {name!r}; mixer {name!r} is not registered "
+                          "under it (use swap_mixer or mixer-plugins' vit_* names instead)", UserWarning,
+                          stacklevel=2)
+            continue
+        if current is None:
+            table[name] = attn_layer_class(name)
+            added.append(name)
+    return added
