@@ -1,0 +1,181 @@
+"""Any registered mixer behind fairseq2's ``MultiheadAttention`` contract.
+
+fairseq2 encoder layers call their self-attention as
+``self_attn(seqs, seqs_layout, keys=seqs, keys_layout=seqs_layout, values=seqs, bias_cache=...)``.
+:class:`MixerAttention` accepts exactly that call and runs one of our mixers on ``seqs``:
+
+* **Padding.** fairseq2 0.8 describes padding with a :class:`~fairseq2.nn.BatchLayout`; batches are always
+  right-padded and ``position_indices`` is ``-1`` at pads, so our bool ``mask`` (True on real tokens) is
+  ``position_indices >= 0``. Unpadded batches pass ``mask=None`` (the mixer's fastest path).
+* **Packed batches** (1-D ``(T, M)`` token streams with ``seq_begin_indices``) are supported: the sequences
+  are gathered into a right-padded ``(N, max_len, M)`` batch, mixed with a mask, and scattered back, so no
+  token ever mixes with another sequence. Tokens after the last sequence get zero.
+* **Not supported** (``NotSupportedError``): incremental decoding (``state_bag``) and cross-attention
+  (``keys``/``values`` other than ``seqs``): a matrix mixer mixes one sequence with itself.
+* **Attention-weight hooks** registered with ``register_attn_weight_hook`` receive the mixer's materialized
+  matrix ``(N, H, S, S)``; mixers without a matrix raise :class:`~mixer_plugins.NotMaterializableError`.
+* **Meta device.** fairseq2 builds models on the meta device before loading a checkpoint. A mixer whose
+  constructor cannot run on meta is built on CPU and moved to meta; mixers with non-persistent buffers get
+  them recomputed (from a fresh CPU instance of the same config) in ``reset_non_persistent_buffers``.
+"""
+
+from __future__ import annotations
+
+import torch
+from fairseq2.error import NotSupportedError
+from fairseq2.models.transformer import AttentionBiasCache, MultiheadAttention
+from fairseq2.nn import BatchLayout, IncrementalStateBag
+from torch import Tensor, nn
+
+from mixer_plugins.registry import MixerConfig, MixerError, MixerSpec
+
+from .options import ResolvedMixer, resolve_mixer
+
+__all__ = ["MixerAttention", "unpack_layout", "padding_mask"]
+
+
+def padding_mask(seqs_layout: BatchLayout) -> Tensor | None:
+    """Our bool mask (True on real tokens) for a padded layout, or ``None`` when nothing is padded."""
+    if seqs_layout.packed:
+        raise NotSupportedError("padding_mask() takes a padded (2-D) layout; use unpack_layout() for packed ones")
+    if not seqs_layout.padded:
+        return None
+    return seqs_layout.position_indices >= 0
+
+
+def unpack_layout(seqs_layout: BatchLayout, device: torch.device) -> tuple[Tensor, Tensor]:
+    """For a packed layout: ``index`` (N, W) into the packed tokens and ``mask`` (N, W), W = longest sequence.
+
+    ``packed[index]`` is the right-padded batch (pad slots point at a valid token and must be masked).
+    """
+    if not seqs_layout.packed:
+        raise NotSupportedError("unpack_layout() takes a packed layout; use padding_mask() for padded ones")
+    lens = seqs_layout.seq_lens_pt.to(device=device, dtype=torch.long)
+    begins = seqs_layout.seq_begin_indices_pt[:-1].to(device=device, dtype=torch.long)
+    width = max(seqs_layout.seq_lens)
+    steps = torch.arange(width, device=device)
+    mask = steps[None, :] < lens[:, None]
+    index = torch.where(mask, begins[:, None] + steps[None, :], begins[:, None])
+    return index, mask
+
+
+def _build_on_any_device(spec: MixerSpec, config: MixerConfig) -> nn.Module:
+    """``spec.build(config)``; on the meta device, fall back to building on CPU and moving to meta."""
+    try:
+        return spec.build(config)
+    except MixerError:
+        raise
+    except Exception:
+        if torch.get_default_device().type != "meta":
+            raise
+    # Some constructors compute values (e.g. .item(), numpy) that the meta device cannot give. fairseq2 only
+    # needs shapes here: the real values come from the checkpoint that is loaded next.
+    with torch.device("cpu"):
+        module = spec.build(config)
+    return module.to("meta")
+
+
+def _non_persistent_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    found = []
+    for sub in module.modules():
+        for name in sub._non_persistent_buffers_set:
+            if sub._buffers.get(name) is not None:
+                found.append((sub, name))
+    return found
+
+
+class MixerAttention(MultiheadAttention):
+    """A registered mixer as the self-attention of a fairseq2 Transformer layer.
+
+    Build it from a :class:`~mixer_plugins.backbones.fairseq2.options.ResolvedMixer` (what
+    :func:`~mixer_plugins.backbones.fairseq2.options.resolve_mixer` returns); each instance owns its own mixer,
+    available as ``.mixer``.
+    """
+
+    def __init__(self, resolved: ResolvedMixer) -> None:
+        super().__init__()
+        self._spec = resolved.spec
+        self.mixer_name = resolved.spec.name
+        self.mixer = _build_on_any_device(resolved.spec, resolved.config)
+        self.model_dim = resolved.config.dim
+
+    @classmethod
+    def create(cls, mixer: str, model_dim: int, **options: object) -> MixerAttention:
+        """Build from a mixer name and its options, e.g. to replace ``layer.self_attn`` of a model by hand::
+
+            layer.self_attn = MixerAttention.create("quasi", 512, d_state=32)
+
+        Options are validated by the registry (``UnknownMixerError``, ``InvalidMixerOptions``). Mixers that
+        can run either way get ``causal=False`` (encoder self-attention) unless ``causal`` is given.
+        """
+        return cls(resolve_mixer(mixer, {mixer: options}, dim=model_dim))
+
+    def forward(
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout,
+        keys: Tensor,
+        keys_layout: BatchLayout,
+        values: Tensor,
+        bias_cache: AttentionBiasCache,
+        *,
+        state_bag: IncrementalStateBag | None = None,
+    ) -> Tensor:
+        """Mix ``seqs`` (N, S, M) — or (T, M) for a packed layout — and return the same shape."""
+        if state_bag is not None:
+            raise NotSupportedError(
+                f"mixer {self.mixer_name!r} runs in encoders only: incremental decoding (state_bag) is not supported"
+            )
+        if keys is not seqs or values is not seqs or keys_layout is not seqs_layout:
+            raise NotSupportedError(
+                f"mixer {self.mixer_name!r} replaces self-attention only: keys and values must be the queries "
+                "themselves (cross-attention is not supported)"
+            )
+        if seqs_layout.packed:
+            return self._forward_packed(seqs, seqs_layout)
+        mask = padding_mask(seqs_layout)
+        out = self.mixer(seqs, mask=mask)
+        if self._attn_weight_hooks:
+            self._run_hooks(out, seqs, mask)
+        return out
+
+    def _forward_packed(self, seqs: Tensor, seqs_layout: BatchLayout) -> Tensor:
+        if seqs.dim() != 2:
+            raise NotSupportedError(
+                f"a packed layout needs (tokens, model_dim) inputs, got shape {tuple(seqs.shape)}"
+            )
+        index, mask = unpack_layout(seqs_layout, seqs.device)
+        padded = seqs[index].masked_fill(~mask[..., None], 0.0)
+        mixed = self.mixer(padded, mask=mask)
+        if self._attn_weight_hooks:
+            self._run_hooks(mixed, padded, mask)
+        # Scatter the real positions back; tokens after the last sequence stay zero.
+        return torch.zeros_like(seqs).index_put((index[mask],), mixed[mask])
+
+    def _run_hooks(self, out: Tensor, seqs: Tensor, mask: Tensor | None) -> None:
+        weights = self.mixer.materialize(seqs, mask=mask)  # NotMaterializableError for non-linear mixers
+        for hook in self._attn_weight_hooks.values():
+            hook(self, out, weights)
+
+    def reset_non_persistent_buffers(self) -> None:
+        """Recompute the mixer's non-persistent buffers (called by fairseq2 after a meta-device load).
+
+        They are not in checkpoints, so they must be a function of the mixer's config: a fresh CPU instance of
+        the same config has the right values.
+        """
+        targets = _non_persistent_buffers(self.mixer)
+        if not targets:
+            return
+        with torch.device("cpu"):
+            fresh = self._spec.build(self.mixer.config)
+        fresh_modules = dict(fresh.named_modules())
+        for name, sub in self.mixer.named_modules():
+            for buf_name in sub._non_persistent_buffers_set:
+                current = sub._buffers.get(buf_name)
+                if current is None or current.device.type == "meta":  # still shapes only: nothing to fill
+                    continue
+                with torch.no_grad():
+                    current.copy_(fresh_modules[name]._buffers[buf_name].to(current.device, current.dtype))
+
+    def extra_repr(self) -> str:
+        return f"mixer={self.mixer_name!r}, model_dim={self.model_dim}"

@@ -1,0 +1,178 @@
+"""The MLM recipe's batches: BERT-style masking of byte tokens, and a deterministic, resumable data reader.
+
+Kept apart from the recipe itself so it can be used (and tested) without importing fairseq2's recipe stack.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import final
+
+import torch
+from fairseq2.datasets import DataReader, SequenceBatch
+from fairseq2.device import Device, SupportsDeviceTransfer
+from fairseq2.nn import BatchLayout
+from fairseq2.utils.validation import ValidationResult
+from torch import Tensor
+from typing_extensions import Self, override
+
+from .corpus import ByteTokenizer
+
+__all__ = ["MlmDataSection", "MlmBatch", "MlmDataReader", "mask_tokens"]
+
+
+@dataclass(kw_only=True)
+class MlmDataSection:
+    """The ``data`` section of the recipe config."""
+
+    text_file: Path | None = None
+    """A UTF-8 text file, one example per line; ``None``: the generated corpus."""
+
+    num_examples: int = 4000
+    """Size of the generated corpus (ignored with ``text_file``)."""
+
+    corpus_seed: int = 0
+    """Seed of the generated corpus."""
+
+    max_seq_len: int = 96
+    """Tokens per example, including the ``<s>`` and ``</s>`` tokens (longer texts are truncated)."""
+
+    batch_size: int = 16
+    """Examples per batch (per data-parallel rank)."""
+
+    mask_prob: float = 0.15
+    """Fraction of byte tokens chosen as MLM targets (at least one per example)."""
+
+    seed: int = 0
+    """Seed of the shuffling and of the masking (batch ``k`` of epoch ``e`` is the same on every run)."""
+
+    def validate(self) -> ValidationResult:
+        result = ValidationResult()
+        if self.num_examples < 1:
+            result.add_error(f"`num_examples` must be >= 1, but is {self.num_examples}.")
+        if self.max_seq_len < 3:
+            result.add_error(f"`max_seq_len` must be >= 3 (<s>, a byte, </s>), but is {self.max_seq_len}.")
+        if self.batch_size < 1:
+            result.add_error(f"`batch_size` must be >= 1, but is {self.batch_size}.")
+        if not 0.0 < self.mask_prob < 1.0:
+            result.add_error(f"`mask_prob` must be in (0, 1), but is {self.mask_prob}.")
+        return result
+
+
+@final
+class MlmBatch(SupportsDeviceTransfer):
+    """A right-padded MLM batch: masked ``inputs``, original ``targets``, and the ``target_mask``."""
+
+    def __init__(self, inputs: Tensor, targets: Tensor, target_mask: Tensor, seq_lens: list[int]) -> None:
+        self.inputs = inputs
+        self.targets = targets
+        self.target_mask = target_mask
+        self.seq_lens = seq_lens
+
+    @override
+    def to(self, device: Device, *, non_blocking: bool = False) -> None:
+        self.inputs = self.inputs.to(device, non_blocking=non_blocking)
+        self.targets = self.targets.to(device, non_blocking=non_blocking)
+        self.target_mask = self.target_mask.to(device, non_blocking=non_blocking)
+
+    def layout(self) -> BatchLayout:
+        return BatchLayout.of(self.inputs, self.seq_lens)
+
+    def as_sequence_batch(self) -> SequenceBatch:
+        """The targets as a fairseq2 ``SequenceBatch`` (for fairseq2's batch metrics)."""
+        return SequenceBatch(self.targets, self.seq_lens, target_mask=self.target_mask)
+
+
+def mask_tokens(tokens: Tensor, tokenizer: ByteTokenizer, mask_prob: float,
+                generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """BERT masking of the byte tokens: returns ``(inputs, target_mask)``.
+
+    Each byte token is a target with probability ``mask_prob`` (every example gets at least one); a target
+    becomes ``<mask>`` (80 %), a random byte (10 %) or stays (10 %). ``<s>``, ``</s>`` and pads never are.
+    """
+    is_byte = tokens >= tokenizer.byte_offset
+    draw = torch.rand(tokens.shape, generator=generator)
+    target_mask = (draw < mask_prob) & is_byte
+    # At least one target per example: the byte with the smallest draw when none was chosen.
+    first = torch.where(is_byte, draw, torch.full_like(draw, 2.0)).argmin(dim=1)
+    none_chosen = ~target_mask.any(dim=1) & is_byte.any(dim=1)
+    target_mask[none_chosen, first[none_chosen]] = True
+    action = torch.rand(tokens.shape, generator=generator)
+    random_bytes = torch.randint(tokenizer.byte_offset, tokenizer.vocab_size, tokens.shape, generator=generator)
+    inputs = tokens.clone()
+    inputs = torch.where(target_mask & (action < 0.8), torch.full_like(tokens, tokenizer.mask_idx), inputs)
+    inputs = torch.where(target_mask & (action >= 0.8) & (action < 0.9), random_bytes, inputs)
+    return inputs, target_mask
+
+
+@final
+class MlmDataReader(DataReader[MlmBatch]):
+    """Shuffled, padded, masked batches over a list of encoded examples; one data epoch per pass.
+
+    Deterministic: the order of epoch ``e`` and the masks of its batch ``k`` depend only on
+    ``(seed, e, k)``, so the state is just ``(epoch, batch)`` and a resumed run sees the same batches.
+    """
+
+    def __init__(self, examples: list[list[int]], section: MlmDataSection, tokenizer: ByteTokenizer,
+                 *, rank: int = 0, world_size: int = 1) -> None:
+        # Each data-parallel rank reads its own shard; shards have equal sizes so that every rank runs the
+        # same number of steps per epoch (a rank with one batch more would wait forever in DDP).
+        per_rank = len(examples) // world_size
+        self._examples = examples[rank::world_size][:per_rank]
+        if not self._examples:
+            raise ValueError(f"the corpus has {len(examples)} examples: too few for {world_size} ranks")
+        self._section = section
+        self._tokenizer = tokenizer
+        self._epoch = 0
+        self._batch = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._examples)))
+        random.Random(self._section.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    @override
+    def __iter__(self) -> Self:
+        return self
+
+    @override
+    def __next__(self) -> list[MlmBatch]:
+        size = self._section.batch_size
+        start = self._batch * size
+        if start >= len(self._order):
+            raise StopIteration
+        chosen = [self._examples[i] for i in self._order[start:start + size]]
+        seq_lens = [len(e) for e in chosen]
+        tokens = torch.full((len(chosen), max(seq_lens)), self._tokenizer.pad_idx, dtype=torch.long)
+        for row, example in enumerate(chosen):
+            tokens[row, : len(example)] = torch.tensor(example)
+        batch_seed = ((self._section.seed * 1_000_003 + self._epoch) * 1_000_003 + self._batch) % 2**63
+        generator = torch.Generator().manual_seed(batch_seed)
+        inputs, target_mask = mask_tokens(tokens, self._tokenizer, self._section.mask_prob, generator)
+        self._batch += 1
+        return [MlmBatch(inputs, tokens, target_mask, seq_lens)]
+
+    @override
+    def reset(self) -> None:
+        """Start the next data epoch (a new shuffle)."""
+        self._epoch += 1
+        self._batch = 0
+        self._order = self._epoch_order(self._epoch)
+
+    @override
+    def state_dict(self) -> dict[str, object]:
+        return {"epoch": self._epoch, "batch": self._batch}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self._epoch = int(state_dict["epoch"])  # type: ignore[call-overload]
+        self._batch = int(state_dict["batch"])  # type: ignore[call-overload]
+        self._order = self._epoch_order(self._epoch)
+
+    @property
+    @override
+    def num_accumulate(self) -> int:
+        return 1

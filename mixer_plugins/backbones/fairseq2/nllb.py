@@ -1,0 +1,141 @@
+"""``nllb_mixer``: fairseq2's NLLB encoder-decoder with its *encoder* self-attention swapped by config.
+
+fairseq2 configs are strict and family names unique, so an existing family cannot gain a field; the
+wrapper is a new family whose config subclasses :class:`~fairseq2.models.nllb.NllbConfig` with the same two
+fields as ``mixer_encoder`` (``mixer``, ``mixer_options``), whose factory subclasses ``NllbFactory`` and
+overrides only ``create_encoder_self_attention``, and which re-exposes every NLLB arch under its own name.
+
+With ``mixer="attention"`` (or an alias of it) the model is upstream NLLB exactly: same modules, same
+parameter names, same initialisation, so NLLB checkpoints load unchanged (through the reused
+``convert_nllb_state_dict``). Any other mixer replaces the encoder self-attention of every layer; the
+decoder (self- and cross-attention) is left alone. Loading an upstream NLLB checkpoint into a model with
+another mixer fails (fairseq2 loads strictly and the checkpoint has no weights for the mixer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Final
+
+from fairseq2.composition import register_model_family
+from fairseq2.models import ModelHubAccessor
+from fairseq2.models.nllb import NllbConfig, NllbFactory, convert_nllb_state_dict
+from fairseq2.models.transformer import (
+    MultiheadAttention,
+    TransformerModel,
+    apply_ac_to_transformer,
+    apply_fsdp_to_transformer,
+)
+from fairseq2.runtime.dependency import DependencyContainer, DependencyResolver
+from fairseq2.utils.validation import ValidationResult
+
+import mixer_plugins as mp
+from mixer_plugins.registry import InvalidMixerOptions
+
+from .attention import MixerAttention
+from .options import ResolvedMixer, namespaced_options, resolve_mixer
+
+__all__ = ["NLLB_MIXER_FAMILY", "NllbMixerConfig", "NllbMixerFactory", "create_nllb_mixer_model",
+           "register_nllb_mixer_archs", "get_nllb_mixer_hub"]
+
+NLLB_MIXER_FAMILY: Final = "nllb_mixer"
+
+#: The name under which the wrapper keeps fairseq2's own attention.
+UPSTREAM_MIXER: Final = "attention"
+
+
+@dataclass(kw_only=True)
+class NllbMixerConfig(NllbConfig):
+    """:class:`~fairseq2.models.nllb.NllbConfig` plus the mixer of the encoder self-attention."""
+
+    mixer: str = UPSTREAM_MIXER
+    """Encoder self-attention: ``attention`` keeps fairseq2's own (upstream NLLB); any other registered
+    mixer replaces it in every encoder layer."""
+
+    mixer_options: dict[str, object] = field(default_factory=dict)
+    """Options per mixer name, e.g. ``{"quasi": {"d_state": 32}}``; only ``mixer``'s entry is used."""
+
+    def is_upstream(self) -> bool:
+        """True when the encoder keeps fairseq2's own attention (``mixer`` is ``attention`` or an alias)."""
+        if not isinstance(self.mixer, str) or not self.mixer.strip():
+            raise mp.MixerError(f"mixer must be a non-empty mixer name (see `mixer-plugins list`), got {self.mixer!r}")
+        if self.mixer == UPSTREAM_MIXER:
+            return True
+        return mp.get_spec(self.mixer).name == UPSTREAM_MIXER
+
+    def resolve_mixer(self) -> ResolvedMixer | None:
+        """The replacement mixer, or ``None`` for upstream attention; raises our registry errors."""
+        if self.is_upstream():
+            # The other namespaces are still checked (names, shapes), like any mixer_options.
+            if namespaced_options(mp.get_spec(UPSTREAM_MIXER), self.mixer_options or {}):
+                raise InvalidMixerOptions(
+                    UPSTREAM_MIXER,
+                    ["with mixer='attention' the NLLB encoder keeps fairseq2's own attention, configured by "
+                     "NllbConfig (num_encoder_attn_heads); remove mixer_options.attention"],
+                )
+            return None
+        return resolve_mixer(self.mixer, self.mixer_options, dim=self.model_dim,
+                             host_options={"num_heads": self.num_encoder_attn_heads, "max_seq_len": self.max_seq_len})
+
+    def validate(self) -> ValidationResult:
+        result = ValidationResult()
+        try:
+            self.resolve_mixer()
+        except mp.MixerError as err:
+            result.add_error(str(err))
+        return result
+
+
+class NllbMixerFactory(NllbFactory):
+    """``NllbFactory`` whose encoder self-attention is the configured mixer."""
+
+    def __init__(self, config: NllbMixerConfig) -> None:
+        super().__init__(config)
+        self._resolved = config.resolve_mixer()
+
+    def create_encoder_self_attention(self) -> MultiheadAttention:
+        if self._resolved is None:
+            return super().create_encoder_self_attention()
+        return MixerAttention(self._resolved)
+
+
+def create_nllb_mixer_model(config: NllbMixerConfig) -> TransformerModel:
+    """The family factory (validates the mixer first: our registry errors, before anything is built)."""
+    if not isinstance(config, NllbMixerConfig):
+        raise TypeError(f"expected an NllbMixerConfig, got {type(config).__name__}")
+    return NllbMixerFactory(config).create_model()
+
+
+def register_nllb_mixer_archs(container: DependencyContainer) -> None:
+    """Re-expose every arch of the ``nllb`` family (``dense_600m``, ...) under ``nllb_mixer``.
+
+    The presets are read from fairseq2's own registrations when asked for, so they follow upstream.
+    """
+    for arch in list(container.iter_keys(NllbConfig)):
+        if not isinstance(arch, str):
+            continue
+
+        def provide(resolver: DependencyResolver, arch: str = arch) -> NllbMixerConfig:
+            upstream = resolver.resolve(NllbConfig, key=arch)
+            return NllbMixerConfig(**{f.name: getattr(upstream, f.name) for f in fields(NllbConfig)})
+
+        container.register(NllbMixerConfig, provide, key=arch)
+
+
+def register_nllb_mixer_family(container: DependencyContainer) -> None:
+    """Register the ``nllb_mixer`` family and its archs (the caller checks it is not registered yet)."""
+    register_model_family(
+        container,
+        NLLB_MIXER_FAMILY,
+        kls=TransformerModel,
+        config_kls=NllbMixerConfig,
+        factory=create_nllb_mixer_model,
+        state_dict_converter=convert_nllb_state_dict,
+        fsdp_applier=apply_fsdp_to_transformer,
+        layerwise_ac_applier=apply_ac_to_transformer,
+    )
+    register_nllb_mixer_archs(container)
+
+
+#: Typed access: ``get_nllb_mixer_hub().create_new_model(NllbMixerConfig(..., mixer="quasi"))``.
+get_nllb_mixer_hub = ModelHubAccessor(NLLB_MIXER_FAMILY, TransformerModel, NllbMixerConfig)

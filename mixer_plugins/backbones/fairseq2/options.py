@@ -1,0 +1,164 @@
+"""From the two config fields a fairseq2 user edits (``mixer``, ``mixer_options``) to a validated mixer config.
+
+Every fairseq2 config that carries a mixer (``MixerEncoderConfig``, ``NllbMixerConfig``) has
+
+* ``mixer: str`` — a name (or alias) in our registry, e.g. ``"quasi"``;
+* ``mixer_options: dict[str, object]`` — options *namespaced by mixer name*, e.g.
+  ``{"quasi": {"d_state": 32}, "attention": {"dropout": 0.1}}``. Only the entry of the chosen mixer is
+  used; the others stay in the config so that flipping ``mixer`` back and forth keeps them. Namespacing
+  is what makes fairseq2's *merging* of nested override dicts harmless: options of the previous mixer
+  never leak into the new one.
+
+The registry is the source of truth: names are checked with :func:`mixer_plugins.get_spec` ("did you
+mean") and options with the mixer's own pydantic model (:class:`~mixer_plugins.InvalidMixerOptions`), so a
+bad name or option fails with our message before fairseq2 builds anything.
+
+The host model supplies a few options the mixer cannot know (its width, and where the mixer has such an
+option: ``num_heads``, ``max_seq_len``, ``causal=False`` for mixers that can run either way). They are
+filled in only when the user did not set them under ``mixer_options``; an error then says where they came
+from. The decision is made from the mixer's spec and config fields, never from its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import mixer_plugins as mp
+from mixer_plugins.registry import InvalidMixerOptions, MixerConfig, MixerError, MixerSpec
+from mixer_plugins.registry.registry import normalize_name
+
+__all__ = ["ResolvedMixer", "resolve_mixer", "mixer_problems", "namespaced_options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedMixer:
+    """The outcome of :func:`resolve_mixer`: which mixer, with which validated options.
+
+    Attributes:
+        spec: the registry entry of the chosen mixer (``spec.name`` is canonical even if an alias was used).
+        config: the validated mixer config (``config.dim`` is the host model's width).
+        from_host: options filled in from the host model config (not set by the user), by name.
+    """
+
+    spec: MixerSpec
+    config: MixerConfig
+    from_host: Mapping[str, Any]
+
+    def build(self):
+        """Build one mixer module (a fresh instance each call; every layer gets its own)."""
+        return self.spec.build(self.config)
+
+
+def namespaced_options(spec: MixerSpec, mixer_options: Mapping[str, object]) -> dict[str, object]:
+    """The options stored under ``spec``'s namespace of ``mixer_options`` (a copy; ``{}`` when none).
+
+    Every namespace key must name a registered mixer and hold a mapping; two keys naming the same mixer
+    (e.g. a name and its alias) are an error.
+    """
+    if not isinstance(mixer_options, Mapping):
+        raise InvalidMixerOptions(
+            spec.name,
+            [f"mixer_options must be a mapping from mixer name to options, e.g. "
+             f"{{{spec.name!r}: {{...}}}}, got {type(mixer_options).__name__} {mixer_options!r}"],
+        )
+    matching: list[str] = []
+    for key, value in mixer_options.items():
+        if not isinstance(key, str):
+            raise InvalidMixerOptions(spec.name, [f"mixer_options keys must be mixer names, got {key!r}"])
+        # An unknown namespace would otherwise be ignored silently (a typo such as 'qausi' would drop the
+        # user's options), so every key must name a registered mixer: UnknownMixerError with "did you mean".
+        owner = spec if normalize_name(key) == normalize_name(spec.name) else mp.get_spec(key)
+        if not isinstance(value, Mapping):
+            raise InvalidMixerOptions(
+                owner.name,
+                [f"mixer_options[{key!r}] must be a mapping of option names to values "
+                 f"(e.g. mixer_options.{key}.<option>=<value>), got {type(value).__name__} {value!r}"],
+            )
+        if owner.name == spec.name:
+            matching.append(key)
+    if len(matching) > 1:
+        raise InvalidMixerOptions(
+            spec.name,
+            [f"options for mixer {spec.name!r} are given under several names ({', '.join(map(repr, matching))}); "
+             "keep one of them"],
+        )
+    if not matching:
+        return {}
+    options = dict(mixer_options[matching[0]])  # type: ignore[arg-type]
+    for name in options:
+        if not isinstance(name, str):
+            raise InvalidMixerOptions(spec.name, [f"option names must be strings, got {name!r}"])
+    if "dim" in options:
+        raise InvalidMixerOptions(
+            spec.name,
+            [f"'dim' is set by the model (its model_dim); remove it from mixer_options[{matching[0]!r}]"],
+        )
+    return options
+
+
+def resolve_mixer(
+    mixer: str,
+    mixer_options: Mapping[str, object] | None,
+    *,
+    dim: int,
+    host_options: Mapping[str, object] | None = None,
+) -> ResolvedMixer:
+    """Validate ``mixer`` and its namespaced options through the registry.
+
+    Args:
+        mixer: a registered mixer name or alias.
+        mixer_options: ``{mixer name: {option: value}}``; only the chosen mixer's entry is used.
+        dim: the host model's width, the mixer's ``dim``.
+        host_options: options the host model can supply (e.g. ``num_heads``, ``max_seq_len``); each is used
+            only if the mixer's config has a field of that name and the user did not set it. ``None`` values
+            are skipped (the mixer's own default applies).
+
+    Raises:
+        UnknownMixerError: ``mixer`` or a ``mixer_options`` key names no registered mixer ("did you mean").
+        InvalidMixerOptions: an option is unknown, has a bad value, or the namespaces are malformed.
+        PluginLoadError, DuplicateMixerError: the chosen mixer's plugin is broken or its name is ambiguous.
+    """
+    if not isinstance(mixer, str) or not mixer.strip():
+        raise MixerError(f"mixer must be a non-empty mixer name (see `mixer-plugins list`), got {mixer!r}")
+    spec = mp.get_spec(mixer)
+    options = namespaced_options(spec, mixer_options or {})
+
+    fields = spec.config.model_fields
+    from_host: dict[str, object] = {}
+    for name, value in (host_options or {}).items():
+        if value is not None and name in fields and name not in options:
+            from_host[name] = value
+    # An encoder wants a bidirectional mixer; a mixer that can run either way gets causal=False unless the
+    # user asks otherwise. Causal-only mixers (direction "causal") are left as they are.
+    if spec.direction == "either" and "causal" in fields and "causal" not in options:
+        from_host["causal"] = False
+    options.update(from_host)
+
+    try:
+        config = spec.make_config(dim, **options)
+    except InvalidMixerOptions as err:
+        problems = list(err.problems)
+        if from_host:
+            given = ", ".join(f"{k}={v!r}" for k, v in from_host.items())
+            problems.append(
+                f"note: {given} came from the model config; set them under mixer_options.{spec.name} to override"
+            )
+        raise InvalidMixerOptions(spec.name, problems) from None
+    return ResolvedMixer(spec=spec, config=config, from_host=from_host)
+
+
+def mixer_problems(
+    mixer: str,
+    mixer_options: Mapping[str, object] | None,
+    *,
+    dim: int,
+    host_options: Mapping[str, object] | None = None,
+) -> list[str]:
+    """The messages :func:`resolve_mixer` would raise, as a list (empty when valid); for ``validate()``."""
+    try:
+        resolve_mixer(mixer, mixer_options, dim=dim, host_options=host_options)
+    except MixerError as err:
+        return [str(err)]
+    return []
