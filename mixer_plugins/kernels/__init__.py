@@ -11,6 +11,7 @@ default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :
 ``MIXER_PLUGINS_BACKEND`` environment variable.
 """
 
+from . import flop_formulas  # noqa: F401  (FlopCounterMode formulas for CPU attention)
 from .dispatch import BACKENDS, BackendUnavailableError, available_backends, resolve_backend, use_backend
 from .scan import directional_scan, prepare_dt, quasiseparable, ssd
 from .scan_reference import scan_matrix, scan_reference

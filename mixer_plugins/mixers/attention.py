@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from ..kernels import flop_formulas  # noqa: F401  (so FlopCounterMode counts CPU SDPA)
 from ..registry.spec import MixerConfig, MixerSpec
 from .base import MatrixMixer, MixerContext
 
