@@ -31,13 +31,16 @@ $(STAMP): pyproject.toml examples/third_party_plugin/pyproject.toml | system-dep
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/mixer-plugins list
+	$(VENV)/bin/mixer-plugins demo
 
+# The unit tests and, once each with timing disabled, the benchmark suites (so they cannot rot).
+# --dist loadfile keeps each test module on one worker (fairseq2 is initialised once per process).
 test: setup
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile tests benchmarks --benchmark-disable $(PYTEST_ARGS)
 
+# Timed benchmark runs, saved as JSON under .benchmarks/ (render them with: mixer-plugins bench-table .benchmarks)
 bench: setup
-	$(PY) -m pytest benchmarks --benchmark-only --benchmark-autosave
+	$(PY) -m pytest benchmarks --benchmark-only --benchmark-autosave $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
