@@ -70,6 +70,9 @@ class SoftmaxAttention(MatrixMixer):
         self.qkv = nn.Linear(config.dim, 3 * inner, bias=config.qkv_bias)
         self.proj = nn.Linear(inner, config.dim, bias=config.out_bias)
         self.dropout = config.dropout
+        # muP (mixer_plugins.mup) zero-initialises the query rows of the fused projection: logits start at 0.
+        rows = slice(0, inner)
+        self.mup_zero_init = (("qkv.weight", rows),) + ((("qkv.bias", rows),) if config.qkv_bias else ())
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
         b, l, _ = x.shape

@@ -1,0 +1,248 @@
+"""Pieces shared by the structured softmax-attention mixers (Kuang et al. 2025) and their baselines.
+
+``btt_attention``, ``mlr_attention``, ``bilinear_mlr_attention``, ``sliding_window_attention`` and
+``global_local_attention`` all compute ``softmax_j(score(i, j))`` over allowed keys and apply it to value heads;
+they differ in the score. This module holds what they share: the common options, the logit scale, masking, a
+fused (SDPA) path, the blocked sliding-window kernel, and the q/k/v base class of the mixers whose queries and
+keys are ordinary projections.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from ..mup import attention_logit_scale
+from ..registry.spec import MixerConfig
+from .attention import attention_bias_mask
+from .base import MatrixMixer, MixerContext
+
+__all__ = [
+    "LocalPlan",
+    "QKVSoftmaxMixer",
+    "QKVSoftmaxConfig",
+    "SoftmaxMixerConfig",
+    "dense_allowed",
+    "dot_scores",
+    "fused_attention",
+    "local_attention",
+    "local_attention_flops",
+    "local_attention_plan",
+    "masked_softmax",
+]
+
+
+class SoftmaxMixerConfig(MixerConfig):
+    """Options every structured softmax mixer has."""
+
+    num_heads: int = Field(8, gt=0, description="number of heads (value heads of width dim // num_heads)")
+    causal: bool = Field(False, description="mask future positions (decoder-style attention)")
+    bias: bool = Field(False, description="bias in the input and output projections (the paper uses none)")
+    logit_scaling: Literal["standard", "mup"] = Field(
+        "standard",
+        description="logit scale rule: 'standard' = multiplier/sqrt(d), 'mup' = multiplier/d, where d is the "
+        "width of the dot product (head dim, level rank, or dim for BTT)",
+    )
+    logit_multiplier: float = Field(1.0, gt=0, description="multiplier of the logit scale (the paper's muP uses 8)")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> SoftmaxMixerConfig:
+        if self.dim % self.num_heads != 0:
+            raise ValueError(
+                f"dim ({self.dim}) is not divisible by num_heads ({self.num_heads}); choose num_heads dividing dim"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def logit_scale(self, dot_dim: int) -> float:
+        """The factor applied to a ``dot_dim``-wide query-key dot product under this config's rule."""
+        return attention_logit_scale(dot_dim, self.logit_scaling, self.logit_multiplier)
+
+
+class QKVSoftmaxConfig(SoftmaxMixerConfig):
+    """Options of the mixers whose queries and keys are ordinary per-head projections."""
+
+    qk_norm: bool = Field(
+        True, description="LayerNorm on queries and keys over the head dim, shared by heads (the paper's QK-LN)"
+    )
+
+
+# -- masks and softmax ------------------------------------------------------------------------------------------------
+
+def dense_allowed(mask: Tensor | None, length: int, causal: bool, device: torch.device,
+                  window: int | None = None) -> Tensor | None:
+    """Bool (batch|1, 1, L, L) of allowed (query, key) pairs, or None when all are allowed.
+
+    Causal: ``j <= i``; ``window``: ``|i - j| <= window`` (so causal + window keeps ``i - window <= j <= i``); pad keys
+    are excluded. Fully padded rows keep every key (their outputs are zeroed), see ``attention_bias_mask``.
+    """
+    allowed = attention_bias_mask(mask, length, causal, device)
+    if window is not None:
+        pos = torch.arange(length, device=device)
+        band = ((pos[:, None] - pos[None, :]).abs() <= window)[None, None]
+        allowed = band if allowed is None else allowed & band
+    return allowed
+
+
+def dot_scores(q: Tensor, k: Tensor) -> Tensor:
+    """Per-head dot products of every query with every key: (batch, L, heads, e) x 2 -> (batch, heads, L, L).
+
+    Written with ``matmul``, whose result is a fresh tensor (not a view), so callers may update it in place.
+    """
+    return torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))
+
+
+def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
+    """Softmax over the last axis, restricted to ``allowed`` keys.
+
+    Disallowed scores are set to the dtype's most negative finite value, not ``-inf``: a row with no allowed key (a
+    pad query) then gives a finite uniform row instead of NaN, and NaN never reaches the gradients. Any row with at
+    least one allowed key is exact: its disallowed entries underflow to zero.
+    """
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return scores.softmax(dim=-1)
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """``softmax(scale * q k^T) v`` with causal/padding masks, via PyTorch's SDPA.
+
+    ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p); returns (batch, length, heads, p).
+    Query/key and value widths may differ.
+    """
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    allowed = attention_bias_mask(mask, q.shape[2], causal, q.device) if mask is not None else None
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal and mask is None, scale=scale)
+    return y.transpose(1, 2)
+
+
+# -- sliding-window attention, blocked -------------------------------------------------------------------------------
+
+class LocalPlan:
+    """How :func:`local_attention` tiles a length-``L`` sequence for window ``w``.
+
+    Queries are cut into chunks of ``chunk = w`` tokens; chunk ``k`` sees the keys of chunks ``k-1, k`` (causal) or
+    ``k-1, k, k+1`` (bidirectional), which hold every key within ``w`` of its queries. ``dense`` is True when that
+    tiling would cost at least as much as the plain L x L scores (short sequences, wide windows).
+    """
+
+    def __init__(self, length: int, window: int, causal: bool):
+        self.length = length
+        self.chunk = max(1, min(window, length))
+        self.num_chunks = math.ceil(length / self.chunk)
+        self.offsets = (-1, 0) if causal else (-1, 0, 1)
+        self.keys_per_chunk = len(self.offsets) * self.chunk
+        self.dense = self.num_chunks == 1 or self.num_chunks * self.chunk * self.keys_per_chunk >= length * length
+
+    def pairs(self) -> int:
+        """Number of (query, key) score entries computed per (batch, head)."""
+        if self.dense:
+            return self.length * self.length
+        return self.num_chunks * self.chunk * self.keys_per_chunk
+
+
+def local_attention_plan(length: int, window: int, causal: bool) -> LocalPlan:
+    return LocalPlan(length, window, causal)
+
+
+def local_attention_flops(batch: int, heads: int, length: int, window: int, causal: bool,
+                          qk_dim: int, v_dim: int) -> dict[str, int]:
+    """FLOPs (2 per multiply-add) of :func:`local_attention`: scores and weighted values."""
+    pairs = local_attention_plan(length, window, causal).pairs()
+    return {"scores": 2 * batch * heads * pairs * qk_dim, "weighted_values": 2 * batch * heads * pairs * v_dim}
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, mask: Tensor | None,
+                    scale: float) -> Tensor:
+    """Sliding-window softmax attention in O(L * window): each query ``i`` sees keys ``|i - j| <= window``
+    (causal: ``i - window <= j <= i``), pads excluded.
+
+    ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p) -> (batch, length, heads, p). Computed
+    chunk by chunk (see :class:`LocalPlan`); falls back to dense scores when that is cheaper.
+    """
+    b, length, h, _ = q.shape
+    plan = local_attention_plan(length, window, causal)
+    if plan.dense:
+        probs = masked_softmax(dot_scores(q, k) * scale, dense_allowed(mask, length, causal, q.device, window))
+        return torch.einsum("bhij,bjhp->bihp", probs, v)
+
+    c, n = plan.chunk, plan.num_chunks
+    padded = n * c
+    extra = padded - length
+
+    def chunks(t: Tensor) -> Tensor:  # (b, L, h, e) -> (b, n, c, h, e), zero-padded at the end
+        return F.pad(t, (0, 0, 0, 0, 0, extra)).view(b, n, c, h, t.shape[-1])
+
+    def neighbours(t: Tensor) -> Tensor:  # (b, n, c, h, e) -> (b, n, len(offsets) * c, h, e)
+        framed = F.pad(t, (0, 0, 0, 0, 0, 0, 1, 1))  # one empty chunk before and after
+        return torch.cat([framed[:, 1 + off: 1 + off + n] for off in plan.offsets], dim=2)
+
+    qc = chunks(q)
+    kc = neighbours(chunks(k))
+    vc = neighbours(chunks(v))
+
+    # Absolute positions of every query and key slot, to build the band / causal / padding mask per chunk.
+    device = q.device
+    qpos = torch.arange(padded, device=device).view(n, c)
+    starts = torch.arange(n, device=device)[:, None] * c
+    kpos = torch.cat([starts + off * c + torch.arange(c, device=device) for off in plan.offsets], dim=1)  # (n, K)
+    diff = qpos[:, :, None] - kpos[:, None, :]  # (n, c, K)
+    allowed = (diff.abs() <= window) & (kpos >= 0)[:, None, :] & (kpos < length)[:, None, :]
+    if causal:
+        allowed = allowed & (diff >= 0)
+    allowed = allowed[None]  # (1, n, c, K)
+    if mask is not None:
+        key_real = F.pad(mask, (c, extra + c))[:, kpos + c]  # (b, n, K): False on pads and out-of-range slots
+        allowed = allowed & key_real[:, :, None, :]
+
+    scores = torch.einsum("bnqhe,bnkhe->bhnqk", qc, kc) * scale
+    probs = masked_softmax(scores, allowed[:, None])
+    y = torch.einsum("bhnqk,bnkhp->bnqhp", probs, vc)
+    return y.reshape(b, padded, h, v.shape[-1])[:, :length]
+
+
+# -- the q/k/v base class ---------------------------------------------------------------------------------------------
+
+class QKVSoftmaxMixer(MatrixMixer):
+    """Base of the mixers with dense q/k/v projections (MLR, SWA, GSWA): ``qkv``, optional QK-LN, ``proj``.
+
+    ``prepare`` puts the (normalised) queries and keys in ``ctx.q``/``ctx.k`` and the values in ``ctx.values``, all
+    (batch, length, heads, head_dim); subclasses write the score, the matrix and the fast path.
+    """
+
+    def __init__(self, config: QKVSoftmaxConfig):
+        super().__init__(config)
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)
+        if config.qk_norm:
+            self.q_norm = nn.LayerNorm(self.head_dim, bias=False)
+            self.k_norm = nn.LayerNorm(self.head_dim, bias=False)
+            # muP zero-initialises the query (Yang et al., Tensor Programs V): logits are then exactly 0 at init
+            # at every width. Behind QK-LN that is the query LN's gain (zero W_q would put LN at its singular point).
+            self.mup_zero_init = ("q_norm.weight",)
+        else:
+            self.q_norm = self.k_norm = None
+        self.proj = nn.Linear(config.dim, config.dim, bias=config.bias)
+
+    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+        b, l, _ = x.shape
+        q, k, v = self.qkv(x).view(b, l, 3, self.num_heads, self.head_dim).unbind(2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return MixerContext(values=v, mask=mask, q=q, k=k)
+
+    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+        return self.proj(y.flatten(2))
+
+    def projection_flops(self, batch: int, length: int) -> dict[str, int]:
+        tokens = batch * length
+        return {"qkv_proj": 2 * tokens * self.dim * 3 * self.dim, "out_proj": 2 * tokens * self.dim * self.dim}

@@ -1,0 +1,316 @@
+"""``mlr_attention``: Multi-Level Low-Rank (MLR) softmax attention on the sequence axis (Kuang et al. 2025).
+
+Queries and keys (per head, after QK-LN) are split along the head dim into levels of widths ``r_0, ..., r_{L-1}``
+(summing to the head dim). Level ``l`` cuts the sequence into contiguous blocks of ``s_l`` tokens aligned at position
+0 and scores only pairs inside a block::
+
+    S(i, j) = sum_l [i, j in the same level-l block] * tau_l * q_i^(l) . k_j^(l),      tau_l = 1 / r_l (muP, default)
+
+so the pre-softmax score matrix is a sum of block-diagonal low-rank matrices: neighbours share every level (up to the
+full head dim), distant tokens only the coarse ones. With ``block_divide`` (default, as in the paper's language-model
+runs) each score is divided by the number of levels whose block holds both tokens; ``divide_by_levels`` divides by
+``L``. Then the causal mask (optional), softmax over all keys and the values.
+
+Unlike the reference code this runs at **any length**: blocks are a fixed number of tokens (the last, partial block is
+a block), so a token's blocks never depend on the sequence length or on padding. The default ``block_sizes`` are
+level 0 global and then halving down to ``min_block_size`` at the last level: with 8 levels and 8 tokens that is the
+paper's ``1024, 512, ..., 8`` at its training length 1024.
+
+Scores are computed **block by block**: one dense product for the global level(s), and for each finer level one
+batched product per block, added in place into the diagonal blocks; so score FLOPs are ``T * sum_l s_l * r_l`` per
+head (``L^2 * sum_l r_l 2^-l`` with halving blocks) instead of ``L^2 * head_dim``. No dense ``L x L`` matrix is built
+per level; the summed scores, the softmax and ``A V`` remain one dense ``L x L`` per head (the softmax is global).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, Optional
+
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor
+
+from ..registry.spec import MixerSpec
+from ._softmax_common import QKVSoftmaxConfig, QKVSoftmaxMixer, dense_allowed, dot_scores, masked_softmax
+from .base import MixerContext
+
+__all__ = ["MLRAttention", "MLRAttentionConfig", "SPEC", "mlr_level_counts", "same_block_mask"]
+
+_DEFAULT_LEVELS = 4
+
+
+class MLRAttentionConfig(QKVSoftmaxConfig):
+    ranks: Optional[list[int]] = Field(
+        None,
+        description="rank r_l of each level (its slice of the head dim); must sum to dim // num_heads. "
+        "Default: the head dim split equally over 4 levels",
+    )
+    block_sizes: Optional[list[Optional[int]]] = Field(
+        None,
+        description="tokens per block of each level (None = one global block); each must divide the previous "
+        "one. Default: level 0 global, then halving down to min_block_size at the last level",
+    )
+    min_block_size: int = Field(8, gt=0, description="block size of the last level in the default block_sizes")
+    block_divide: bool = Field(
+        True, description="divide each score by the number of levels whose block holds both tokens"
+    )
+    divide_by_levels: bool = Field(False, description="divide every score by the number of levels")
+    logit_scaling: Literal["standard", "mup"] = Field(
+        "mup", description="per-level scale: 'mup' = multiplier/r_l (the paper: 1/r_l), 'standard' = "
+        "multiplier/sqrt(r_l)",
+    )
+
+    @model_validator(mode="after")
+    def _check_levels(self) -> MLRAttentionConfig:
+        head_dim = self.dim // self.num_heads
+        if self.ranks is None:
+            if head_dim % _DEFAULT_LEVELS:
+                raise ValueError(
+                    f"the head dim ({head_dim}) does not split equally over {_DEFAULT_LEVELS} levels; "
+                    f"pass ranks=[...] summing to {head_dim}"
+                )
+        else:
+            if not self.ranks or any(r <= 0 for r in self.ranks):
+                raise ValueError(f"ranks must be a non-empty list of positive integers, got {self.ranks}")
+            if sum(self.ranks) != head_dim:
+                raise ValueError(
+                    f"ranks {self.ranks} sum to {sum(self.ranks)}, but must sum to the head dim "
+                    f"dim // num_heads = {head_dim}"
+                )
+        ranks = self.resolved_ranks()
+        if self.block_sizes is not None:
+            sizes = self.block_sizes
+            if len(sizes) != len(ranks):
+                raise ValueError(f"block_sizes has {len(sizes)} entries but there are {len(ranks)} levels (ranks)")
+            for level, size in enumerate(sizes):
+                if size is not None and size <= 0:
+                    raise ValueError(f"block_sizes[{level}] = {size}; block sizes must be positive (or None = global)")
+                prev = sizes[level - 1] if level else None
+                if level and prev is not None and size is None:
+                    raise ValueError(
+                        f"block_sizes[{level}] is None (global) but level {level - 1} has blocks of {prev}; "
+                        "global levels must come first (blocks must nest)"
+                    )
+                if prev is not None and size is not None and prev % size:
+                    raise ValueError(
+                        f"block_sizes must nest: {size} (level {level}) does not divide {prev} (level {level - 1})"
+                    )
+        return self
+
+    def resolved_ranks(self) -> list[int]:
+        if self.ranks is not None:
+            return list(self.ranks)
+        head_dim = self.dim // self.num_heads
+        return [head_dim // _DEFAULT_LEVELS] * _DEFAULT_LEVELS
+
+    def resolved_block_sizes(self) -> list[Optional[int]]:
+        if self.block_sizes is not None:
+            return list(self.block_sizes)
+        levels = len(self.resolved_ranks())
+        return [None] + [self.min_block_size * 2 ** (levels - 1 - level) for level in range(1, levels)]
+
+
+def same_block_mask(length: int, block_size: Optional[int], device: torch.device | None = None) -> Tensor:
+    """Bool (L, L): True where tokens ``i`` and ``j`` fall in the same block (blocks aligned at 0; None = global)."""
+    if block_size is None:
+        return torch.ones(length, length, dtype=torch.bool, device=device)
+    block = torch.arange(length, device=device) // block_size
+    return block[:, None] == block[None, :]
+
+
+def mlr_level_counts(length: int, block_sizes: list[Optional[int]], device: torch.device | None = None) -> Tensor:
+    """(L, L) int: number of levels whose block holds both tokens (the block-divide denominator)."""
+    counts = torch.zeros(length, length, dtype=torch.long, device=device)
+    for size in block_sizes:
+        counts += same_block_mask(length, size, device)
+    return counts
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_counts(size: int, block_sizes: tuple[Optional[int], ...], coarser: int) -> Tensor:
+    """(size, size) float64: ``coarser / (coarser + number of levels in block_sizes sharing a block)``, for a segment of
+    ``size`` tokens aligned with every block. Rescales a running mean over ``coarser`` levels to the pair's count."""
+    counts = mlr_level_counts(size, list(block_sizes)).double()
+    return coarser / (coarser + counts)
+
+
+def _block_view(scores: Tensor, num: int, size: int) -> Tensor:
+    """The ``num`` leading diagonal blocks of ``size`` tokens of ``scores`` (B, h, m, m), a (B, h, s, s, num) view."""
+    span = num * size
+    blocks = scores[:, :, :span, :span].unflatten(3, (num, size)).unflatten(2, (num, size))
+    return blocks.diagonal(dim1=2, dim2=4)
+
+
+def _diagonal_regions(scores: Tensor, size: int) -> list[tuple[Tensor, int]]:
+    """Views of the diagonal blocks of ``size`` tokens of ``scores`` (B, h, m, m): the full blocks as (B, h, s, s, n)
+    and the last partial block as (B, h, rem, rem); with the width of each."""
+    full, rem = divmod(scores.shape[-1], size)
+    regions = []
+    if full:
+        regions.append((_block_view(scores, full, size), size))
+    if rem:
+        regions.append((scores[:, :, full * size:, full * size:], rem))
+    return regions
+
+
+class _MergeBlocks(torch.autograd.Function):
+    """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place.
+
+    ``scores`` (B, h, m, m) is a fresh intermediate (a matmul output or zeros), so it is overwritten (``mark_dirty``)
+    instead of copied. ``subs`` are the blocks' new scores, in the layout of :func:`_diagonal_regions`; ``keeps`` the
+    matching rescale of the old values (None: 1). Written as a Function because autograd through views of the
+    diagonal blocks would zero-fill and copy the whole L x L base once per level in the backward pass; here the
+    backward reads the blocks of the incoming gradient and copies it once only when some ``keep`` is not 1.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, size, keeps, *subs):
+        with torch.no_grad():
+            for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
+                if keep is not None:
+                    region.mul_(keep)
+                region.add_(sub)
+        ctx.mark_dirty(scores)
+        ctx.size, ctx.keeps = size, keeps
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_subs = [region.clone() for region, _ in _diagonal_regions(grad, ctx.size)]
+        grad_scores = grad
+        if any(keep is not None for keep in ctx.keeps):
+            grad_scores = grad.clone()
+            for (region, _), keep in zip(_diagonal_regions(grad_scores, ctx.size), ctx.keeps):
+                if keep is not None:
+                    region.mul_(keep)
+        return (grad_scores, None, None, *grad_subs)
+
+
+class MLRAttention(QKVSoftmaxMixer):
+    """MLR attention: q/k/v projections, QK-LN, multi-level block-diagonal low-rank scores, softmax, ``proj``."""
+
+    def __init__(self, config: MLRAttentionConfig):
+        super().__init__(config)
+        self.ranks = config.resolved_ranks()
+        self.block_sizes = config.resolved_block_sizes()
+        levels = len(self.ranks)
+        divide = levels if config.divide_by_levels else 1
+        self.level_scales = [config.logit_scale(r) / divide for r in self.ranks]
+        self.block_divide = config.block_divide
+
+    def _levels(self, t: Tensor) -> tuple[Tensor, ...]:
+        return torch.split(t, self.ranks, dim=-1)
+
+    def scores(self, ctx: MixerContext) -> Tensor:
+        """Pre-softmax scores, computed block by block (the fast path), (batch, heads, L, L).
+
+        Levels whose block holds the whole sequence (``None``, or a size >= L: the same thing at this length) share
+        one dense product. Each finer level is computed bottom-up on its own blocks (see :meth:`_segment_scores`)
+        and merged into the diagonal blocks of the coarser result in place (:class:`_MergeBlocks`)."""
+        length = ctx.q.shape[1]
+        sizes = tuple(None if size is None or size >= length else size for size in self.block_sizes)
+        num_global = sum(size is None for size in sizes)  # a prefix: blocks nest (validated)
+        q_levels, k_levels = self._levels(ctx.q), self._levels(ctx.k)
+        if num_global:
+            divide = num_global if self.block_divide else 1
+            q = torch.cat([q_levels[lv] * (self.level_scales[lv] / divide) for lv in range(num_global)], dim=-1)
+            k = torch.cat(k_levels[:num_global], dim=-1)
+            scores = dot_scores(q, k)
+        else:
+            b, _, h, _ = ctx.q.shape
+            scores = ctx.q.new_zeros(b, h, length, length)  # pairs outside every block score 0
+        if num_global < len(sizes):
+            scores = self._add_blocks(scores, q_levels, k_levels, sizes, num_global)
+        return scores
+
+    def _add_blocks(self, scores: Tensor, q_levels, k_levels, sizes, level: int) -> Tensor:
+        """Add, inside every level-``level`` block of ``scores`` (B, h, m, m), the scores of levels ``>= level``.
+
+        ``scores`` holds levels ``< level``, already divided by ``level`` when ``block_divide``; it is updated in place
+        and returned. The last, partial block is a block of its own.
+        """
+        batch, heads, m, _ = scores.shape
+        size = sizes[level]
+        subs, keeps = [], []
+        for start, num, width in ((0, m // size, size), (m // size * size, 1, m % size)):
+            if num == 0 or width == 0:
+                continue
+
+            def segments(levels, start=start, num=num, width=width):
+                # (B, num * width, h, r) -> (B * num, width, h, r): one entry per block
+                return [None if t is None else t[:, start:start + num * width].reshape(batch * num, width, heads, -1)
+                        for t in levels]
+
+            q_seg = segments([None] * level + list(q_levels[level:]))
+            k_seg = segments([None] * level + list(k_levels[level:]))
+            sub = self._segment_scores(q_seg, k_seg, sizes, level)  # (B * num, h, width, width)
+            keep = None
+            if self.block_divide and level > 0:
+                # a pair in this block is counted by the `level` coarser levels plus the finer ones it shares
+                keep = _inverse_counts(width, sizes[level:], level).to(scores.device, scores.dtype)
+            if width == size:
+                sub = sub.view(batch, num, heads, width, width).permute(0, 2, 3, 4, 1)
+                keep = keep[..., None] if keep is not None else None
+            subs.append(sub)
+            keeps.append(keep)
+        return _MergeBlocks.apply(scores, size, keeps, *subs)
+
+    def _segment_scores(self, q_seg, k_seg, sizes, level: int) -> Tensor:
+        """Scores of levels ``>= level`` inside a batch of level-``level`` blocks, (blocks, h, width, width)."""
+        divide = level + 1 if self.block_divide else 1
+        scores = dot_scores(q_seg[level] * (self.level_scales[level] / divide), k_seg[level])
+        if level + 1 < len(sizes):
+            scores = self._add_blocks(scores, q_seg, k_seg, sizes, level + 1)
+        return scores
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        scores = self.scores(ctx)
+        probs = masked_softmax(scores, dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device))
+        return torch.einsum("bhij,bjhp->bihp", probs, ctx.values)
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        # The definition, level by level with dense masks (independent of the blocked fast path).
+        length = ctx.q.shape[1]
+        device = ctx.q.device
+        scores = 0
+        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales, self.block_sizes):
+            scores = scores + dot_scores(q, k) * scale * same_block_mask(length, size, device)
+        if self.block_divide:
+            scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
+        return masked_softmax(scores, dense_allowed(ctx.mask, length, self.causal, device))
+
+    def score_pairs(self, length: int) -> list[int]:
+        """Per level, the number of (query, key) products computed per (batch, head): ``sum over blocks of size^2``."""
+        pairs = []
+        for size in self.block_sizes:
+            if size is None:
+                pairs.append(length * length)
+            else:
+                n, rem = divmod(length, size)
+                pairs.append(n * size * size + rem * rem)
+        return pairs
+
+    def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
+        score_macs = sum(r * p for r, p in zip(self.ranks, self.score_pairs(length)))
+        proj = self.projection_flops(batch, length)
+        return {
+            "qkv_proj": proj["qkv_proj"],
+            "scores": 2 * batch * self.num_heads * score_macs,
+            "weighted_values": 2 * batch * self.num_heads * length * length * self.head_dim,
+            "out_proj": proj["out_proj"],
+        }
+
+
+SPEC = MixerSpec(
+    name="mlr_attention",
+    aliases=("multi_level_low_rank_attention",),
+    config=MLRAttentionConfig,
+    builder=MLRAttention,
+    summary="softmax attention with multi-level block low-rank scores on the sequence axis (Kuang et al. 2025)",
+    matrix_class="dense (softmax of a multi-level low-rank matrix)",
+    direction="either",
+    complexity="O(L^2) (scores O(L sum_l s_l r_l))",
+    data_dependent="yes",
+    test_options={"num_heads": 2, "ranks": [8, 4, 2, 2], "block_sizes": [None, 8, 4, 2]},
+)

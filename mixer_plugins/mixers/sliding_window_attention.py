@@ -1,0 +1,74 @@
+"""``sliding_window_attention``: softmax attention restricted to a window of nearby keys (the SWA baseline of
+Kuang et al. 2025).
+
+Query ``i`` sees keys ``i - window <= j <= i`` when causal (``window + 1`` keys, as in the paper's code) and
+``|i - j| <= window`` when bidirectional. Same q/k/v projections and QK-LN as the structured mixers, logit scale
+``1/sqrt(head_dim)`` by default (the paper's code uses ``8/head_dim``: ``logit_scaling="mup", logit_multiplier=8``).
+
+The fast path is blocked: queries in chunks of ``window`` tokens, each chunk scoring only the keys of its neighbour
+chunks, so time and memory are ``O(L * window)`` (about ``2-3 * window`` keys per query) instead of ``O(L^2)``; for
+short sequences (or a window as long as the sequence) it falls back to dense scores.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from torch import Tensor
+
+from ..registry.spec import MixerSpec
+from ._softmax_common import (
+    QKVSoftmaxConfig,
+    QKVSoftmaxMixer,
+    dense_allowed,
+    dot_scores,
+    local_attention,
+    local_attention_flops,
+    masked_softmax,
+)
+from .base import MixerContext
+
+__all__ = ["SlidingWindowAttention", "SlidingWindowAttentionConfig", "SPEC"]
+
+
+class SlidingWindowAttentionConfig(QKVSoftmaxConfig):
+    window: int = Field(
+        512, gt=0, description="keys within this distance are attended (causal: the window previous tokens and self)"
+    )
+
+
+class SlidingWindowAttention(QKVSoftmaxMixer):
+    """Sliding-window softmax attention (blocked, ``O(L * window)``)."""
+
+    def __init__(self, config: SlidingWindowAttentionConfig):
+        super().__init__(config)
+        self.window = config.window
+        self.scale = config.logit_scale(self.head_dim)
+
+    def mix(self, ctx: MixerContext) -> Tensor:
+        return local_attention(ctx.q, ctx.k, ctx.values, window=self.window, causal=self.causal, mask=ctx.mask,
+                               scale=self.scale)
+
+    def matrix(self, ctx: MixerContext) -> Tensor:
+        scores = dot_scores(ctx.q, ctx.k) * self.scale
+        allowed = dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device, window=self.window)
+        return masked_softmax(scores, allowed)
+
+    def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
+        proj = self.projection_flops(batch, length)
+        local = local_attention_flops(batch, self.num_heads, length, self.window, self.causal,
+                                      self.head_dim, self.head_dim)
+        return {"qkv_proj": proj["qkv_proj"], **local, "out_proj": proj["out_proj"]}
+
+
+SPEC = MixerSpec(
+    name="sliding_window_attention",
+    aliases=("swa",),
+    config=SlidingWindowAttentionConfig,
+    builder=SlidingWindowAttention,
+    summary="softmax attention over a sliding window of keys (baseline of Kuang et al. 2025)",
+    matrix_class="banded (softmax)",
+    direction="either",
+    complexity="O(L w)",
+    data_dependent="yes",
+    test_options={"num_heads": 2, "window": 3},
+)
