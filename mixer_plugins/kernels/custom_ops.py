@@ -89,13 +89,12 @@ def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, group
                        directions: int, chunk_size: int) -> int:
     """FLOPs (2 per multiply-add) of the matmul work of one chunked scan.
 
-    Per direction: the C.(dt B) products of each chunk, per head (2 L Q n h), the chunk states (2 L h p n)
-    and the state read-out (2 L h p n); once for both directions: the summed intra-chunk block times x
-    (2 L Q h p).
+    Per direction: the C.B products of each chunk (2 L Q n g), the chunk states (2 L h p n) and the
+    state read-out (2 L h p n); once for both directions: the summed intra-chunk block times x (2 L Q h p).
     Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
     """
     padded = -(-length // chunk_size) * chunk_size
-    per_direction = 2 * padded * chunk_size * state * heads + 4 * padded * heads * head_dim * state
+    per_direction = 2 * padded * chunk_size * state * groups + 4 * padded * heads * head_dim * state
     return batch * (directions * per_direction + 2 * padded * chunk_size * heads * head_dim)
 
 

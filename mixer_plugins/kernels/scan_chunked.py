@@ -97,13 +97,11 @@ def scan_chunked(
         a = a.permute(0, 1, 3, 4, 2)                                                      # (b,c,g,r,Q)
         p = a.cumsum(-1)
         e = p - a
+        dtp = dt_c.permute(0, 1, 3, 4, 2)                                                 # (b,c,g,r,Q)
         B_c = _chunks(_pad_time(B, pad), Q)                                               # (b,c,Q,g,n)
         C_c = _chunks(_pad_time(C, pad), Q)
-        # dt_j folded into the keys once, per head: the Q x Q products below then need no broadcasting,
-        # so their backward needs no reductions over Q x Q tensors.
-        B_dt = B_c[:, :, :, :, None, :] * dt_c[..., None].to(B_c.dtype)                   # (b,c,Q,g,r,n)
-        cb_dt = torch.einsum("bcign,bcjgrn->bcgrij", C_c, B_dt)                           # (b,c,g,r,Q,Q)
-        return p, e, B_dt, C_c, cb_dt
+        cb = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)                                 # (b,c,g,Q,Q)
+        return p, e, dtp, B_c, C_c, cb
 
     same = None
     if seq is not None:
@@ -112,20 +110,19 @@ def scan_chunked(
     # ---------------------------------------------------------------- forward (lower) direction
     final_state = None
     if dt_f is not None:
-        p, e, B_dt, C_c, cb_dt = direction_terms(dt_f, A_f, B_f, C_f)
+        p, e, dtp, B_c, C_c, cb = direction_terms(dt_f, A_f, B_f, C_f)
         q_log = e if shift else p
         allowed = (idx[:, None] > idx[None, :]) if shift else (idx[:, None] >= idx[None, :])
         log_decay = q_log[..., :, None] - p[..., None, :]                                 # (b,c,g,r,Q,Q)
         if same is not None:
             allowed = allowed & same
         w = torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
-        block = cb_dt * w.to(dtype)
+        block = cb[:, :, :, None] * w * dtp[..., None, :]
         # chunk states: sum_j exp(p_last - p_j) dt_j B_j x_j^T
-        to_end = torch.exp(p[..., -1:] - p)                                               # (b,c,g,r,Q)
+        to_end = torch.exp(p[..., -1:] - p) * dtp                                         # (b,c,g,r,Q)
         if seq is not None:
             to_end = to_end * (seq == seq[..., -1:])[:, :, None, None, :]
-        keys = B_dt * to_end.permute(0, 1, 4, 2, 3)[..., None].to(dtype)                 # (b,c,Q,g,r,n)
-        states = torch.einsum("bcjgrn,bcjgrp->bcgrpn", keys, x_c)
+        states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", to_end.to(dtype), B_c, x_c)
         chunk_decay = torch.exp(p[..., -1])                                               # (b,c,g,r)
         if initial_state is not None:
             h_prev = initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
@@ -151,20 +148,19 @@ def scan_chunked(
 
     # ---------------------------------------------------------------- backward (upper) direction
     if dt_b is not None:
-        p, e, B_dt, C_c, cb_dt = direction_terms(dt_b, A_b if A_b is not None else A_f, B_b, C_b)
+        p, e, dtp, B_c, C_c, cb = direction_terms(dt_b, A_b if A_b is not None else A_f, B_b, C_b)
         q_log = p if shift else e
         allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
         log_decay = e[..., None, :] - q_log[..., :, None]
         if same is not None:
             allowed = allowed & same
         w = torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
-        upper = cb_dt * w.to(dtype)
+        upper = cb[:, :, :, None] * w * dtp[..., None, :]
         block = upper if block is None else block + upper
-        from_start = torch.exp(e)                                                          # exp(e_j)
+        from_start = torch.exp(e) * dtp                                                    # exp(e_j) dt_j
         if seq is not None:
             from_start = from_start * (seq == seq[..., :1])[:, :, None, None, :]
-        keys = B_dt * from_start.permute(0, 1, 4, 2, 3)[..., None].to(dtype)
-        states = torch.einsum("bcjgrn,bcjgrp->bcgrpn", keys, x_c)
+        states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", from_start.to(dtype), B_c, x_c)
         chunk_decay = torch.exp(p[..., -1])
         g_next = x.new_zeros(bsz, groups, rep, hdim, nstate)
         state_list, decay_list = states.unbind(1), chunk_decay.to(dtype).unbind(1)
