@@ -10,6 +10,7 @@ The targets are measured only when benchmarking is enabled (``make bench``), nev
 from __future__ import annotations
 
 import pytest
+
 from mixer_plugins.benchmarking import measure
 
 MIXERS = ["quasiseparable", "semiseparable", "attention"]

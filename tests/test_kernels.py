@@ -40,7 +40,8 @@ def recurrence_ssd(x, dt, A, B, C, D=None, z=None, initial_state=None, seq_idx=N
             if seq_idx is not None and t > 0 and seq_idx[bi, t] != seq_idx[bi, t - 1]:
                 state = torch.zeros(h, p, n, dtype=x.dtype)
             decay = torch.exp(A * dt[bi, t])                                              # (h,)
-            state = decay[:, None, None] * state + dt[bi, t][:, None, None] * x[bi, t][:, :, None] * B[bi, t, group][:, None, :]
+            inflow = dt[bi, t][:, None, None] * x[bi, t][:, :, None] * B[bi, t, group][:, None, :]
+            state = decay[:, None, None] * state + inflow
             y[bi, t] = torch.einsum("hpn,hn->hp", state, C[bi, t, group])
         final[bi] = state
     if D is not None:

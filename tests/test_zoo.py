@@ -127,7 +127,8 @@ def test_vandermonde(form):
         k = heads(parts["k"], h) if form == "dd" else m.k_param[:LEN].expand(2, -1, -1, -1)
         for i in range(LEN):
             for j in range(LEN):
-                M[:, :, i, j] = (torch.cos(2 * math.pi * eps * q[:, i] * j) - torch.cos(2 * math.pi * eps * k[:, j] * i)).sum(-1)
+                M[:, :, i, j] = (torch.cos(2 * math.pi * eps * q[:, i] * j)
+                                 - torch.cos(2 * math.pi * eps * k[:, j] * i)).sum(-1)
         scale = 1 / math.sqrt(2 * (128 if form == "dd" else 12) * 3)
     check_against_naive(m, x, scale * M + eye(LEN), heads(parts["v"], h))
 

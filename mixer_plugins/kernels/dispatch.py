@@ -9,8 +9,8 @@ Backends, in the order the automatic choice tries them:
 * ``reference`` — the materialized O(L^2) oracle (any dtype, float64 included). Never chosen automatically.
 
 ``backend=None`` means automatic; the ``MIXER_PLUGINS_BACKEND`` environment variable or
-:func:`use_backend` override it (under ``torch.compile`` the automatic choice is ``torch``, our custom ops). Asking for an unavailable backend raises a clear error instead of
-silently falling back.
+:func:`use_backend` override it (under ``torch.compile`` the automatic choice is ``torch``, our custom ops).
+Asking for an unavailable backend raises a clear error instead of silently falling back.
 """
 
 from __future__ import annotations

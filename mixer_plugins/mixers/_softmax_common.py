@@ -10,7 +10,7 @@ keys are ordinary projections.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,43 @@ class SoftmaxMixerConfig(MixerConfig):
     def logit_scale(self, dot_dim: int) -> float:
         """The factor applied to a ``dot_dim``-wide query-key dot product under this config's rule."""
         return attention_logit_scale(dot_dim, self.logit_scaling, self.logit_multiplier)
+
+
+#: Levels of the multi-level mixers when no rank list is given.
+DEFAULT_LEVELS = 4
+
+
+class LevelRanksConfig(SoftmaxMixerConfig):
+    """The rank list of the multi-level mixers (MLR on the sequence axis, Bilinear-MLR on the feature axis)."""
+
+    ranks: Optional[list[int]] = Field(
+        None,
+        description="rank r_l of each level (its slice of the head dim); must sum to dim // num_heads. "
+        f"Default: the head dim split equally over {DEFAULT_LEVELS} levels",
+    )
+
+    @model_validator(mode="after")
+    def _check_ranks(self) -> LevelRanksConfig:
+        head_dim = self.dim // self.num_heads
+        if self.ranks is None:
+            if head_dim % DEFAULT_LEVELS:
+                raise ValueError(
+                    f"the head dim ({head_dim}) does not split equally over {DEFAULT_LEVELS} levels; "
+                    f"pass ranks=[...] summing to {head_dim}"
+                )
+        elif not self.ranks or any(r <= 0 for r in self.ranks):
+            raise ValueError(f"ranks must be a non-empty list of positive integers, got {self.ranks}")
+        elif sum(self.ranks) != head_dim:
+            raise ValueError(
+                f"ranks {self.ranks} sum to {sum(self.ranks)}, but must sum to the head dim "
+                f"dim // num_heads = {head_dim}"
+            )
+        return self
+
+    def resolved_ranks(self) -> list[int]:
+        if self.ranks is not None:
+            return list(self.ranks)
+        return [self.head_dim // DEFAULT_LEVELS] * DEFAULT_LEVELS
 
 
 class QKVSoftmaxConfig(SoftmaxMixerConfig):

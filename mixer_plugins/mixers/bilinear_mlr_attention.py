@@ -25,20 +25,12 @@ from torch import Tensor, nn
 
 from ..mup import rms_cap
 from ..registry.spec import MixerSpec
-from ._softmax_common import SoftmaxMixerConfig, dense_allowed, dot_scores, fused_attention, masked_softmax
+from ._softmax_common import LevelRanksConfig, dense_allowed, dot_scores, fused_attention, masked_softmax
 from .base import MatrixMixer, MixerContext
 
 __all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "SPEC"]
 
-_DEFAULT_LEVELS = 4
-
-
-class BilinearMLRAttentionConfig(SoftmaxMixerConfig):
-    ranks: Optional[list[int]] = Field(
-        None,
-        description="rank r_l per head of each level; must sum to dim // num_heads. Default: the head dim split "
-        "equally over 4 levels",
-    )
+class BilinearMLRAttentionConfig(LevelRanksConfig):
     num_blocks: Optional[list[int]] = Field(
         None, description="feature chunks p_l of each level (each must divide dim); default 2^l"
     )
@@ -48,20 +40,6 @@ class BilinearMLRAttentionConfig(SoftmaxMixerConfig):
 
     @model_validator(mode="after")
     def _check_levels(self) -> BilinearMLRAttentionConfig:
-        head_dim = self.dim // self.num_heads
-        if self.ranks is None:
-            if head_dim % _DEFAULT_LEVELS:
-                raise ValueError(
-                    f"the head dim ({head_dim}) does not split equally over {_DEFAULT_LEVELS} levels; "
-                    f"pass ranks=[...] summing to {head_dim}"
-                )
-        elif not self.ranks or any(r <= 0 for r in self.ranks):
-            raise ValueError(f"ranks must be a non-empty list of positive integers, got {self.ranks}")
-        elif sum(self.ranks) != head_dim:
-            raise ValueError(
-                f"ranks {self.ranks} sum to {sum(self.ranks)}, but must sum to the head dim "
-                f"dim // num_heads = {head_dim}"
-            )
         levels = len(self.resolved_ranks())
         blocks = self.resolved_num_blocks()
         if len(blocks) != levels:
@@ -73,12 +51,6 @@ class BilinearMLRAttentionConfig(SoftmaxMixerConfig):
                     f"(level {level} cuts the features into {p} equal chunks)"
                 )
         return self
-
-    def resolved_ranks(self) -> list[int]:
-        if self.ranks is not None:
-            return list(self.ranks)
-        head_dim = self.dim // self.num_heads
-        return [head_dim // _DEFAULT_LEVELS] * _DEFAULT_LEVELS
 
     def resolved_num_blocks(self) -> list[int]:
         if self.num_blocks is not None:

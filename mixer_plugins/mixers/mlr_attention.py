@@ -32,20 +32,19 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from ..registry.spec import MixerSpec
-from ._softmax_common import QKVSoftmaxConfig, QKVSoftmaxMixer, dense_allowed, dot_scores, masked_softmax
+from ._softmax_common import (
+    LevelRanksConfig,
+    QKVSoftmaxConfig,
+    QKVSoftmaxMixer,
+    dense_allowed,
+    dot_scores,
+    masked_softmax,
+)
 from .base import MixerContext
 
 __all__ = ["MLRAttention", "MLRAttentionConfig", "SPEC", "mlr_level_counts", "same_block_mask"]
 
-_DEFAULT_LEVELS = 4
-
-
-class MLRAttentionConfig(QKVSoftmaxConfig):
-    ranks: Optional[list[int]] = Field(
-        None,
-        description="rank r_l of each level (its slice of the head dim); must sum to dim // num_heads. "
-        "Default: the head dim split equally over 4 levels",
-    )
+class MLRAttentionConfig(QKVSoftmaxConfig, LevelRanksConfig):
     block_sizes: Optional[list[Optional[int]]] = Field(
         None,
         description="tokens per block of each level (None = one global block); each must divide the previous "
@@ -63,21 +62,6 @@ class MLRAttentionConfig(QKVSoftmaxConfig):
 
     @model_validator(mode="after")
     def _check_levels(self) -> MLRAttentionConfig:
-        head_dim = self.dim // self.num_heads
-        if self.ranks is None:
-            if head_dim % _DEFAULT_LEVELS:
-                raise ValueError(
-                    f"the head dim ({head_dim}) does not split equally over {_DEFAULT_LEVELS} levels; "
-                    f"pass ranks=[...] summing to {head_dim}"
-                )
-        else:
-            if not self.ranks or any(r <= 0 for r in self.ranks):
-                raise ValueError(f"ranks must be a non-empty list of positive integers, got {self.ranks}")
-            if sum(self.ranks) != head_dim:
-                raise ValueError(
-                    f"ranks {self.ranks} sum to {sum(self.ranks)}, but must sum to the head dim "
-                    f"dim // num_heads = {head_dim}"
-                )
         ranks = self.resolved_ranks()
         if self.block_sizes is not None:
             sizes = self.block_sizes
@@ -97,12 +81,6 @@ class MLRAttentionConfig(QKVSoftmaxConfig):
                         f"block_sizes must nest: {size} (level {level}) does not divide {prev} (level {level - 1})"
                     )
         return self
-
-    def resolved_ranks(self) -> list[int]:
-        if self.ranks is not None:
-            return list(self.ranks)
-        head_dim = self.dim // self.num_heads
-        return [head_dim // _DEFAULT_LEVELS] * _DEFAULT_LEVELS
 
     def resolved_block_sizes(self) -> list[Optional[int]]:
         if self.block_sizes is not None:

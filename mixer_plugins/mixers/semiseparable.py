@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from pydantic import Field
 from torch import Tensor
 
