@@ -40,7 +40,7 @@ def chunked_scan(
             x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx, initial_state,
             shift=shift, chunk_size=chunk_size, return_final_state=True,
         )
-        return y, final
+        return y, final.clone()  # custom-op outputs must own their storage (final is a view of the states)
     y = scan_chunked(x, None, None, None, None, dt_b, A_b, B_b, C_b, diag, seq_idx, None,
                      shift=shift, chunk_size=chunk_size)
     return y, _empty_like(x)

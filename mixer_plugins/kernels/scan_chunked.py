@@ -123,23 +123,14 @@ def scan_chunked(
         if seq is not None:
             to_end = to_end * (seq == seq[..., -1:])[:, :, None, None, :]
         states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", to_end.to(dtype), B_c, x_c)
-        chunk_decay = torch.exp(p[..., -1])                                               # (b,c,g,r)
-        if initial_state is not None:
-            h_prev = initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
-        else:
-            h_prev = x.new_zeros(bsz, groups, rep, hdim, nstate)
-        # unbind once: indexing states[:, c] inside the loop would make the backward quadratic in chunks
-        state_list, decay_list = states.unbind(1), chunk_decay.to(dtype).unbind(1)
-        entering = []
-        for c in range(nchunks):
-            entering.append(h_prev)
-            carry = decay_list[c][..., None, None]
-            if seq is not None:
-                prev_seq = seq[:, c - 1, -1] if c > 0 else seq[:, 0, 0]
-                carry = carry * (seq[:, c, -1] == prev_seq).to(dtype).view(bsz, 1, 1, 1, 1)
-            h_prev = carry * h_prev + state_list[c]
-        final_state = h_prev.reshape(bsz, heads, hdim, nstate)
-        entering = torch.stack(entering, dim=1)                                           # (b,c,g,r,p,n)
+        log_carry = p[..., -1]                                                             # (b,c,g,r)
+        if seq is not None:  # the state crosses into the next chunk only within a segment
+            before = torch.cat([seq[:, :1, :1], seq[:, :-1, -1:]], dim=1)[..., 0]          # seq before chunk
+            crosses = (seq[:, :, -1] == before)[:, :, None, None]
+            log_carry = log_carry.masked_fill(~crosses, float("-inf"))
+        init = None if initial_state is None else initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
+        entering, final = _scan_chunk_states(states, log_carry, init)
+        final_state = final.reshape(bsz, heads, hdim, nstate)
         query = torch.exp(q_log).to(dtype)                                                # (b,c,g,r,Q)
         if seq is not None:
             boundary = torch.cat([seq[:, :1, :1], seq[:, :-1, -1:]], dim=1)               # seq before chunk
@@ -161,17 +152,12 @@ def scan_chunked(
         if seq is not None:
             from_start = from_start * (seq == seq[..., :1])[:, :, None, None, :]
         states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", from_start.to(dtype), B_c, x_c)
-        chunk_decay = torch.exp(p[..., -1])
-        g_next = x.new_zeros(bsz, groups, rep, hdim, nstate)
-        state_list, decay_list = states.unbind(1), chunk_decay.to(dtype).unbind(1)
-        entering = [None] * nchunks
-        for c in range(nchunks - 1, -1, -1):
-            entering[c] = g_next
-            carry = decay_list[c][..., None, None]
-            if seq is not None and c + 1 < nchunks:
-                carry = carry * (seq[:, c, 0] == seq[:, c + 1, 0]).to(dtype).view(bsz, 1, 1, 1, 1)
-            g_next = carry * g_next + state_list[c]
-        entering = torch.stack(entering, dim=1)
+        log_carry = p[..., -1]
+        if seq is not None:  # right to left: chunk c carries the state of chunk c+1 only within a segment
+            after = torch.cat([seq[:, 1:, :1], seq[:, -1:, :1]], dim=1)[..., 0]            # seq after chunk
+            log_carry = log_carry.masked_fill(~(seq[:, :, 0] == after)[:, :, None, None], float("-inf"))
+        entering, _ = _scan_chunk_states(states.flip(1), log_carry.flip(1), None)
+        entering = entering.flip(1)
         query = torch.exp(p[..., -1:] - q_log).to(dtype)
         if seq is not None:
             # seq of the first token after each chunk; nothing enters the last chunk from the right anyway
@@ -192,3 +178,52 @@ def scan_chunked(
             raise ValueError("the final state belongs to the forward direction, which is absent")
         return y, final_state
     return y
+
+
+def _segsum(log_a: Tensor) -> Tensor:
+    """``out[..., i, j] = sum_{k=j+1..i} log_a[..., k]`` for j <= i, -inf above the diagonal.
+
+    Summed per pair (a masked cumsum), never as a difference of cumulative sums: exact, and -inf entries
+    (broken chains) never meet +inf.
+    """
+    n = log_a.shape[-1]
+    x = log_a[..., :, None].expand(*log_a.shape, n)                                     # x[..., k, j] = log_a_k
+    below = torch.ones(n, n, dtype=torch.bool, device=log_a.device).tril(-1)
+    seg = torch.cumsum(x.masked_fill(~below, 0.0), dim=-2)
+    on_or_below = torch.ones(n, n, dtype=torch.bool, device=log_a.device).tril()
+    return seg.masked_fill(~on_or_below, float("-inf"))
+
+
+def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None,
+                       block: int = 32) -> tuple[Tensor, Tensor]:
+    """The state entering each chunk, and the state after the last one, of ``H_c = a_c H_{c-1} + S_c``.
+
+    ``states`` (b, C, g, r, p, n) are the chunks' own contributions ``S_c``; ``log_carry`` (b, C, g, r) is
+    ``log a_c`` (-inf where the chain breaks); ``init`` (b, g, r, p, n) is ``H_{-1}`` (zero if None).
+    Chunks are grouped ``block`` at a time: within a group the recurrence is one small matrix product (the
+    decays between every pair of its chunks), and only the groups are walked in Python, so the number of
+    operations does not grow with the number of chunks (a per-chunk loop of tiny ops was slow on CPU).
+    """
+    bsz, nchunks, groups, rep, hdim, nstate = states.shape
+    size = min(block, nchunks)
+    ngroups_t = -(-nchunks // size)
+    pad = ngroups_t * size - nchunks
+    if pad:  # trailing chunks with no contribution and no decay: they change nothing before them
+        states = torch.cat([states, states.new_zeros(bsz, pad, groups, rep, hdim, nstate)], dim=1)
+        log_carry = torch.cat([log_carry, log_carry.new_zeros(bsz, pad, groups, rep)], dim=1)
+    st = states.view(bsz, ngroups_t, size, groups, rep, hdim, nstate)
+    la = log_carry.view(bsz, ngroups_t, size, groups, rep).permute(0, 3, 4, 1, 2)       # (b,g,r,T,S)
+    decay = torch.exp(_segsum(la)).to(states.dtype)                                     # (b,g,r,T,S,S)
+    local = torch.einsum("bgrtij,btjgrpn->btigrpn", decay, st)                           # within each group
+    from_start = torch.exp(torch.cumsum(la, dim=-1)).to(states.dtype)                   # (b,g,r,T,S)
+    carry = init if init is not None else states.new_zeros(bsz, groups, rep, hdim, nstate)
+    carries = []
+    for t in range(ngroups_t):  # the state entering each group
+        carries.append(carry)
+        carry = local[:, t, -1] + from_start[..., t, -1, None, None] * carry
+    carries = torch.stack(carries, dim=1)                                                 # (b,T,g,r,p,n)
+    into = from_start.permute(0, 3, 4, 1, 2)[..., None, None] * carries[:, :, None]      # (b,T,S,g,r,p,n)
+    after = (local + into).reshape(bsz, ngroups_t * size, groups, rep, hdim, nstate)[:, :nchunks]
+    first = init if init is not None else states.new_zeros(bsz, groups, rep, hdim, nstate)
+    entering = torch.cat([first[:, None], after[:, :-1]], dim=1)
+    return entering, after[:, -1]
