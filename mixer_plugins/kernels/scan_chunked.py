@@ -194,8 +194,11 @@ def _segsum(log_a: Tensor) -> Tensor:
     return seg.masked_fill(~on_or_below, float("-inf"))
 
 
+STATE_PASS_BLOCK = 32  # chunks per block of the state pass (chunked_scan_flops counts with it)
+
+
 def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None,
-                       block: int = 32) -> tuple[Tensor, Tensor]:
+                       block: int = STATE_PASS_BLOCK) -> tuple[Tensor, Tensor]:
     """The state entering each chunk, and the state after the last one, of ``H_c = a_c H_{c-1} + S_c``.
 
     ``states`` (b, C, g, r, p, n) are the chunks' own contributions ``S_c``; ``log_carry`` (b, C, g, r) is
