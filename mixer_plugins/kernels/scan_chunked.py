@@ -221,9 +221,13 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None,
     from_start = torch.exp(torch.cumsum(la, dim=-1)).to(states.dtype)                   # (b,g,r,T,S)
     carry = init if init is not None else states.new_zeros(bsz, groups, rep, hdim, nstate)
     carries = []
+    # select the groups' last states once: indexing the full tensor per step would make each backward step
+    # allocate and fill a gradient the size of all the states
+    last_local = local[:, :, -1].unbind(1)                                                 # T x (b,g,r,p,n)
+    last_decay = from_start[..., -1].unbind(-1)                                           # T x (b,g,r)
     for t in range(ngroups_t):  # the state entering each group
         carries.append(carry)
-        carry = local[:, t, -1] + from_start[..., t, -1, None, None] * carry
+        carry = last_local[t] + last_decay[t][..., None, None] * carry
     carries = torch.stack(carries, dim=1)                                                 # (b,T,g,r,p,n)
     into = from_start.permute(0, 3, 4, 1, 2)[..., None, None] * carries[:, :, None]      # (b,T,S,g,r,p,n)
     after = (local + into).reshape(bsz, ngroups_t * size, groups, rep, hdim, nstate)[:, :nchunks]
