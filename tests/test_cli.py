@@ -55,3 +55,49 @@ def test_format_table_aligns_columns():
     text = format_table(("a", "bb"), [("xxx", "y"), ("z", "wwww")])
     lines = text.splitlines()
     assert lines[0] == "a    bb" and lines[1] == "---  ----" and lines[2] == "xxx  y"
+
+
+def test_every_command_and_option_has_help(capsys):
+    from mixer_plugins.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == set(COMMANDS)
+    for name, subparser in sub.choices.items():
+        assert COMMANDS[name].help, f"command {name!r} has no help"
+        for action in subparser._actions:
+            assert action.help, f"{name}: argument {action.option_strings or action.dest} has no help"
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        for action in subparser._actions:
+            for option in action.option_strings:
+                assert option in out, f"{name} --help does not document {option}"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["demo", "--bogus"], "unrecognized arguments"),
+    (["bench", "--dim", "x"], "positive integer"),
+    (["show"], "required"),
+    (["bench-table"], "required"),
+    (["flops", "--length", "-3"], "positive integer"),
+])
+def test_new_commands_bad_arguments_one_line(capsys, argv, fragment):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mixer-plugins: error:") and fragment in err
+
+
+def test_multi_line_errors_become_one_line(capsys, monkeypatch):
+    import mixer_plugins.cli as cli
+    from mixer_plugins import InvalidMixerOptions
+
+    def fail(args):
+        raise InvalidMixerOptions("attention", ["head_dim=0: must be > 0", "scale=0: must be > 0"])
+
+    monkeypatch.setitem(cli.COMMANDS, "list", cli.Command("list", fail))
+    assert main(["list"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("mixer-plugins: error: invalid options for mixer 'attention': head_dim=0: must be > 0; "
+                   "scale=0: must be > 0")

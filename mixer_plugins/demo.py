@@ -1,0 +1,405 @@
+"""``mixer-plugins demo``: small timm ViTs that differ only in their token mixer, trained on scikit-learn's digits.
+
+The digits data set (1797 grey 8 x 8 images of the digits 0-9) ships inside scikit-learn, so nothing is
+downloaded. Every model is the same timm ``vit_tiny`` shrunk to the task -- width 64, 2 blocks, 4 heads, MLP ratio
+2, 2 x 2 patches (16 tokens), no class token and average pooling, so the mixer sees only image tokens -- with one
+mixer in every block. Every model starts from the same seed and sees the same batches in the same order.
+
+What it writes to ``--out`` (default ``demo_output/``):
+
+* ``results.md`` / ``results.json``: the table (test accuracy, parameters, FLOPs per image counted by
+  ``FlopCounterMode``, training time) and the per-epoch history;
+* ``learning_curves.png``: training loss and test accuracy per epoch, one line per mixer;
+* ``matrices.png``: the materialized matrix of each mixer in the first block, for one test image (the average over
+  heads by default), next to the image itself;
+* ``errors.log``: full tracebacks of mixers that failed (they are reported in the table; the others still run).
+
+Mixer options adapted to the model size (only where the mixer has the option and the user did not set it):
+Hydra-block mixers get ``headdim`` so that they have the ViT's head count (``expand * width / heads``),
+``d_state=16`` (the default 64 is four times the token count) and ``chunk_size`` no larger than the token count (a
+speed setting only); data-independent mixers get ``max_seq_len`` = the token count from the timm adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .benchmarking import count_flops, format_flops
+from .registry import MixerError, NotMaterializableError, default_registry
+
+__all__ = [
+    "DEFAULT_MIXERS",
+    "DemoConfig",
+    "DemoData",
+    "MixerResult",
+    "adapted_mixer_options",
+    "build_model",
+    "capture_first_block_matrix",
+    "load_digits_data",
+    "quick_config",
+    "results_table",
+    "run_demo",
+]
+
+DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
+NUM_CLASSES = 10
+IMAGE_SIZE = 8
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    """Settings of the digits experiment (the defaults are what ``mixer-plugins demo`` runs)."""
+
+    mixers: tuple[str, ...] = DEFAULT_MIXERS
+    epochs: int = 15
+    batch_size: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.05
+    embed_dim: int = 64
+    depth: int = 2
+    num_heads: int = 4
+    mlp_ratio: float = 2.0
+    patch_size: int = 2
+    test_fraction: float = 0.2
+    #: use only the first N training images (the quick smoke run); None = all of them.
+    train_limit: int | None = None
+    seed: int = 0
+    #: per-mixer options, by canonical mixer name; they override the size adaptations.
+    options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    #: which head the heat maps show: an index, or "mean" (average over heads).
+    head: int | str = "mean"
+    #: index (into the test set) of the image whose mixer matrices are drawn.
+    sample: int = 0
+    out: Path = Path("demo_output")
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "embed_dim", "depth", "num_heads", "patch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise MixerError(f"{name} must be a positive integer, got {value!r}")
+        if self.lr <= 0 or self.weight_decay < 0 or self.mlp_ratio <= 0:
+            raise MixerError("lr and mlp_ratio must be positive and weight_decay non-negative")
+        if IMAGE_SIZE % self.patch_size:
+            raise MixerError(f"patch_size must divide the {IMAGE_SIZE}-pixel image side: one of 1, 2, 4, 8; "
+                             f"got {self.patch_size}")
+        if self.embed_dim % self.num_heads:
+            raise MixerError(f"the width ({self.embed_dim}) must be divisible by the head count ({self.num_heads})")
+        if not 0 < self.test_fraction < 1:
+            raise MixerError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
+        if self.train_limit is not None and self.train_limit < self.batch_size:
+            raise MixerError(f"train_limit ({self.train_limit}) must be at least the batch size ({self.batch_size})")
+        if not self.mixers:
+            raise MixerError("at least one mixer is needed")
+        # Canonical names everywhere (aliases accepted; unknown names fail here with "did you mean").
+        self.mixers = tuple(dict.fromkeys(default_registry.get_spec(name).name for name in self.mixers))
+        options = {}
+        for name, values in self.options.items():
+            canonical = default_registry.get_spec(name).name
+            if canonical not in self.mixers:
+                raise MixerError(f"options given for mixer {canonical!r}, which is not among {', '.join(self.mixers)}")
+            options[canonical] = dict(values)
+        self.options = options
+        self.out = Path(self.out)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per image: one per patch."""
+        return (IMAGE_SIZE // self.patch_size) ** 2
+
+
+def quick_config(**overrides: Any) -> DemoConfig:
+    """The ``--quick`` smoke run: 3 epochs on 640 training images (seconds per mixer on one core)."""
+    return DemoConfig(**{"epochs": 3, "train_limit": 640, **overrides})
+
+
+@dataclasses.dataclass
+class DemoData:
+    """Normalized digits, ``(n, 1, 8, 8)`` float32 images and int64 labels, split by the seed."""
+
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+
+
+def load_digits_data(seed: int = 0, test_fraction: float = 0.2, train_limit: int | None = None) -> DemoData:
+    """scikit-learn's digits (shipped with it: no download), a stratified train/test split fixed by ``seed``,
+    normalized with the training set's mean and standard deviation."""
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        from .plotting import MissingExtraError
+
+        raise MissingExtraError(
+            "the demo needs scikit-learn (for its digits data set); install the demo extra: "
+            "pip install 'mixer-plugins[demo]'"
+        ) from None
+    digits = load_digits()
+    images = digits.images.astype("float32")
+    train_idx, test_idx = train_test_split(range(len(images)), test_size=test_fraction, random_state=seed,
+                                           stratify=digits.target)
+    x = torch.from_numpy(images)[:, None]
+    y = torch.from_numpy(digits.target).long()
+    train_x, train_y, test_x, test_y = x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+    if train_limit is not None:
+        train_x, train_y = train_x[:train_limit], train_y[:train_limit]
+    mean, std = train_x.mean(), train_x.std()
+    return DemoData((train_x - mean) / std, train_y, (test_x - mean) / std, test_y)
+
+
+def adapted_mixer_options(name: str, config: DemoConfig) -> dict[str, Any]:
+    """The mixer's options for the demo's model size (see the module docstring), then ``config.options``."""
+    spec = default_registry.get_spec(name)
+    fields = spec.config.model_fields
+    user = dict(config.options.get(spec.name, {}))
+    adapted: dict[str, Any] = {}
+    if "headdim" in fields and "expand" in fields:
+        expand = user.get("expand", fields["expand"].get_default())
+        inner = expand * config.embed_dim
+        if inner % config.num_heads == 0:
+            adapted["headdim"] = inner // config.num_heads
+    if "d_state" in fields:
+        adapted["d_state"] = 16
+    if "chunk_size" in fields:
+        default = fields["chunk_size"].get_default()
+        if isinstance(default, int) and default > config.tokens:
+            adapted["chunk_size"] = config.tokens
+    return {**adapted, **user}
+
+
+def build_model(name: str, config: DemoConfig) -> nn.Module:
+    """The demo's timm ViT with mixer ``name`` in every block (seeded with ``config.seed``)."""
+    import timm
+
+    from . import backbones  # noqa: F401  (registers our timm model names)
+
+    torch.manual_seed(config.seed)
+    return timm.create_model(
+        "vit_tiny", mixer=name, mixer_options=adapted_mixer_options(name, config),
+        img_size=IMAGE_SIZE, patch_size=config.patch_size, in_chans=1, num_classes=NUM_CLASSES,
+        embed_dim=config.embed_dim, depth=config.depth, num_heads=config.num_heads, mlp_ratio=config.mlp_ratio,
+        class_token=False, global_pool="avg",
+    )
+
+
+def capture_first_block_matrix(model: nn.Module, image: Tensor) -> Tensor:
+    """The materialized matrix ``(1, heads, L, L)`` of the mixer in the model's first block, for one image.
+
+    A forward pre-hook on the block's timm adapter records the mixer's input (the normalized tokens), and the
+    mixer materializes its matrix for exactly that input. Raises :class:`NotMaterializableError` for non-linear
+    mixers and :class:`MixerError` when the first block holds no mixer adapter.
+    """
+    from .backbones.timm.adapter import TimmMixerAttention
+
+    adapter = model.blocks[0].attn
+    if not isinstance(adapter, TimmMixerAttention):
+        raise MixerError(f"the first block's token mixer is {type(adapter).__name__}, not a mixer-plugins adapter")
+    captured: list[Tensor] = []
+    handle = adapter.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+    try:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(image[None])
+            matrix = adapter.mixer.materialize(captured[0])
+        model.train(was_training)
+    finally:
+        handle.remove()
+    return matrix
+
+
+@dataclasses.dataclass
+class MixerResult:
+    """What one mixer's model achieved (or why it could not run)."""
+
+    mixer: str
+    test_accuracy: float | None = None
+    parameters: int | None = None
+    flops_per_image: int | None = None
+    train_seconds: float | None = None
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    matrix: Tensor | None = None
+    matrix_note: str = ""
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "matrix"}
+        out["matrix_shape"] = list(self.matrix.shape) if self.matrix is not None else None
+        return out
+
+
+def _evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float:
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            correct += int((model(x[i:i + batch]).argmax(-1) == y[i:i + batch]).sum())
+    return correct / len(x)
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress bars are a nicety: without tqdm the run is silent until the table
+        return None
+    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
+
+
+def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
+    """Build, train and evaluate the model with mixer ``name``; then materialize its first block's matrix."""
+    result = MixerResult(mixer=name)
+    model = build_model(name, config)
+    result.parameters = sum(p.numel() for p in model.parameters())
+    model.eval()
+    result.flops_per_image = count_flops(lambda: _no_grad_forward(model, data.test_x[:1]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    batches = math.ceil(len(data.train_x) / config.batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.epochs * batches,
+                                                   pct_start=0.15)
+    order = torch.Generator().manual_seed(config.seed)  # the same batches in the same order for every mixer
+    bar = _progress_bar(config.epochs * batches, f"{name:>24s}", config.progress)
+    train_seconds = 0.0
+    try:
+        for epoch in range(1, config.epochs + 1):
+            model.train()
+            permutation = torch.randperm(len(data.train_x), generator=order)
+            start, total_loss = time.perf_counter(), 0.0
+            for i in range(0, len(permutation), config.batch_size):
+                idx = permutation[i:i + config.batch_size]
+                loss = F.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"training loss became {loss.item()} at epoch {epoch}")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                total_loss += loss.item() * len(idx)
+                if bar is not None:
+                    bar.update(1)
+            train_seconds += time.perf_counter() - start
+            accuracy = _evaluate(model, data.test_x, data.test_y)
+            result.history.append({"epoch": epoch, "train_loss": total_loss / len(data.train_x),
+                                   "test_accuracy": accuracy})
+            if bar is not None:
+                bar.set_postfix(loss=f"{total_loss / len(data.train_x):.3f}", test_acc=f"{accuracy:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    result.train_seconds = train_seconds
+    result.test_accuracy = result.history[-1]["test_accuracy"]
+    try:
+        result.matrix = capture_first_block_matrix(model, data.test_x[config.sample])
+    except NotMaterializableError as err:
+        result.matrix_note = f"not materializable: {err}"
+    return result
+
+
+def _no_grad_forward(model: nn.Module, x: Tensor) -> None:
+    with torch.no_grad():
+        model(x)
+
+
+def results_table(results: Sequence[MixerResult], *, markdown: bool = False) -> str:
+    """The demo's table: test accuracy, parameters, FLOPs per image, training time (and errors)."""
+    from .cli import format_table
+
+    headers = ("mixer", "test accuracy", "parameters", "FLOPs / image", "train time", "note")
+    rows = []
+    for r in results:
+        if r.error is not None:
+            rows.append((r.mixer, "-", "-", "-", "-", f"FAILED: {r.error}"))
+            continue
+        rows.append((r.mixer, f"{r.test_accuracy:.3f}", f"{r.parameters:,}", format_flops(r.flops_per_image),
+                     f"{r.train_seconds:.1f} s", r.matrix_note))
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+        return "\n".join(lines)
+    return format_table(headers, rows)
+
+
+def describe(config: DemoConfig, data: DemoData) -> str:
+    """One line saying what was trained, on what."""
+    return (f"digits: {len(data.train_x)} training / {len(data.test_x)} test images (seed {config.seed}); "
+            f"timm vit_tiny width {config.embed_dim}, {config.depth} blocks, {config.num_heads} heads, "
+            f"{config.patch_size}x{config.patch_size} patches ({config.tokens} tokens), {config.epochs} epochs, "
+            f"batch {config.batch_size}, AdamW lr {config.lr:g}")
+
+
+def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[MixerResult]:
+    """Train every mixer of ``config``, print the table and write the plots and results to ``config.out``.
+
+    A mixer that fails (bad options for this model size, an error while training) is reported in the table and
+    in ``errors.log``; the other mixers still run. Returns one :class:`MixerResult` per mixer.
+    """
+    from .plotting import matrix_to_image, require_matplotlib, save_learning_curves, save_matrix_grid
+
+    require_matplotlib()  # fail before training, not after, when the demo extra is missing
+    names = list(config.mixers)
+    data = load_digits_data(config.seed, config.test_fraction, config.train_limit)
+    if not 0 <= config.sample < len(data.test_x):
+        raise MixerError(f"sample must be an index into the {len(data.test_x)} test images, got {config.sample}")
+    config.out.mkdir(parents=True, exist_ok=True)
+    log(describe(config, data))
+    results: list[MixerResult] = []
+    errors: list[str] = []
+    for name in names:
+        try:
+            results.append(train_mixer(name, config, data))
+        except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
+            text = (str(err).strip().splitlines() or [""])[0]
+            results.append(MixerResult(mixer=name, error=f"{type(err).__name__}: {text}"))
+            errors.append(f"== {name}\n{traceback.format_exc()}")
+            log(f"mixer {name!r} failed: {type(err).__name__}: {text}")
+
+    table = results_table(results)
+    log("")
+    log(table)
+    (config.out / "results.md").write_text(describe(config, data) + "\n\n" + results_table(results, markdown=True)
+                                           + "\n")
+    (config.out / "results.json").write_text(json.dumps(
+        {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
+         "results": [r.as_dict() for r in results]}, indent=2))
+    error_log = config.out / "errors.log"
+    if errors:
+        error_log.write_text("\n".join(errors))
+    elif error_log.exists():
+        error_log.unlink()  # a stale log from an earlier run would be misleading
+    trained = [r for r in results if r.error is None]
+    written = [config.out / "results.md", config.out / "results.json"]
+    if trained:
+        written.append(save_learning_curves({r.mixer: r.history for r in trained}, config.out / "learning_curves.png",
+                                            title=f"digits, {config.tokens} tokens, width {config.embed_dim}"))
+        label = "mean over heads" if config.head == "mean" else f"head {config.head}"
+        matrices: dict[str, Tensor | str] = {}
+        for r in trained:
+            try:
+                picture: Tensor | str = matrix_to_image(r.matrix, config.head) if r.matrix is not None else \
+                    r.matrix_note
+            except MixerError as err:  # e.g. --head 3 for a mixer with 2 heads: say so in its panel
+                picture = str(err)
+            matrices[f"{r.mixer} (block 0, {label})"] = picture
+        sample_label = int(data.test_y[config.sample])
+        written.append(save_matrix_grid(matrices, config.out / "matrices.png",
+                                        input_image=data.test_x[config.sample, 0],
+                                        input_title=f"test image {config.sample} (label {sample_label})"))
+    if errors:
+        written.append(error_log)
+    log("")
+    log("wrote " + ", ".join(str(p) for p in written))
+    return results
