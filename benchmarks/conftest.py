@@ -16,8 +16,10 @@ import torch
 
 from mixer_plugins.benchmarking import _step, build_mixer, count_flops, peak_memory
 
-# Benchmarks use every core unless told otherwise; the test suite pins one thread per worker instead.
-torch.set_num_threads(int(os.environ.get("MIXER_PLUGINS_BENCH_THREADS", os.cpu_count() or 1)))
+# Timed runs use every core unless told otherwise. Under pytest-xdist (the CI smoke run, two workers on two
+# cores) each worker gets one thread: two threads per worker would oversubscribe the cores.
+_default_threads = 1 if os.environ.get("PYTEST_XDIST_WORKER") else (os.cpu_count() or 1)
+torch.set_num_threads(int(os.environ.get("MIXER_PLUGINS_BENCH_THREADS", _default_threads)))
 
 
 def is_disabled(benchmark) -> bool:

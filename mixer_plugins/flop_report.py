@@ -129,10 +129,10 @@ def compare_flops(name: str, *, dim: int = 256, length: int = 1024, batch: int =
         result.counted_forward_backward = int(counter.get_total_flops())
         both_by_op = {_short_op_name(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
         # Only our custom ops can hide their backward: an aten op's backward is other aten ops (addmm's is mm),
-        # which are counted under their own names.
+        # which are counted under their own names; ours count theirs as a "<op>_backward" custom op.
         result.backward_uncounted_ops = [
             op for op, n in forward_by_op.items()
-            if op in _CUSTOM_OP_NAMES and n and both_by_op.get(op, 0) <= n
+            if op in _CUSTOM_OP_NAMES and n and both_by_op.get(op, 0) <= n and not both_by_op.get(op + "_backward")
         ]
     return result
 

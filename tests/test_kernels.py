@@ -327,8 +327,9 @@ def test_toeplitz_fft_matches_the_definition(length):
     torch.testing.assert_close(kernels.toeplitz_mix(taps, v, backend="reference"), expected)
 
 
-def test_toeplitz_gradients():
-    taps = torch.randn(1, 2, 9, dtype=F64, requires_grad=True)
+@pytest.mark.parametrize("tap_batch", [1, 2])
+def test_toeplitz_gradients(tap_batch):
+    taps = torch.randn(tap_batch, 2, 9, dtype=F64, requires_grad=True)
     v = torch.randn(2, 5, 2, 3, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t, u: kernels.toeplitz_mix(t, u), (taps, v))
 

@@ -43,9 +43,9 @@ def _setup(ctx, inputs, output):
     ctx.pads = (left, right)
 
 
-def _backward(ctx, grad: Tensor):
-    x, weight = ctx.saved_tensors
-    left, right = ctx.pads
+@torch.library.custom_op("mixer_plugins::depthwise_conv1d_backward", mutates_args=())
+def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, left: int, right: int,
+                                  with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     length, k = x.shape[1], weight.shape[1]
     # y_t = sum_tap w_tap x_{t + tap - left}: the input gradient is the correlation with the flipped kernel
     gp = F.pad(grad, (0, 0, right, left))
@@ -54,8 +54,20 @@ def _backward(ctx, grad: Tensor):
         grad_x.addcmul_(gp[:, tap: tap + length], weight[:, k - 1 - tap])
     xp = F.pad(x, (0, 0, left, right))
     grad_w = torch.stack([(grad * xp[:, tap: tap + length]).sum(dim=(0, 1)) for tap in range(k)], dim=1)
-    grad_b = grad.sum(dim=(0, 1)) if ctx.has_bias else None
-    return grad_x, grad_w, grad_b, None, None
+    grad_b = grad.sum(dim=(0, 1)) if with_bias else grad.new_empty(0)
+    return grad_x, grad_w, grad_b
+
+
+@_depthwise_conv1d_backward_op.register_fake
+def _backward_fake(grad, x, weight, left, right, with_bias):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), grad.new_empty(grad.shape[-1] if with_bias else 0)
+
+
+def _backward(ctx, grad: Tensor):
+    x, weight = ctx.saved_tensors
+    left, right = ctx.pads
+    grad_x, grad_w, grad_b = _depthwise_conv1d_backward_op(grad.contiguous(), x, weight, left, right, ctx.has_bias)
+    return grad_x, grad_w, (grad_b if ctx.has_bias else None), None, None
 
 
 _depthwise_conv1d_op.register_autograd(_backward, setup_context=_setup)
@@ -68,6 +80,13 @@ def depthwise_conv1d_flops(batch: int, length: int, channels: int, kernel: int) 
 @register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d)
 def _flop_formula(x_shape, w_shape, bias_shape, left, right, *args, out_shape=None, **kwargs) -> int:
     return depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
+
+
+@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_backward)
+def _backward_flop_formula(grad_shape, x_shape, w_shape, left, right, with_bias, *args, out_shape=None,
+                           **kwargs) -> int:
+    # the input gradient and the weight gradient each cost one forward convolution
+    return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
 
 
 def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: bool) -> Tensor:

@@ -95,6 +95,7 @@ def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, group
     (2 L Q h p).
     Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
     """
+    chunk_size = min(chunk_size, length)
     padded = -(-length // chunk_size) * chunk_size
     chunks = padded // chunk_size
     block = min(STATE_PASS_BLOCK, chunks)

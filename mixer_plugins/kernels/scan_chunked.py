@@ -67,7 +67,7 @@ def scan_chunked(
     if heads % groups:
         raise ValueError(f"number of heads ({heads}) must be a multiple of the number of groups ({groups})")
     rep = heads // groups
-    Q = int(chunk_size)
+    Q = min(int(chunk_size), length)  # a sequence shorter than a chunk is one chunk, not padded to one
     nchunks = -(-length // Q)
     pad = nchunks * Q - length
     dtype = x.dtype

@@ -50,13 +50,31 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+@torch.library.custom_op("mixer_plugins::toeplitz_fft_backward", mutates_args=())
+def toeplitz_fft_backward(grad: Tensor, taps: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of ``y_i = sum_j c_{i-j} v_j``: ``dv_j = sum_i c_{i-j} g_i`` (the product with the mirrored taps)
+    and ``dc_d = sum_i g_i v_{i-d}`` (a cross-correlation), both by FFT."""
+    length = v.shape[1]
+    n = _fft_size(length)
+    compute = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
+    grad_v = _toeplitz_fft(taps.flip(-1), grad)
+    g_f = torch.fft.rfft(grad.to(compute).permute(0, 2, 3, 1), n=n, dim=-1)          # (b, h, p, n/2+1)
+    v_f = torch.fft.rfft(v.to(compute).permute(0, 2, 3, 1), n=n, dim=-1)
+    corr = torch.fft.irfft(g_f * v_f.conj(), n=n, dim=-1).sum(2)                      # (b, h, n): lags mod n
+    grad_taps = torch.cat([corr[..., n - (length - 1):], corr[..., :length]], dim=-1)  # lags -(L-1) .. L-1
+    if taps.shape[0] == 1 and grad_taps.shape[0] != 1:
+        grad_taps = grad_taps.sum(0, keepdim=True)
+    return grad_taps.to(taps.dtype), grad_v
+
+
+@toeplitz_fft_backward.register_fake
+def _toeplitz_fft_backward_fake(grad, taps, v):
+    return taps.new_empty(taps.shape), v.new_empty(v.shape)
+
+
 def _backward(ctx, grad):
     taps, v = ctx.saved_tensors
-    with torch.enable_grad():
-        taps_, v_ = taps.detach().requires_grad_(True), v.detach().requires_grad_(True)
-        out = _toeplitz_fft(taps_, v_)
-        g_taps, g_v = torch.autograd.grad(out, (taps_, v_), grad)
-    return g_taps, g_v
+    return toeplitz_fft_backward(grad.contiguous(), taps, v)
 
 
 toeplitz_fft.register_autograd(_backward, setup_context=_setup)
@@ -76,6 +94,13 @@ def toeplitz_fft_flops(batch: int, length: int, heads: int, head_dim: int, tap_b
 def _toeplitz_flop_formula(taps_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     b, length, h, p = v_shape
     return toeplitz_fft_flops(b, length, h, p, tap_batch=taps_shape[0])
+
+
+@register_flop_formula(torch.ops.mixer_plugins.toeplitz_fft_backward)
+def _toeplitz_backward_flop_formula(grad_shape, taps_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    # the gradient of a convolution is two convolutions (w.r.t. the taps and the values)
+    b, length, h, p = v_shape
+    return 2 * toeplitz_fft_flops(b, length, h, p, tap_batch=taps_shape[0])
 
 
 def toeplitz_matrix(taps: Tensor, length: int) -> Tensor:
