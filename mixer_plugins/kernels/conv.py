@@ -97,4 +97,4 @@ def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: 
     """
     k = weight.shape[1]
     left, right = (k - 1, 0) if causal else ((k - 1) // 2, (k - 1) // 2)
-    return _depthwise_conv1d_op(x.contiguous(), weight, bias, left, right)
+    return _depthwise_conv1d_op(x, weight, bias, left, right)  # strided views are fine: the op pads (copies)

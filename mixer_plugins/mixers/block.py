@@ -140,6 +140,14 @@ class MatrixMixerBlock(MatrixMixer):
         if len(set(names)) != len(names) or "z" in names:
             raise ValueError(f"channel group names must be unique and not 'z': {names}")
         self.groups = groups
+        n_conv = sum(1 for g in groups if g.conv)
+        if any(not g.conv for g in groups[:n_conv]):
+            raise ValueError(
+                f"{type(self).__name__}.channel_groups(): the convolved groups must come first, got "
+                f"{[(g.name, g.conv) for g in groups]}"
+            )
+        self._conv_groups = groups[:n_conv]
+        self._conv_all_activated = all(g.activation for g in self._conv_groups)
         # z gates the normalized output; concat-style mixers produce a wider output than d_inner.
         self.out_width = out_width or self.d_inner
         self.in_proj = nn.Linear(config.dim, self.out_width + sum(g.width for g in groups), bias=config.proj_bias)
@@ -173,22 +181,29 @@ class MatrixMixerBlock(MatrixMixer):
     def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
         proj = self.in_proj(x)
         z, rest = proj.split([self.out_width, proj.shape[-1] - self.out_width], dim=-1)
-        widths = [g.width for g in self.groups]
-        pieces = dict(zip([g.name for g in self.groups], rest.split(widths, dim=-1)))
         keep = mask[..., None].to(x.dtype) if mask is not None else None
-        conv_groups = [g for g in self.groups if g.conv]
-        if conv_groups:
-            u = torch.cat([pieces[g.name] for g in conv_groups], dim=-1)
+        pieces: dict[str, Tensor] = {}
+        conv_width = sum(g.width for g in self._conv_groups)
+        if self._conv_groups:
+            # the convolved groups lead in_proj's output: convolve them as one slice (no copy to gather them)
+            u = rest[..., :conv_width]
             if keep is not None:
                 u = u * keep          # pads are neutral inputs, like the conv's zero padding
             u = self._conv(u)
-            for g, part in zip(conv_groups, u.split([g.width for g in conv_groups], dim=-1)):
-                pieces[g.name] = part
+            if self._conv_all_activated:
+                u = F.silu(u)
+            if keep is not None:
+                u = u * keep          # the conv bias made the pads non-zero again
+            pieces.update(zip([g.name for g in self._conv_groups],
+                              u.split([g.width for g in self._conv_groups], dim=-1)))
+        other = self.groups[len(self._conv_groups):]
+        if other:
+            pieces.update(zip([g.name for g in other], rest[..., conv_width:].split([g.width for g in other], -1)))
         for g in self.groups:
-            if g.activation:
+            if g.activation and not (g.conv and self._conv_all_activated):
                 pieces[g.name] = F.silu(pieces[g.name])
-            if keep is not None and (g.conv or g.activation):
-                pieces[g.name] = pieces[g.name] * keep
+                if keep is not None:
+                    pieces[g.name] = pieces[g.name] * keep
         ctx = self.build_context(pieces, mask)
         ctx.z = z
         return ctx
