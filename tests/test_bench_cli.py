@@ -218,7 +218,7 @@ def test_show_bad_inputs(tmp_path, capsys):
 def saved_benchmark_json(tmp_path_factory) -> Path:
     """A real pytest-benchmark JSON: two tests of benchmarks/test_bench_mixers.py, timed, in a subprocess."""
     out = tmp_path_factory.mktemp("bench") / "run.json"
-    ids = [f"benchmarks/test_bench_mixers.py::test_mixer[{name}-256-1-forward]" for name in ("attention", "toeplitz")]
+    ids = [f"benchmarks/test_bench_mixers.py::test_mixer[{name}-128-1-forward]" for name in ("attention", "toeplitz")]
     env = {**os.environ, "MIXER_PLUGINS_BENCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *ids,
                            "--benchmark-only", f"--benchmark-json={out}"], cwd=REPO, env=env, capture_output=True,
@@ -232,12 +232,12 @@ def test_benchmark_suite_records_flops_and_memory(saved_benchmark_json):
     infos = {b["extra_info"]["mixer"]: (b["extra_info"], b["stats"]["median"]) for b in data["benchmarks"]}
     assert set(infos) == {"attention", "toeplitz"}
     for name, (info, median) in infos.items():
-        assert (info["length"], info["batch"], info["dim"], info["mode"]) == (256, 1, 128, "forward")
-        mixer = build_mixer(name, 128, 256)
+        assert (info["length"], info["batch"], info["dim"], info["mode"]) == (128, 1, 128, "forward")
+        mixer = build_mixer(name, 128, 128)
         # forward: FlopCounterMode counts exactly the analytic matmul-like FLOPs (see tests/test_flops.py)
-        assert info["flops"] == info["analytic_flops"] == mixer.flops(1, 256)
+        assert info["flops"] == info["analytic_flops"] == mixer.flops(1, 128)
         assert info["flops_per_second"] == pytest.approx(info["flops"] / median)
-        assert info["tokens_per_second"] == pytest.approx(256 / median)
+        assert info["tokens_per_second"] == pytest.approx(128 / median)
         assert info["peak_memory_bytes"] is None or info["peak_memory_bytes"] >= 0
 
 
