@@ -219,7 +219,10 @@ def saved_benchmark_json(tmp_path_factory) -> Path:
     """A real pytest-benchmark JSON: two tests of benchmarks/test_bench_mixers.py, timed, in a subprocess."""
     out = tmp_path_factory.mktemp("bench") / "run.json"
     ids = [f"benchmarks/test_bench_mixers.py::test_mixer[{name}-128-1-forward]" for name in ("attention", "toeplitz")]
-    env = {**os.environ, "MIXER_PLUGINS_BENCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    # A fresh pytest: drop the xdist worker variables (under `make test` this runs inside an xdist worker, and
+    # pytest-benchmark then disables timing, which --benchmark-only refuses).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(MIXER_PLUGINS_BENCH_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *ids,
                            "--benchmark-only", f"--benchmark-json={out}"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
