@@ -21,6 +21,7 @@ import mixer_plugins as mp
 from mixer_plugins import kernels
 from mixer_plugins.kernels.custom_ops import chunked_scan, chunked_scan_flops
 from mixer_plugins.kernels.scan_chunked import scan_chunked
+from mixer_plugins.kernels.scan_reference import scan_reference
 
 F64 = torch.float64
 
@@ -224,6 +225,90 @@ def test_half_precision_inputs_are_scanned_in_float32():
     assert (y16.float() - y32).norm() / y32.norm() < 2e-2
 
 
+# -- slabs: the torch backend walks the chunks a slab at a time; the slab size changes nothing ------------
+
+def _segments(bounds, batch=2):
+    seq_idx = torch.zeros(batch, bounds[-1], dtype=torch.long)
+    for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        seq_idx[:, lo:hi] = s
+    return seq_idx
+
+
+@pytest.mark.parametrize("slab", [1, 2, 4])
+@pytest.mark.parametrize("shift", [True, False])
+def test_slabs_quasiseparable_matches_the_flip_identity(slab, shift):
+    x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = _qs_inputs(length=17)   # 6 chunks of 3: 6, 3 and 2 slabs
+    y = scan_chunked(x, dt_f, A, B_f, C_f, dt_b, A, B_b, C_b, diag, shift=shift, chunk_size=3, slab_size=slab)
+    expected = flip_identity_qs(x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag, shift)
+    torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("slab", [1, 2, 3])
+def test_slabs_carry_initial_and_final_states_and_respect_segments(slab):
+    x, dt, A, B, C = random_inputs(l=23)
+    init = torch.randn(2, 4, 3, 5, dtype=F64)
+    seq_idx = _segments([0, 5, 12, 23])
+    y, final = scan_chunked(x, dt, A, B, C, initial_state=init, seq_idx=seq_idx, chunk_size=4, slab_size=slab,
+                            return_final_state=True)
+    y_ref, final_ref = recurrence_ssd(x, dt, A, B, C, initial_state=init, seq_idx=seq_idx)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final, final_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("slab", [1, 2])
+def test_slabs_bidirectional_segments(slab):
+    x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = _qs_inputs(length=17)
+    bounds = [0, 6, 7, 17]
+    y = scan_chunked(x, dt_f, A, B_f, C_f, dt_b, A, B_b, C_b, diag, _segments(bounds), shift=True, chunk_size=4,
+                     slab_size=slab)
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = slice(lo, hi)
+        expected = flip_identity_qs(x[:, part], dt_f[:, part], dt_b[:, part], A, B_f[:, part], C_f[:, part],
+                                    B_b[:, part], C_b[:, part], diag[:, part], True)
+        torch.testing.assert_close(y[:, part], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_slabs_gradients_match_reference():
+    leaves = _qs_inputs(length=19, requires_grad=True)
+    x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = leaves
+    init = torch.randn(2, 4, 3, 5, dtype=F64, requires_grad=True)
+    grads = {}
+    for name, fn, extra in (("reference", scan_reference, {}),
+                            ("slabs", scan_chunked, {"slab_size": 2, "chunk_size": 4})):
+        y, final = fn(x, dt_f, A, B_f, C_f, dt_b, A, B_b, C_b, diag, None, init, shift=True,
+                      return_final_state=True, **extra)
+        loss = (y * y.cos()).sum() + (final * final.sin()).sum()
+        grads[name] = torch.autograd.grad(loss, leaves + (init,))
+    for g_ref, g in zip(grads["reference"], grads["slabs"]):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_slabs_rejects_a_bad_slab_size():
+    x, dt, A, B, C = random_inputs(l=8)
+    with pytest.raises(ValueError, match="slab_size must be positive"):
+        scan_chunked(x, dt, A, B, C, chunk_size=4, slab_size=0)
+
+
+def test_default_slabs_keep_temporaries_near_the_target_size():
+    from mixer_plugins.kernels.scan_chunked import SLAB_ELEMENTS, slab_chunks
+
+    per_slab = slab_chunks(1, 64, 8, 64)               # Hydra's defaults at dim 256: 16 chunks of 64 tokens
+    assert per_slab * 64 * 8 * 64 == SLAB_ELEMENTS
+    assert slab_chunks(4096, 64, 8, 64) == 1           # never fewer than one chunk
+
+
+@pytest.mark.parametrize("chunks_per_slab", [1, 2, 4])
+def test_flop_formula_counts_every_slab(monkeypatch, chunks_per_slab):
+    import mixer_plugins.kernels.scan_chunked as sc
+
+    # one chunk of the shapes below is (batch 2) x (Q 8) x (heads 4) x (width max(p, Q, n) = 8) elements
+    monkeypatch.setattr(sc, "SLAB_ELEMENTS", chunks_per_slab * 2 * 8 * 4 * 8)
+    x, dt, A, B, C = random_inputs(b=2, l=45, h=4, p=3, g=2, n=5, dtype=torch.float32)
+    with FlopCounterMode(display=False) as counter:
+        kernels.quasiseparable(x, dt, A, B, C, chunk_size=8)
+    assert counter.get_total_flops() == chunked_scan_flops(2, 45, 4, 3, 2, 5, 2, 8)
+
+
 # -- memory: the torch backend never builds an L x L tensor -------------------------------------------
 
 class _LargestTensor(TorchDispatchMode):
@@ -365,3 +450,70 @@ def test_depthwise_conv_matches_conv1d(causal, kernel):
     with FlopCounterMode(display=False) as counter:
         depthwise_conv1d(x, w, b, causal=causal)
     assert counter.get_total_flops() == 2 * 2 * 11 * 5 * kernel
+
+
+@pytest.mark.parametrize("causal, kernel", [(False, 7), (True, 4)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_depthwise_conv_tiles_and_fused_silu(monkeypatch, causal, kernel, silu):
+    import mixer_plugins.kernels.conv as conv
+
+    monkeypatch.setattr(conv, "TILE_ELEMENTS", 2 * 3 * 5)      # tiles of 3 steps: every tile edge is exercised
+    base = torch.randn(2, 11, 8, dtype=F64)
+    x = base[..., 1:6].clone().requires_grad_()
+    w = torch.randn(5, kernel, dtype=F64, requires_grad=True)
+    b = torch.randn(5, dtype=F64, requires_grad=True)
+    pad = (kernel - 1, 0) if causal else ((kernel - 1) // 2, (kernel - 1) // 2)
+    expected = F.conv1d(F.pad(x.transpose(1, 2), pad), w[:, None], b, groups=5).transpose(1, 2)
+    if silu:
+        expected = F.silu(expected)
+    torch.testing.assert_close(conv.depthwise_conv1d(x, w, b, causal=causal, silu=silu), expected)
+    assert torch.autograd.gradcheck(lambda x, w, b: conv.depthwise_conv1d(x, w, b, causal=causal, silu=silu),
+                                    (x, w, b))
+    strided = base.clone().requires_grad_()                     # a strided slice, as the block passes it
+    out = conv.depthwise_conv1d(strided[..., 1:6], w, b, causal=causal, silu=silu)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    torch.testing.assert_close(strided.grad[..., 1:6], torch.autograd.grad(expected.sum(), x)[0])
+    assert strided.grad[..., :1].abs().sum() == 0 and strided.grad[..., 6:].abs().sum() == 0
+
+
+# -- gated RMSNorm ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("tile", [12, 12 * 5, 1 << 18])
+def test_gated_rmsnorm_matches_the_formula(monkeypatch, norm_before_gate, tile):
+    import mixer_plugins.kernels.gated_rmsnorm as G
+
+    monkeypatch.setattr(G, "TILE_ELEMENTS", tile)              # one row per tile, 5 rows, everything at once
+    y = torch.randn(2, 7, 12, dtype=F64, requires_grad=True)
+    z = torch.randn(2, 7, 12, dtype=F64, requires_grad=True)
+    w = torch.randn(12, dtype=F64, requires_grad=True)
+    # the formula, written out: n = v / sqrt(mean(v^2) + eps)
+    gate = z * torch.sigmoid(z)
+    v = y if norm_before_gate else y * gate
+    n = v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-5)
+    expected = w * n * (gate if norm_before_gate else 1.0)
+    out = G.gated_rmsnorm(y, z, w, 1e-5, norm_before_gate)
+    torch.testing.assert_close(out, expected)
+    assert torch.autograd.gradcheck(lambda y, z, w: G.gated_rmsnorm(y, z, w, 1e-5, norm_before_gate), (y, z, w))
+    grads = torch.autograd.grad((out * out.cos()).sum(), (y, z, w))
+    expected_grads = torch.autograd.grad((expected * expected.cos()).sum(), (y, z, w))
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e)
+
+
+def test_gated_rmsnorm_half_precision_and_errors():
+    from mixer_plugins.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_reference
+
+    y, z, w = torch.randn(3, 9, 16), torch.randn(3, 9, 16), torch.randn(16)
+    out = gated_rmsnorm(y.bfloat16(), z.bfloat16(), w)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), gated_rmsnorm_reference(y, z, w, 1e-5, True), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="same shape"):
+        gated_rmsnorm(y, z[..., :8], w)
+    with pytest.raises(ValueError, match="weight must be"):
+        gated_rmsnorm(y, z, w[:8])
+    yy = y.clone().requires_grad_()
+    gy, = torch.autograd.grad(gated_rmsnorm(yy, z, w).sum(), yy, create_graph=True)
+    with pytest.raises(RuntimeError):   # the hand-written backward is not differentiable again: it says so
+        gy.sum().backward()

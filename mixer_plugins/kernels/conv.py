@@ -2,9 +2,11 @@
 
 The block's short convolution (kernel 4-7 over thousands of channels) is a handful of shifted
 multiply-adds. Written that way, on the (batch, length, channels) layout the block already has, forward
-and backward are a few vectorized passes, with no transposes. (PyTorch's CPU depthwise ``conv1d``
-backward was ~40x slower than this at L=16384, 1792 channels.) It is a ``torch.library`` custom op with
-a FLOP formula, so ``FlopCounterMode`` counts it like a convolution: 2 * batch * length * channels * kernel.
+and backward are a few vectorized passes, with no transposes. They run tile by tile along time (about
+1 MiB of temporaries per tile): full-size temporaries would each be a fresh ``mmap``'ed allocation on CPU,
+whose page faults cost several times the arithmetic. The block's SiLU can be fused in (``silu=True``).
+(PyTorch's CPU depthwise ``conv1d`` backward was ~40x slower than this at L=16384, 1792 channels.)
+It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a convolution: 2 * batch * length * channels * kernel.
 """
 
 from __future__ import annotations
@@ -19,55 +21,116 @@ from torch.utils.flop_counter import register_flop_formula
 __all__ = ["depthwise_conv1d", "depthwise_conv1d_flops"]
 
 
-@torch.library.custom_op("mixer_plugins::depthwise_conv1d", mutates_args=())
-def _depthwise_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int) -> Tensor:
-    length, k = x.shape[1], weight.shape[1]
-    xp = F.pad(x, (0, 0, left, right))
-    out = xp[:, 0:length] * weight[:, 0]
+TILE_ELEMENTS = 1 << 18  # elements of one tile's temporaries (1 MiB in float32)
+
+
+def _tiles(x: Tensor) -> list[tuple[int, int]]:
+    step = max(1, TILE_ELEMENTS // max(1, x.shape[0] * x.shape[2]))
+    return [(s, min(s + step, x.shape[1])) for s in range(0, x.shape[1], step)]
+
+
+def _window(x: Tensor, lo: int, hi: int) -> Tensor:
+    """Rows ``[lo, hi)`` of x along time, zeros where the range leaves the sequence (a small copy)."""
+    length = x.shape[1]
+    inside = x[:, max(lo, 0):min(hi, length)]
+    before, after = max(0, -lo), max(0, hi - length)
+    return F.pad(inside, (0, 0, before, after)) if before or after else inside
+
+
+def _conv_tile(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, lo: int, hi: int) -> Tensor:
+    """The convolution's rows ``[lo, hi)`` (before any activation)."""
+    k = weight.shape[1]
+    xp = _window(x, lo - left, hi - left + k - 1)
+    rows = (x.shape[0], hi - lo, x.shape[2])
+    out = xp[:, 0:hi - lo] * _per_channel(weight[:, 0], rows)
     for tap in range(1, k):
-        out.addcmul_(xp[:, tap: tap + length], weight[:, tap])
+        out.addcmul_(xp[:, tap: tap + hi - lo], _per_channel(weight[:, tap], rows))
     if bias is not None:
-        out += bias
+        out += _per_channel(bias, rows)
+    return out
+
+
+def _per_channel(v: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A per-channel vector as a stride-0 view of the full tile shape: PyTorch's CPU kernels run about twice
+    as fast on it as on the broadcast (channels,) vector itself."""
+    return v.expand(shape)
+
+
+def _silu_grad(pre: Tensor) -> Tensor:
+    """silu'(v) = sig(v) * (1 + v * (1 - sig(v)))."""
+    sig = torch.sigmoid(pre)
+    return sig * (1.0 + pre * (1.0 - sig))
+
+
+@torch.library.custom_op("mixer_plugins::depthwise_conv1d", mutates_args=())
+def _depthwise_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int,
+                         silu: bool) -> Tensor:
+    # Tile by tile along time: each tile's temporaries stay in cache; only the output is full size.
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for lo, hi in _tiles(x):
+        tile = _conv_tile(x, weight, bias, left, lo, hi)
+        out[:, lo:hi] = F.silu(tile, inplace=True) if silu else tile
     return out
 
 
 @_depthwise_conv1d_op.register_fake
-def _fake(x, weight, bias, left, right):
+def _fake(x, weight, bias, left, right, silu):
     return x.new_empty(x.shape)
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, left, right = inputs
-    ctx.save_for_backward(x, weight)
+    x, weight, bias, left, right, silu = inputs
+    # with the activation the backward recomputes the pre-activation from x, so the bias is needed
+    ctx.save_for_backward(x, weight, bias if silu else None)
     ctx.has_bias = bias is not None
     ctx.pads = (left, right)
+    ctx.silu = silu
 
 
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d_backward", mutates_args=())
-def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, left: int, right: int,
-                                  with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    length, k = x.shape[1], weight.shape[1]
-    # y_t = sum_tap w_tap x_{t + tap - left}: the input gradient is the correlation with the flipped kernel
-    gp = F.pad(grad, (0, 0, right, left))
-    grad_x = gp[:, 0:length] * weight[:, k - 1]
-    for tap in range(1, k):
-        grad_x.addcmul_(gp[:, tap: tap + length], weight[:, k - 1 - tap])
-    xp = F.pad(x, (0, 0, left, right))
-    grad_w = torch.stack([(grad * xp[:, tap: tap + length]).sum(dim=(0, 1)) for tap in range(k)], dim=1)
-    grad_b = grad.sum(dim=(0, 1)) if with_bias else grad.new_empty(0)
-    return grad_x, grad_w, grad_b
+def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int,
+                                  right: int, with_bias: bool, silu: bool) -> tuple[Tensor, Tensor, Tensor]:
+    k = weight.shape[1]
+    compute = torch.promote_types(grad.dtype, x.dtype)
+    grad_w = torch.zeros(weight.shape, dtype=compute, device=x.device)
+    grad_b = torch.zeros(x.shape[-1], dtype=compute, device=x.device) if with_bias else grad.new_empty(0)
+    # pass 1, tile by tile: the gradient before the activation, and the weight and bias gradients
+    # (grad_w[:, tap] = sum_t g_t x_{t + tap - left})
+    g_pre = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device) if silu else grad
+    for lo, hi in _tiles(x):
+        g = grad[:, lo:hi]
+        if silu:
+            g = g * _silu_grad(_conv_tile(x, weight, bias, left, lo, hi))
+            g_pre[:, lo:hi] = g
+        xp = _window(x, lo - left, hi - left + k - 1)
+        for tap in range(k):
+            grad_w[:, tap] += (g * xp[:, tap: tap + hi - lo]).sum(dim=(0, 1))
+        if with_bias:
+            grad_b += g.sum(dim=(0, 1))
+    # pass 2: y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of the
+    # pre-activation gradient with the flipped kernel (its rows [lo - right, hi + left) for rows [lo, hi))
+    grad_x = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
+    for lo, hi in _tiles(x):
+        gp = _window(g_pre, lo - right, hi + left)
+        rows = (x.shape[0], hi - lo, x.shape[2])
+        acc = gp[:, 0:hi - lo] * _per_channel(weight[:, k - 1], rows)
+        for tap in range(1, k):
+            acc.addcmul_(gp[:, tap: tap + hi - lo], _per_channel(weight[:, k - 1 - tap], rows))
+        grad_x[:, lo:hi] = acc
+    return grad_x, grad_w.to(weight.dtype), grad_b.to(weight.dtype) if with_bias else grad_b
 
 
 @_depthwise_conv1d_backward_op.register_fake
-def _backward_fake(grad, x, weight, left, right, with_bias):
+def _backward_fake(grad, x, weight, bias, left, right, with_bias, silu):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), grad.new_empty(grad.shape[-1] if with_bias else 0)
 
 
 def _backward(ctx, grad: Tensor):
-    x, weight = ctx.saved_tensors
+    x, weight, bias = ctx.saved_tensors
     left, right = ctx.pads
-    grad_x, grad_w, grad_b = _depthwise_conv1d_backward_op(grad.contiguous(), x, weight, left, right, ctx.has_bias)
-    return grad_x, grad_w, (grad_b if ctx.has_bias else None), None, None
+    grad_x, grad_w, grad_b = _depthwise_conv1d_backward_op(grad.contiguous(), x, weight, bias, left, right,
+                                                           ctx.has_bias, ctx.silu)
+    return grad_x, grad_w, (grad_b if ctx.has_bias else None), None, None, None
 
 
 _depthwise_conv1d_op.register_autograd(_backward, setup_context=_setup)
@@ -78,23 +141,25 @@ def depthwise_conv1d_flops(batch: int, length: int, channels: int, kernel: int) 
 
 
 @register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d)
-def _flop_formula(x_shape, w_shape, bias_shape, left, right, *args, out_shape=None, **kwargs) -> int:
+def _flop_formula(x_shape, w_shape, bias_shape, left, right, silu, *args, out_shape=None, **kwargs) -> int:
     return depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
 
 
 @register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_backward)
-def _backward_flop_formula(grad_shape, x_shape, w_shape, left, right, with_bias, *args, out_shape=None,
-                           **kwargs) -> int:
+def _backward_flop_formula(grad_shape, x_shape, w_shape, bias_shape, left, right, with_bias, silu, *args,
+                           out_shape=None, **kwargs) -> int:
     # the input gradient and the weight gradient each cost one forward convolution
     return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
 
 
-def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: bool) -> Tensor:
+def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: bool, silu: bool = False) -> Tensor:
     """Per-channel convolution over time of ``x`` (batch, length, channels) with ``weight`` (channels, k).
 
     Centred (``(k-1)//2`` zeros on each side; odd k) or causal (``k-1`` zeros on the left). Computes
-    ``y_t = bias + sum_tap weight[:, tap] * x_{t + tap - left}``, the cross-correlation ``nn.Conv1d`` computes.
+    ``y_t = bias + sum_tap weight[:, tap] * x_{t + tap - left}``, the cross-correlation ``nn.Conv1d`` computes,
+    followed by SiLU when ``silu`` (fused: the backward recomputes the pre-activation tile by tile instead of
+    storing it).
     """
     k = weight.shape[1]
     left, right = (k - 1, 0) if causal else ((k - 1) // 2, (k - 1) // 2)
-    return _depthwise_conv1d_op(x, weight, bias, left, right)  # strided views are fine: the op pads (copies)
+    return _depthwise_conv1d_op(x, weight, bias, left, right, bool(silu))  # strided views are fine

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .scan_chunked import STATE_PASS_BLOCK, scan_chunked
+from .scan_chunked import STATE_PASS_BLOCK, scan_chunked, slab_bounds, slab_chunks
 
 __all__ = ["chunked_scan", "chunked_scan_flops"]
 
@@ -90,18 +90,21 @@ def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, group
     """FLOPs (2 per multiply-add) of the matmul work of one chunked scan.
 
     Per direction: the C.B products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state
-    read-out (2 L h p n) and the state pass between chunks (blocks of S = min(32, chunks) chunks, each a
-    S x S product: 2 chunks S h p n); once for both directions: the summed intra-chunk block times x
-    (2 L Q h p).
+    read-out (2 L h p n) and the state pass between chunks (within each slab, blocks of S = min(32, slab)
+    chunks, each a S x S product: 2 S^2 h p n per block, none when S = 1); once for both directions: the summed
+    intra-chunk block times x (2 L Q h p).
     Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
     """
     chunk_size = min(chunk_size, length)
     padded = -(-length // chunk_size) * chunk_size
     chunks = padded // chunk_size
-    block = min(STATE_PASS_BLOCK, chunks)
-    chunks_padded = -(-chunks // block) * block
+    state_pass = 0
+    for lo, hi in slab_bounds(chunks, slab_chunks(batch, chunk_size, heads, max(head_dim, chunk_size, state))):
+        block = min(STATE_PASS_BLOCK, hi - lo)
+        if block > 1:  # a one-chunk block is an elementwise product, which FlopCounterMode does not count
+            state_pass += -(-(hi - lo) // block) * block * block
     per_direction = (2 * padded * chunk_size * state * groups + 4 * padded * heads * head_dim * state
-                     + 2 * chunks_padded * block * heads * head_dim * state)
+                     + 2 * state_pass * heads * head_dim * state)
     return batch * (directions * per_direction + 2 * padded * chunk_size * heads * head_dim)
 
 

@@ -47,17 +47,33 @@ def _chunks(t: Tensor | None, q: int) -> Tensor | None:
     return t.reshape(t.shape[0], t.shape[1] // q, q, *t.shape[2:])
 
 
+SLAB_ELEMENTS = 1 << 19  # target size of one slab's temporaries (elements): 2 MiB in float32
+
+
+def slab_chunks(bsz: int, chunk: int, heads: int, width: int) -> int:
+    """Chunks per slab: the slab's largest temporaries, (batch, chunk, heads, width) per chunk, stay near
+    :data:`SLAB_ELEMENTS` elements, so they live in cache and in malloc's reused heap (see the module notes)."""
+    return max(1, SLAB_ELEMENTS // max(1, bsz * chunk * heads * width))
+
+
+def slab_bounds(nchunks: int, per_slab: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` chunk ranges of the slabs, left to right (the last may be shorter)."""
+    return [(s, min(s + per_slab, nchunks)) for s in range(0, nchunks, per_slab)]
+
+
 def scan_chunked(
     x: Tensor,
     dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
     dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
     diag: Tensor | None = None, seq_idx: Tensor | None = None, initial_state: Tensor | None = None,
     *, shift: bool = False, chunk_size: int = 64, return_final_state: bool = False,
+    slab_size: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Chunked forward/backward scan; same arguments and result as :func:`.scan_reference.scan_reference`.
 
     Shapes: ``x`` (b, l, h, p); ``dt_*`` (b, l, h) (>= 0, already softplus'ed); ``A_*`` (h,);
     ``B_*``/``C_*`` (b, l, g, n); ``diag`` (b, l, h); ``seq_idx`` (b, l); ``initial_state`` (b, h, p, n).
+    ``slab_size``: chunks per slab (default :func:`slab_chunks`); changes speed only, never the result.
     """
     bsz, length, heads, hdim = x.shape
     if dt_f is None and dt_b is None:
@@ -71,6 +87,10 @@ def scan_chunked(
     nchunks = -(-length // Q)
     pad = nchunks * Q - length
     dtype = x.dtype
+    per_slab = int(slab_size) if slab_size is not None else slab_chunks(bsz, Q, heads, max(hdim, Q, nstate))
+    if per_slab < 1:
+        raise ValueError(f"slab_size must be positive, got {slab_size}")
+    slabs = slab_bounds(nchunks, per_slab)
 
     # Shift the query-side C by one position (Hydra's shift) before padding, so it never reads a pad.
     if shift and dt_f is not None:
@@ -79,99 +99,119 @@ def scan_chunked(
         C_b = torch.cat([C_b[:, 1:], torch.zeros_like(C_b[:, :1])], dim=1)
 
     x_c = _chunks(_pad_time(x, pad), Q).view(bsz, nchunks, Q, groups, rep, hdim)       # (b,c,Q,g,r,p)
+    seq = before = after_first = after_last = None
     if seq_idx is not None:
         seq = _pad_time(seq_idx, pad)
         if pad:
             seq[:, length:] = seq_idx[:, -1:]
         seq = _chunks(seq, Q)                                                            # (b,c,Q)
-    else:
-        seq = None
+        before = torch.cat([seq[:, :1, :1], seq[:, :-1, -1:]], dim=1)                    # seq before each chunk
+        after_first = torch.cat([seq[:, 1:, :1], seq[:, -1:, :1]], dim=1)                # seq after each chunk
+        # (for the backward read-out; nothing enters the last chunk from the right anyway)
+        after_last = torch.cat([seq[:, 1:, :1], seq[:, -1:, -1:]], dim=1)
 
     idx = torch.arange(Q, device=x.device)
-    terms: list[Tensor] = []  # summed once at the end (no zero-initialised accumulator)
-    block = None  # the summed intra-chunk matrix, (b, c, g, r, Q, Q)
 
-    def direction_terms(dt: Tensor, A: Tensor, B: Tensor, C: Tensor):
+    def direction(dt: Tensor, A: Tensor, B: Tensor, C: Tensor):
+        """Per-chunk log decays of one direction, for the whole sequence: (b, c, g, r, Q) each (small)."""
         dt_c = _chunks(_pad_time(dt, pad), Q).view(bsz, nchunks, Q, groups, rep)          # (b,c,Q,g,r)
-        a = dt_c * A.to(dt.dtype).view(groups, rep)
-        a = a.permute(0, 1, 3, 4, 2)                                                      # (b,c,g,r,Q)
+        a = (dt_c * A.to(dt.dtype).view(groups, rep)).permute(0, 1, 3, 4, 2)              # (b,c,g,r,Q)
         p = a.cumsum(-1)
-        e = p - a
-        dtp = dt_c.permute(0, 1, 3, 4, 2)                                                 # (b,c,g,r,Q)
-        B_c = _chunks(_pad_time(B, pad), Q)                                               # (b,c,Q,g,n)
-        C_c = _chunks(_pad_time(C, pad), Q)
-        cb = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)                                 # (b,c,g,Q,Q)
-        return p, e, dtp, B_c, C_c, cb
+        return p, p - a, dt_c.permute(0, 1, 3, 4, 2), _chunks(_pad_time(B, pad), Q), _chunks(_pad_time(C, pad), Q)
 
-    same = None
-    if seq is not None:
-        same = (seq[..., :, None] == seq[..., None, :])[:, :, None, None]                 # (b,c,1,1,Q,Q)
+    # Every per-chunk tensor is split into its slabs once, up front: the backward of one split is one
+    # concatenation, while the backward of each slab's slice would write a zero-filled gradient the size of
+    # the whole sequence (quadratic in the number of slabs).
+    def by_slab(t: Tensor | None) -> list[Tensor | None]:
+        return [None] * len(slabs) if t is None else list(t.split(per_slab, dim=1))
 
-    # ---------------------------------------------------------------- forward (lower) direction
-    final_state = None
-    if dt_f is not None:
-        p, e, dtp, B_c, C_c, cb = direction_terms(dt_f, A_f, B_f, C_f)
-        q_log = e if shift else p
-        allowed = (idx[:, None] > idx[None, :]) if shift else (idx[:, None] >= idx[None, :])
-        log_decay = q_log[..., :, None] - p[..., None, :]                                 # (b,c,g,r,Q,Q)
-        if same is not None:
-            allowed = allowed & same
-        w = torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
-        block = cb[:, :, :, None] * w * dtp[..., None, :]
-        # chunk states: sum_j exp(p_last - p_j) dt_j B_j x_j^T
-        to_end = torch.exp(p[..., -1:] - p) * dtp                                         # (b,c,g,r,Q)
-        if seq is not None:
-            to_end = to_end * (seq == seq[..., -1:])[:, :, None, None, :]
-        states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", to_end.to(dtype), B_c, x_c)
-        log_carry = p[..., -1]                                                             # (b,c,g,r)
-        if seq is not None:  # the state crosses into the next chunk only within a segment
-            before = torch.cat([seq[:, :1, :1], seq[:, :-1, -1:]], dim=1)[..., 0]          # seq before chunk
-            crosses = (seq[:, :, -1] == before)[:, :, None, None]
-            log_carry = log_carry.masked_fill(~crosses, float("-inf"))
-        init = None if initial_state is None else initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
-        entering, final = _scan_chunk_states(states, log_carry, init)
-        final_state = final.reshape(bsz, heads, hdim, nstate)
-        query = torch.exp(q_log).to(dtype)                                                # (b,c,g,r,Q)
-        if seq is not None:
-            boundary = torch.cat([seq[:, :1, :1], seq[:, :-1, -1:]], dim=1)               # seq before chunk
-            query = query * (seq == boundary)[:, :, None, None, :]
-        terms.append(torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering))
-
-    # ---------------------------------------------------------------- backward (upper) direction
+    fwd = [by_slab(t) for t in direction(dt_f, A_f, B_f, C_f)] if dt_f is not None else None
+    bwd = None
     if dt_b is not None:
-        p, e, dtp, B_c, C_c, cb = direction_terms(dt_b, A_b if A_b is not None else A_f, B_b, C_b)
-        q_log = p if shift else e
-        allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
-        log_decay = e[..., None, :] - q_log[..., :, None]
-        if same is not None:
-            allowed = allowed & same
-        w = torch.exp(log_decay.masked_fill(~allowed, float("-inf")))
-        upper = cb[:, :, :, None] * w * dtp[..., None, :]
-        block = upper if block is None else block + upper
-        from_start = torch.exp(e) * dtp                                                    # exp(e_j) dt_j
-        if seq is not None:
-            from_start = from_start * (seq == seq[..., :1])[:, :, None, None, :]
-        states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", from_start.to(dtype), B_c, x_c)
-        log_carry = p[..., -1]
-        if seq is not None:  # right to left: chunk c carries the state of chunk c+1 only within a segment
-            after = torch.cat([seq[:, 1:, :1], seq[:, -1:, :1]], dim=1)[..., 0]            # seq after chunk
-            log_carry = log_carry.masked_fill(~(seq[:, :, 0] == after)[:, :, None, None], float("-inf"))
-        entering, _ = _scan_chunk_states(states.flip(1), log_carry.flip(1), None)
-        entering = entering.flip(1)
-        query = torch.exp(p[..., -1:] - q_log).to(dtype)
-        if seq is not None:
-            # seq of the first token after each chunk; nothing enters the last chunk from the right anyway
-            after = torch.cat([seq[:, 1:, :1], seq[:, -1:, -1:]], dim=1)
-            query = query * (seq == after)[:, :, None, None, :]
-        terms.append(torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering))
+        bwd = [by_slab(t) for t in direction(dt_b, A_b if A_b is not None else A_f, B_b, C_b)]
+    diag_s = by_slab(None if diag is None else _chunks(_pad_time(diag, pad), Q).view(bsz, nchunks, Q, groups, rep))
+    x_s_all = by_slab(x_c)
+    seq_s, before_s, after_first_s, after_last_s = (by_slab(t) for t in (seq, before, after_first, after_last))
 
-    # ---------------------------------------------------------------- intra-chunk block (+ diagonal)
-    if diag is not None:
-        d = _chunks(_pad_time(diag, pad), Q).view(bsz, nchunks, Q, groups, rep)
-        terms.append(d[..., None].to(dtype) * x_c)
-    y = torch.einsum("bcgrij,bcjgrp->bcigrp", block.to(dtype), x_c)
-    for term in terms:
-        y = y + term
+    # ------------------------------------------------ sweep 1, right to left: the backward direction's states
+    # The backward state of a slab needs every slab to its right, so its read-out is computed first, slab by
+    # slab from the right, and kept (one slab-sized tensor each) until sweep 2 adds it in.
+    from_right: list[Tensor | None] = [None] * len(slabs)
+    if bwd is not None:
+        carry = None
+        for s in reversed(range(len(slabs))):
+            p, e, dtp, B_c, C_c = (t[s] for t in bwd)
+            sq = seq_s[s]
+            from_start = torch.exp(e) * dtp                                                # exp(e_j) dt_j
+            if sq is not None:
+                from_start = from_start * (sq == sq[..., :1])[:, :, None, None, :]
+            states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", from_start.to(dtype), B_c, x_s_all[s])
+            log_carry = p[..., -1]
+            if sq is not None:  # right to left: chunk c carries the state of chunk c+1 only within a segment
+                log_carry = log_carry.masked_fill(~(sq[:, :, 0] == after_first_s[s][..., 0])[:, :, None, None],
+                                                  float("-inf"))
+            entering, carry = _scan_chunk_states(states.flip(1), log_carry.flip(1), carry)
+            entering = entering.flip(1)
+            query = torch.exp(p[..., -1:] - (p if shift else e)).to(dtype)
+            if sq is not None:
+                query = query * (sq == after_last_s[s])[:, :, None, None, :]
+            from_right[s] = torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering)
+
+    # ------------------------------------------------ sweep 2, left to right: everything else, slab by slab
+    outputs: list[Tensor] = []
+    carry = None if initial_state is None else initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
+    final_state = None
+    for s in range(len(slabs)):
+        x_s = x_s_all[s]
+        sq = seq_s[s]
+        same = None if sq is None else (sq[..., :, None] == sq[..., None, :])[:, :, None, None]   # (b,c,1,1,Q,Q)
+        terms: list[Tensor] = []
+        block = None                                                                      # (b, c, g, r, Q, Q)
+        if fwd is not None:
+            p, e, dtp, B_c, C_c = (t[s] for t in fwd)
+            q_log = e if shift else p
+            allowed = (idx[:, None] > idx[None, :]) if shift else (idx[:, None] >= idx[None, :])
+            if same is not None:
+                allowed = allowed & same
+            cb = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)                             # (b,c,g,Q,Q)
+            w = torch.exp((q_log[..., :, None] - p[..., None, :]).masked_fill(~allowed, float("-inf")))
+            block = cb[:, :, :, None] * w * dtp[..., None, :]
+            # chunk states: sum_j exp(p_last - p_j) dt_j B_j x_j^T
+            to_end = torch.exp(p[..., -1:] - p) * dtp                                     # (b,c,g,r,Q)
+            if sq is not None:
+                to_end = to_end * (sq == sq[..., -1:])[:, :, None, None, :]
+            states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", to_end.to(dtype), B_c, x_s)
+            log_carry = p[..., -1]                                                         # (b,c,g,r)
+            if sq is not None:  # the state crosses into the next chunk only within a segment
+                crosses = (sq[:, :, -1] == before_s[s][..., 0])[:, :, None, None]
+                log_carry = log_carry.masked_fill(~crosses, float("-inf"))
+            entering, carry = _scan_chunk_states(states, log_carry, carry)
+            query = torch.exp(q_log).to(dtype)                                            # (b,c,g,r,Q)
+            if sq is not None:
+                query = query * (sq == before_s[s])[:, :, None, None, :]
+            terms.append(torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering))
+        if bwd is not None:
+            p, e, dtp, B_c, C_c = (t[s] for t in bwd)
+            q_log = p if shift else e
+            allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
+            if same is not None:
+                allowed = allowed & same
+            cb = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)
+            w = torch.exp((e[..., None, :] - q_log[..., :, None]).masked_fill(~allowed, float("-inf")))
+            upper = cb[:, :, :, None] * w * dtp[..., None, :]
+            block = upper if block is None else block + upper
+            terms.append(from_right[s])
+            from_right[s] = None  # drop the reference: its memory is only the autograd graph's from now on
+        if diag_s[s] is not None:
+            terms.append(diag_s[s][..., None].to(dtype) * x_s)
+        y = torch.einsum("bcgrij,bcjgrp->bcigrp", block.to(dtype), x_s)
+        for term in terms:
+            y = y + term
+        outputs.append(y)
+    if fwd is not None:
+        final_state = carry.reshape(bsz, heads, hdim, nstate)
+
+    y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1))
     y = y.reshape(bsz, nchunks * Q, heads, hdim)[:, :length]
     if return_final_state:
         if final_state is None:

@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from ..kernels.conv import depthwise_conv1d
+from ..kernels.gated_rmsnorm import gated_rmsnorm
 from ..registry.spec import MixerConfig
 from .base import MatrixMixer, MixerContext
 
@@ -110,15 +111,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, y: Tensor, z: Tensor) -> Tensor:
-        dtype = y.dtype
-        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        y, z = y.to(compute), z.to(compute)
-        if self.norm_before_gate:
-            out = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * F.silu(z)
-        else:
-            u = y * F.silu(z)
-            out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.to(out.dtype)).to(dtype)
+        return gated_rmsnorm(y, z, self.weight, self.eps, self.norm_before_gate)
 
 
 class MatrixMixerBlock(MatrixMixer):
@@ -174,9 +167,11 @@ class MatrixMixerBlock(MatrixMixer):
         raise NotImplementedError
 
     # -- the block ------------------------------------------------------------------------------------
-    def _conv(self, u: Tensor) -> Tensor:
-        """Depthwise conv over time on (batch, length, channels): centred, or causal for causal mixers."""
-        return depthwise_conv1d(u, self.conv1d.weight[:, 0, :], self.conv1d.bias, causal=self.causal_conv)
+    def _conv(self, u: Tensor, silu: bool = False) -> Tensor:
+        """Depthwise conv over time on (batch, length, channels): centred, or causal for causal mixers;
+        followed by SiLU when ``silu`` (fused into the conv op)."""
+        return depthwise_conv1d(u, self.conv1d.weight[:, 0, :], self.conv1d.bias, causal=self.causal_conv,
+                                silu=silu)
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
         proj = self.in_proj(x)
@@ -189,9 +184,7 @@ class MatrixMixerBlock(MatrixMixer):
             u = rest[..., :conv_width]
             if keep is not None:
                 u = u * keep          # pads are neutral inputs, like the conv's zero padding
-            u = self._conv(u)
-            if self._conv_all_activated:
-                u = F.silu(u)
+            u = self._conv(u, silu=self._conv_all_activated)
             if keep is not None:
                 u = u * keep          # the conv bias made the pads non-zero again
             pieces.update(zip([g.name for g in self._conv_groups],
