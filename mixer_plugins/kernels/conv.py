@@ -6,7 +6,8 @@ and backward are a few vectorized passes, with no transposes. They run tile by t
 1 MiB of temporaries per tile): full-size temporaries would each be a fresh ``mmap``'ed allocation on CPU,
 whose page faults cost several times the arithmetic. The block's SiLU can be fused in (``silu=True``).
 (PyTorch's CPU depthwise ``conv1d`` backward was ~40x slower than this at L=16384, 1792 channels.)
-It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a convolution: 2 * batch * length * channels * kernel.
+It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a
+convolution: 2 * batch * length * channels * kernel.
 """
 
 from __future__ import annotations
