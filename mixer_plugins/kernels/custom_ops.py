@@ -91,7 +91,8 @@ def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, group
 
     Per direction: the C.B products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state
     read-out (2 L h p n) and the state pass between chunks (within each slab, blocks of S = min(32, slab)
-    chunks, each a S x S product: 2 S^2 h p n per block, none when S = 1); once for both directions: the summed
+    chunks: the states entering its chunks, a S x S product, and the state leaving it, a 1 x S product:
+    2 (S^2 + S) h p n per block, none when S = 1); once for both directions: the summed
     intra-chunk block times x (2 L Q h p).
     Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
     """
@@ -102,7 +103,7 @@ def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, group
     for lo, hi in slab_bounds(chunks, slab_chunks(batch, chunk_size, heads, max(head_dim, chunk_size, state))):
         block = min(STATE_PASS_BLOCK, hi - lo)
         if block > 1:  # a one-chunk block is an elementwise product, which FlopCounterMode does not count
-            state_pass += -(-(hi - lo) // block) * block * block
+            state_pass += -(-(hi - lo) // block) * (block * block + block)
     per_direction = (2 * padded * chunk_size * state * groups + 4 * padded * heads * head_dim * state
                      + 2 * state_pass * heads * head_dim * state)
     return batch * (directions * per_direction + 2 * padded * chunk_size * heads * head_dim)

@@ -114,10 +114,13 @@ def scan_chunked(
 
     def direction(dt: Tensor, A: Tensor, B: Tensor, C: Tensor):
         """Per-chunk log decays of one direction, for the whole sequence: (b, c, g, r, Q) each (small)."""
+        # contiguous with Q last: these small tensors broadcast against Q x Q blocks along their last
+        # dimension, and PyTorch's CPU kernels are several times slower when that operand is strided
         dt_c = _chunks(_pad_time(dt, pad), Q).view(bsz, nchunks, Q, groups, rep)          # (b,c,Q,g,r)
-        a = (dt_c * A.to(dt.dtype).view(groups, rep)).permute(0, 1, 3, 4, 2)              # (b,c,g,r,Q)
+        dtp = dt_c.permute(0, 1, 3, 4, 2).contiguous()                                    # (b,c,g,r,Q)
+        a = dtp * A.to(dt.dtype).view(groups, rep, 1)
         p = a.cumsum(-1)
-        return p, p - a, dt_c.permute(0, 1, 3, 4, 2), _chunks(_pad_time(B, pad), Q), _chunks(_pad_time(C, pad), Q)
+        return p, p - a, dtp, _chunks(_pad_time(B, pad), Q), _chunks(_pad_time(C, pad), Q)
 
     # Every per-chunk tensor is split into its slabs once, up front: the backward of one split is one
     # concatenation, while the backward of each slab's slice would write a zero-filled gradient the size of
@@ -145,17 +148,16 @@ def scan_chunked(
             from_start = torch.exp(e) * dtp                                                # exp(e_j) dt_j
             if sq is not None:
                 from_start = from_start * (sq == sq[..., :1])[:, :, None, None, :]
-            states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", from_start.to(dtype), B_c, x_s_all[s])
+            states = _chunk_states(from_start.to(dtype), B_c, x_s_all[s])
             log_carry = p[..., -1]
             if sq is not None:  # right to left: chunk c carries the state of chunk c+1 only within a segment
                 log_carry = log_carry.masked_fill(~(sq[:, :, 0] == after_first_s[s][..., 0])[:, :, None, None],
                                                   float("-inf"))
-            entering, carry = _scan_chunk_states(states.flip(1), log_carry.flip(1), carry)
-            entering = entering.flip(1)
+            entering, carry = _scan_chunk_states(states, log_carry, carry, reverse=True)
             query = torch.exp(p[..., -1:] - (p if shift else e)).to(dtype)
             if sq is not None:
                 query = query * (sq == after_last_s[s])[:, :, None, None, :]
-            from_right[s] = torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering)
+            from_right[s] = _read_out(C_c, query, entering)
 
     # ------------------------------------------------ sweep 2, left to right: everything else, slab by slab
     outputs: list[Tensor] = []
@@ -180,7 +182,7 @@ def scan_chunked(
             to_end = torch.exp(p[..., -1:] - p) * dtp                                     # (b,c,g,r,Q)
             if sq is not None:
                 to_end = to_end * (sq == sq[..., -1:])[:, :, None, None, :]
-            states = torch.einsum("bcgrj,bcjgn,bcjgrp->bcgrpn", to_end.to(dtype), B_c, x_s)
+            states = _chunk_states(to_end.to(dtype), B_c, x_s)
             log_carry = p[..., -1]                                                         # (b,c,g,r)
             if sq is not None:  # the state crosses into the next chunk only within a segment
                 crosses = (sq[:, :, -1] == before_s[s][..., 0])[:, :, None, None]
@@ -189,7 +191,7 @@ def scan_chunked(
             query = torch.exp(q_log).to(dtype)                                            # (b,c,g,r,Q)
             if sq is not None:
                 query = query * (sq == before_s[s])[:, :, None, None, :]
-            terms.append(torch.einsum("bcign,bcgri,bcgrpn->bcigrp", C_c, query, entering))
+            terms.append(_read_out(C_c, query, entering))
         if bwd is not None:
             p, e, dtp, B_c, C_c = (t[s] for t in bwd)
             q_log = p if shift else e
@@ -220,6 +222,21 @@ def scan_chunked(
     return y
 
 
+def _chunk_states(weights: Tensor, B: Tensor, x: Tensor) -> Tensor:
+    """Each chunk's own state ``sum_j w_j B_j x_j^T``: weights (b,c,g,r,Q), B (b,c,Q,g,n), x (b,c,Q,g,r,p)
+    -> (b,c,g,r,p,n). The weights scale x first, so the product is one matmul per chunk and group over all
+    the group's heads at once ((r p) x Q times Q x n), not one small matmul per head."""
+    xw = x * weights.permute(0, 1, 4, 2, 3)[..., None]
+    return torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xw)
+
+
+def _read_out(C: Tensor, query: Tensor, entering: Tensor) -> Tensor:
+    """``query_i C_i . H`` for every token: C (b,c,Q,g,n), query (b,c,g,r,Q), states (b,c,g,r,p,n)
+    -> (b,c,Q,g,r,p); one matmul per chunk and group, then the per-head decay."""
+    out = torch.einsum("bcign,bcgrpn->bcigrp", C, entering)
+    return out * query.permute(0, 1, 4, 2, 3)[..., None]
+
+
 def _segsum(log_a: Tensor) -> Tensor:
     """``out[..., i, j] = sum_{k=j+1..i} log_a[..., k]`` for j <= i, -inf above the diagonal.
 
@@ -237,40 +254,52 @@ def _segsum(log_a: Tensor) -> Tensor:
 STATE_PASS_BLOCK = 32  # chunks per block of the state pass (chunked_scan_flops counts with it)
 
 
-def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None,
+def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *, reverse: bool = False,
                        block: int = STATE_PASS_BLOCK) -> tuple[Tensor, Tensor]:
     """The state entering each chunk, and the state after the last one, of ``H_c = a_c H_{c-1} + S_c``.
 
     ``states`` (b, C, g, r, p, n) are the chunks' own contributions ``S_c``; ``log_carry`` (b, C, g, r) is
     ``log a_c`` (-inf where the chain breaks); ``init`` (b, g, r, p, n) is ``H_{-1}`` (zero if None).
-    Chunks are grouped ``block`` at a time: within a group the recurrence is one small matrix product (the
-    decays between every pair of its chunks), and only the groups are walked in Python, so the number of
-    operations does not grow with the number of chunks (a per-chunk loop of tiny ops was slow on CPU).
+    ``reverse``: the recurrence runs right to left (``H_c = a_c H_{c+1} + S_c``; "entering" is then the
+    state coming from the right and the final state the one after the first chunk).
+
+    Chunks are grouped ``block`` at a time: within a group the states entering every chunk are one small
+    matrix product (the decays between every pair of its chunks), and only the groups are walked in Python.
+    Only the small decay tensors are ever flipped or shifted: the state tensors are read once, in place, so
+    autograd has no slice or flip of them to undo.
     """
     bsz, nchunks, groups, rep, hdim, nstate = states.shape
     size = min(block, nchunks)
     ngroups_t = -(-nchunks // size)
     pad = ngroups_t * size - nchunks
-    if pad:  # trailing chunks with no contribution and no decay: they change nothing before them
+    if pad:  # chunks with no contribution and no decay: the carry passes through them unchanged
         states = torch.cat([states, states.new_zeros(bsz, pad, groups, rep, hdim, nstate)], dim=1)
         log_carry = torch.cat([log_carry, log_carry.new_zeros(bsz, pad, groups, rep)], dim=1)
     st = states.view(bsz, ngroups_t, size, groups, rep, hdim, nstate)
     la = log_carry.view(bsz, ngroups_t, size, groups, rep).permute(0, 3, 4, 1, 2)       # (b,g,r,T,S)
-    decay = torch.exp(_segsum(la)).to(states.dtype)                                     # (b,g,r,T,S,S)
-    local = torch.einsum("bgrtij,btjgrpn->btigrpn", decay, st)                           # within each group
-    from_start = torch.exp(torch.cumsum(la, dim=-1)).to(states.dtype)                   # (b,g,r,T,S)
+    if reverse:
+        la = la.flip(-1)  # in scan order; flipped back below (small tensors only)
+    seg = _segsum(la)                                                                     # (b,g,r,T,S,S)
+    # entering_i = sum_{j<i} exp(la_{j+1} + ... + la_{i-1}) S_j + exp(la_0 + ... + la_{i-1}) carry
+    into = torch.exp(torch.cat([torch.full_like(seg[..., :1, :], float("-inf")), seg[..., :-1, :]], dim=-2))
+    cum = torch.cumsum(la, dim=-1)
+    carry_in = torch.exp(torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1))   # (b,g,r,T,S)
+    last_row = torch.exp(seg[..., -1, :])                                                 # to the group's end
+    total = torch.exp(cum[..., -1])                                                       # (b,g,r,T)
+    if reverse:
+        into, carry_in, last_row = into.flip(-1, -2), carry_in.flip(-1), last_row.flip(-1)
+    dtype = states.dtype
+    into, carry_in, last_row, total = (t.to(dtype) for t in (into, carry_in, last_row, total))
+    local = torch.einsum("bgrtij,btjgrpn->btigrpn", into, st)                             # without the carry
+    group_final = torch.einsum("bgrtj,btjgrpn->btgrpn", last_row, st)                     # (b,T,g,r,p,n)
     carry = init if init is not None else states.new_zeros(bsz, groups, rep, hdim, nstate)
-    carries = []
-    # select the groups' last states once: indexing the full tensor per step would make each backward step
-    # allocate and fill a gradient the size of all the states
-    last_local = local[:, :, -1].unbind(1)                                                 # T x (b,g,r,p,n)
-    last_decay = from_start[..., -1].unbind(-1)                                           # T x (b,g,r)
-    for t in range(ngroups_t):  # the state entering each group
-        carries.append(carry)
-        carry = last_local[t] + last_decay[t][..., None, None] * carry
-    carries = torch.stack(carries, dim=1)                                                 # (b,T,g,r,p,n)
-    into = from_start.permute(0, 3, 4, 1, 2)[..., None, None] * carries[:, :, None]      # (b,T,S,g,r,p,n)
-    after = (local + into).reshape(bsz, ngroups_t * size, groups, rep, hdim, nstate)[:, :nchunks]
-    first = init if init is not None else states.new_zeros(bsz, groups, rep, hdim, nstate)
-    entering = torch.cat([first[:, None], after[:, :-1]], dim=1)
-    return entering, after[:, -1]
+    carries: list[Tensor] = [carry] * ngroups_t
+    finals = group_final.unbind(1)
+    totals = total.unbind(-1)
+    for t in (reversed(range(ngroups_t)) if reverse else range(ngroups_t)):  # the state entering each group
+        carries[t] = carry
+        carry = finals[t] + totals[t][..., None, None] * carry
+    carries_t = carries[0][:, None] if ngroups_t == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
+    entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
+    entering = entering.reshape(bsz, ngroups_t * size, groups, rep, hdim, nstate)
+    return (entering[:, :nchunks] if pad else entering), carry
