@@ -175,13 +175,15 @@ class MatrixMixerBlock(MatrixMixer):
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
         proj = self.in_proj(x)
-        z, rest = proj.split([self.out_width, proj.shape[-1] - self.out_width], dim=-1)
+        conv_width = sum(g.width for g in self._conv_groups)
+        other = self.groups[len(self._conv_groups):]
+        # one split into z, the convolved slice and the other groups: its backward is one concatenation,
+        # where slicing would write a zero-filled gradient of the whole projection per slice
+        z, u, *rest = proj.split([self.out_width, conv_width] + [g.width for g in other], dim=-1)
         keep = mask[..., None].to(x.dtype) if mask is not None else None
         pieces: dict[str, Tensor] = {}
-        conv_width = sum(g.width for g in self._conv_groups)
         if self._conv_groups:
             # the convolved groups lead in_proj's output: convolve them as one slice (no copy to gather them)
-            u = rest[..., :conv_width]
             if keep is not None:
                 u = u * keep          # pads are neutral inputs, like the conv's zero padding
             u = self._conv(u, silu=self._conv_all_activated)
@@ -189,9 +191,7 @@ class MatrixMixerBlock(MatrixMixer):
                 u = u * keep          # the conv bias made the pads non-zero again
             pieces.update(zip([g.name for g in self._conv_groups],
                               u.split([g.width for g in self._conv_groups], dim=-1)))
-        other = self.groups[len(self._conv_groups):]
-        if other:
-            pieces.update(zip([g.name for g in other], rest[..., conv_width:].split([g.width for g in other], -1)))
+        pieces.update(zip([g.name for g in other], rest))
         for g in self.groups:
             if g.activation and not (g.conv and self._conv_all_activated):
                 pieces[g.name] = F.silu(pieces[g.name])
