@@ -482,7 +482,7 @@ def test_depthwise_conv_tiles_and_fused_silu(monkeypatch, causal, kernel, silu):
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("tile", [12, 12 * 5, 1 << 18])
 def test_gated_rmsnorm_matches_the_formula(monkeypatch, norm_before_gate, tile):
-    import mixer_plugins.kernels.gated_rmsnorm as G
+    import mixer_plugins.kernels.norm as G
 
     monkeypatch.setattr(G, "TILE_ELEMENTS", tile)              # one row per tile, 5 rows, everything at once
     y = torch.randn(2, 7, 12, dtype=F64, requires_grad=True)
@@ -503,7 +503,7 @@ def test_gated_rmsnorm_matches_the_formula(monkeypatch, norm_before_gate, tile):
 
 
 def test_gated_rmsnorm_half_precision_and_errors():
-    from mixer_plugins.kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_reference
+    from mixer_plugins.kernels.norm import gated_rmsnorm, gated_rmsnorm_reference
 
     y, z, w = torch.randn(3, 9, 16), torch.randn(3, 9, 16), torch.randn(16)
     out = gated_rmsnorm(y.bfloat16(), z.bfloat16(), w)

@@ -4,7 +4,9 @@
 * :func:`quasiseparable` — the bidirectional (Hydra) scan: forward + backward + shift + diagonal in one pass;
 * :func:`directional_scan` — one direction of either (for the non-additive bidirectional heuristics);
 * :func:`scan_matrix` — the materialized matrix of any of them (the oracle, and what ``materialize`` returns);
-* :func:`toeplitz_mix` — Toeplitz (long convolution) product by FFT; :func:`toeplitz_matrix` its matrix.
+* :func:`toeplitz_mix` — Toeplitz (long convolution) product by FFT; :func:`toeplitz_matrix` its matrix;
+* :func:`depthwise_conv1d` — the blocks' short convolution (optionally with SiLU fused), tiled along time;
+* :func:`gated_rmsnorm` — the blocks' output norm, tiled, with a hand-written backward.
 
 Backends: ``reference`` (materialized, float64-capable), ``torch`` (chunked, O(L) memory; the CPU
 default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :func:`use_backend` or the
@@ -12,7 +14,9 @@ default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :
 """
 
 from . import flop_formulas  # noqa: F401  (FlopCounterMode formulas for CPU attention)
+from .conv import depthwise_conv1d
 from .dispatch import BACKENDS, BackendUnavailableError, available_backends, resolve_backend, use_backend
+from .norm import gated_rmsnorm
 from .scan import directional_scan, prepare_dt, quasiseparable, ssd
 from .scan_reference import scan_matrix, scan_reference
 from .toeplitz import toeplitz_matrix, toeplitz_mix
@@ -31,4 +35,6 @@ __all__ = [
     "scan_reference",
     "toeplitz_matrix",
     "toeplitz_mix",
+    "depthwise_conv1d",
+    "gated_rmsnorm",
 ]

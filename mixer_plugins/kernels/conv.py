@@ -26,6 +26,10 @@ TILE_ELEMENTS = 1 << 18  # elements of one tile's temporaries (1 MiB in float32)
 
 
 def _tiles(x: Tensor) -> list[tuple[int, int]]:
+    """Row ranges of the tiles. Tiling is a CPU measure (GPU allocators cache; there a loop of small kernels
+    would only add launches), so other devices get one tile."""
+    if x.device.type != "cpu":
+        return [(0, x.shape[1])]
     step = max(1, TILE_ELEMENTS // max(1, x.shape[0] * x.shape[2]))
     return [(s, min(s + step, x.shape[1])) for s in range(0, x.shape[1], step)]
 

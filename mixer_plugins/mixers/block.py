@@ -22,7 +22,7 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from ..kernels.conv import depthwise_conv1d
-from ..kernels.gated_rmsnorm import gated_rmsnorm
+from ..kernels.norm import gated_rmsnorm
 from ..registry.spec import MixerConfig
 from .base import MatrixMixer, MixerContext
 
