@@ -180,11 +180,20 @@ def test_quasiseparable_seq_idx_neither_scans_nor_shifts_across_segments():
     x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = _qs_inputs(length=17)
     x, dt_f, dt_b, B_f, C_f, B_b, C_b, diag = (t[:1] for t in (x, dt_f, dt_b, B_f, C_f, B_b, C_b, diag))
     bounds = [0, 6, 7, 17]
-    seq_idx = torch.zeros(1, 17, dtype=torch.long)
+    y = kernels.quasiseparable(x, dt_f, A, B_f, C_f, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, diag=diag, chunk_size=4,
+                               seq_idx=_segments(bounds, batch=1))
+    _assert_each_segment_alone(y, bounds, x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag)
+
+
+def _segments(bounds, batch=2):
+    seq_idx = torch.zeros(batch, bounds[-1], dtype=torch.long)
     for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         seq_idx[:, lo:hi] = s
-    y = kernels.quasiseparable(x, dt_f, A, B_f, C_f, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, diag=diag, chunk_size=4,
-                               seq_idx=seq_idx)
+    return seq_idx
+
+
+def _assert_each_segment_alone(y, bounds, x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag):
+    """Each segment of y equals the flip identity run on that segment alone (shifted Hydra)."""
     for lo, hi in zip(bounds, bounds[1:]):
         part = slice(lo, hi)
         expected = flip_identity_qs(x[:, part], dt_f[:, part], dt_b[:, part], A, B_f[:, part], C_f[:, part],
@@ -227,13 +236,6 @@ def test_half_precision_inputs_are_scanned_in_float32():
 
 # -- slabs: the torch backend walks the chunks a slab at a time; the slab size changes nothing ------------
 
-def _segments(bounds, batch=2):
-    seq_idx = torch.zeros(batch, bounds[-1], dtype=torch.long)
-    for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        seq_idx[:, lo:hi] = s
-    return seq_idx
-
-
 @pytest.mark.parametrize("slab", [1, 2, 4])
 @pytest.mark.parametrize("shift", [True, False])
 def test_slabs_quasiseparable_matches_the_flip_identity(slab, shift):
@@ -261,11 +263,7 @@ def test_slabs_bidirectional_segments(slab):
     bounds = [0, 6, 7, 17]
     y = scan_chunked(x, dt_f, A, B_f, C_f, dt_b, A, B_b, C_b, diag, _segments(bounds), shift=True, chunk_size=4,
                      slab_size=slab)
-    for lo, hi in zip(bounds, bounds[1:]):
-        part = slice(lo, hi)
-        expected = flip_identity_qs(x[:, part], dt_f[:, part], dt_b[:, part], A, B_f[:, part], C_f[:, part],
-                                    B_b[:, part], C_b[:, part], diag[:, part], True)
-        torch.testing.assert_close(y[:, part], expected, rtol=1e-10, atol=1e-10)
+    _assert_each_segment_alone(y, bounds, x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag)
 
 
 def test_slabs_gradients_match_reference():
