@@ -172,12 +172,9 @@ def scan_chunked(
         if fwd is not None:
             p, e, dtp, B_c, C_c = (t[s] for t in fwd)
             q_log = e if shift else p
+            # lower part: C~_i.B_j exp(q_i - p_j) dt_j for j < i (j <= i unshifted)
             allowed = (idx[:, None] > idx[None, :]) if shift else (idx[:, None] >= idx[None, :])
-            if same is not None:
-                allowed = allowed & same
-            cb = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)                             # (b,c,g,Q,Q)
-            w = torch.exp((q_log[..., :, None] - p[..., None, :]).masked_fill(~allowed, float("-inf")))
-            block = cb[:, :, :, None] * w * dtp[..., None, :]
+            block = _intra_block(C_c, B_c, q_log, -p, dtp, allowed if same is None else allowed & same)
             # chunk states: sum_j exp(p_last - p_j) dt_j B_j x_j^T
             to_end = torch.exp(p[..., -1:] - p) * dtp                                     # (b,c,g,r,Q)
             if sq is not None:
@@ -195,12 +192,9 @@ def scan_chunked(
         if bwd is not None:
             p, e, dtp, B_c, C_c = (t[s] for t in bwd)
             q_log = p if shift else e
+            # upper part: C~_i.B_j exp(e_j - q_i) dt_j for j > i (j >= i unshifted)
             allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
-            if same is not None:
-                allowed = allowed & same
-            cb = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)
-            w = torch.exp((e[..., None, :] - q_log[..., :, None]).masked_fill(~allowed, float("-inf")))
-            upper = cb[:, :, :, None] * w * dtp[..., None, :]
+            upper = _intra_block(C_c, B_c, -q_log, e, dtp, allowed if same is None else allowed & same)
             block = upper if block is None else block + upper
             terms.append(from_right[s])
             from_right[s] = None  # drop the reference: its memory is only the autograd graph's from now on
@@ -220,6 +214,14 @@ def scan_chunked(
             raise ValueError("the final state belongs to the forward direction, which is absent")
         return y, final_state
     return y
+
+
+def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, allowed: Tensor) -> Tensor:
+    """One direction's part of the intra-chunk matrix, ``C_i.B_j exp(row_i + col_j) dt_j`` where ``allowed``:
+    C, B (b,c,Q,g,n); row, col, dt (b,c,g,r,Q); allowed (Q, Q) or (b,c,1,1,Q,Q) -> (b,c,g,r,Q,Q)."""
+    cb = torch.einsum("bcign,bcjgn->bcgij", C, B)                                          # (b,c,g,Q,Q)
+    w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
+    return cb[:, :, :, None] * w * dt[..., None, :]
 
 
 def _chunk_states(weights: Tensor, B: Tensor, x: Tensor) -> Tensor:
