@@ -123,7 +123,6 @@ def save_matrix_heatmap(matrix: Tensor, path: str | Path, *, title: str = "", he
     fig, ax = plt.subplots(figsize=(5.2, 4.4))
     try:
         _draw_matrix(plt, ax, image, title, scale)
-        fig.tight_layout()
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -158,10 +157,7 @@ def save_matrix_grid(matrices: Mapping[str, Tensor | str], path: str | Path, *, 
                 ax.text(0.5, 0.5, item, ha="center", va="center", wrap=True, fontsize=8, transform=ax.transAxes)
             else:
                 _draw_matrix(plt, ax, matrix_to_image(item, head), title, scale)
-        if suptitle:
-            fig.suptitle(suptitle, fontsize=10)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, suptitle)
     finally:
         plt.close(fig)
 
@@ -191,10 +187,7 @@ def save_learning_curves(histories: Mapping[str, Sequence[Mapping[str, float]]],
         for ax in (loss_ax, acc_ax):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-        if title:
-            fig.suptitle(title, fontsize=10)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
     finally:
         plt.close(fig)
 
@@ -227,15 +220,16 @@ def save_scaling_plot(rows: Sequence[Mapping[str, Any]], path: str | Path, *, ti
             ax.grid(True, which="both", alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
-        if title:
-            fig.suptitle(title, fontsize=10)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _save(fig, path, title)
     finally:
         plt.close(fig)
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, suptitle: str = "") -> Path:
+    """Give the figure its overall title (if any), lay it out and write it as a PNG."""
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

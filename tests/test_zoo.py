@@ -53,6 +53,13 @@ def heads(t, h):
     return t.unflatten(-1, (h, -1))
 
 
+def queries_and_keys(m, parts, data_dependent):
+    """(q, k) per head: projected from x (data-dependent), or the free L-sized parameters' first LEN rows."""
+    if data_dependent:
+        return heads(parts["q"], m.num_heads), heads(parts["k"], m.num_heads)
+    return m.q_param[:LEN].expand(2, -1, -1, -1), m.k_param[:LEN].expand(2, -1, -1, -1)
+
+
 def check_against_naive(mixer, x, naive_matrix, values):
     """materialize == naive matrix, and forward == naive finish(naive matrix @ values)."""
     z, _ = naive_parts(mixer, x)
@@ -123,8 +130,7 @@ def test_vandermonde(form):
                 M[:, :, i, j] = math.cos(2 * math.pi * i * j / 12)
         scale = 1 / math.sqrt(12)
     else:
-        q = heads(parts["q"], h) if form == "dd" else m.q_param[:LEN].expand(2, -1, -1, -1)
-        k = heads(parts["k"], h) if form == "dd" else m.k_param[:LEN].expand(2, -1, -1, -1)
+        q, k = queries_and_keys(m, parts, form == "dd")
         for i in range(LEN):
             for j in range(LEN):
                 M[:, :, i, j] = (torch.cos(2 * math.pi * eps * q[:, i] * j)
@@ -140,8 +146,7 @@ def test_cauchy(data_dependent):
     x = inputs()
     _, parts = naive_parts(m, x)
     h = m.num_heads
-    q = heads(parts["q"], h) if data_dependent else m.q_param[:LEN].expand(2, -1, -1, -1)
-    k = heads(parts["k"], h) if data_dependent else m.k_param[:LEN].expand(2, -1, -1, -1)
+    q, k = queries_and_keys(m, parts, data_dependent)
     c = F.softplus(m.shift_raw)
     M = torch.zeros(2, h, LEN, LEN, dtype=F64)
     for i in range(LEN):
@@ -162,8 +167,7 @@ def test_low_rank(causal, data_dependent):
     x = inputs()
     _, parts = naive_parts(m, x)
     h = m.num_heads
-    q = heads(parts["q"], h) if data_dependent else m.q_param[:LEN].expand(2, -1, -1, -1)
-    k = heads(parts["k"], h) if data_dependent else m.k_param[:LEN].expand(2, -1, -1, -1)
+    q, k = queries_and_keys(m, parts, data_dependent)
     M = torch.einsum("bihd,bjhd->bhij", q, k)
     if causal:
         M = torch.tril(M)
@@ -183,8 +187,7 @@ def test_block_attention(causal, data_dependent):
     x = inputs()
     _, parts = naive_parts(m, x)
     h = m.num_heads
-    q = heads(parts["q"], h) if data_dependent else m.q_param[:LEN].expand(2, -1, -1, -1)
-    k = heads(parts["k"], h) if data_dependent else m.k_param[:LEN].expand(2, -1, -1, -1)
+    q, k = queries_and_keys(m, parts, data_dependent)
     scores = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(3)
     if causal:
         scores = scores.masked_fill(~torch.ones(LEN, LEN, dtype=torch.bool).tril(), float("-inf"))
