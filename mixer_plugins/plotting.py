@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .registry import MixerError
+from .errors import MissingExtraError, MixerError
 
 __all__ = [
     "MissingExtraError",
@@ -35,10 +35,6 @@ __all__ = [
 ]
 
 SCALES = ("linear", "log")
-
-
-class MissingExtraError(MixerError):
-    """An optional dependency of the command line (the ``demo`` extra) is not installed."""
 
 
 def require_matplotlib():

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..registry.errors import MixerError
+from ..errors import BackendUnavailableError, MixerError
 
 __all__ = [
     "BACKENDS",
@@ -40,10 +40,6 @@ _AUTO_ORDER = ("mamba_ssm", "triton", "torch")
 # op name -> backend name -> implementation
 _IMPLEMENTATIONS: dict[str, dict[str, Callable]] = {}
 _local = threading.local()
-
-
-class BackendUnavailableError(MixerError):
-    """The requested backend cannot run this op on these tensors (missing package, wrong device, ...)."""
 
 
 def register_backend(op: str, backend: str) -> Callable[[Callable], Callable]:

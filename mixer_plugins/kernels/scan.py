@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..registry.errors import MixerInputError
+from ..errors import MixerInputError
 from .custom_ops import chunked_scan
 from .dispatch import register_backend, resolve_backend
 from .scan_chunked import scan_chunked

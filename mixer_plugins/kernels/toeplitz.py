@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from ..registry.errors import MixerInputError
+from ..errors import MixerInputError
 from .dispatch import register_backend, resolve_backend
 
 __all__ = ["toeplitz_mix", "toeplitz_matrix", "toeplitz_fft_flops"]

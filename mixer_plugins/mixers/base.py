@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..registry.errors import MixerInputError, SequenceLengthError
+from ..errors import MixerInputError, SequenceLengthError
 from ..registry.spec import MixerConfig
 
 __all__ = ["MatrixMixer", "MixerContext", "check_mixer_input", "padding_mask_to_bool"]

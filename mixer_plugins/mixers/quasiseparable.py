@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..kernels import directional_scan, quasiseparable, scan_matrix
 from ..kernels.custom_ops import chunked_scan_flops
-from ..registry.errors import NotMaterializableError
+from ..errors import NotMaterializableError
 from ..registry.spec import MixerSpec
 from .base import MixerContext
 from .block import BlockConfig, ChannelGroup, DataIndependentOptions, MatrixMixerBlock

@@ -1,6 +1,6 @@
 """Mixer registry: entry-point discovery, specs and configs, and the registry's errors."""
 
-from .errors import (
+from ..errors import (
     DuplicateMixerError,
     InvalidMixerOptions,
     MixerError,

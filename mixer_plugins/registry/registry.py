@@ -22,7 +22,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
-from .errors import (
+from ..errors import (
     DuplicateMixerError,
     MixerPluginWarning,
     PluginLoadError,

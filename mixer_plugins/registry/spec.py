@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import InvalidMixerOptions
+from ..errors import InvalidMixerOptions
 
 __all__ = ["MixerConfig", "MixerSpec", "Direction", "DataDependence"]
 

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-import mixer_plugins.registry.errors as mixer_errors
+import mixer_plugins.errors as mixer_errors
 
 from .config import MIXER_ENCODER_FAMILY
 from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file

@@ -1,4 +1,4 @@
-"""Exceptions raised by the registry and by mixers.
+"""The error tree of mixer-plugins: a leaf module that every layer may import (it imports nothing of ours).
 
 Every error the library raises on bad input derives from :class:`MixerError` (itself a
 ``ValueError``), so callers can catch one type; the subclasses say what went wrong.
@@ -16,6 +16,8 @@ __all__ = [
     "SequenceLengthError",
     "NotMaterializableError",
     "MixerPluginWarning",
+    "BackendUnavailableError",
+    "MissingExtraError",
 ]
 
 
@@ -91,3 +93,11 @@ class NotMaterializableError(MixerError, NotImplementedError):
 
 class MixerPluginWarning(UserWarning):
     """Emitted when a plugin is broken or a name is claimed twice; the other mixers keep working."""
+
+
+class BackendUnavailableError(MixerError):
+    """The requested kernel backend cannot run this op on these tensors (missing package, wrong device, ...)."""
+
+
+class MissingExtraError(MixerError):
+    """An optional dependency is not installed; the message names the extra and the install command."""
