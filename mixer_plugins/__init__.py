@@ -7,56 +7,109 @@ Quick start::
     mixer = mp.create_mixer("attention", dim=64, num_heads=4)
     y = mixer(x)                                   # x: (batch, length, 64)
     M = mixer.materialize(x)                       # (batch, heads, length, length)
+
+Importing the package is cheap: the public names below are loaded on first use, and the timm adapter is imported
+when (and only if) timm is, after which ``timm.create_model('vit_base', mixer='quasi')`` works.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# Importing the timm adapter registers our timm model names (vit_base, hydra_vit_base, ...) and
-# attn_layer='<mixer name>' in timm.
-from .backbones.timm import swap_mixer
-from .mixers.base import MatrixMixer, MixerContext
-from .registry import (
-    ENTRY_POINT_GROUP,
-    DuplicateMixerError,
-    InvalidMixerOptions,
-    MixerConfig,
-    MixerError,
-    MixerInputError,
-    MixerPluginWarning,
-    MixerRegistry,
-    MixerSpec,
-    NotMaterializableError,
-    PluginLoadError,
-    PluginProblem,
-    SequenceLengthError,
-    UnknownMixerError,
-    default_registry,
-    make_register_function,
-)
+from .backbones import _timm_hook
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first access)
+_LAZY: dict[str, str] = {
+    "MatrixMixer": "mixer_plugins.mixers.base",
+    "MixerContext": "mixer_plugins.mixers.base",
+    "ENTRY_POINT_GROUP": "mixer_plugins.registry",
+    "MixerConfig": "mixer_plugins.registry",
+    "MixerSpec": "mixer_plugins.registry",
+    "MixerRegistry": "mixer_plugins.registry",
+    "PluginProblem": "mixer_plugins.registry",
+    "default_registry": "mixer_plugins.registry",
+    "make_register_function": "mixer_plugins.registry",
+    "MixerError": "mixer_plugins.errors",
+    "UnknownMixerError": "mixer_plugins.errors",
+    "InvalidMixerOptions": "mixer_plugins.errors",
+    "DuplicateMixerError": "mixer_plugins.errors",
+    "PluginLoadError": "mixer_plugins.errors",
+    "MixerInputError": "mixer_plugins.errors",
+    "SequenceLengthError": "mixer_plugins.errors",
+    "NotMaterializableError": "mixer_plugins.errors",
+    "MixerPluginWarning": "mixer_plugins.errors",
+    "BackendUnavailableError": "mixer_plugins.errors",
+    "MissingExtraError": "mixer_plugins.errors",
+    "swap_mixer": "mixer_plugins.backbones.timm",
+}
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .backbones.timm import swap_mixer
+    from .errors import (
+        BackendUnavailableError,
+        DuplicateMixerError,
+        InvalidMixerOptions,
+        MissingExtraError,
+        MixerError,
+        MixerInputError,
+        MixerPluginWarning,
+        NotMaterializableError,
+        PluginLoadError,
+        SequenceLengthError,
+        UnknownMixerError,
+    )
+    from .mixers.base import MatrixMixer, MixerContext
+    from .registry import (
+        ENTRY_POINT_GROUP,
+        MixerConfig,
+        MixerRegistry,
+        MixerSpec,
+        PluginProblem,
+        default_registry,
+        make_register_function,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixer_plugins' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _registry():
+    from .registry import default_registry
+
+    return default_registry
 
 
 def list_mixers() -> list[str]:
     """Names of every registered mixer (built-in and plugins), sorted. Imports no plugin code."""
-    return default_registry.names()
+    return _registry().names()
 
 
 def list_specs() -> list[MixerSpec]:
     """Specs of every loadable mixer. Imports all plugins; broken ones are warned about and skipped."""
-    return default_registry.specs()
+    return _registry().specs()
 
 
 def plugin_problems() -> list[PluginProblem]:
     """Broken plugins, names claimed twice and conflicting aliases."""
-    return default_registry.problems()
+    return _registry().problems()
 
 
 def get_spec(name: str) -> MixerSpec:
     """The :class:`MixerSpec` of a mixer, by name or alias."""
-    return default_registry.get_spec(name)
+    return _registry().get_spec(name)
 
 
 def create_mixer(name: str, dim: int | None = None, /, **options: Any) -> MatrixMixer:
@@ -67,17 +120,23 @@ def create_mixer(name: str, dim: int | None = None, /, **options: Any) -> Matrix
     """
     if dim is None and "dim" in options:
         dim = options.pop("dim")
-    return default_registry.create(name, dim, **options)
+    return _registry().create(name, dim, **options)
 
 
-#: Register a mixer in this process only (notebooks, tests). Takes a :class:`MixerSpec`, or is used as
-#: ``@register_mixer("name", config=MyConfig, summary=...)`` on a mixer class.
-register_mixer = make_register_function(default_registry)
+def register_mixer(*args: Any, **kwargs: Any) -> Any:
+    """Register a mixer in this process only (notebooks, tests).
+
+    Takes a :class:`MixerSpec`, or is used as ``@register_mixer("name", config=MyConfig, summary=...)`` on a mixer
+    class. Entry points (group ``mixer_plugins.mixers``) are the way to ship one.
+    """
+    from .registry import make_register_function
+
+    return make_register_function(_registry())(*args, **kwargs)
 
 
 def unregister_mixer(name: str) -> None:
     """Remove a mixer registered with :func:`register_mixer`."""
-    default_registry.unregister(name)
+    _registry().unregister(name)
 
 
 __all__ = [
@@ -106,5 +165,9 @@ __all__ = [
     "SequenceLengthError",
     "NotMaterializableError",
     "MixerPluginWarning",
+    "BackendUnavailableError",
+    "MissingExtraError",
     "swap_mixer",
 ]
+
+_timm_hook.install()

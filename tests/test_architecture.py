@@ -1,0 +1,158 @@
+"""The package's layers: imports run one way, no module cycles, low layers load no host library.
+
+The layers contract lives in ``pyproject.toml`` (``[tool.importlinter]``) and is checked with import-linter; the cycle
+check uses grimp's import graph (import-linter's engine). Each check is also run on a copy of the package with a
+planted defect, to show it can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mixer_plugins"
+
+pytest.importorskip("importlinter", reason="needs import-linter (the dev extra)")
+grimp = pytest.importorskip("grimp", reason="needs grimp (installed with import-linter)")
+
+
+def _lint_imports(source_root: Path) -> subprocess.CompletedProcess:
+    """Run import-linter with our contract on the package found under ``source_root``."""
+    env = {**os.environ, "PYTHONPATH": str(source_root)}
+    code = (
+        "import sys; from importlinter.cli import lint_imports; "
+        f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True))"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=source_root, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _copy_package(tmp_path: Path) -> Path:
+    shutil.copytree(PACKAGE, tmp_path / "mixer_plugins", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def _plant(source_root: Path, relative: str, line: str) -> None:
+    path = source_root / "mixer_plugins" / relative
+    path.write_text(path.read_text() + "\n" + line + "\n")
+
+
+def test_layers_contract_holds():
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_layers_contract_catches_a_planted_wrong_way_import(tmp_path):
+    root = _copy_package(tmp_path)
+    _plant(root, "kernels/__init__.py", "import mixer_plugins.backbones.timm  # planted: a kernel importing a host")
+    result = _lint_imports(root)
+    assert result.returncode != 0
+    assert "mixer_plugins.kernels is not allowed to import mixer_plugins.backbones" in result.stdout
+
+
+def _module_cycles(source_root: Path) -> list[list[str]]:
+    """Strongly connected components (size > 1) of the package's module import graph (Tarjan)."""
+    sys.path.insert(0, str(source_root))
+    try:
+        graph = grimp.build_graph("mixer_plugins", cache_dir=None)
+    finally:
+        sys.path.remove(str(source_root))
+    # A package's ``__init__`` importing its own submodules is how Python packages work, not a cycle of concepts:
+    # only edges between modules that are not ancestors of one another count.
+    edges = {
+        m: {t for t in graph.find_modules_directly_imported_by(m)
+            if t.startswith("mixer_plugins") and not t.startswith(m + ".") and not m.startswith(t + ".")}
+        for m in graph.modules if m.startswith("mixer_plugins")
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return components
+
+
+def test_no_import_cycles_between_modules():
+    assert _module_cycles(ROOT) == []
+
+
+def test_cycle_check_catches_a_planted_cycle(tmp_path):
+    root = _copy_package(tmp_path)
+    (root / "mixer_plugins" / "_planted_a.py").write_text("from mixer_plugins import _planted_b  # noqa\n")
+    (root / "mixer_plugins" / "_planted_b.py").write_text("from mixer_plugins import _planted_a  # noqa\n")
+    assert ["mixer_plugins._planted_a", "mixer_plugins._planted_b"] in _module_cycles(root)
+
+
+def _loaded_after(statement: str) -> set[str]:
+    code = textwrap.dedent(f"""
+        import sys
+        {statement}
+        print(" ".join(m for m in ("timm", "fairseq2", "matplotlib") if m in sys.modules))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize("module", ["mixer_plugins", "mixer_plugins.kernels", "mixer_plugins.registry",
+                                    "mixer_plugins.mixers", "mixer_plugins.errors"])
+def test_low_layers_load_no_host_library(module):
+    assert _loaded_after(f"import {module}") == set()
+
+
+def test_a_mixer_loads_no_host_library():
+    assert _loaded_after("import mixer_plugins as mp; mp.create_mixer('quasiseparable', 32)(__import__('torch')"
+                         ".randn(1, 8, 32))") == set()
+
+
+@pytest.mark.parametrize("order", ["mixer_plugins first", "timm first"])
+def test_timm_names_registered_whatever_the_import_order(order):
+    first, second = ("mixer_plugins", "timm") if order == "mixer_plugins first" else ("timm", "mixer_plugins")
+    code = textwrap.dedent(f"""
+        import {first}, {second}
+        import timm
+        from timm.layers import get_attn
+        model = timm.create_model("vit_base", mixer="quasi", depth=1, img_size=32, patch_size=16, embed_dim=32,
+                                  num_heads=2)
+        print(type(model.blocks[0].attn).__name__)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
