@@ -10,6 +10,7 @@ tokens per batch).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 _spec = importlib.util.spec_from_file_location("gpu_throughput", Path(__file__).parent / "gpu" / "throughput.py")
 throughput = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = throughput
 _spec.loader.exec_module(throughput)
 
 
