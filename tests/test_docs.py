@@ -144,14 +144,12 @@ def test_python_block_runs(example, doc_env, monkeypatch):
 
 
 def _reuse_initialised_fairseq2(monkeypatch) -> None:
-    """fairseq2 is set up once per process: where this process already did, the example's own call returns that."""
+    """fairseq2 can be set up only once per process (other test modules may have done it): set it up here, and
+    let the example's own ``init_fairseq2()`` return that setup."""
     fairseq2 = pytest.importorskip("fairseq2")
-    try:
-        from fairseq2.runtime.dependency import get_dependency_resolver
+    from fairseq2.runtime.dependency import get_dependency_resolver
 
-        resolver = get_dependency_resolver()
-    except Exception:  # noqa: BLE001 - not initialised yet: the example initialises it
-        return
+    resolver = get_dependency_resolver()  # initialises fairseq2 unless this process already did
     monkeypatch.setattr(fairseq2, "init_fairseq2", lambda **kwargs: resolver)
 
 
@@ -250,10 +248,8 @@ def test_plugin_example_passes_the_kit(doc_env):
 
 def test_mlbtc_cost_claim_holds(doc_env):
     """The text: cost equals the parameter count for every construction except Kronecker."""
-    from mixer_plugins.mlbtc import MLBTC
-
     namespace = run_example(_example(DOCS / "structured_attention.md", "import torch", "MLBTC.kronecker"))
-    kron = namespace["kron"]
+    MLBTC, kron = namespace["MLBTC"], namespace["kron"]  # the class as the page imports it
     assert (sum(p.numel() for p in kron.parameters()), kron.macs_per_vector()) == (1280, 24576)
     others = [MLBTC.low_rank(512, 512, rank=16), MLBTC.monarch((16, 32), (16, 32)),
               MLBTC.btt((16, 32), (16, 32), rank=4), MLBTC.block_diagonal(512, 512, blocks=8),
