@@ -11,7 +11,7 @@ STAMP   := $(VENV)/.installed
 TORCH   := torch==2.9.1
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast bench lint clean system-deps
+.PHONY: setup run test test-fast bench lint docs clean system-deps
 
 setup: $(STAMP)
 
@@ -42,8 +42,12 @@ test: setup
 bench: setup
 	$(PY) -m pytest benchmarks --benchmark-only --benchmark-autosave $(PYTEST_ARGS)
 
+# The documentation site (mkdocs + mkdocstrings); `make test` also checks it builds with --strict.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) .pytest_cache .benchmarks site
