@@ -31,7 +31,6 @@ _LAZY: dict[str, str] = {
     "MixerRegistry": "mixer_plugins.registry",
     "PluginProblem": "mixer_plugins.registry",
     "default_registry": "mixer_plugins.registry",
-    "make_register_function": "mixer_plugins.registry",
     "MixerError": "mixer_plugins.errors",
     "UnknownMixerError": "mixer_plugins.errors",
     "InvalidMixerOptions": "mixer_plugins.errors",
@@ -69,7 +68,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         MixerSpec,
         PluginProblem,
         default_registry,
-        make_register_function,
     )
 
 

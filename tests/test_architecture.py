@@ -7,6 +7,7 @@ planted defect, to show it can fail.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mixer_plugins"
 
 pytest.importorskip("importlinter", reason="needs import-linter (the dev extra)")
-grimp = pytest.importorskip("grimp", reason="needs grimp (installed with import-linter)")
+pytest.importorskip("grimp", reason="needs grimp (installed with import-linter)")
 
 
 def _lint_imports(source_root: Path) -> subprocess.CompletedProcess:
@@ -57,54 +58,56 @@ def test_layers_contract_catches_a_planted_wrong_way_import(tmp_path):
     assert "mixer_plugins.kernels is not allowed to import mixer_plugins.backbones" in result.stdout
 
 
+_CYCLES_SCRIPT = r"""
+import json, sys
+import grimp
+
+graph = grimp.build_graph("mixer_plugins", cache_dir=None)
+# A package's __init__ importing its own submodules is how Python packages work, not a cycle of concepts:
+# only edges between modules that are not ancestors of one another count.
+edges = {
+    m: sorted(t for t in graph.find_modules_directly_imported_by(m)
+              if t.startswith("mixer_plugins") and not t.startswith(m + ".") and not m.startswith(t + "."))
+    for m in graph.modules if m.startswith("mixer_plugins")
+}
+index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+def visit(v):  # Tarjan's strongly connected components
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in edges.get(v, ()):
+        if w not in index:
+            visit(w)
+            low[v] = min(low[v], low[w])
+        elif w in on_stack:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        component = []
+        while True:
+            w = stack.pop()
+            on_stack.discard(w)
+            component.append(w)
+            if w == v:
+                break
+        if len(component) > 1:
+            components.append(sorted(component))
+
+sys.setrecursionlimit(10_000)
+for module in sorted(edges):
+    if module not in index:
+        visit(module)
+print(json.dumps(components))
+"""
+
+
 def _module_cycles(source_root: Path) -> list[list[str]]:
-    """Strongly connected components (size > 1) of the package's module import graph (Tarjan)."""
-    sys.path.insert(0, str(source_root))
-    try:
-        graph = grimp.build_graph("mixer_plugins", cache_dir=None)
-    finally:
-        sys.path.remove(str(source_root))
-    # A package's ``__init__`` importing its own submodules is how Python packages work, not a cycle of concepts:
-    # only edges between modules that are not ancestors of one another count.
-    edges = {
-        m: {t for t in graph.find_modules_directly_imported_by(m)
-            if t.startswith("mixer_plugins") and not t.startswith(m + ".") and not m.startswith(t + ".")}
-        for m in graph.modules if m.startswith("mixer_plugins")
-    }
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
-    counter = [0]
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                components.append(sorted(component))
-
-    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
-    for module in sorted(edges):
-        if module not in index:
-            visit(module)
-    return components
+    """Strongly connected components (size > 1) of the import graph of the package under ``source_root``."""
+    env = {**os.environ, "PYTHONPATH": str(source_root)}
+    out = subprocess.run([sys.executable, "-c", _CYCLES_SCRIPT], cwd=source_root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def test_no_import_cycles_between_modules():
