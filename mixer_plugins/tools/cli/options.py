@@ -52,7 +52,7 @@ def typed_option_value(spec: MixerSpec, key: str, raw: str) -> Any:
 
     fields = spec.config.model_fields
     if key not in fields:
-        raise CliError(f"mixer {spec.name!r} has no option {key!r}{did_you_mean(key, fields)} "
+        raise CliError(f"mixer {spec.name!r} has no option {key!r}{did_you_mean(key, list(fields))} "
                        f"(options: {', '.join(fields)})")
     field = fields[key]
     annotation = field.annotation
