@@ -25,8 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import mixer_plugins as mp
-from mixer_plugins.registry import InvalidMixerOptions, MixerConfig, MixerError, MixerSpec
+from mixer_plugins.registry import InvalidMixerOptions, MixerConfig, MixerError, MixerSpec, default_registry
 from mixer_plugins.registry.registry import normalize_name
 
 from ..options import HostModel, resolve_config
@@ -67,7 +66,7 @@ def namespaced_options(spec: MixerSpec, mixer_options: Mapping[str, object]) -> 
             raise InvalidMixerOptions(spec.name, [f"mixer_options keys must be mixer names, got {key!r}"])
         # An unknown namespace would otherwise be ignored silently (a typo such as 'qausi' would drop the
         # user's options), so every key must name a registered mixer: UnknownMixerError with "did you mean".
-        owner = spec if normalize_name(key) == normalize_name(spec.name) else mp.get_spec(key)
+        owner = spec if normalize_name(key) == normalize_name(spec.name) else default_registry.get_spec(key)
         if not isinstance(value, Mapping):
             raise InvalidMixerOptions(
                 owner.name,
@@ -120,7 +119,7 @@ def resolve_mixer(
     """
     if not isinstance(mixer, str) or not mixer.strip():
         raise MixerError(f"mixer must be a non-empty mixer name (see `mixer-plugins list`), got {mixer!r}")
-    spec = mp.get_spec(mixer)
+    spec = default_registry.get_spec(mixer)
     options = namespaced_options(spec, mixer_options or {})
     known = dict(host_options or {})
     # An encoder prefers a bidirectional mixer: one that can run either way gets causal=False unless the user

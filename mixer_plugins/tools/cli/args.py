@@ -6,7 +6,18 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
-__all__ = ["CliError", "Command", "one_line", "set_threads"]
+__all__ = [
+    "CliError",
+    "Command",
+    "head",
+    "length_list",
+    "name_list",
+    "non_negative_int",
+    "one_line",
+    "positive_float",
+    "positive_int",
+    "set_threads",
+]
 
 
 class CliError(Exception):
