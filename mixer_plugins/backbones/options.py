@@ -134,7 +134,7 @@ def _field_value(spec: MixerSpec, options: Mapping[str, Any], name: str) -> Any:
 
 def head_dim_for(spec: MixerSpec, dim: int, num_heads: int,
                  options: Mapping[str, Any] | None = None) -> tuple[str, int] | None:
-    """``(field, head size)`` that gives a mixer sized by head width ``num_heads`` heads, or None.
+    """The head size that gives a mixer sized by head width exactly ``num_heads`` heads, as ``(field, value)``.
 
     Only for mixers that have a head-size field (:data:`HEAD_DIM_FIELDS`) and no ``num_heads`` field; the inner
     width is ``expand * dim`` where the mixer has ``expand`` (the user's ``expand`` if given), else ``dim``. None
