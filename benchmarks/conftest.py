@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from mixer_plugins.benchmarking import _step, build_mixer, count_flops, peak_memory
+from mixer_plugins.tools.benchmarking import build_mixer, count_flops, mixer_step, peak_memory
 
 # Timed runs use every core unless told otherwise. Under pytest-xdist (the CI smoke run, two workers on two
 # cores) each worker gets one thread: two threads per worker would oversubscribe the cores.
@@ -55,7 +55,7 @@ def mixer_benchmark(benchmark):
         mixer = build_mixer(name, dim, length, causal=causal, options=options)
         mixer.train(mode == "forward_backward")
         x = torch.randn(batch, length, dim, requires_grad=mode == "forward_backward")
-        fn = _step(mixer, x, mode)
+        fn = mixer_step(mixer, x, mode)
         benchmark.group = f"{mode} L={length} B={batch} D={dim}"
         analytic = mixer.flops(batch, length) * (3 if mode == "forward_backward" else 1)
         benchmark.extra_info.update(mixer=mixer.mixer_name, length=length, batch=batch, dim=dim, mode=mode,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from mixer_plugins.benchmarking import measure
+from mixer_plugins.tools.benchmarking import measure
 
 MIXERS = ["quasiseparable", "semiseparable", "attention"]
 LENGTHS = [256, 1024, 4096, 16384]

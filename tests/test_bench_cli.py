@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mixer_plugins as mp
-from mixer_plugins.bench_table import load_benchmark_rows, results_table
-from mixer_plugins.benchmarking import build_mixer, format_seconds, sweep
-from mixer_plugins.cli import main
+from mixer_plugins.tools.benchmarking import build_mixer, format_seconds, sweep
+from mixer_plugins.tools.cli import main
+from mixer_plugins.tools.tables import load_benchmark_rows, results_table
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mixer_plugins.cli import format_table, main
+from mixer_plugins._text import format_table
+from mixer_plugins.tools.cli import main
 
 
 def test_list_prints_a_table_of_every_mixer(capsys):
@@ -58,7 +59,7 @@ def test_format_table_aligns_columns():
 
 
 def test_every_command_and_option_has_help(capsys):
-    from mixer_plugins.cli import COMMANDS, build_parser
+    from mixer_plugins.tools.cli import COMMANDS, build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -90,7 +91,7 @@ def test_new_commands_bad_arguments_one_line(capsys, argv, fragment):
 
 
 def test_multi_line_errors_become_one_line(capsys, monkeypatch):
-    import mixer_plugins.cli as cli
+    import mixer_plugins.tools.cli as cli
     from mixer_plugins import InvalidMixerOptions
 
     def fail(args):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixer_plugins.cli import main
-from mixer_plugins.demo import (
+from mixer_plugins.tools.cli import main
+from mixer_plugins.tools.demo import (
     DEFAULT_MIXERS,
     DemoConfig,
     adapted_mixer_options,

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from mixer_plugins.registry import MixerConfig, MixerError, MixerSpec
 
+from ..reinit import reinitialize_mixer
 from .options import ResolvedMixer, resolve_mixer
 
 __all__ = ["MixerAttention", "unpack_layout", "padding_mask"]
@@ -95,6 +96,7 @@ class MixerAttention(MultiheadAttention):
     def __init__(self, resolved: ResolvedMixer) -> None:
         super().__init__()
         self._spec = resolved.spec
+        self._config = resolved.config
         self.mixer_name = resolved.spec.name
         self.mixer = _build_on_any_device(resolved.spec, resolved.config)
         self.model_dim = resolved.config.dim
@@ -157,6 +159,12 @@ class MixerAttention(MultiheadAttention):
         for hook in self._attn_weight_hooks.values():
             hook(self, out, weights)
 
+    def reset_parameters(self) -> None:
+        """Re-draw the mixer's own initialisation (fairseq2 calls this when it materialises a meta-device model
+        without a checkpoint): the mixer's ``reset_parameters()`` where it has one, else the state of a fresh
+        mixer of the same config."""
+        reinitialize_mixer(self.mixer, lambda: self._spec.build(self._config))
+
     def reset_non_persistent_buffers(self) -> None:
         """Recompute the mixer's non-persistent buffers (called by fairseq2 after a meta-device load).
 
@@ -167,7 +175,7 @@ class MixerAttention(MultiheadAttention):
         if not targets:
             return
         with torch.device("cpu"):
-            fresh = self._spec.build(self.mixer.config)
+            fresh = self._spec.build(self._config)
         fresh_modules = dict(fresh.named_modules())
         for name, sub in self.mixer.named_modules():
             for buf_name in sub._non_persistent_buffers_set:

@@ -29,8 +29,7 @@ from fairseq2.models.transformer import (
 from fairseq2.runtime.dependency import DependencyContainer, DependencyResolver
 from fairseq2.utils.validation import ValidationResult
 
-import mixer_plugins as mp
-from mixer_plugins.registry import InvalidMixerOptions
+from mixer_plugins.registry import InvalidMixerOptions, MixerError, default_registry
 
 from .attention import MixerAttention
 from .options import ResolvedMixer, namespaced_options, resolve_mixer
@@ -58,16 +57,16 @@ class NllbMixerConfig(NllbConfig):
     def is_upstream(self) -> bool:
         """True when the encoder keeps fairseq2's own attention (``mixer`` is ``attention`` or an alias)."""
         if not isinstance(self.mixer, str) or not self.mixer.strip():
-            raise mp.MixerError(f"mixer must be a non-empty mixer name (see `mixer-plugins list`), got {self.mixer!r}")
+            raise MixerError(f"mixer must be a non-empty mixer name (see `mixer-plugins list`), got {self.mixer!r}")
         if self.mixer == UPSTREAM_MIXER:
             return True
-        return mp.get_spec(self.mixer).name == UPSTREAM_MIXER
+        return default_registry.get_spec(self.mixer).name == UPSTREAM_MIXER
 
     def resolve_mixer(self) -> ResolvedMixer | None:
         """The replacement mixer, or ``None`` for upstream attention; raises our registry errors."""
         if self.is_upstream():
             # The other namespaces are still checked (names, shapes), like any mixer_options.
-            if namespaced_options(mp.get_spec(UPSTREAM_MIXER), self.mixer_options or {}):
+            if namespaced_options(default_registry.get_spec(UPSTREAM_MIXER), self.mixer_options or {}):
                 raise InvalidMixerOptions(
                     UPSTREAM_MIXER,
                     ["with mixer='attention' the NLLB encoder keeps fairseq2's own attention, configured by "
@@ -81,7 +80,7 @@ class NllbMixerConfig(NllbConfig):
         result = ValidationResult()
         try:
             self.resolve_mixer()
-        except mp.MixerError as err:
+        except MixerError as err:
             result.add_error(str(err))
         return result
 

@@ -15,8 +15,8 @@ bad name or option fails with our message before fairseq2 builds anything.
 
 The host model supplies a few options the mixer cannot know (its width, and where the mixer has such an
 option: ``num_heads``, ``max_seq_len``, ``causal=False`` for mixers that can run either way). They are
-filled in only when the user did not set them under ``mixer_options``; an error then says where they came
-from. The decision is made from the mixer's spec and config fields, never from its name.
+filled in by the shared resolver (:mod:`mixer_plugins.backbones.options`) only when the user did not set them
+under ``mixer_options``; an error then says where they came from.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import mixer_plugins as mp
-from mixer_plugins.registry import InvalidMixerOptions, MixerConfig, MixerError, MixerSpec
+from mixer_plugins.registry import InvalidMixerOptions, MixerConfig, MixerError, MixerSpec, default_registry
 from mixer_plugins.registry.registry import normalize_name
+
+from ..options import HostModel, resolve_config
 
 __all__ = ["ResolvedMixer", "resolve_mixer", "mixer_problems", "namespaced_options"]
 
@@ -45,10 +46,6 @@ class ResolvedMixer:
     spec: MixerSpec
     config: MixerConfig
     from_host: Mapping[str, Any]
-
-    def build(self):
-        """Build one mixer module (a fresh instance each call; every layer gets its own)."""
-        return self.spec.build(self.config)
 
 
 def namespaced_options(spec: MixerSpec, mixer_options: Mapping[str, object]) -> dict[str, object]:
@@ -69,7 +66,7 @@ def namespaced_options(spec: MixerSpec, mixer_options: Mapping[str, object]) -> 
             raise InvalidMixerOptions(spec.name, [f"mixer_options keys must be mixer names, got {key!r}"])
         # An unknown namespace would otherwise be ignored silently (a typo such as 'qausi' would drop the
         # user's options), so every key must name a registered mixer: UnknownMixerError with "did you mean".
-        owner = spec if normalize_name(key) == normalize_name(spec.name) else mp.get_spec(key)
+        owner = spec if normalize_name(key) == normalize_name(spec.name) else default_registry.get_spec(key)
         if not isinstance(value, Mapping):
             raise InvalidMixerOptions(
                 owner.name,
@@ -111,9 +108,9 @@ def resolve_mixer(
         mixer: a registered mixer name or alias.
         mixer_options: ``{mixer name: {option: value}}``; only the chosen mixer's entry is used.
         dim: the host model's width, the mixer's ``dim``.
-        host_options: options the host model can supply (e.g. ``num_heads``, ``max_seq_len``); each is used
-            only if the mixer's config has a field of that name and the user did not set it. ``None`` values
-            are skipped (the mixer's own default applies).
+        host_options: what the host model knows: ``num_heads`` and ``max_seq_len``; each is used only if the
+            mixer's config has a field of that name and the user did not set it. ``None`` values are skipped
+            (the mixer's own default applies).
 
     Raises:
         UnknownMixerError: ``mixer`` or a ``mixer_options`` key names no registered mixer ("did you mean").
@@ -122,30 +119,15 @@ def resolve_mixer(
     """
     if not isinstance(mixer, str) or not mixer.strip():
         raise MixerError(f"mixer must be a non-empty mixer name (see `mixer-plugins list`), got {mixer!r}")
-    spec = mp.get_spec(mixer)
+    spec = default_registry.get_spec(mixer)
     options = namespaced_options(spec, mixer_options or {})
-
-    fields = spec.config.model_fields
-    from_host: dict[str, object] = {}
-    for name, value in (host_options or {}).items():
-        if value is not None and name in fields and name not in options:
-            from_host[name] = value
-    # An encoder wants a bidirectional mixer; a mixer that can run either way gets causal=False unless the
-    # user asks otherwise. Causal-only mixers (direction "causal") are left as they are.
-    if spec.direction == "either" and "causal" in fields and "causal" not in options:
-        from_host["causal"] = False
-    options.update(from_host)
-
-    try:
-        config = spec.make_config(dim, **options)
-    except InvalidMixerOptions as err:
-        problems = list(err.problems)
-        if from_host:
-            given = ", ".join(f"{k}={v!r}" for k, v in from_host.items())
-            problems.append(
-                f"note: {given} came from the model config; set them under mixer_options.{spec.name} to override"
-            )
-        raise InvalidMixerOptions(spec.name, problems) from None
+    known = dict(host_options or {})
+    # An encoder prefers a bidirectional mixer: one that can run either way gets causal=False unless the user
+    # asks otherwise; causal-only mixers are left as they are.
+    host = HostModel(dim=dim, num_heads=known.get("num_heads"), max_seq_len=known.get("max_seq_len"),
+                     prefer_causal=False, source="the model config",
+                     override_hint=f"set them under mixer_options.{spec.name} to override")
+    config, from_host = resolve_config(spec, host, options)
     return ResolvedMixer(spec=spec, config=config, from_host=from_host)
 
 

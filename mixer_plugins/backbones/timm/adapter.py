@@ -30,6 +30,8 @@ from timm.layers import DropPath, LayerNorm, LayerScale, register_notrace_module
 from torch import Tensor, nn
 
 from ...registry import InvalidMixerOptions, MixerConfig, MixerError, MixerInputError, MixerSpec, default_registry
+from ..options import HostModel, resolve_config
+from ..reinit import reinitialize_mixer
 
 __all__ = [
     "TimmMixerAttention",
@@ -92,25 +94,6 @@ def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length:
     return key_valid
 
 
-# timm's attention arguments -> the mixer option(s) they set, when the mixer's config has such a field.
-# Only options that mean the same thing as in timm's Attention are targeted: `proj_bias` (attention output
-# projection) goes to `out_bias`, not to the `proj_bias` of Hydra-style mixers (their in/out projections, off by
-# default in the paper), so those keep their own defaults.
-_HOST_FIELDS: dict[str, tuple[str, ...]] = {
-    "num_heads": ("num_heads",),
-    "qkv_bias": ("qkv_bias",),
-    "proj_bias": ("out_bias",),
-    "attn_drop": ("attn_drop", "dropout"),
-    "qk_norm": ("qk_norm",),
-    "scale_norm": ("scale_norm",),
-    "seq_len": ("max_seq_len",),
-    "num_prefix_tokens": ("num_prefix_tokens",),
-}
-# Host arguments that only matter when they switch a feature on; forwarding the "off" value would override a
-# mixer's own default (e.g. a mixer whose ``dropout`` defaults to 0.1).
-_ONLY_WHEN_SET = {"attn_drop", "qk_norm", "scale_norm"}
-
-
 def resolve_mixer_config(spec: MixerSpec, dim: int, options: Mapping[str, Any] | None = None,
                          host: Mapping[str, Any] | None = None) -> MixerConfig:
     """The mixer's validated config: ``dim``, then what timm's block asks for, then the user's ``options``.
@@ -120,37 +103,30 @@ def resolve_mixer_config(spec: MixerSpec, dim: int, options: Mapping[str, Any] |
     forwarded only to a config field of the same meaning (``num_heads``, ``qkv_bias``, ``proj_bias`` ->
     ``out_bias``, ``attn_drop`` -> ``attn_drop`` or ``dropout``, ``seq_len`` -> ``max_seq_len``,
     ``num_prefix_tokens``); every other option keeps the mixer's default, and the user's options win.
-    A host feature the mixer cannot honour (``attn_drop > 0``, ``qk_norm``, ``scale_norm``) is warned about.
+    ``proj_bias`` goes to ``out_bias``, not to the ``proj_bias`` of Hydra-style mixers (their in/out projections,
+    off by default in the paper). A host feature the mixer cannot honour (``attn_drop > 0``, ``qk_norm``,
+    ``scale_norm``) is warned about. The rules are those of :mod:`mixer_plugins.backbones.options`.
     """
     options = dict(options or {})
     if "dim" in options:
         raise InvalidMixerOptions(spec.name, ["dim is set by the timm model (its embed_dim); do not pass it"])
-    fields = spec.config.model_fields
-    merged: dict[str, Any] = {}
-    for host_key, value in (host or {}).items():
-        if value is None or host_key not in _HOST_FIELDS:
-            continue
-        if host_key in _ONLY_WHEN_SET and not value:
-            continue
-        target = next((f for f in _HOST_FIELDS[host_key] if f in fields), None)
-        if target is None:
-            if host_key in _ONLY_WHEN_SET:
-                warnings.warn(
-                    f"the timm model asks for {host_key}={value!r}, but mixer {spec.name!r} has no such option; "
-                    "it is ignored", UserWarning, stacklevel=3,
-                )
-            continue
-        merged[target] = value
-    merged.update(options)
-    max_len = fields.get("max_seq_len")
-    if max_len is not None and max_len.is_required() and "max_seq_len" not in merged:
+    host = dict(host or {})
+    facts = HostModel(
+        dim=dim, num_heads=host.get("num_heads"), max_seq_len=host.get("seq_len"), qkv_bias=host.get("qkv_bias"),
+        out_bias=host.get("proj_bias"), attn_drop=host.get("attn_drop"), qk_norm=host.get("qk_norm"),
+        scale_norm=host.get("scale_norm"), num_prefix_tokens=host.get("num_prefix_tokens"),
+        source="the timm model", override_hint="pass them in mixer_options to override",
+    )
+    max_len = spec.config.model_fields.get("max_seq_len")
+    if max_len is not None and max_len.is_required() and "max_seq_len" not in options and facts.max_seq_len is None:
         raise MixerError(
             f"mixer {spec.name!r} is data-independent and needs the token count (max_seq_len), which timm's "
             "attn_layer hook does not pass. Build it with mixer_plugins.swap_mixer(model, "
             f"{spec.name!r}) or timm.create_model('vit_base', mixer={spec.name!r}) (which read the token count "
             "from the model), or pass max_seq_len explicitly"
         )
-    return spec.make_config(dim, **merged)
+    config, _ = resolve_config(spec, facts, options)
+    return config
 
 
 class TimmMixerAttention(nn.Module):
@@ -259,14 +235,10 @@ class TimmMixerAttention(nn.Module):
 
     @torch.jit.ignore
     def init_weights(self) -> None:
-        """Re-draw the mixer's own initialisation (timm calls this after re-initialising every ``nn.Linear``)."""
-        reference = next(iter(self.mixer.parameters()), None)
-        if reference is None or reference.device.type == "meta":
-            return
+        """Re-draw the mixer's own initialisation (timm calls this after re-initialising every ``nn.Linear``):
+        the mixer's ``reset_parameters()`` where it has one, else the state of a fresh mixer of the same config."""
         spec = default_registry.get_spec(self.mixer_name)
-        fresh = self._build_mixer(spec, self.mixer_config, reference.device, None)
-        # load_state_dict copies with dtype conversion, so a bf16 or mixed-precision mixer keeps its dtypes.
-        self.mixer.load_state_dict(fresh.state_dict())
+        reinitialize_mixer(self.mixer, lambda: spec.build(self.mixer_config))
 
     @property
     def proj(self) -> nn.Module:

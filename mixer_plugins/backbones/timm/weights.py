@@ -18,8 +18,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["WeightLoadReport", "PartialWeightsWarning", "load_compatible_state_dict", "remap_attention_keys",
-           "pretrained_filter"]
+__all__ = ["WeightLoadReport", "PartialWeightsWarning", "load_compatible_state_dict", "pretrained_filter"]
 
 
 class PartialWeightsWarning(UserWarning):
@@ -78,12 +77,9 @@ class WeightLoadReport:
             warnings.warn("partial weight load: " + self.summary(), PartialWeightsWarning, stacklevel=stacklevel)
 
 
-def remap_attention_keys(state_dict: Mapping[str, Tensor], model_keys: Iterable[str]) -> dict[str, Tensor]:
-    """Rename ``...attn.<name>`` to ``...attn.mixer.<name>`` where only the latter exists in the model."""
-    return _remap(state_dict, set(model_keys))[0]
-
-
 def _remap(state_dict: Mapping[str, Tensor], keys: set[str]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Rename ``...attn.<name>`` to ``...attn.mixer.<name>`` where only the latter exists in the model; also
+    returns new name -> checkpoint name."""
     out: dict[str, Tensor] = {}
     original: dict[str, str] = {}  # new name -> checkpoint name, so reports speak of the checkpoint's names
     for key, value in state_dict.items():

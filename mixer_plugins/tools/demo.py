@@ -15,9 +15,10 @@ What it writes to ``--out`` (default ``demo_output/``):
 * ``errors.log``: full tracebacks of mixers that failed (they are reported in the table; the others still run).
 
 Mixer options adapted to the model size (only where the mixer has the option and the user did not set it):
-Hydra-block mixers get ``headdim`` so that they have the ViT's head count (``expand * width / heads``),
-``d_state=16`` (the default 64 is four times the token count) and ``chunk_size`` no larger than the token count (a
-speed setting only); data-independent mixers get ``max_seq_len`` = the token count from the timm adapter.
+mixers sized by head width (Hydra's block) get the head size that gives them the ViT's head count
+(:func:`mixer_plugins.backbones.options.head_dim_for`: ``expand * width / heads``), ``d_state=16`` (the default
+64 is four times the token count) and ``chunk_size`` no larger than the token count (a speed setting only). Width,
+head count and ``max_seq_len`` (the token count) come from the timm adapter, through the same resolver.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .benchmarking import count_flops, format_flops
-from .registry import MixerError, NotMaterializableError, default_registry
+from .._text import format_table, markdown_table
+from ..backbones.options import head_dim_for
+from ..errors import MissingExtraError, MixerError, NotMaterializableError
+from ..registry import default_registry
+from .benchmarking import count_flops, error_summary, format_flops
 
 __all__ = [
     "DEFAULT_MIXERS",
@@ -47,7 +51,6 @@ __all__ = [
     "build_model",
     "capture_first_block_matrix",
     "load_digits_data",
-    "quick_config",
     "results_table",
     "run_demo",
 ]
@@ -119,11 +122,6 @@ class DemoConfig:
         return (IMAGE_SIZE // self.patch_size) ** 2
 
 
-def quick_config(**overrides: Any) -> DemoConfig:
-    """The ``--quick`` smoke run: 3 epochs on 640 training images (seconds per mixer on one core)."""
-    return DemoConfig(**{"epochs": 3, "train_limit": 640, **overrides})
-
-
 @dataclasses.dataclass
 class DemoData:
     """Normalized digits, ``(n, 1, 8, 8)`` float32 images and int64 labels, split by the seed."""
@@ -141,8 +139,6 @@ def load_digits_data(seed: int = 0, test_fraction: float = 0.2, train_limit: int
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError:
-        from .plotting import MissingExtraError
-
         raise MissingExtraError(
             "the demo needs scikit-learn (for its digits data set); install the demo extra: "
             "pip install 'mixer-plugins[demo]'"
@@ -166,11 +162,9 @@ def adapted_mixer_options(name: str, config: DemoConfig) -> dict[str, Any]:
     fields = spec.config.model_fields
     user = dict(config.options.get(spec.name, {}))
     adapted: dict[str, Any] = {}
-    if "headdim" in fields and "expand" in fields:
-        expand = user.get("expand", fields["expand"].get_default())
-        inner = expand * config.embed_dim
-        if inner % config.num_heads == 0:
-            adapted["headdim"] = inner // config.num_heads
+    head_size = head_dim_for(spec, config.embed_dim, config.num_heads, user)
+    if head_size is not None:
+        adapted[head_size[0]] = head_size[1]
     if "d_state" in fields:
         adapted["d_state"] = 16
     if "chunk_size" in fields:
@@ -184,7 +178,7 @@ def build_model(name: str, config: DemoConfig) -> nn.Module:
     """The demo's timm ViT with mixer ``name`` in every block (seeded with ``config.seed``)."""
     import timm
 
-    from . import backbones  # noqa: F401  (registers our timm model names)
+    from ..backbones import timm as _timm_adapter  # noqa: F401  (registers our timm model names)
 
     torch.manual_seed(config.seed)
     return timm.create_model(
@@ -202,7 +196,7 @@ def capture_first_block_matrix(model: nn.Module, image: Tensor) -> Tensor:
     mixer materializes its matrix for exactly that input. Raises :class:`NotMaterializableError` for non-linear
     mixers and :class:`MixerError` when the first block holds no mixer adapter.
     """
-    from .backbones.timm.adapter import TimmMixerAttention
+    from ..backbones.timm import TimmMixerAttention
 
     adapter = model.blocks[0].attn
     if not isinstance(adapter, TimmMixerAttention):
@@ -316,8 +310,6 @@ def _no_grad_forward(model: nn.Module, x: Tensor) -> None:
 
 def results_table(results: Sequence[MixerResult], *, markdown: bool = False) -> str:
     """The demo's table: test accuracy, parameters, FLOPs per image, training time (and errors)."""
-    from .cli import format_table
-
     headers = ("mixer", "test accuracy", "parameters", "FLOPs / image", "train time", "note")
     rows = []
     for r in results:
@@ -326,11 +318,7 @@ def results_table(results: Sequence[MixerResult], *, markdown: bool = False) -> 
             continue
         rows.append((r.mixer, f"{r.test_accuracy:.3f}", f"{r.parameters:,}", format_flops(r.flops_per_image),
                      f"{r.train_seconds:.1f} s", r.matrix_note))
-    if markdown:
-        lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-        return "\n".join(lines)
-    return format_table(headers, rows)
+    return markdown_table(headers, rows) if markdown else format_table(headers, rows)
 
 
 def describe(config: DemoConfig, data: DemoData) -> str:
@@ -362,10 +350,10 @@ def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[
         try:
             results.append(train_mixer(name, config, data))
         except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
-            text = (str(err).strip().splitlines() or [""])[0]
-            results.append(MixerResult(mixer=name, error=f"{type(err).__name__}: {text}"))
+            summary = error_summary(err)
+            results.append(MixerResult(mixer=name, error=summary))
             errors.append(f"== {name}\n{traceback.format_exc()}")
-            log(f"mixer {name!r} failed: {type(err).__name__}: {text}")
+            log(f"mixer {name!r} failed: {summary}")
 
     table = results_table(results)
     log("")

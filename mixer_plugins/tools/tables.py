@@ -18,8 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._text import format_table, markdown_table
+from ..errors import MixerError
 from .benchmarking import format_bytes, format_flops, format_seconds
-from .registry import MixerError
 
 __all__ = ["BenchmarkFileError", "find_benchmark_files", "load_benchmark_rows", "results_table"]
 
@@ -115,8 +116,6 @@ def results_table(rows: Sequence[Mapping[str, Any]], *, baseline: str | None = "
                   markdown: bool = False) -> str:
     """The comparison table of ``rows`` (see the module docstring); ``markdown`` for a pipe table; no ratio
     columns when ``baseline`` is None."""
-    from .cli import format_table  # the CLI's aligned plain-text table
-
     sections: dict[tuple, list[Mapping[str, Any]]] = {}
     for row in rows:
         key = (row.get("run"), row.get("mode"), row.get("dim"), row.get("batch"))
@@ -150,9 +149,7 @@ def results_table(rows: Sequence[Mapping[str, Any]], *, baseline: str | None = "
             mode, direction, f"dim {dim}" if dim is not None else None, f"batch {batch}" if batch is not None else None,
             f"run {run}" if run is not None and len(runs) > 1 else None) if p is not None)
         if markdown:
-            lines = [f"**{title}**", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-            lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in body]
-            out.append("\n".join(lines))
+            out.append(f"**{title}**\n\n{markdown_table(headers, body)}")
         else:
             out.append(f"{title}\n{format_table(headers, body)}")
     return "\n\n".join(out)

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import MissingExtraError, MixerError
+from ..errors import MissingExtraError, MixerError
 
 __all__ = [
-    "MissingExtraError",
+    "SCALES",
     "heatmap_limits",
     "matrix_to_image",
     "require_matplotlib",
@@ -192,7 +192,7 @@ def save_scaling_plot(rows: Sequence[Mapping[str, Any]], path: str | Path, *, ti
     """Log-log plots of time and peak memory against sequence length, one line per mixer.
 
     ``rows`` are measurement records (``mixer``, ``length``, ``seconds``, ``peak_memory_bytes``), e.g.
-    :meth:`mixer_plugins.benchmarking.Measurement.as_dict`. Memory panels skip points without a measurement.
+    :meth:`mixer_plugins.tools.benchmarking.Measurement.as_dict`. Memory panels skip points without a measurement.
     """
     plt = require_matplotlib()
     by_mixer: dict[str, list[Mapping[str, Any]]] = {}

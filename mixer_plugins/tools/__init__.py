@@ -1,0 +1,13 @@
+"""Tools built on the library: the ``mixer-plugins`` command line and what its commands use.
+
+* :mod:`.cli` — the command line, one module per subcommand (``mixer_plugins.tools.cli:main`` is the console
+  script);
+* :mod:`.demo` — small timm ViTs that differ only in the mixer, trained on scikit-learn's digits;
+* :mod:`.benchmarking` — time, counted FLOPs and peak memory of mixers;
+* :mod:`.tables` — the comparison table of benchmark results (``bench`` and pytest-benchmark's JSON);
+* :mod:`.flop_report` — analytic FLOPs against PyTorch's ``FlopCounterMode``;
+* :mod:`.plotting` — heat maps, learning curves and scaling plots (matplotlib, the ``demo`` extra).
+
+The tools import the library; nothing in the library imports the tools. Importing this package imports none of
+its modules.
+"""

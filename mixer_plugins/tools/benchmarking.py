@@ -1,0 +1,387 @@
+"""Measuring mixers: time, FLOPs (counted by PyTorch) and peak memory, shared by ``mixer-plugins bench``
+and the pytest-benchmark suites in ``benchmarks/``.
+
+* FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` on the same forward (our custom ops
+  register their formulas, so the counter sees the scans and FFTs); :meth:`MatrixMixer.flops` is the
+  analytic count it is checked against.
+* Peak memory on CUDA is ``torch.cuda.max_memory_allocated``. On CPU it is the rise of the process's
+  peak resident set size over the run (Linux: ``/proc/self/clear_refs`` resets the peak, and, during the
+  measured block only, large buffers are forced to ``mmap`` so freed memory really leaves the process).
+  It includes allocator overhead, so compare it between mixers and lengths, not with tensor byte counts.
+  Timings are never taken inside such a block: forcing ``mmap`` slows large allocations down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..backbones.options import HostModel, direction_problem, resolve_config
+from ..registry import default_registry
+
+__all__ = [
+    "DIRECTIONS",
+    "MODES",
+    "Measurement",
+    "SweepProblem",
+    "build_mixer",
+    "count_flops",
+    "error_summary",
+    "format_bytes",
+    "format_flops",
+    "format_seconds",
+    "measure",
+    "mixer_step",
+    "peak_memory",
+    "sweep",
+    "time_call",
+]
+
+MODES = ("forward", "forward_backward")
+#: ``direction`` arguments of the sweep: "default" keeps each mixer's own default direction.
+DIRECTIONS = ("default", "causal", "bidirectional")
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One (mixer, length, batch, mode) measurement."""
+
+    mixer: str
+    length: int
+    batch: int
+    dim: int
+    mode: str
+    device: str
+    seconds: float
+    flops: int
+    analytic_flops: int | None
+    peak_memory_bytes: int | None
+    #: "causal" or "bidirectional": the direction the mixer actually ran in.
+    direction: str | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens (batch x length) processed per second."""
+        return self.batch * self.length / self.seconds
+
+    @property
+    def flops_per_second(self) -> float:
+        """Achieved FLOP/s: the FLOPs FlopCounterMode counted divided by the median time."""
+        return self.flops / self.seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(tokens_per_second=self.tokens_per_second, flops_per_second=self.flops_per_second)
+        return out
+
+
+def build_mixer(name: str, dim: int, length: int, *, causal: bool | None = None,
+                options: dict[str, Any] | None = None, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32):
+    """Build a mixer for a run at ``length``, its options filled in by the shared resolver
+    (:mod:`mixer_plugins.backbones.options`): ``max_seq_len=length`` where the mixer has that option, and the
+    direction ``causal`` (True/False; None keeps the mixer's default) where it has a ``causal`` option. A mixer
+    that cannot run in the requested direction raises :class:`~mixer_plugins.MixerError`."""
+    spec = default_registry.get_spec(name)
+    config, _ = resolve_config(spec, HostModel(dim=dim, max_seq_len=length, causal=causal), options)
+    mixer = spec.build(config)
+    return mixer.to(device=device, dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mixer_step(mixer, x: torch.Tensor, mode: str) -> Callable[[], None]:
+    """One call of ``mixer`` on ``x`` as a function: a forward without gradients, or a forward+backward."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "forward":
+        def run() -> None:
+            with torch.no_grad():
+                mixer(x)
+    else:
+        def run() -> None:
+            x.grad = None
+            mixer(x).sum().backward()
+    return run
+
+
+def time_call(fn: Callable[[], None], *, device: torch.device, warmup: int = 1, repeats: int = 3,
+              min_seconds: float = 0.0) -> float:
+    """Median wall time of ``fn`` (synchronizing CUDA), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - start) < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def count_flops(fn: Callable[[], None]) -> int:
+    """Total FLOPs ``FlopCounterMode`` counts while ``fn`` runs."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+# -- peak memory -----------------------------------------------------------------------------------------
+
+_LIBC = None
+# glibc mallopt parameters. Inside a peak-memory block, buffers of 64 KiB and more are mmapped, so freeing one
+# really lowers the resident set and the peak is the block's own. Outside it, the process must allocate as it
+# normally would: a low mmap threshold left in place makes every large tensor a fresh mmap (page faults on first
+# touch) and slowed forward+backward timings 2-3x. glibc's default threshold is dynamic (it rises to at most
+# 32 MiB as large buffers are freed) and mallopt cannot switch that back on, so after the block we set what the
+# dynamic rule converges to for tensor workloads: 32 MiB, with the matching trim threshold (timed the same as
+# glibc's default).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MEASURING_MMAP_THRESHOLD = 1 << 16
+_NORMAL_MMAP_THRESHOLD = 32 << 20
+_NORMAL_TRIM_THRESHOLD = 2 * _NORMAL_MMAP_THRESHOLD
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+                libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+                if hasattr(libc, "mallinfo2"):  # glibc >= 2.33
+                    libc.mallinfo2.restype = _MallInfo2
+                _LIBC = libc
+            except OSError:  # pragma: no cover - non-glibc Linux
+                _LIBC = False
+    return _LIBC
+
+
+def _plug_free_heap_chunks(libc) -> list[int]:
+    """Allocate (without touching) the large free chunks of the main heap; returns the pointers to free later.
+
+    Large buffers freed before the block sit in malloc's free lists (their pages released by ``malloc_trim``).
+    Allocations inside the block would reuse them instead of being mmapped, fault their pages back in and keep
+    them after being freed, so the peak would depend on what ran before (measured: 79-118 MiB for a run whose
+    own peak is 63 MiB). Holding those chunks for the duration of the block sends every large allocation to
+    ``mmap``. Only malloc's chunk headers are written, so the plugs themselves cost a page each at most.
+    """
+    if not hasattr(libc, "mallinfo2"):  # older glibc: no plugging, the peak may then include reuse
+        return []
+    plugs: list[int] = []
+    size = int(libc.mallinfo2().fordblks)
+    while size >= _MEASURING_MMAP_THRESHOLD:
+        mmapped_before = libc.mallinfo2().hblkhd
+        pointer = libc.malloc(size)
+        info = libc.mallinfo2()
+        if pointer and info.hblkhd == mmapped_before:  # served from the heap's free memory: keep it
+            plugs.append(pointer)
+            size = min(size, int(info.fordblks))
+        else:  # no free chunk this large (it was mmapped, or failed): try smaller
+            if pointer:
+                libc.free(pointer)
+            size //= 2
+    return plugs
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)  # pragma: no cover
+
+
+@contextlib.contextmanager
+def peak_memory(device: str | torch.device = "cpu") -> Iterator[dict[str, int | None]]:
+    """``with peak_memory(dev) as m: ...`` then ``m["peak_bytes"]``: the peak extra memory of the block
+    (None where it cannot be measured, e.g. CPU memory off Linux)."""
+    device = torch.device(device)
+    result: dict[str, int | None] = {"peak_bytes": None}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        return
+    libc = _libc()
+    plugs: list[int] = []
+    if libc:
+        libc.mallopt(_M_MMAP_THRESHOLD, _MEASURING_MMAP_THRESHOLD)
+    try:
+        try:
+            gc.collect()
+            if libc:
+                libc.malloc_trim(0)
+                plugs = _plug_free_heap_chunks(libc)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak resident set size
+            base = _status_bytes("VmRSS")
+        except OSError:
+            yield result
+            return
+        yield result
+        result["peak_bytes"] = max(0, _status_bytes("VmHWM") - base)
+    finally:
+        if libc:
+            for pointer in plugs:
+                libc.free(pointer)
+            libc.mallopt(_M_MMAP_THRESHOLD, _NORMAL_MMAP_THRESHOLD)
+            libc.mallopt(_M_TRIM_THRESHOLD, _NORMAL_TRIM_THRESHOLD)
+
+
+# -- one measurement -------------------------------------------------------------------------------------
+
+def measure(name: str, *, dim: int = 256, length: int = 1024, batch: int = 1, mode: str = "forward",
+            causal: bool | None = None, options: dict[str, Any] | None = None, device: str = "cpu",
+            dtype: torch.dtype = torch.float32, warmup: int = 1, repeats: int = 3,
+            memory: bool = True, seed: int = 0) -> Measurement:
+    """Time, count FLOPs and measure peak memory of one mixer at one size."""
+    dev = torch.device(device)
+    torch.manual_seed(seed)
+    mixer = build_mixer(name, dim, length, causal=causal, options=options, device=dev, dtype=dtype)
+    mixer.train(mode == "forward_backward")
+    x = torch.randn(batch, length, dim, device=dev, dtype=dtype, requires_grad=mode == "forward_backward")
+    run = mixer_step(mixer, x, mode)
+    seconds = time_call(run, device=dev, warmup=warmup, repeats=repeats)
+    flops = count_flops(run)
+    try:
+        analytic = int(mixer.flops(batch, length))
+        if mode == "forward_backward":
+            analytic *= 3  # the usual estimate: backward = 2 x forward
+    except NotImplementedError:
+        analytic = None
+    peak = None
+    if memory:
+        with peak_memory(dev) as mem:  # collects garbage itself before the baseline
+            run()
+        peak = mem["peak_bytes"]
+    direction = "causal" if getattr(mixer, "causal", False) else "bidirectional"
+    return Measurement(mixer=default_registry.get_spec(name).name, length=length, batch=batch, dim=dim, mode=mode,
+                       device=str(dev), seconds=seconds, flops=flops, analytic_flops=analytic,
+                       peak_memory_bytes=peak, direction=direction)
+
+
+# -- a sweep over mixers and lengths (mixer-plugins bench) -----------------------------------------------
+
+@dataclasses.dataclass
+class SweepProblem:
+    """A (mixer, length) the sweep could not measure: ``kind`` is "skipped" (not attempted) or "failed"."""
+
+    mixer: str
+    length: int | None
+    kind: str
+    reason: str
+
+
+def error_summary(err: BaseException) -> str:
+    """``"SequenceLengthError: first line of the message"``: how a failed mixer is reported in tables."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def sweep(mixers: Sequence[str], lengths: Sequence[int], *, dim: int = 256, batch: int = 1, mode: str = "forward",
+          direction: str = "default", options: dict[str, dict[str, Any]] | None = None, device: str = "cpu",
+          dtype: torch.dtype = torch.float32, warmup: int = 1, repeats: int = 3, memory: bool = True,
+          on_start: Callable[[str, int], None] | None = None, on_done: Callable[[str, int], None] | None = None,
+          ) -> tuple[list[Measurement], list[SweepProblem]]:
+    """Measure every mixer at every length (shortest first); what cannot run is reported, never raised.
+
+    Mixers that cannot run in ``direction`` are skipped; a failure at one length (bad options for that
+    length, an error in the mixer) is recorded and the sweep goes on; after running out of memory the
+    longer lengths of that mixer are skipped. ``options[name]`` are the mixer's options. ``on_start(mixer,
+    length)`` and ``on_done(mixer, length)`` are called around each (mixer, length), measured or not (progress).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    causal = None if direction == "default" else direction == "causal"
+    options = options or {}
+    results: list[Measurement] = []
+    problems: list[SweepProblem] = []
+    for name in mixers:
+        reason = direction_problem(default_registry.get_spec(name), causal) if causal is not None else None
+        out_of_memory_at: int | None = None
+        for length in sorted(lengths):
+            if on_start is not None:
+                on_start(name, length)
+            if reason is not None:
+                problems.append(SweepProblem(name, length, "skipped", reason))
+            elif out_of_memory_at is not None:
+                problems.append(SweepProblem(name, length, "skipped",
+                                             f"ran out of memory at length {out_of_memory_at}"))
+            else:
+                try:
+                    results.append(measure(name, dim=dim, length=length, batch=batch, mode=mode, causal=causal,
+                                           options=options.get(name), device=device, dtype=dtype, warmup=warmup,
+                                           repeats=repeats, memory=memory))
+                except (MemoryError, torch.OutOfMemoryError) as err:
+                    out_of_memory_at = length
+                    problems.append(SweepProblem(name, length, "failed", error_summary(err)))
+                except Exception as err:  # noqa: BLE001 - one broken mixer must not end the whole sweep
+                    problems.append(SweepProblem(name, length, "failed", error_summary(err)))
+                finally:
+                    # gc.collect costs ~0.4 s in a big process: leave it to peak_memory, which needs it
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+            if on_done is not None:
+                on_done(name, length)
+    return results, problems
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``1.23 s``, ``45.6 ms``, ``789 us``."""
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def format_bytes(n: int | None) -> str:
+    """``12.3 MiB``-style byte counts (binary prefixes); ``-`` when unknown."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def format_flops(n: float | None) -> str:
+    """``1.61 G``-style FLOP counts (decimal prefixes)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
