@@ -13,9 +13,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixer_plugins as mp
-from mixer_plugins.benchmarking import build_mixer
-from mixer_plugins.cli import main
-from mixer_plugins.flop_report import TOLERANCE, UNCOUNTED_SUFFIX, compare_flops, flop_report, markdown_table
+from mixer_plugins.tools.benchmarking import build_mixer
+from mixer_plugins.tools.cli import main
+from mixer_plugins.tools.flop_report import TOLERANCE, UNCOUNTED_SUFFIX, compare_flops, flop_report, markdown_table
 
 DIM = 32
 LENGTHS = (64, 200)

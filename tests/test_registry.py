@@ -253,7 +253,7 @@ def test_cli_list_with_a_broken_plugin_lists_the_others(fake_site):
     make_fake_distribution(fake_site, "broken-mixers", {"broken": "fake_mixer_broken2:SPEC"},
                            {"fake_mixer_broken2": "import does_not_exist_anywhere"})
     env_path = str(fake_site)
-    code = "import sys; from mixer_plugins.cli import main; sys.exit(main(['list']))"
+    code = "import sys; from mixer_plugins.tools.cli import main; sys.exit(main(['list']))"
     import os
 
     env = dict(os.environ, PYTHONPATH=env_path + os.pathsep + os.environ.get("PYTHONPATH", ""))
