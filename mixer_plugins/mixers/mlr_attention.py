@@ -130,6 +130,15 @@ def _diagonal_regions(scores: Tensor, size: int) -> list[tuple[Tensor, int]]:
     return regions
 
 
+def _merge_blocks_(scores: Tensor, size: int, keeps, subs) -> Tensor:
+    """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place."""
+    for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
+        if keep is not None:
+            region.mul_(keep)
+        region.add_(sub)
+    return scores
+
+
 class _MergeBlocks(torch.autograd.Function):
     """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place.
 
@@ -143,10 +152,7 @@ class _MergeBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, size, keeps, *subs):
         with torch.no_grad():
-            for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
-                if keep is not None:
-                    region.mul_(keep)
-                region.add_(sub)
+            _merge_blocks_(scores, size, keeps, subs)
         ctx.mark_dirty(scores)
         ctx.size, ctx.keeps = size, keeps
         return scores
@@ -230,6 +236,8 @@ class MLRAttention(QKVSoftmaxMixer):
                 keep = keep[..., None] if keep is not None else None
             subs.append(sub)
             keeps.append(keep)
+        if not torch.is_grad_enabled():  # inference: no backward to spare, merge in place directly
+            return _merge_blocks_(scores, size, keeps, subs)
         return _MergeBlocks.apply(scores, size, keeps, *subs)
 
     def _segment_scores(self, q_seg, k_seg, sizes, level: int) -> Tensor:
