@@ -78,18 +78,16 @@ class QKMixerBlock(MatrixMixerBlock):
             shape = (config.max_seq_len, self.num_heads, config.qk_dim)
             self.q_param = nn.Parameter(torch.empty(shape))
             self.k_param = nn.Parameter(torch.empty(shape))
-            self._init_free_qk()
-
-    @torch.no_grad()
-    def _init_free_qk(self) -> None:
-        if self.q_param is not None:
-            self._free_qk_init(self.q_param)
-            self._free_qk_init(self.k_param)
+            with torch.no_grad():
+                free_qk_init(self.q_param)
+                free_qk_init(self.k_param)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        self._init_free_qk()
+        if self.q_param is not None:
+            self._free_qk_init(self.q_param)
+            self._free_qk_init(self.k_param)
 
     # -- hooks ----------------------------------------------------------------------------------------
     def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
