@@ -16,9 +16,22 @@ from mixer_plugins.testing import MixerHarness
 
 LENGTH = 11
 
+# Kernel bugs found by this test, for the kernels' owners (the mixers themselves trace):
+KNOWN_KERNEL_BUGS = {
+    "toeplitz": "kernels.toeplitz_fft returns a permuted (non-contiguous) tensor but its fake (meta) implementation a "
+                "contiguous one, so compiled graphs take a view that fails at run time; the op should return "
+                ".contiguous()",
+}
+
+
+def _params():
+    for name in mp.list_mixers():
+        marks = [pytest.mark.xfail(reason=KNOWN_KERNEL_BUGS[name], strict=True)] if name in KNOWN_KERNEL_BUGS else []
+        yield pytest.param(name, marks=marks, id=name)
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", mp.list_mixers())
+@pytest.mark.parametrize("name", _params())
 def test_whole_mixer_compiles_with_fullgraph(name):
     harness = MixerHarness(spec=mp.get_spec(name))
     mixer = harness.build(dtype=torch.float32).train()
