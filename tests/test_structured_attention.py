@@ -15,8 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixer_plugins as mp
-from mixer_plugins.mixers.mlr_attention import mlr_level_counts
 from mixer_plugins.layers.mlbtc import MLBTC
+from mixer_plugins.mixers.mlr_attention import mlr_level_counts
 from mixer_plugins.testing import check_mixer
 
 F64 = torch.float64

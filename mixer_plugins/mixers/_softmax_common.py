@@ -124,18 +124,6 @@ def dot_scores(q: Tensor, k: Tensor) -> Tensor:
     return torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))
 
 
-def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
-    """Softmax over the last axis, restricted to ``allowed`` keys.
-
-    Disallowed scores are set to the dtype's most negative finite value, not ``-inf``: a row with no allowed key (a
-    pad query) then gives a finite uniform row instead of NaN, and NaN never reaches the gradients. Any row with at
-    least one allowed key is exact: its disallowed entries underflow to zero.
-    """
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return scores.softmax(dim=-1)
-
-
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
     """``softmax(scale * q k^T) v`` with causal/padding masks, via PyTorch's SDPA.
 
