@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from mixer_plugins import mup
+from mixer_plugins.layers import mup
+from mixer_plugins.testing import MixerCoordCheckModel
 
 WIDTHS = [64, 128, 256, 512]
 BATCH, LENGTH, IN_DIM = 8, 16, 8
@@ -32,7 +33,7 @@ def builder(mixer_muP: bool):
     def build(width: int) -> torch.nn.Module:
         options = dict(num_heads=width // 16, ranks=[8, 4, 2, 2], block_sizes=[None, 4, 2, 1],
                        logit_scaling="mup" if mixer_muP else "standard", logit_multiplier=4.0 if mixer_muP else 1.0)
-        return mup.CoordCheckModel(width, "mlr_attention", depth=2, in_dim=IN_DIM, mlp_ratio=2, mixer_options=options)
+        return MixerCoordCheckModel(width, "mlr_attention", depth=2, in_dim=IN_DIM, mlp_ratio=2, mixer_options=options)
     return build
 
 

@@ -87,7 +87,7 @@ def test_report_survives_a_broken_mixer_and_renders_markdown():
 
 def test_flops_command_prints_the_table(capsys):
     assert main(["flops", "--mixers", "attention,vandermonde", "--dim", "32", "--length", "64", "--no-backward",
-                 "--option", "attention.num_heads=4", "--option", "vandermonde.headdim=16"]) == 0
+                 "--option", "attention.num_heads=4", "--option", "vandermonde.head_dim=16"]) == 0
     out = capsys.readouterr().out
     assert "batch 1, dim 32, L 64" in out
     row = next(line for line in out.splitlines() if line.startswith("vandermonde"))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mixer_plugins import mup
-from mixer_plugins.mlbtc import MLBTC, BTCLevel, factorize
+from mixer_plugins.layers import mup
+from mixer_plugins.layers.mlbtc import MLBTC, BTCLevel, factorize
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import mixer_plugins as mp
-from mixer_plugins import mup
+from mixer_plugins.layers import mup
+from mixer_plugins.testing import MixerCoordCheckModel
 
 # -- logit scale and RMS cap -------------------------------------------------------------------------------------------
 
@@ -44,7 +45,7 @@ def test_rms_cap_is_about_one_at_init_and_clips_an_inflated_core_to_kappa():
 # -- fan-ins and learning rates ----------------------------------------------------------------------------------------
 
 def _model(width: int, mixer: str, **options) -> nn.Module:
-    return mup.CoordCheckModel(width, mixer, depth=1, in_dim=8, mlp_ratio=2, mixer_options=options)
+    return MixerCoordCheckModel(width, mixer, depth=1, in_dim=8, mlp_ratio=2, mixer_options=options)
 
 
 @pytest.mark.parametrize("mixer, options", [
@@ -238,7 +239,7 @@ def _builder(kind: str, mup_on: bool):
         else:
             head_dim = width // 4
             mixer, options = "attention", dict(num_heads=4, scale=4.0 / head_dim if mup_on else head_dim**-0.5)
-        model = mup.CoordCheckModel(width, mixer, depth=2, in_dim=IN, mlp_ratio=2, mixer_options=options)
+        model = MixerCoordCheckModel(width, mixer, depth=2, in_dim=IN, mlp_ratio=2, mixer_options=options)
         if mixer == "attention":  # zero-init its query rows under muP (logits 0 at init), see the docs
             for block in model.blocks:
                 rows = slice(0, block.mixer.num_heads * block.mixer.head_dim)

@@ -262,3 +262,52 @@ def test_cli_list_with_a_broken_plugin_lists_the_others(fake_site):
     assert "attention" in out.stdout and "ema" in out.stdout
     assert "broken" not in out.stdout
     assert "broken-mixers" in out.stderr and "does_not_exist_anywhere" in out.stderr
+
+
+# -- renamed options: the old name works for one release, with a DeprecationWarning ----------------------------------
+
+@pytest.mark.parametrize("name, old, new, value", [
+    ("quasiseparable", "headdim", "head_dim", 16),
+    ("toeplitz", "headdim", "head_dim", 16),
+    ("mlr_attention", "bias", "proj_bias", True),
+    ("btt_attention", "bias", "proj_bias", True),
+])
+def test_deprecated_option_names_still_work(name, old, new, value):
+    with pytest.warns(DeprecationWarning, match=f"{old!r} is deprecated, use {new!r}"):
+        mixer = mp.create_mixer(name, 32, **{old: value})
+    assert getattr(mixer.config, new) == value
+    assert old not in type(mixer.config).model_fields
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name is silent
+        assert getattr(mp.create_mixer(name, 32, **{new: value}).config, new) == value
+
+
+def test_deprecated_alias_changes_the_module():
+    with pytest.warns(DeprecationWarning):
+        mixer = mp.create_mixer("sliding_window_attention", 32, num_heads=2, bias=True)
+    assert mixer.qkv.bias is not None and mixer.proj.bias is not None
+    with pytest.warns(DeprecationWarning):
+        block = mp.create_mixer("dense", 32, max_seq_len=8, headdim=8)
+    assert block.num_heads == 2 * 32 // 8
+
+
+def test_deprecated_and_new_name_together_are_an_error():
+    with pytest.raises(mp.InvalidMixerOptions, match="pass only 'head_dim'"):
+        mp.create_mixer("quasi", 32, headdim=16, head_dim=16)
+
+
+def test_deprecated_alias_on_the_config_class_and_the_spec():
+    from mixer_plugins.mixers.quasiseparable import QuasiseparableConfig
+
+    with pytest.warns(DeprecationWarning):
+        assert QuasiseparableConfig(dim=32, headdim=16).head_dim == 16
+    spec = mp.get_spec("quasi")
+    with pytest.warns(DeprecationWarning):
+        assert spec.canonical_option("headdim") == "head_dim"
+    assert spec.canonical_option("d_state") == "d_state"
+    assert "headdim" not in spec.option_names()
+
+
+def test_misspelt_option_suggests_the_current_name():
+    with pytest.raises(mp.InvalidMixerOptions, match="did you mean 'head_dim'"):
+        mp.create_mixer("quasi", 32, head_dm=16)

@@ -15,8 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixer_plugins as mp
+from mixer_plugins.layers.mlbtc import MLBTC
 from mixer_plugins.mixers.mlr_attention import mlr_level_counts
-from mixer_plugins.mlbtc import MLBTC
 from mixer_plugins.testing import check_mixer
 
 F64 = torch.float64
@@ -532,7 +532,7 @@ def test_bad_options_raise_clear_errors(name, options, message):
 # -- muP recognises every parameter ------------------------------------------------------------------------------------
 
 def test_mup_knows_the_fan_in_of_every_parameter():
-    from mixer_plugins import mup
+    from mixer_plugins.layers import mup
 
     btt = mp.create_mixer("btt_attention", 64, num_heads=4, btt_rank=2)  # (c, d) = (4, 16)
     fan_ins = mup.mup_fan_ins(btt)

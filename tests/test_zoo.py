@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import mixer_plugins as mp
-from mixer_plugins.mixers.block import GatedRMSNorm
+from mixer_plugins.layers import GatedRMSNorm
 from mixer_plugins.testing import check_mixer
 
 F64 = torch.float64
@@ -71,7 +71,7 @@ def check_against_naive(mixer, x, naive_matrix, values):
 
 def build(name, **options):
     torch.manual_seed(0)
-    return mp.create_mixer(name, DIM, headdim=8, **options).double().eval()
+    return mp.create_mixer(name, DIM, head_dim=8, **options).double().eval()
 
 
 def inputs(length=LEN, batch=2, seed=1):
@@ -203,23 +203,23 @@ def _decay_product(a, lo, hi):
     return torch.exp(a[..., lo: hi + 1].sum(-1)) if hi >= lo else torch.ones_like(a[..., 0])
 
 
-def naive_direction(C, B, delta, A, *, upper, shift):
+def naive_direction(C, B, dt, A, *, upper, shift):
     """Entry-by-entry matrix of one direction (b, h, L, L); C, B (b, L, h, n) already per head."""
-    b, length, h = delta.shape
-    a = (delta * A).transpose(1, 2)  # (b, h, L)
+    b, length, h = dt.shape
+    a = (dt * A).transpose(1, 2)  # (b, h, L)
     M = torch.zeros(b, h, length, length, dtype=F64)
     for i in range(length):
         for j in range(length):
             if not upper and (j < i or (j == i and not shift)):
                 if shift:
-                    M[:, :, i, j] = (C[:, i - 1] * B[:, j]).sum(-1) * _decay_product(a, j + 1, i - 1) * delta[:, j]
+                    M[:, :, i, j] = (C[:, i - 1] * B[:, j]).sum(-1) * _decay_product(a, j + 1, i - 1) * dt[:, j]
                 else:
-                    M[:, :, i, j] = (C[:, i] * B[:, j]).sum(-1) * _decay_product(a, j + 1, i) * delta[:, j]
+                    M[:, :, i, j] = (C[:, i] * B[:, j]).sum(-1) * _decay_product(a, j + 1, i) * dt[:, j]
             if upper and (j > i or (j == i and not shift)):
                 if shift:
-                    M[:, :, i, j] += (C[:, i + 1] * B[:, j]).sum(-1) * _decay_product(a, i + 1, j - 1) * delta[:, j]
+                    M[:, :, i, j] += (C[:, i + 1] * B[:, j]).sum(-1) * _decay_product(a, i + 1, j - 1) * dt[:, j]
                 else:
-                    M[:, :, i, j] += (C[:, i] * B[:, j]).sum(-1) * _decay_product(a, i, j - 1) * delta[:, j]
+                    M[:, :, i, j] += (C[:, i] * B[:, j]).sum(-1) * _decay_product(a, i, j - 1) * dt[:, j]
     return M
 
 
@@ -234,9 +234,9 @@ def test_semiseparable():
     x = inputs()
     _, parts = naive_parts(m, x)
     h, n = m.num_heads, 3
-    delta = F.softplus(parts["dt"] + m.ssm.dt_bias)
+    dt = F.softplus(parts["dt"] + m.ssm.dt_bias)
     A = -torch.exp(m.ssm.A_log)
-    M = naive_direction(per_head(parts["C"], h, n), per_head(parts["B"], h, n), delta, A, upper=False, shift=False)
+    M = naive_direction(per_head(parts["C"], h, n), per_head(parts["B"], h, n), dt, A, upper=False, shift=False)
     M = M + torch.diag_embed(m.ssm.D.expand(2, LEN, h).transpose(1, 2))
     check_against_naive(m, x, M, heads(parts["x"], h))
     assert m.causal_conv and m.conv1d.kernel_size == (4,)
@@ -245,17 +245,17 @@ def test_semiseparable():
 def _hydra_naive(m, x, *, shift=True, use_diag=True, shared=False):
     _, parts = naive_parts(m, x)
     h, n = m.config.num_heads, m.d_state
-    dt_f, dt_b = parts["dt"].chunk(2, dim=-1)
-    delta_f, delta_b = F.softplus(dt_f + m.ssm.dt_bias), F.softplus(dt_b + m.ssm.dt_bias)
+    raw_f, raw_b = parts["dt"].chunk(2, dim=-1)
+    dt_f, dt_b = F.softplus(raw_f + m.ssm.dt_bias), F.softplus(raw_b + m.ssm.dt_bias)
     A = -torch.exp(m.ssm.A_log)
     names = ("B", "C", "B", "C") if shared else ("B_f", "C_f", "B_b", "C_b")
     B_f, C_f, B_b, C_b = (per_head(parts[k], h, n) for k in names)
-    lower = naive_direction(C_f, B_f, delta_f, A, upper=False, shift=shift)
-    upper = naive_direction(C_b, B_b, delta_b, A, upper=True, shift=shift)
+    lower = naive_direction(C_f, B_f, dt_f, A, upper=False, shift=shift)
+    upper = naive_direction(C_b, B_b, dt_b, A, upper=True, shift=shift)
     M = lower + upper
     if use_diag:
-        delta_diag = parts["x"] @ m.fc_D.weight.T + m.ssm.D
-        M = M + torch.diag_embed(delta_diag.transpose(1, 2))
+        diag = parts["x"] @ m.fc_D.weight.T + m.ssm.D
+        M = M + torch.diag_embed(diag.transpose(1, 2))
     return M, lower, upper, heads(parts["x"], h)
 
 
@@ -274,9 +274,9 @@ def test_quasiseparable_data_independent():
     h, n = m.num_heads, 3
     bc = m.BC[:LEN].expand(2, -1, -1)
     B, C = (per_head(t, h, n) for t in bc.chunk(2, dim=-1))
-    delta = F.softplus(m.ssm.dt_bias).expand(2, LEN, h)            # time-invariant step
+    dt = F.softplus(m.ssm.dt_bias).expand(2, LEN, h)            # time-invariant step
     A = -torch.exp(m.ssm.A_log)
-    M = naive_direction(C, B, delta, A, upper=False, shift=True) + naive_direction(C, B, delta, A, upper=True,
+    M = naive_direction(C, B, dt, A, upper=False, shift=True) + naive_direction(C, B, dt, A, upper=True,
                                                                                    shift=True)
     M = M + torch.diag_embed((parts["x"] @ m.fc_D.weight.T + m.ssm.D).transpose(1, 2))  # diagonal stays DD
     check_against_naive(m, x, M, heads(parts["x"], h))
@@ -415,7 +415,7 @@ def test_hydra_sam_locality():
 
 
 def test_hydra_parameter_count_matches_the_paper():
-    m = mp.create_mixer("hydra", 768)   # d_state 64, headdim 64, expand 2, d_conv 7
+    m = mp.create_mixer("hydra", 768)   # d_state 64, head_dim 64, expand 2, d_conv 7
     total = sum(p.numel() for p in m.parameters())
     assert m.in_proj.weight.shape == (3376, 768)
     assert abs(total - 3.83e6) / 3.83e6 < 0.005, total
@@ -436,11 +436,11 @@ def test_gated_rmsnorm_formula():
 # -- options, errors and extendability --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, options, fragment", [
-    ("quasi", {"headdim": 5}, "not divisible by headdim"),
-    ("quasi", {"d_conv": 4, "headdim": 8}, "must be odd"),
+    ("quasi", {"head_dim": 5}, "not divisible by head_dim"),
+    ("quasi", {"d_conv": 4, "head_dim": 8}, "must be odd"),
     ("quasi", {"data_dependent": False}, "needs max_seq_len"),
-    ("quasi", {"ngroups": 3, "headdim": 8}, "multiple of ngroups"),
-    ("quasi", {"A_init_range": (2.0, 1.0), "headdim": 8}, "0 < lo <= hi"),
+    ("quasi", {"ngroups": 3, "head_dim": 8}, "multiple of ngroups"),
+    ("quasi", {"A_init_range": (2.0, 1.0), "head_dim": 8}, "0 < lo <= hi"),
     ("dense", {}, "max_seq_len: required"),
     ("vandermonde", {"di_form": "chebyshev"}, "di_form"),
     ("toeplitz", {"causl": True}, "did you mean 'causal'"),

@@ -15,11 +15,12 @@ default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :
 
 from . import flop_formulas  # noqa: F401  (FlopCounterMode formulas for CPU attention)
 from .conv import depthwise_conv1d
+from .custom_ops import chunked_scan_flops
 from .dispatch import BACKENDS, BackendUnavailableError, available_backends, resolve_backend, use_backend
 from .norm import gated_rmsnorm
 from .scan import directional_scan, prepare_dt, quasiseparable, ssd
 from .scan_reference import scan_matrix, scan_reference
-from .toeplitz import toeplitz_matrix, toeplitz_mix
+from .toeplitz import toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 
 __all__ = [
     "BACKENDS",
@@ -37,4 +38,6 @@ __all__ = [
     "toeplitz_mix",
     "depthwise_conv1d",
     "gated_rmsnorm",
+    "chunked_scan_flops",
+    "toeplitz_fft_flops",
 ]

@@ -2,47 +2,47 @@
 
 ``btt_attention``, ``mlr_attention``, ``bilinear_mlr_attention``, ``sliding_window_attention`` and
 ``global_local_attention`` all compute ``softmax_j(score(i, j))`` over allowed keys and apply it to value heads;
-they differ in the score. This module holds what they share: the common options, the logit scale, masking, a
-fused (SDPA) path, the blocked sliding-window kernel, and the q/k/v base class of the mixers whose queries and
-keys are ordinary projections.
+they differ in the score. This module holds what they share: the common options, the logit scale, a fused (SDPA)
+path, the blocked sliding-window kernel, and the q/k/v base class of the mixers whose queries and keys are ordinary
+projections. The masks live in :mod:`mixer_plugins.layers.masks`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..mup import attention_logit_scale
+from ..layers.masks import attention_bias_mask, dense_allowed, masked_softmax
+from ..layers.mup import attention_logit_scale
 from ..registry.spec import MixerConfig
-from .attention import attention_bias_mask
-from .base import MatrixMixer, MixerContext
+from .base import MatrixMixer, QKContext
 
 __all__ = [
+    "LevelRanksConfig",
     "LocalPlan",
     "QKVSoftmaxMixer",
     "QKVSoftmaxConfig",
     "SoftmaxMixerConfig",
-    "dense_allowed",
     "dot_scores",
     "fused_attention",
     "local_attention",
     "local_attention_flops",
-    "local_attention_plan",
-    "masked_softmax",
 ]
 
 
 class SoftmaxMixerConfig(MixerConfig):
     """Options every structured softmax mixer has."""
 
+    deprecated_aliases: ClassVar[dict[str, str]] = {"bias": "proj_bias"}
+
     num_heads: int = Field(8, gt=0, description="number of heads (value heads of width dim // num_heads)")
     causal: bool = Field(False, description="mask future positions (decoder-style attention)")
-    bias: bool = Field(False, description="bias in the input and output projections (the paper uses none)")
+    proj_bias: bool = Field(False, description="bias in the input and output projections (the paper uses none)")
     logit_scaling: Literal["standard", "mup"] = Field(
         "standard",
         description="logit scale rule: 'standard' = multiplier/sqrt(d), 'mup' = multiplier/d, where d is the "
@@ -60,6 +60,7 @@ class SoftmaxMixerConfig(MixerConfig):
 
     @property
     def head_dim(self) -> int:
+        """Width of each value head, ``dim // num_heads``."""
         return self.dim // self.num_heads
 
     def logit_scale(self, dot_dim: int) -> float:
@@ -99,6 +100,7 @@ class LevelRanksConfig(SoftmaxMixerConfig):
         return self
 
     def resolved_ranks(self) -> list[int]:
+        """The rank of each level (the default split when ``ranks`` is None)."""
         if self.ranks is not None:
             return list(self.ranks)
         return [self.head_dim // DEFAULT_LEVELS] * DEFAULT_LEVELS
@@ -112,22 +114,7 @@ class QKVSoftmaxConfig(SoftmaxMixerConfig):
     )
 
 
-# -- masks and softmax ------------------------------------------------------------------------------------------------
-
-def dense_allowed(mask: Tensor | None, length: int, causal: bool, device: torch.device,
-                  window: int | None = None) -> Tensor | None:
-    """Bool (batch|1, 1, L, L) of allowed (query, key) pairs, or None when all are allowed.
-
-    Causal: ``j <= i``; ``window``: ``|i - j| <= window`` (so causal + window keeps ``i - window <= j <= i``); pad keys
-    are excluded. Fully padded rows keep every key (their outputs are zeroed), see ``attention_bias_mask``.
-    """
-    allowed = attention_bias_mask(mask, length, causal, device)
-    if window is not None:
-        pos = torch.arange(length, device=device)
-        band = ((pos[:, None] - pos[None, :]).abs() <= window)[None, None]
-        allowed = band if allowed is None else allowed & band
-    return allowed
-
+# -- scores and the fused path ----------------------------------------------------------------------------------------
 
 def dot_scores(q: Tensor, k: Tensor) -> Tensor:
     """Per-head dot products of every query with every key: (batch, L, heads, e) x 2 -> (batch, heads, L, L).
@@ -135,18 +122,6 @@ def dot_scores(q: Tensor, k: Tensor) -> Tensor:
     Written with ``matmul``, whose result is a fresh tensor (not a view), so callers may update it in place.
     """
     return torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))
-
-
-def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
-    """Softmax over the last axis, restricted to ``allowed`` keys.
-
-    Disallowed scores are set to the dtype's most negative finite value, not ``-inf``: a row with no allowed key (a
-    pad query) then gives a finite uniform row instead of NaN, and NaN never reaches the gradients. Any row with at
-    least one allowed key is exact: its disallowed entries underflow to zero.
-    """
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return scores.softmax(dim=-1)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
@@ -186,14 +161,10 @@ class LocalPlan:
         return self.num_chunks * self.chunk * self.keys_per_chunk
 
 
-def local_attention_plan(length: int, window: int, causal: bool) -> LocalPlan:
-    return LocalPlan(length, window, causal)
-
-
 def local_attention_flops(batch: int, heads: int, length: int, window: int, causal: bool,
                           qk_dim: int, v_dim: int) -> dict[str, int]:
     """FLOPs (2 per multiply-add) of :func:`local_attention`: scores and weighted values."""
-    pairs = local_attention_plan(length, window, causal).pairs()
+    pairs = LocalPlan(length, window, causal).pairs()
     return {"scores": 2 * batch * heads * pairs * qk_dim, "weighted_values": 2 * batch * heads * pairs * v_dim}
 
 
@@ -206,7 +177,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: boo
     chunk by chunk (see :class:`LocalPlan`); falls back to dense scores when that is cheaper.
     """
     b, length, h, _ = q.shape
-    plan = local_attention_plan(length, window, causal)
+    plan = LocalPlan(length, window, causal)
     if plan.dense:
         probs = masked_softmax(dot_scores(q, k) * scale, dense_allowed(mask, length, causal, q.device, window))
         return torch.einsum("bhij,bjhp->bihp", probs, v)
@@ -259,7 +230,7 @@ class QKVSoftmaxMixer(MatrixMixer):
         super().__init__(config)
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.proj_bias)
         if config.qk_norm:
             self.q_norm = nn.LayerNorm(self.head_dim, bias=False)
             self.k_norm = nn.LayerNorm(self.head_dim, bias=False)
@@ -268,18 +239,19 @@ class QKVSoftmaxMixer(MatrixMixer):
             self.mup_zero_init = ("q_norm.weight",)
         else:
             self.q_norm = self.k_norm = None
-        self.proj = nn.Linear(config.dim, config.dim, bias=config.bias)
+        self.proj = nn.Linear(config.dim, config.dim, bias=config.proj_bias)
 
-    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+    def prepare(self, x: Tensor, mask: Tensor | None) -> QKContext:
         b, l, _ = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.num_heads, self.head_dim).unbind(2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return MixerContext(values=v, mask=mask, q=q, k=k)
+        return QKContext(values=v, mask=mask, q=q, k=k)
 
-    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+    def finish(self, ctx: QKContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
 
     def projection_flops(self, batch: int, length: int) -> dict[str, int]:
+        """FLOPs of the q/k/v and output projections."""
         tokens = batch * length
         return {"qkv_proj": 2 * tokens * self.dim * 3 * self.dim, "out_proj": 2 * tokens * self.dim * self.dim}

@@ -15,13 +15,16 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from ..kernels import flop_formulas  # noqa: F401  (so FlopCounterMode counts CPU SDPA)
+from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerConfig, MixerSpec
-from .base import MatrixMixer, MixerContext
+from .base import MatrixMixer, QKContext
 
-__all__ = ["AttentionConfig", "SoftmaxAttention", "SPEC", "attention_bias_mask"]
+__all__ = ["AttentionConfig", "SoftmaxAttention", "SPEC"]
 
 
 class AttentionConfig(MixerConfig):
+    """Options of standard multi-head attention (the bias switches mirror timm's ``qkv_bias``/``proj_bias``)."""
+
     num_heads: int = Field(8, gt=0, description="number of attention heads")
     head_dim: Optional[int] = Field(
         None, gt=0, description="width of each head; default dim // num_heads (dim must then be divisible)"
@@ -42,22 +45,6 @@ class AttentionConfig(MixerConfig):
         return self
 
 
-def attention_bias_mask(mask: Tensor | None, length: int, causal: bool, device: torch.device) -> Tensor | None:
-    """Bool (batch|1, 1, L, L) mask of allowed (query, key) pairs, or None when everything is allowed.
-
-    Pad keys are excluded. Rows with no real token at all keep every key allowed so softmax stays finite;
-    their outputs are zeroed afterwards like every pad output.
-    """
-    allowed = None
-    if causal:
-        allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-    if mask is not None:
-        keys = mask | ~mask.any(dim=1, keepdim=True)  # empty rows: allow all (outputs are zeroed later)
-        keys = keys[:, None, None, :]
-        allowed = keys if allowed is None else allowed & keys
-    return allowed
-
-
 class SoftmaxAttention(MatrixMixer):
     """Multi-head softmax attention (q/k/v/out projections, SDPA fast path)."""
 
@@ -70,36 +57,36 @@ class SoftmaxAttention(MatrixMixer):
         self.qkv = nn.Linear(config.dim, 3 * inner, bias=config.qkv_bias)
         self.proj = nn.Linear(inner, config.dim, bias=config.out_bias)
         self.dropout = config.dropout
-        # muP (mixer_plugins.mup) zero-initialises the query rows of the fused projection: logits start at 0.
+        # muP (mixer_plugins.layers.mup) zero-initialises the query rows of the fused projection: logits start at 0.
         rows = slice(0, inner)
         self.mup_zero_init = (("qkv.weight", rows),) + ((("qkv.bias", rows),) if config.qkv_bias else ())
 
-    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+    def prepare(self, x: Tensor, mask: Tensor | None) -> QKContext:
         b, l, _ = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.num_heads, self.head_dim).unbind(2)
-        return MixerContext(values=v, mask=mask, q=q, k=k)
+        return QKContext(values=v, mask=mask, q=q, k=k)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: QKContext) -> Tensor:
         q, k, v = (t.transpose(1, 2) for t in (ctx.q, ctx.k, ctx.values))
-        l = q.shape[2]
-        allowed = attention_bias_mask(ctx.mask, l, self.causal, q.device)
+        # without padding, SDPA's own causal flag replaces an explicit mask
+        allowed = attention_bias_mask(ctx.mask, q.shape[2], self.causal, q.device) if ctx.mask is not None else None
         y = F.scaled_dot_product_attention(
             q, k, v,
-            attn_mask=allowed if (allowed is not None and (ctx.mask is not None)) else None,
+            attn_mask=allowed,
             is_causal=self.causal and ctx.mask is None,
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.scale,
         )
         return y.transpose(1, 2)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: QKContext) -> Tensor:
         scores = torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) * self.scale
         allowed = attention_bias_mask(ctx.mask, scores.shape[-1], self.causal, scores.device)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         return scores.softmax(dim=-1)
 
-    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+    def finish(self, ctx: QKContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:

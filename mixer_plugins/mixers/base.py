@@ -14,7 +14,12 @@ and the base class assembles the public API from them:
 * ``materialize(x, *, mask=None)``: ``matrix(prepare(x))``, the framework's defining object;
 * ``forward_via_matrix(x, *, mask=None)``: ``finish(M @ values)``, the oracle every fast path is tested
   against (the conformance kit checks ``forward == forward_via_matrix``);
-* ``flops(batch, length)``: analytic FLOPs (2 per multiply-add) of the mixer's own work.
+* ``flops(batch, length)``: analytic FLOPs (2 per multiply-add) of the mixer's own work;
+* ``reset_parameters()``: re-draw every parameter as a fresh build would.
+
+The constructor builds everything from the config and calls no overridable method; the context passed between the
+steps is a typed dataclass (:class:`MixerContext` or a subclass), so a whole mixer compiles with
+``torch.compile(fullgraph=True)``.
 
 ``mask`` is an optional bool ``(batch, length)`` tensor, True on real tokens, right-padded. Outputs at
 real positions equal what the mixer gives on the unpadded row; outputs at pads are zero.
@@ -22,56 +27,44 @@ real positions equal what the mixer gives on the unpadded row; outputs at pads a
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import MixerInputError, SequenceLengthError
+from ..layers.masks import padding_mask_to_bool, zero_pads
 from ..registry.spec import MixerConfig
 
-__all__ = ["MatrixMixer", "MixerContext", "check_mixer_input", "padding_mask_to_bool"]
+__all__ = ["MatrixMixer", "MixerContext", "QKContext", "check_mixer_input"]
 
 
+@dataclasses.dataclass(eq=False)
 class MixerContext:
     """Per-call intermediate tensors shared by ``mix``, ``matrix`` and ``finish``.
 
-    Always has ``values`` (batch, length, heads, head_dim) and ``mask`` (bool (batch, length) or None);
-    mixers attach whatever else they need as attributes.
+    Always has ``values`` (batch, length, heads, head_dim) and ``mask`` (bool (batch, length) or None). A mixer that
+    needs more declares a dataclass subclass with typed fields (``@dataclasses.dataclass(eq=False, kw_only=True)``),
+    e.g. :class:`QKContext`; plain dataclasses are what ``torch.compile`` traces without graph breaks.
     """
 
-    def __init__(self, values: Tensor, mask: Tensor | None = None, **fields: Any):
-        self.values = values
-        self.mask = mask
-        self.__dict__.update(fields)
+    values: Tensor
+    mask: Tensor | None = None
 
     def __repr__(self) -> str:
         items = ", ".join(
-            f"{k}={tuple(v.shape) if isinstance(v, Tensor) else v!r}" for k, v in self.__dict__.items()
+            f"{f.name}={tuple(v.shape) if isinstance(v := getattr(self, f.name), Tensor) else v!r}"
+            for f in dataclasses.fields(self)
         )
-        return f"MixerContext({items})"
+        return f"{type(self).__name__}({items})"
 
 
-def padding_mask_to_bool(mask: Tensor, batch: int, length: int) -> Tensor:
-    """Validate a padding mask and return it as bool (batch, length), True on real tokens."""
-    if not isinstance(mask, Tensor):
-        raise MixerInputError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise MixerInputError(
-            f"mask must be bool (True on real tokens), got dtype {mask.dtype}; "
-            "additive float masks are not accepted because their meaning is ambiguous"
-        )
-    if mask.shape != (batch, length):
-        raise MixerInputError(f"mask must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
-    if mask.dtype != torch.bool:
-        if ((mask != 0) & (mask != 1)).any():
-            raise MixerInputError("an integer mask must hold only 0 and 1")
-        mask = mask != 0
-    if length > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
-        raise MixerInputError(
-            "mask must be right-padded: each row is True on its real tokens, then False on the pads"
-        )
-    return mask
+@dataclasses.dataclass(eq=False, kw_only=True)
+class QKContext(MixerContext):
+    """Context of the mixers scored by per-head queries and keys, (batch|1, length, heads, qk_dim) each."""
+
+    q: Tensor | None = None
+    k: Tensor | None = None
 
 
 def check_mixer_input(module: nn.Module, x: Tensor, mask: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
@@ -131,8 +124,20 @@ class MatrixMixer(nn.Module):
         self.dim = config.dim
         self.causal = bool(getattr(config, "causal", type(self).causal))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-draw every parameter as a fresh build would (same distributions, same order of random draws).
+
+        The registry builds a mixer and then calls this, so under one seed a re-initialised mixer equals a freshly
+        built one. The default resets each child module that has a ``reset_parameters`` (``nn.Linear``, norms, ...),
+        recursing into those that do not (``nn.ModuleList``); mixers with parameters of their own override it,
+        call ``super().reset_parameters()`` and then re-draw their own.
+        """
+        _reset_children(self)
+
     # -- hooks implemented by subclasses ---------------------------------------------------------
     def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+        """Projections etc. of a checked input: the context holding the values and what ``mix``/``matrix`` need."""
         raise NotImplementedError
 
     def matrix(self, ctx: MixerContext) -> Tensor:
@@ -144,6 +149,7 @@ class MatrixMixer(nn.Module):
         return torch.einsum("bhij,bjhp->bihp", self.matrix(ctx), ctx.values)
 
     def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+        """Mixed values (batch, length, heads, head_dim) -> output (batch, length, dim): gates, norms, projection."""
         raise NotImplementedError
 
     def flops(self, batch: int, length: int) -> int:
@@ -156,6 +162,7 @@ class MatrixMixer(nn.Module):
 
     # -- public API ------------------------------------------------------------------------------
     def check_length(self, length: int) -> None:
+        """Raise :class:`SequenceLengthError` past ``max_seq_len`` (data-independent mixers)."""
         if self.max_seq_len is not None and length > self.max_seq_len:
             raise SequenceLengthError(
                 f"{type(self).__name__} is data-independent: its parameters cover sequences of up to "
@@ -168,16 +175,10 @@ class MatrixMixer(nn.Module):
         self.check_length(x.shape[1])
         return x, mask
 
-    @staticmethod
-    def _zero_pads(out: Tensor, mask: Tensor | None) -> Tensor:
-        if mask is None:
-            return out
-        return out.masked_fill(~mask.unsqueeze(-1), 0.0)
-
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         x, mask = self._begin(x, mask)
         ctx = self.prepare(x, mask)
-        return self._zero_pads(self.finish(ctx, self.mix(ctx)), mask)
+        return zero_pads(self.finish(ctx, self.mix(ctx)), mask)
 
     def materialize(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         """The mixer's matrix for this input, (batch, heads, length, length); zero on pad rows/columns."""
@@ -195,10 +196,19 @@ class MatrixMixer(nn.Module):
         ctx = self.prepare(x, mask)
         matrix = self.matrix(ctx)
         y = torch.einsum("bhij,bjhp->bihp", matrix, ctx.values)
-        return self._zero_pads(self.finish(ctx, y), mask)
+        return zero_pads(self.finish(ctx, y), mask)
 
     def extra_repr(self) -> str:
         opts = ", ".join(
             f"{k}={v!r}" for k, v in self.config.model_dump().items() if k != "dim"
         )
         return f"dim={self.dim}" + (f", {opts}" if opts else "")
+
+
+def _reset_children(module: nn.Module) -> None:
+    for child in module.children():
+        reset = getattr(child, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            _reset_children(child)

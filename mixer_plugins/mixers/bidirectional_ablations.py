@@ -11,7 +11,7 @@ mixer                              combination                                  
 ``bidirectional_mult`` (``mult``)  ``S_f * S_b`` (elementwise)                    none: not linear
 ``bidirectional_concat``           ``[S_f, S_b]`` on channels (out_proj of        2 blocks of heads
 (``concat``)                       width 2 d_inner)
-``quasiseparable_no_shift``        ``S_f + S_b + delta * x`` (Add+Diag)           quasiseparable
+``quasiseparable_no_shift``        ``S_f + S_b + diag * x`` (Add+Diag)            quasiseparable
 ``quasiseparable_no_diag``         ``shift(S_f) + shift(S_b)`` (Add+Shift)        quasiseparable, zero
                                                                                   diagonal
 =================================  =============================================  ========================
@@ -23,14 +23,14 @@ reconstruction. Add and Add+Shift keep no separate D skip (unspecified in the pa
 from __future__ import annotations
 
 from ..registry.spec import MixerSpec
-from .quasiseparable import BidirectionalConfig, BidirectionalSSMBlock
+from ._ssm import BidirectionalConfig, BidirectionalSSMBlock
 
 __all__ = [
     "AddMixer", "MultMixer", "ConcatMixer", "NoShiftMixer", "NoDiagMixer",
     "ADD_SPEC", "MULT_SPEC", "CONCAT_SPEC", "NO_SHIFT_SPEC", "NO_DIAG_SPEC",
 ]
 
-_TEST = {"headdim": 16, "d_state": 8, "chunk_size": 8}
+_TEST = {"head_dim": 16, "d_state": 8, "chunk_size": 8}
 
 
 class AddMixer(BidirectionalSSMBlock):
@@ -76,6 +76,6 @@ MULT_SPEC = _spec("bidirectional_mult", "mult", MultMixer, "bidirectional SSM he
 CONCAT_SPEC = _spec("bidirectional_concat", "concat", ConcatMixer,
                     "bidirectional SSM heuristic: [S_f, S_b] on channels", "2 x semiseparable")
 NO_SHIFT_SPEC = _spec("quasiseparable_no_shift", "no_shift", NoShiftMixer,
-                      "QS ablation without the shift: S_f + S_b + delta x", "quasiseparable")
+                      "QS ablation without the shift: S_f + S_b + diag x", "quasiseparable")
 NO_DIAG_SPEC = _spec("quasiseparable_no_diag", "no_diag", NoDiagMixer,
                      "QS ablation without the diagonal: shift(S_f) + shift(S_b)", "quasiseparable (zero diagonal)")

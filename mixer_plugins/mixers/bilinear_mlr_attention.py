@@ -16,6 +16,7 @@ ordinary (optionally causal) softmax over keys, dense values, output projection.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -23,14 +24,26 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..mup import rms_cap
+from ..layers.masks import dense_allowed, masked_softmax
+from ..layers.mup import rms_cap
 from ..registry.spec import MixerSpec
-from ._softmax_common import LevelRanksConfig, dense_allowed, dot_scores, fused_attention, masked_softmax
+from ._softmax_common import LevelRanksConfig, dot_scores, fused_attention
 from .base import MatrixMixer, MixerContext
 
-__all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "SPEC"]
+__all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "LevelsContext", "SPEC"]
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class LevelsContext(MixerContext):
+    """Per level, the per-head queries and keys (batch, length, heads, r_l * p_l)."""
+
+    q_levels: list[Tensor]
+    k_levels: list[Tensor]
+
 
 class BilinearMLRAttentionConfig(LevelRanksConfig):
+    """Options of Bilinear-MLR attention (levels on the feature axis)."""
+
     num_blocks: Optional[list[int]] = Field(
         None, description="feature chunks p_l of each level (each must divide dim); default 2^l"
     )
@@ -53,6 +66,7 @@ class BilinearMLRAttentionConfig(LevelRanksConfig):
         return self
 
     def resolved_num_blocks(self) -> list[int]:
+        """Feature chunks of each level (``2^l`` unless ``num_blocks`` is set)."""
         if self.num_blocks is not None:
             return list(self.num_blocks)
         return [2**level for level in range(len(self.resolved_ranks()))]
@@ -84,11 +98,25 @@ class BilinearMLRAttention(MatrixMixer):
             if config.qk_norm:
                 self.q_norms.append(nn.LayerNorm(r * p, bias=False))
                 self.k_norms.append(nn.LayerNorm(r * p, bias=False))
-        self.value = nn.Linear(dim, dim, bias=config.bias)
-        self.proj = nn.Linear(dim, dim, bias=config.bias)
+        self.value = nn.Linear(dim, dim, bias=config.proj_bias)
+        self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         # muP zero-initialises the query (logits exactly 0 at init); behind the LNs, that is their gains.
         if config.qk_norm:
             self.mup_zero_init = tuple(f"q_norms.{level}.weight" for level in range(len(self.ranks)))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Level weights ``N(0, 1/fan_in)`` (level by level, q then k), norm gains ones, then ``value`` and ``proj``:
+        the order of the constructor's draws."""
+        for level in range(len(self.ranks)):
+            for side in ("q", "k"):
+                name = f"{side}_weight_{level}"
+                getattr(self, name).normal_(0.0, 1.0 / math.sqrt(self.mup_fan_in[name]))
+        for norms in (self.q_norms, self.k_norms):
+            for norm in norms or ():
+                norm.reset_parameters()
+        self.value.reset_parameters()
+        self.proj.reset_parameters()
 
     def level_weight(self, side: str, level: int) -> Tensor:
         """The effective (RMS-capped when ``rms_cap``) ``W_Q^(l)`` or ``W_K^(l)``, (p_l, D/p_l, H r_l)."""
@@ -107,21 +135,21 @@ class BilinearMLRAttention(MatrixMixer):
         norms = self.q_norms if side == "q" else self.k_norms
         return norms[level](out) if norms is not None else out
 
-    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+    def prepare(self, x: Tensor, mask: Tensor | None) -> LevelsContext:
         b, l, _ = x.shape
         levels = range(len(self.ranks))
         q_levels = [self._project(x, "q", level) for level in levels]
         k_levels = [self._project(x, "k", level) for level in levels]
         values = self.value(x).view(b, l, self.num_heads, self.head_dim)
-        return MixerContext(values=values, mask=mask, q_levels=q_levels, k_levels=k_levels)
+        return LevelsContext(values=values, mask=mask, q_levels=q_levels, k_levels=k_levels)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: LevelsContext) -> Tensor:
         # All levels in one product: the scales go on the queries, and the widths concatenate.
         q = torch.cat([q * s for q, s in zip(ctx.q_levels, self.level_scales)], dim=-1)
         k = torch.cat(ctx.k_levels, dim=-1)
         return fused_attention(q, k, ctx.values, ctx.mask, self.causal, 1.0)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: LevelsContext) -> Tensor:
         scores = sum(
             dot_scores(q, k) * s
             for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales)
@@ -141,7 +169,7 @@ class BilinearMLRAttention(MatrixMixer):
             mats = mats + torch.stack([torch.block_diag(*blocks[h].unbind(0)) for h in range(self.num_heads)])
         return mats
 
-    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+    def finish(self, ctx: LevelsContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:

@@ -3,9 +3,9 @@
     in_proj -> depthwise short conv (non-causal, kernel 7) -> activation -> matrix mixer
             -> gated RMSNorm (norm before gate, over the whole inner width) -> out_proj
 
-Only the matrix changes between mixers. A mixer built on :class:`MatrixMixerBlock` declares the channel
-groups its ``in_proj`` produces (:meth:`channel_groups`) and turns the per-token groups into values and
-matrix generators (:meth:`build_context`); the block does the rest, including padding: with a mask,
+Only the matrix changes between mixers. A mixer built on :class:`MatrixMixerBlock` passes the channel
+groups its ``in_proj`` produces to the block's constructor and turns the per-token groups into values and
+matrix generators (:meth:`~MatrixMixerBlock.build_context`); the block does the rest, including padding: with a mask,
 pad positions are zeroed before the convolution (so they are neutral inputs, exactly like the conv's own
 zero padding on the unpadded row) and again after the convolution and activation (the conv bias would
 otherwise make them non-zero), so no scan direction ever reads a pad.
@@ -14,6 +14,7 @@ otherwise make them non-zero), so no scan direction ever reads a pad.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import ClassVar, Optional
 
 import torch
@@ -21,16 +22,17 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..kernels.conv import depthwise_conv1d
-from ..kernels.norm import gated_rmsnorm
+from ..layers.conv import ShortConv
+from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
-from .base import MatrixMixer, MixerContext
+from .base import MatrixMixer, MixerContext, QKContext
 
 __all__ = [
     "BlockConfig",
+    "BlockContext",
+    "BlockQKContext",
     "DataIndependentOptions",
     "ChannelGroup",
-    "GatedRMSNorm",
     "MatrixMixerBlock",
 ]
 
@@ -41,8 +43,10 @@ class BlockConfig(MixerConfig):
     #: Causal-only mixers (semiseparable) set this: their short convolution is causal, any kernel size.
     always_causal: ClassVar[bool] = False
 
+    deprecated_aliases: ClassVar[dict[str, str]] = {"headdim": "head_dim"}
+
     expand: int = Field(2, gt=0, description="inner width = expand * dim")
-    headdim: int = Field(64, gt=0, description="channels per head (P); heads = expand * dim / headdim")
+    head_dim: int = Field(64, gt=0, description="channels per head (P); heads = expand * dim / head_dim")
     d_conv: int = Field(7, gt=0, description="kernel size of the depthwise short convolution")
     conv_bias: bool = Field(True, description="bias in the short convolution")
     proj_bias: bool = Field(False, description="bias in in_proj and out_proj")
@@ -57,14 +61,14 @@ class BlockConfig(MixerConfig):
 
     @property
     def num_heads(self) -> int:
-        return self.d_inner // self.headdim
+        return self.d_inner // self.head_dim
 
     @model_validator(mode="after")
     def _check_block(self) -> BlockConfig:
-        if self.d_inner % self.headdim:
+        if self.d_inner % self.head_dim:
             raise ValueError(
                 f"inner width expand*dim = {self.expand}*{self.dim} = {self.d_inner} is not divisible by "
-                f"headdim ({self.headdim}); choose headdim dividing {self.d_inner}"
+                f"head_dim ({self.head_dim}); choose head_dim dividing {self.d_inner}"
             )
         if not (self.always_causal or getattr(self, "causal", False)) and self.d_conv % 2 == 0:
             raise ValueError(
@@ -101,34 +105,36 @@ class ChannelGroup:
     activation: bool = True
 
 
-class GatedRMSNorm(nn.Module):
-    """``w * y / rms(y) * silu(z)`` over the whole inner width (or ``w * u / rms(u)``, ``u = y * silu(z)``)."""
+@dataclasses.dataclass(eq=False, kw_only=True)
+class BlockContext(MixerContext):
+    """Context of a block mixer: ``z`` is the gate of the output norm (batch, length, out_width), set by the block."""
 
-    def __init__(self, width: int, eps: float = 1e-5, norm_before_gate: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.norm_before_gate = norm_before_gate
-        self.weight = nn.Parameter(torch.ones(width))
+    z: Tensor | None = None
 
-    def forward(self, y: Tensor, z: Tensor) -> Tensor:
-        return gated_rmsnorm(y, z, self.weight, self.eps, self.norm_before_gate)
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class BlockQKContext(BlockContext, QKContext):
+    """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim))."""
 
 
 class MatrixMixerBlock(MatrixMixer):
     """Base of the structured mixers: the shared block around a per-head L x L matrix.
 
-    Subclasses implement :meth:`channel_groups`, :meth:`build_context`, :meth:`matrix` (and usually a fast
-    :meth:`mix`) and :meth:`mixer_flops`. ``ctx.values`` is the post-conv, post-activation value group
-    reshaped to (batch, length, heads, headdim).
+    A subclass passes the channel ``groups`` its in_proj produces after ``z`` (convolved groups first) and implements
+    :meth:`build_context`, :meth:`matrix` (and usually a fast :meth:`mix`) and :meth:`mixer_flops`.
+    ``ctx.values`` is the post-conv, post-activation value group reshaped to (batch, length, heads, head_dim).
+    ``out_width`` (default ``d_inner``) is the width of the mixed values, the norm and out_proj's input
+    (concat-style mixers produce twice ``d_inner``).
     """
 
-    def __init__(self, config: BlockConfig, *, causal_conv: bool | None = None, out_width: int | None = None):
+    def __init__(self, config: BlockConfig, groups: Sequence[ChannelGroup], *, causal_conv: bool | None = None,
+                 out_width: int | None = None):
         super().__init__(config)
         self.d_inner = config.d_inner
-        self.headdim = config.headdim
+        self.head_dim = config.head_dim
         self.num_heads = config.num_heads
         self.causal_conv = self.causal if causal_conv is None else causal_conv
-        groups = list(self.channel_groups())
+        groups = list(groups)
         names = [g.name for g in groups]
         if len(set(names)) != len(names) or "z" in names:
             raise ValueError(f"channel group names must be unique and not 'z': {names}")
@@ -136,30 +142,24 @@ class MatrixMixerBlock(MatrixMixer):
         n_conv = sum(1 for g in groups if g.conv)
         if any(not g.conv for g in groups[:n_conv]):
             raise ValueError(
-                f"{type(self).__name__}.channel_groups(): the convolved groups must come first, got "
+                f"{type(self).__name__}: the convolved channel groups must come first, got "
                 f"{[(g.name, g.conv) for g in groups]}"
             )
         self._conv_groups = groups[:n_conv]
         self._conv_all_activated = all(g.activation for g in self._conv_groups)
-        # z gates the normalized output; concat-style mixers produce a wider output than d_inner.
         self.out_width = out_width or self.d_inner
         self.in_proj = nn.Linear(config.dim, self.out_width + sum(g.width for g in groups), bias=config.proj_bias)
         conv_width = sum(g.width for g in groups if g.conv)
-        # nn.Conv1d holds the parameters (Mamba's layout and names); the product is our depthwise op.
         self.conv1d = (
-            nn.Conv1d(conv_width, conv_width, config.d_conv, groups=conv_width, bias=config.conv_bias)
+            ShortConv(conv_width, config.d_conv, bias=config.conv_bias, causal=self.causal_conv)
             if conv_width else None
         )
         self.norm = GatedRMSNorm(self.out_width, config.norm_eps, config.norm_before_gate)
         self.out_proj = nn.Linear(self.out_width, config.dim, bias=config.proj_bias)
 
-    # -- hooks --------------------------------------------------------------------------------------
-    def channel_groups(self) -> list[ChannelGroup]:
-        """The groups in_proj produces after z, in order."""
-        raise NotImplementedError
-
-    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
-        """Per-token groups (batch, length, width) -> context with values (batch, length, heads, headdim)."""
+    # -- hooks (called per forward, never from the constructor) --------------------------------------
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockContext:
+        """Per-token groups (batch, length, width) -> context with values (batch, length, heads, head_dim)."""
         raise NotImplementedError
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
@@ -167,13 +167,7 @@ class MatrixMixerBlock(MatrixMixer):
         raise NotImplementedError
 
     # -- the block ------------------------------------------------------------------------------------
-    def _conv(self, u: Tensor, silu: bool = False) -> Tensor:
-        """Depthwise conv over time on (batch, length, channels): centred, or causal for causal mixers;
-        followed by SiLU when ``silu`` (fused into the conv op)."""
-        return depthwise_conv1d(u, self.conv1d.weight[:, 0, :], self.conv1d.bias, causal=self.causal_conv,
-                                silu=silu)
-
-    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+    def prepare(self, x: Tensor, mask: Tensor | None) -> BlockContext:
         proj = self.in_proj(x)
         conv_width = sum(g.width for g in self._conv_groups)
         other = self.groups[len(self._conv_groups):]
@@ -186,7 +180,7 @@ class MatrixMixerBlock(MatrixMixer):
             # the convolved groups lead in_proj's output: convolve them as one slice (no copy to gather them)
             if keep is not None:
                 u = u * keep          # pads are neutral inputs, like the conv's zero padding
-            u = self._conv(u, silu=self._conv_all_activated)
+            u = self.conv1d(u, silu=self._conv_all_activated)
             if keep is not None:
                 u = u * keep          # the conv bias made the pads non-zero again
             pieces.update(zip([g.name for g in self._conv_groups],
@@ -201,7 +195,7 @@ class MatrixMixerBlock(MatrixMixer):
         ctx.z = z
         return ctx
 
-    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+    def finish(self, ctx: BlockContext, y: Tensor) -> Tensor:
         return self.out_proj(self.norm(y.flatten(2), ctx.z))
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:

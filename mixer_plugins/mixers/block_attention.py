@@ -15,26 +15,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerSpec
-from .attention import attention_bias_mask
-from .base import MixerContext
+from .block import BlockQKContext
 from .qk_block import QKBlockConfig, QKMixerBlock
 
 __all__ = ["BlockAttentionConfig", "BlockAttentionMixer", "SPEC"]
 
 
 class BlockAttentionConfig(QKBlockConfig):
-    pass
+    """Options of softmax attention in the block."""
 
 
 class BlockAttentionMixer(QKMixerBlock):
+    """Softmax attention ``y = softmax(q k^T / sqrt(qk_dim)) v + v`` inside the Hydra block (SDPA fast path)."""
+
     def output_scale(self) -> float:
         return 1.0
 
-    def _allowed(self, ctx: MixerContext, length: int) -> Tensor | None:
+    def _allowed(self, ctx: BlockQKContext, length: int) -> Tensor | None:
         return attention_bias_mask(ctx.mask, length, self.causal, ctx.values.device)
 
-    def raw_matrix(self, ctx: MixerContext) -> Tensor:
+    def raw_matrix(self, ctx: BlockQKContext) -> Tensor:
         b, length = ctx.values.shape[:2]
         scores = torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) / math.sqrt(self.qk_dim)
         allowed = self._allowed(ctx, length)
@@ -42,7 +44,7 @@ class BlockAttentionMixer(QKMixerBlock):
             scores = scores.masked_fill(~allowed, float("-inf"))
         return scores.softmax(-1).expand(b, -1, -1, -1)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: BlockQKContext) -> Tensor:
         v = ctx.values
         b, length = v.shape[:2]
         q = ctx.q.expand(b, -1, -1, -1).transpose(1, 2)
@@ -65,5 +67,5 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2)",
     data_dependent="option",
-    test_options={"headdim": 16, "qk_dim": 4},
+    test_options={"head_dim": 16, "qk_dim": 4},
 )

@@ -12,7 +12,7 @@ heads and plays the role of QK-LN. ``D = c * d`` with ``(c, d) = factorize(D)`` 
 b = d). ``tau = 1/sqrt(D)`` (standard) or ``multiplier / D`` (muP). Then softmax over keys, dense values per head and
 an output projection, as in ordinary attention.
 
-The key transform is an :class:`~mixer_plugins.mlbtc.MLBTC` (one BTT level with the heads folded into its ``n2``
+The key transform is an :class:`~mixer_plugins.layers.mlbtc.MLBTC` (one BTT level with the heads folded into its ``n2``
 factor), so the muP rules know its cores' fan-ins (``d`` and ``c * s``). Cost per token: ``H * D * s * (c + d)`` MACs
 for the keys (instead of ``2 D^2`` for dense q/k), but ``H * L * D`` per query for the scores (``H`` times standard
 attention's ``L * D``): compare at matched compute, as the paper does.
@@ -20,21 +20,32 @@ attention's ``L * D``): compare at matched compute, as the paper does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..mlbtc import MLBTC, BTCLevel, factorize
+from ..layers.masks import dense_allowed, masked_softmax
+from ..layers.mlbtc import MLBTC, BTCLevel, factorize
 from ..registry.spec import MixerSpec
-from ._softmax_common import SoftmaxMixerConfig, dense_allowed, fused_attention, masked_softmax
+from ._softmax_common import SoftmaxMixerConfig, fused_attention
 from .base import MatrixMixer, MixerContext
 
-__all__ = ["BTTAttention", "BTTAttentionConfig", "SPEC"]
+__all__ = ["BTTAttention", "BTTAttentionConfig", "BTTContext", "SPEC"]
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class BTTContext(MixerContext):
+    """``query``: the (optionally normalised) input, (batch, length, dim): BTT scores the raw tokens."""
+
+    query: Tensor
 
 
 class BTTAttentionConfig(SoftmaxMixerConfig):
+    """Options of Bilinear-BTT attention."""
+
     btt_rank: int = Field(1, gt=0, description="BTT rank s of each head's D x D score matrix (1 = Monarch)")
     factors: Optional[list[int]] = Field(
         None, description="[c, d] with c * d = dim; default: d = smallest divisor of dim above sqrt(dim)"
@@ -53,6 +64,7 @@ class BTTAttentionConfig(SoftmaxMixerConfig):
         return self
 
     def resolved_factors(self) -> tuple[int, int]:
+        """``(c, d)`` with ``c * d = dim``."""
         return tuple(self.factors) if self.factors is not None else factorize(self.dim)
 
 
@@ -76,8 +88,8 @@ class BTTAttention(MatrixMixer):
         # input, so the gain of the key LN takes that role.
         self.mup_zero_init = ("key_norm.weight",)
         self.input_norm = nn.LayerNorm(dim, bias=False) if config.input_norm else None
-        self.value = nn.Linear(dim, dim, bias=config.bias)
-        self.proj = nn.Linear(dim, dim, bias=config.bias)
+        self.value = nn.Linear(dim, dim, bias=config.proj_bias)
+        self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         self.scale = config.logit_scale(dim)
 
     def _heads_last(self, z: Tensor) -> Tensor:
@@ -91,29 +103,29 @@ class BTTAttention(MatrixMixer):
         dense = self.key_transform.to_dense()  # (c*H*d, D), rows (alpha, h, beta)
         return self._heads_last(dense.T).permute(1, 2, 0)
 
-    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+    def prepare(self, x: Tensor, mask: Tensor | None) -> BTTContext:
         b, l, _ = x.shape
         query = self.input_norm(x) if self.input_norm is not None else x
         values = self.value(x).view(b, l, self.num_heads, self.head_dim)
-        return MixerContext(values=values, mask=mask, query=query)
+        return BTTContext(values=values, mask=mask, query=query)
 
-    def keys(self, ctx: MixerContext) -> Tensor:
+    def keys(self, ctx: BTTContext) -> Tensor:
         """LN(M_h x_j) through the cores (fast path), (batch, length, heads, dim)."""
         return self.key_norm(self._heads_last(self.key_transform(ctx.query)))
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: BTTContext) -> Tensor:
         keys = self.keys(ctx)
         b, l, h, _ = keys.shape
         query = ctx.query[:, :, None, :].expand(b, l, h, self.dim)
         return fused_attention(query, keys, ctx.values, ctx.mask, self.causal, self.scale)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: BTTContext) -> Tensor:
         # Independent of the fast path: keys through the materialized M_h, scores and softmax written out.
         keys = self.key_norm(torch.einsum("bjg,heg->bjhe", ctx.query, self.key_matrices()))
         scores = torch.einsum("bie,bjhe->bhij", ctx.query, keys) * self.scale
         return masked_softmax(scores, dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device))
 
-    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+    def finish(self, ctx: BTTContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:

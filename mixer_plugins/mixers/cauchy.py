@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
-from .base import MixerContext
+from .block import BlockQKContext
 from .qk_block import QKBlockConfig, QKMixerBlock
 
 __all__ = ["CauchyConfig", "CauchyMixer", "SPEC"]
@@ -32,19 +32,26 @@ def _inverse_softplus(value: float) -> float:
 
 
 class CauchyConfig(QKBlockConfig):
-    pass
+    """Options of the Cauchy mixer."""
 
 
 class CauchyMixer(QKMixerBlock):
+    """Cauchy matrix mixer with a learned, positive shift ``c = softplus(shift_raw)``."""
+
     def __init__(self, config: CauchyConfig):
         super().__init__(config)
-        start = 1.0 if config.data_dependent else 0.01
-        self.shift_raw = nn.Parameter(torch.tensor(_inverse_softplus(start)))
+        self.shift_start = 1.0 if config.data_dependent else 0.01
+        self.shift_raw = nn.Parameter(torch.tensor(_inverse_softplus(self.shift_start)))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.shift_raw.fill_(_inverse_softplus(self.shift_start))
 
     def output_scale(self) -> float:
         return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
 
-    def qk_matrix(self, q: Tensor, k: Tensor, ctx: MixerContext) -> Tensor:
+    def qk_matrix(self, q: Tensor, k: Tensor, ctx: BlockQKContext) -> Tensor:
         shift = F.softplus(self.shift_raw).to(q.dtype) + _TOL
         eq = torch.exp(q).permute(0, 2, 1, 3)                                            # (b, h, L, d)
         ek = torch.exp(k).permute(0, 2, 1, 3)
@@ -55,7 +62,7 @@ class CauchyMixer(QKMixerBlock):
         return matrix
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
-        h, p = self.num_heads, self.headdim
+        h, p = self.num_heads, self.head_dim
         return {
             "apply": 2 * batch * h * length * length * p,
             # two additions, a reciprocal and a sum per (i, j, d): elementwise, not a matmul
@@ -72,5 +79,5 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2) (materialized)",
     data_dependent="option",
-    test_options={"headdim": 16, "qk_dim": 4},
+    test_options={"head_dim": 16, "qk_dim": 4},
 )

@@ -14,38 +14,43 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
-from .base import MixerContext
-from .block import BlockConfig, ChannelGroup, MatrixMixerBlock
+from .block import BlockConfig, BlockContext, ChannelGroup, MatrixMixerBlock
 
 __all__ = ["DenseConfig", "DenseMixer", "SPEC"]
 
 
 class DenseConfig(BlockConfig):
+    """Options of the dense mixer (data-independent only)."""
+
     max_seq_len: int = Field(gt=0, description="size of the free L x L matrices; longer inputs are refused")
     causal: bool = Field(False, description="use only the lower triangle (j <= i)")
 
 
 class DenseMixer(MatrixMixerBlock):
+    """A free (heads, max_seq_len, max_seq_len) matrix per head, applied as ``y = s W v + v``."""
+
     def __init__(self, config: DenseConfig):
-        super().__init__(config)
+        super().__init__(config, [ChannelGroup("v", config.d_inner)])
         self.max_seq_len = config.max_seq_len
         self.weight = nn.Parameter(torch.empty(self.num_heads, config.max_seq_len, config.max_seq_len))
         nn.init.xavier_normal_(self.weight)
 
-    def channel_groups(self) -> list[ChannelGroup]:
-        return [ChannelGroup("v", self.d_inner)]
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.xavier_normal_(self.weight)
 
-    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
-        return MixerContext(values=self.heads(parts["v"]), mask=mask)
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockContext:
+        return BlockContext(values=self.heads(parts["v"]), mask=mask)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: BlockContext) -> Tensor:
         b, length = ctx.values.shape[:2]
         w = self.weight[:, :length, :length].to(ctx.values.dtype)
         if self.causal:
             w = torch.tril(w)
         return self.identity_plus(w, 1.0 / math.sqrt(self.max_seq_len))[None].expand(b, -1, -1, -1)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: BlockContext) -> Tensor:
         b, length = ctx.values.shape[:2]
         w = self.weight[:, :length, :length].to(ctx.values.dtype)
         if self.causal:
@@ -53,7 +58,7 @@ class DenseMixer(MatrixMixerBlock):
         return torch.einsum("hij,bjhp->bihp", w, ctx.values) / math.sqrt(self.max_seq_len) + ctx.values
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
-        return {"apply": 2 * batch * self.num_heads * length * length * self.headdim}
+        return {"apply": 2 * batch * self.num_heads * length * length * self.head_dim}
 
 
 SPEC = MixerSpec(
@@ -66,5 +71,5 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2)",
     data_dependent="no",
-    test_options={"headdim": 16, "max_seq_len": 40},
+    test_options={"head_dim": 16, "max_seq_len": 40},
 )

@@ -20,23 +20,24 @@ from typing import Literal, Optional
 from pydantic import Field, model_validator
 from torch import Tensor
 
+from ..layers.masks import dense_allowed, masked_softmax
 from ..registry.spec import MixerSpec
 from ._softmax_common import (
     QKVSoftmaxConfig,
     QKVSoftmaxMixer,
-    dense_allowed,
     dot_scores,
     fused_attention,
     local_attention,
     local_attention_flops,
-    masked_softmax,
 )
-from .base import MixerContext
+from .base import QKContext
 
 __all__ = ["GlobalLocalAttention", "GlobalLocalAttentionConfig", "SPEC"]
 
 
 class GlobalLocalAttentionConfig(QKVSoftmaxConfig):
+    """Options of global + sliding-window attention."""
+
     window: int = Field(512, gt=0, description="window of the local part (causal: the window previous tokens and self)")
     global_dim: Optional[int] = Field(
         None, gt=0, description="query/key dims of the global part (the rest is local); default head_dim // 2"
@@ -60,6 +61,7 @@ class GlobalLocalAttentionConfig(QKVSoftmaxConfig):
         return self
 
     def resolved_global_dim(self) -> int:
+        """Query/key dims of the global part (``head_dim // 2`` unless ``global_dim`` is set)."""
         return self.global_dim if self.global_dim is not None else (self.dim // self.num_heads) // 2
 
 
@@ -77,14 +79,14 @@ class GlobalLocalAttention(QKVSoftmaxMixer):
     def _split(self, t: Tensor) -> tuple[Tensor, Tensor]:
         return t[..., : self.global_dim], t[..., self.global_dim:]
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: QKContext) -> Tensor:
         (qg, ql), (kg, kl) = self._split(ctx.q), self._split(ctx.k)
         y_global = fused_attention(qg, kg, ctx.values, ctx.mask, self.causal, self.global_scale)
         y_local = local_attention(ql, kl, ctx.values, window=self.window, causal=self.causal, mask=ctx.mask,
                                   scale=self.local_scale)
         return y_global + y_local
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: QKContext) -> Tensor:
         (qg, ql), (kg, kl) = self._split(ctx.q), self._split(ctx.k)
         length, device = ctx.q.shape[1], ctx.q.device
         p_global = masked_softmax(dot_scores(qg, kg) * self.global_scale,

@@ -14,28 +14,34 @@ import math
 import torch
 from torch import Tensor
 
-from ..kernels import ssd
+from ..kernels import chunked_scan_flops, ssd
 from ..registry.spec import MixerSpec
-from .base import MixerContext
+from .block import BlockQKContext
 from .qk_block import QKBlockConfig, QKMixerBlock
 
 __all__ = ["LowRankConfig", "LowRankMixer", "SPEC"]
 
 
 class LowRankConfig(QKBlockConfig):
-    pass
+    """Options of the low-rank mixer (linear attention)."""
+
+
+#: Chunk length of the causal form's scan.
+_CHUNK = 64
 
 
 class LowRankMixer(QKMixerBlock):
+    """Linear attention ``M = q k^T`` with SiLU queries and keys, applied without building M."""
+
     qk_activation = True
 
     def output_scale(self) -> float:
         return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
 
-    def qk_matrix(self, q: Tensor, k: Tensor, ctx: MixerContext) -> Tensor:
+    def qk_matrix(self, q: Tensor, k: Tensor, ctx: BlockQKContext) -> Tensor:
         return torch.einsum("bihd,bjhd->bhij", q, k)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: BlockQKContext) -> Tensor:
         v = ctx.values
         b, length, h, _ = v.shape
         q, k = ctx.q.expand(b, -1, -1, -1), ctx.k.expand(b, -1, -1, -1)
@@ -46,16 +52,14 @@ class LowRankMixer(QKMixerBlock):
         # Causal linear attention is SSD with no decay: A = 0, dt = 1, one group per head (B = k, C = q).
         ones = v.new_ones(b, length, h)
         zeros = v.new_zeros(h)
-        y = ssd(v, ones, zeros, k.contiguous(), q.contiguous(), chunk_size=64)
+        y = ssd(v, ones, zeros, k.contiguous(), q.contiguous(), chunk_size=_CHUNK)
         return s * y + v
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
-        h, p, d = self.num_heads, self.headdim, self.qk_dim
+        h, p, d = self.num_heads, self.head_dim, self.qk_dim
         if not self.causal:
             return {"kv_state": 2 * batch * length * h * d * p, "readout": 2 * batch * length * h * d * p}
-        from ..kernels.custom_ops import chunked_scan_flops
-
-        return {"scan": chunked_scan_flops(batch, length, h, p, h, d, 1, 64)}
+        return {"scan": chunked_scan_flops(batch, length, h, p, h, d, 1, _CHUNK)}
 
 
 SPEC = MixerSpec(
@@ -68,5 +72,5 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L)",
     data_dependent="option",
-    test_options={"headdim": 16, "qk_dim": 4},
+    test_options={"head_dim": 16, "qk_dim": 4},
 )

@@ -31,20 +31,17 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
+from ..layers.masks import dense_allowed, masked_softmax
 from ..registry.spec import MixerSpec
-from ._softmax_common import (
-    LevelRanksConfig,
-    QKVSoftmaxConfig,
-    QKVSoftmaxMixer,
-    dense_allowed,
-    dot_scores,
-    masked_softmax,
-)
-from .base import MixerContext
+from ._softmax_common import LevelRanksConfig, QKVSoftmaxConfig, QKVSoftmaxMixer, dot_scores
+from .base import QKContext
 
 __all__ = ["MLRAttention", "MLRAttentionConfig", "SPEC", "mlr_level_counts", "same_block_mask"]
 
+
 class MLRAttentionConfig(QKVSoftmaxConfig, LevelRanksConfig):
+    """Options of MLR attention (levels on the sequence axis)."""
+
     block_sizes: Optional[list[Optional[int]]] = Field(
         None,
         description="tokens per block of each level (None = one global block); each must divide the previous "
@@ -83,6 +80,7 @@ class MLRAttentionConfig(QKVSoftmaxConfig, LevelRanksConfig):
         return self
 
     def resolved_block_sizes(self) -> list[Optional[int]]:
+        """Tokens per block of each level (None = global), the default when ``block_sizes`` is None."""
         if self.block_sizes is not None:
             return list(self.block_sizes)
         levels = len(self.resolved_ranks())
@@ -132,6 +130,15 @@ def _diagonal_regions(scores: Tensor, size: int) -> list[tuple[Tensor, int]]:
     return regions
 
 
+def _merge_blocks_(scores: Tensor, size: int, keeps, subs) -> Tensor:
+    """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place."""
+    for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
+        if keep is not None:
+            region.mul_(keep)
+        region.add_(sub)
+    return scores
+
+
 class _MergeBlocks(torch.autograd.Function):
     """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place.
 
@@ -145,10 +152,7 @@ class _MergeBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, size, keeps, *subs):
         with torch.no_grad():
-            for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
-                if keep is not None:
-                    region.mul_(keep)
-                region.add_(sub)
+            _merge_blocks_(scores, size, keeps, subs)
         ctx.mark_dirty(scores)
         ctx.size, ctx.keeps = size, keeps
         return scores
@@ -180,7 +184,7 @@ class MLRAttention(QKVSoftmaxMixer):
     def _levels(self, t: Tensor) -> tuple[Tensor, ...]:
         return torch.split(t, self.ranks, dim=-1)
 
-    def scores(self, ctx: MixerContext) -> Tensor:
+    def scores(self, ctx: QKContext) -> Tensor:
         """Pre-softmax scores, computed block by block (the fast path), (batch, heads, L, L).
 
         Levels whose block holds the whole sequence (``None``, or a size >= L: the same thing at this length) share
@@ -232,6 +236,8 @@ class MLRAttention(QKVSoftmaxMixer):
                 keep = keep[..., None] if keep is not None else None
             subs.append(sub)
             keeps.append(keep)
+        if not torch.is_grad_enabled():  # inference: no backward to spare, merge in place directly
+            return _merge_blocks_(scores, size, keeps, subs)
         return _MergeBlocks.apply(scores, size, keeps, *subs)
 
     def _segment_scores(self, q_seg, k_seg, sizes, level: int) -> Tensor:
@@ -242,12 +248,12 @@ class MLRAttention(QKVSoftmaxMixer):
             scores = self._add_blocks(scores, q_seg, k_seg, sizes, level + 1)
         return scores
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: QKContext) -> Tensor:
         scores = self.scores(ctx)
         probs = masked_softmax(scores, dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device))
         return torch.einsum("bhij,bjhp->bihp", probs, ctx.values)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: QKContext) -> Tensor:
         # The definition, level by level with dense masks (independent of the blocked fast path).
         length = ctx.q.shape[1]
         device = ctx.q.device

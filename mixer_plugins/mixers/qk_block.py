@@ -13,14 +13,14 @@ apply to their values is ``s * M + I``; subclasses give ``M`` (:meth:`QKMixerBlo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from .base import MixerContext
-from .block import BlockConfig, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
+from .block import BlockConfig, BlockQKContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
 
 __all__ = ["SequenceBlockConfig", "QKBlockConfig", "QKMixerBlock"]
 
@@ -36,81 +36,95 @@ class SequenceBlockConfig(BlockConfig, DataIndependentOptions):
 
 
 class QKBlockConfig(SequenceBlockConfig):
+    """Options of the block mixers scored by per-head queries and keys."""
+
     qk_dim: int = Field(16, gt=0, description="width of the per-head query/key vectors")
 
 
+def qk_groups(config: QKBlockConfig, qk_activation: bool) -> list[ChannelGroup]:
+    """in_proj's groups after ``z``: the values, then (data-dependent form) the queries and keys, all convolved."""
+    groups = [ChannelGroup("v", config.d_inner, conv=True, activation=True)]
+    if config.data_dependent:
+        width = config.num_heads * config.qk_dim
+        groups += [
+            ChannelGroup("q", width, conv=True, activation=qk_activation),
+            ChannelGroup("k", width, conv=True, activation=qk_activation),
+        ]
+    return groups
+
+
 class QKMixerBlock(MatrixMixerBlock):
-    """Block mixer with ``M = f(q, k)`` per head; subclasses define ``qk_matrix`` and ``output_scale``."""
+    """Block mixer with ``M = f(q, k)`` per head; subclasses define ``qk_matrix`` and ``output_scale``.
+
+    ``free_qk``: whether the data-independent form has free Q/K parameters (the DFT form of Vandermonde has none);
+    ``free_qk_init`` initialises them in place (default xavier-normal).
+    """
 
     #: Whether the data-dependent q and k pass through SiLU after the convolution (low-rank: yes).
     qk_activation: ClassVar[bool] = False
 
-    def __init__(self, config: QKBlockConfig):
+    def __init__(self, config: QKBlockConfig, *, free_qk: bool = True,
+                 free_qk_init: Callable[[Tensor], object] = nn.init.xavier_normal_):
+        super().__init__(config, qk_groups(config, self.qk_activation))
         self.qk_dim = config.qk_dim
         self.data_dependent = config.data_dependent
-        super().__init__(config)
         self.max_seq_len = None if config.data_dependent else config.max_seq_len
         # The L of the paper's 1/sqrt(L ...) output scales.
         self.norm_length = config.scale_length if config.data_dependent else config.max_seq_len
-        if not config.data_dependent and self.uses_free_qk():
+        self.free_qk = free_qk and not config.data_dependent
+        self._free_qk_init = free_qk_init
+        self.q_param = self.k_param = None
+        if self.free_qk:
             shape = (config.max_seq_len, self.num_heads, config.qk_dim)
             self.q_param = nn.Parameter(torch.empty(shape))
             self.k_param = nn.Parameter(torch.empty(shape))
-            self.reset_free_qk()
+            with torch.no_grad():
+                free_qk_init(self.q_param)
+                free_qk_init(self.k_param)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.q_param is not None:
+            self._free_qk_init(self.q_param)
+            self._free_qk_init(self.k_param)
 
     # -- hooks ----------------------------------------------------------------------------------------
-    def uses_free_qk(self) -> bool:
-        """Whether the data-independent form has free Q/K parameters (the DFT form of Vandermonde has none)."""
-        return True
-
-    def reset_free_qk(self) -> None:
-        nn.init.xavier_normal_(self.q_param)
-        nn.init.xavier_normal_(self.k_param)
-
-    def qk_matrix(self, q: Tensor, k: Tensor, ctx: MixerContext) -> Tensor:
+    def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
         """(b|1, L, h, qk) queries and keys -> (b|1, h, L, L) matrix M (before scale and identity)."""
         raise NotImplementedError
 
     def output_scale(self) -> float:
+        """``s`` in ``y = s M v + v``."""
         raise NotImplementedError
 
     # -- block hooks ----------------------------------------------------------------------------------
-    def channel_groups(self) -> list[ChannelGroup]:
-        groups = [ChannelGroup("v", self.d_inner, conv=True, activation=True)]
-        if self.data_dependent:
-            width = self.num_heads * self.qk_dim
-            groups += [
-                ChannelGroup("q", width, conv=True, activation=self.qk_activation),
-                ChannelGroup("k", width, conv=True, activation=self.qk_activation),
-            ]
-        return groups
-
-    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockQKContext:
         values = self.heads(parts["v"])
         length = values.shape[1]
         if self.data_dependent:
             q, k = self.heads(parts["q"]), self.heads(parts["k"])
-        elif self.uses_free_qk():
+        elif self.free_qk:
             q = self.length_prefix(self.q_param, length)[None].to(values.dtype)
             k = self.length_prefix(self.k_param, length)[None].to(values.dtype)
         else:
             q = k = None
-        return MixerContext(values=values, mask=mask, q=q, k=k)
+        return BlockQKContext(values=values, mask=mask, q=q, k=k)
 
-    def raw_matrix(self, ctx: MixerContext) -> Tensor:
+    def raw_matrix(self, ctx: BlockQKContext) -> Tensor:
         """M (without scale and identity), causal-masked, broadcast to the batch."""
         matrix = self.qk_matrix(ctx.q, ctx.k, ctx)
         if self.causal:
             matrix = torch.tril(matrix)
         return matrix.expand(ctx.values.shape[0], -1, -1, -1)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: BlockQKContext) -> Tensor:
         return self.identity_plus(self.raw_matrix(ctx), self.output_scale())
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         # Materialized form: build M (about 2 * qk_dim multiply-adds per entry, counted as one contraction)
         # and apply it to the values.
-        heads, p = self.num_heads, self.headdim
+        heads, p = self.num_heads, self.head_dim
         return {
             "matrix": 2 * batch * heads * length * length * self.qk_dim,
             "apply": 2 * batch * heads * length * length * p,

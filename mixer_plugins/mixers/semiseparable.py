@@ -9,64 +9,75 @@ gating like the rest of the framework; ``norm_before_gate=False`` gives Mamba-2'
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 from pydantic import Field
 from torch import Tensor
 
-from ..kernels import scan_matrix, ssd
-from ..kernels.custom_ops import chunked_scan_flops
+from ..kernels import chunked_scan_flops, scan_matrix, ssd
 from ..registry.spec import MixerSpec
-from .base import MixerContext
-from .block import ChannelGroup, MatrixMixerBlock
-from .quasiseparable import SSMBlockConfig, SSMParameters
+from ._ssm import SSMBlockConfig, SSMParameters
+from .block import BlockContext, ChannelGroup, MatrixMixerBlock
 
-__all__ = ["SemiseparableConfig", "SemiseparableMixer", "SPEC"]
+__all__ = ["SemiseparableConfig", "SemiseparableMixer", "SSDContext", "SPEC"]
 
 
 class SemiseparableConfig(SSMBlockConfig):
+    """Options of the causal SSD mixer (Mamba-2's defaults for the short conv and A)."""
+
     always_causal: ClassVar[bool] = True
 
     d_conv: int = Field(4, gt=0, description="kernel size of the causal short convolution")
     A_init_range: tuple[float, float] = Field((1.0, 16.0), description="A = -U[lo, hi] per head at init")
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
+class SSDContext(BlockContext):
+    """Generators of the causal scan: step sizes ``dt`` (b, L, h), ``A`` (h,), ``B``/``C`` (b, L, groups, N)."""
+
+    dt: Tensor
+    A: Tensor
+    B: Tensor
+    C: Tensor
+
+
 class SemiseparableMixer(MatrixMixerBlock):
+    """Mamba-2's SSD in the Hydra block: causal short conv, chunked causal scan plus the ``D`` skip."""
+
     causal = True
 
     def __init__(self, config: SemiseparableConfig):
+        gn = config.ngroups * config.d_state
+        groups = [
+            ChannelGroup("x", config.d_inner),
+            ChannelGroup("B", gn),
+            ChannelGroup("C", gn),
+            ChannelGroup("dt", config.num_heads, conv=False, activation=False),
+        ]
+        super().__init__(config, groups, causal_conv=True)
         self.d_state = config.d_state
         self.ngroups = config.ngroups
         self.chunk_size = config.chunk_size
-        super().__init__(config, causal_conv=True)
         self.ssm = SSMParameters(self.num_heads, config, with_d=True)
 
-    def channel_groups(self) -> list[ChannelGroup]:
-        gn = self.ngroups * self.d_state
-        return [
-            ChannelGroup("x", self.d_inner),
-            ChannelGroup("B", gn),
-            ChannelGroup("C", gn),
-            ChannelGroup("dt", self.config.num_heads, conv=False, activation=False),
-        ]
-
-    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> SSDContext:
         x = self.heads(parts["x"])
         gn = (self.ngroups, self.d_state)
-        return MixerContext(
-            values=x, mask=mask, delta=self.ssm.delta(parts["dt"]), A=self.ssm.A(x.dtype),
+        return SSDContext(
+            values=x, mask=mask, dt=self.ssm.dt(parts["dt"]), A=self.ssm.A(x.dtype),
             B=parts["B"].unflatten(-1, gn), C=parts["C"].unflatten(-1, gn),
         )
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
-        diag = self.ssm.D.to(ctx.values.dtype).expand_as(ctx.delta)
-        return scan_matrix(ctx.delta, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
+    def matrix(self, ctx: SSDContext) -> Tensor:
+        diag = self.ssm.D.to(ctx.values.dtype).expand_as(ctx.dt)
+        return scan_matrix(ctx.dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
-        return ssd(ctx.values, ctx.delta, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D)
+    def mix(self, ctx: SSDContext) -> Tensor:
+        return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D)
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
-        return {"scan": chunked_scan_flops(batch, length, self.num_heads, self.headdim, self.ngroups,
+        return {"scan": chunked_scan_flops(batch, length, self.num_heads, self.head_dim, self.ngroups,
                                            self.d_state, 1, self.chunk_size)}
 
 
@@ -80,5 +91,5 @@ SPEC = MixerSpec(
     direction="causal",
     complexity="O(L)",
     data_dependent="yes",
-    test_options={"headdim": 16, "d_state": 8, "chunk_size": 8},
+    test_options={"head_dim": 16, "d_state": 8, "chunk_size": 8},
 )

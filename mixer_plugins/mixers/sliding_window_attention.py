@@ -15,22 +15,17 @@ from __future__ import annotations
 from pydantic import Field
 from torch import Tensor
 
+from ..layers.masks import dense_allowed, masked_softmax
 from ..registry.spec import MixerSpec
-from ._softmax_common import (
-    QKVSoftmaxConfig,
-    QKVSoftmaxMixer,
-    dense_allowed,
-    dot_scores,
-    local_attention,
-    local_attention_flops,
-    masked_softmax,
-)
-from .base import MixerContext
+from ._softmax_common import QKVSoftmaxConfig, QKVSoftmaxMixer, dot_scores, local_attention, local_attention_flops
+from .base import QKContext
 
 __all__ = ["SlidingWindowAttention", "SlidingWindowAttentionConfig", "SPEC"]
 
 
 class SlidingWindowAttentionConfig(QKVSoftmaxConfig):
+    """Options of sliding-window attention."""
+
     window: int = Field(
         512, gt=0, description="keys within this distance are attended (causal: the window previous tokens and self)"
     )
@@ -44,11 +39,11 @@ class SlidingWindowAttention(QKVSoftmaxMixer):
         self.window = config.window
         self.scale = config.logit_scale(self.head_dim)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: QKContext) -> Tensor:
         return local_attention(ctx.q, ctx.k, ctx.values, window=self.window, causal=self.causal, mask=ctx.mask,
                                scale=self.scale)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: QKContext) -> Tensor:
         scores = dot_scores(ctx.q, ctx.k) * self.scale
         allowed = dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device, window=self.window)
         return masked_softmax(scores, allowed)

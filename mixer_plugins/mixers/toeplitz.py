@@ -14,28 +14,48 @@ Per head ``M_ij = c_{i-j}``, applied as ``y = s M v + v`` with ``s = 0.5/sqrt(L)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import Tensor, nn
 
-from ..kernels.toeplitz import toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
+from ..kernels import toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 from ..registry.spec import MixerSpec
-from .base import MixerContext
-from .block import ChannelGroup, MatrixMixerBlock
+from .block import BlockContext, ChannelGroup, MatrixMixerBlock
 from .qk_block import SequenceBlockConfig
 
 __all__ = ["ToeplitzConfig", "ToeplitzMixer", "SPEC"]
 
 
 class ToeplitzConfig(SequenceBlockConfig):
-    pass
+    """Options of the Toeplitz mixer."""
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class ToeplitzContext(BlockContext):
+    """``taps`` (b|1, heads, 2L - 1): offsets -(L-1) .. L-1 of each head's kernel."""
+
+    taps: Tensor
+
+
+def _toeplitz_groups(config: ToeplitzConfig) -> list[ChannelGroup]:
+    """The values, then (data-dependent form) per-head taps of the non-negative and (bidirectional) negative offsets."""
+    groups = [ChannelGroup("v", config.d_inner)]
+    if config.data_dependent:
+        groups.append(ChannelGroup("fw", config.num_heads))
+        if not config.causal:
+            groups.append(ChannelGroup("rv", config.num_heads))
+    return groups
 
 
 class ToeplitzMixer(MatrixMixerBlock):
+    """Toeplitz (long-convolution) mixer by FFT, with data-dependent or free taps."""
+
     def __init__(self, config: ToeplitzConfig):
+        super().__init__(config, _toeplitz_groups(config))
         self.data_dependent = config.data_dependent
-        super().__init__(config)
+        self.taps = None
         self.max_seq_len = None if config.data_dependent else config.max_seq_len
         norm_length = config.scale_length if config.data_dependent else config.max_seq_len
         self.scale = 0.5 / math.sqrt(norm_length)
@@ -43,15 +63,13 @@ class ToeplitzMixer(MatrixMixerBlock):
             self.taps = nn.Parameter(torch.empty(self.num_heads, 2 * config.max_seq_len - 1))
             nn.init.xavier_uniform_(self.taps)
 
-    def channel_groups(self) -> list[ChannelGroup]:
-        groups = [ChannelGroup("v", self.d_inner)]
-        if self.data_dependent:
-            groups.append(ChannelGroup("fw", self.num_heads))
-            if not self.causal:
-                groups.append(ChannelGroup("rv", self.num_heads))
-        return groups
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.taps is not None:
+            nn.init.xavier_uniform_(self.taps)
 
-    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> MixerContext:
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> ToeplitzContext:
         values = self.heads(parts["v"])
         length = values.shape[1]
         if self.data_dependent:
@@ -66,19 +84,19 @@ class ToeplitzMixer(MatrixMixerBlock):
             taps = self.taps[:, centre - (length - 1): centre + length][None].to(values.dtype)
             if self.causal:
                 taps = torch.cat([torch.zeros_like(taps[..., : length - 1]), taps[..., length - 1:]], dim=-1)
-        return MixerContext(values=values, mask=mask, taps=taps)
+        return ToeplitzContext(values=values, mask=mask, taps=taps)
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: ToeplitzContext) -> Tensor:
         b, length = ctx.values.shape[:2]
         matrix = toeplitz_matrix(ctx.taps, length).expand(b, -1, -1, -1)
         return self.identity_plus(matrix, self.scale)
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: ToeplitzContext) -> Tensor:
         return toeplitz_mix(self.scale * ctx.taps, ctx.values) + ctx.values
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         tap_batch = batch if self.data_dependent else 1
-        return {"fft_conv": toeplitz_fft_flops(batch, length, self.num_heads, self.headdim, tap_batch)}
+        return {"fft_conv": toeplitz_fft_flops(batch, length, self.num_heads, self.head_dim, tap_batch)}
 
 
 SPEC = MixerSpec(
@@ -91,5 +109,5 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L log L)",
     data_dependent="option",
-    test_options={"headdim": 16},
+    test_options={"head_dim": 16},
 )

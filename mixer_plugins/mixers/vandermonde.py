@@ -25,13 +25,15 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
-from .base import MixerContext
+from .block import BlockQKContext
 from .qk_block import QKBlockConfig, QKMixerBlock
 
 __all__ = ["VandermondeConfig", "VandermondeMixer", "SPEC"]
 
 
 class VandermondeConfig(QKBlockConfig):
+    """Options of the Vandermonde mixer."""
+
     frequency_scale: float = Field(1e-3, gt=0, description="eps in cos(2 pi eps q j): scales the learned frequencies")
     di_form: Literal["dft", "learned"] = Field(
         "dft", description="data-independent form: the fixed real DFT, or free learned Q, K"
@@ -39,27 +41,28 @@ class VandermondeConfig(QKBlockConfig):
 
 
 class VandermondeMixer(QKMixerBlock):
-    def uses_free_qk(self) -> bool:
-        return self.config.di_form == "learned"
+    """Vandermonde matrix mixer: data-dependent cosine nodes, the real DFT, or learned free nodes."""
 
-    def reset_free_qk(self) -> None:
-        nn.init.normal_(self.q_param)
-        nn.init.normal_(self.k_param)
+    def __init__(self, config: VandermondeConfig):
+        # learned nodes start at N(0, 1): Q = K = 0 would be a stationary point (cos'(0) = 0)
+        super().__init__(config, free_qk=config.di_form == "learned", free_qk_init=nn.init.normal_)
+        self.frequency_scale = config.frequency_scale
+        self.di_form = config.di_form
 
     def output_scale(self) -> float:
-        if not self.data_dependent and self.config.di_form == "dft":
+        if not self.data_dependent and self.di_form == "dft":
             return 1.0 / math.sqrt(self.norm_length)
         return 1.0 / math.sqrt(2 * self.norm_length * self.qk_dim)
 
-    def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: MixerContext) -> Tensor:
+    def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
         values = ctx.values
         length = values.shape[1]
         t = torch.arange(length, device=values.device, dtype=values.dtype)
         if q is None:  # the DFT: one matrix shared by every head
             angle = 2 * math.pi * torch.outer(t, t) / self.max_seq_len
             return torch.cos(angle)[None, None].expand(1, self.num_heads, -1, -1)
-        omega_q = (2 * math.pi * self.config.frequency_scale) * q.permute(0, 2, 1, 3)   # (b, h, L, d)
-        omega_k = (2 * math.pi * self.config.frequency_scale) * k.permute(0, 2, 1, 3)
+        omega_q = (2 * math.pi * self.frequency_scale) * q.permute(0, 2, 1, 3)   # (b, h, L, d)
+        omega_k = (2 * math.pi * self.frequency_scale) * k.permute(0, 2, 1, 3)
         # Accumulate over d one slice at a time: O(L^2) memory, not O(L^2 qk_dim).
         matrix = None
         for d in range(self.qk_dim):
@@ -68,9 +71,9 @@ class VandermondeMixer(QKMixerBlock):
         return matrix
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
-        h, p = self.num_heads, self.headdim
+        h, p = self.num_heads, self.head_dim
         parts = {"apply": 2 * batch * h * length * length * p}
-        if self.data_dependent or self.config.di_form == "learned":
+        if self.data_dependent or self.di_form == "learned":
             # two cosines, two products and two sums per (i, j, d): elementwise, not a matmul
             parts["matrix_elementwise"] = 6 * batch * h * length * length * self.qk_dim
         return parts
@@ -85,5 +88,5 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2) (materialized)",
     data_dependent="option",
-    test_options={"headdim": 16, "qk_dim": 4},
+    test_options={"head_dim": 16, "qk_dim": 4},
 )

@@ -15,13 +15,13 @@ Rules (see the design notes):
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import threading
 import warnings
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from .._text import closest
 from ..errors import (
     DuplicateMixerError,
     MixerPluginWarning,
@@ -217,7 +217,7 @@ class MixerRegistry:
             for spec in specs:
                 for alias in spec.aliases:
                     vocabulary.setdefault(normalize_name(alias), alias)
-            close = difflib.get_close_matches(key, list(vocabulary), n=3, cutoff=0.6)
+            close = closest(key, vocabulary, n=3)
             raise UnknownMixerError(name, [vocabulary[c] for c in close], self.names())
 
     def create(self, name: str, dim: int | None = None, /, **options: Any):

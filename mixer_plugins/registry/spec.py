@@ -9,14 +9,16 @@ and a builder that turns a validated config into an ``nn.Module`` following the 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .._text import did_you_mean
 from ..errors import InvalidMixerOptions
 
 __all__ = ["MixerConfig", "MixerSpec", "Direction", "DataDependence"]
@@ -30,15 +32,45 @@ class MixerConfig(BaseModel):
 
     Subclasses add fields with ``pydantic.Field(default, description=...)``; the description is what
     ``mixer-plugins info NAME`` prints. Configs are immutable and reject unknown options.
+
+    A renamed option keeps its old name working for one release: list it in the class's ``deprecated_aliases``
+    (old name -> new name; merged over the base classes). The old name is then accepted, with a
+    ``DeprecationWarning``, and stored under the new one.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
+    #: Old option name -> current name, accepted for one release with a DeprecationWarning.
+    deprecated_aliases: ClassVar[dict[str, str]] = {}
+
     dim: int = Field(gt=0, description="model width: the mixer maps (batch, length, dim) to (batch, length, dim)")
 
+    @classmethod
+    def all_deprecated_aliases(cls) -> dict[str, str]:
+        """``deprecated_aliases`` of this class and its bases (the most derived wins)."""
+        merged: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(vars(klass).get("deprecated_aliases", {}))
+        return {old: new for old, new in merged.items() if new in cls.model_fields}
 
-def _closest(word: str, candidates: list[str]) -> list[str]:
-    return difflib.get_close_matches(word, candidates, n=2, cutoff=0.6)
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_deprecated(cls, data: Any) -> Any:
+        aliases = cls.all_deprecated_aliases()
+        if not isinstance(data, Mapping) or not aliases.keys() & data.keys():
+            return data
+        data = dict(data)
+        for old, new in aliases.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"{old!r} is the deprecated name of {new!r}; pass only {new!r}")
+            warnings.warn(
+                f"{cls.__name__}: option {old!r} is deprecated, use {new!r} (the old name will be removed in the "
+                "next release)", DeprecationWarning, stacklevel=2,
+            )
+            data[new] = data.pop(old)
+        return data
 
 
 def _format_validation_error(err: ValidationError) -> list[str]:
@@ -102,7 +134,18 @@ class MixerSpec:
 
     # -- options ---------------------------------------------------------------------------------
     def option_names(self) -> list[str]:
+        """The current option names (deprecated aliases are accepted but not listed)."""
         return list(self.config.model_fields)
+
+    def canonical_option(self, key: str) -> str:
+        """The current name of option ``key``: itself, or the new name of a deprecated alias (with a
+        ``DeprecationWarning``). For tools that look options up by name (command lines, host adapters)."""
+        new = self.config.all_deprecated_aliases().get(key)
+        if new is None:
+            return key
+        warnings.warn(f"mixer {self.name!r}: option {key!r} is deprecated, use {new!r} (the old name will be removed "
+                      "in the next release)", DeprecationWarning, stacklevel=2)
+        return new
 
     def make_config(self, dim: int | None = None, /, **options: Any) -> MixerConfig:
         """Validate ``options`` with the spec's config model, with "did you mean" for misspelt names."""
@@ -111,12 +154,11 @@ class MixerSpec:
                 raise InvalidMixerOptions(self.name, ["dim given twice (positionally and as an option)"])
             options["dim"] = dim
         known = self.option_names()
+        accepted = set(known) | set(self.config.all_deprecated_aliases())
         problems = []
         for key in options:
-            if key not in known:
-                close = _closest(key, known)
-                hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-                problems.append(f"unknown option {key!r}{hint} (options: {', '.join(known)})")
+            if key not in accepted:
+                problems.append(f"unknown option {key!r}{did_you_mean(key, known)} (options: {', '.join(known)})")
         if problems:
             raise InvalidMixerOptions(self.name, problems)
         try:
@@ -125,7 +167,12 @@ class MixerSpec:
             raise InvalidMixerOptions(self.name, _format_validation_error(err)) from None
 
     def build(self, config: MixerConfig | None = None, /, **options: Any):
-        """Build the mixer from a validated config, or from options (validated here)."""
+        """Build the mixer from a validated config, or from options (validated here).
+
+        A module with a ``reset_parameters()`` (every :class:`~mixer_plugins.MatrixMixer`) is then initialised by
+        it, from the random state the build started from: under one seed, ``build`` and a later
+        ``reset_parameters()`` give the same parameters.
+        """
         if config is None:
             config = self.make_config(**options)
         elif options:
@@ -134,7 +181,13 @@ class MixerSpec:
             raise InvalidMixerOptions(
                 self.name, [f"expected a {self.config.__name__}, got {type(config).__name__}"]
             )
+        rng = torch.get_rng_state()
         module = self.builder(config)
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            torch.set_rng_state(rng)  # the constructor's own draws are replaced by reset_parameters' ones
+            with torch.no_grad():
+                reset()
         # Record where the module came from, so adapters (timm, fairseq2) can serialise it by name.
         try:
             module.mixer_name = self.name

@@ -1,4 +1,5 @@
-"""Testing helpers for mixer authors: the conformance kit (see :mod:`.conformance`)."""
+"""Testing helpers for mixer authors: the conformance kit (see :mod:`.conformance`) and the muP coordinate-check
+model over registered mixers (:class:`MixerCoordCheckModel`)."""
 
 from .conformance import (
     CHECKS,
@@ -9,5 +10,7 @@ from .conformance import (
     conformance_test,
     run_check,
 )
+from .coord_check import MixerCoordCheckModel
 
-__all__ = ["CHECKS", "CheckResult", "ConformanceError", "MixerHarness", "check_mixer", "conformance_test", "run_check"]
+__all__ = ["CHECKS", "CheckResult", "ConformanceError", "MixerHarness", "check_mixer", "conformance_test", "run_check",
+           "MixerCoordCheckModel"]

@@ -22,6 +22,8 @@ Checks (each one a function in :data:`CHECKS`):
   the matrix;
 * ``gradients``: every parameter receives a finite, non-zero gradient;
 * ``state_dict``: a second instance loaded from the first's ``state_dict`` gives identical outputs;
+* ``reset_parameters``: ``reset_parameters()`` under a seed re-draws the parameters exactly as a fresh build under
+  that seed (so every randomly initialised parameter is reset), and does so again under the same seed;
 * ``sequence_length``: data-independent mixers raise ``SequenceLengthError`` past ``max_seq_len``;
 * ``bad_input``: wrong rank, width, dtype or mask raise ``MixerInputError``;
 * ``bad_config``: a bad ``dim`` or a misspelt option raise ``InvalidMixerOptions`` (with a suggestion);
@@ -213,6 +215,25 @@ def check_state_dict(h: MixerHarness) -> None:
         assert torch.equal(first(x), second(x)), "outputs differ after a state_dict round-trip"
 
 
+def check_reset_parameters(h: MixerHarness) -> None:
+    seed = 21
+    fresh = h.build(seed=seed, dtype=torch.float32).state_dict()
+    mixer = h.build(seed=seed + 1, dtype=torch.float32)
+    reset = getattr(mixer, "reset_parameters", None)
+    assert callable(reset), f"{type(mixer).__name__} has no reset_parameters() (MatrixMixer provides one)"
+    for attempt in ("first", "second"):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            reset()
+        state = mixer.state_dict()
+        assert state.keys() == fresh.keys(), "reset_parameters() changed the state_dict's keys"
+        differ = [name for name, value in state.items() if not torch.equal(value, fresh[name])]
+        assert not differ, (
+            f"after reset_parameters() under seed {seed} ({attempt} time), these differ from a fresh build under the "
+            f"same seed (not re-initialised, or drawn in another order): {differ}"
+        )
+
+
 def check_sequence_length(h: MixerHarness) -> None:
     mixer = h.build()
     if mixer.max_seq_len is None:
@@ -299,6 +320,7 @@ CHECKS: dict[str, Callable[[MixerHarness], None]] = {
     "lengths": check_lengths,
     "gradients": check_gradients,
     "state_dict": check_state_dict,
+    "reset_parameters": check_reset_parameters,
     "sequence_length": check_sequence_length,
     "bad_input": check_bad_input,
     "bad_config": check_bad_config,

@@ -1,0 +1,96 @@
+"""Padding and attention masks, shared by every mixer (and by the hosts' adapters).
+
+Conventions: a padding ``mask`` is bool ``(batch, length)``, True on real tokens, right-padded; an "allowed" mask is
+bool ``(batch|1, 1, L, L)`` over (query, key) pairs, True where the key may be attended, or ``None`` when every pair is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import MixerInputError
+
+__all__ = [
+    "attention_bias_mask",
+    "dense_allowed",
+    "masked_softmax",
+    "padding_mask_to_bool",
+    "zero_pads",
+]
+
+
+def padding_mask_to_bool(mask: Tensor, batch: int, length: int) -> Tensor:
+    """Validate a padding mask and return it as bool (batch, length), True on real tokens.
+
+    The value checks (0/1 entries, right padding) read the mask's contents, so they run eagerly only: under
+    ``torch.compile`` they are skipped rather than breaking the graph.
+    """
+    if not isinstance(mask, Tensor):
+        raise MixerInputError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise MixerInputError(
+            f"mask must be bool (True on real tokens), got dtype {mask.dtype}; "
+            "additive float masks are not accepted because their meaning is ambiguous"
+        )
+    if mask.shape != (batch, length):
+        raise MixerInputError(f"mask must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
+    eager = not torch.compiler.is_compiling()
+    if mask.dtype != torch.bool:
+        if eager and ((mask != 0) & (mask != 1)).any():
+            raise MixerInputError("an integer mask must hold only 0 and 1")
+        mask = mask != 0
+    if eager and length > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise MixerInputError(
+            "mask must be right-padded: each row is True on its real tokens, then False on the pads"
+        )
+    return mask
+
+
+def zero_pads(out: Tensor, mask: Tensor | None) -> Tensor:
+    """``out`` (batch, length, ...) with the pad positions set to zero (unchanged when ``mask`` is None)."""
+    if mask is None:
+        return out
+    return out.masked_fill(~mask.reshape(*mask.shape, *([1] * (out.dim() - 2))), 0.0)
+
+
+def attention_bias_mask(mask: Tensor | None, length: int, causal: bool, device: torch.device) -> Tensor | None:
+    """Bool (batch|1, 1, L, L) mask of allowed (query, key) pairs, or None when everything is allowed.
+
+    Pad keys are excluded. Rows with no real token at all keep every key allowed so softmax stays finite;
+    their outputs are zeroed afterwards like every pad output.
+    """
+    allowed = None
+    if causal:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+    if mask is not None:
+        keys = mask | ~mask.any(dim=1, keepdim=True)  # empty rows: allow all (outputs are zeroed later)
+        keys = keys[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    return allowed
+
+
+def dense_allowed(mask: Tensor | None, length: int, causal: bool, device: torch.device,
+                  window: int | None = None) -> Tensor | None:
+    """:func:`attention_bias_mask`, optionally restricted to a band: ``window`` keeps ``|i - j| <= window``.
+
+    So causal + window keeps ``i - window <= j <= i``; pad keys are excluded; fully padded rows keep every key.
+    """
+    allowed = attention_bias_mask(mask, length, causal, device)
+    if window is not None:
+        pos = torch.arange(length, device=device)
+        band = ((pos[:, None] - pos[None, :]).abs() <= window)[None, None]
+        allowed = band if allowed is None else allowed & band
+    return allowed
+
+
+def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
+    """Softmax over the last axis, restricted to ``allowed`` keys.
+
+    Disallowed scores are set to the dtype's most negative finite value, not ``-inf``: a row with no allowed key (a
+    pad query) then gives a finite uniform row instead of NaN, and NaN never reaches the gradients. Any row with at
+    least one allowed key is exact: its disallowed entries underflow to zero.
+    """
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return scores.softmax(dim=-1)

@@ -1,0 +1,232 @@
+"""What the SSM-generated mixers share: their options, the per-head SSM parameters, and the bidirectional block.
+
+``semiseparable`` (causal SSD), ``quasiseparable`` (Hydra) and the bidirectional ablations
+(:mod:`.bidirectional_ablations`) all build on the pieces here; no concrete mixer module imports another.
+
+Names: ``dt`` are the step sizes (``softplus(raw + dt_bias)``), ``diag`` is Hydra's data-dependent diagonal
+``D + W_D x``; ``D``/``fc_D``/``A_log``/``dt_bias`` keep Mamba's parameter names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from ..errors import NotMaterializableError
+from ..kernels import chunked_scan_flops, directional_scan, quasiseparable, scan_matrix
+from .block import BlockConfig, BlockContext, ChannelGroup, MatrixMixerBlock
+
+__all__ = [
+    "BidirectionalConfig",
+    "BidirectionalSSMBlock",
+    "SSMBlockConfig",
+    "SSMParameters",
+    "ScanContext",
+    "init_dt_bias",
+]
+
+
+class SSMBlockConfig(BlockConfig):
+    """Options of every SSM-generated mixer (semiseparable, quasiseparable and the ablations)."""
+
+    d_state: int = Field(64, gt=0, description="state size N of each group")
+    ngroups: int = Field(1, gt=0, description="groups of heads sharing B and C")
+    chunk_size: int = Field(64, gt=0, description="chunk length of the chunked scan (speed/memory trade-off only)")
+    dt_min: float = Field(1e-3, gt=0, description="initial step sizes are log-uniform in [dt_min, dt_max]")
+    dt_max: float = Field(1e-1, gt=0, description="initial step sizes are log-uniform in [dt_min, dt_max]")
+    dt_init_floor: float = Field(1e-4, gt=0, description="lower clamp of the initial step sizes")
+    A_init_range: tuple[float, float] = Field(
+        (1.0, 1.0), description="A = -U[lo, hi] per head at init (Hydra: -1; Mamba-2: [1, 16])"
+    )
+
+    @model_validator(mode="after")
+    def _check_ssm(self) -> SSMBlockConfig:
+        if self.num_heads % self.ngroups:
+            raise ValueError(f"heads ({self.num_heads} = expand*dim/head_dim) must be a multiple of ngroups "
+                             f"({self.ngroups})")
+        if not self.dt_min <= self.dt_max:
+            raise ValueError(f"dt_min ({self.dt_min}) must not exceed dt_max ({self.dt_max})")
+        lo, hi = self.A_init_range
+        if not 0 < lo <= hi:
+            raise ValueError(f"A_init_range must satisfy 0 < lo <= hi, got {self.A_init_range}")
+        return self
+
+
+class BidirectionalConfig(SSMBlockConfig):
+    """Options of the bidirectional SSM mixers (Hydra's block, two scan directions)."""
+
+
+def init_dt_bias(heads: int, dt_min: float, dt_max: float, floor: float) -> Tensor:
+    """Inverse softplus of step sizes drawn log-uniformly in [dt_min, dt_max] (Mamba-2's initialisation)."""
+    dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class SSMParameters(nn.Module):
+    """A (through ``A_log``), ``dt_bias`` and, optionally, the diagonal skip ``D``, per head."""
+
+    def __init__(self, heads: int, config: SSMBlockConfig, *, with_d: bool):
+        super().__init__()
+        self.A_init_range = tuple(config.A_init_range)
+        self.dt_init = (config.dt_min, config.dt_max, config.dt_init_floor)
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(heads))
+        self.D = nn.Parameter(torch.empty(heads)) if with_d else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``A = -U[lo, hi]``, step sizes log-uniform in [dt_min, dt_max] (through ``dt_bias``), ``D = 1``."""
+        lo, hi = self.A_init_range
+        self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(lo, hi)))
+        self.dt_bias.copy_(init_dt_bias(self.dt_bias.shape[0], *self.dt_init))
+        if self.D is not None:
+            self.D.fill_(1.0)
+
+    def A(self, dtype: torch.dtype) -> Tensor:
+        """The per-head decay rates ``A = -exp(A_log)`` (negative)."""
+        return -torch.exp(self.A_log.to(dtype))
+
+    def dt(self, raw: Tensor) -> Tensor:
+        """Step sizes ``softplus(raw + dt_bias)`` from the raw per-token, per-head projections."""
+        return nn.functional.softplus(raw + self.dt_bias.to(raw.dtype))
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class ScanContext(BlockContext):
+    """Generators of a two-direction scan: per direction the step sizes ``dt`` (b, L, h) and ``B``/``C``
+    (b, L, groups, N); one ``A`` (h,); the optional diagonal ``diag`` (b, L, h); ``x`` the value heads."""
+
+    x: Tensor
+    A: Tensor
+    dt_f: Tensor
+    dt_b: Tensor
+    B_f: Tensor
+    C_f: Tensor
+    B_b: Tensor
+    C_b: Tensor
+    diag: Tensor | None = None
+
+
+def bidirectional_groups(config: BidirectionalConfig) -> list[ChannelGroup]:
+    """The channel groups of Hydra's in_proj after ``z``: x, the B/C generators, then the raw step sizes."""
+    gn = config.ngroups * config.d_state
+    groups = [ChannelGroup("x", config.d_inner)]
+    if not getattr(config, "data_dependent", True):
+        return groups
+    if getattr(config, "shared_bc", False):
+        groups += [ChannelGroup("B", gn), ChannelGroup("C", gn)]
+    else:
+        groups += [ChannelGroup(n, gn) for n in ("B_f", "C_f", "B_b", "C_b")]
+    groups.append(ChannelGroup("dt", 2 * config.num_heads, conv=False, activation=False))
+    return groups
+
+
+class BidirectionalSSMBlock(MatrixMixerBlock):
+    """Hydra's block layout with a configurable combination of the two scan directions.
+
+    Class switches (set by each mixer): ``shift`` (move each direction one step off the diagonal),
+    ``use_diag`` (add the data-dependent diagonal ``diag = D + W_D x``) and ``combine`` ("sum", "product" or
+    "concat" of the two directions).
+    """
+
+    shift: ClassVar[bool] = True
+    use_diag: ClassVar[bool] = True
+    combine: ClassVar[Literal["sum", "product", "concat"]] = "sum"
+
+    def __init__(self, config: BidirectionalConfig):
+        concat = self.combine == "concat"
+        super().__init__(config, bidirectional_groups(config), out_width=2 * config.d_inner if concat else None)
+        self.shared_bc = bool(getattr(config, "shared_bc", False))
+        self.data_dependent = bool(getattr(config, "data_dependent", True))
+        self.d_state = config.d_state
+        self.ngroups = config.ngroups
+        self.chunk_size = config.chunk_size
+        self.scan_heads = config.num_heads
+        if concat:
+            self.num_heads = 2 * config.num_heads  # the matrix has a forward and a backward block of heads
+        self.ssm = SSMParameters(self.scan_heads, config, with_d=self.use_diag)
+        self.fc_D = nn.Linear(self.d_inner, self.scan_heads, bias=False) if self.use_diag else None
+        self.max_seq_len = None
+        self.BC = None
+        if not self.data_dependent:
+            self.max_seq_len = config.max_seq_len
+            self.BC = nn.Parameter(torch.empty(config.max_seq_len, 2 * self.ngroups * self.d_state))
+            nn.init.xavier_normal_(self.BC)
+        self.materializable = self.combine != "product"
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.BC is not None:
+            nn.init.xavier_normal_(self.BC)
+
+    # -- the generators -------------------------------------------------------------------------------
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> ScanContext:
+        x = parts["x"].unflatten(-1, (self.scan_heads, -1))
+        b, length = x.shape[:2]
+        gn = (self.ngroups, self.d_state)
+        if self.data_dependent:
+            raw_f, raw_b = parts["dt"].chunk(2, dim=-1)
+            dt_f, dt_b = self.ssm.dt(raw_f), self.ssm.dt(raw_b)
+            if self.shared_bc:
+                B_f = B_b = parts["B"].unflatten(-1, gn)
+                C_f = C_b = parts["C"].unflatten(-1, gn)
+            else:
+                B_f, C_f, B_b, C_b = (parts[n].unflatten(-1, gn) for n in ("B_f", "C_f", "B_b", "C_b"))
+        else:
+            bc = self.BC[:length].to(x.dtype)[None].expand(b, -1, -1)
+            B_f, C_f = (t.unflatten(-1, gn) for t in bc.chunk(2, dim=-1))
+            B_b, C_b = B_f, C_f
+            dt_f = dt_b = self.ssm.dt(x.new_zeros(b, length, self.scan_heads))  # time-invariant steps
+        diag = None
+        if self.use_diag:
+            diag = self.fc_D(parts["x"]) + self.ssm.D.to(x.dtype)
+        values = torch.cat([x, x], dim=2) if self.combine == "concat" else x
+        return ScanContext(values=values, mask=mask, x=x, A=self.ssm.A(x.dtype), dt_f=dt_f, dt_b=dt_b,
+                           B_f=B_f, C_f=C_f, B_b=B_b, C_b=C_b, diag=diag)
+
+    # -- the matrix and the fast path ---------------------------------------------------------------
+    def matrix(self, ctx: ScanContext) -> Tensor:
+        if self.combine == "product":
+            raise NotMaterializableError(
+                f"{type(self).__name__} multiplies the two scan directions elementwise: it is not linear in its "
+                "values, so it has no L x L matrix (each direction alone has one)"
+            )
+        fwd = (ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f)
+        bwd = (ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b)
+        if self.combine == "concat":
+            lower = scan_matrix(*fwd, shift=self.shift)
+            upper = scan_matrix(None, None, None, None, *bwd, shift=self.shift)
+            return torch.cat([lower, upper], dim=1).to(ctx.x.dtype)
+        return scan_matrix(*fwd, *bwd, ctx.diag, shift=self.shift).to(ctx.x.dtype)
+
+    def mix(self, ctx: ScanContext) -> Tensor:
+        x = ctx.x
+        if self.combine == "sum":
+            return quasiseparable(
+                x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, dt_bwd=ctx.dt_b, B_bwd=ctx.B_b, C_bwd=ctx.C_b,
+                diag=ctx.diag, shift=self.shift, chunk_size=self.chunk_size,
+            )
+        y_f = directional_scan(x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, shift=self.shift, chunk_size=self.chunk_size)
+        y_b = directional_scan(x, ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, shift=self.shift,
+                               chunk_size=self.chunk_size)
+        if self.combine == "product":
+            return y_f * y_b
+        return torch.cat([y_f, y_b], dim=2)
+
+    def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
+        h, p = self.scan_heads, self.head_dim
+        scan = chunked_scan_flops(batch, length, h, p, self.ngroups, self.d_state, 2, self.chunk_size)
+        if self.combine != "sum":  # two single-direction scans, each with its own intra-chunk product
+            scan = 2 * chunked_scan_flops(batch, length, h, p, self.ngroups, self.d_state, 1, self.chunk_size)
+        parts = {"scan": scan}
+        if self.use_diag:
+            parts["diag_proj"] = 2 * batch * length * self.d_inner * h
+        return parts
