@@ -37,7 +37,7 @@ def one_line_error(capsys) -> str:
 def test_bench_prints_table_writes_plot_and_json(tmp_path, capsys):
     plot, out_json = tmp_path / "bench.png", tmp_path / "bench.json"
     argv = ["bench", "--mixers", "quasi,toeplitz", "--lengths", "32,16", "--dim", "32", "--batch", "2",
-            "--repeats", "1", "--warmup", "0", "--option", "attention.num_heads=4", "--option", "headdim=16",
+            "--repeats", "1", "--warmup", "0", "--option", "attention.num_heads=4", "--option", "head_dim=16",
             "--plot", str(plot), "--json", str(out_json), "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -52,7 +52,7 @@ def test_bench_prints_table_writes_plot_and_json(tmp_path, capsys):
     assert_png(plot)
 
     data = json.loads(out_json.read_text())
-    assert data["settings"]["options"]["quasiseparable"] == {"headdim": 16}
+    assert data["settings"]["options"]["quasiseparable"] == {"head_dim": 16}
     by_key = {(m["mixer"], m["length"]): m for m in data["measurements"]}
     assert set(by_key) == {(m, L) for m in ("attention", "quasiseparable", "toeplitz") for L in (16, 32)}
     for (_name, length), m in by_key.items():
@@ -72,7 +72,7 @@ def test_bench_prints_table_writes_plot_and_json(tmp_path, capsys):
 def test_bench_direction_skips_mixers_that_cannot(tmp_path, capsys):
     argv = ["bench", "--mixers", "quasiseparable,semiseparable", "--lengths", "16", "--dim", "32",
             "--direction", "causal", "--baseline", "none", "--repeats", "1", "--no-plot", "--no-progress",
-            "--no-memory", "--option", "headdim=16", "--json", str(tmp_path / "b.json")]
+            "--no-memory", "--option", "head_dim=16", "--json", str(tmp_path / "b.json")]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "skipped: quasiseparable at L=16: mixer 'quasiseparable' is bidirectional only" in captured.err
@@ -83,7 +83,7 @@ def test_bench_direction_skips_mixers_that_cannot(tmp_path, capsys):
 
 def test_sweep_reports_failures_and_goes_on():
     results, problems = sweep(["attention", "dense"], [8, 16], dim=32, repeats=1, warmup=0, memory=False,
-                              options={"attention": {"num_heads": 2}, "dense": {"max_seq_len": 8, "headdim": 16}})
+                              options={"attention": {"num_heads": 2}, "dense": {"max_seq_len": 8, "head_dim": 16}})
     assert [(m.mixer, m.length) for m in results] == [("attention", 8), ("attention", 16), ("dense", 8)]
     assert len(problems) == 1 and problems[0].mixer == "dense" and problems[0].length == 16
     assert problems[0].kind == "failed" and "SequenceLengthError" in problems[0].reason

@@ -134,7 +134,7 @@ def test_digits_split_is_fixed_by_the_seed_stratified_and_normalized():
 def test_mixer_options_are_adapted_to_the_model_size():
     config = DemoConfig(options={"quasiseparable": {"d_state": 8}})
     quasi = adapted_mixer_options("quasi", config)
-    assert quasi["headdim"] == 2 * 64 // 4 and quasi["chunk_size"] == 16 and quasi["d_state"] == 8  # user wins
+    assert quasi["head_dim"] == 2 * 64 // 4 and quasi["chunk_size"] == 16 and quasi["d_state"] == 8  # user wins
     assert adapted_mixer_options("attention", config) == {}
     model = build_model("quasiseparable", config)
     mixer = model.blocks[0].attn.mixer
