@@ -1,0 +1,1 @@
+"""Tools built on the library: the command line, the demo, benchmarks, FLOP reports, plots and comparisons."""
