@@ -159,7 +159,8 @@ class MultiQueryRecallTask(Task):
         _check_positive(self, "num_queries")
         keys = (self.vocab_size - 1) // 2
         if self.num_kv_pairs > keys:
-            raise MixerError(f"mqar: {self.num_kv_pairs} distinct keys need vocab_size >= {2 * self.num_kv_pairs + 1}")
+            raise MixerError(f"mqar: num_kv_pairs={self.num_kv_pairs} distinct keys need vocab_size >= "
+                             f"{2 * self.num_kv_pairs + 1}")
         if self.num_queries > self.num_kv_pairs:
             raise MixerError(f"mqar: num_queries ({self.num_queries}) must be at most num_kv_pairs "
                              f"({self.num_kv_pairs}) (each key is queried once)")
@@ -411,7 +412,7 @@ def make_task(name: str, **knobs: Any) -> Task:
     from ..._text import did_you_mean
 
     if name not in TASKS:
-        raise MixerError(f"unknown task {name!r}{did_you_mean(name, TASKS)} (tasks: {', '.join(TASKS)})")
+        raise MixerError(f"unknown task {name!r}{did_you_mean(name, list(TASKS))} (tasks: {', '.join(TASKS)})")
     cls = TASKS[name]
     fields = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
     knobs = dict(knobs)
