@@ -90,6 +90,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true", default=None,
                         help="causal mixers (causal=True where the mixer has the option; bidirectional-only "
                         "mixers are refused)")
+    parser.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=None,
+                        help="add the previous token's embedding at every position (the recall presets do)")
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few steps and one seed (CI)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for results.json, results.md, curves.png, final.png (default: "
@@ -125,7 +127,7 @@ def config_from_args(args: argparse.Namespace):
 
     overrides: dict[str, Any] = {}
     for flag in ("steps", "batch_size", "lr", "eval_every", "test_size", "width", "depth", "heads", "causal",
-                 "seeds", "mixers", "task"):
+                 "token_shift", "seeds", "mixers", "task"):
         value = getattr(args, flag)
         if value is not None:
             overrides[flag] = value

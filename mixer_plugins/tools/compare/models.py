@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -180,10 +179,15 @@ class _Block(nn.Module):
 
 
 class SequenceModel(nn.Module):
-    """Embedding + positions, ``depth`` pre-LN blocks with the same mixer kind, final LN and readout."""
+    """Embedding + positions, ``depth`` pre-LN blocks with the same mixer kind, final LN and readout.
+
+    ``token_shift`` adds a second embedding of the *previous* input to every position (zero at position 0): a
+    fixed one-step shift like RWKV's token shift. It hands every mixer the binding of a value to the key before
+    it, so associative recall measures the content-based lookup (see ``docs/compare.md``).
+    """
 
     def __init__(self, task: Task, entry: MixerEntry, *, width: int = 64, depth: int = 2, heads: int = 4,
-                 mlp_ratio: float = 2.0, positions: bool = True, causal: bool = False):
+                 mlp_ratio: float = 2.0, positions: bool = True, token_shift: bool = False, causal: bool = False):
         super().__init__()
         self.task = task
         self.readout = task.readout
@@ -192,6 +196,8 @@ class SequenceModel(nn.Module):
             self.embed: nn.Module = nn.Embedding(task.input_size, width)
         else:
             self.embed = nn.Linear(task.input_size, width)
+        # token shift: position t also embeds the input at t - 1 (with its own table), as RWKV's token shift
+        self.shift_embed = type(self.embed)(task.input_size, width) if token_shift else None
         self.positions = nn.Parameter(torch.randn(1, task.seq_len, width) * 0.02) if positions else None
         self.blocks = nn.ModuleList(
             _Block(mixer_plugins.create_mixer(entry.name, width, **self.options), width, mlp_ratio)
@@ -203,6 +209,9 @@ class SequenceModel(nn.Module):
 
     def forward(self, inputs: Tensor) -> Tensor:
         x = self.embed(inputs)
+        if self.shift_embed is not None:
+            previous = self.shift_embed(inputs)
+            x = x + torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1)
         if self.positions is not None:
             x = x + self.positions[:, : x.shape[1]]
         for block in self.blocks:
@@ -226,7 +235,7 @@ def model_flops(model: SequenceModel) -> int | None:
         hidden = block.mlp[0].out_features
         total += 2 * 2 * length * width * hidden
     if isinstance(model.embed, nn.Linear):
-        total += 2 * length * model.embed.in_features * width
+        total += 2 * length * model.embed.in_features * width * (2 if model.shift_embed is not None else 1)
     readout_tokens = 1 if model.readout == "mean" else length
     total += 2 * readout_tokens * width * model.head.out_features
     return total
@@ -244,7 +253,3 @@ def format_count(value: float | None, unit: str = "") -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f}{suffix}{unit}"
     return f"{value:.0f}{(' ' + unit) if unit else ''}"
-
-
-def _log10(value: float) -> float:
-    return math.log10(max(value, 1e-12))

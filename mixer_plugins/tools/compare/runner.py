@@ -61,6 +61,8 @@ class CompareConfig:
     heads: int = 4
     mlp_ratio: float = 2.0
     positions: bool = True
+    #: add an embedding of the previous token to each position (see SequenceModel); the recall presets set it.
+    token_shift: bool = False
     causal: bool = False
     out: Path | None = None
     progress: bool = True
@@ -226,7 +228,8 @@ class CompareResult:
     def describe(self) -> str:
         c = self.config
         return (f"task {self.task.describe()}; backbone width {c.width}, {c.depth} blocks, {c.heads} heads, "
-                f"{'causal' if c.causal else 'default-direction'} mixers; {c.steps} steps of batch {c.batch_size}, "
+                f"{'causal' if c.causal else 'default-direction'} mixers{', token shift' if c.token_shift else ''}; "
+                f"{c.steps} steps of batch {c.batch_size}, "
                 f"AdamW lr {c.lr:g}; seeds {', '.join(map(str, c.seeds))}; test set {c.test_size} examples")
 
     def as_dict(self) -> dict[str, Any]:
@@ -248,7 +251,8 @@ class CompareResult:
         out.mkdir(parents=True, exist_ok=True)
         written = [out / "results.json", out / "results.md"]
         written[0].write_text(json.dumps(self.as_dict(), indent=2, default=str))
-        text = [f"# compare: {self.config.preset or self.task.name}", "", self.describe(), "", self.table(markdown=True)]
+        title = f"# compare: {self.config.preset or self.task.name}"
+        text = [title, "", self.describe(), "", self.table(markdown=True)]
         if self.reference:
             text += ["", "Reference: " + ", ".join(f"{k} = {v:.3f}" for k, v in self.reference.items())]
         if self.config.orderings:
@@ -301,7 +305,8 @@ def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, t
     every ``config.eval_every`` steps and at the end. Raises whatever the mixer raises (the caller records it)."""
     torch.manual_seed(seed)
     model = SequenceModel(task, entry, width=config.width, depth=config.depth, heads=config.heads,
-                          mlp_ratio=config.mlp_ratio, positions=config.positions, causal=config.causal)
+                          mlp_ratio=config.mlp_ratio, positions=config.positions, token_shift=config.token_shift,
+                          causal=config.causal)
     result = RunResult(entry.label, seed, parameters=parameter_count(model), flops=model_flops(model),
                        options=dict(model.options))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -348,7 +353,7 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
     errors: list[str] = []
     tests = {seed: task.test_set(config.test_size, seed) for seed in config.seeds}
     total = len(config.mixers) * len(config.seeds)
-    for index, entry in enumerate(config.mixers):
+    for entry in config.mixers:
         for seed in config.seeds:
             bar = _progress(config.steps, f"[{len(runs) + 1}/{total}] {entry.label} seed {seed}", config.progress)
 
