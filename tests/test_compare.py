@@ -281,6 +281,10 @@ def test_cli_arguments_override_presets():
     assert config.steps == 7 and config.seeds == (0, 4) and config.task_options == {"num_kv_pairs": 2}
     assert config.out is None and config.preset == "hydra-classes"
     assert config_from_args(_parse(["--seeds", "3", "--no-plots"])).seeds == (0, 1, 2)
+    # fewer mixers keep the paper's orderings between the entries still compared
+    fewer = config_from_args(_parse(["--preset", "hydra-classes", "--no-plots", "--mixers",
+                                     "attention,long_conv=toeplitz(data_dependent=False),toeplitz"]))
+    assert {(o.better, o.worse) for o in fewer.orderings} == {("attention", "long_conv"), ("toeplitz", "long_conv")}
 
 
 def test_cli_reports_bad_input(capsys):

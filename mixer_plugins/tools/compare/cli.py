@@ -137,8 +137,6 @@ def config_from_args(args: argparse.Namespace):
     if args.preset is not None:
         if "task" in overrides and "task_options" not in overrides:
             overrides["task_options"] = {}
-        if "mixers" in overrides:
-            overrides["orderings"] = ()  # the preset's orderings name its own entries
         config = preset_config(args.preset, quick=args.quick, **overrides)
     else:
         if args.quick:
