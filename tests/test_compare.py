@@ -106,6 +106,7 @@ def test_tasks_are_deterministic_for_a_seed():
         assert not torch.equal(a.inputs, c.inputs)
 
 
+@pytest.mark.slow  # imports scikit-learn (for its bundled digits)
 def test_digits_task_is_patches_of_the_images():
     task = DigitsTask(patch_size=2)
     test = task.test_set(20, seed=0)
