@@ -216,7 +216,16 @@ def test_ordering_verdicts():
     for run, value in zip(result.runs, (0.9, 0.1)):
         run.metric = value
     result.config.orderings = (Ordering("attention", "long_conv"), Ordering("long_conv", "attention"))
-    assert [c["verdict"] for c in result.check_orderings()] == ["held", "did not hold"]
+    assert [c["verdict"] for c in result.check_orderings()] == ["held (one seed: no spread)",
+                                                                 "did not hold (one seed)"]
+    two = compare(_tiny(), log=_quiet)
+    for run, value in zip(two.runs, (0.9, 0.8, 0.1, 0.2)):  # attention seeds 0, 1; long_conv seeds 0, 1
+        run.metric = value
+    two.config.orderings = (Ordering("attention", "long_conv"), Ordering("long_conv", "attention"))
+    assert [c["verdict"] for c in two.check_orderings()] == ["held", "did not hold"]
+    for run, value in zip(two.runs, (0.9, 0.3, 0.5, 0.6)):  # margin 0.05 < std sum
+        run.metric = value
+    assert two.check_orderings()[0]["verdict"] == "held (within noise)"
 
 
 def test_a_failing_mixer_is_reported_and_the_others_run():

@@ -174,7 +174,8 @@ class CompareResult:
         """For each expected ordering: the two means and stds and a verdict.
 
         ``held`` when the better entry's mean beats the worse one's by more than the sum of their stds;
-        ``held (within noise)`` when it beats it by less; ``did not hold`` otherwise (or when an entry failed).
+        ``held (within noise)`` when it beats it by less; ``did not hold`` otherwise. With a single seed there is
+        no spread and the verdict says so; when an entry failed, it is ``not measured``.
         """
         by_label = {s.label: s for s in self.summaries()}
         sign = 1.0 if self.task.higher_is_better else -1.0
@@ -185,7 +186,9 @@ class CompareResult:
                 verdict = "not measured (a run failed)"
             else:
                 margin = sign * (a.mean - b.mean)
-                if margin > a.std + b.std:
+                if min(a.seeds, b.seeds) < 2:
+                    verdict = "held (one seed: no spread)" if margin > 0 else "did not hold (one seed)"
+                elif margin > a.std + b.std:
                     verdict = "held"
                 elif margin > 0:
                     verdict = "held (within noise)"
