@@ -281,6 +281,13 @@ def test_cli_quick_preset_run(tmp_path, capsys):
     assert "btt_attention(num_heads=2)" in out and "normalized MSE" in out
     for name in ("results.json", "results.md", "curves.png", "final.png"):
         assert (tmp_path / name).stat().st_size > 0
+    # a saved result loads back (to redraw its plots or tables)
+    from mixer_plugins.tools.compare import CompareResult
+
+    loaded = CompareResult.load(tmp_path)
+    assert [r.curve for r in loaded.runs] == [[tuple(p) for p in r["curve"]]
+                                              for r in json.loads((tmp_path / "results.json").read_text())["runs"]]
+    assert loaded.table() in out
     assert "normalized MSE" in (tmp_path / "results.md").read_text()
 
 

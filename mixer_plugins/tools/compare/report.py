@@ -32,7 +32,11 @@ def require_matplotlib():
 def _title(result: CompareResult) -> str:
     name = result.config.preset or result.task.name
     knobs = ", ".join(f"{k}={v}" for k, v in result.task.knobs().items())
-    return f"{name}: {result.task.name} ({knobs})"
+    return f"{name}\n{result.task.name} ({knobs})"
+
+
+def _better(result: CompareResult) -> str:
+    return "higher is better" if result.task.higher_is_better else "lower is better"
 
 
 def save_curves(result: CompareResult, path: Path) -> Path:
@@ -54,9 +58,7 @@ def save_curves(result: CompareResult, path: Path) -> Path:
     for name, value in result.reference.items():
         ax.axhline(value, color="grey", linestyle="--", linewidth=1, label=name)
     ax.set_xlabel("training step")
-    ax.set_ylabel(f"test {result.metric_name}")
-    if not result.task.higher_is_better:
-        ax.set_yscale("log")
+    ax.set_ylabel(f"test {result.metric_name} ({_better(result)})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     ax.set_title(_title(result), fontsize=9)
@@ -82,9 +84,7 @@ def save_final(result: CompareResult, path: Path) -> Path:
         ax.legend(fontsize=7)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([s.label for s in summaries], rotation=35, ha="right", fontsize=7)
-    ax.set_ylabel(f"final test {result.metric_name}")
-    if not result.task.higher_is_better:
-        ax.set_yscale("log")
+    ax.set_ylabel(f"final test {result.metric_name} ({_better(result)})")
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(_title(result) + f" ({len(result.config.seeds)} seeds)", fontsize=9)
     fig.tight_layout()

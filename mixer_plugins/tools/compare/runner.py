@@ -246,6 +246,23 @@ class CompareResult:
             "runs": [dataclasses.asdict(r) for r in self.runs],
         }
 
+    @classmethod
+    def load(cls, path: Path | str) -> CompareResult:
+        """A result saved by :meth:`write` (its ``results.json``, or the folder holding it), e.g. to redraw plots."""
+        path = Path(path)
+        data = json.loads((path / "results.json" if path.is_dir() else path).read_text())
+        settings = dict(data["config"])
+        settings["mixers"] = [MixerEntry(m["name"], m["options"], m["label"]) for m in settings["mixers"]]
+        settings["orderings"] = tuple(Ordering(**o) for o in settings["orderings"])
+        config = CompareConfig(**settings)
+        runs = []
+        for run in data["runs"]:
+            run = dict(run)
+            run["curve"] = [tuple(point) for point in run["curve"]]
+            run["train_loss"] = [tuple(point) for point in run["train_loss"]]
+            runs.append(RunResult(**run))
+        return cls(config, config.build_task(), runs, data.get("reference", {}))
+
     def write(self, out: Path) -> list[Path]:
         """``results.json``, ``results.md`` and the two plots (when matplotlib is installed) under ``out``."""
         from .report import save_curves, save_final
