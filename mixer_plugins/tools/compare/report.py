@@ -72,7 +72,7 @@ def save_final(result: CompareResult, path: Path) -> Path:
     """Final test metric per mixer: the mean over seeds with an error bar of one std, and each seed as a dot."""
     plt = require_matplotlib()
     summaries = [s for s in result.summaries() if s.mean is not None]
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.75 * len(summaries) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(summaries) + 2.5), 4.5))
     xs = range(len(summaries))
     ax.bar(xs, [s.mean for s in summaries], yerr=[s.std for s in summaries], capsize=4, color="#8fb3d9",
            edgecolor="#35618f")
@@ -86,7 +86,7 @@ def save_final(result: CompareResult, path: Path) -> Path:
     ax.set_xticklabels([s.label for s in summaries], rotation=35, ha="right", fontsize=7)
     ax.set_ylabel(f"final test {result.metric_name} ({_better(result)})")
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(_title(result) + f" ({len(result.config.seeds)} seeds)", fontsize=9)
+    ax.set_title(_title(result).replace("\n", f", {len(result.config.seeds)} seeds\n", 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
