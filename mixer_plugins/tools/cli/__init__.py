@@ -7,9 +7,10 @@
     mixer-plugins bench-table PATH   the comparison table of pytest-benchmark's saved JSON (benchmarks/ suites)
     mixer-plugins show NAME          heat map of a mixer's matrix for a random or given input
     mixer-plugins flops              analytic FLOPs of every mixer against PyTorch's FlopCounterMode
+    mixer-plugins compare            train mixers on synthetic tasks (recall, copying, regression, digits) and compare
 
-One module per subcommand (``list_mixers``, ``info``, ``demo``, ``bench``, ``bench_table``, ``show``, ``flops``),
-each exposing ``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console script. Bad arguments exit
+One module per subcommand (``list_mixers``, ``info``, ``demo``, ``bench``, ``bench_table``, ``show``, ``flops``,
+``compare``), each exposing ``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console script. Bad arguments exit
 with status 2 and a one-line reason on stderr.
 """
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from ...errors import MixerError
-from . import bench, bench_table, demo, flops, info, list_mixers, show
+from . import bench, bench_table, compare, demo, flops, info, list_mixers, show
 from .args import CliError, Command, one_line
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -24,6 +24,7 @@ COMMANDS: dict[str, Command] = {
     "bench-table": bench_table.COMMAND,
     "show": show.COMMAND,
     "flops": flops.COMMAND,
+    "compare": compare.COMMAND,
 }
 
 
