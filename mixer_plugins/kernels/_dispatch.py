@@ -132,11 +132,13 @@ def registered_ops() -> list[str]:
     return list(_REGISTRY)
 
 
+def _unknown(backend: str) -> str:
+    return f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)} (backends: {', '.join(BACKENDS)})"
+
+
 def _check_name(backend: str) -> None:
     if backend not in BACKENDS:
-        raise BackendUnavailableError(
-            f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)} (backends: {', '.join(BACKENDS)})"
-        )
+        raise BackendUnavailableError(_unknown(backend))
 
 
 def _backends_of(op: str) -> dict[str, Backend]:
@@ -149,7 +151,7 @@ def _reason(op: str, backend: str, device: torch.device, args: Any = None) -> st
     """Why ``backend`` cannot run ``op`` on ``device`` (``None`` when it can)."""
     impls = _backends_of(op)
     if backend not in BACKENDS:
-        return f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}"
+        return _unknown(backend)
     if backend not in impls:
         return f"op {op!r} has no {backend!r} implementation (it has: {', '.join(sorted(impls))})"
     return impls[backend].unavailable_reason(device, args)
