@@ -19,8 +19,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mixer_plugins as mp
 from mixer_plugins import kernels
-from mixer_plugins.kernels._scan import Direction, ScanInputs, chunked_scan, chunked_scan_flops, scan_chunked
-from mixer_plugins.kernels._scan import reference_scan
+from mixer_plugins.kernels._scan import (
+    Direction,
+    ScanInputs,
+    chunked_scan,
+    chunked_scan_flops,
+    reference_scan,
+    scan_chunked,
+)
 
 F64 = torch.float64
 

@@ -16,7 +16,7 @@ import torch
 __all__ = ["mamba_ssm_unavailable", "triton_unavailable"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mamba_ssm_import_error() -> str | None:
     if importlib.util.find_spec("mamba_ssm") is None:
         return "mamba-ssm is not installed (pip extra 'cuda')"

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .._dispatch import discover_backends, resolve_backend
 from .._checks import check
+from .._dispatch import discover_backends, resolve_backend
 from .torch import depthwise_conv1d_flops
 
 __all__ = ["ConvArgs", "depthwise_conv1d", "depthwise_conv1d_flops"]

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .._dispatch import discover_backends, resolve_backend
 from .._checks import check
+from .._dispatch import discover_backends, resolve_backend
 from .._scan import Direction, ScanInputs, check_generators, check_seq_idx, prepare_dt, upcast
 
 __all__ = ["DirectionalScanArgs", "directional_scan"]

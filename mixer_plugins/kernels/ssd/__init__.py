@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch import Tensor
 import torch.nn.functional as F
+from torch import Tensor
 
-from .._dispatch import discover_backends, resolve_backend
 from .._checks import check
+from .._dispatch import discover_backends, resolve_backend
 from .._scan import Direction, ScanInputs, check_generators, check_seq_idx, prepare_dt, upcast
 
 __all__ = ["SSDArgs", "ssd"]
