@@ -89,17 +89,6 @@ def _block(n: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _load_rows(ptr, b, t, L, HG, hg, N, offs_n, row_ok):
-        """Rows ``t`` of a (batch, L, HG, N) tensor at head/group ``hg`` as float32 (0 where not row_ok)."""
-        ptrs = ptr + ((b * L + t[:, None]) * HG + hg) * N + offs_n[None, :]
-        return tl.load(ptrs, mask=row_ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _load_tok(ptr, b, t, L, H, h, ok):
-        """Per-token scalars of a (batch, L, H) tensor at head h, as float32."""
-        return tl.load(ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-
-    @triton.jit
     def _chunk_states_kernel(
         x_ptr, dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, seg_ptr, st_ptr, lg_ptr,
         BATCH, L, H, G, P, N, NC, Q,
@@ -116,7 +105,7 @@ if triton is not None:
         offs_n = tl.arange(0, BLOCK_N)
         t = c * Q + offs_q
         ok = (offs_q < Q) & (t < L)
-        x = _load_rows(x_ptr, b, t, L, H, h, P, offs_p, ok)                       # (Q, P)
+        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)                       # (Q, P)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         if HAS_SEG:
@@ -126,7 +115,7 @@ if triton is not None:
             seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
             seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
         if HAS_F:
-            dt = _load_tok(dtf_ptr, b, t, L, H, h, ok)
+            dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Af_ptr + h).to(tl.float32)
             p = tl.cumsum(a, 0)
             plast = tl.sum(a, 0)
@@ -135,13 +124,13 @@ if triton is not None:
             if HAS_SEG:
                 w = tl.where(seg == seg_last, w, 0.0)
                 lg = tl.where(seg_last == seg_before, plast, float("-inf"))
-            Bt = _load_rows(Bf_ptr, b, t, L, G, g, N, offs_n, ok)
+            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision="ieee")     # (P, N)
             base = (b * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
             tl.store(lg_ptr + base, lg)
         if HAS_B:
-            dt = _load_tok(dtb_ptr, b, t, L, H, h, ok)
+            dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
             p = tl.cumsum(a, 0)
             e = p - a
@@ -151,7 +140,7 @@ if triton is not None:
             if HAS_SEG:
                 w = tl.where(seg == seg_first, w, 0.0)
                 lg = tl.where(seg_first == seg_after, plast, float("-inf"))
-            Bt = _load_rows(Bb_ptr, b, t, L, G, g, N, offs_n, ok)
+            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision="ieee")
             base = ((BATCH + b) * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
@@ -215,24 +204,24 @@ if triton is not None:
             valid = valid & (seg[:, None] == seg[None, :])
             seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
             seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-        x = _load_rows(x_ptr, b, t, L, H, h, P, offs_p, ok)
+        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         acc = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
         M = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
         if HAS_F:
-            dt = _load_tok(dtf_ptr, b, t, L, H, h, ok)
+            dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Af_ptr + h).to(tl.float32)
             p = tl.cumsum(a, 0)
             if SHIFT:
                 q = p - a
-                Ct = _load_rows(Cf_ptr, b, t - 1, L, G, g, N, offs_n, ok & (t >= 1))
+                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj < ii)
             else:
                 q = p
-                Ct = _load_rows(Cf_ptr, b, t, L, G, g, N, offs_n, ok)
+                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj <= ii)
-            Bt = _load_rows(Bf_ptr, b, t, L, G, g, N, offs_n, ok)
+            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             CB = tl.dot(Ct, tl.trans(Bt), input_precision="ieee")
             decay = tl.exp(tl.where(allowed, q[:, None] - p[None, :], float("-inf")))
             M += CB * decay * dt[None, :]
@@ -242,20 +231,20 @@ if triton is not None:
                 wq = tl.where(seg == seg_before, wq, 0.0)
             acc += tl.dot(Ct, tl.trans(Hc), input_precision="ieee") * wq[:, None]
         if HAS_B:
-            dt = _load_tok(dtb_ptr, b, t, L, H, h, ok)
+            dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
             p = tl.cumsum(a, 0)
             e = p - a
             plast = tl.sum(a, 0)
             if SHIFT:
                 q = p
-                Ct = _load_rows(Cb_ptr, b, t + 1, L, G, g, N, offs_n, ok & (t + 1 < L))
+                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj > ii)
             else:
                 q = e
-                Ct = _load_rows(Cb_ptr, b, t, L, G, g, N, offs_n, ok)
+                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj >= ii)
-            Bt = _load_rows(Bb_ptr, b, t, L, G, g, N, offs_n, ok)
+            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             CB = tl.dot(Ct, tl.trans(Bt), input_precision="ieee")
             if DEBUG_BUG == 1:
                 decay = tl.exp(tl.where(allowed, q[:, None] - e[None, :], float("-inf")))
@@ -268,7 +257,7 @@ if triton is not None:
                 wq = tl.where(seg == seg_after, wq, 0.0)
             acc += tl.dot(Ct, tl.trans(Gc), input_precision="ieee") * wq[:, None]
         if HAS_DIAG:
-            dg = _load_tok(diag_ptr, b, t, L, H, h, ok)
+            dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             M += tl.where(ii == jj, dg[:, None], 0.0)
         acc += tl.dot(M, x, input_precision="ieee")
         y_ptrs = y_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
@@ -296,35 +285,35 @@ if triton is not None:
             seg = tl.load(seg_ptr + b * L + tl.minimum(t, L - 1))
             seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
             seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-        dy = _load_rows(dy_ptr, b, t, L, H, h, P, offs_p, ok)
+        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         if HAS_F:
-            dt = _load_tok(dtf_ptr, b, t, L, H, h, ok)
+            dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Af_ptr + h).to(tl.float32)
             p = tl.cumsum(a, 0)
             if SHIFT:
                 q = p - a
-                Ct = _load_rows(Cf_ptr, b, t - 1, L, G, g, N, offs_n, ok & (t >= 1))
+                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             else:
                 q = p
-                Ct = _load_rows(Cf_ptr, b, t, L, G, g, N, offs_n, ok)
+                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             wq = tl.exp(q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_before, wq, 0.0)
             dH = tl.dot(tl.trans(dy * wq[:, None]), Ct, input_precision="ieee")
             tl.store(dst_ptr + ((b * NC + c) * H + h) * P * N + st_off, dH, mask=st_mask)
         if HAS_B:
-            dt = _load_tok(dtb_ptr, b, t, L, H, h, ok)
+            dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
             p = tl.cumsum(a, 0)
             plast = tl.sum(a, 0)
             if SHIFT:
                 q = p
-                Ct = _load_rows(Cb_ptr, b, t + 1, L, G, g, N, offs_n, ok & (t + 1 < L))
+                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             else:
                 q = p - a
-                Ct = _load_rows(Cb_ptr, b, t, L, G, g, N, offs_n, ok)
+                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             wq = tl.exp(plast - q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_after, wq, 0.0)
@@ -343,13 +332,13 @@ if triton is not None:
         DIR 0 = forward (lower), 1 = backward (upper). ``seg_read``: the segment the entering state belongs
         to; ``seg_own``: the segment this chunk's own state collects.
         """
-        dt = _load_tok(dt_ptr, b, t, L, H, h, ok)
+        dt = tl.load(dt_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
         A = tl.load(A_ptr + h).to(tl.float32)
         a = dt * A
         p = tl.cumsum(a, 0)
         e = p - a
         plast = tl.sum(a, 0)
-        Bt = _load_rows(B_ptr, b, t, L, G, g, N, offs_n, ok)
+        Bt = tl.load(B_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
         if DIR == 0:
             if SHIFT:
                 q = e
@@ -382,7 +371,7 @@ if triton is not None:
         if HAS_SEG:
             wq = tl.where(seg == seg_read, wq, 0.0)
             wsraw = tl.where(seg == seg_own, wsraw, 0.0)
-        Ct = _load_rows(C_ptr, b, tc, L, G, g, N, offs_n, c_ok)
+        Ct = tl.load(C_ptr + ((b * L + tc[:, None]) * G + g) * N + offs_n[None, :], mask=c_ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
         sbase = ((DIR * BATCH + b) * NC + c) * H + h
         Hc = tl.load(hs_ptr + sbase * P * N + st_off, mask=st_mask, other=0.0)   # state read by this chunk
         dS = tl.load(ds_ptr + sbase * P * N + st_off, mask=st_mask, other=0.0)   # grad of this chunk's own state
@@ -475,14 +464,14 @@ if triton is not None:
             seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
             seg_first = tl.load(seg_ptr + b * L + c * Q)
             seg_last = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q - 1, L - 1))
-        x = _load_rows(x_ptr, b, t, L, H, h, P, offs_p, ok)
-        dy = _load_rows(dy_ptr, b, t, L, H, h, P, offs_p, ok)
+        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         DYX = tl.dot(dy, tl.trans(x), input_precision="ieee")                       # [i, j] = dy_i . x_j
         dx = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
         if HAS_DIAG:
-            dg = _load_tok(diag_ptr, b, t, L, H, h, ok)
+            dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             dx += dg[:, None] * dy
             tl.store(ddiag_ptr + (b * L + t) * H + h, tl.sum(dy * x, 1), mask=ok)
         if HAS_F:
