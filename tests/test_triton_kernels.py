@@ -221,3 +221,36 @@ def test_available_reports_why_not():
     reason = qs_triton.available("meta")
     assert isinstance(reason, str) and reason
     assert math.isfinite(float(qs_triton._block(3)))
+
+
+# -- MLR attention (forward) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "causal,masked,tile,options",
+    [
+        (False, False, 4, {}),
+        (True, True, 4, {}),
+        (False, True, 16, {"block_divide": False}),
+        (True, False, 8, {"divide_by_levels": True, "logit_scaling": "standard"}),
+    ],
+)
+def test_mlr_attention_forward_matches_mixer(causal, masked, tile, options):
+    """The fused forward equals the mixer's own ``mix`` (its blocked scores, masked softmax and values), for tiles
+    smaller and larger than the blocks, odd lengths (a partial last tile and a partial last block), right padding."""
+    from mixer_plugins import create_mixer
+    from mixer_plugins.kernels.mlr_attention.triton import mlr_attention_triton
+
+    L = 13
+    mixer = create_mixer("mlr_attention", dim=16, num_heads=2, ranks=[4, 2, 1, 1], block_sizes=[None, 8, 4, 2],
+                         causal=causal, **options).double()
+    x = torch.randn(1 + masked, L, 16, dtype=torch.float64)
+    mask = None
+    if masked:
+        mask = torch.ones(2, L, dtype=torch.bool)
+        mask[0, 9:] = False
+    with torch.no_grad():
+        ctx = mixer.prepare(x, mask)
+        expected = mixer.mix(ctx)
+        y = mlr_attention_triton(ctx.q, ctx.k, ctx.values, mixer.ranks, mixer.block_sizes, mixer.level_scales,
+                                 block_divide=mixer.block_divide, causal=causal, mask=ctx.mask, tile_size=tile)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)

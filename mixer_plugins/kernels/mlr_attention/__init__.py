@@ -1,0 +1,1 @@
+"""Kernels of MLR attention: ``triton.py`` holds the fused Triton forward."""
