@@ -254,3 +254,34 @@ def test_mlr_attention_forward_matches_mixer(causal, masked, tile, options):
         y = mlr_attention_triton(ctx.q, ctx.k, ctx.values, mixer.ranks, mixer.block_sizes, mixer.level_scales,
                                  block_divide=mixer.block_divide, causal=causal, mask=ctx.mask, tile_size=tile)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+# -- custom ops -------------------------------------------------------------------------------------
+
+def _op_args(shift=True, chunk=4):
+    leaves = _inputs(1, 9, 2, 2, 1, 3, separate=True, diag=True)
+    t = leaves
+    return (t["x"], t["dt"].detach().float(), t["A"].detach().float(), t["B"], t["C"], t["dt_bwd"].detach().float(),
+            t["A_bwd"].detach().float(), t["B_bwd"], t["C_bwd"], t["diag"], None,
+            torch.tensor([[0] * 4 + [1] * 5], dtype=torch.int32), shift, chunk)
+
+
+def test_custom_op_passes_opcheck():
+    """Schema, fake kernel (shapes/dtypes without running) and autograd registration of the forward op."""
+    args = _op_args()
+    torch.library.opcheck(torch.ops.mixer_plugins.quasiseparable_triton.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_flop_counter_sees_forward_and_backward():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    leaves = _inputs(1, 9, 2, 2, 1, 3, separate=True, diag=True)
+    with FlopCounterMode(display=False) as counter:
+        y = qs_triton.quasiseparable_triton(**leaves, chunk_size=4)
+        y.sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    fwd = counts[torch.ops.mixer_plugins.quasiseparable_triton]
+    bwd = counts[torch.ops.mixer_plugins.quasiseparable_triton_backward]
+    assert fwd == qs_triton.scan_triton_flops(1, 9, 2, 2, 3, 2, 4) > 0
+    assert bwd == qs_triton.scan_triton_flops(1, 9, 2, 2, 3, 2, 4, backward=True) > fwd

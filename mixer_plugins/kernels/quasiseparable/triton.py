@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 try:  # the ``triton`` package, not this module (absolute import)
     import triton
@@ -55,7 +57,8 @@ except ImportError as exc:  # pragma: no cover - triton is an optional extra
     tl = None
     _IMPORT_ERROR = f"triton is not importable ({exc})"
 
-__all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan_triton", "scan_triton"]
+__all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan_triton", "scan_triton",
+           "scan_triton_flops"]
 
 # Private debugging switch for the test-suite's planted-bug check: 1 flips the sign of the backward
 # direction's intra-chunk decay in the forward output kernel. Never set it outside tests.
@@ -615,30 +618,114 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
             dinit[0] if has_f else None)
 
 
-class _ScanFunction(torch.autograd.Function):
-    """Autograd wrapper of the fused scan (both directions, shift, diag, segments, forward-direction states)."""
+# -- custom ops: opaque to torch.compile (fake kernels), counted by FlopCounterMode --------------------------
 
-    @staticmethod
-    def forward(ctx, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, shift, chunk_size):
-        y, hs, lg, final = _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shift,
-                                     chunk_size)
-        ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, init)
-        ctx.shift, ctx.chunk_size = shift, chunk_size
-        return y, final
+@torch.library.custom_op("mixer_plugins::quasiseparable_triton", mutates_args=())
+def _qs_op(
+    x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor],
+    dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor],
+    diag: Optional[Tensor], init: Optional[Tensor], seg: Optional[Tensor], shift: bool, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Fused scan forward: (y, entering states (2, b, NC, h, p, n), log carries (2, b, NC, h), final state)."""
+    y, hs, lg, final = _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shift, chunk_size)
+    return y, hs, lg, final.clone()
 
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, init = ctx.saved_tensors
-        out = _scan_bwd(dy, dfinal if dt_f is not None else None, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b,
-                        diag, seg, hs, lg, ctx.shift, ctx.chunk_size)
-        dx, ddtf, dAf, dBf, dCf, ddtb, dAb, dBb, dCb, ddiag, dinit = out
 
-        def cast(g: Tensor | None, like: Tensor | None) -> Tensor | None:
-            return None if g is None or like is None else g.to(like.dtype)
+@_qs_op.register_fake
+def _qs_op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, shift, chunk_size):
+    bsz, L, H, P = x.shape
+    N = (B_f if B_f is not None else B_b).shape[-1]
+    Q = min(int(chunk_size), L)
+    NC = -(-L // Q)
+    f32 = torch.float32
+    return (x.new_empty(x.shape), x.new_empty(2, bsz, NC, H, P, N, dtype=f32), x.new_empty(2, bsz, NC, H, dtype=f32),
+            x.new_empty(bsz, H, P, N, dtype=f32))
 
-        return (cast(dx, x), cast(ddtf, dt_f), cast(dAf, A_f), cast(dBf, B_f), cast(dCf, C_f),
-                cast(ddtb, dt_b), cast(dAb, A_b), cast(dBb, B_b), cast(dCb, C_b), cast(ddiag, diag),
-                cast(dinit, init), None, None, None)
+
+@torch.library.custom_op("mixer_plugins::quasiseparable_triton_backward", mutates_args=())
+def _qs_bwd_op(
+    dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor],
+    B_f: Optional[Tensor], C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor],
+    B_b: Optional[Tensor], C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor], hs: Tensor,
+    lg: Tensor, shift: bool, chunk_size: int,
+) -> list[Tensor]:
+    """Fused scan backward: [dx, ddt_f, dA_f, dB_f, dC_f, ddt_b, dA_b, dB_b, dC_b, ddiag, dinit] (float32;
+    an empty 1-D tensor for each absent input)."""
+    out = _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, shift, chunk_size)
+    # custom-op outputs own their storage and alias nothing: a fresh empty tensor per absent gradient
+    return [x.new_empty(0, dtype=torch.float32) if g is None else g.clone() if g._base is not None else g
+            for g in out]
+
+
+@_qs_bwd_op.register_fake
+def _qs_bwd_op_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, shift, chunk_size):
+    f32 = torch.float32
+
+    def like(t):
+        return x.new_empty(0, dtype=f32) if t is None else x.new_empty(t.shape, dtype=f32)
+
+    bsz, L, H, P = x.shape
+    N = (B_f if B_f is not None else B_b).shape[-1]
+    dinit = x.new_empty(bsz, H, P, N, dtype=f32) if dt_f is not None else x.new_empty(0, dtype=f32)
+    return [like(x), like(dt_f), like(A_f), like(B_f), like(C_f), like(dt_b), like(A_b), like(B_b), like(C_b),
+            like(diag), dinit]
+
+
+def _qs_setup_context(ctx, inputs, output):
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, shift, chunk_size = inputs
+    _, hs, lg, _ = output
+    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, init)
+    ctx.shift, ctx.chunk_size = shift, chunk_size
+
+
+def _qs_autograd_backward(ctx, dy, dhs, dlg, dfinal):
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, init = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    grads = _qs_bwd_op(dy.contiguous(), dfinal if dt_f is not None else None, x, dt_f, A_f, B_f, C_f, dt_b, A_b,
+                       B_b, C_b, diag, seg, hs, lg, ctx.shift, ctx.chunk_size)
+    likes = (x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init)
+    cast = [None if like is None else g.to(like.dtype) for g, like in zip(grads, likes)]
+    return (*cast, None, None, None)
+
+
+_qs_op.register_autograd(_qs_autograd_backward, setup_context=_qs_setup_context)
+
+
+def scan_triton_flops(batch: int, length: int, heads: int, head_dim: int, state: int, directions: int,
+                      chunk_size: int, backward: bool = False) -> int:
+    """FLOPs (2 per multiply-add) of the fused kernels' matmuls; elementwise work is not counted.
+
+    Forward, per direction: C~.B per head (2 L Q h n), chunk states (2 L h p n), state read-out (2 L h p n); once:
+    the summed Q x Q block times x (2 L Q h p). Backward: dy.x^T once (2 L Q h p); per direction C~.B, M^T dy,
+    dC~ and dB (2 L Q h (n + p + 2 n)), and five (L, p, n) products (read-out gradient, its dC~, x dS, B dS^T and
+    the entering-state gradient). L is the length padded to whole chunks.
+    """
+    q = min(int(chunk_size), length)
+    padded = -(-length // q) * q
+    if not backward:
+        per_dir = 2 * padded * q * heads * state + 4 * padded * heads * head_dim * state
+        return batch * (directions * per_dir + 2 * padded * q * heads * head_dim)
+    per_dir = 2 * padded * q * heads * (3 * state + head_dim) + 10 * padded * heads * head_dim * state
+    return batch * (directions * per_dir + 2 * padded * q * heads * head_dim)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton)
+def _qs_op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, *args, out_shape=None,
+                 **kwargs) -> int:
+    b, l, h, p = x_shape
+    n = (B_f_shape if B_f_shape is not None else args[1])[-1]
+    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
+    return scan_triton_flops(b, l, h, p, n, directions, args[-1])
+
+
+@register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_backward)
+def _qs_bwd_op_flops(dy_shape, dfinal_shape, x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape,
+                     A_b_shape, B_b_shape, *args, out_shape=None, **kwargs) -> int:
+    b, l, h, p = x_shape
+    n = (B_f_shape if B_f_shape is not None else B_b_shape)[-1]
+    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
+    return scan_triton_flops(b, l, h, p, n, directions, args[-1], backward=True)
 
 
 def _prepare_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
@@ -674,7 +761,7 @@ def scan_triton(
     if (initial_state is not None or return_final_state) and dt_f is None:
         raise ValueError("initial and final states belong to the forward direction, which is absent")
     f32 = (lambda t: None if t is None else t.float().contiguous())
-    y, final = _ScanFunction.apply(
+    y, _, _, final = _qs_op(
         x.contiguous(), f32(dt_f), f32(A_f), _c(B_f), _c(C_f), f32(dt_b), f32(A_b), _c(B_b), _c(C_b), _c(diag),
         None if initial_state is None else initial_state.contiguous(), _segments(seq_idx), bool(shift),
         int(chunk_size))
