@@ -223,19 +223,19 @@ def test_available_reports_why_not():
     assert math.isfinite(float(qs_triton._block(3)))
 
 
-# -- MLR attention (forward) ------------------------------------------------------------------------
+# -- MLR attention ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
     "causal,masked,tile,options",
     [
         (False, False, 4, {}),
-        (True, True, 4, {}),
-        (False, True, 16, {"block_divide": False}),
-        (True, False, 8, {"divide_by_levels": True, "logit_scaling": "standard"}),
+        (True, False, 4, {}),
+        (False, True, 8, {"block_divide": False}),
+        (True, True, 16, {"divide_by_levels": True, "logit_scaling": "standard"}),
     ],
 )
-def test_mlr_attention_forward_matches_mixer(causal, masked, tile, options):
-    """The fused forward equals the mixer's own ``mix`` (its blocked scores, masked softmax and values), for tiles
+def test_mlr_attention_matches_mixer(causal, masked, tile, options):
+    """The fused kernels (values and dq, dk, dv) equal the mixer's own ``mix`` (its blocked scores, masked softmax and values), for tiles
     smaller and larger than the blocks, odd lengths (a partial last tile and a partial last block), right padding."""
     from mixer_plugins import create_mixer
     from mixer_plugins.kernels.mlr_attention.triton import mlr_attention_triton
@@ -250,10 +250,17 @@ def test_mlr_attention_forward_matches_mixer(causal, masked, tile, options):
         mask[0, 9:] = False
     with torch.no_grad():
         ctx = mixer.prepare(x, mask)
-        expected = mixer.mix(ctx)
-        y = mlr_attention_triton(ctx.q, ctx.k, ctx.values, mixer.ranks, mixer.block_sizes, mixer.level_scales,
-                                 block_divide=mixer.block_divide, causal=causal, mask=ctx.mask, tile_size=tile)
-    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    q, k, v = (t.detach().requires_grad_() for t in (ctx.q, ctx.k, ctx.values))
+    ctx.q, ctx.k, ctx.values = q, k, v
+    expected = mixer.mix(ctx)
+    y = mlr_attention_triton(q.float(), k.float(), v.float(), mixer.ranks, mixer.block_sizes, mixer.level_scales,
+                             block_divide=mixer.block_divide, causal=causal, mask=ctx.mask, tile_size=tile)
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    dy = torch.randn_like(expected)
+    grads = torch.autograd.grad(y.double(), (q, k, v), dy)
+    grads_ref = torch.autograd.grad(expected, (q, k, v), dy)
+    for name, a, r in zip("qkv", grads, grads_ref):
+        torch.testing.assert_close(a, r, atol=2e-5, rtol=2e-5, msg=lambda m: f"d{name}: {m}")
 
 
 # -- custom ops -------------------------------------------------------------------------------------
