@@ -60,8 +60,9 @@ except ImportError as exc:  # pragma: no cover - triton is an optional extra
 __all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan_triton", "scan_triton",
            "scan_triton_flops"]
 
-# Private debugging switch for the test-suite's planted-bug check: 1 flips the sign of the backward
-# direction's intra-chunk decay in the forward output kernel. Never set it outside tests.
+# Private debugging switch for the test-suite's planted-bug checks: 1 flips the sign of the backward
+# direction's intra-chunk decay in the forward output kernel; 2 drops the inter-chunk carry's term of the
+# decay gradient in the backward kernel (forward unchanged). Never set it outside tests.
 _DEBUG_BUG = 0
 
 _INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -328,7 +329,7 @@ if triton is not None:
         x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_read, seg_own,
         dt_ptr, A_ptr, B_ptr, C_ptr, hs_ptr, ds_ptr, lg_ptr, dB_ptr, dC_ptr, ddt_ptr, dA_ptr,
         BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask, DIR: tl.constexpr,
-        HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        HAS_SEG: tl.constexpr, SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr,
     ):
         """All gradients of one direction inside one chunk; returns dx with this direction's part added.
 
@@ -406,6 +407,8 @@ if triton is not None:
         dBt += ws[:, None] * xdS
         dx += ws[:, None] * tl.dot(Bt, tl.trans(dS), input_precision="ieee")
         dplast = tl.exp(lg) * tl.sum(tl.sum(dS * Hc, 1), 0)
+        if DEBUG_BUG == 2:
+            dplast = 0.0 * dplast
         if DIR == 0:
             # log weights: q_i - p_j (intra), q_i (read-out), p_last - p_j (own state)
             dq = d_query + Rr
@@ -440,7 +443,8 @@ if triton is not None:
         dx_ptr, dBf_ptr, dCf_ptr, ddtf_ptr, dAf_ptr, dBb_ptr, dCb_ptr, ddtb_ptr, dAb_ptr, ddiag_ptr,
         BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        SHIFT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         c = tl.program_id(0)
         pid = tl.program_id(1)
@@ -481,12 +485,12 @@ if triton is not None:
             dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_before, seg_last,
                                 dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, hs_ptr, ds_ptr, lg_ptr, dBf_ptr, dCf_ptr,
                                 ddtf_ptr, dAf_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                0, HAS_SEG, SHIFT)
+                                0, HAS_SEG, SHIFT, DEBUG_BUG)
         if HAS_B:
             dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_after, seg_first,
                                 dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, hs_ptr, ds_ptr, lg_ptr, dBb_ptr, dCb_ptr,
                                 ddtb_ptr, dAb_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                1, HAS_SEG, SHIFT)
+                                1, HAS_SEG, SHIFT, DEBUG_BUG)
         dx_ptrs = dx_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
         tl.store(dx_ptrs, dx, mask=ok[:, None] & (offs_p < P)[None, :])
 
@@ -607,7 +611,7 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
         C_b if has_b else dummy, diag if diag is not None else dummy, seg_arg, hs, ds, lg,
         dx, dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
         HAS_F=has_f, HAS_B=has_b, HAS_DIAG=diag is not None, HAS_SEG=seg is not None, SHIFT=bool(shift),
-        **geo.blocks)
+        DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks)
 
     def group_sum(t: Tensor) -> Tensor:
         return t.view(bsz, L, G, H // G, N).sum(3)
