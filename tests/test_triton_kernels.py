@@ -107,7 +107,8 @@ def _compare(fn_triton, fn_ref, leaves: dict, *, atol=2e-5, rtol=2e-5, ref_leave
     for name, a, r in zip(names, g_t, g_r):
         assert (a is None) == (r is None), name
         if a is not None:
-            torch.testing.assert_close(a.double(), r.double(), atol=atol * 5, rtol=rtol * 5, msg=lambda m: f"d{name}: {m}")
+            torch.testing.assert_close(a.double(), r.double(), atol=atol * 5, rtol=rtol * 5,
+                                       msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def _qs(backend=None, **kw):
@@ -249,8 +250,8 @@ def test_available_reports_why_not():
     ],
 )
 def test_mlr_attention_matches_mixer(causal, masked, tile, options):
-    """The fused kernels (values and dq, dk, dv) equal the mixer's own ``mix`` (its blocked scores, masked softmax and values), for tiles
-    smaller and larger than the blocks, odd lengths (a partial last tile and a partial last block), right padding."""
+    """The fused kernels (values and dq, dk, dv) equal the mixer's own ``mix`` (blocked scores, masked softmax,
+    values), for tiles smaller and larger than the blocks, odd lengths (partial last tile and block), right padding."""
     from mixer_plugins import create_mixer
     from mixer_plugins.kernels.mlr_attention.triton import mlr_attention_triton
 
@@ -274,7 +275,7 @@ def test_mlr_attention_matches_mixer(causal, masked, tile, options):
     grads = torch.autograd.grad(y.double(), (q, k, v), dy)
     grads_ref = torch.autograd.grad(expected, (q, k, v), dy)
     for name, a, r in zip("qkv", grads, grads_ref):
-        torch.testing.assert_close(a, r, atol=2e-5, rtol=2e-5, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(a, r, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 # -- custom ops -------------------------------------------------------------------------------------

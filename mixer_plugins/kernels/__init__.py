@@ -14,12 +14,13 @@ default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :
 """
 
 from . import flop_formulas  # noqa: F401  (FlopCounterMode formulas for CPU attention)
-from .conv import depthwise_conv1d
-from .dispatch import BACKENDS, BackendUnavailableError, available_backends, resolve_backend, use_backend
-from .norm import gated_rmsnorm
+
 # load the quasiseparable/ kernel folder (Triton kernels) BEFORE binding the function of the same name, so that
 # importing mixer_plugins.kernels.quasiseparable.triton later cannot rebind `kernels.quasiseparable` to the folder
 from . import quasiseparable as _quasiseparable_folder  # noqa: F401  (wt-triton; the new layout supersedes this)
+from .conv import depthwise_conv1d
+from .dispatch import BACKENDS, BackendUnavailableError, available_backends, resolve_backend, use_backend
+from .norm import gated_rmsnorm
 from .scan import directional_scan, prepare_dt, quasiseparable, ssd
 from .scan_reference import scan_matrix, scan_reference
 from .toeplitz import toeplitz_matrix, toeplitz_mix

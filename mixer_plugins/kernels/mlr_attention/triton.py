@@ -13,13 +13,15 @@ online softmax. For each (query tile, key tile) pair, only the levels the two ti
 blocks put the two tiles apart is skipped, so far-apart tiles use only the coarse levels' features (the paper's
 FLOP saving); a level with a block boundary inside the pair is masked per entry. Accumulation in float32.
 
-Forward and backward (``torch.autograd.Function``). Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before import.
+Forward and backward (``torch.autograd.Function``). Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1``
+set before import.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -44,7 +46,9 @@ def available(device: torch.device | str | None = None) -> str | None:
         return _IMPORT_ERROR
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if _INTERPRET_AT_IMPORT:
-        return None if dev.type == "cpu" else "TRITON_INTERPRET=1 was set at import: the kernels run on CPU tensors only"
+        if dev.type != "cpu":
+            return "TRITON_INTERPRET=1 was set at import: the kernels run on CPU tensors only"
+        return None
     if dev.type != "cuda" or not torch.cuda.is_available():
         return "the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import, to run them on CPU)"
     return None

@@ -109,7 +109,8 @@ if triton is not None:
         offs_n = tl.arange(0, BLOCK_N)
         t = c * Q + offs_q
         ok = (offs_q < Q) & (t < L)
-        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)                       # (Q, P)
+        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],  # (Q, P)
+                    mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         if HAS_SEG:
@@ -128,7 +129,8 @@ if triton is not None:
             if HAS_SEG:
                 w = tl.where(seg == seg_last, w, 0.0)
                 lg = tl.where(seg_last == seg_before, plast, float("-inf"))
-            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision="ieee")     # (P, N)
             base = (b * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
@@ -144,7 +146,8 @@ if triton is not None:
             if HAS_SEG:
                 w = tl.where(seg == seg_first, w, 0.0)
                 lg = tl.where(seg_first == seg_after, plast, float("-inf"))
-            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision="ieee")
             base = ((BATCH + b) * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
@@ -208,7 +211,8 @@ if triton is not None:
             valid = valid & (seg[:, None] == seg[None, :])
             seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
             seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
+                    mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         acc = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
@@ -219,13 +223,16 @@ if triton is not None:
             p = tl.cumsum(a, 0)
             if SHIFT:
                 q = p - a
-                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj < ii)
             else:
                 q = p
-                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj <= ii)
-            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             CB = tl.dot(Ct, tl.trans(Bt), input_precision="ieee")
             decay = tl.exp(tl.where(allowed, q[:, None] - p[None, :], float("-inf")))
             M += CB * decay * dt[None, :]
@@ -242,13 +249,16 @@ if triton is not None:
             plast = tl.sum(a, 0)
             if SHIFT:
                 q = p
-                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj > ii)
             else:
                 q = e
-                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj >= ii)
-            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             CB = tl.dot(Ct, tl.trans(Bt), input_precision="ieee")
             if DEBUG_BUG == 1:
                 decay = tl.exp(tl.where(allowed, q[:, None] - e[None, :], float("-inf")))
@@ -289,7 +299,8 @@ if triton is not None:
             seg = tl.load(seg_ptr + b * L + tl.minimum(t, L - 1))
             seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
             seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
+                     mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         if HAS_F:
@@ -298,10 +309,12 @@ if triton is not None:
             p = tl.cumsum(a, 0)
             if SHIFT:
                 q = p - a
-                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             else:
                 q = p
-                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             wq = tl.exp(q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_before, wq, 0.0)
@@ -314,10 +327,12 @@ if triton is not None:
             plast = tl.sum(a, 0)
             if SHIFT:
                 q = p
-                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :], mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             else:
                 q = p - a
-                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             wq = tl.exp(plast - q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_after, wq, 0.0)
@@ -342,7 +357,8 @@ if triton is not None:
         p = tl.cumsum(a, 0)
         e = p - a
         plast = tl.sum(a, 0)
-        Bt = tl.load(B_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :], mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+        Bt = tl.load(B_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
+                     mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
         if DIR == 0:
             if SHIFT:
                 q = e
@@ -375,7 +391,8 @@ if triton is not None:
         if HAS_SEG:
             wq = tl.where(seg == seg_read, wq, 0.0)
             wsraw = tl.where(seg == seg_own, wsraw, 0.0)
-        Ct = tl.load(C_ptr + ((b * L + tc[:, None]) * G + g) * N + offs_n[None, :], mask=c_ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+        Ct = tl.load(C_ptr + ((b * L + tc[:, None]) * G + g) * N + offs_n[None, :],
+                     mask=c_ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
         sbase = ((DIR * BATCH + b) * NC + c) * H + h
         Hc = tl.load(hs_ptr + sbase * P * N + st_off, mask=st_mask, other=0.0)   # state read by this chunk
         dS = tl.load(ds_ptr + sbase * P * N + st_off, mask=st_mask, other=0.0)   # grad of this chunk's own state
@@ -471,8 +488,10 @@ if triton is not None:
             seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
             seg_first = tl.load(seg_ptr + b * L + c * Q)
             seg_last = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q - 1, L - 1))
-        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :], mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
+                    mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
+                     mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
         DYX = tl.dot(dy, tl.trans(x), input_precision="ieee")                       # [i, j] = dy_i . x_j
@@ -764,7 +783,9 @@ def scan_triton(
         raise ValueError("scan_triton needs at least one direction")
     if (initial_state is not None or return_final_state) and dt_f is None:
         raise ValueError("initial and final states belong to the forward direction, which is absent")
-    f32 = (lambda t: None if t is None else t.float().contiguous())
+    def f32(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.float().contiguous()
+
     y, _, _, final = _qs_op(
         x.contiguous(), f32(dt_f), f32(A_f), _c(B_f), _c(C_f), f32(dt_b), f32(A_b), _c(B_b), _c(C_b), _c(diag),
         None if initial_state is None else initial_state.contiguous(), _segments(seq_idx), bool(shift),
