@@ -25,8 +25,8 @@ Kernels (each program = one (chunk, batch*head)):
   pass for the state gradients, which obey the same recurrence run the other way;
 * ``_chunk_out_kernel``: y = (lower + upper + diag block) @ x + both state read-outs;
 * ``_chunk_dread_kernel``: the gradient of the read-outs with respect to the entering states;
-* ``_chunk_bwd_kernel``: dx, dB, dC (per head, group-summed in PyTorch), ddt (both directions, including
-  the decay path ``A * d(a)``), per-chunk partials of dA, and ddiag.
+* ``_chunk_bwd_kernel``: dx, dB, dC (per head, group-summed in PyTorch), ddt (including the decay path
+  ``A * d(a)``), per-chunk partials of dA, and ddiag; launched once per direction (dx parts summed).
 
 ``seq_idx`` (packed segments): a new segment starts wherever the id changes; pairs across segments are
 masked inside a chunk and the states are gated between chunks, so neither direction nor the shift crosses a
@@ -612,7 +612,6 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     _state_pass_kernel[geo.pass_grid(nd)](
         dread, lg, ds, init_buf, dinit, bsz, H, NC, P * N,
         DIR0=d0, REV_FIRST=1, HAS_INIT=dfinal is not None, BLOCK=geo.pn_block)
-    dx = torch.empty(bsz, L, H, P, **f32)
     per_head = (bsz, L, H, N)
 
     def grads(has: bool):
@@ -624,13 +623,19 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     dBf, dCf, ddtf, dAf = grads(has_f)
     dBb, dCb, ddtb, dAb = grads(has_b)
     ddiag = torch.empty(bsz, L, H, **f32) if diag is not None else dummy
-    _chunk_bwd_kernel[geo.grid](
-        x, dy, dt_f if has_f else dummy, A_f if has_f else dummy, B_f if has_f else dummy,
-        C_f if has_f else dummy, dt_b if has_b else dummy, A_b if has_b else dummy, B_b if has_b else dummy,
-        C_b if has_b else dummy, diag if diag is not None else dummy, seg_arg, hs, ds, lg,
-        dx, dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
-        HAS_F=has_f, HAS_B=has_b, HAS_DIAG=diag is not None, HAS_SEG=seg is not None, SHIFT=bool(shift),
-        DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks)
+    # One launch per direction (each with its own dx slot, summed below): a program then holds one direction's
+    # tiles only, which halves its registers and compile time; the diagonal rides with the first launch.
+    directions = [d for d, has in ((0, has_f), (1, has_b)) if has]
+    dx_parts = torch.empty(len(directions), bsz, L, H, P, **f32)
+    for slot, d in enumerate(directions):
+        _chunk_bwd_kernel[geo.grid](
+            x, dy, dt_f if d == 0 else dummy, A_f if d == 0 else dummy, B_f if d == 0 else dummy,
+            C_f if d == 0 else dummy, dt_b if d == 1 else dummy, A_b if d == 1 else dummy, B_b if d == 1 else dummy,
+            C_b if d == 1 else dummy, diag if diag is not None else dummy, seg_arg, hs, ds, lg,
+            dx_parts[slot], dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
+            HAS_F=d == 0, HAS_B=d == 1, HAS_DIAG=diag is not None and slot == 0, HAS_SEG=seg is not None,
+            SHIFT=bool(shift), DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks)
+    dx = dx_parts[0] if len(directions) == 1 else dx_parts.sum(0)
 
     def group_sum(t: Tensor) -> Tensor:
         return t.view(bsz, L, G, H // G, N).sum(3)
