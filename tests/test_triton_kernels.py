@@ -125,6 +125,8 @@ CASES = {
     "segments_unshifted_diag": (1, 14, 2, 2, 1, 4, 4, False, True, True, [0] * 4 + [1] + [2] * 9),
     "batch2_segments_divides": (2, 16, 2, 2, 1, 2, 8, True, True, False, "two"),
     "one_chunk": (1, 7, 2, 3, 1, 4, 64, True, True, True, None),
+    "chunk_of_one": (1, 5, 1, 2, 1, 2, 1, True, True, True, [0, 0, 1, 1, 1]),
+    "length_one": (1, 1, 1, 2, 1, 2, 4, False, True, True, None),
 }
 
 
