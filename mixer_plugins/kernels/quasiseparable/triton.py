@@ -58,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - triton is an optional extra
     _IMPORT_ERROR = f"triton is not importable ({exc})"
 
 __all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan_triton", "scan_triton",
-           "scan_triton_flops"]
+           "scan_triton_flops", "quasiseparable_backend", "ssd_backend", "directional_scan_backend"]
 
 # Private debugging switch for the test-suite's planted-bug checks: 1 flips the sign of the backward
 # direction's intra-chunk decay in the forward output kernel; 2 drops the inter-chunk carry's term of the
@@ -852,3 +852,26 @@ def ssd_triton(
             y = y * F.silu(z.float())
         y = y.to(x.dtype)
     return (y, final) if return_final_states else y
+
+
+# -- adapters with the dispatcher's positional backend signatures (kernels/scan.py at c070851) ------------------
+
+def quasiseparable_backend(x, dt, A, B, C, dt_bwd, A_bwd, B_bwd, C_bwd, diag, shift, chunk_size, dt_bias,
+                           dt_softplus, dt_limit, seq_idx):
+    """``register_backend("quasiseparable", "triton")`` target: the dispatcher's positional order."""
+    return quasiseparable_triton(x, dt, A, B, C, dt_bwd=dt_bwd, A_bwd=A_bwd, B_bwd=B_bwd, C_bwd=C_bwd, diag=diag,
+                                 shift=shift, chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                 dt_limit=dt_limit, seq_idx=seq_idx)
+
+
+def ssd_backend(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+                return_final_states):
+    """``register_backend("ssd", "triton")`` target: the dispatcher's positional order."""
+    return ssd_triton(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+                      return_final_states)
+
+
+def directional_scan_backend(x, dt, A, B, C, reverse, shift, chunk_size, dt_bias, dt_softplus, dt_limit, seq_idx):
+    """``register_backend("directional_scan", "triton")`` target: the dispatcher's positional order."""
+    return directional_scan_triton(x, dt, A, B, C, reverse=reverse, shift=shift, chunk_size=chunk_size,
+                                   dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=seq_idx)
