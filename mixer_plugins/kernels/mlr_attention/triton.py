@@ -39,6 +39,14 @@ __all__ = ["available", "mlr_attention_triton"]
 
 _INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+# Precision of the kernels' float32 matmuls, fixed at import: "ieee" (default: exact float32, the tested
+# semantics; on GPUs it runs on CUDA cores, not tensor cores), "tf32x3" (about float32 accuracy on tensor
+# cores) or "tf32" (fastest, ~1e-3 relative). Set MIXER_PLUGINS_TRITON_DOT before importing this module.
+_DOT_PRECISION_NAME = os.environ.get("MIXER_PLUGINS_TRITON_DOT", "ieee")
+if _DOT_PRECISION_NAME not in ("ieee", "tf32", "tf32x3"):
+    raise ValueError(f"MIXER_PLUGINS_TRITON_DOT must be ieee, tf32 or tf32x3, got {_DOT_PRECISION_NAME!r}")
+_DOT_PRECISION = tl.constexpr(_DOT_PRECISION_NAME) if tl is not None else None
+
 
 def available(device: torch.device | str | None = None) -> str | None:
     """Why the Triton MLR attention cannot run on ``device``, or None if it can."""
@@ -81,7 +89,7 @@ if triton is not None:
                              mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
                 kl = tl.load(k_ptr + ((b * L + offs_n[:, None]) * H + h) * E + off + offs_r[None, :],
                              mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                dot = tl.dot(ql, tl.trans(kl), input_precision="ieee")
+                dot = tl.dot(ql, tl.trans(kl), input_precision=_DOT_PRECISION)
                 same = (size == 0) | ((offs_m[:, None] // span) == (offs_n[None, :] // span))
                 S += tl.where(same, dot, 0.0)
                 cnt += tl.where(same, 1.0, 0.0)
@@ -116,7 +124,7 @@ if triton is not None:
             if shared:
                 same = (size == 0) | ((offs_rows[:, None] // span) == (offs_cols[None, :] // span))
                 level_feats = tl.where(((offs_e >= off) & (offs_e < off + rank))[None, :], feats, 0.0)
-                acc += tl.dot(tl.trans(tl.where(same, dSr, 0.0)), level_feats, input_precision="ieee")
+                acc += tl.dot(tl.trans(tl.where(same, dSr, 0.0)), level_feats, input_precision=_DOT_PRECISION)
         return acc
 
     @triton.jit
@@ -156,7 +164,7 @@ if triton is not None:
             row_sum = row_sum * alpha + tl.sum(prob, 1)
             v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
                         mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision=_DOT_PRECISION)
             row_max = new_max
             n_lo += BLOCK_M
         row_sum = tl.maximum(row_sum, 1.0e-30)
@@ -182,7 +190,7 @@ if triton is not None:
                      mask=m_ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
                     mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        dprob = tl.dot(do, tl.trans(v), input_precision="ieee")
+        dprob = tl.dot(do, tl.trans(v), input_precision=_DOT_PRECISION)
         dSr = prob * (dprob - delta[:, None]) * inv
         return prob, dSr, do
 
@@ -251,7 +259,7 @@ if triton is not None:
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
                                           offs_n, n_lo, n_hi, offs_r, offs_p,
                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M)
-            dv += tl.dot(tl.trans(prob), do, input_precision="ieee")
+            dv += tl.dot(tl.trans(prob), do, input_precision=_DOT_PRECISION)
             dk = _level_grads(dSr, q_ptr, b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e,
                               lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dk, NUM_LEVELS)
             m_lo += BLOCK_M

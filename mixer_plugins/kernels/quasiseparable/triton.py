@@ -67,6 +67,14 @@ _DEBUG_BUG = 0
 
 _INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+# Precision of the kernels' float32 matmuls, fixed at import: "ieee" (default: exact float32, the tested
+# semantics; on GPUs it runs on CUDA cores, not tensor cores), "tf32x3" (about float32 accuracy on tensor
+# cores) or "tf32" (fastest, ~1e-3 relative). Set MIXER_PLUGINS_TRITON_DOT before importing this module.
+_DOT_PRECISION_NAME = os.environ.get("MIXER_PLUGINS_TRITON_DOT", "ieee")
+if _DOT_PRECISION_NAME not in ("ieee", "tf32", "tf32x3"):
+    raise ValueError(f"MIXER_PLUGINS_TRITON_DOT must be ieee, tf32 or tf32x3, got {_DOT_PRECISION_NAME!r}")
+_DOT_PRECISION = tl.constexpr(_DOT_PRECISION_NAME) if tl is not None else None
+
 
 def available(device: torch.device | str | None = None) -> str | None:
     """Why the Triton scan cannot run on ``device`` (default: CUDA if present, else CPU), or None if it can."""
@@ -131,7 +139,7 @@ if triton is not None:
                 lg = tl.where(seg_last == seg_before, plast, float("-inf"))
             Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision="ieee")     # (P, N)
+            S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision=_DOT_PRECISION)     # (P, N)
             base = (b * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
             tl.store(lg_ptr + base, lg)
@@ -148,7 +156,7 @@ if triton is not None:
                 lg = tl.where(seg_first == seg_after, plast, float("-inf"))
             Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision="ieee")
+            S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision=_DOT_PRECISION)
             base = ((BATCH + b) * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
             tl.store(lg_ptr + base, lg)
@@ -233,14 +241,14 @@ if triton is not None:
                 allowed = valid & (jj <= ii)
             Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            CB = tl.dot(Ct, tl.trans(Bt), input_precision="ieee")
+            CB = tl.dot(Ct, tl.trans(Bt), input_precision=_DOT_PRECISION)
             decay = tl.exp(tl.where(allowed, q[:, None] - p[None, :], float("-inf")))
             M += CB * decay * dt[None, :]
             Hc = tl.load(hs_ptr + ((b * NC + c) * H + h) * P * N + st_off, mask=st_mask, other=0.0)
             wq = tl.exp(q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_before, wq, 0.0)
-            acc += tl.dot(Ct, tl.trans(Hc), input_precision="ieee") * wq[:, None]
+            acc += tl.dot(Ct, tl.trans(Hc), input_precision=_DOT_PRECISION) * wq[:, None]
         if HAS_B:
             dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
@@ -259,7 +267,7 @@ if triton is not None:
                 allowed = valid & (jj >= ii)
             Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            CB = tl.dot(Ct, tl.trans(Bt), input_precision="ieee")
+            CB = tl.dot(Ct, tl.trans(Bt), input_precision=_DOT_PRECISION)
             if DEBUG_BUG == 1:
                 decay = tl.exp(tl.where(allowed, q[:, None] - e[None, :], float("-inf")))
             else:
@@ -269,11 +277,11 @@ if triton is not None:
             wq = tl.exp(plast - q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_after, wq, 0.0)
-            acc += tl.dot(Ct, tl.trans(Gc), input_precision="ieee") * wq[:, None]
+            acc += tl.dot(Ct, tl.trans(Gc), input_precision=_DOT_PRECISION) * wq[:, None]
         if HAS_DIAG:
             dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             M += tl.where(ii == jj, dg[:, None], 0.0)
-        acc += tl.dot(M, x, input_precision="ieee")
+        acc += tl.dot(M, x, input_precision=_DOT_PRECISION)
         y_ptrs = y_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok[:, None] & (offs_p < P)[None, :])
 
@@ -318,7 +326,7 @@ if triton is not None:
             wq = tl.exp(q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_before, wq, 0.0)
-            dH = tl.dot(tl.trans(dy * wq[:, None]), Ct, input_precision="ieee")
+            dH = tl.dot(tl.trans(dy * wq[:, None]), Ct, input_precision=_DOT_PRECISION)
             tl.store(dst_ptr + ((b * NC + c) * H + h) * P * N + st_off, dH, mask=st_mask)
         if HAS_B:
             dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
@@ -336,7 +344,7 @@ if triton is not None:
             wq = tl.exp(plast - q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_after, wq, 0.0)
-            dG = tl.dot(tl.trans(dy * wq[:, None]), Ct, input_precision="ieee")
+            dG = tl.dot(tl.trans(dy * wq[:, None]), Ct, input_precision=_DOT_PRECISION)
             tl.store(dst_ptr + (((BATCH + b) * NC + c) * H + h) * P * N + st_off, dG, mask=st_mask)
 
     @triton.jit
@@ -399,30 +407,30 @@ if triton is not None:
         lg = tl.load(lg_ptr + sbase)
 
         # intra-chunk block
-        CB = tl.dot(Ct, tl.trans(Bt), input_precision="ieee")
+        CB = tl.dot(Ct, tl.trans(Bt), input_precision=_DOT_PRECISION)
         decay = tl.exp(tl.where(allowed, logw, float("-inf")))
         ldt = decay * dt[None, :]
-        dx += tl.dot(tl.trans(CB * ldt), dy, input_precision="ieee")
+        dx += tl.dot(tl.trans(CB * ldt), dy, input_precision=_DOT_PRECISION)
         dCB = DYX * ldt
-        dCt = tl.dot(dCB, Bt, input_precision="ieee")
-        dBt = tl.dot(tl.trans(dCB), Ct, input_precision="ieee")
+        dCt = tl.dot(dCB, Bt, input_precision=_DOT_PRECISION)
+        dBt = tl.dot(tl.trans(dCB), Ct, input_precision=_DOT_PRECISION)
         K = DYX * CB * decay
         ddt = tl.sum(K, 0)
         R = K * dt[None, :]
         d_query = tl.sum(R, 1)       # d/d(log weight), summed over keys, per query i
         d_key = tl.sum(R, 0)         # per key j
         # read-out of the entering state
-        HC = tl.dot(Ct, tl.trans(Hc), input_precision="ieee")                      # (Q, P)
+        HC = tl.dot(Ct, tl.trans(Hc), input_precision=_DOT_PRECISION)                      # (Q, P)
         Rr = wq * tl.sum(dy * HC, 1)
-        dCt += tl.dot(dy * wq[:, None], Hc, input_precision="ieee")
+        dCt += tl.dot(dy * wq[:, None], Hc, input_precision=_DOT_PRECISION)
         # this chunk's own state
-        xdS = tl.dot(x, dS, input_precision="ieee")                                # (Q, N)
+        xdS = tl.dot(x, dS, input_precision=_DOT_PRECISION)                                # (Q, N)
         val = tl.sum(xdS * Bt, 1)
         ws = wsraw * dt
         Rs = ws * val
         ddt += wsraw * val
         dBt += ws[:, None] * xdS
-        dx += ws[:, None] * tl.dot(Bt, tl.trans(dS), input_precision="ieee")
+        dx += ws[:, None] * tl.dot(Bt, tl.trans(dS), input_precision=_DOT_PRECISION)
         dplast = tl.exp(lg) * tl.sum(tl.sum(dS * Hc, 1), 0)
         if DEBUG_BUG == 2:
             dplast = 0.0 * dplast
@@ -494,7 +502,7 @@ if triton is not None:
                      mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-        DYX = tl.dot(dy, tl.trans(x), input_precision="ieee")                       # [i, j] = dy_i . x_j
+        DYX = tl.dot(dy, tl.trans(x), input_precision=_DOT_PRECISION)                       # [i, j] = dy_i . x_j
         dx = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
         if HAS_DIAG:
             dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
