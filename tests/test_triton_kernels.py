@@ -327,3 +327,24 @@ def test_flop_counter_sees_forward_and_backward():
     bwd = counts[torch.ops.mixer_plugins.quasiseparable_triton_backward]
     assert fwd == qs_triton.scan_triton_flops(1, 9, 2, 2, 3, 2, 4) > 0
     assert bwd == qs_triton.scan_triton_flops(1, 9, 2, 2, 3, 2, 4, backward=True) > fwd
+
+
+def test_mlr_attention_half_inputs():
+    """bfloat16 q, k, v: float32 accumulation, bfloat16 output and gradients close to the float32 mixer."""
+    from mixer_plugins import create_mixer
+    from mixer_plugins.kernels.mlr_attention.triton import mlr_attention_triton
+
+    mixer = create_mixer("mlr_attention", dim=16, num_heads=2, ranks=[4, 2, 1, 1], block_sizes=[None, 8, 4, 2])
+    with torch.no_grad():
+        ctx = mixer.prepare(torch.randn(1, 11, 16), None)
+    half = [t.detach().bfloat16().requires_grad_() for t in (ctx.q, ctx.k, ctx.values)]
+    full = [t.detach().float().requires_grad_() for t in half]
+    ctx.q, ctx.k, ctx.values = full
+    expected = mixer.mix(ctx)
+    y = mlr_attention_triton(*half, mixer.ranks, mixer.block_sizes, mixer.level_scales, tile_size=8)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
+    dy = torch.randn_like(expected)
+    for name, a, r in zip("qkv", torch.autograd.grad(y, half, dy.bfloat16()), torch.autograd.grad(expected, full, dy)):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), r, atol=3e-2, rtol=3e-2, msg=lambda m, name=name: f"d{name}: {m}")
