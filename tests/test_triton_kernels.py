@@ -14,7 +14,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
-import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
