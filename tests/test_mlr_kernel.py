@@ -4,6 +4,8 @@ level lists; memory (no ``L x L`` intermediate); argument checks."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -162,8 +164,8 @@ def test_float32_close_to_float64():
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("length", [1, 7, 64, 100, 129])
 def test_plan_covers_every_pair_once(causal, length):
-    for ranks, sizes in LEVELS:
-        plan = plan_tasks(length, ranks, sizes, causal=causal, block_divide=True)
+    for (ranks, sizes), dyadic in itertools.product(LEVELS, [False, True]):
+        plan = plan_tasks(length, ranks, sizes, causal=causal, block_divide=True, dyadic=dyadic)
         seen = torch.zeros(length, length, dtype=torch.long)
         for group in plan.groups:
             for t in group.tasks:

@@ -99,8 +99,12 @@ def _segments(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
 
 
 def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional[int]], *, causal: bool,
-               block_divide: bool, scales_are_divided: bool = False) -> MLRPlan:
-    """The groups and tasks that cover every allowed (query, key) pair of a length-``length`` sequence once."""
+               block_divide: bool, dyadic: bool = True) -> MLRPlan:
+    """The groups and tasks that cover every allowed (query, key) pair of a length-``length`` sequence once.
+
+    ``dyadic``: cover the global parent with a few large rectangles (halving virtual levels) instead of one query
+    tile per child (the flash engine never materializes a rectangle's scores; the matmul engine does, so it keeps
+    rectangles of ``child x length``)."""
     sizes = [None if s is None or s >= length else int(s) for s in block_sizes]
     n = len(sizes)
     num_global = next((i for i, s in enumerate(sizes) if s is not None), n)
@@ -109,10 +113,7 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
     def divisor(m: int) -> float:
         return 1.0 / (m + 1) if block_divide and m >= 0 else 1.0
 
-    groups = []
-    for m in range(num_global - 1, n - 1):  # parents at level m (the whole sequence for m = num_global - 1)
-        child = sizes[m + 1]
-        parents = [(0, 1, length)] if m < num_global else _segments(0, length, sizes[m])
+    def child_tasks(parents, child):
         tasks = []
         for start, count, plen in parents:
             for a in range(math.ceil(plen / child)):
@@ -123,6 +124,23 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
                 after = plen - q0 - q_len
                 if not causal and after > 0:
                     tasks.append(Task(start, count, plen, q0, q_len, q0 + q_len, after, False))
+        return tasks
+
+    groups = []
+    for m in range(num_global - 1, n - 1):  # parents at level m (the whole sequence for m = num_global - 1)
+        child = sizes[m + 1]
+        if m < num_global and dyadic:
+            # One parent, the whole sequence, with many children: split it dyadically instead (virtual levels of
+            # child * 2^k tokens, same width and scale), so a few large batched rectangles cover its pairs.
+            chain = [length]
+            while chain[-1] > 2 * child:
+                chain.append(child * 2 ** math.ceil(math.log2(chain[-1] / child) - 1))
+            chain.append(child)
+            tasks = []
+            for parent, sub in zip(chain[:-1], chain[1:]):
+                tasks += child_tasks(_segments(0, length, parent), sub)
+        else:
+            tasks = child_tasks([(0, 1, length)] if m < num_global else _segments(0, length, sizes[m]), child)
         groups.append(Group(m, widths[m] if m >= 0 else 0, divisor(m), tuple(tasks)))
     finest = sizes[-1]
     diag = [(0, 1, length)] if finest is None else _segments(0, length, finest)
@@ -170,15 +188,17 @@ def _matmul_backward(dout, q, k, v, out, lse, causal, bias, scale):
     return dq, dk, dv
 
 
-def _use_flash(q: Tensor, engine: str) -> bool:
+def _flash_usable(q: Tensor, engine: str) -> bool:
+    """Run on the flash engine? (``auto``: whenever PyTorch's CPU flash op can take ``q``)."""
+    usable = _FLASH_FWD is not None and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
     if engine == "flash":
-        if _FLASH_FWD is None or q.device.type != "cpu" or q.dtype not in _FLASH_DTYPES:
+        if not usable:
             raise ValueError(f"the flash engine needs PyTorch's CPU flash-attention op and a CPU tensor of dtype "
                              f"{', '.join(map(str, _FLASH_DTYPES))}; got {q.device.type} {q.dtype}")
         return True
-    if engine == "matmul":
-        return False
-    return _FLASH_FWD is not None and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+    if engine not in ("auto", "matmul"):
+        raise ValueError(f"engine must be 'auto', 'flash' or 'matmul', got {engine!r}")
+    return usable and engine == "auto"
 
 
 # -- the autograd Function -------------------------------------------------------------------------------------------
@@ -196,24 +216,25 @@ def _kernel_layout(t: Tensor) -> Tensor:
 class _TiledMLR(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_real, plan, flash):
-        # q (B, L, H, Dh) (level scales applied), k (B, L, H, Dh), v (B, L, H, P); key_real bool (B, L) or None
+        # q (B, L, H, Dh) (level scales applied), k (B, L, H, Dh), v (B, L, H, P); key_real bool (B, L) or None;
+        # flash: per group, whether it runs on the flash engine
         batch, length, heads, dh = q.shape
         pv = v.shape[-1]
-        width = max(dh, pv) if flash else None
-        qw, vw = q, v
-        if flash:
-            qw = _pad(q, width)
-            vw = _pad(v, width)
+        width = max(dh, pv) if any(flash) else None
+        qw, vw = (_pad(q, width), _pad(v, width)) if width else (q, v)
         bias = None
         if key_real is not None:
             bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device).masked_fill(~key_real, float("-inf"))
         out = torch.zeros(batch, length, heads, vw.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.full((batch, length, heads), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
-        for group in plan.groups:
-            qg, kg = _group_qk(qw, k, group, width)
+        keys = []  # each group's keys, kept for the backward (flash: a zero-padded copy per group)
+        for group, use_flash in zip(plan.groups, flash):
+            qg, kg = _group_qk(qw, k, group, width if use_flash else None)
+            keys.append(kg)
             for task in group.tasks:
                 args = _task_inputs(qg, kg, vw, bias, task)
-                o, l = (_flash_forward if flash else _matmul_forward)(*args[:3], task.causal, args[3], group.scale)
+                o, l = (_flash_forward if use_flash else _matmul_forward)(*args[:3], task.causal, args[3],
+                                                                          group.scale)
                 if key_real is not None:  # rows whose task keys are all pads (right padding: the first key is)
                     empty = ~_parents(key_real, task)[:, :, task.k0].flatten()
                     l = l.masked_fill(empty[:, None, None], float("-inf"))
@@ -222,7 +243,7 @@ class _TiledMLR(torch.autograd.Function):
                        o.transpose(1, 2).unflatten(0, (batch, task.count)),
                        l.transpose(1, 2).unflatten(0, (batch, task.count)).to(lse.dtype))
         ctx.save_for_backward(q, k, v, key_real, out, lse)
-        ctx.plan, ctx.flash = plan, flash
+        ctx.plan, ctx.flash, ctx.keys = plan, flash, keys
         return out[..., :pv].contiguous() if out.shape[-1] != pv else out.clone()
 
     @staticmethod
@@ -231,8 +252,8 @@ class _TiledMLR(torch.autograd.Function):
         plan, flash = ctx.plan, ctx.flash
         batch, length, heads, dh = q.shape
         pv = v.shape[-1]
-        width = max(dh, pv) if flash else None
-        qw, vw = (_pad(q, width), _pad(v, width)) if flash else (q, v)
+        width = max(dh, pv) if any(flash) else None
+        qw, vw = (_pad(q, width), _pad(v, width)) if width else (q, v)
         dout = dout.contiguous()
         if dout.shape[-1] != out.shape[-1]:
             dout = _pad(dout, out.shape[-1])
@@ -242,8 +263,8 @@ class _TiledMLR(torch.autograd.Function):
         dq = torch.zeros_like(qw)
         dk = torch.zeros(batch, length, heads, qw.shape[-1], dtype=q.dtype, device=q.device)
         dv = torch.zeros_like(vw)
-        for group in plan.groups:
-            qg, kg = _group_qk(qw, k, group, width)
+        for group, use_flash, kg in zip(plan.groups, flash, ctx.keys):
+            qg = qw if use_flash else qw[..., : group.width]
             gw = qg.shape[-1]
             for task in group.tasks:
                 qt, kt, vt, bt = _task_inputs(qg, kg, vw, bias, task)
@@ -251,9 +272,9 @@ class _TiledMLR(torch.autograd.Function):
                 do_t = _kernel_layout(_parents(dout, task)[:, :, rows])
                 o_t = _kernel_layout(_parents(out, task)[:, :, rows])
                 l_t = _parents(lse, task)[:, :, rows].flatten(0, 1).transpose(1, 2).contiguous()
-                if not flash:
+                if not use_flash:
                     l_t = l_t.to(q.dtype)
-                gq, gk, gv = (_flash_backward if flash else _matmul_backward)(
+                gq, gk, gv = (_flash_backward if use_flash else _matmul_backward)(
                     do_t, qt, kt, vt, o_t, l_t, task.causal, bt, group.scale)
                 keys = slice(task.k0, task.k0 + task.k_len)
                 unflat = (batch, task.count)
@@ -278,8 +299,7 @@ def _group_qk(qw: Tensor, k: Tensor, group: Group, width: int | None) -> tuple[T
     """The group's queries and keys: the first ``group.width`` features (flash: keys zero beyond, full width)."""
     if width is None:
         return qw[..., : group.width], k[..., : group.width]
-    kg = torch.zeros(*k.shape[:-1], width, dtype=k.dtype, device=k.device)
-    kg[..., : group.width] = k[..., : group.width]
+    kg = torch.nn.functional.pad(k[..., : group.width], (0, width - group.width))
     return qw, kg
 
 
@@ -296,12 +316,14 @@ def _task_inputs(qg, kg, vw, bias, task: Task):
 
 
 def _merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Fold a task's normalized ``out`` (.., H, W) and ``lse`` (.., H) into the running ones, in place."""
+    """Fold a task's normalized ``out`` (.., H, W) and ``lse`` (.., H) into the running ones, in place.
+
+    Both are normalized, so the merged output is ``acc + w (out - acc)`` with ``w = exp(lse - logaddexp(acc_lse,
+    lse))``: one pass (``lerp``). Rows where both are ``-inf`` (no allowed key yet) keep ``w = 0``."""
     new = torch.logaddexp(acc_lse, lse)
     safe = torch.where(torch.isinf(new), torch.zeros((), dtype=new.dtype, device=new.device), new)
-    keep = torch.exp(acc_lse - safe).to(acc_out.dtype)[..., None]
     take = torch.exp(lse - safe).to(acc_out.dtype)[..., None]
-    acc_out.mul_(keep).add_(out * take)
+    acc_out.lerp_(out, take)
     acc_lse.copy_(new)
 
 
@@ -322,8 +344,9 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
     feature_scale = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device)
                                for r, s in zip(ranks, scales)])
     q = q * feature_scale
-    plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide)
-    out = _TiledMLR.apply(q, k, v, key_real, plan, _use_flash(q, engine))
+    flash = _flash_usable(q, engine)
+    plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide, dyadic=flash)
+    out = _TiledMLR.apply(q, k, v, key_real, plan, (flash,) * len(plan.groups))
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
