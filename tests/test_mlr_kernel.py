@@ -58,23 +58,27 @@ def _close(a, b, tol=1e-10):
     assert err <= tol * (1 + b.abs().max().item()), err
 
 
-@pytest.mark.parametrize("engine", ["flash", "matmul"])
+ENGINES = {"flash": dict(engine="flash"), "matmul": dict(engine="matmul"),
+           "flash-noleaf": dict(engine="flash", leaf_max=0), "matmul-noleaf": dict(engine="matmul", leaf_max=0)}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("levels", range(len(LEVELS)))
-@pytest.mark.parametrize("length", [1, 37])
+@pytest.mark.parametrize("length", [37])
 def test_op_matches_reference(engine, causal, levels, length):
     ranks, sizes = LEVELS[levels]
     scales = [0.7 / r for r in ranks]
     q, k, v = _inputs(2, length, 2, ranks, 5, seed=length + levels)
     kw = dict(ranks=ranks, block_sizes=sizes, scales=scales, causal=causal)
     ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
-    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, engine=engine, **kw), (q, k, v))
+    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, **ENGINES[engine], **kw), (q, k, v))
     _close(out, ref)
     for g, rg in zip(grads, ref_grads):
         _close(g, rg)
 
 
-@pytest.mark.parametrize("engine", ["flash", "matmul"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("levels", [0, 1, 4])
 def test_masked_nan_pads(engine, causal, levels):
@@ -88,7 +92,7 @@ def test_masked_nan_pads(engine, causal, levels):
     ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
     pad = ~mask[:, :, None, None]
     nan_inputs = [t.masked_fill(pad, float("nan")) for t in (q, k, v)]
-    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, engine=engine, **kw), nan_inputs)
+    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, **ENGINES[engine], **kw), nan_inputs)
     _close(out, ref)
     assert (out.masked_select(pad) == 0).all()
     for g, rg in zip(grads, ref_grads):
@@ -151,6 +155,19 @@ def test_op_matches_mixer(causal, options):
             _close(g, eg)
 
 
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_length_one(engine):
+    ranks, sizes = LEVELS[0]
+    q, k, v = _inputs(2, 1, 2, ranks, 3)
+    for causal in (False, True):
+        kw = dict(ranks=ranks, block_sizes=sizes, scales=[1 / r for r in ranks], causal=causal)
+        ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+        out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, **ENGINES[engine], **kw), (q, k, v))
+        _close(out, ref)
+        for g, rg in zip(grads, ref_grads):
+            _close(g, rg)
+
+
 def test_float32_close_to_float64():
     ranks, sizes = LEVELS[5]
     q, k, v = _inputs(1, 200, 2, ranks, 64, seed=7)
@@ -164,8 +181,8 @@ def test_float32_close_to_float64():
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("length", [1, 7, 64, 100, 129])
 def test_plan_covers_every_pair_once(causal, length):
-    for (ranks, sizes), dyadic in itertools.product(LEVELS, [False, True]):
-        plan = plan_tasks(length, ranks, sizes, causal=causal, block_divide=True, dyadic=dyadic)
+    for (ranks, sizes), dyadic, leaf_max in itertools.product(LEVELS, [False, True], [0, 4, 64]):
+        plan = plan_tasks(length, ranks, sizes, causal=causal, block_divide=True, dyadic=dyadic, leaf_max=leaf_max)
         seen = torch.zeros(length, length, dtype=torch.long)
         for group in plan.groups:
             for t in group.tasks:
@@ -190,7 +207,7 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("engine", ["flash", "matmul"])
+@pytest.mark.parametrize("engine", ["flash", "matmul", "matmul-noleaf"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_no_quadratic_tensor(engine, causal):
     """Forward and backward never build a tensor near ``L x L`` per head (the reference does)."""
@@ -199,7 +216,7 @@ def test_no_quadratic_tensor(engine, causal):
     mask = _right_mask(1, length, [1000])
     with _LargestTensor() as probe:
         out = mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=[1 / r for r in ranks],
-                                  causal=causal, mask=mask, engine=engine)
+                                  causal=causal, mask=mask, **ENGINES[engine])
         out.sum().backward()
     assert probe.largest <= length * length // 8, probe.largest
     with _LargestTensor() as probe:

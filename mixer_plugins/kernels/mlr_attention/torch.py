@@ -33,6 +33,7 @@ One :class:`torch.autograd.Function` runs all tasks; it saves only q, k, v, the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -44,6 +45,8 @@ __all__ = ["MLRPlan", "Task", "mlr_attention_torch", "plan_tasks"]
 _FLASH_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+#: blocks of at most this many tokens, with their finer levels, form one leaf group (see :func:`plan_tasks`)
+LEAF_MAX = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +72,16 @@ class Group:
     width: int
     scale: float
     tasks: tuple[Task, ...]
+    #: a *leaf* group (not None) covers every pair inside the level-``level`` blocks, finer levels included, with
+    #: matmuls on each block: per finer level ``l``, (first feature, end feature, block size).
+    inner: Optional[tuple[tuple[int, int, int], ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class MLRPlan:
     length: int
     groups: tuple[Group, ...]
+    block_divide: bool = True
 
     def pairs(self) -> int:
         """(query, key) pairs computed per (batch, head): the causal pairs or all ``L^2``."""
@@ -99,12 +106,13 @@ def _segments(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
 
 
 def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional[int]], *, causal: bool,
-               block_divide: bool, dyadic: bool = True) -> MLRPlan:
+               block_divide: bool, dyadic: bool = True, leaf_max: int = LEAF_MAX) -> MLRPlan:
     """The groups and tasks that cover every allowed (query, key) pair of a length-``length`` sequence once.
 
     ``dyadic``: cover the global parent with a few large rectangles (halving virtual levels) instead of one query
     tile per child (the flash engine never materializes a rectangle's scores; the matmul engine does, so it keeps
-    rectangles of ``child x length``)."""
+    rectangles of ``child x length``). Levels inside blocks of at most ``leaf_max`` tokens are computed together,
+    block by block (a leaf group), instead of one group per level: their blocks are too small to repay a group."""
     sizes = [None if s is None or s >= length else int(s) for s in block_sizes]
     n = len(sizes)
     num_global = next((i for i, s in enumerate(sizes) if s is not None), n)
@@ -126,8 +134,9 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
                     tasks.append(Task(start, count, plen, q0, q_len, q0 + q_len, after, False))
         return tasks
 
+    leaf = next((j for j in range(num_global, n - 1) if sizes[j] <= leaf_max), None)
     groups = []
-    for m in range(num_global - 1, n - 1):  # parents at level m (the whole sequence for m = num_global - 1)
+    for m in range(num_global - 1, n - 1 if leaf is None else leaf):  # parents at level m (the whole sequence for m = num_global - 1)
         child = sizes[m + 1]
         if m < num_global and dyadic:
             # One parent, the whole sequence, with many children: split it dyadically instead (virtual levels of
@@ -142,11 +151,16 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
         else:
             tasks = child_tasks([(0, 1, length)] if m < num_global else _segments(0, length, sizes[m]), child)
         groups.append(Group(m, widths[m] if m >= 0 else 0, divisor(m), tuple(tasks)))
+    if leaf is not None:
+        inner = tuple((widths[l - 1], widths[l], sizes[l]) for l in range(leaf + 1, n))
+        groups.append(Group(leaf, widths[leaf], divisor(leaf), tuple(
+            Task(s, c, p, 0, p, 0, p, causal) for s, c, p in _segments(0, length, sizes[leaf])), inner))
+        return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
     finest = sizes[-1]
     diag = [(0, 1, length)] if finest is None else _segments(0, length, finest)
     groups.append(Group(n - 1, widths[-1], divisor(n - 1),
                         tuple(Task(s, c, p, 0, p, 0, p, causal) for s, c, p in diag)))
-    return MLRPlan(length, tuple(g for g in groups if g.tasks))
+    return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
 
 
 # -- engines: one task's (output, log-sum-exp) and its backward given the row's final output and log-sum-exp -------
@@ -201,6 +215,65 @@ def _flash_usable(q: Tensor, engine: str) -> bool:
     return usable and engine == "auto"
 
 
+# -- the leaf group: every pair inside small blocks, all their levels, with matmuls on each block -----------------
+
+@functools.lru_cache(maxsize=64)
+def _leaf_constants(n: int, level: int, sizes: tuple[int, ...], block_divide: bool) -> tuple[Tensor, Tensor]:
+    """(n, n) float64 scale of each pair (``1 / number of shared levels`` or 1) and (levels, n, n) same-block masks
+    of the finer levels, for a block of ``n`` tokens aligned with every finer block."""
+    pos = torch.arange(n)
+    same = torch.stack([(pos[:, None] // s == pos[None, :] // s) for s in sizes]).double() if sizes else \
+        torch.zeros(0, n, n, dtype=torch.float64)
+    counts = level + 1 + same.sum(0)
+    scale = 1.0 / counts if block_divide else torch.ones(n, n, dtype=torch.float64)
+    return scale, same
+
+
+def _leaf_parts(q, k, group: Group, block_divide: bool):
+    n = q.shape[-2]
+    scale, same = _leaf_constants(n, group.level, tuple(s for _, _, s in group.inner), block_divide)
+    return scale.to(q.device, q.dtype), same.to(q.device, q.dtype)
+
+
+def _leaf_scores(q, k, bias, group: Group, task: Task, scale, same):
+    s = torch.matmul(q[..., : group.width], k[..., : group.width].transpose(-1, -2))
+    for (c0, c1, _), m in zip(group.inner, same):
+        s = s + m * torch.matmul(q[..., c0:c1], k[..., c0:c1].transpose(-1, -2))
+    s = s * scale
+    if bias is not None:
+        s = s + bias
+    if task.causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _leaf_forward(q, k, v, bias, group: Group, task: Task, *, block_divide: bool):
+    scale, same = _leaf_parts(q, k, group, block_divide)
+    s = _leaf_scores(q, k, bias, group, task, scale, same)
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros((), dtype=lse.dtype, device=lse.device), lse)
+    return torch.matmul(torch.exp(s - safe[..., None]), v), lse
+
+
+def _leaf_backward(dout, q, k, v, out, lse, bias, group: Group, task: Task, *, block_divide: bool):
+    scale, same = _leaf_parts(q, k, group, block_divide)
+    p = torch.exp(_leaf_scores(q, k, bias, group, task, scale, same) - lse[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    delta = (dout * out).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta) * scale
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    w = group.width
+    dq[..., :w] = torch.matmul(ds, k[..., :w])
+    dk[..., :w] = torch.matmul(ds.transpose(-1, -2), q[..., :w])
+    for (c0, c1, _), m in zip(group.inner, same):
+        dsl = ds * m
+        dq[..., c0:c1] = torch.matmul(dsl, k[..., c0:c1])
+        dk[..., c0:c1] = torch.matmul(dsl.transpose(-1, -2), q[..., c0:c1])
+    return dq, dk, dv
+
+
 # -- the autograd Function -------------------------------------------------------------------------------------------
 
 def _parents(t: Tensor, task: Task) -> Tensor:
@@ -229,12 +302,18 @@ class _TiledMLR(torch.autograd.Function):
         lse = torch.full((batch, length, heads), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
         keys = []  # each group's keys, kept for the backward (flash: a zero-padded copy per group)
         for group, use_flash in zip(plan.groups, flash):
-            qg, kg = _group_qk(qw, k, group, width if use_flash else None)
+            if group.inner is not None:
+                qg, kg = q, k
+            else:
+                qg, kg = _group_qk(qw, k, group, width if use_flash else None)
             keys.append(kg)
             for task in group.tasks:
                 args = _task_inputs(qg, kg, vw, bias, task)
-                o, l = (_flash_forward if use_flash else _matmul_forward)(*args[:3], task.causal, args[3],
-                                                                          group.scale)
+                if group.inner is not None:
+                    o, l = _leaf_forward(*args, group, task, block_divide=plan.block_divide)
+                else:
+                    o, l = (_flash_forward if use_flash else _matmul_forward)(*args[:3], task.causal, args[3],
+                                                                              group.scale)
                 if key_real is not None:  # rows whose task keys are all pads (right padding: the first key is)
                     empty = ~_parents(key_real, task)[:, :, task.k0].flatten()
                     l = l.masked_fill(empty[:, None, None], float("-inf"))
@@ -264,8 +343,10 @@ class _TiledMLR(torch.autograd.Function):
         dk = torch.zeros(batch, length, heads, qw.shape[-1], dtype=q.dtype, device=q.device)
         dv = torch.zeros_like(vw)
         for group, use_flash, kg in zip(plan.groups, flash, ctx.keys):
-            qg = qw if use_flash else qw[..., : group.width]
+            leaf = group.inner is not None
+            qg = q if leaf else qw if use_flash else qw[..., : group.width]
             gw = qg.shape[-1]
+            kw = kg.shape[-1] if leaf else group.width
             for task in group.tasks:
                 qt, kt, vt, bt = _task_inputs(qg, kg, vw, bias, task)
                 rows = slice(task.q0, task.q0 + task.q_len)
@@ -274,13 +355,16 @@ class _TiledMLR(torch.autograd.Function):
                 l_t = _parents(lse, task)[:, :, rows].flatten(0, 1).transpose(1, 2).contiguous()
                 if not use_flash:
                     l_t = l_t.to(q.dtype)
-                gq, gk, gv = (_flash_backward if use_flash else _matmul_backward)(
-                    do_t, qt, kt, vt, o_t, l_t, task.causal, bt, group.scale)
+                if leaf:
+                    gq, gk, gv = _leaf_backward(do_t, qt, kt, vt, o_t, l_t.to(q.dtype), bt, group, task,
+                                                block_divide=plan.block_divide)
+                else:
+                    gq, gk, gv = (_flash_backward if use_flash else _matmul_backward)(
+                        do_t, qt, kt, vt, o_t, l_t, task.causal, bt, group.scale)
                 keys = slice(task.k0, task.k0 + task.k_len)
                 unflat = (batch, task.count)
                 _parents(dq, task)[:, :, rows, :, :gw] += gq.transpose(1, 2).unflatten(0, unflat)
-                _parents(dk, task)[:, :, keys, :, :group.width] += \
-                    gk.transpose(1, 2).unflatten(0, unflat)[..., :group.width]
+                _parents(dk, task)[:, :, keys, :, :kw] += gk.transpose(1, 2).unflatten(0, unflat)[..., :kw]
                 _parents(dv, task)[:, :, keys] += gv.transpose(1, 2).unflatten(0, unflat)
         return dq[..., :dh], dk[..., :dh], dv[..., :pv], None, None, None
 
@@ -329,10 +413,12 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
 
 def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], scales: Sequence[float], causal: bool = False,
-                        mask: Tensor | None = None, block_divide: bool = True, engine: str = "auto") -> Tensor:
+                        mask: Tensor | None = None, block_divide: bool = True, engine: str = "auto",
+                        leaf_max: int = LEAF_MAX) -> Tensor:
     """The tiled fast path (see the module docstring); arguments as :func:`mixer_plugins.kernels.mlr_attention`.
 
-    ``engine``: ``"auto"`` (the fused CPU flash op on CPU, else matmuls), ``"flash"`` or ``"matmul"``.
+    ``engine``: ``"auto"`` (the fused CPU flash op on CPU, else matmuls), ``"flash"`` or ``"matmul"``;
+    ``leaf_max``: blocks of at most this many tokens are computed with all their finer levels at once (0: never).
     """
     length = q.shape[1]
     key_real = None
@@ -345,7 +431,8 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
                                for r, s in zip(ranks, scales)])
     q = q * feature_scale
     flash = _flash_usable(q, engine)
-    plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide, dyadic=flash)
+    plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide, dyadic=flash,
+                      leaf_max=leaf_max)
     out = _TiledMLR.apply(q, k, v, key_real, plan, (flash,) * len(plan.groups))
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
