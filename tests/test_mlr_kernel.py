@@ -59,7 +59,7 @@ def _close(a, b, tol=1e-10):
 
 
 ENGINES = {"flash": dict(engine="flash"), "matmul": dict(engine="matmul"),
-           "flash-noleaf": dict(engine="flash", leaf_max=0), "matmul-noleaf": dict(engine="matmul", leaf_max=0)}
+           "flash-leaf": dict(engine="flash", leaf_max=64), "matmul-leaf": dict(engine="matmul", leaf_max=64)}
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -207,7 +207,7 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("engine", ["flash", "matmul", "matmul-noleaf"])
+@pytest.mark.parametrize("engine", ["flash", "matmul", "matmul-leaf"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_no_quadratic_tensor(engine, causal):
     """Forward and backward never build a tensor near ``L x L`` per head (the reference does)."""
