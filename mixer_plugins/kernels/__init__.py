@@ -6,7 +6,8 @@
 * :func:`scan_matrix` — the materialized matrix of any of them (the oracle, and what ``materialize`` returns);
 * :func:`toeplitz_mix` — Toeplitz (long convolution) product by FFT; :func:`toeplitz_matrix` its matrix;
 * :func:`depthwise_conv1d` — the blocks' short convolution (optionally with SiLU fused), tiled along time;
-* :func:`gated_rmsnorm` — the blocks' output norm, tiled, with a hand-written backward.
+* :func:`gated_rmsnorm` — the blocks' output norm, tiled, with a hand-written backward;
+* :func:`mlr_attention` — MLR softmax attention (Kuang et al. 2025), tiled by shared level, O(L) memory.
 
 Backends: ``reference`` (materialized, float64-capable), ``torch`` (chunked, O(L) memory; the CPU
 default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :func:`use_backend` or the
@@ -16,6 +17,7 @@ default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :
 from . import flop_formulas  # noqa: F401  (FlopCounterMode formulas for CPU attention)
 from .conv import depthwise_conv1d
 from .dispatch import BACKENDS, BackendUnavailableError, available_backends, resolve_backend, use_backend
+from .mlr_attention import mlr_attention
 from .norm import gated_rmsnorm
 from .scan import directional_scan, prepare_dt, quasiseparable, ssd
 from .scan_reference import scan_matrix, scan_reference
@@ -37,4 +39,5 @@ __all__ = [
     "toeplitz_mix",
     "depthwise_conv1d",
     "gated_rmsnorm",
+    "mlr_attention",
 ]
