@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixer_plugins
-from mixer_plugins.kernels.mlr_attention import mlr_attention, plan_tasks
+from mixer_plugins.kernels.mlr_attention import mlr_attention, mlr_attention_flops, plan_tasks
 from mixer_plugins.kernels.mlr_attention.torch import mlr_attention_torch
 
 F64 = torch.float64
@@ -251,3 +251,19 @@ def test_argument_checks():
         mlr_attention(q, k, v, mask=torch.tensor([[True, False] * 4]), **ok)
     with pytest.raises(ValueError, match="flash engine"):
         mlr_attention_torch(q.half(), k.half(), v.half(), scales=[0.5, 0.5], engine="flash", **ok)
+
+
+@pytest.mark.parametrize("engine", ["flash", "matmul"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_flops_match_the_flop_counter(engine, causal):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import mixer_plugins.kernels  # noqa: F401  (registers the CPU flash formulas)
+
+    ranks, sizes = LEVELS[0]
+    q, k, v = (t.float() for t in _inputs(2, 45, 3, ranks, 8))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=[1.0] * 4, causal=causal, engine=engine)
+    expected = mlr_attention_flops(2, 3, 45, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal,
+                                   engine=engine)
+    assert counter.get_total_flops() == sum(expected.values())

@@ -27,7 +27,14 @@ from ..dispatch import register_backend, resolve_backend
 from .reference import mlr_attention_reference
 from .torch import mlr_attention_torch, plan_tasks
 
-__all__ = ["check_mlr_arguments", "mlr_attention", "mlr_attention_reference", "mlr_attention_torch", "plan_tasks"]
+__all__ = [
+    "check_mlr_arguments",
+    "mlr_attention",
+    "mlr_attention_flops",
+    "mlr_attention_reference",
+    "mlr_attention_torch",
+    "plan_tasks",
+]
 
 register_backend("mlr_attention", "torch")(mlr_attention_torch)
 register_backend("mlr_attention", "reference")(mlr_attention_reference)
@@ -111,3 +118,26 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
     impl = resolve_backend("mlr_attention", backend, q.device)
     return impl(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
                 block_divide=block_divide)
+
+
+def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[int],
+                        block_sizes: Sequence[Optional[int]], value_width: int, causal: bool = False,
+                        engine: str = "flash") -> dict[str, int]:
+    """Forward FLOPs (2 per multiply-add) the ``torch`` backend runs, as ``FlopCounterMode`` counts them:
+    ``{"scores": ..., "weighted_values": ...}``.
+
+    Every task is a full rectangle (diagonal blocks included). ``engine="flash"`` (the CPU default): the fused
+    kernel takes one width for q, k and v, so each computed pair costs ``max(sum(ranks), value_width)`` multiply-adds
+    for its score and as many for its value; ``"matmul"``: the group's own width ``r_0 + ... + r_m`` and
+    ``value_width``.
+    """
+    flash = engine == "flash"
+    plan = plan_tasks(length, list(ranks), list(block_sizes), causal=causal, block_divide=True, dyadic=flash)
+    width = max(sum(ranks), value_width)
+    scores = values = 0
+    for group in plan.groups:
+        for task in group.tasks:
+            pairs = task.count * task.q_len * task.k_len
+            scores += pairs * (width if flash else group.width)
+            values += pairs * (width if flash else value_width)
+    return {"scores": 2 * batch * heads * scores, "weighted_values": 2 * batch * heads * values}
