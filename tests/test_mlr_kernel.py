@@ -161,8 +161,8 @@ def test_length_one(engine):
     q, k, v = _inputs(2, 1, 2, ranks, 3)
     for causal in (False, True):
         kw = dict(ranks=ranks, block_sizes=sizes, scales=[1 / r for r in ranks], causal=causal)
-        ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
-        out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, **ENGINES[engine], **kw), (q, k, v))
+        ref, ref_grads = _value_and_grads(lambda *t, kw=kw: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+        out, grads = _value_and_grads(lambda *t, kw=kw: mlr_attention_torch(*t, **ENGINES[engine], **kw), (q, k, v))
         _close(out, ref)
         for g, rg in zip(grads, ref_grads):
             _close(g, rg)

@@ -4,7 +4,8 @@ level with dense same-block masks, divides by the level counts, masks, softmax, 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -13,8 +13,11 @@ pairs are therefore split into **groups that share a level**:
 
 Levels whose block covers the whole sequence (``None``, or a size >= L) are merged into one global "parent".
 Every (query rectangle, key rectangle) of a group is a **task**, batched over the parents of the same shape (the
-last, partial parent and the last, partial child are tasks of their own). A task returns its softmax-normalized
-output and log-sum-exp; the tasks are merged per query with log-sum-exp (as in flash attention's split-KV).
+last, partial parent and the last, partial child are tasks of their own). On the flash engine the global parent
+is cut dyadically (virtual levels of ``child * 2^k`` tokens, same width and scale), so a few large batched
+rectangles cover its pairs. A task returns its softmax-normalized output and log-sum-exp; the tasks are merged per
+query with log-sum-exp (as in flash attention's split-KV). Optionally (``leaf_max``, off by default) the levels
+inside small blocks are computed together, block by block, as one *leaf* group.
 
 Engines per task:
 
@@ -35,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -138,7 +142,8 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
 
     leaf = next((j for j in range(num_global, n - 1) if sizes[j] <= leaf_max), None)
     groups = []
-    for m in range(num_global - 1, n - 1 if leaf is None else leaf):  # parents at level m (the whole sequence for m = num_global - 1)
+    # group m: parents at level m (the whole sequence for m = num_global - 1), children at level m + 1
+    for m in range(num_global - 1, n - 1 if leaf is None else leaf):
         child = sizes[m + 1]
         if m < num_global and dyadic:
             # One parent, the whole sequence, with many children: split it dyadically instead (virtual levels of
@@ -151,7 +156,8 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
             for parent, sub in zip(chain[:-1], chain[1:]):
                 tasks += child_tasks(_segments(0, length, parent), sub)
         else:
-            tasks = child_tasks([(0, 1, length)] if m < num_global else _segments(0, length, sizes[m]), child)
+            parents = [(0, 1, length)] if m < num_global else _segments(0, length, sizes[m])
+            tasks = child_tasks(parents, child)
         groups.append(Group(m, widths[m] if m >= 0 else 0, divisor(m), tuple(tasks)))
     if leaf is not None:
         inner = tuple((widths[l - 1], widths[l], sizes[l]) for l in range(leaf + 1, n))
