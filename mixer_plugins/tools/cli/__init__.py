@@ -10,8 +10,8 @@
     mixer-plugins compare            train mixers on synthetic tasks (recall, copying, regression, digits) and compare
 
 One module per subcommand (``list_mixers``, ``info``, ``demo``, ``bench``, ``bench_table``, ``show``, ``flops``,
-``compare``), each exposing ``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console script. Bad arguments exit
-with status 2 and a one-line reason on stderr.
+``compare``), each exposing ``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console script.
+Bad arguments exit with status 2 and a one-line reason on stderr.
 """
 
 from __future__ import annotations
