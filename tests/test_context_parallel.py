@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import mixer_plugins
+from mixer_plugins.registry import default_registry
 from mixer_plugins.parallel import (
     ContextParallelError,
     context_parallel,
@@ -133,7 +134,8 @@ def test_sequence_bounds_are_contiguous_and_balanced():
 
 @pytest.mark.parametrize("name", ["attention", "toeplitz", "mlr_attention", "btt_attention"])
 def test_unsplittable_mixers_raise_a_clear_error(name):
-    mixer = mixer_plugins.create_mixer(name, DIM, **({"max_seq_len": 16} if name == "toeplitz" else {}))
+    options = dict(default_registry.get_spec(name).test_options)
+    mixer = mixer_plugins.create_mixer(name, 32, **options, **({"max_seq_len": 16} if name == "toeplitz" else {}))
     assert not supports_context_parallel(mixer)
     with pytest.raises(ContextParallelError, match="cannot split .* Supported mixers: quasiseparable"):
         context_parallel(mixer)
