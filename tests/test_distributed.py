@@ -205,3 +205,60 @@ def test_data_parallel_equals_one_process(engine_results, host):
             assert r["grad"] <= 1.0, f"gradients differ from one process ({where}): {r['grad']:.3g} x tolerance"
             assert r["param"] <= 1.0, f"parameters after a step differ ({where}): {r['param']:.3g} x tolerance"
             assert r["checkpoint_identical"], f"checkpoint round trip is not bit-identical ({where})"
+
+
+# -- fairseq2's recipe under torchrun ---------------------------------------------------------------------------
+
+def _recipe_env() -> dict:
+    import mixer_plugins as package
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(package.__file__)))
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p), FAIRSEQ2_DEVICE="cpu",
+               OMP_NUM_THREADS="1", FAIRSEQ2_NO_PROGRESS="1", GLOO_SOCKET_IFNAME="lo")
+    return env
+
+
+def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int) -> None:
+    import subprocess
+    import sys
+
+    from dist_helpers import free_port
+
+    # passthrough LR: the schedule must not depend on num_steps, as the run is stopped at step 3 and resumed
+    config = ["--no-rich", "--config", f"regime.num_steps={num_steps}", "regime.checkpoint_every_n_steps=3",
+              "regime.publish_metrics_every_n_steps=1", "data.num_examples=64", f"data.batch_size={batch_size}",
+              "model.config_overrides.mixer=quasiseparable", "lr_scheduler.name=passthrough"]
+    module = ["-m", "mixer_plugins.backbones.fairseq2", str(out_dir)]
+    if nproc == 1:
+        cmd = [sys.executable, *module, *config]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module, *config]
+    done = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def _losses(out_dir) -> dict[int, float]:
+    import json
+
+    losses = {}
+    with open(os.path.join(out_dir, "metrics", "train.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            losses[int(record["Step"])] = float(record["NLL Loss"])
+    return losses
+
+
+def test_fairseq2_recipe_under_torchrun_follows_one_process_and_resumes(tmp_path):
+    """torchrun, 2 CPU ranks (gloo), data.batch_size=4 each, stopped at step 3 and resumed from its checkpoint,
+    gives the loss curve of one process with data.batch_size=8 (float32; rtol 1e-4)."""
+    pytest.importorskip("fairseq2")
+    _recipe(tmp_path / "one", nproc=1, batch_size=8, num_steps=6)
+    _recipe(tmp_path / "two", nproc=2, batch_size=4, num_steps=3)
+    assert os.path.isdir(tmp_path / "two" / "checkpoints" / "step_3")
+    _recipe(tmp_path / "two", nproc=2, batch_size=4, num_steps=6)        # resumes from step 3
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), f"step {step}: 2 ranks {two[step]} vs 1 {one[step]}"
