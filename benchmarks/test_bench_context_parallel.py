@@ -61,6 +61,7 @@ def _run(world_size: int, length: int) -> list[dict]:
     return run_spawned(_measure, world_size, length)
 
 
+@pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")
 def test_context_parallel_memory(benchmarking_enabled):
     length = LONG if benchmarking_enabled else SHORT
     rows = {w: _run(w, length) for w in (1, 2, 4)}

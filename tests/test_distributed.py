@@ -225,10 +225,10 @@ def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int) -> None:
 
     from dist_helpers import free_port
 
-    # passthrough LR: the schedule must not depend on num_steps, as the run is stopped at step 3 and resumed
+    # the LR schedule must not depend on num_steps: the run is stopped at step 3, then resumed to step 6
     config = ["--no-rich", "--config", f"regime.num_steps={num_steps}", "regime.checkpoint_every_n_steps=3",
               "regime.publish_metrics_every_n_steps=1", "data.num_examples=64", f"data.batch_size={batch_size}",
-              "model.config_overrides.mixer=quasiseparable", "lr_scheduler.name=passthrough"]
+              "model.config_overrides.mixer=quasiseparable", "lr_scheduler.config.cycle_len=6"]
     module = ["-m", "mixer_plugins.backbones.fairseq2", str(out_dir)]
     if nproc == 1:
         cmd = [sys.executable, *module, *config]
@@ -262,3 +262,30 @@ def test_fairseq2_recipe_under_torchrun_follows_one_process_and_resumes(tmp_path
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-4), f"step {step}: 2 ranks {two[step]} vs 1 {one[step]}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mlm_reader_shares_make_the_single_process_batch(world):
+    """Rank shares of global batch k, concatenated, are batch k of one process (tokens, inputs, masks)."""
+    pytest.importorskip("fairseq2")
+    from mixer_plugins.backbones.fairseq2.corpus import ByteTokenizer, encode_all, generate_corpus
+    from mixer_plugins.backbones.fairseq2.data import MlmDataReader, MlmDataSection
+
+    tok = ByteTokenizer()
+    examples = encode_all(tok, generate_corpus(50, seed=0), 40)
+    one = MlmDataReader(examples, MlmDataSection(batch_size=4 * world, max_seq_len=40), tok)
+    ranks = [MlmDataReader(examples, MlmDataSection(batch_size=4, max_seq_len=40), tok, rank=r, world_size=world)
+             for r in range(world)]
+    full, rest = divmod(50, 4 * world)
+    steps = full + (1 if rest >= world else 0)    # a last global batch too small for every rank is dropped
+    for _ in range(steps):
+        (whole,) = next(one)
+        parts = [next(r)[0] for r in ranks]
+        assert sum((p.seq_lens for p in parts), []) == whole.seq_lens
+        for name in ("inputs", "targets", "target_mask"):
+            width = getattr(whole, name).shape[1]
+            glued = torch.cat([F.pad(getattr(p, name), (0, width - getattr(p, name).shape[1])) for p in parts])
+            assert torch.equal(glued, getattr(whole, name)), name
+    for r in ranks:                     # every rank ends the epoch at the same step
+        with pytest.raises(StopIteration):
+            next(r)
