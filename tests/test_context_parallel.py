@@ -1,9 +1,10 @@
 """Context parallelism of the scan mixers: each rank runs a contiguous segment of one long sequence.
 
 Outputs, input gradients and (summed) parameter gradients must equal the single-process mixer in float64
-(largest difference below 1e-10 of the largest magnitude of the reference tensor) for 2, 3 and 4 ranks, lengths that do not divide evenly (and segments shorter than the
-convolution's halo), with and without padding masks. One spawn of 4 gloo ranks on 127.0.0.1 runs every
-case (sub-groups of 2 and 3 ranks for the smaller sizes).
+(largest difference below 1e-10 of the largest magnitude of the reference tensor) for 2, 3 and 4 ranks,
+lengths that do not divide evenly (and segments shorter than the convolution's halo), with and without
+padding masks. One spawn of 4 gloo ranks on 127.0.0.1 runs every case (sub-groups of 2 and 3 ranks for the
+smaller sizes).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import run_spawned
 
 import mixer_plugins
-from mixer_plugins.registry import default_registry
 from mixer_plugins.parallel import (
     ContextParallelError,
     context_parallel,
@@ -24,8 +25,7 @@ from mixer_plugins.parallel import (
     shard_sequence,
     supports_context_parallel,
 )
-
-from dist_helpers import run_spawned
+from mixer_plugins.registry import default_registry
 
 TOL = 1e-10
 DIM = 16

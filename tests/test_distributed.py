@@ -22,11 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_helpers import run_spawned
 
 import mixer_plugins  # noqa: F401  (registers our timm names)
 from mixer_plugins.registry import default_registry
-
-from dist_helpers import run_spawned
 
 timm = pytest.importorskip("timm")
 

@@ -30,7 +30,7 @@ Exchanged per call: one all-gather of ``2 * (k+1)/2`` rows of the input per rank
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
