@@ -23,7 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-LONG, SHORT = 65536, 1024
+#: Tokens of the benchmarked sequence (``MIXER_PLUGINS_CP_BENCH_TOKENS`` overrides it) and of the CI smoke run.
+LONG = int(os.environ.get("MIXER_PLUGINS_CP_BENCH_TOKENS", 65536))
+SHORT = 1024
 DIM = 256
 
 
