@@ -30,6 +30,7 @@ Exchanged per call: one all-gather of ``2 * (k+1)/2`` rows of the input per rank
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -40,8 +41,9 @@ from torch.distributed import ProcessGroup
 
 from ..errors import MixerError, MixerInputError
 from ..kernels import directional_scan
+from ..layers.masks import zero_pads
+from ..mixers._ssm import BidirectionalSSMBlock
 from ..mixers.base import MixerContext, check_mixer_input
-from ..mixers.quasiseparable import BidirectionalSSMBlock
 from ..mixers.semiseparable import SemiseparableMixer
 from ._comm import all_gather_autograd, all_gather_ints, group_rank, group_size
 
@@ -304,41 +306,39 @@ class ContextParallelMixer(nn.Module):
             prev_C = ctx_ext.C_f[:, n_left - 1] if (self.shift and n_left > 0) else None
             next_C = ctx_ext.C_b[:, n_left + length] if (self.shift and n_right > 0) else None
             xs = ctx.x.to(work)
-            fwd = _Direction(xs, ctx.delta_f.to(work), ctx.A, ctx.B_f.to(work), ctx.C_f.to(work), reverse=False,
+            fwd = _Direction(xs, ctx.dt_f.to(work), ctx.A, ctx.B_f.to(work), ctx.C_f.to(work), reverse=False,
                              shift=self.shift, neighbour_C=None if prev_C is None else prev_C.to(work))
-            bwd = _Direction(xs, ctx.delta_b.to(work), ctx.A, ctx.B_b.to(work), ctx.C_b.to(work), reverse=True,
+            bwd = _Direction(xs, ctx.dt_b.to(work), ctx.A, ctx.B_b.to(work), ctx.C_b.to(work), reverse=True,
                              shift=self.shift, neighbour_C=None if next_C is None else next_C.to(work))
             H, G = self._exchange_states([fwd, bwd])
             cross_f = fwd.cross_term(H).to(ctx.x.dtype)
             cross_b = bwd.cross_term(G).to(ctx.x.dtype)
             y = self._mix_bidirectional(ctx, cross_f, cross_b)
         else:
-            fwd = _Direction(ctx.values.to(work), ctx.delta.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
+            fwd = _Direction(ctx.values.to(work), ctx.dt.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
                              reverse=False, shift=False, neighbour_C=None)
             (H,) = self._exchange_states([fwd])
             y = mixer.mix(ctx) + fwd.cross_term(H).to(ctx.values.dtype)
         out = mixer.finish(ctx, y)
-        return mixer._zero_pads(out, mask)
+        return zero_pads(out, mask)
 
     @staticmethod
     def _crop(ctx: MixerContext, batch: int, ext_length: int, start: int, length: int) -> MixerContext:
         """The context restricted to this rank's own tokens (every per-token tensor cut along time)."""
         fields = {}
-        for name, value in ctx.__dict__.items():
+        for field in dataclasses.fields(ctx):
+            value = getattr(ctx, field.name)
             if isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch, ext_length):
-                value = value[:, start:start + length]
-            fields[name] = value
-        cropped = MixerContext(fields.pop("values"), fields.pop("mask"))
-        cropped.__dict__.update(fields)
-        return cropped
+                fields[field.name] = value[:, start:start + length]
+        return dataclasses.replace(ctx, **fields)
 
     def _mix_bidirectional(self, ctx: MixerContext, cross_f: Tensor, cross_b: Tensor) -> Tensor:
         mixer = self.mixer
         if mixer.combine == "sum":
             return mixer.mix(ctx) + cross_f + cross_b
         kw = dict(shift=mixer.shift, chunk_size=mixer.chunk_size)
-        y_f = directional_scan(ctx.x, ctx.delta_f, ctx.A, ctx.B_f, ctx.C_f, **kw) + cross_f
-        y_b = directional_scan(ctx.x, ctx.delta_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, **kw) + cross_b
+        y_f = directional_scan(ctx.x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, **kw) + cross_f
+        y_b = directional_scan(ctx.x, ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, **kw) + cross_b
         if mixer.combine == "product":
             return y_f * y_b
         return torch.cat([y_f, y_b], dim=2)
