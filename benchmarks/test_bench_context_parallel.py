@@ -31,8 +31,8 @@ DIM = 256
 
 def _measure(rank: int, world_size: int, length: int) -> dict:
     import mixer_plugins
-    from mixer_plugins.benchmarking import peak_memory
     from mixer_plugins.parallel import context_parallel, sequence_bounds
+    from mixer_plugins.tools.benchmarking import peak_memory
 
     torch.manual_seed(0)
     mixer = mixer_plugins.create_mixer("quasiseparable", DIM)

@@ -29,7 +29,7 @@ from mixer_plugins.registry import default_registry
 
 TOL = 1e-10
 DIM = 16
-OPTIONS = dict(headdim=8, d_state=4, ngroups=2, chunk_size=4)
+OPTIONS = dict(head_dim=8, d_state=4, ngroups=2, chunk_size=4)
 MIXERS = {
     "quasiseparable": {},
     "quasiseparable_shared_bc": {"shared_bc": True},
