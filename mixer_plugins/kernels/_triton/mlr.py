@@ -19,47 +19,17 @@ set before import.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-try:  # the ``triton`` package, not this module (absolute import)
-    import triton
-    import triton.language as tl
-    _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - triton is an optional extra
-    triton = None
-    tl = None
-    _IMPORT_ERROR = f"triton is not importable ({exc})"
+from ._common import DOT_PRECISION as _DOT_PRECISION
+from ._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
+from ._common import available, tl, triton
 
 __all__ = ["available", "mlr_attention_triton"]
-
-_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-# Precision of the kernels' float32 matmuls, fixed at import: "ieee" (default: exact float32, the tested
-# semantics; on GPUs it runs on CUDA cores, not tensor cores), "tf32x3" (about float32 accuracy on tensor
-# cores) or "tf32" (fastest, ~1e-3 relative). Set MIXER_PLUGINS_TRITON_DOT before importing this module.
-_DOT_PRECISION_NAME = os.environ.get("MIXER_PLUGINS_TRITON_DOT", "ieee")
-if _DOT_PRECISION_NAME not in ("ieee", "tf32", "tf32x3"):
-    raise ValueError(f"MIXER_PLUGINS_TRITON_DOT must be ieee, tf32 or tf32x3, got {_DOT_PRECISION_NAME!r}")
-_DOT_PRECISION = tl.constexpr(_DOT_PRECISION_NAME) if tl is not None else None
-
-
-def available(device: torch.device | str | None = None) -> str | None:
-    """Why the Triton MLR attention cannot run on ``device``, or None if it can."""
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if _INTERPRET_AT_IMPORT:
-        if dev.type != "cpu":
-            return "TRITON_INTERPRET=1 was set at import: the kernels run on CPU tensors only"
-        return None
-    if dev.type != "cuda" or not torch.cuda.is_available():
-        return "the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import, to run them on CPU)"
-    return None
 
 
 if triton is not None:

@@ -40,7 +40,6 @@ Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this modul
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -48,14 +47,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-try:  # the ``triton`` package, not this module (absolute import)
-    import triton
-    import triton.language as tl
-    _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - triton is an optional extra
-    triton = None
-    tl = None
-    _IMPORT_ERROR = f"triton is not importable ({exc})"
+from .._scan.inputs import prepare_dt
+from ._common import DOT_PRECISION as _DOT_PRECISION
+from ._common import available, tl, triton
 
 __all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan_triton", "scan_triton",
            "scan_triton_flops"]
@@ -65,32 +59,8 @@ __all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan
 # decay gradient in the backward kernel (forward unchanged). Never set it outside tests.
 _DEBUG_BUG = 0
 
-_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-# Precision of the kernels' float32 matmuls, fixed at import: "ieee" (default: exact float32, the tested
-# semantics; on GPUs it runs on CUDA cores, not tensor cores), "tf32x3" (about float32 accuracy on tensor
-# cores) or "tf32" (fastest, ~1e-3 relative). Set MIXER_PLUGINS_TRITON_DOT before importing this module.
-_DOT_PRECISION_NAME = os.environ.get("MIXER_PLUGINS_TRITON_DOT", "ieee")
-if _DOT_PRECISION_NAME not in ("ieee", "tf32", "tf32x3"):
-    raise ValueError(f"MIXER_PLUGINS_TRITON_DOT must be ieee, tf32 or tf32x3, got {_DOT_PRECISION_NAME!r}")
-_DOT_PRECISION = tl.constexpr(_DOT_PRECISION_NAME) if tl is not None else None
 
 
-def available(device: torch.device | str | None = None) -> str | None:
-    """Why the Triton scan cannot run on ``device`` (default: CUDA if present, else CPU), or None if it can."""
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if _INTERPRET_AT_IMPORT:
-        if dev.type != "cpu":
-            return "TRITON_INTERPRET=1 was set when the kernels were defined: they run on CPU tensors only"
-        return None
-    if dev.type != "cuda":
-        return ("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
-                "mixer_plugins.kernels.quasiseparable.triton is imported, to run them on CPU)")
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    return None
 
 
 def _block(n: int) -> int:
@@ -764,19 +734,6 @@ def _qs_bwd_op_flops(dy_shape, dfinal_shape, x_shape, dt_f_shape, A_f_shape, B_f
     return scan_triton_flops(b, l, h, p, n, directions, args[-1], backward=True)
 
 
-def _prepare_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
-    """``clamp(softplus?(dt + dt_bias), *dt_limit)`` in float32 (same as ``kernels.prepare_dt``), autograd-able."""
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    lo, hi = dt_limit
-    if lo > 0.0 or hi != math.inf:
-        dt = dt.clamp(min=lo, max=hi)
-    return dt
-
-
 def scan_triton(
     x: Tensor,
     dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
@@ -823,8 +780,8 @@ def quasiseparable_triton(
     B_bwd = B if B_bwd is None else B_bwd
     C_bwd = C if C_bwd is None else C_bwd
     A_bwd = A if A_bwd is None else A_bwd
-    dt_f = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
-    dt_b = _prepare_dt(dt_bwd, dt_bias, dt_softplus, dt_limit)
+    dt_f = prepare_dt(dt, dt_bias, dt_softplus, dt_limit).float()
+    dt_b = prepare_dt(dt_bwd, dt_bias, dt_softplus, dt_limit).float()
     return scan_triton(x, dt_f, A, B, C, dt_b, A_bwd, B_bwd, C_bwd, diag, seq_idx, shift=shift,
                        chunk_size=chunk_size)
 
@@ -835,7 +792,7 @@ def directional_scan_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf), seq_idx: Tensor | None = None,
 ) -> Tensor:
     """One scan direction (``mixer_plugins.kernels.directional_scan``): the same kernels, the other off."""
-    dtp = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dtp = prepare_dt(dt, dt_bias, dt_softplus, dt_limit).float()
     gens = (dtp, A, B, C)
     fwd, bwd = (gens, (None,) * 4) if not reverse else ((None,) * 4, gens)
     return scan_triton(x, *fwd, *bwd, None, seq_idx, shift=shift, chunk_size=chunk_size)
@@ -849,7 +806,7 @@ def ssd_triton(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal SSD (``mixer_plugins.kernels.ssd``): the forward direction alone, unshifted; D and the
     SiLU(z) gate are applied in PyTorch after the kernel. The final states are float32."""
-    dtp = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dtp = prepare_dt(dt, dt_bias, dt_softplus, dt_limit).float()
     y, final = scan_triton(x, dtp, A, B, C, None, None, None, None, None, seq_idx, initial_states,
                            shift=False, chunk_size=chunk_size, return_final_state=True)
     if D is not None or z is not None:
