@@ -54,6 +54,7 @@ __all__ = [
     "mup_fan_ins",
     "mup_init",
     "mup_param_groups",
+    "RMS_CAP_EPS",
     "rms_cap",
     "rms_cap_target",
     "standard_init",
@@ -84,6 +85,10 @@ def attention_logit_scale(dot_dim: int, rule: LogitRule = "standard", multiplier
     raise ValueError(f"unknown logit scaling rule {rule!r}; expected 'standard' or 'mup'")
 
 
+#: Added to the mean square under the root in :func:`rms_cap`, as the structured-attention code does.
+RMS_CAP_EPS = 1e-8
+
+
 def rms_cap_target(fan_in: int, fan_out: int) -> float:
     """The RMS cap ``kappa = sqrt(min(fan_in, fan_out)) / fan_in`` of a structured core (the muP spectral std)."""
     if fan_in <= 0 or fan_out <= 0:
@@ -92,14 +97,14 @@ def rms_cap_target(fan_in: int, fan_out: int) -> float:
 
 
 def rms_cap(weight: Tensor, fan_in: int, fan_out: int) -> Tensor:
-    """``weight / max(1, rms(weight) / kappa)``: shrink a core whose RMS exceeds :func:`rms_cap_target`.
+    """``weight / max(1, rms(weight) / kappa)``, ``rms = sqrt(mean(weight^2) + 1e-8)``: shrink a core whose RMS exceeds :func:`rms_cap_target`.
 
     Applied in the forward pass (gradients flow through the rescale), as the structured-attention code does for its
     BTT and Bilinear-MLR cores: it keeps a core's scale bounded when a large learning rate would inflate it. At the
     muP init the factor is about 1 (a rank-``s`` BTT left core is shrunk by about ``sqrt(s)``).
     """
     kappa = rms_cap_target(fan_in, fan_out)
-    rms = weight.pow(2).mean().sqrt()
+    rms = (weight.pow(2).mean() + RMS_CAP_EPS).sqrt()  # the paper's code adds 1e-8 under the root
     return weight / torch.clamp(rms / kappa, min=1.0)
 
 
