@@ -40,12 +40,13 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "AttentionLogitsProbe",
     "CoordCheckModel",
     "CoordCheckResult",
     "MixerFactory",
@@ -430,24 +431,58 @@ def coord_check(build_model: Callable[[int], nn.Module], widths: Sequence[int], 
     )
 
 
+#: Suffix of the recorded attention logits of a module that exposes them (see :class:`AttentionLogitsProbe`).
+LOGITS_SUFFIX = ".logits"
+
+
+@runtime_checkable
+class AttentionLogitsProbe(Protocol):
+    """What a module implements so that :func:`coord_check` also records its attention logits.
+
+    ``attention_logits`` takes the module's forward arguments (``x``, ``mask=``) and returns the pre-softmax logits,
+    (batch, heads, L, L), scale included, before any mask. :func:`coord_check` calls it (without gradients) right
+    after the module's forward and records the result as ``"<module name>.logits"``, like any output: RMS per step and
+    the RMS of each update's change. The structured softmax mixers implement it; so does plain attention inside
+    :class:`mixer_plugins.testing.MixerCoordCheckModel`.
+    """
+
+    def attention_logits(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor: ...
+
+
 class _ActivationRecorder:
-    """Forward hooks that record, for one forward, each module's output RMS and flattened output."""
+    """Forward hooks that record, for one forward, each module's output RMS and flattened output, and the attention
+    logits of modules that expose them (:class:`AttentionLogitsProbe`)."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]]):
         self.modules = modules
         self.sums: dict[str, list[float]] = {}
         self.outputs: dict[str, list[Tensor]] = {}
+        self._paused = False
+
+    def _record(self, name: str, tensor) -> None:
+        if self._paused or not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
+            return
+        flat = tensor.detach().double().reshape(-1)
+        acc = self.sums.setdefault(name, [0.0, 0])
+        acc[0] += float(flat.pow(2).sum())
+        acc[1] += flat.numel()
+        self.outputs.setdefault(name, []).append(flat)
 
     def _hook(self, name: str):
         def hook(_module, _args, output):
-            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
-            if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
+            self._record(name, output[0] if isinstance(output, (tuple, list)) and output else output)
+        return hook
+
+    def _logits_hook(self, name: str):
+        def hook(module, args, kwargs, _output):
+            if self._paused:
                 return
-            flat = tensor.detach().double().reshape(-1)
-            acc = self.sums.setdefault(name, [0.0, 0])
-            acc[0] += float(flat.pow(2).sum())
-            acc[1] += flat.numel()
-            self.outputs.setdefault(name, []).append(flat)
+            self._paused = True  # the probe's own submodule calls are not the model's activations
+            try:
+                logits = module.attention_logits(*args, **kwargs)
+            finally:
+                self._paused = False
+            self._record(name + LOGITS_SUFFIX, logits)
         return hook
 
     @torch.no_grad()
@@ -455,6 +490,8 @@ class _ActivationRecorder:
         """Eval-mode forward on ``inputs``: (RMS per module, flattened output per module)."""
         self.sums, self.outputs = {}, {}
         handles = [module.register_forward_hook(self._hook(name)) for name, module in self.modules]
+        handles += [module.register_forward_hook(self._logits_hook(name), with_kwargs=True)
+                    for name, module in self.modules if callable(getattr(module, "attention_logits", None))]
         was_training = model.training
         try:
             model.eval()

@@ -24,6 +24,7 @@ from .base import MatrixMixer, QKContext
 
 __all__ = [
     "AttentionLinkOptions",
+    "AttentionLogitsMixin",
     "LevelRanksConfig",
     "LocalPlan",
     "QKVSoftmaxMixer",
@@ -83,6 +84,17 @@ class AttentionLinkOptions(MixerConfig):
         0.0, ge=0.0, lt=1.0,
         description="dropout probability on the attention weights (training only; the paper's code `dropout`)",
     )
+
+
+class AttentionLogitsMixin:
+    """Gives a softmax mixer with a ``logits(ctx)`` method the public probe
+    :meth:`attention_logits` (the :class:`~mixer_plugins.layers.mup.AttentionLogitsProbe` protocol the coordinate check
+    uses to record attention logits)."""
+
+    def attention_logits(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        """Pre-softmax logits (batch, heads, L, L) for input ``x`` (scale included, before masking)."""
+        x, mask = self._begin(x, mask)
+        return self.logits(self.prepare(x, mask))
 
 
 #: Levels of the multi-level mixers when no rank list is given.

@@ -27,7 +27,14 @@ from torch import Tensor, nn
 from ..layers.masks import dense_allowed
 from ..layers.mup import rms_cap
 from ..registry.spec import MixerSpec
-from ._softmax_common import AttentionLinkOptions, LevelRanksConfig, attention_weights, dot_scores, fused_attention
+from ._softmax_common import (
+    AttentionLinkOptions,
+    AttentionLogitsMixin,
+    LevelRanksConfig,
+    attention_weights,
+    dot_scores,
+    fused_attention,
+)
 from .base import MatrixMixer, MixerContext
 
 __all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "LevelsContext", "SPEC"]
@@ -72,7 +79,7 @@ class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
         return [2**level for level in range(len(self.resolved_ranks()))]
 
 
-class BilinearMLRAttention(MatrixMixer):
+class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
     """Bilinear-MLR attention: per-level block-diagonal q/k maps ``q_weight_<l>``/``k_weight_<l>`` of shape
     ``(p_l, D/p_l, H r_l)``, per-level LNs, softmax, dense ``value`` and ``proj``."""
 

@@ -30,7 +30,13 @@ from torch import Tensor, nn
 from ..layers.masks import dense_allowed
 from ..layers.mlbtc import MLBTC, BTCLevel, factorize
 from ..registry.spec import MixerSpec
-from ._softmax_common import AttentionLinkOptions, SoftmaxMixerConfig, attention_weights, fused_attention
+from ._softmax_common import (
+    AttentionLinkOptions,
+    AttentionLogitsMixin,
+    SoftmaxMixerConfig,
+    attention_weights,
+    fused_attention,
+)
 from .base import MatrixMixer, MixerContext
 
 __all__ = ["BTTAttention", "BTTAttentionConfig", "BTTContext", "SPEC"]
@@ -71,7 +77,7 @@ class BTTAttentionConfig(SoftmaxMixerConfig, AttentionLinkOptions):
         return tuple(self.factors) if self.factors is not None else factorize(self.dim)
 
 
-class BTTAttention(MatrixMixer):
+class BTTAttention(AttentionLogitsMixin, MatrixMixer):
     """Bilinear-BTT attention. ``key_transform`` is the MLBTC of all heads' ``M_h``; ``key_norm`` the shared LN."""
 
     def __init__(self, config: BTTAttentionConfig):

@@ -35,6 +35,7 @@ from ..layers.masks import dense_allowed
 from ..registry.spec import MixerSpec
 from ._softmax_common import (
     AttentionLinkOptions,
+    AttentionLogitsMixin,
     LevelRanksConfig,
     QKVSoftmaxConfig,
     QKVSoftmaxMixer,
@@ -176,7 +177,7 @@ class _MergeBlocks(torch.autograd.Function):
         return (grad_scores, None, None, *grad_subs)
 
 
-class MLRAttention(QKVSoftmaxMixer):
+class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
     """MLR attention: q/k/v projections, QK-LN, multi-level block-diagonal low-rank scores, softmax, ``proj``."""
 
     def __init__(self, config: MLRAttentionConfig):
