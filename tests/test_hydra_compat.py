@@ -111,7 +111,8 @@ def test_released_hydra_checkpoint_loads_unchanged_and_gives_the_same_output(cas
     sd = released_hydra_state_dict(d_model, d_state, headdim, ngroups, d_conv, expand, bias=case.get("bias", False),
                                    init_states=case.get("init_states", False))
     hydra = Hydra(d_model, d_state=d_state, d_conv=d_conv, expand=expand, headdim=headdim, ngroups=ngroups,
-                  dt_limit=case.get("dt_limit", (0.0, float("inf"))), learnable_init_states=case.get("init_states", False),
+                  dt_limit=case.get("dt_limit", (0.0, float("inf"))),
+                  learnable_init_states=case.get("init_states", False),
                   bias=case.get("bias", False), chunk_size=4, dtype=F64)
     assert set(hydra.state_dict()) == set(sd)              # the released keys, no more, no fewer
     hydra.load_state_dict(sd)                              # strict
@@ -136,7 +137,7 @@ def test_hydra_has_the_released_constructor_and_attributes():
         hydra(torch.randn(1, 4, 32), seq_idx=torch.zeros(1, 4, dtype=torch.long))
 
 
-# -- the options on the quasiseparable mixer itself (item 3) ------------------------------------------------------------
+# -- the options on the quasiseparable mixer itself (item 3) -----------------------------------------------------------
 
 def _ours(sd):
     return {{"A_log": "ssm.A_log", "dt_bias": "ssm.dt_bias", "D": "ssm.D"}.get(k, k): v for k, v in sd.items()}
@@ -218,7 +219,7 @@ def test_hydra_options_are_validated(options, message):
         mp.create_mixer("quasiseparable", 16, head_dim=8, **options)
 
 
-# -- the released matrix-mixer checkpoints (item 7) ---------------------------------------------------------------------
+# -- the released matrix-mixer checkpoints (item 7) --------------------------------------------------------------------
 
 def test_released_data_independent_toeplitz_taps_are_rolled_by_one():
     lmax, d_model, headdim = 6, 16, 8

@@ -559,7 +559,8 @@ def _released_btt_scores(mixer, x):
 
 def _released_link(scores, causal, link):
     length = scores.shape[-1]
-    keep = torch.ones(length, length, dtype=torch.bool).tril() if causal else torch.ones(length, length, dtype=torch.bool)
+    keep = torch.ones(length, length, dtype=torch.bool)
+    keep = keep.tril() if causal else keep
     if link == "softmax":
         return scores.masked_fill(~keep, float("-inf")).softmax(-1)
     return scores.masked_fill(~keep, 0.0)

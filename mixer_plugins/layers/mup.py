@@ -98,7 +98,8 @@ def rms_cap_target(fan_in: int, fan_out: int) -> float:
 
 
 def rms_cap(weight: Tensor, fan_in: int, fan_out: int) -> Tensor:
-    """``weight / max(1, rms(weight) / kappa)``, ``rms = sqrt(mean(weight^2) + 1e-8)``: shrink a core whose RMS exceeds :func:`rms_cap_target`.
+    """``weight / max(1, rms(weight) / kappa)`` with ``rms = sqrt(mean(weight^2) + 1e-8)``: shrink a core whose RMS
+    exceeds :func:`rms_cap_target`.
 
     Applied in the forward pass (gradients flow through the rescale), as the structured-attention code does for its
     BTT and Bilinear-MLR cores: it keeps a core's scale bounded when a large learning rate would inflate it. At the
