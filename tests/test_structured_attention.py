@@ -243,7 +243,7 @@ def btt_reference_matrices(mixer) -> torch.Tensor:
     if mixer.config.rms_cap:
         def cap(w, fan_in, fan_out):
             kappa = math.sqrt(min(fan_in, fan_out)) / fan_in
-            return w / max(1.0, w.pow(2).mean().sqrt().item() / kappa)
+            return w / max(1.0, (w.pow(2).mean() + 1e-8).sqrt().item() / kappa)  # the released code's +1e-8
         left, right = cap(left, c * s, a), cap(right, d, heads * b * s)
     mats = torch.zeros(heads, dim, dim, dtype=F64)
     for h in range(heads):
@@ -274,7 +274,7 @@ def test_t5_btt_fast_path_equals_the_materialized_formula(options):
     tau = 1 / 24 if options.get("logit_scaling") == "mup" else 1 / math.sqrt(24)
     scores = tau * torch.einsum("bie,bjhe->bhij", query, keys)
     probs = reference_softmax(scores, allowed_pairs(10, False, mask, 2))
-    v = (x @ mixer.value.weight.T).view(2, 10, 3, 8)
+    v = (query @ mixer.value.weight.T).view(2, 10, 3, 8)  # values from the normalised x, as the released code
     torch.testing.assert_close(mixer.materialize(x, mask=mask), probs, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(mixer(x, mask=mask), output_from_probs(mixer, probs, v, mask), rtol=1e-10, atol=1e-12)
 
@@ -542,3 +542,109 @@ def test_mup_knows_the_fan_in_of_every_parameter():
     assert [mup.mup_fan_ins(bmlr)[f"q_weight_{lv}"] for lv in range(3)] == [64, 32, 16]  # D / p_l
     for name in ["mlr_attention", "sliding_window_attention", "global_local_attention"]:
         assert set(mup.mup_fan_ins(mp.create_mixer(name, 64, num_heads=4)).values()) == {1, 64}
+
+
+# -- the released code's options (issue 15, item 3): formulas of src/model.py, weights copied, float64 ----------------
+
+def _released_btt_scores(mixer, x):
+    """The released BilinearBTTAttention up to the link: x <- LN_X(x) when the extra LN is on, then
+    tau * x_i . LN(M_h x_j) with the cores capped by W / max(1, sqrt(mean W^2 + 1e-8) / kappa)."""
+    if mixer.config.input_norm:
+        x = F.layer_norm(x, (mixer.dim,), mixer.input_norm.weight, eps=1e-5)
+    mats = btt_reference_matrices(mixer)
+    keys = F.layer_norm(torch.einsum("hed,bjd->bjhe", mats, x), (mixer.dim,), mixer.key_norm.weight, eps=1e-5)
+    tau = 1 / mixer.dim if mixer.config.logit_scaling == "mup" else 1 / math.sqrt(mixer.dim)
+    return x, tau * torch.einsum("bie,bjhe->bhij", x, keys)
+
+
+def _released_link(scores, causal, link):
+    length = scores.shape[-1]
+    keep = torch.ones(length, length, dtype=torch.bool)
+    keep = keep.tril() if causal else keep
+    if link == "softmax":
+        return scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    return scores.masked_fill(~keep, 0.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_btt_input_norm_also_normalises_the_values_like_the_released_code(causal):
+    mixer = make("btt_attention", 24, num_heads=3, factors=[4, 6], btt_rank=2, input_norm=True, causal=causal)
+    with torch.no_grad():
+        mixer.input_norm.weight.uniform_(0.5, 1.5)
+    x = randn(2, 9, 24) * 3 + 1
+    xn, scores = _released_btt_scores(mixer, x)
+    v = (xn @ mixer.value.weight.T).view(2, 9, 3, 8)  # c_attn_v reads the normalised x
+    expected = output_from_probs(mixer, _released_link(scores, causal, "softmax"), v)
+    torch.testing.assert_close(mixer(x), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(mixer.forward_via_matrix(x), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_rms_cap_adds_the_released_epsilon_under_the_root():
+    from mixer_plugins.layers.mup import rms_cap
+
+    w = 1e-4 * randn(3, 5)          # RMS ~1e-4, comparable to sqrt(1e-8): the epsilon matters
+    fan_in, fan_out = 10**6, 1      # kappa = 1e-6: the cap bites
+    kappa = math.sqrt(min(fan_in, fan_out)) / fan_in
+    released = w / max(1.0, math.sqrt(w.pow(2).mean().item() + 1e-8) / kappa)
+    torch.testing.assert_close(rms_cap(w, fan_in, fan_out), released, rtol=1e-12, atol=0)
+
+
+def _identity_case(name, causal):
+    """(mixer, x, released weights before dropout, value heads) for the identity-link comparison."""
+    x = randn(2, 12, 32)
+    if name == "btt_attention":
+        mixer = make(name, 32, num_heads=2, btt_rank=2, causal=causal, link_function="identity")
+        _, scores = _released_btt_scores(mixer, x)
+        v = (x @ mixer.value.weight.T).view(2, 12, 2, 16)
+    elif name == "mlr_attention":
+        mixer = make(name, 32, num_heads=2, ranks=[8, 4, 2, 2], block_sizes=[None, 8, 4, 2], causal=causal,
+                     link_function="identity")
+        scores = mlr_reference_scores(mixer, x)
+        _, _, v = qkv_heads(mixer, x)
+    else:
+        mixer = make(name, 32, num_heads=2, ranks=[8, 4, 4], qk_norm=False, causal=causal, link_function="identity")
+        scores = torch.einsum("bid,hde,bje->bhij", x, mixer.bilinear_matrices(), x)
+        v = (x @ mixer.value.weight.T).view(2, 12, 2, 16)
+    return mixer, x, _released_link(scores, causal, "identity"), v
+
+
+@pytest.mark.parametrize("name", ["btt_attention", "mlr_attention", "bilinear_mlr_attention"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_identity_link_matches_the_released_code(name, causal):
+    mixer, x, weights, v = _identity_case(name, causal)
+    assert not torch.allclose(weights.sum(-1), torch.ones(()).to(F64))  # really not a softmax
+    torch.testing.assert_close(mixer.materialize(x), weights, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(mixer(x), output_from_probs(mixer, weights, v), rtol=1e-10, atol=1e-12)
+    mask = right_padded([12, 7], 12)  # pads: weights to pad keys are 0, pad rows are zero
+    out = mixer(x, mask=mask)
+    torch.testing.assert_close(out[1:, :7], mixer(x[1:, :7]), rtol=1e-10, atol=1e-12)
+    assert torch.all(out[1, 7:] == 0)
+
+
+@pytest.mark.parametrize("name", ["btt_attention", "mlr_attention", "bilinear_mlr_attention"])
+def test_attention_dropout_drops_the_weights_in_training_only(name):
+    mixer, x, _, v = _identity_case(name, causal=True)
+    weights = mixer.state_dict()
+    mixer = make(name, 32, **{**mixer.config.model_dump(exclude={"dim"}), "link_function": "softmax",
+                              "attn_dropout": 0.3})
+    mixer.load_state_dict(weights)
+    probs = mixer.materialize(x)  # eval: no dropout
+    torch.testing.assert_close(mixer(x), output_from_probs(mixer, probs, v), rtol=1e-10, atol=1e-12)
+    mixer.train()
+    torch.manual_seed(5)
+    out = mixer(x)
+    torch.manual_seed(5)
+    dropped = F.dropout(probs, p=0.3, training=True)
+    assert (dropped == 0).any()
+    torch.testing.assert_close(out, output_from_probs(mixer, dropped, v), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(link_function="sofmax"), "identity"),
+    (dict(attn_dropot=0.1), "did you mean 'attn_dropout'"),
+    (dict(attn_dropout=1.0), "less than 1"),
+])
+@pytest.mark.parametrize("name", ["btt_attention", "mlr_attention", "bilinear_mlr_attention"])
+def test_link_and_dropout_options_are_validated(name, options, message):
+    with pytest.raises(mp.InvalidMixerOptions, match=message):
+        mp.create_mixer(name, 32, num_heads=2, **options)

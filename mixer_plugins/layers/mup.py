@@ -40,12 +40,13 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "AttentionLogitsProbe",
     "CoordCheckModel",
     "CoordCheckResult",
     "MixerFactory",
@@ -54,6 +55,7 @@ __all__ = [
     "mup_fan_ins",
     "mup_init",
     "mup_param_groups",
+    "RMS_CAP_EPS",
     "rms_cap",
     "rms_cap_target",
     "standard_init",
@@ -84,6 +86,10 @@ def attention_logit_scale(dot_dim: int, rule: LogitRule = "standard", multiplier
     raise ValueError(f"unknown logit scaling rule {rule!r}; expected 'standard' or 'mup'")
 
 
+#: Added to the mean square under the root in :func:`rms_cap`, as the structured-attention code does.
+RMS_CAP_EPS = 1e-8
+
+
 def rms_cap_target(fan_in: int, fan_out: int) -> float:
     """The RMS cap ``kappa = sqrt(min(fan_in, fan_out)) / fan_in`` of a structured core (the muP spectral std)."""
     if fan_in <= 0 or fan_out <= 0:
@@ -92,14 +98,15 @@ def rms_cap_target(fan_in: int, fan_out: int) -> float:
 
 
 def rms_cap(weight: Tensor, fan_in: int, fan_out: int) -> Tensor:
-    """``weight / max(1, rms(weight) / kappa)``: shrink a core whose RMS exceeds :func:`rms_cap_target`.
+    """``weight / max(1, rms(weight) / kappa)`` with ``rms = sqrt(mean(weight^2) + 1e-8)``: shrink a core whose RMS
+    exceeds :func:`rms_cap_target`.
 
     Applied in the forward pass (gradients flow through the rescale), as the structured-attention code does for its
     BTT and Bilinear-MLR cores: it keeps a core's scale bounded when a large learning rate would inflate it. At the
     muP init the factor is about 1 (a rank-``s`` BTT left core is shrunk by about ``sqrt(s)``).
     """
     kappa = rms_cap_target(fan_in, fan_out)
-    rms = weight.pow(2).mean().sqrt()
+    rms = (weight.pow(2).mean() + RMS_CAP_EPS).sqrt()  # the paper's code adds 1e-8 under the root
     return weight / torch.clamp(rms / kappa, min=1.0)
 
 
@@ -425,24 +432,58 @@ def coord_check(build_model: Callable[[int], nn.Module], widths: Sequence[int], 
     )
 
 
+#: Suffix of the recorded attention logits of a module that exposes them (see :class:`AttentionLogitsProbe`).
+LOGITS_SUFFIX = ".logits"
+
+
+@runtime_checkable
+class AttentionLogitsProbe(Protocol):
+    """What a module implements so that :func:`coord_check` also records its attention logits.
+
+    ``attention_logits`` takes the module's forward arguments (``x``, ``mask=``) and returns the pre-softmax logits,
+    (batch, heads, L, L), scale included, before any mask. :func:`coord_check` calls it (without gradients) right
+    after the module's forward and records the result as ``"<module name>.logits"``, like any output: RMS per step and
+    the RMS of each update's change. The structured softmax mixers implement it; so does plain attention inside
+    :class:`mixer_plugins.testing.MixerCoordCheckModel`.
+    """
+
+    def attention_logits(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor: ...
+
+
 class _ActivationRecorder:
-    """Forward hooks that record, for one forward, each module's output RMS and flattened output."""
+    """Forward hooks that record, for one forward, each module's output RMS and flattened output, and the attention
+    logits of modules that expose them (:class:`AttentionLogitsProbe`)."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]]):
         self.modules = modules
         self.sums: dict[str, list[float]] = {}
         self.outputs: dict[str, list[Tensor]] = {}
+        self._paused = False
+
+    def _record(self, name: str, tensor) -> None:
+        if self._paused or not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
+            return
+        flat = tensor.detach().double().reshape(-1)
+        acc = self.sums.setdefault(name, [0.0, 0])
+        acc[0] += float(flat.pow(2).sum())
+        acc[1] += flat.numel()
+        self.outputs.setdefault(name, []).append(flat)
 
     def _hook(self, name: str):
         def hook(_module, _args, output):
-            tensor = output[0] if isinstance(output, (tuple, list)) and output else output
-            if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
+            self._record(name, output[0] if isinstance(output, (tuple, list)) and output else output)
+        return hook
+
+    def _logits_hook(self, name: str):
+        def hook(module, args, kwargs, _output):
+            if self._paused:
                 return
-            flat = tensor.detach().double().reshape(-1)
-            acc = self.sums.setdefault(name, [0.0, 0])
-            acc[0] += float(flat.pow(2).sum())
-            acc[1] += flat.numel()
-            self.outputs.setdefault(name, []).append(flat)
+            self._paused = True  # the probe's own submodule calls are not the model's activations
+            try:
+                logits = module.attention_logits(*args, **kwargs)
+            finally:
+                self._paused = False
+            self._record(name + LOGITS_SUFFIX, logits)
         return hook
 
     @torch.no_grad()
@@ -450,6 +491,8 @@ class _ActivationRecorder:
         """Eval-mode forward on ``inputs``: (RMS per module, flattened output per module)."""
         self.sums, self.outputs = {}, {}
         handles = [module.register_forward_hook(self._hook(name)) for name, module in self.modules]
+        handles += [module.register_forward_hook(self._logits_hook(name), with_kwargs=True)
+                    for name, module in self.modules if callable(getattr(module, "attention_logits", None))]
         was_training = model.training
         try:
             model.eval()

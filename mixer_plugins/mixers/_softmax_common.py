@@ -23,11 +23,14 @@ from ..registry.spec import MixerConfig
 from .base import MatrixMixer, QKContext
 
 __all__ = [
+    "AttentionLinkOptions",
+    "AttentionLogitsMixin",
     "LevelRanksConfig",
     "LocalPlan",
     "QKVSoftmaxMixer",
     "QKVSoftmaxConfig",
     "SoftmaxMixerConfig",
+    "attention_weights",
     "dot_scores",
     "fused_attention",
     "local_attention",
@@ -66,6 +69,32 @@ class SoftmaxMixerConfig(MixerConfig):
     def logit_scale(self, dot_dim: int) -> float:
         """The factor applied to a ``dot_dim``-wide query-key dot product under this config's rule."""
         return attention_logit_scale(dot_dim, self.logit_scaling, self.logit_multiplier)
+
+
+class AttentionLinkOptions(MixerConfig):
+    """Mixin options of the structured-attention mixers that follow the paper's code past the scores: the link
+    function that turns scores into weights and dropout on those weights."""
+
+    link_function: Literal["softmax", "identity"] = Field(
+        "softmax",
+        description="scores -> weights: 'softmax' over allowed keys, or 'identity' (the paper's code option: the "
+        "raw scaled scores, masked entries set to 0, no normalisation)",
+    )
+    attn_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="dropout probability on the attention weights (training only; the paper's code `dropout`)",
+    )
+
+
+class AttentionLogitsMixin:
+    """Gives a softmax mixer with a ``logits(ctx)`` method the public probe
+    :meth:`attention_logits` (the :class:`~mixer_plugins.layers.mup.AttentionLogitsProbe` protocol the coordinate check
+    uses to record attention logits)."""
+
+    def attention_logits(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        """Pre-softmax logits (batch, heads, L, L) for input ``x`` (scale included, before masking)."""
+        x, mask = self._begin(x, mask)
+        return self.logits(self.prepare(x, mask))
 
 
 #: Levels of the multi-level mixers when no rank list is given.
@@ -122,6 +151,25 @@ def dot_scores(q: Tensor, k: Tensor) -> Tensor:
     Written with ``matmul``, whose result is a fresh tensor (not a view), so callers may update it in place.
     """
     return torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))
+
+
+def attention_weights(scores: Tensor, allowed: Tensor | None, link: str = "softmax", dropout: float = 0.0,
+                      training: bool = False) -> Tensor:
+    """Scores (batch, heads, L, L) -> attention weights: the link function, then dropout (training only).
+
+    ``link="softmax"``: :func:`~mixer_plugins.layers.masks.masked_softmax` over ``allowed`` keys;
+    ``link="identity"``: the scores themselves with disallowed entries set to 0 (a select, so a non-finite score of a
+    disallowed pair never leaks).
+    """
+    if link == "softmax":
+        weights = masked_softmax(scores, allowed)
+    elif link == "identity":
+        weights = scores if allowed is None else torch.where(allowed, scores, scores.new_zeros(()))
+    else:
+        raise ValueError(f"unknown link function {link!r}; expected 'softmax' or 'identity'")
+    if dropout and training:
+        weights = F.dropout(weights, p=dropout, training=True)
+    return weights
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Optional
 
 import torch
 from pydantic import Field, model_validator
@@ -43,6 +43,18 @@ class SSMBlockConfig(BlockConfig):
     A_init_range: tuple[float, float] = Field(
         (1.0, 1.0), description="A = -U[lo, hi] per head at init (Hydra: -1; Mamba-2: [1, 16])"
     )
+    dt_limit: tuple[float, float] = Field(
+        (0.0, math.inf), description="step sizes are clamped to [lo, hi] after the softplus (mamba-ssm/Hydra's "
+        "dt_limit; default: no clamp)"
+    )
+    conv_init: Optional[float] = Field(
+        None, gt=0, description="initialise the short-conv weights U[-conv_init, conv_init] (mamba-ssm/Hydra's "
+        "conv_init; default None: PyTorch's Conv1d init)"
+    )
+    norm_per_group: bool = Field(
+        False, description="gated RMSNorm statistics per group of d_inner / ngroups channels, as Mamba-2 does "
+        "when ngroups > 1 (default: over the whole inner width, as Hydra does)"
+    )
 
     @model_validator(mode="after")
     def _check_ssm(self) -> SSMBlockConfig:
@@ -54,6 +66,9 @@ class SSMBlockConfig(BlockConfig):
         lo, hi = self.A_init_range
         if not 0 < lo <= hi:
             raise ValueError(f"A_init_range must satisfy 0 < lo <= hi, got {self.A_init_range}")
+        lo, hi = self.dt_limit
+        if not 0 <= lo <= hi:
+            raise ValueError(f"dt_limit must satisfy 0 <= lo <= hi, got {self.dt_limit}")
         return self
 
 
@@ -75,6 +90,7 @@ class SSMParameters(nn.Module):
         super().__init__()
         self.A_init_range = tuple(config.A_init_range)
         self.dt_init = (config.dt_min, config.dt_max, config.dt_init_floor)
+        self.dt_limit = tuple(float(v) for v in config.dt_limit)
         self.A_log = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads))
         self.D = nn.Parameter(torch.empty(heads)) if with_d else None
@@ -94,8 +110,12 @@ class SSMParameters(nn.Module):
         return -torch.exp(self.A_log.to(dtype))
 
     def dt(self, raw: Tensor) -> Tensor:
-        """Step sizes ``softplus(raw + dt_bias)`` from the raw per-token, per-head projections."""
-        return nn.functional.softplus(raw + self.dt_bias.to(raw.dtype))
+        """Step sizes ``clamp(softplus(raw + dt_bias), *dt_limit)`` from the raw per-token, per-head projections."""
+        dt = nn.functional.softplus(raw + self.dt_bias.to(raw.dtype))
+        lo, hi = self.dt_limit
+        if lo > 0.0 or hi < math.inf:
+            dt = dt.clamp(min=lo, max=hi)
+        return dt
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)

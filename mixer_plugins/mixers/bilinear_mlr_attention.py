@@ -24,10 +24,17 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..layers.masks import dense_allowed, masked_softmax
+from ..layers.masks import dense_allowed
 from ..layers.mup import rms_cap
 from ..registry.spec import MixerSpec
-from ._softmax_common import LevelRanksConfig, dot_scores, fused_attention
+from ._softmax_common import (
+    AttentionLinkOptions,
+    AttentionLogitsMixin,
+    LevelRanksConfig,
+    attention_weights,
+    dot_scores,
+    fused_attention,
+)
 from .base import MatrixMixer, MixerContext
 
 __all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "LevelsContext", "SPEC"]
@@ -41,7 +48,7 @@ class LevelsContext(MixerContext):
     k_levels: list[Tensor]
 
 
-class BilinearMLRAttentionConfig(LevelRanksConfig):
+class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
     """Options of Bilinear-MLR attention (levels on the feature axis)."""
 
     num_blocks: Optional[list[int]] = Field(
@@ -72,7 +79,7 @@ class BilinearMLRAttentionConfig(LevelRanksConfig):
         return [2**level for level in range(len(self.resolved_ranks()))]
 
 
-class BilinearMLRAttention(MatrixMixer):
+class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
     """Bilinear-MLR attention: per-level block-diagonal q/k maps ``q_weight_<l>``/``k_weight_<l>`` of shape
     ``(p_l, D/p_l, H r_l)``, per-level LNs, softmax, dense ``value`` and ``proj``."""
 
@@ -84,6 +91,8 @@ class BilinearMLRAttention(MatrixMixer):
         self.ranks = config.resolved_ranks()
         self.num_blocks = config.resolved_num_blocks()
         self.rms_cap = config.rms_cap
+        self.link_function = config.link_function
+        self.attn_dropout = config.attn_dropout
         divide = len(self.ranks) if config.divide_by_levels else 1
         self.level_scales = [config.logit_scale(r * p) / divide for r, p in zip(self.ranks, self.num_blocks)]
         self.mup_fan_in: dict[str, int] = {}
@@ -143,10 +152,23 @@ class BilinearMLRAttention(MatrixMixer):
         values = self.value(x).view(b, l, self.num_heads, self.head_dim)
         return LevelsContext(values=values, mask=mask, q_levels=q_levels, k_levels=k_levels)
 
-    def mix(self, ctx: LevelsContext) -> Tensor:
+    def _fused_qk(self, ctx: LevelsContext) -> tuple[Tensor, Tensor]:
         # All levels in one product: the scales go on the queries, and the widths concatenate.
         q = torch.cat([q * s for q, s in zip(ctx.q_levels, self.level_scales)], dim=-1)
-        k = torch.cat(ctx.k_levels, dim=-1)
+        return q, torch.cat(ctx.k_levels, dim=-1)
+
+    def logits(self, ctx: LevelsContext) -> Tensor:
+        """Pre-link (pre-softmax) scores ``sum_l tau_l q^(l) . k^(l)``, unmasked, (batch, heads, L, L)."""
+        return dot_scores(*self._fused_qk(ctx))
+
+    def _weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
+        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
+        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
+
+    def mix(self, ctx: LevelsContext) -> Tensor:
+        if self.link_function != "softmax" or (self.attn_dropout and self.training):
+            return torch.einsum("bhij,bjhp->bihp", self._weights(self.logits(ctx), ctx.mask), ctx.values)
+        q, k = self._fused_qk(ctx)
         return fused_attention(q, k, ctx.values, ctx.mask, self.causal, 1.0)
 
     def matrix(self, ctx: LevelsContext) -> Tensor:
@@ -154,7 +176,7 @@ class BilinearMLRAttention(MatrixMixer):
             dot_scores(q, k) * s
             for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales)
         )
-        return masked_softmax(scores, dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device))
+        return self._weights(scores, ctx.mask)
 
     def bilinear_matrices(self) -> Tensor:
         """Per head, ``W_h = sum_l tau_l blockdiag_k(W_Q^(l)[k]_h W_K^(l)[k]_h^T)``, (heads, D, D).

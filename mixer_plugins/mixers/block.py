@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from ..kernels import gated_rmsnorm
 from ..layers.conv import ShortConv
 from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
@@ -117,6 +118,28 @@ class BlockQKContext(BlockContext, QKContext):
     """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim))."""
 
 
+class _ShortConv(ShortConv):
+    """:class:`ShortConv` whose weights are drawn ``U[-init_bound, init_bound]`` when ``init_bound`` is set (Mamba's
+    ``conv_init``), at construction and on every ``reset_parameters`` (so a reset equals a fresh build)."""
+
+    init_bound: Optional[float] = None
+
+    def __init__(self, *args, init_bound: Optional[float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_bound = init_bound
+        if init_bound is not None:
+            self._draw_bounded()
+
+    @torch.no_grad()
+    def _draw_bounded(self) -> None:
+        nn.init.uniform_(self.weight, -self.init_bound, self.init_bound)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.init_bound is not None:
+            self._draw_bounded()
+
+
 class MatrixMixerBlock(MatrixMixer):
     """Base of the structured mixers: the shared block around a per-head L x L matrix.
 
@@ -151,10 +174,13 @@ class MatrixMixerBlock(MatrixMixer):
         self.in_proj = nn.Linear(config.dim, self.out_width + sum(g.width for g in groups), bias=config.proj_bias)
         conv_width = sum(g.width for g in groups if g.conv)
         self.conv1d = (
-            ShortConv(conv_width, config.d_conv, bias=config.conv_bias, causal=self.causal_conv)
+            _ShortConv(conv_width, config.d_conv, bias=config.conv_bias, causal=self.causal_conv,
+                       init_bound=getattr(config, "conv_init", None))
             if conv_width else None
         )
         self.norm = GatedRMSNorm(self.out_width, config.norm_eps, config.norm_before_gate)
+        # Mamba-2 with ngroups > 1 normalises each group of out_width / ngroups channels on its own.
+        self.norm_groups = int(getattr(config, "ngroups", 1)) if getattr(config, "norm_per_group", False) else 1
         self.out_proj = nn.Linear(self.out_width, config.dim, bias=config.proj_bias)
 
     # -- hooks (called per forward, never from the constructor) --------------------------------------
@@ -196,7 +222,18 @@ class MatrixMixerBlock(MatrixMixer):
         return ctx
 
     def finish(self, ctx: BlockContext, y: Tensor) -> Tensor:
-        return self.out_proj(self.norm(y.flatten(2), ctx.z))
+        return self.out_proj(self.gated_norm(y.flatten(2), ctx.z))
+
+    def gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
+        """The gated RMSNorm of (batch, length, out_width) ``y`` gated by ``z``: over the whole width, or per group
+        of ``out_width / norm_groups`` channels (``norm_per_group``, Mamba-2's ``group_size``)."""
+        if self.norm_groups == 1:
+            return self.norm(y, z)
+        g = self.norm_groups
+        ones = torch.ones(y.shape[-1] // g, dtype=self.norm.weight.dtype, device=y.device)
+        normed = gated_rmsnorm(y.unflatten(-1, (g, -1)), z.unflatten(-1, (g, -1)), ones, self.norm.eps,
+                               self.norm.norm_before_gate).flatten(-2)
+        return normed * self.norm.weight.to(normed.dtype)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length

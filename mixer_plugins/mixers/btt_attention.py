@@ -27,10 +27,16 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..layers.masks import dense_allowed, masked_softmax
+from ..layers.masks import dense_allowed
 from ..layers.mlbtc import MLBTC, BTCLevel, factorize
 from ..registry.spec import MixerSpec
-from ._softmax_common import SoftmaxMixerConfig, fused_attention
+from ._softmax_common import (
+    AttentionLinkOptions,
+    AttentionLogitsMixin,
+    SoftmaxMixerConfig,
+    attention_weights,
+    fused_attention,
+)
 from .base import MatrixMixer, MixerContext
 
 __all__ = ["BTTAttention", "BTTAttentionConfig", "BTTContext", "SPEC"]
@@ -43,14 +49,17 @@ class BTTContext(MixerContext):
     query: Tensor
 
 
-class BTTAttentionConfig(SoftmaxMixerConfig):
+class BTTAttentionConfig(SoftmaxMixerConfig, AttentionLinkOptions):
     """Options of Bilinear-BTT attention."""
 
     btt_rank: int = Field(1, gt=0, description="BTT rank s of each head's D x D score matrix (1 = Monarch)")
     factors: Optional[list[int]] = Field(
         None, description="[c, d] with c * d = dim; default: d = smallest divisor of dim above sqrt(dim)"
     )
-    input_norm: bool = Field(False, description="extra LayerNorm on x before scoring (the paper's ViT sets it)")
+    input_norm: bool = Field(
+        False, description="extra LayerNorm on x before scoring and before the value projection, as the paper's "
+        "code (bilinearBTT_use_extra_LN_on_X, set by its ViT) does"
+    )
     rms_cap: bool = Field(True, description="cap the RMS of the BTT cores in the forward pass (see muP docs)")
 
     @model_validator(mode="after")
@@ -68,7 +77,7 @@ class BTTAttentionConfig(SoftmaxMixerConfig):
         return tuple(self.factors) if self.factors is not None else factorize(self.dim)
 
 
-class BTTAttention(MatrixMixer):
+class BTTAttention(AttentionLogitsMixin, MatrixMixer):
     """Bilinear-BTT attention. ``key_transform`` is the MLBTC of all heads' ``M_h``; ``key_norm`` the shared LN."""
 
     def __init__(self, config: BTTAttentionConfig):
@@ -91,6 +100,8 @@ class BTTAttention(MatrixMixer):
         self.value = nn.Linear(dim, dim, bias=config.proj_bias)
         self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         self.scale = config.logit_scale(dim)
+        self.link_function = config.link_function
+        self.attn_dropout = config.attn_dropout
 
     def _heads_last(self, z: Tensor) -> Tensor:
         """MLBTC output rows (alpha, h, beta) -> (h, alpha * b + beta): (..., H*D) -> (..., H, D)."""
@@ -105,15 +116,26 @@ class BTTAttention(MatrixMixer):
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> BTTContext:
         b, l, _ = x.shape
+        # The paper's code normalises x once and projects the values from the normalised x too.
         query = self.input_norm(x) if self.input_norm is not None else x
-        values = self.value(x).view(b, l, self.num_heads, self.head_dim)
+        values = self.value(query).view(b, l, self.num_heads, self.head_dim)
         return BTTContext(values=values, mask=mask, query=query)
 
     def keys(self, ctx: BTTContext) -> Tensor:
         """LN(M_h x_j) through the cores (fast path), (batch, length, heads, dim)."""
         return self.key_norm(self._heads_last(self.key_transform(ctx.query)))
 
+    def logits(self, ctx: BTTContext) -> Tensor:
+        """Pre-link (pre-softmax) scaled scores ``tau x_i . LN(M_h x_j)``, unmasked, (batch, heads, L, L)."""
+        return torch.einsum("bie,bjhe->bhij", ctx.query, self.keys(ctx)) * self.scale
+
+    def _weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
+        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
+        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
+
     def mix(self, ctx: BTTContext) -> Tensor:
+        if self.link_function != "softmax" or (self.attn_dropout and self.training):
+            return torch.einsum("bhij,bjhp->bihp", self._weights(self.logits(ctx), ctx.mask), ctx.values)
         keys = self.keys(ctx)
         b, l, h, _ = keys.shape
         query = ctx.query[:, :, None, :].expand(b, l, h, self.dim)
@@ -123,7 +145,7 @@ class BTTAttention(MatrixMixer):
         # Independent of the fast path: keys through the materialized M_h, scores and softmax written out.
         keys = self.key_norm(torch.einsum("bjg,heg->bjhe", ctx.query, self.key_matrices()))
         scores = torch.einsum("bie,bjhe->bhij", ctx.query, keys) * self.scale
-        return masked_softmax(scores, dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device))
+        return self._weights(scores, ctx.mask)
 
     def finish(self, ctx: BTTContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))

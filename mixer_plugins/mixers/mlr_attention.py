@@ -31,15 +31,23 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from ..layers.masks import dense_allowed, masked_softmax
+from ..layers.masks import dense_allowed
 from ..registry.spec import MixerSpec
-from ._softmax_common import LevelRanksConfig, QKVSoftmaxConfig, QKVSoftmaxMixer, dot_scores
+from ._softmax_common import (
+    AttentionLinkOptions,
+    AttentionLogitsMixin,
+    LevelRanksConfig,
+    QKVSoftmaxConfig,
+    QKVSoftmaxMixer,
+    attention_weights,
+    dot_scores,
+)
 from .base import QKContext
 
 __all__ = ["MLRAttention", "MLRAttentionConfig", "SPEC", "mlr_level_counts", "same_block_mask"]
 
 
-class MLRAttentionConfig(QKVSoftmaxConfig, LevelRanksConfig):
+class MLRAttentionConfig(QKVSoftmaxConfig, LevelRanksConfig, AttentionLinkOptions):
     """Options of MLR attention (levels on the sequence axis)."""
 
     block_sizes: Optional[list[Optional[int]]] = Field(
@@ -169,7 +177,7 @@ class _MergeBlocks(torch.autograd.Function):
         return (grad_scores, None, None, *grad_subs)
 
 
-class MLRAttention(QKVSoftmaxMixer):
+class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
     """MLR attention: q/k/v projections, QK-LN, multi-level block-diagonal low-rank scores, softmax, ``proj``."""
 
     def __init__(self, config: MLRAttentionConfig):
@@ -180,6 +188,16 @@ class MLRAttention(QKVSoftmaxMixer):
         divide = levels if config.divide_by_levels else 1
         self.level_scales = [config.logit_scale(r) / divide for r in self.ranks]
         self.block_divide = config.block_divide
+        self.link_function = config.link_function
+        self.attn_dropout = config.attn_dropout
+
+    def _weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
+        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
+        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
+
+    def logits(self, ctx: QKContext) -> Tensor:
+        """Pre-link (pre-softmax) scores, unmasked, (batch, heads, L, L): :meth:`scores`."""
+        return self.scores(ctx)
 
     def _levels(self, t: Tensor) -> tuple[Tensor, ...]:
         return torch.split(t, self.ranks, dim=-1)
@@ -249,8 +267,7 @@ class MLRAttention(QKVSoftmaxMixer):
         return scores
 
     def mix(self, ctx: QKContext) -> Tensor:
-        scores = self.scores(ctx)
-        probs = masked_softmax(scores, dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device))
+        probs = self._weights(self.scores(ctx), ctx.mask)
         return torch.einsum("bhij,bjhp->bihp", probs, ctx.values)
 
     def matrix(self, ctx: QKContext) -> Tensor:
@@ -262,7 +279,7 @@ class MLRAttention(QKVSoftmaxMixer):
             scores = scores + dot_scores(q, k) * scale * same_block_mask(length, size, device)
         if self.block_divide:
             scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
-        return masked_softmax(scores, dense_allowed(ctx.mask, length, self.causal, device))
+        return self._weights(scores, ctx.mask)
 
     def score_pairs(self, length: int) -> list[int]:
         """Per level, the number of (query, key) products computed per (batch, head): ``sum over blocks of size^2``."""
