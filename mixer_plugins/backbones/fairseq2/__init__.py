@@ -26,6 +26,10 @@ and in a recipe: ``python -m mixer_plugins.backbones.fairseq2 OUT --config model
 
 from __future__ import annotations
 
+from ..._extras import require_extra
+
+require_extra("fairseq2", "fairseq2", "mixer_plugins.backbones.fairseq2")  # one line, not a traceback
+
 from fairseq2.composition import register_model_family
 from fairseq2.models import ModelFamily
 from fairseq2.runtime.dependency import DependencyContainer
