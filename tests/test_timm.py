@@ -865,3 +865,18 @@ def test_registry_listener_failure_never_breaks_registration():
     registry.remove_listener(broken)
     registry.unregister("listened")
     assert seen[-1] == ("unregister", "listened")
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and timm
+def test_probing_for_timm_does_not_disarm_the_import_hook():
+    """``importlib.util.find_spec('timm')`` (how libraries probe for optional packages) finds without importing;
+    the later ``import timm`` must still register our names."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys, mixer_plugins; importlib.util.find_spec('timm'); "
+            "assert 'timm' not in sys.modules; import timm; "
+            "print(timm.is_model('vit_base'), 'quasi' in timm.models.vision_transformer.ATTN_LAYERS)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]

@@ -24,6 +24,7 @@ and in a recipe: ``python -m mixer_plugins.backbones.fairseq2 OUT --config model
 ``import mixer_plugins`` never imports this package (fairseq2 is an optional extra).
 """
 
+# ruff: noqa: E402  (the extra is checked before fairseq2 is imported)
 from __future__ import annotations
 
 from ..._extras import require_extra
