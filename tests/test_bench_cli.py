@@ -37,7 +37,8 @@ def one_line_error(capsys) -> str:
 def test_bench_prints_table_writes_plot_and_json(tmp_path, capsys):
     plot, out_json = tmp_path / "bench.png", tmp_path / "bench.json"
     argv = ["bench", "--mixers", "quasi,toeplitz", "--lengths", "32,16", "--dim", "32", "--batch", "2",
-            "--repeats", "1", "--warmup", "0", "--option", "attention.num_heads=4", "--option", "head_dim=16",
+            "--repeats", "1", "--warmup", "0", "--option", "attention.num_heads=4", "--option", "quasi.head_dim=16",
+            "--option", "toeplitz.head_dim=16",
             "--plot", str(plot), "--json", str(out_json), "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,9 @@
 * :mod:`.benchmarking` — time, counted FLOPs and peak memory of mixers;
 * :mod:`.tables` — the comparison table of benchmark results (``bench`` and pytest-benchmark's JSON);
 * :mod:`.flop_report` — analytic FLOPs against PyTorch's ``FlopCounterMode``;
-* :mod:`.plotting` — heat maps, learning curves and scaling plots (matplotlib, the ``demo`` extra).
+* :mod:`.plotting` — heat maps, learning curves and scaling plots (matplotlib, the ``demo`` extra);
+* :mod:`.compare` — the field's synthetic tasks (associative recall, selective copying, in-context regression,
+  digits) trained over any registered mixers, with the papers' orderings checked.
 
 The tools import the library; nothing in the library imports the tools. Importing this package imports none of
 its modules.

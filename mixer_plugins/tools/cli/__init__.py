@@ -7,12 +7,13 @@
     mixer-plugins bench-table PATH   the comparison table of pytest-benchmark's saved JSON (benchmarks/ suites)
     mixer-plugins show NAME          heat map of a mixer's matrix for a random or given input
     mixer-plugins flops              analytic FLOPs of every mixer against PyTorch's FlopCounterMode
+    mixer-plugins compare            train mixers on synthetic tasks (recall, copying, regression, digits) and compare
     mixer-plugins env                versions, devices and which kernel backends can run here (and why not)
 
 One module per subcommand (``list_mixers``, ``info``, ``demo``, ``bench``, ``bench_table``, ``show``, ``flops``,
-``env``), each exposing ``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console script. Bad
-arguments exit with status 2 and a one-line reason on stderr. Importing this package imports no subcommand module
-(and so neither torch nor pydantic): ``--help`` and ``--version`` answer at once.
+``compare``, ``env``), each exposing ``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console
+script. Bad arguments exit with status 2 and a one-line reason on stderr. Importing this package imports no
+subcommand module (and so neither torch nor pydantic): ``--help`` and ``--version`` answer at once.
 """
 
 from __future__ import annotations

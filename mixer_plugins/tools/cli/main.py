@@ -30,6 +30,8 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench-table": ("bench_table", "comparison table of pytest-benchmark's saved JSON (the benchmarks/ suites)"),
     "show": ("show", "heat map of a mixer's matrix for a random or given input"),
     "flops": ("flops", "analytic FLOPs of every mixer against PyTorch's FlopCounterMode"),
+    "compare": ("compare", "train mixers on a synthetic task (several seeds) and compare them; presets check the "
+                           "papers' orderings"),
     "env": ("env", "versions, devices and which kernel backends can run here (and why not)"),
 }
 

@@ -1,0 +1,145 @@
+"""``mlr_attention``: Multi-Level Low-Rank (MLR) softmax attention on the sequence axis (Kuang et al. 2025).
+
+For each head, queries and keys are the concatenation of ``L`` levels of widths ``ranks`` (``r_0, ..., r_{n-1}``,
+level 0 first: the mixer's head dim split in order). Level ``l`` cuts the sequence into contiguous blocks of
+``block_sizes[l]`` tokens aligned at position 0 (``None``: one global block; the last block may be partial) and
+scores only pairs inside a block::
+
+    S(i, j) = sum_l [i, j share a level-l block] * scales[l] * q_i^(l) . k_j^(l)
+              / (number of levels whose block holds both i and j   if block_divide else 1)
+
+(a pair sharing no level scores 0); then the causal mask (optional), pad keys excluded, softmax over keys, times
+``v``. Blocks must nest: each size divides the previous one, global levels come first.
+
+Backends (see :mod:`mixer_plugins.kernels._dispatch`): ``torch`` (tiled, flash-style, memory linear in the length;
+the default), ``reference`` (the materialized ``L x L`` oracle, float64-capable); ``triton`` (our fused
+kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA, chosen first there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
+from torch import Tensor
+
+from .._dispatch import discover_backends, resolve_backend
+from .reference import mlr_attention_reference
+from .torch import mlr_attention_torch, plan_tasks
+
+__all__ = [
+    "check_mlr_arguments",
+    "mlr_attention",
+    "mlr_attention_flops",
+    "mlr_attention_reference",
+    "mlr_attention_torch",
+    "plan_tasks",
+]
+
+
+
+def check_mlr_arguments(q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int],
+                        block_sizes: Sequence[Optional[int]], scales: Sequence[float] | None,
+                        mask: Tensor | None) -> tuple[list[int], list[Optional[int]], list[float]]:
+    """Validate the arguments of :func:`mlr_attention`; returns (ranks, block_sizes, scales) as lists."""
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):
+        raise TypeError("q, k and v must be tensors")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (batch, length, heads, width); got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must share (batch, length, heads) {tuple(q.shape[:3])} with q, got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    ranks = [int(r) for r in ranks]
+    if not ranks or any(r <= 0 for r in ranks):
+        raise ValueError(f"ranks must be a non-empty list of positive integers, got {ranks}")
+    if sum(ranks) != q.shape[-1]:
+        raise ValueError(f"ranks {ranks} sum to {sum(ranks)}, but q and k have width {q.shape[-1]}")
+    sizes = list(block_sizes)
+    if len(sizes) != len(ranks):
+        raise ValueError(f"block_sizes has {len(sizes)} entries but ranks has {len(ranks)} (one per level)")
+    for level, size in enumerate(sizes):
+        if size is not None and (int(size) != size or size <= 0):
+            raise ValueError(f"block_sizes[{level}] = {size}; block sizes must be positive integers or None")
+        prev = sizes[level - 1] if level else None
+        if level and prev is not None and size is None:
+            raise ValueError(f"block_sizes[{level}] is None (global) after a level with blocks of {prev}: "
+                             "global levels must come first (blocks must nest)")
+        if prev is not None and size is not None and prev % size:
+            raise ValueError(f"block_sizes must nest: {size} (level {level}) does not divide {prev} "
+                             f"(level {level - 1})")
+    if scales is None:
+        scales = [1.0 / r for r in ranks]
+    scales = [float(s) for s in scales]
+    if len(scales) != len(ranks):
+        raise ValueError(f"scales has {len(scales)} entries but ranks has {len(ranks)} (one per level)")
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != _torch.bool:
+            raise TypeError("mask must be a bool tensor (batch, length), True on real tokens")
+        if mask.shape != q.shape[:2]:
+            raise ValueError(f"mask must have shape (batch, length) = {tuple(q.shape[:2])}, got {tuple(mask.shape)}")
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q on {q.device}")
+        if mask.shape[1] > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+            raise ValueError("mask must be right-padded: True on the real tokens, then False on the pads")
+    return ranks, [None if s is None else int(s) for s in sizes], scales
+
+
+def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
+                  scales: Sequence[float] | None = None, causal: bool = False, mask: Tensor | None = None,
+                  block_divide: bool = True, backend: str | None = None) -> Tensor:
+    """MLR softmax attention (see the module docstring).
+
+    Args:
+        q, k: (batch, length, heads, sum(ranks)): the levels concatenated along the last axis, level 0 first.
+        v: (batch, length, heads, value width).
+        ranks: width ``r_l`` of each level.
+        block_sizes: tokens per block of each level, ``None`` = global; blocks nest (each divides the previous).
+        scales: logit scale of each level (default ``1 / r_l``, the paper's muP); any division by the number of
+            levels is the caller's (the mixer passes its ``level_scales``).
+        causal: key ``j`` is allowed for query ``i`` only if ``j <= i``.
+        mask: optional bool (batch, length), True on real tokens, right-padded. Pad keys are excluded and pad
+            values never reach real outputs (they are selected away, so NaN pads are harmless); outputs at pad
+            queries are 0.
+        block_divide: divide each score by the number of levels whose block holds both tokens.
+        backend: ``"torch"``, ``"reference"`` (or another registered one); None = automatic.
+
+    Returns:
+        (batch, length, heads, value width).
+    """
+    ranks, sizes, scales = check_mlr_arguments(q, k, v, ranks, block_sizes, scales, mask)
+    impl = resolve_backend("mlr_attention", backend, q.device)
+    return impl(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
+                block_divide=block_divide)
+
+
+def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[int],
+                        block_sizes: Sequence[Optional[int]], value_width: int, causal: bool = False,
+                        engine: str = "flash") -> dict[str, int]:
+    """Forward FLOPs (2 per multiply-add) the ``torch`` backend runs, as ``FlopCounterMode`` counts them:
+    ``{"scores": ..., "weighted_values": ...}``.
+
+    Every task is a full rectangle (diagonal blocks included). ``engine="flash"`` (the CPU default): the fused
+    kernel takes one width for q, k and v, so each computed pair costs ``max(sum(ranks), value_width)`` multiply-adds
+    for its score and as many for its value; ``"matmul"``: the group's own width ``r_0 + ... + r_m`` and
+    ``value_width``.
+    """
+    flash = engine == "flash"
+    plan = plan_tasks(length, list(ranks), list(block_sizes), causal=causal, block_divide=True, dyadic=flash)
+    width = max(sum(ranks), value_width)
+    scores = values = 0
+    for group in plan.groups:
+        for task in group.tasks:
+            pairs = task.count * task.q_len * task.k_len
+            scores += pairs * (width if flash else group.width)
+            values += pairs * (width if flash else value_width)
+    return {"scores": 2 * batch * heads * scores, "weighted_values": 2 * batch * heads * values}
+
+
+discover_backends("mlr_attention", __name__)

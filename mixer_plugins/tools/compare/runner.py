@@ -1,0 +1,416 @@
+"""The Python API of ``mixer-plugins compare``: train one backbone per mixer and seed on a task, and summarize.
+
+>>> from mixer_plugins.tools.compare import CompareConfig, compare
+>>> result = compare(CompareConfig(task="mqar", mixers="attention,long_conv=toeplitz(data_dependent=False)",
+...                                steps=300, seeds=(0, 1)))          # doctest: +SKIP
+>>> print(result.table())                                             # doctest: +SKIP
+
+Everything is fixed by the seeds: seed ``s`` seeds the model's initialization (``torch.manual_seed(s)`` just before
+it is built) and the training stream (a ``torch.Generator`` seeded with ``s``, the same batches for every mixer),
+and the test set (seeded from ``s`` independently of the training stream). With the same threads, two runs give the
+same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import MixerError
+from .models import MixerEntry, SequenceModel, format_count, model_flops, parameter_count, parse_mixers
+from .tasks import Batch, Task, make_task
+
+__all__ = ["CompareConfig", "CompareResult", "EntrySummary", "Ordering", "RunResult", "compare", "train_run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ordering:
+    """An ordering a paper reports: ``better`` beats ``worse`` (labels of the comparison's entries) on the metric."""
+
+    better: str
+    worse: str
+    claim: str = ""
+
+
+@dataclasses.dataclass
+class CompareConfig:
+    """What to compare and how to train. ``mixers`` takes entries or the ``--mixers`` syntax
+    (``NAME``, ``NAME(key=value,...)``, ``LABEL=NAME(...)``, comma-separated; ``all`` = every registered mixer)."""
+
+    task: str = "mqar"
+    task_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    mixers: str | Sequence[str | MixerEntry] = "attention,quasiseparable,toeplitz"
+    seeds: Sequence[int] = (0, 1)
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup: float = 0.1
+    eval_every: int = 50
+    test_size: int = 256
+    width: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 2.0
+    positions: bool = True
+    #: add an embedding of the previous token to each position (see SequenceModel); the recall presets set it.
+    token_shift: bool = False
+    causal: bool = False
+    out: Path | None = None
+    progress: bool = True
+    #: preset name and the orderings to check (filled by presets; empty for ad-hoc comparisons).
+    preset: str | None = None
+    orderings: Sequence[Ordering] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise MixerError(f"{name} must be a positive integer, got {value!r}")
+        if self.lr <= 0 or self.weight_decay < 0 or self.mlp_ratio <= 0 or not 0 <= self.warmup < 1:
+            raise MixerError("lr and mlp_ratio must be positive, weight_decay non-negative and warmup in [0, 1)")
+        self.seeds = tuple(int(s) for s in self.seeds)
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise MixerError(f"seeds must be distinct and at least one, got {self.seeds}")
+        self.mixers = parse_mixers(self.mixers)
+        self.task_options = dict(self.task_options)
+        make_task(self.task, **self.task_options)  # bad task names and knobs fail before training
+        labels = {e.label for e in self.mixers}
+        for ordering in self.orderings:
+            for label in (ordering.better, ordering.worse):
+                if label not in labels:
+                    raise MixerError(f"ordering refers to {label!r}, which is not among {', '.join(sorted(labels))}")
+        if self.out is not None:
+            self.out = Path(self.out)
+
+    def build_task(self) -> Task:
+        return make_task(self.task, **self.task_options)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["mixers"] = [e.as_dict() for e in self.mixers]
+        out["orderings"] = [dataclasses.asdict(o) for o in self.orderings]
+        out["out"] = str(self.out) if self.out is not None else None
+        out["seeds"] = list(self.seeds)
+        out["task_options"] = dict(self.task_options)
+        return out
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One trained model: a mixer entry and a seed."""
+
+    label: str
+    seed: int
+    metric: float | None = None
+    curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    train_loss: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    parameters: int | None = None
+    flops: int | None = None
+    train_seconds: float | None = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class EntrySummary:
+    """One mixer entry over its seeds: mean and standard deviation (over seeds, ``n - 1``) of the final metric."""
+
+    label: str
+    mean: float | None
+    std: float | None
+    seeds: int
+    parameters: int | None
+    flops: int | None
+    train_seconds: float | None
+    error: str | None = None
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+@dataclasses.dataclass
+class CompareResult:
+    """Every run of a comparison, with the summaries, tables and ordering checks built from them."""
+
+    config: CompareConfig
+    task: Task
+    runs: list[RunResult]
+    reference: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def metric_name(self) -> str:
+        return self.task.metric_name
+
+    def summaries(self) -> list[EntrySummary]:
+        out = []
+        for entry in self.config.mixers:
+            runs = [r for r in self.runs if r.label == entry.label]
+            done = [r for r in runs if r.error is None]
+            if not done:
+                error = next((r.error for r in runs if r.error), "not run")
+                out.append(EntrySummary(entry.label, None, None, 0, None, None, None, error))
+                continue
+            mean, std = _mean_std([r.metric for r in done])
+            seconds = sum(r.train_seconds for r in done) / len(done)
+            failed = [r for r in runs if r.error]
+            out.append(EntrySummary(entry.label, mean, std, len(done), done[0].parameters, done[0].flops, seconds,
+                                    f"{len(failed)} seed(s) failed: {failed[0].error}" if failed else None))
+        return out
+
+    def check_orderings(self) -> list[dict[str, Any]]:
+        """For each expected ordering: the two means and stds and a verdict.
+
+        ``held`` when the better entry's mean beats the worse one's by more than the sum of their stds;
+        ``held (within noise)`` when it beats it by less; ``did not hold`` otherwise. With a single seed there is
+        no spread and the verdict says so; when an entry failed, it is ``not measured``.
+        """
+        by_label = {s.label: s for s in self.summaries()}
+        sign = 1.0 if self.task.higher_is_better else -1.0
+        checks = []
+        for ordering in self.config.orderings:
+            a, b = by_label[ordering.better], by_label[ordering.worse]
+            if a.mean is None or b.mean is None:
+                verdict = "not measured (a run failed)"
+            else:
+                margin = sign * (a.mean - b.mean)
+                if min(a.seeds, b.seeds) < 2:
+                    verdict = "held (one seed: no spread)" if margin > 0 else "did not hold (one seed)"
+                elif margin > a.std + b.std:
+                    verdict = "held"
+                elif margin > 0:
+                    verdict = "held (within noise)"
+                else:
+                    verdict = "did not hold"
+            checks.append({"better": a.label, "worse": b.label, "claim": ordering.claim, "better_mean": a.mean,
+                           "better_std": a.std, "worse_mean": b.mean, "worse_std": b.std, "verdict": verdict})
+        return checks
+
+    # -- text ------------------------------------------------------------------------------------
+    def _rows(self) -> list[tuple[str, ...]]:
+        rows = []
+        for s in self.summaries():
+            if s.mean is None:
+                rows.append((s.label, "-", "-", "-", "-", f"FAILED: {s.error}"))
+                continue
+            rows.append((s.label, f"{s.mean:.3f} ± {s.std:.3f}", format_count(s.parameters),
+                         format_count(s.flops), f"{s.train_seconds:.1f} s", s.error or ""))
+        return rows
+
+    def table(self, *, markdown: bool = False) -> str:
+        """Mean ± std of the metric over seeds, parameters, FLOPs per example (forward), mean train time."""
+        from ..._text import format_table, markdown_table
+
+        headers = ("mixer", f"{self.metric_name} ({'higher' if self.task.higher_is_better else 'lower'} is better)",
+                   "parameters", "FLOPs / example", "train time / seed", "note")
+        return (markdown_table if markdown else format_table)(headers, self._rows())
+
+    def orderings_table(self, *, markdown: bool = False) -> str:
+        from ..._text import format_table, markdown_table
+
+        checks = self.check_orderings()
+        if not checks:
+            return ""
+        rows = [(f"{c['better']} > {c['worse']}", _fmt(c["better_mean"], c["better_std"]),
+                 _fmt(c["worse_mean"], c["worse_std"]), c["verdict"], c["claim"]) for c in checks]
+        headers = ("expected ordering", "better (mean ± std)", "worse (mean ± std)", "verdict", "what the paper says")
+        return (markdown_table if markdown else format_table)(headers, rows)
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"task {self.task.describe()}; backbone width {c.width}, {c.depth} blocks, {c.heads} heads, "
+                f"{'causal' if c.causal else 'default-direction'} mixers{', token shift' if c.token_shift else ''}; "
+                f"{c.steps} steps of batch {c.batch_size}, "
+                f"AdamW lr {c.lr:g}; seeds {', '.join(map(str, c.seeds))}; test set {c.test_size} examples")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.as_dict(),
+            "task": {"name": self.task.name, "knobs": self.task.knobs(), "metric": self.metric_name,
+                     "higher_is_better": self.task.higher_is_better, "seq_len": self.task.seq_len},
+            "reference": self.reference,
+            "summaries": [dataclasses.asdict(s) for s in self.summaries()],
+            "orderings": self.check_orderings(),
+            "runs": [dataclasses.asdict(r) for r in self.runs],
+        }
+
+    @classmethod
+    def load(cls, path: Path | str) -> CompareResult:
+        """A result saved by :meth:`write` (its ``results.json``, or the folder holding it), e.g. to redraw plots."""
+        path = Path(path)
+        data = json.loads((path / "results.json" if path.is_dir() else path).read_text())
+        settings = dict(data["config"])
+        settings["mixers"] = [MixerEntry(m["name"], m["options"], m["label"]) for m in settings["mixers"]]
+        settings["orderings"] = tuple(Ordering(**o) for o in settings["orderings"])
+        config = CompareConfig(**settings)
+        runs = []
+        for run in data["runs"]:
+            run = dict(run)
+            run["curve"] = [tuple(point) for point in run["curve"]]
+            run["train_loss"] = [tuple(point) for point in run["train_loss"]]
+            runs.append(RunResult(**run))
+        return cls(config, config.build_task(), runs, data.get("reference", {}))
+
+    def write(self, out: Path) -> list[Path]:
+        """``results.json``, ``results.md`` and the two plots (when matplotlib is installed) under ``out``."""
+        from .report import save_curves, save_final
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        written = [out / "results.json", out / "results.md"]
+        written[0].write_text(json.dumps(self.as_dict(), indent=2, default=str))
+        title = f"# compare: {self.config.preset or self.task.name}"
+        text = [title, "", self.describe(), "", self.table(markdown=True)]
+        if self.reference:
+            text += ["", "Reference: " + ", ".join(f"{k} = {v:.3f}" for k, v in self.reference.items())]
+        if self.config.orderings:
+            text += ["", self.orderings_table(markdown=True)]
+        written[1].write_text("\n".join(text) + "\n")
+        written.append(save_curves(self, out / "curves.png"))
+        written.append(save_final(self, out / "final.png"))
+        return written
+
+
+def _fmt(mean: float | None, std: float | None) -> str:
+    return "-" if mean is None else f"{mean:.3f} ± {std:.3f}"
+
+
+def _evaluate(model: SequenceModel, task: Task, test: Batch, batch: int = 256) -> float:
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(test), batch):
+            part = test.slice(start, start + batch)
+            total += task.metric(model(part.inputs), part) * len(part)
+    model.train()
+    return total / len(test)
+
+
+def _lr_factor(step: int, total: int, warmup: float) -> float:
+    warm = max(1, int(warmup * total))
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        from ...errors import MissingExtraError
+
+        raise MissingExtraError("progress bars need tqdm (pip install 'mixer-plugins[demo]'); or pass "
+                                "--no-progress / progress=False") from None
+    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
+
+
+def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, test: Batch,
+              *, on_step: Callable[[int, float], None] | None = None) -> RunResult:
+    """Train one model (``entry`` in the backbone) for ``config.steps`` steps with ``seed``; evaluate on ``test``
+    every ``config.eval_every`` steps and at the end. Raises whatever the mixer raises (the caller records it)."""
+    torch.manual_seed(seed)
+    model = SequenceModel(task, entry, width=config.width, depth=config.depth, heads=config.heads,
+                          mlp_ratio=config.mlp_ratio, positions=config.positions, token_shift=config.token_shift,
+                          causal=config.causal)
+    result = RunResult(entry.label, seed, parameters=parameter_count(model), flops=model_flops(model),
+                       options=dict(model.options))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    stream = task.train_batches(config.batch_size, torch.Generator().manual_seed(seed), seed=seed)
+    model.train()
+    seconds, running = 0.0, []
+    for step in range(config.steps):
+        batch = next(stream)
+        start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * _lr_factor(step, config.steps, config.warmup)
+        loss = task.loss(model(batch.inputs), batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss.item()} at step {step + 1}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        seconds += time.perf_counter() - start
+        running.append(loss.item())
+        done = step + 1
+        if done % config.eval_every == 0 or done == config.steps:
+            result.curve.append((done, _evaluate(model, task, test)))
+            result.train_loss.append((done, sum(running) / len(running)))
+            running = []
+        if on_step is not None:
+            on_step(done, result.curve[-1][1] if result.curve else float("nan"))
+    result.metric = result.curve[-1][1]
+    result.train_seconds = seconds
+    return result
+
+
+def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> CompareResult:
+    """Train every mixer entry of ``config`` with every seed, print the table and (with ``config.out``) write
+    ``results.json``, ``results.md``, ``curves.png`` and ``final.png``. A failing mixer is reported in the table
+    (and its traceback in ``errors.log``); the others still run."""
+    if config.out is not None:
+        from .report import require_matplotlib
+
+        require_matplotlib()  # fail before training, not after
+    task = config.build_task()
+    log(f"task: {task.describe()}")
+    runs: list[RunResult] = []
+    errors: list[str] = []
+    tests = {seed: task.test_set(config.test_size, seed) for seed in config.seeds}
+    total = len(config.mixers) * len(config.seeds)
+    for entry in config.mixers:
+        for seed in config.seeds:
+            bar = _progress(config.steps, f"[{len(runs) + 1}/{total}] {entry.label} seed {seed}", config.progress)
+
+            def on_step(step: int, metric: float, bar=bar) -> None:
+                bar.update(1)
+                if step % config.eval_every == 0:
+                    bar.set_postfix({task.metric_name: f"{metric:.3f}"})
+
+            try:
+                run = train_run(config, task, entry, seed, tests[seed], on_step=on_step if bar else None)
+                log(f"{entry.label} seed {seed}: {task.metric_name} {run.metric:.3f} ({run.train_seconds:.1f} s)")
+            except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
+                first = (str(err).strip().splitlines() or [""])[0]
+                run = RunResult(entry.label, seed, error=f"{type(err).__name__}: {first}")
+                errors.append(f"== {entry.label} seed {seed}\n{traceback.format_exc()}")
+                log(f"{entry.label} seed {seed} failed: {run.error}")
+            finally:
+                if bar is not None:
+                    bar.close()
+            runs.append(run)
+    reference = {}
+    if hasattr(task, "least_squares_metric"):
+        reference["least squares"] = sum(task.least_squares_metric(t) for t in tests.values()) / len(tests)
+    result = CompareResult(config, task, runs, reference)
+    log("")
+    log(result.describe())
+    log(result.table())
+    if config.orderings:
+        log("")
+        log(result.orderings_table())
+    if config.out is not None:
+        written = result.write(config.out)
+        error_log = config.out / "errors.log"
+        if errors:
+            error_log.write_text("\n".join(errors))
+            written.append(error_log)
+        elif error_log.exists():
+            error_log.unlink()
+        log("wrote " + ", ".join(str(p) for p in written))
+    return result

@@ -1,0 +1,314 @@
+"""``mixer-plugins compare``: task generators keep their promises, runs are reproducible, presets and CLI work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+import mixer_plugins as mp
+from mixer_plugins.errors import MixerError
+from mixer_plugins.tools.compare import (
+    PRESETS,
+    CompareConfig,
+    MixerEntry,
+    Ordering,
+    compare,
+    make_task,
+    parse_mixers,
+    preset_config,
+)
+from mixer_plugins.tools.compare.cli import add_compare_parser, config_from_args, run_compare
+from mixer_plugins.tools.compare.models import SequenceModel, adapted_options, model_flops
+from mixer_plugins.tools.compare.tasks import IGNORE, DigitsTask
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _quiet(*_args) -> None:
+    pass
+
+
+# -- tasks --------------------------------------------------------------------------------------------------------
+
+
+def test_mqar_answer_is_determined_by_the_context():
+    task = make_task("mqar", seq_len=40, num_kv_pairs=6, vocab_size=30, num_queries=5)
+    batch = task.sample(64, _gen())
+    assert batch.inputs.shape == (64, 40) and batch.inputs.dtype == torch.long
+    assert int(batch.inputs.max()) < task.vocab_size
+    num_keys = (task.vocab_size - 1) // 2
+    for row in range(64):
+        x, y, graded = batch.inputs[row], batch.targets[row], batch.graded[row]
+        keys, values = x[0:12:2].tolist(), x[1:12:2].tolist()
+        assert len(set(keys)) == 6 and all(1 <= k <= num_keys for k in keys)
+        assert all(v > num_keys for v in values)
+        positions = graded.nonzero()[:, 0].tolist()
+        assert len(positions) == 5 and min(positions) >= 12
+        queried = []
+        for pos in positions:
+            key = int(x[pos])
+            assert key in keys
+            # the answer is the value that followed the key in the context ...
+            assert int(y[pos]) == values[keys.index(key)]
+            # ... and is never an input at or after the query (no leak to bidirectional mixers)
+            assert int(y[pos]) not in x[pos:].tolist()
+            queried.append(key)
+        assert len(set(queried)) == 5
+        # everything else in the query section is blank and ungraded
+        others = [p for p in range(12, 40) if p not in positions]
+        assert all(int(x[p]) == 0 for p in others) and all(int(y[p]) == IGNORE for p in others)
+
+
+def test_copying_targets_are_the_context_tokens_in_order():
+    task = make_task("copying", seq_len=24, num_tokens=5, vocab_size=12)
+    batch = task.sample(32, _gen(1))
+    for row in range(32):
+        x, y = batch.inputs[row], batch.targets[row]
+        context = x[:19]
+        data = context[context >= 2].tolist()
+        assert len(data) == 5 and set(context[context < 2].tolist()) <= {0}
+        assert x[19:].tolist() == [1] * 5
+        assert y[19:].tolist() == data
+        assert batch.graded[row].tolist() == [False] * 19 + [True] * 5
+
+
+def test_regression_targets_follow_one_linear_map_per_sequence():
+    task = make_task("regression", dim=6, num_examples=12, num_queries=3)
+    batch = task.sample(16, _gen(2))
+    assert batch.inputs.shape == (16, 15, 8)
+    assert torch.all(batch.inputs[:, 12:, 6] == 0) and torch.all(batch.inputs[:, 12:, 7] == 1)
+    assert torch.all(batch.inputs[:, :12, 7] == 0)
+    assert torch.allclose(batch.inputs[:, :12, 6], batch.targets[:, :12])
+    # the context determines the answer: least squares on the examples recovers the queries' targets exactly
+    assert task.least_squares_metric(batch) < 1e-6
+    # and the targets are not trivial: predicting zero scores about 1 (the metric's normalization)
+    zero = task.metric(torch.zeros(16, 15, 1), batch)
+    big = task.sample(4096, _gen(3))
+    assert 0.2 < zero and abs(task.metric(torch.zeros(4096, 15, 1), big) - 1.0) < 0.1
+    # with fewer examples than dimensions the answer is not determined
+    under = make_task("regression", dim=6, num_examples=3, num_queries=3)
+    assert under.least_squares_metric(under.sample(256, _gen(4))) > 0.2
+
+
+def test_tasks_are_deterministic_for_a_seed():
+    for name, knobs in [("mqar", {}), ("copying", {}), ("regression", {"dim": 4, "num_examples": 8})]:
+        task = make_task(name, **knobs)
+        a, b, c = task.sample(8, _gen(5)), task.sample(8, _gen(5)), task.sample(8, _gen(6))
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+        assert not torch.equal(a.inputs, c.inputs)
+
+
+@pytest.mark.slow  # imports scikit-learn (for its bundled digits)
+def test_digits_task_is_patches_of_the_images():
+    task = DigitsTask(patch_size=2)
+    test = task.test_set(20, seed=0)
+    assert test.inputs.shape == (20, 16, 4) and test.targets.shape == (20,)
+    assert set(test.targets.tolist()) <= set(range(10))
+    first = next(task.train_batches(8, _gen(), seed=0))
+    assert first.inputs.shape == (8, 16, 4)
+
+
+def test_task_knobs_are_validated():
+    with pytest.raises(MixerError, match="num_kv_pairs"):
+        make_task("mqar", num_kv_pairs=40, vocab_size=32)
+    with pytest.raises(MixerError, match="did you mean 'num_kv_pairs'"):
+        make_task("mqar", num_kv_pair=4)
+    with pytest.raises(MixerError, match="did you mean 'mqar'"):
+        make_task("mqr")
+    with pytest.raises(MixerError, match="seq_len"):
+        make_task("copying", seq_len=8, num_tokens=5)
+
+
+# -- mixers entries and the backbone -------------------------------------------------------------------------------
+
+
+def test_mixer_entries_parse_names_options_and_labels():
+    entries = parse_mixers("attention, long_conv=toeplitz(data_dependent=False,headdim=16), "
+                           "mlr_attention(ranks=[4,4],block_sizes=[None,8])")
+    assert [e.label for e in entries] == ["attention", "long_conv", "mlr_attention(ranks=[4, 4],block_sizes=[None, 8])"]
+    assert entries[1].name == "toeplitz" and entries[1].options == {"data_dependent": False, "headdim": 16}
+    assert entries[2].options == {"ranks": [4, 4], "block_sizes": [None, 8]}
+    assert parse_mixers("long_conv")[0].name == "toeplitz"  # aliases resolve to canonical names
+    assert {e.name for e in parse_mixers("all")} == set(mp.list_mixers())
+    with pytest.raises(MixerError, match="did you mean"):
+        parse_mixers("atention")
+    with pytest.raises(MixerError, match="unique"):
+        parse_mixers("attention,attention")
+
+
+def test_backbone_sizes_options_and_counts_flops():
+    task = make_task("mqar", seq_len=16, num_kv_pairs=3, vocab_size=16)
+    entry = MixerEntry("toeplitz", {"data_dependent": False})
+    options = adapted_options(entry, width=32, heads=4, seq_len=16, causal=False)
+    assert options["max_seq_len"] == 16 and options["headdim"] == 16 and options["data_dependent"] is False
+    model = SequenceModel(task, entry, width=32, depth=2, heads=4)
+    out = model(task.sample(3, _gen()).inputs)
+    assert out.shape == (3, 16, 16)
+    mixer_flops = sum(block.mixer.flops(1, 16) for block in model.blocks)
+    assert model_flops(model) > mixer_flops > 0
+    with pytest.raises(MixerError, match="bidirectional only"):
+        adapted_options(MixerEntry("quasiseparable"), width=32, heads=4, seq_len=16, causal=True)
+    assert adapted_options(MixerEntry("attention"), width=32, heads=4, seq_len=16, causal=True)["causal"] is True
+
+
+def test_plugin_mixers_can_be_compared():
+    spec = mp.get_spec("attention")
+    plugin = mp.MixerSpec(name="compare_test_plugin", config=spec.config, builder=spec.builder,
+                          direction="either", data_dependent="yes")
+    mp.register_mixer(plugin)
+    try:
+        config = CompareConfig(task="mqar", task_options={"seq_len": 12, "num_kv_pairs": 2, "vocab_size": 8},
+                               mixers="compare_test_plugin(num_heads=2)", steps=2, eval_every=1, seeds=(0,),
+                               test_size=8, width=16, progress=False)
+        result = compare(config, log=_quiet)
+        assert result.runs[0].error is None and len(result.runs[0].curve) == 2
+    finally:
+        mp.unregister_mixer("compare_test_plugin")
+
+
+# -- runs ----------------------------------------------------------------------------------------------------------
+
+
+def _tiny(**overrides) -> CompareConfig:
+    settings = dict(task="copying", task_options={"seq_len": 12, "num_tokens": 3, "vocab_size": 8},
+                    mixers="attention,long_conv=toeplitz(data_dependent=False)", steps=4, eval_every=2,
+                    seeds=(0, 1), test_size=16, width=16, depth=1, heads=2, batch_size=8, progress=False)
+    settings.update(overrides)
+    return CompareConfig(**settings)
+
+
+def test_a_run_is_reproducible_for_a_seed():
+    first = compare(_tiny(), log=_quiet)
+    second = compare(_tiny(), log=_quiet)
+    for a, b in zip(first.runs, second.runs):
+        assert a.error is None and a.curve == b.curve and a.train_loss == b.train_loss
+    # another seed trains differently
+    seed0 = [r for r in first.runs if r.seed == 0 and r.label == "attention"][0]
+    seed1 = [r for r in first.runs if r.seed == 1 and r.label == "attention"][0]
+    assert seed0.train_loss != seed1.train_loss
+
+
+def test_summaries_orderings_and_json():
+    config = _tiny(orderings=(Ordering("attention", "long_conv", "claim"),), seeds=(0, 1, 2))
+    result = compare(config, log=_quiet)
+    summaries = {s.label: s for s in result.summaries()}
+    metrics = [r.metric for r in result.runs if r.label == "attention"]
+    mean = sum(metrics) / 3
+    assert math.isclose(summaries["attention"].mean, mean)
+    assert math.isclose(summaries["attention"].std, (sum((m - mean) ** 2 for m in metrics) / 2) ** 0.5)
+    check = result.check_orderings()[0]
+    assert check["verdict"] in ("held", "held (within noise)", "did not hold")
+    saved = json.loads(json.dumps(result.as_dict(), default=str))
+    assert len(saved["runs"]) == 6 and saved["orderings"][0]["better"] == "attention"
+    assert "± " in result.table() and "attention > long_conv" in result.orderings_table()
+
+
+def test_ordering_verdicts():
+    result = compare(_tiny(seeds=(0,)), log=_quiet)
+    for run, value in zip(result.runs, (0.9, 0.1)):
+        run.metric = value
+    result.config.orderings = (Ordering("attention", "long_conv"), Ordering("long_conv", "attention"))
+    assert [c["verdict"] for c in result.check_orderings()] == ["held (one seed: no spread)",
+                                                                 "did not hold (one seed)"]
+    two = compare(_tiny(), log=_quiet)
+    for run, value in zip(two.runs, (0.9, 0.8, 0.1, 0.2)):  # attention seeds 0, 1; long_conv seeds 0, 1
+        run.metric = value
+    two.config.orderings = (Ordering("attention", "long_conv"), Ordering("long_conv", "attention"))
+    assert [c["verdict"] for c in two.check_orderings()] == ["held", "did not hold"]
+    for run, value in zip(two.runs, (0.9, 0.3, 0.5, 0.6)):  # margin 0.05 < std sum
+        run.metric = value
+    assert two.check_orderings()[0]["verdict"] == "held (within noise)"
+
+
+def test_a_failing_mixer_is_reported_and_the_others_run():
+    config = _tiny(mixers="attention,broken=toeplitz(data_dependent=False,headdim=7)", seeds=(0,))
+    result = compare(config, log=_quiet)
+    by_label = {s.label: s for s in result.summaries()}
+    assert by_label["attention"].mean is not None
+    assert by_label["broken"].mean is None and "InvalidMixerOptions" in by_label["broken"].error
+    assert "FAILED" in result.table()
+
+
+def test_regression_reports_the_least_squares_reference():
+    config = _tiny(task="regression", task_options={"dim": 4, "num_examples": 10, "num_queries": 2},
+                   mixers="attention", seeds=(0,))
+    result = compare(config, log=_quiet)
+    assert result.reference["least squares"] < 1e-3
+    assert result.runs[0].metric > 0
+
+
+# -- presets and the command line ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid_and_name_their_entries(name):
+    config = preset_config(name)
+    labels = {e.label for e in config.mixers}
+    assert config.orderings and all(o.better in labels and o.worse in labels for o in config.orderings)
+    assert PRESETS[name].reports and PRESETS[name].paper
+    quick = preset_config(name, quick=True)
+    assert quick.steps < config.steps and len(quick.seeds) == 1
+
+
+def test_hydra_classes_includes_the_recall_outcome():
+    config = preset_config("hydra-classes")
+    assert config.task == "mqar"
+    assert any(o.better == "attention" and o.worse == "long_conv" for o in config.orderings)
+    long_conv = next(e for e in config.mixers if e.label == "long_conv")
+    assert long_conv.name == "toeplitz" and long_conv.options["data_dependent"] is False
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_compare_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["compare", *argv])
+
+
+def test_cli_quick_preset_run(tmp_path, capsys):
+    args = _parse(["--preset", "structured-attention", "--quick", "--out", str(tmp_path), "--no-progress",
+                   "--mixers", "attention,btt_attention(num_heads=2)", "--width", "16", "--heads", "2"])
+    assert args.func is run_compare
+    assert run_compare(args) == 0
+    out = capsys.readouterr().out
+    assert "btt_attention(num_heads=2)" in out and "normalized MSE" in out
+    for name in ("results.json", "results.md", "curves.png", "final.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    # a saved result loads back (to redraw its plots or tables)
+    from mixer_plugins.tools.compare import CompareResult
+
+    loaded = CompareResult.load(tmp_path)
+    assert [r.curve for r in loaded.runs] == [[tuple(p) for p in r["curve"]]
+                                              for r in json.loads((tmp_path / "results.json").read_text())["runs"]]
+    assert loaded.table() in out
+    assert "normalized MSE" in (tmp_path / "results.md").read_text()
+
+
+def test_cli_arguments_override_presets():
+    args = _parse(["--preset", "hydra-classes", "--steps", "7", "--seeds", "0,4", "--task-option", "num_kv_pairs=2",
+                   "--no-plots"])
+    config = config_from_args(args)
+    assert config.steps == 7 and config.seeds == (0, 4) and config.task_options == {"num_kv_pairs": 2}
+    assert config.out is None and config.preset == "hydra-classes"
+    assert config_from_args(_parse(["--seeds", "3", "--no-plots"])).seeds == (0, 1, 2)
+    # fewer mixers keep the paper's orderings between the entries still compared
+    fewer = config_from_args(_parse(["--preset", "hydra-classes", "--no-plots", "--mixers",
+                                     "attention,long_conv=toeplitz(data_dependent=False),toeplitz"]))
+    assert {(o.better, o.worse) for o in fewer.orderings} == {("attention", "long_conv"), ("toeplitz", "long_conv")}
+
+
+def test_cli_reports_bad_input(capsys):
+    assert run_compare(_parse(["--task", "mqar", "--task-option", "num_kv_pair=3", "--no-plots"])) == 2
+    assert "did you mean 'num_kv_pairs'" in capsys.readouterr().err
+    assert run_compare(_parse(["--preset", "hydra-clases"])) == 2
+    assert "did you mean 'hydra-classes'" in capsys.readouterr().err
+    assert run_compare(_parse(["--list"])) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("mqar", "copying", "regression", "digits", *PRESETS))

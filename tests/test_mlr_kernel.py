@@ -1,0 +1,269 @@
+"""The MLR attention op (``mixer_plugins.kernels.mlr_attention``): fast path vs its materialized reference vs the
+``mlr_attention`` mixer's own math, in float64, values and gradients; masks with NaN pads, odd lengths, several
+level lists; memory (no ``L x L`` intermediate); argument checks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mixer_plugins
+from mixer_plugins.kernels.mlr_attention import mlr_attention, mlr_attention_flops, plan_tasks
+from mixer_plugins.kernels.mlr_attention.torch import mlr_attention_torch
+
+F64 = torch.float64
+
+# (ranks, block_sizes): the mixer's test levels, a non-global level 0 (pairs sharing no level score 0), two global
+# levels, a single global level (plain attention), non-halving nesting, the paper's 8 levels (blocks 64 ... 1 here).
+LEVELS = [
+    ([4, 2, 1, 1], [None, 8, 4, 2]),
+    ([3, 2, 2, 1], [12, 6, 3, 1]),
+    ([2, 2, 4], [None, None, 3]),
+    ([8], [None]),
+    ([4, 2, 2], [None, 9, 3]),
+    ([32, 8, 6, 4, 4, 4, 4, 2], [None, 64, 32, 16, 8, 4, 2, 1]),
+]
+
+
+def _inputs(batch, length, heads, ranks, value_width, *, seed=0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    width = sum(ranks)
+    q = torch.randn(batch, length, heads, width, generator=gen, dtype=dtype)
+    k = torch.randn(batch, length, heads, width, generator=gen, dtype=dtype)
+    v = torch.randn(batch, length, heads, value_width, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def _right_mask(batch, length, lengths):
+    pos = torch.arange(length)
+    return pos[None, :] < torch.tensor(lengths)[:, None]
+
+
+def _value_and_grads(fn, tensors, cotangent_seed=1):
+    tensors = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*tensors)
+    gen = torch.Generator().manual_seed(cotangent_seed)
+    cot = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    grads = torch.autograd.grad(out, tensors, cot)
+    return out.detach(), grads
+
+
+def _close(a, b, tol=1e-10):
+    assert a.shape == b.shape
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= tol * (1 + b.abs().max().item()), err
+
+
+ENGINES = {"flash": dict(engine="flash"), "matmul": dict(engine="matmul"),
+           "flash-leaf": dict(engine="flash", leaf_max=64), "matmul-leaf": dict(engine="matmul", leaf_max=64)}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("levels", range(len(LEVELS)))
+@pytest.mark.parametrize("length", [37])
+def test_op_matches_reference(engine, causal, levels, length):
+    ranks, sizes = LEVELS[levels]
+    scales = [0.7 / r for r in ranks]
+    q, k, v = _inputs(2, length, 2, ranks, 5, seed=length + levels)
+    kw = dict(ranks=ranks, block_sizes=sizes, scales=scales, causal=causal)
+    ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, **ENGINES[engine], **kw), (q, k, v))
+    _close(out, ref)
+    for g, rg in zip(grads, ref_grads):
+        _close(g, rg)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("levels", [0, 1, 4])
+def test_masked_nan_pads(engine, causal, levels):
+    """Pads are selected away: NaN pad queries/keys/values change no real output or gradient; pad outputs are 0;
+    a fully padded row gives zeros, never NaN."""
+    ranks, sizes = LEVELS[levels]
+    length = 29
+    mask = _right_mask(4, length, [29, 17, 1, 0])
+    q, k, v = _inputs(4, length, 2, ranks, 6, seed=3)
+    kw = dict(ranks=ranks, block_sizes=sizes, scales=[1 / r for r in ranks], causal=causal, mask=mask)
+    ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+    pad = ~mask[:, :, None, None]
+    nan_inputs = [t.masked_fill(pad, float("nan")) for t in (q, k, v)]
+    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, **ENGINES[engine], **kw), nan_inputs)
+    _close(out, ref)
+    assert (out.masked_select(pad) == 0).all()
+    for g, rg in zip(grads, ref_grads):
+        _close(g, rg)
+        assert (g.masked_select(pad) == 0).all()
+    # and the real outputs equal those of the unpadded sequences run alone
+    for row, n in enumerate([29, 17, 1]):
+        alone = mlr_attention(q[row:row + 1, :n], k[row:row + 1, :n], v[row:row + 1, :n], ranks=ranks,
+                              block_sizes=sizes, causal=causal, backend="torch")
+        _close(out[row:row + 1, :n], alone)
+
+
+def _mixer_case(causal, options, length=23, batch=3, seed=0):
+    torch.manual_seed(seed)
+    mixer = mixer_plugins.create_mixer("mlr_attention", 32, num_heads=2, causal=causal, **options).to(F64)
+    with torch.no_grad():  # nonzero query gain (muP zero-initialises it) so the scores are not all 0
+        mixer.q_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(batch, length, 32, dtype=F64)
+    mask = _right_mask(batch, length, [length, length - 6, 4])
+    return mixer, x, mask
+
+
+def _mixer_via_op(mixer, x, mask):
+    """What ``MLRAttention.mix`` computes when it calls the op (the lines given to the lead)."""
+    ctx = mixer.prepare(x, mask)
+    y = mlr_attention(ctx.q, ctx.k, ctx.values, ranks=mixer.ranks, block_sizes=mixer.block_sizes,
+                      scales=mixer.level_scales, causal=mixer.causal, mask=ctx.mask,
+                      block_divide=mixer.block_divide)
+    return mixer._zero_pads(mixer.finish(ctx, y), mask)
+
+
+MIXER_OPTIONS = [
+    {"ranks": [8, 4, 2, 2], "block_sizes": [None, 8, 4, 2]},
+    {"ranks": [8, 4, 2, 2], "block_sizes": [16, 8, 4, 1], "block_divide": False, "divide_by_levels": True},
+    {"ranks": [4, 4, 4, 4], "min_block_size": 3, "logit_scaling": "standard", "logit_multiplier": 2.0},
+    {"ranks": [10, 6], "block_sizes": [None, 5]},
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("options", range(len(MIXER_OPTIONS)))
+def test_op_matches_mixer(causal, options):
+    """The op inside the mixer equals the mixer's forward and its materialized matrix, values and gradients (input
+    and every parameter)."""
+    mixer, x, mask = _mixer_case(causal, MIXER_OPTIONS[options], seed=options)
+    params = [p for p in mixer.parameters() if p.requires_grad]
+    cot = torch.randn(x.shape, dtype=F64, generator=torch.Generator().manual_seed(5))
+
+    def run(fn):
+        xr = x.clone().requires_grad_(True)
+        out = fn(xr)
+        grads = torch.autograd.grad(out, [xr, *params], cot)
+        return out.detach(), grads
+
+    via_op, op_grads = run(lambda xr: _mixer_via_op(mixer, xr, mask))
+    for oracle in (lambda xr: mixer(xr, mask=mask), lambda xr: mixer.forward_via_matrix(xr, mask=mask)):
+        expected, expected_grads = run(oracle)
+        _close(via_op, expected)
+        for g, eg in zip(op_grads, expected_grads):
+            _close(g, eg)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_length_one(engine):
+    ranks, sizes = LEVELS[0]
+    q, k, v = _inputs(2, 1, 2, ranks, 3)
+    for causal in (False, True):
+        kw = dict(ranks=ranks, block_sizes=sizes, scales=[1 / r for r in ranks], causal=causal)
+        ref, ref_grads = _value_and_grads(lambda *t, kw=kw: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+        out, grads = _value_and_grads(lambda *t, kw=kw: mlr_attention_torch(*t, **ENGINES[engine], **kw), (q, k, v))
+        _close(out, ref)
+        for g, rg in zip(grads, ref_grads):
+            _close(g, rg)
+
+
+def test_float32_close_to_float64():
+    ranks, sizes = LEVELS[5]
+    q, k, v = _inputs(1, 200, 2, ranks, 64, seed=7)
+    kw = dict(ranks=ranks, block_sizes=sizes, causal=True)
+    exact = mlr_attention(q, k, v, backend="reference", **kw)
+    fast = mlr_attention(q.float(), k.float(), v.float(), **kw)
+    assert fast.dtype == torch.float32
+    assert (fast.double() - exact).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("length", [1, 7, 64, 100, 129])
+def test_plan_covers_every_pair_once(causal, length):
+    for (ranks, sizes), dyadic, leaf_max in itertools.product(LEVELS, [False, True], [0, 4, 64]):
+        plan = plan_tasks(length, ranks, sizes, causal=causal, block_divide=True, dyadic=dyadic, leaf_max=leaf_max)
+        seen = torch.zeros(length, length, dtype=torch.long)
+        for group in plan.groups:
+            for t in group.tasks:
+                for p in range(t.count):
+                    base = t.start + p * t.plen
+                    block = seen[base + t.q0: base + t.q0 + t.q_len, base + t.k0: base + t.k0 + t.k_len]
+                    block += torch.ones_like(block).tril() if t.causal else 1
+        expected = torch.ones(length, length, dtype=torch.long)
+        assert torch.equal(seen, expected.tril() if causal else expected)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("engine", ["flash", "matmul", "matmul-leaf"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_no_quadratic_tensor(engine, causal):
+    """Forward and backward never build a tensor near ``L x L`` per head (the reference does)."""
+    length, ranks, sizes = 1024, [16, 8, 4, 4], [None, 64, 32, 16]
+    q, k, v = (t.float().requires_grad_(True) for t in _inputs(1, length, 1, ranks, 32, seed=2))
+    mask = _right_mask(1, length, [1000])
+    with _LargestTensor() as probe:
+        out = mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=[1 / r for r in ranks],
+                                  causal=causal, mask=mask, **ENGINES[engine])
+        out.sum().backward()
+    assert probe.largest <= length * length // 8, probe.largest
+    with _LargestTensor() as probe:
+        mlr_attention(q, k, v, ranks=ranks, block_sizes=sizes, causal=causal, backend="reference")
+    assert probe.largest >= length * length  # the probe sees an L x L tensor when there is one
+
+
+def test_argument_checks():
+    q, k, v = _inputs(1, 8, 1, [2, 2], 3)
+    ok = dict(ranks=[2, 2], block_sizes=[None, 4])
+    with pytest.raises(ValueError, match="sum to"):
+        mlr_attention(q, k, v, ranks=[2, 1], block_sizes=[None, 4])
+    with pytest.raises(ValueError, match="one per level"):
+        mlr_attention(q, k, v, ranks=[2, 2], block_sizes=[None])
+    with pytest.raises(ValueError, match="nest"):
+        mlr_attention(q, k, v, ranks=[2, 2], block_sizes=[6, 4])
+    with pytest.raises(ValueError, match="global levels must come first"):
+        mlr_attention(q, k, v, ranks=[2, 2], block_sizes=[4, None])
+    with pytest.raises(ValueError, match="positive"):
+        mlr_attention(q, k, v, ranks=[2, 2], block_sizes=[None, 0])
+    with pytest.raises(ValueError, match="scales"):
+        mlr_attention(q, k, v, scales=[1.0], **ok)
+    with pytest.raises(ValueError, match="same shape"):
+        mlr_attention(q, k[:, :7], v, **ok)
+    with pytest.raises(ValueError, match="share"):
+        mlr_attention(q, k, v[:, :7], **ok)
+    with pytest.raises(TypeError, match="dtype"):
+        mlr_attention(q, k.float(), v, **ok)
+    with pytest.raises(TypeError, match="bool"):
+        mlr_attention(q, k, v, mask=torch.ones(1, 8), **ok)
+    with pytest.raises(ValueError, match="right-padded"):
+        mlr_attention(q, k, v, mask=torch.tensor([[True, False] * 4]), **ok)
+    with pytest.raises(ValueError, match="flash engine"):
+        mlr_attention_torch(q.half(), k.half(), v.half(), scales=[0.5, 0.5], engine="flash", **ok)
+
+
+@pytest.mark.parametrize("engine", ["flash", "matmul"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_flops_match_the_flop_counter(engine, causal):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import mixer_plugins.kernels  # noqa: F401  (registers the CPU flash formulas)
+
+    ranks, sizes = LEVELS[0]
+    q, k, v = (t.float() for t in _inputs(2, 45, 3, ranks, 8))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=[1.0] * 4, causal=causal, engine=engine)
+    expected = mlr_attention_flops(2, 3, 45, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal,
+                                   engine=engine)
+    assert counter.get_total_flops() == sum(expected.values())
