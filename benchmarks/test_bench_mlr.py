@@ -15,8 +15,8 @@ import time
 
 import pytest
 import torch
-
 from mixer_plugins.benchmarking import build_mixer, peak_memory
+
 from mixer_plugins.kernels.mlr_attention import mlr_attention
 
 DIM, HEADS = 256, 4

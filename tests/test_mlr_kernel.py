@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mixer_plugins
 from mixer_plugins.kernels.mlr_attention import mlr_attention, mlr_attention_flops, plan_tasks
 from mixer_plugins.kernels.mlr_attention.torch import mlr_attention_torch
+from mixer_plugins.layers.masks import zero_pads
 
 F64 = torch.float64
 
@@ -121,7 +122,7 @@ def _mixer_via_op(mixer, x, mask):
     y = mlr_attention(ctx.q, ctx.k, ctx.values, ranks=mixer.ranks, block_sizes=mixer.block_sizes,
                       scales=mixer.level_scales, causal=mixer.causal, mask=ctx.mask,
                       block_divide=mixer.block_divide)
-    return mixer._zero_pads(mixer.finish(ctx, y), mask)
+    return zero_pads(mixer.finish(ctx, y), mask)
 
 
 MIXER_OPTIONS = [

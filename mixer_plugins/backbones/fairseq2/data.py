@@ -40,7 +40,8 @@ class MlmDataSection:
     """Tokens per example, including the ``<s>`` and ``</s>`` tokens (longer texts are truncated)."""
 
     batch_size: int = 16
-    """Examples per batch (per data-parallel rank)."""
+    """Examples per batch per data-parallel rank: the global batch (``batch_size * ranks`` examples, the
+    same ones and the same masks for any number of ranks) is split between the ranks."""
 
     mask_prob: float = 0.15
     """Fraction of byte tokens chosen as MLM targets (at least one per example)."""
@@ -107,6 +108,13 @@ def mask_tokens(tokens: Tensor, tokenizer: ByteTokenizer, mask_prob: float,
     return inputs, target_mask
 
 
+def _share(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of a global batch of ``n`` rows for ``rank``: contiguous, sizes differ by at most one."""
+    base, extra = divmod(n, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
 @final
 class MlmDataReader(DataReader[MlmBatch]):
     """Shuffled, padded, masked batches over a list of encoded examples; one data epoch per pass.
@@ -117,12 +125,16 @@ class MlmDataReader(DataReader[MlmBatch]):
 
     def __init__(self, examples: list[list[int]], section: MlmDataSection, tokenizer: ByteTokenizer,
                  *, rank: int = 0, world_size: int = 1) -> None:
-        # Each data-parallel rank reads its own shard; shards have equal sizes so that every rank runs the
-        # same number of steps per epoch (a rank with one batch more would wait forever in DDP).
-        per_rank = len(examples) // world_size
-        self._examples = examples[rank::world_size][:per_rank]
-        if not self._examples:
+        # Batch k of the run is the same *global* batch (batch_size * world_size examples, with the same masks)
+        # whatever the number of ranks; rank r reads its contiguous share of it. So a run on N ranks follows the
+        # single-process run at the same global batch. Every rank runs the same number of steps per epoch (a
+        # rank with one batch more would wait forever in DDP): a last global batch too small to give every
+        # rank an example is dropped.
+        if len(examples) < world_size:
             raise ValueError(f"the corpus has {len(examples)} examples: too few for {world_size} ranks")
+        self._examples = examples
+        self._rank = rank
+        self._world_size = world_size
         self._section = section
         self._tokenizer = tokenizer
         self._epoch = 0
@@ -140,11 +152,12 @@ class MlmDataReader(DataReader[MlmBatch]):
 
     @override
     def __next__(self) -> list[MlmBatch]:
-        size = self._section.batch_size
+        size = self._section.batch_size * self._world_size
         start = self._batch * size
-        if start >= len(self._order):
+        chosen_ids = self._order[start:start + size]
+        if len(chosen_ids) < self._world_size:
             raise StopIteration
-        chosen = [self._examples[i] for i in self._order[start:start + size]]
+        chosen = [self._examples[i] for i in chosen_ids]
         seq_lens = [len(e) for e in chosen]
         tokens = torch.full((len(chosen), max(seq_lens)), self._tokenizer.pad_idx, dtype=torch.long)
         for row, example in enumerate(chosen):
@@ -153,6 +166,11 @@ class MlmDataReader(DataReader[MlmBatch]):
         generator = torch.Generator().manual_seed(batch_seed)
         inputs, target_mask = mask_tokens(tokens, self._tokenizer, self._section.mask_prob, generator)
         self._batch += 1
+        if self._world_size > 1:  # this rank's contiguous share of the global batch, trimmed to its longest row
+            lo, hi = _share(len(chosen), self._rank, self._world_size)
+            seq_lens = seq_lens[lo:hi]
+            width = max(seq_lens)
+            inputs, tokens, target_mask = (t[lo:hi, :width] for t in (inputs, tokens, target_mask))
         return [MlmBatch(inputs, tokens, target_mask, seq_lens)]
 
     @override

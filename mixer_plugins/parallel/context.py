@@ -1,0 +1,351 @@
+"""Context parallelism for the scan mixers: one long sequence, one contiguous segment per rank.
+
+Rank ``r`` of a process group holds tokens ``[o_r, o_r + L_r)`` of every row (any lengths >= 1, not
+necessarily equal). The mixer's block is pointwise along time except for three things, and each gets what
+it needs from the other ranks:
+
+* the short convolution (kernel ``k``) reads ``(k-1)/2`` tokens on each side (``k-1`` on the left when
+  causal): every rank receives that *halo* of its neighbours' inputs (and padding mask), plus one more
+  row on each side for the shift below, and runs the block's own ``prepare`` on the widened segment;
+* the shifted scans (Hydra) read ``C_{i-1}`` (forward) and ``C_{i+1}`` (backward) across the segment
+  border: they come from that extra halo row;
+* the scans themselves: with ``a = A dt`` and segment-local cumulative sums ``p`` (inclusive) and
+  ``e = p - a`` (exclusive), the part of query ``i`` in segment ``r`` that comes from the other segments
+  is ``C~_i exp(q_i) H_r`` (forward; ``q = e`` shifted, ``p`` otherwise) and
+  ``C~_i exp(p_last - q_i) G_r`` (backward; ``q = p`` shifted, ``e`` otherwise), where ``H_r``/``G_r`` are
+  the (head_dim x state) states entering the segment from the left/right. Each rank computes its segment's
+  total decay ``T = exp(p_last)`` and outgoing states ``S = sum_j exp(p_last - p_j) dt_j B_j x_j^T``
+  (forward) and ``R = sum_j exp(e_j) dt_j B_j x_j^T`` (backward); one all-gather shares them and each
+  rank combines the prefix ``H_r = T_{r-1} H_{r-1} + S_{r-1}`` (and the suffix for ``G_r``).
+
+The segment's own part is the mixer's usual local scan (the public ops :func:`~mixer_plugins.kernels.
+quasiseparable`, :func:`~mixer_plugins.kernels.directional_scan`, :func:`~mixer_plugins.kernels.ssd`), so
+the result equals the single-process mixer up to floating-point rounding (``1e-10`` in float64 in the
+tests), outputs and gradients alike: the collectives are the autograd-aware ones of
+``torch.distributed.nn.functional``.
+
+Exchanged per call: one all-gather of ``2 * (k+1)/2`` rows of the input per rank, one of the states
+(``batch * heads * head_dim * state`` per direction per rank) and one of a few integers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from ..errors import MixerError, MixerInputError
+from ..kernels import directional_scan
+from ..layers.masks import zero_pads
+from ..mixers._ssm import BidirectionalSSMBlock
+from ..mixers.base import MixerContext, check_mixer_input
+from ..mixers.semiseparable import SemiseparableMixer
+from ._comm import all_gather_autograd, all_gather_ints, group_rank, group_size
+
+__all__ = [
+    "ContextParallelError",
+    "ContextParallelMixer",
+    "context_parallel",
+    "supports_context_parallel",
+    "sequence_bounds",
+    "shard_sequence",
+    "gather_sequence",
+]
+
+
+class ContextParallelError(MixerError, NotImplementedError):
+    """The mixer cannot be split along the sequence (or the split was used inconsistently)."""
+
+
+SUPPORTED = ("quasiseparable", "quasiseparable_no_shift", "quasiseparable_no_diag", "bidirectional_add",
+             "bidirectional_mult", "bidirectional_concat", "semiseparable")
+
+
+def _unsupported_reason(mixer: nn.Module) -> str | None:
+    if isinstance(mixer, BidirectionalSSMBlock):
+        if not mixer.data_dependent:
+            return ("its data-independent form (data_dependent=False) holds per-position B and C parameters "
+                    "indexed from the start of the sequence; use data_dependent=True")
+        return None
+    if isinstance(mixer, SemiseparableMixer):
+        return None
+    return ("only the scan mixers carry their whole past and future in a fixed-size state, which is what lets "
+            "segments be combined exactly; attention-like, Toeplitz and other dense mixers would need every "
+            "segment's keys/values (ring attention), which this wrapper does not implement")
+
+
+def supports_context_parallel(mixer: nn.Module) -> bool:
+    """Whether :func:`context_parallel` can split this mixer along the sequence."""
+    return _unsupported_reason(mixer) is None
+
+
+def sequence_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` segments of ``length`` tokens for ``world_size`` ranks: sizes differ by at
+    most one (the first ``length % world_size`` ranks get one token more)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if length < world_size:
+        raise MixerInputError(
+            f"a sequence of {length} tokens cannot be split over {world_size} ranks: every rank needs at least "
+            "one token"
+        )
+    base, extra = divmod(length, world_size)
+    bounds, start = [], 0
+    for r in range(world_size):
+        stop = start + base + (1 if r < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def shard_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 1) -> Tensor:
+    """This rank's contiguous segment of ``t`` along ``dim`` (see :func:`sequence_bounds`)."""
+    start, stop = sequence_bounds(t.shape[dim], group_size(group))[group_rank(group)]
+    return t.narrow(dim, start, stop - start)
+
+
+def gather_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 1) -> Tensor:
+    """The whole sequence from every rank's segment (segments may differ in length); differentiable."""
+    lengths = [row[0] for row in all_gather_ints([t.shape[dim]], group, t.device)]
+    longest = max(lengths)
+    pad = [0, 0] * (t.dim() - 1 - (dim % t.dim())) + [0, longest - t.shape[dim]]
+    parts = all_gather_autograd(F.pad(t, pad) if longest > t.shape[dim] else t, group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lengths)], dim=dim)
+
+
+# -- per-segment algebra ------------------------------------------------------------------------------
+
+def _decays(dt: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Segment-local inclusive ``p`` and exclusive ``e`` cumulative log-decays (b, l, h), and the total (b, h)."""
+    a = dt * A.to(dt.dtype)
+    p = a.cumsum(1)
+    return p, p - a, p[:, -1]
+
+
+def _outgoing_state(x: Tensor, weight: Tensor, B: Tensor) -> Tensor:
+    """``sum_j weight_j B_j x_j^T`` per head: (b, h, head_dim, state). x (b, l, h, p), weight (b, l, h),
+    B (b, l, g, n) read by head h through group h // (h / g)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    wx = (x * weight[..., None]).reshape(b, l, g, h // g, p)
+    return torch.einsum("blgn,blgkp->bgkpn", B, wx).reshape(b, h, p, n)
+
+
+def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
+    """``exp(log_decay_i) C_i . state`` per head: (b, l, h, p)."""
+    b, l, g, n = C.shape
+    h, p = state.shape[1], state.shape[2]
+    y = torch.einsum("blgn,bgkpn->blgkp", C, state.reshape(b, g, h // g, p, n)).reshape(b, l, h, p)
+    return y * torch.exp(log_decay)[..., None]
+
+
+def _zero_from(states: Sequence[Tensor]) -> Tensor:
+    """Zeros that depend on the gathered states: every rank's loss must reach the all-gather, or the ranks
+    whose result does not use it (the first rank of a causal scan) would skip its backward collective and
+    the others would wait for them forever."""
+    return states[0] * 0
+
+
+def _prefix(totals: Sequence[Tensor], states: Sequence[Tensor], upto: int) -> Tensor:
+    """State entering segment ``upto`` from the left: ``H = T_k H + S_k`` for k < upto."""
+    H = _zero_from(states)
+    for k in range(upto):
+        H = totals[k][..., None, None] * H + states[k]
+    return H
+
+
+def _suffix(totals: Sequence[Tensor], states: Sequence[Tensor], after: int) -> Tensor:
+    """State entering segment ``after`` from the right: ``G = T_k G + R_k`` for k > after, right to left."""
+    G = _zero_from(states)
+    for k in range(len(states) - 1, after, -1):
+        G = totals[k][..., None, None] * G + states[k]
+    return G
+
+
+class _Direction:
+    """One scan direction of one segment: its generators and what it sends to the other ranks."""
+
+    def __init__(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, reverse: bool, shift: bool,
+                 neighbour_C: Tensor | None):
+        self.reverse, self.shift = reverse, shift
+        self.p, self.e, self.total = _decays(dt, A)
+        if not reverse:
+            weight = torch.exp(self.total[:, None] - self.p) * dt
+        else:
+            weight = torch.exp(self.e) * dt
+        self.state = _outgoing_state(x, weight, B)           # (b, h, p, n)
+        self.C = C
+        self.neighbour_C = neighbour_C                        # (b, g, n): C across the border (shift only)
+
+    def packed(self) -> Tensor:
+        return torch.cat([self.state.flatten(2), torch.exp(self.total)[..., None]], dim=-1)
+
+    def cross_term(self, incoming: Tensor) -> Tensor:
+        """This segment's outputs coming from the other segments, given the state entering it."""
+        C = self.C
+        if self.shift:
+            edge = self.neighbour_C[:, None] if self.neighbour_C is not None else torch.zeros_like(C[:, :1])
+            C = torch.cat([edge, C[:, :-1]], dim=1) if not self.reverse else torch.cat([C[:, 1:], edge], dim=1)
+        if not self.reverse:
+            log_decay = self.e if self.shift else self.p
+        else:
+            log_decay = self.total[:, None] - (self.p if self.shift else self.e)
+        return _read_state(C, incoming, log_decay)
+
+
+def _unpack(packed: Tensor, p: int, n: int) -> tuple[Tensor, Tensor]:
+    return packed[..., :-1].unflatten(-1, (p, n)), packed[..., -1]
+
+
+class ContextParallelMixer(nn.Module):
+    """A scan mixer run on this rank's contiguous segment of the sequence (see the module notes).
+
+    ``forward(x_local, *, mask=None)`` takes this rank's segment (batch, L_r, dim) and, if any, its slice of
+    the padding mask (bool (batch, L_r), True on real tokens; every rank passes a mask or none does), and
+    returns this rank's segment of the single-process output. Every rank of ``group`` must call it
+    together (it runs collectives). The parameters are the wrapped mixer's (``self.mixer``): keep them
+    identical across the group (e.g. DDP/FSDP over another dimension, or all-reduce their gradients).
+    """
+
+    def __init__(self, mixer: nn.Module, group: ProcessGroup | None = None):
+        super().__init__()
+        reason = _unsupported_reason(mixer)
+        if reason is not None:
+            raise ContextParallelError(
+                f"context_parallel cannot split {type(mixer).__name__} along the sequence: {reason}. "
+                f"Supported mixers: {', '.join(SUPPORTED)}"
+            )
+        if not dist.is_available() or not dist.is_initialized():
+            raise ContextParallelError(
+                "context_parallel needs an initialized torch.distributed process group "
+                "(torch.distributed.init_process_group, or run under torchrun)"
+            )
+        self.mixer = mixer
+        self.group = group
+        self.bidirectional = isinstance(mixer, BidirectionalSSMBlock)
+        self.shift = bool(getattr(mixer, "shift", False)) if self.bidirectional else False
+        k = mixer.conv1d.kernel_size[0] if mixer.conv1d is not None else 1
+        conv_left, conv_right = (k - 1, 0) if mixer.causal_conv else ((k - 1) // 2, (k - 1) // 2)
+        margin = 1 if self.shift else 0   # one more row each side: C across the border
+        self.halo_left, self.halo_right = conv_left + margin, conv_right + margin
+
+    def extra_repr(self) -> str:
+        return f"world_size={group_size(self.group)}, halo=({self.halo_left}, {self.halo_right})"
+
+    # -- exchange ---------------------------------------------------------------------------------------
+    def _widen(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, int, int]:
+        """This segment with its neighbours' halo rows: (x_ext, mask_ext, rows added left, rows added right)."""
+        rank, world = group_rank(self.group), group_size(self.group)
+        b, length, _ = x.shape
+        info = all_gather_ints([length, b, int(mask is not None), x.shape[2]], self.group, x.device)
+        lengths = [row[0] for row in info]
+        if any(row[1:] != info[0][1:] for row in info):
+            raise MixerInputError(
+                "context-parallel ranks disagree on (batch, mask given, dim): "
+                + ", ".join(f"rank {r}: {tuple(row[1:])}" for r, row in enumerate(info))
+            )
+        width = max(self.halo_left, self.halo_right)
+        if world == 1 or width == 0:
+            return x, mask, 0, 0
+        rows = x if mask is None else torch.cat([x, mask[..., None].to(x.dtype)], dim=-1)
+        take = min(width, length)
+        head = F.pad(rows[:, :take], (0, 0, 0, width - take))
+        tail = F.pad(rows[:, length - take:], (0, 0, width - take, 0))
+        gathered = all_gather_autograd(torch.stack([head, tail]), self.group)
+        left, need = [], self.halo_left
+        for k in range(rank - 1, -1, -1):
+            if need == 0:
+                break
+            n = min(need, lengths[k])
+            left.insert(0, gathered[k][1][:, width - n:])
+            need -= n
+        right, need = [], self.halo_right
+        for k in range(rank + 1, world):
+            if need == 0:
+                break
+            n = min(need, lengths[k])
+            right.append(gathered[k][0][:, :n])
+            need -= n
+        n_left = sum(t.shape[1] for t in left)
+        n_right = sum(t.shape[1] for t in right)
+        # A rank that uses none of the gathered rows (the first rank of a causal conv) must still take part in
+        # the all-gather's backward collective: tie its result to every slot with a zero.
+        anchor = torch.stack(gathered).sum() * 0
+        rows = torch.cat(left + [rows] + right, dim=1) + anchor
+        if mask is None:
+            return rows, None, n_left, n_right
+        return rows[..., :-1], rows[..., -1] > 0.5, n_left, n_right
+
+    def _exchange_states(self, directions: list[_Direction]) -> list[Tensor]:
+        """The state entering this segment, per direction (forward: from the left; backward: from the right)."""
+        rank = group_rank(self.group)
+        packed = torch.stack([d.packed() for d in directions])        # (dirs, b, h, p*n + 1)
+        gathered = all_gather_autograd(packed, self.group)
+        p, n = directions[0].state.shape[-2:]
+        incoming = []
+        for i, d in enumerate(directions):
+            states, totals = zip(*(_unpack(g[i], p, n) for g in gathered))
+            incoming.append(_suffix(totals, states, rank) if d.reverse else _prefix(totals, states, rank))
+        return incoming
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        mixer = self.mixer
+        x, mask = check_mixer_input(mixer, x, mask, mixer.dim)
+        b, length, _ = x.shape
+        x_ext, mask_ext, n_left, n_right = self._widen(x, mask)
+        ctx_ext = mixer.prepare(x_ext, mask_ext)
+        ctx = self._crop(ctx_ext, b, x_ext.shape[1], n_left, length)
+        work = torch.promote_types(ctx.values.dtype, torch.float32)
+        if self.bidirectional:
+            prev_C = ctx_ext.C_f[:, n_left - 1] if (self.shift and n_left > 0) else None
+            next_C = ctx_ext.C_b[:, n_left + length] if (self.shift and n_right > 0) else None
+            xs = ctx.x.to(work)
+            fwd = _Direction(xs, ctx.dt_f.to(work), ctx.A, ctx.B_f.to(work), ctx.C_f.to(work), reverse=False,
+                             shift=self.shift, neighbour_C=None if prev_C is None else prev_C.to(work))
+            bwd = _Direction(xs, ctx.dt_b.to(work), ctx.A, ctx.B_b.to(work), ctx.C_b.to(work), reverse=True,
+                             shift=self.shift, neighbour_C=None if next_C is None else next_C.to(work))
+            H, G = self._exchange_states([fwd, bwd])
+            cross_f = fwd.cross_term(H).to(ctx.x.dtype)
+            cross_b = bwd.cross_term(G).to(ctx.x.dtype)
+            y = self._mix_bidirectional(ctx, cross_f, cross_b)
+        else:
+            fwd = _Direction(ctx.values.to(work), ctx.dt.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
+                             reverse=False, shift=False, neighbour_C=None)
+            (H,) = self._exchange_states([fwd])
+            y = mixer.mix(ctx) + fwd.cross_term(H).to(ctx.values.dtype)
+        out = mixer.finish(ctx, y)
+        return zero_pads(out, mask)
+
+    @staticmethod
+    def _crop(ctx: MixerContext, batch: int, ext_length: int, start: int, length: int) -> MixerContext:
+        """The context restricted to this rank's own tokens (every per-token tensor cut along time)."""
+        fields = {}
+        for field in dataclasses.fields(ctx):
+            value = getattr(ctx, field.name)
+            if isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch, ext_length):
+                fields[field.name] = value[:, start:start + length]
+        return dataclasses.replace(ctx, **fields)
+
+    def _mix_bidirectional(self, ctx: MixerContext, cross_f: Tensor, cross_b: Tensor) -> Tensor:
+        mixer = self.mixer
+        if mixer.combine == "sum":
+            return mixer.mix(ctx) + cross_f + cross_b
+        kw = dict(shift=mixer.shift, chunk_size=mixer.chunk_size)
+        y_f = directional_scan(ctx.x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, **kw) + cross_f
+        y_b = directional_scan(ctx.x, ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, **kw) + cross_b
+        if mixer.combine == "product":
+            return y_f * y_b
+        return torch.cat([y_f, y_b], dim=2)
+
+
+def context_parallel(mixer: nn.Module, group: ProcessGroup | None = None) -> ContextParallelMixer:
+    """Wrap a scan mixer so that each rank of ``group`` (default: the world) runs its own contiguous segment
+    of the sequence; the result equals the single-process mixer. Raises :class:`ContextParallelError` for
+    mixers that cannot be split (attention, Toeplitz, data-independent forms, ...)."""
+    return ContextParallelMixer(mixer, group)
