@@ -16,10 +16,26 @@ import torch
 
 from mixer_plugins.tools.benchmarking import build_mixer, count_flops, mixer_step, peak_memory
 
-# Timed runs use every core unless told otherwise. Under pytest-xdist (the CI smoke run, two workers on two
-# cores) each worker gets one thread: two threads per worker would oversubscribe the cores.
-_default_threads = 1 if os.environ.get("PYTEST_XDIST_WORKER") else (os.cpu_count() or 1)
-torch.set_num_threads(int(os.environ.get("MIXER_PLUGINS_BENCH_THREADS", _default_threads)))
+
+def bench_threads(environ: dict[str, str] | None = None) -> int:
+    """Threads of the timed runs: ``MIXER_PLUGINS_BENCH_THREADS``, else ``OMP_NUM_THREADS`` (the usual knob, which
+    torch itself honours), else one per pytest-xdist worker (the CI smoke run: two workers on two cores; two
+    threads each would oversubscribe them), else every core."""
+    environ = os.environ if environ is None else environ
+    for variable in ("MIXER_PLUGINS_BENCH_THREADS", "OMP_NUM_THREADS"):
+        value = environ.get(variable, "").strip()
+        if value:
+            try:
+                threads = int(value)
+            except ValueError:
+                raise pytest.UsageError(f"{variable} must be a positive integer, got {value!r}") from None
+            if threads < 1:
+                raise pytest.UsageError(f"{variable} must be a positive integer, got {value!r}")
+            return threads
+    return 1 if environ.get("PYTEST_XDIST_WORKER") else (os.cpu_count() or 1)
+
+
+torch.set_num_threads(bench_threads())
 
 
 def is_disabled(benchmark) -> bool:

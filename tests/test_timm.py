@@ -792,3 +792,91 @@ def test_example_script(capsys, monkeypatch):
     expected = sum(p.numel() for p in reference.parameters()) / 1e6
     assert f"parameters: {expected:.2f}M" in out
     assert re.search(r"FLOPs per image: [0-9.]+ GFLOP", out) and "step 2: loss" in out
+
+
+# -- attn_layer='<alias>' and mixers registered at run time, with no hidden call (issue 15, item 2) ----------------
+
+_ALIASES = [(alias, spec.name) for spec in mp.list_specs() for alias in spec.aliases]
+_TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=2, num_classes=3)
+
+
+@pytest.mark.parametrize("alias, name", _ALIASES, ids=[a for a, _ in _ALIASES])
+def test_attn_layer_accepts_every_alias(alias, name):
+    """Each alias is a key of timm's ATTN_LAYERS bound to the canonical mixer (timm used to fail with
+    "Unknown attn_layer: None")."""
+    from timm.models.vision_transformer import ATTN_LAYERS
+
+    assert ATTN_LAYERS.get(alias) is ATTN_LAYERS[name]
+    spec = mp.get_spec(name)
+    max_len = spec.config.model_fields.get("max_seq_len")
+    if max_len is not None and max_len.is_required():  # our clear error, not timm's assertion
+        with pytest.raises(mp.MixerError, match="max_seq_len"):
+            timm.create_model("vit_tiny_patch16_224", attn_layer=alias, **_TINY_VIT)
+        return
+    try:
+        resolve_mixer_config(spec, 64, None, {"num_heads": 2})
+    except mp.InvalidMixerOptions as err:
+        pytest.skip(f"the defaults of {name!r} do not fit a width-64 ViT: {err}")
+    model = timm.create_model("vit_tiny_patch16_224", attn_layer=alias, **_TINY_VIT)
+    attn = model.blocks[0].attn
+    assert type(attn).__name__ == f"TimmMixerAttention_{name}" and attn.mixer_name == name
+    assert torch.isfinite(model(_image(2))).all()
+
+
+def test_attn_layer_follows_mixers_registered_and_unregistered_at_run_time():
+    from timm.models.vision_transformer import ATTN_LAYERS
+
+    from mixer_plugins.mixers.attention import AttentionConfig, SoftmaxAttention
+
+    class LateConfig(AttentionConfig):
+        pass
+
+    @mp.register_mixer("late_timm_attention", config=LateConfig, summary="registered after import",
+                       aliases=("late_attn",))
+    class LateAttention(SoftmaxAttention):
+        pass
+
+    try:
+        for key in ("late_timm_attention", "late_attn"):  # no register_attn_layers() call
+            model = timm.create_model("vit_tiny_patch16_224", attn_layer=key, **_TINY_VIT)
+            assert isinstance(model.blocks[0].attn.mixer, LateAttention)
+            assert model.blocks[0].attn.mixer_name == "late_timm_attention"
+            assert torch.isfinite(model(_image(1))).all()
+    finally:
+        mp.unregister_mixer("late_timm_attention")
+    assert "late_timm_attention" not in ATTN_LAYERS and "late_attn" not in ATTN_LAYERS
+    with pytest.raises(AssertionError, match="Unknown attn_layer"):
+        timm.create_model("vit_tiny_patch16_224", attn_layer="late_attn", **_TINY_VIT)
+
+
+def test_registry_listener_failure_never_breaks_registration():
+    registry = mp.MixerRegistry()
+    seen = []
+
+    def broken(event, spec):
+        raise RuntimeError("boom")
+
+    registry.add_listener(broken)
+    registry.add_listener(lambda event, spec: seen.append((event, spec.name)))
+    spec = mp.get_spec("attention")
+    with pytest.warns(RuntimeWarning, match="boom"):
+        registry.register(mp.MixerSpec(name="listened", config=spec.config, builder=spec.builder))
+    assert "listened" in registry.names() and seen == [("register", "listened")]
+    registry.remove_listener(broken)
+    registry.unregister("listened")
+    assert seen[-1] == ("unregister", "listened")
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and timm
+def test_probing_for_timm_does_not_disarm_the_import_hook():
+    """``importlib.util.find_spec('timm')`` (how libraries probe for optional packages) finds without importing;
+    the later ``import timm`` must still register our names."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys, mixer_plugins; importlib.util.find_spec('timm'); "
+            "assert 'timm' not in sys.modules; import timm; "
+            "print(timm.is_model('vit_base'), 'quasi' in timm.models.vision_transformer.ATTN_LAYERS)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]

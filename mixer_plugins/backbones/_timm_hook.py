@@ -57,6 +57,7 @@ class _RegisterAfterExec(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        _uninstall()                              # timm is being imported now: the finder's job is done
         module.__loader__ = self._loader          # timm sees its own loader (resources, reloads)
         module.__spec__.loader = self._loader
         self._loader.exec_module(module)
@@ -67,25 +68,31 @@ class _RegisterAfterExec(importlib.abc.Loader):
 
 
 class _TimmFinder(importlib.abc.MetaPathFinder):
-    """Finds ``timm`` with the other finders, and wraps its loader once."""
+    """Finds ``timm`` with the other finders and wraps its loader. It stays installed until timm is actually
+    executed: ``importlib.util.find_spec('timm')`` (libraries probing for optional packages do that) finds
+    without importing, and must not disarm the hook."""
 
     def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None):
-        if fullname != "timm":
+        if fullname != "timm" or getattr(_finding, "active", False):
             return None
-        _uninstall()
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        for finder in sys.meta_path:
-            if spec is not None:
-                break
-            find = getattr(finder, "find_spec", None)
-            if find is not None:
-                spec = find(fullname, path, target)
+        _finding.active = True
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            for finder in list(sys.meta_path):
+                if spec is not None:
+                    break
+                find = getattr(finder, "find_spec", None)
+                if finder is not self and find is not None:
+                    spec = find(fullname, path, target)
+        finally:
+            _finding.active = False
         if spec is None or spec.loader is None:
             return None
         spec.loader = _RegisterAfterExec(spec.loader)
         return spec
 
 
+_finding = threading.local()
 _finder = _TimmFinder()
 
 

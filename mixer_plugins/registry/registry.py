@@ -80,6 +80,30 @@ class MixerRegistry:
         self._entries: dict[str, list[_Entry]] | None = None
         self._in_process: dict[str, _Entry] = {}
         self._warned: set[tuple[str, str]] = set()
+        self._listeners: list[Callable[[str, MixerSpec], None]] = []
+
+    # -- listeners ------------------------------------------------------------------------------
+    def add_listener(self, listener: Callable[[str, MixerSpec], None]) -> None:
+        """Call ``listener(event, spec)`` after every in-process registration (``event == "register"``) and
+        removal (``"unregister"``), e.g. so a host library's own name table follows the registry. A listener
+        that raises is reported with a :class:`RuntimeWarning` and never undoes the registration."""
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[str, MixerSpec], None]) -> None:
+        """Stop calling ``listener`` (no error if it was not added)."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _notify(self, event: str, spec: MixerSpec) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event, spec)
+            except Exception as err:  # noqa: BLE001 - a listener never breaks registering
+                warnings.warn(f"mixer registry listener {listener!r} failed on {event} {spec.name!r}: "
+                              f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
     # -- discovery -----------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -242,7 +266,8 @@ class MixerRegistry:
                 name=spec.name, distribution=spec.distribution, target=IN_PROCESS, load=lambda: spec,
                 spec=spec,
             )
-            return spec
+        self._notify("register", spec)
+        return spec
 
     def unregister(self, name: str) -> None:
         """Remove an in-process registration (entry points cannot be removed at run time)."""
@@ -250,8 +275,10 @@ class MixerRegistry:
         with self._lock:
             if key not in self._in_process:
                 raise UnknownMixerError(name, known=sorted(e.name for e in self._in_process.values()))
-            del self._in_process[key]
+            entry = self._in_process.pop(key)
             self.refresh()
+        if entry.spec is not None:
+            self._notify("unregister", entry.spec)
 
 
 def make_register_function(registry: MixerRegistry):

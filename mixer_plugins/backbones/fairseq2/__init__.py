@@ -24,7 +24,12 @@ and in a recipe: ``python -m mixer_plugins.backbones.fairseq2 OUT --config model
 ``import mixer_plugins`` never imports this package (fairseq2 is an optional extra).
 """
 
+# ruff: noqa: E402  (the extra is checked before fairseq2 is imported)
 from __future__ import annotations
+
+from ..._extras import require_extra
+
+require_extra("fairseq2", "fairseq2", "mixer_plugins.backbones.fairseq2")  # one line, not a traceback
 
 from fairseq2.composition import register_model_family
 from fairseq2.models import ModelFamily

@@ -5,8 +5,9 @@
 * registers our model names in timm: ``vit_tiny``, ``vit_small``, ``vit_base``, ``vit_large`` (taking ``mixer=``,
   ``mixer_options=``, ``mixer_blocks=``) and the Hydra presets ``hydra_vit_tiny|small|base`` — never a name timm
   already has;
-* makes every registered mixer name a key of timm's ``ATTN_LAYERS``, so ``attn_layer='<mixer name>'`` works on
-  timm's own ViT-family names (``vit_*``, ``deit_*``, ``naflexvit_*``, ...).
+* makes every registered mixer name and alias a key of timm's ``ATTN_LAYERS``, so ``attn_layer='<name or alias>'``
+  works on timm's own ViT-family names (``vit_*``, ``deit_*``, ``naflexvit_*``, ...), and keeps that table in step
+  with mixers registered (or unregistered) later in the process.
 
 For models already built, :func:`swap_mixer` replaces the mixer of every block (Eva and BEiT included);
 :func:`create_model` is ``timm.create_model`` with ``mixer=`` for any timm name and the loader of exported

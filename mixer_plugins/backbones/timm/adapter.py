@@ -29,7 +29,15 @@ import torch
 from timm.layers import DropPath, LayerNorm, LayerScale, register_notrace_module
 from torch import Tensor, nn
 
-from ...registry import InvalidMixerOptions, MixerConfig, MixerError, MixerInputError, MixerSpec, default_registry
+from ...registry import (
+    InvalidMixerOptions,
+    MixerConfig,
+    MixerError,
+    MixerInputError,
+    MixerPluginWarning,
+    MixerSpec,
+    default_registry,
+)
 from ..options import HostModel, resolve_config
 from ..reinit import reinitialize_mixer
 
@@ -339,25 +347,70 @@ def attn_layer_class(name: str) -> type[TimmMixerAttention]:
     return cls
 
 
-def register_attn_layers(names: list[str] | None = None) -> list[str]:
-    """Make ``attn_layer='<mixer name>'`` work in timm (keys of ``vision_transformer.ATTN_LAYERS``).
-
-    Registers every registered mixer's canonical name (default: ``mixer_plugins.list_mixers()``, which imports no
-    plugin code). timm's own keys (``''``, ``'attn'``, ``'diff'``) are never overwritten. Called by
-    ``import mixer_plugins``; call it again after registering a mixer at run time. Returns the names added.
-    """
+def _attn_layer_table() -> dict[str, Any]:
     from timm.models import vision_transformer
 
-    table = vision_transformer.ATTN_LAYERS
-    added = []
+    return vision_transformer.ATTN_LAYERS
+
+
+def _ours(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, TimmMixerAttention)
+
+
+def _add_attn_layer_key(table: dict[str, Any], key: str, mixer: str) -> bool:
+    """``table[key] = attn_layer_class(mixer)`` unless timm (or another library) owns ``key``; True if added."""
+    current = table.get(key)
+    if current is not None and not _ours(current):
+        warnings.warn(f"timm already has an attn_layer named {key!r}; mixer {mixer!r} is not registered "
+                      "under it (use swap_mixer or mixer-plugins' vit_* names instead)", UserWarning, stacklevel=3)
+        return False
+    cls = attn_layer_class(mixer)
+    if current is cls:
+        return False
+    table[key] = cls
+    return True
+
+
+def _register_spec(spec: MixerSpec, table: dict[str, Any] | None = None) -> list[str]:
+    """Add ``spec``'s name and every alias to timm's ``ATTN_LAYERS``, each bound to the canonical name."""
+    table = _attn_layer_table() if table is None else table
+    return [key for key in (spec.name, *spec.aliases) if _add_attn_layer_key(table, key, spec.name)]
+
+
+def _on_registry_event(event: str, spec: MixerSpec) -> None:
+    """Registry listener: keep ``ATTN_LAYERS`` in step with in-process ``register_mixer``/``unregister_mixer``."""
+    table = _attn_layer_table()
+    if event == "register":
+        _register_spec(spec, table)
+    elif event == "unregister":
+        cls = _ATTN_LAYER_CLASSES.get(spec.name)
+        for key in (spec.name, *spec.aliases):
+            if cls is not None and table.get(key) is cls:
+                del table[key]
+
+
+def register_attn_layers(names: list[str] | None = None) -> list[str]:
+    """Make ``attn_layer='<mixer name or alias>'`` work in timm (keys of ``vision_transformer.ATTN_LAYERS``).
+
+    Registers every registered mixer (default: every name of the registry) under its canonical name and each of
+    its aliases, all bound to the canonical name's class, so ``attn_layer='quasi'`` builds the same module as
+    ``attn_layer='quasiseparable'``. Aliases live in the specs, so this loads them; a plugin that fails to load
+    keeps its name (building it then raises the plugin's load error) and is otherwise skipped. timm's own keys
+    (``''``, ``'attn'``, ``'diff'``) are never overwritten. ``import mixer_plugins`` calls it when timm is
+    imported, and it subscribes to the registry: mixers registered later (``mixer_plugins.register_mixer``)
+    get their keys at once, and ``unregister_mixer`` removes them. Returns the keys added.
+    """
+    table = _attn_layer_table()
+    added: list[str] = []
     for name in names if names is not None else default_registry.names():
-        current = table.get(name)
-        if current is not None and not (isinstance(current, type) and issubclass(current, TimmMixerAttention)):
-            warnings.warn(f"timm already has an attn_layer named {name!r}; mixer {name!r} is not registered "
-                          "under it (use swap_mixer or mixer-plugins' vit_* names instead)", UserWarning,
-                          stacklevel=2)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", MixerPluginWarning)  # reported when the mixer is used
+                spec = default_registry.get_spec(name)
+        except MixerError:
+            if _add_attn_layer_key(table, name, name):
+                added.append(name)
             continue
-        if current is None:
-            table[name] = attn_layer_class(name)
-            added.append(name)
+        added += _register_spec(spec, table)
+    default_registry.add_listener(_on_registry_event)
     return added

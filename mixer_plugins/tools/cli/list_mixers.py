@@ -1,4 +1,8 @@
-"""``mixer-plugins list``: a table of every registered mixer (and any broken plugin)."""
+"""``mixer-plugins list``: a table of every registered mixer (and any broken plugin).
+
+``list --names`` prints the names alone, from the installed entry points' metadata: it imports no mixer code (nor
+torch), so it answers at once. The table needs every spec, hence every plugin's module.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,32 @@ import warnings
 from ..._text import format_table
 from .args import Command
 
-__all__ = ["COMMAND"]
+__all__ = ["COMMAND", "entry_point_names"]
+
+#: ``mixer_plugins.registry.ENTRY_POINT_GROUP`` (the registry imports torch; a test keeps the two equal).
+ENTRY_POINT_GROUP = "mixer_plugins.mixers"
+
+
+def entry_point_names(group: str = ENTRY_POINT_GROUP) -> list[str]:
+    """Every mixer name declared by an installed distribution, sorted, as the registry lists them (names equal
+    up to case and ``-``/``_`` counted once). Reads metadata only: imports neither plugins nor torch."""
+    from importlib import metadata
+
+    names: dict[str, str] = {}
+    for ep in metadata.entry_points(group=group):
+        names.setdefault(ep.name.strip().lower().replace("-", "_"), ep.name)
+    return sorted(names.values())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--names", action="store_true",
+                        help="print the names only, one a line (fast: reads metadata, imports no mixer code)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "names", False):
+        print("\n".join(entry_point_names()))
+        return 0
     from ...registry import MixerPluginWarning, default_registry
 
     with warnings.catch_warnings():
@@ -40,4 +66,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command("list every registered mixer", run)
+COMMAND = Command("list every registered mixer", run, add_arguments)

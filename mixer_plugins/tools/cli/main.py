@@ -1,31 +1,89 @@
 """The ``mixer-plugins`` parser and entry point: one subcommand per module of this package.
 
 Bad arguments exit with status 2 and a one-line reason on stderr.
+
+Start-up is cheap: this module imports none of the subcommand modules. ``mixer-plugins --help``, ``--version`` and
+``list --names`` import neither torch, pydantic nor timm; a subcommand's module (and what it needs) is imported only
+when that subcommand runs or its own ``--help`` is asked for.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 
 from ...errors import MixerError
-from . import bench, bench_table, compare, demo, flops, info, list_mixers, show
 from .args import CliError, Command, one_line
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-#: The subcommands, in the order ``--help`` lists them.
-COMMANDS: dict[str, Command] = {
-    "list": list_mixers.COMMAND,
-    "info": info.COMMAND,
-    "demo": demo.COMMAND,
-    "bench": bench.COMMAND,
-    "bench-table": bench_table.COMMAND,
-    "show": show.COMMAND,
-    "flops": flops.COMMAND,
-    "compare": compare.COMMAND,
+#: Subcommand -> (its module in this package, its help line), in the order ``--help`` lists them. The help line is
+#: the module's ``COMMAND.help`` (a test keeps the two equal); it is repeated here so ``--help`` imports nothing.
+_SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "list": ("list_mixers", "list every registered mixer"),
+    "info": ("info", "show a mixer's options"),
+    "demo": ("demo", "train small timm ViTs that differ only in the mixer on scikit-learn's digits; "
+                     "print a table and write learning curves and matrix heat maps"),
+    "bench": ("bench", "time, FLOPs and peak memory of mixers against sequence length; table and log-log plot"),
+    "bench-table": ("bench_table", "comparison table of pytest-benchmark's saved JSON (the benchmarks/ suites)"),
+    "show": ("show", "heat map of a mixer's matrix for a random or given input"),
+    "flops": ("flops", "analytic FLOPs of every mixer against PyTorch's FlopCounterMode"),
+    "compare": ("compare", "train mixers on a synthetic task (several seeds) and compare them; presets check the "
+                           "papers' orderings"),
+    "env": ("env", "versions, devices and which kernel backends can run here (and why not)"),
 }
+
+
+class _Commands(MutableMapping[str, Command]):
+    """The subcommands by name; a subcommand's module is imported the first time its :class:`Command` is read."""
+
+    def __init__(self, modules: dict[str, tuple[str, str]]):
+        self._modules = dict(modules)
+        self._loaded: dict[str, Command] = {}
+        self._order = list(modules)
+
+    def __getitem__(self, name: str) -> Command:
+        if name not in self._loaded:
+            if name not in self._modules:
+                raise KeyError(name)
+            module = importlib.import_module(f"{__package__}.{self._modules[name][0]}")
+            self._loaded[name] = module.COMMAND
+        return self._loaded[name]
+
+    def __setitem__(self, name: str, command: Command) -> None:
+        if name not in self._order:
+            self._order.append(name)
+        self._loaded[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self._order:
+            raise KeyError(name)
+        self._order.remove(name)
+        self._loaded.pop(name, None)
+        self._modules.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._order
+
+    def help(self, name: str) -> str:
+        """The help line of ``name`` without importing its module (unless it was replaced)."""
+        if name in self._loaded or name not in self._modules:
+            return self[name].help
+        return self._modules[name][1]
+
+
+#: The subcommands, in the order ``--help`` lists them (modules imported on first use).
+COMMANDS: _Commands = _Commands(_SUBCOMMANDS)
+
+_ALL = object()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,23 +91,44 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand in :data:`COMMANDS`."""
+def build_parser(only: str | None | object = _ALL) -> argparse.ArgumentParser:
+    """The argument parser of the subcommands in :data:`COMMANDS`.
+
+    By default every subcommand gets its full arguments (which imports every subcommand module). ``only`` gives
+    the full arguments to that subcommand alone (``None``: to none); the others get their help line only, which
+    is all ``mixer-plugins --help`` shows, so parsing imports only the subcommand that runs.
+    """
     parser = _Parser(prog="mixer-plugins", description="Matrix mixers as pluggable PyTorch modules.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, cmd in COMMANDS.items():
-        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    for name in COMMANDS:
+        if only is _ALL or name == only:
+            cmd = COMMANDS[name]
+            cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        else:
+            sub.add_parser(name, help=COMMANDS.help(name), description=COMMANDS.help(name))
     return parser
+
+
+def _command_word(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line: the first word that is not an option (top-level options take
+    no values)."""
+    for word in argv:
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        parser = build_parser(only=_command_word(argv))
         args = parser.parse_args(argv)
         if args.version:
-            from mixer_plugins import __version__  # the package root holds the version
+            from mixer_plugins import __version__  # the package root holds the version (and is cheap to import)
 
             print(__version__)
             return 0

@@ -1,0 +1,144 @@
+"""``mixer-plugins env``: versions, devices, and which kernel backend of each op can run here (and why not).
+
+What a bug report needs in one paste: the versions of Python and of every library the mixers may use (read from
+the installed metadata, so a missing or broken one is reported, not fatal), the devices torch sees, and per kernel
+op and device every backend with either "yes" (``auto`` when the automatic choice may pick it) or the
+dispatcher's reason why it cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+from typing import Any
+
+from ..._text import format_table
+from .args import Command
+
+__all__ = ["COMMAND", "EXTRAS", "backend_rows", "device_info", "versions"]
+
+#: Distribution -> the extra of ours that installs it ("" for a core dependency).
+EXTRAS: dict[str, str] = {
+    "mixer-plugins": "",
+    "torch": "",
+    "pydantic": "",
+    "timm": "",
+    "triton": "",
+    "fairseq2": "fairseq2",
+    "mamba-ssm": "cuda",
+    "matplotlib": "demo",
+    "tqdm": "demo",
+    "scikit-learn": "demo",
+}
+
+
+def versions() -> dict[str, str | None]:
+    """Python's version and each distribution of :data:`EXTRAS` (None when not installed); imports none."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": f"{platform.python_version()} ({sys.executable})"}
+    for dist in EXTRAS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _missing(dist: str) -> str:
+    extra = EXTRAS.get(dist, "")
+    if not extra:
+        return "not installed"
+    return f"not installed (pip install 'mixer-plugins[{extra}]')"
+
+
+def device_info() -> dict[str, Any]:
+    """What torch sees: CUDA availability and build, and each CUDA device's name and capability."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_build": torch.version.cuda,
+        "devices": [],
+    }
+    if info["cuda_available"]:
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            info["devices"].append({"device": f"cuda:{index}", "name": torch.cuda.get_device_name(index),
+                                    "capability": f"{major}.{minor}"})
+    return info
+
+
+def backend_rows(devices: list[str] | None = None) -> list[dict[str, Any]]:
+    """Per device, op and backend the op has: ``available``, ``automatic`` and ``reason`` (why it cannot run).
+
+    Uses the kernels' :func:`backend_report` where it exists, else the dispatcher's per-backend status."""
+    import torch
+
+    import mixer_plugins.kernels as kernels
+
+    if devices is None:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    report = getattr(kernels, "backend_report", None)
+    rows: list[dict[str, Any]] = []
+    if report is not None:
+        for status in report(devices):
+            row = dataclasses.asdict(status) if dataclasses.is_dataclass(status) else dict(status)
+            if "has no" in row.get("reason", "") and "implementation" in row.get("reason", ""):
+                continue  # backends the op does not have at all
+            rows.append({"device": str(row["device"]), "op": row["op"], "backend": row["backend"],
+                         "available": bool(row["available"]), "automatic": bool(row.get("automatic", False)),
+                         "reason": row.get("reason", "")})
+        return rows
+    from mixer_plugins.kernels import dispatch  # before the per-op kernels layout
+
+    for device in devices:
+        for op, impls in dispatch._IMPLEMENTATIONS.items():
+            status = {b: dispatch.backend_status(op, b, torch.device(device)) for b in kernels.BACKENDS if b in impls}
+            auto = next((b for b in getattr(dispatch, "_AUTO_ORDER", ()) if status.get(b, (False,))[0]), None)
+            for backend, (ok, reason) in status.items():
+                rows.append({"device": device, "op": op, "backend": backend, "available": ok,
+                             "automatic": backend == auto, "reason": reason})
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    found = versions()
+    try:
+        devices: dict[str, Any] | None = device_info()
+        kernels: list[dict[str, Any]] | None = backend_rows()
+        problem = ""
+    except ImportError as err:  # torch itself missing or broken: still report the versions
+        devices, kernels, problem = None, None, f"{type(err).__name__}: {err}"
+    if args.json:
+        print(json.dumps({"versions": found, "devices": devices, "kernels": kernels, "problem": problem or None},
+                         indent=2))
+        return 0
+    print(format_table(("package", "version"),
+                       [(name, version or _missing(name)) for name, version in found.items()]))
+    print()
+    if devices is None:
+        print(f"torch cannot be imported: {problem}")
+        return 0
+    cuda = "yes" if devices["cuda_available"] else "no"
+    print(f"CUDA available: {cuda} (torch built with CUDA {devices['cuda_build'] or 'none'})")
+    for dev in devices["devices"]:
+        print(f"  {dev['device']}: {dev['name']} (compute capability {dev['capability']})")
+    print()
+    print(format_table(
+        ("device", "op", "backend", "can run"),
+        [(r["device"], r["op"], r["backend"],
+          ("yes, automatic" if r["automatic"] else "yes") if r["available"] else f"no: {r['reason']}")
+         for r in kernels or []],
+    ))
+    return 0
+
+
+COMMAND = Command("versions, devices and which kernel backends can run here (and why not)", run, add_arguments)
