@@ -182,7 +182,7 @@ class MixerRegistry:
         entries = self._discover()
         claims, problems = self._claims(entries)
         specs: list[MixerSpec] = []
-        for key, candidates in sorted(entries.items()):
+        for _key, candidates in sorted(entries.items()):
             if len(candidates) > 1:
                 err = DuplicateMixerError(candidates[0].name, [c.distribution for c in candidates])
                 problems.append(
@@ -238,7 +238,8 @@ class MixerRegistry:
             owning = claims.get(key, [])
             if len(owning) > 1:
                 if all(c.kind == "mixer" for c in owning):  # the same name from two distributions
-                    raise DuplicateMixerError(owning[0].spec_name, [f"{c.distribution} ({c.target})" for c in entries[key]])
+                    raise DuplicateMixerError(owning[0].spec_name,
+                                              [f"{c.distribution} ({c.target})" for c in entries[key]])
                 raise DuplicateMixerError(name, [self._describe(c) for c in owning])
             if owning:
                 [claim] = owning
