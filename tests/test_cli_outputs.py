@@ -11,8 +11,8 @@ import pytest
 
 from mixer_plugins.tools.cli import main
 
-SMALL_BENCH = ["bench", "--mixers", "toeplitz", "--lengths", "8,16", "--dim", "16", "--baseline", "none",
-               "--repeats", "1", "--warmup", "0", "--no-memory", "--no-progress"]
+SMALL_BENCH = ["bench", "--mixers", "attention", "--lengths", "8,16", "--dim", "16", "--baseline", "none",
+               "--repeats", "1", "--warmup", "0", "--no-memory", "--no-progress", "--option", "num_heads=2"]
 
 
 def _error(capsys) -> str:

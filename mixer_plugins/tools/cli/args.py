@@ -72,6 +72,8 @@ def output_file(path: Path, option: str, *, default_suffix: str | None = None,
     A name without an extension gets ``default_suffix`` (what matplotlib would silently add); ``suffixes()``
     lists the accepted extensions (without the dot). The file itself is not left behind by the check.
     """
+    if path.is_dir():
+        raise CliError(f"{option} {str(path)!r} is a folder; give a file name")
     if default_suffix and not path.suffix:
         path = path.with_name(path.name + default_suffix)
     if suffixes is not None:
