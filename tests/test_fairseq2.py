@@ -665,6 +665,66 @@ def test_recipe_command_line_rejects_a_bad_mixer_with_our_message(tmp_path):
     assert "Traceback" not in output
 
 
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+_SMALL_RUN = ("regime.num_steps=2", "data.num_examples=32", "data.batch_size=8", "data.max_seq_len=32")
+
+
+@pytest.mark.slow  # three fresh fairseq2 processes: ~1 min
+def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, tmp_path):
+    first = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    ckpt = tmp_path / "checkpoints"
+    tokens = _padded_tokens([20, 11, 3], seed=8, vocab=120)
+    layout = BatchLayout.of(tokens, [20, 11, 3])
+    with torch.no_grad():
+        before = fs2.load_mixer_checkpoint(ckpt).eval()(tokens, layout)
+    tree = _tree(tmp_path)
+
+    other = _example_mixer()
+    proc = _run_recipe(tmp_path, f"model.config_overrides.mixer={other}", *_SMALL_RUN)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert "holds checkpoints of another model config" in output and "overwrite_checkpoints=true" in output
+    assert f"'attention' -> '{other}'" in output
+    assert "Traceback" not in output
+    assert _tree(tmp_path) == tree  # nothing written: not model.yaml, not config.yaml, not the logs
+
+    # The first run still loads and gives the same outputs.
+    with torch.no_grad():
+        after = fs2.load_mixer_checkpoint(ckpt).eval()(tokens, layout)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+    # Asked to, the recipe deletes the old checkpoints and trains the new model there.
+    proc = _run_recipe(tmp_path, f"model.config_overrides.mixer={other}", "overwrite_checkpoints=true", *_SMALL_RUN)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert yaml.safe_load((ckpt / "model.yaml").read_text())["model_config"]["mixer"] == other
+    reloaded = fs2.load_mixer_checkpoint(ckpt)
+    assert all(layer.self_attn.mixer_name == mp.get_spec(other).name for layer in reloaded.encoder.layers)
+
+
+@pytest.mark.slow  # a fresh fairseq2 process: ~20 s
+def test_recipe_rerun_with_the_same_config_still_resumes(fs2, tmp_path):
+    first = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    again = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN[1:], "regime.num_steps=3")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "step_3").is_dir()
+
+
+@pytest.mark.slow  # a fresh fairseq2 process: ~15 s
+def test_recipe_fails_clearly_on_a_non_finite_loss(tmp_path):
+    proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", "optimizer.config.lr=1e30",
+                       "regime.num_steps=4", *_SMALL_RUN[1:])
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "NonFiniteLossError" in output and "not finite" in output
+    assert "Traceback" not in output
+    assert not (tmp_path / "checkpoints" / "step_4").exists()
+
+
 # -- 8. the documentation's example runs ------------------------------------------------------------------
 
 def _doc_snippet(first_line: str) -> str:

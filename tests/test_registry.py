@@ -311,3 +311,77 @@ def test_deprecated_alias_on_the_config_class_and_the_spec():
 def test_misspelt_option_suggests_the_current_name():
     with pytest.raises(mp.InvalidMixerOptions, match="did you mean 'head_dim'"):
         mp.create_mixer("quasi", 32, head_dm=16)
+
+
+# -- issue 17: a plugin never takes over a built-in name or alias, and never ends the process --------------------------
+
+def test_plugin_cannot_take_over_a_builtin_alias(fake_site):
+    # The plugin claims the built-in name (a duplicate) and, through another mixer, the built-in's alias.
+    make_fake_distribution(fake_site, "takeover", {"attention": "fake_mixer_take1:SPEC",
+                                                   "my_attention": "fake_mixer_take2:SPEC"},
+                           {"fake_mixer_take1": spec_module("attention"),
+                            "fake_mixer_take2": spec_module("my_attention", ("mha",))})
+    registry = MixerRegistry()
+    with pytest.raises(mp.DuplicateMixerError) as info:
+        registry.get_spec("mha")
+    assert "mixer-plugins" in str(info.value) and "takeover" in str(info.value)
+    problems = {(p.name, p.kind) for p in registry.problems()}
+    assert ("attention", "duplicate") in problems and ("mha", "alias-conflict") in problems
+    [mha] = [p for p in registry.problems() if p.name == "mha"]
+    assert set(mha.distributions) == {"mixer-plugins", "takeover"}
+    assert registry.get_spec("my_attention").distribution == "takeover"
+
+
+def test_builtin_alias_resolves_to_its_declaring_distribution(fake_site):
+    # A plugin duplicating the name 'attention' does not make the built-in's alias unusable or the plugin's.
+    make_fake_distribution(fake_site, "dup-attention", {"attention": "fake_mixer_dupattn:SPEC"},
+                           {"fake_mixer_dupattn": spec_module("attention")})
+    registry = MixerRegistry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mp.MixerPluginWarning)
+        spec = registry.get_spec("mha")
+    assert spec.name == "attention" and spec.distribution == "mixer-plugins"
+    with pytest.raises(mp.DuplicateMixerError):
+        registry.get_spec("attention")
+
+
+@pytest.mark.parametrize("claim", ["name", "alias"])
+def test_plugin_claiming_a_builtin_alias_or_name_is_ambiguous_and_reported(fake_site, claim):
+    if claim == "name":  # a plugin mixer named like the built-in's alias
+        make_fake_distribution(fake_site, "shadow", {"mha": "fake_mixer_shadow:SPEC"},
+                               {"fake_mixer_shadow": spec_module("mha")})
+        key = "mha"
+    else:  # a plugin alias equal to the built-in's name
+        make_fake_distribution(fake_site, "shadow", {"shadow_mixer": "fake_mixer_shadow:SPEC"},
+                               {"fake_mixer_shadow": spec_module("shadow_mixer", ("attention",))})
+        key = "attention"
+    registry = MixerRegistry()
+    with pytest.raises(mp.DuplicateMixerError) as info:
+        registry.get_spec(key)
+    assert "mixer-plugins" in str(info.value) and "shadow" in str(info.value)
+    assert any(p.name == key and p.kind == "alias-conflict" for p in registry.problems())
+
+
+def test_plugin_raising_system_exit_at_import_is_a_reported_problem(fake_site):
+    make_fake_distribution(fake_site, "exiting-mixers", {"exiting": "fake_mixer_exit:SPEC"},
+                           {"fake_mixer_exit": "raise SystemExit('plugin gave up')"})
+    registry = MixerRegistry()
+    with pytest.warns(mp.MixerPluginWarning, match="exiting-mixers"):
+        assert registry.get_spec("mha").name == "attention"  # an alias lookup imports every plugin
+    [problem] = [p for p in registry.problems() if p.name == "exiting"]
+    assert problem.kind == "broken" and "SystemExit" in problem.message and "plugin gave up" in problem.message
+    with pytest.raises(mp.PluginLoadError, match="plugin gave up"):
+        registry.get_spec("exiting")
+
+
+@pytest.mark.parametrize("exc", ["SystemExit(3)", "BaseException('odd')"])
+def test_cli_list_survives_a_plugin_raising_base_exceptions(fake_site, exc):
+    import os
+
+    make_fake_distribution(fake_site, "exiting-mixers", {"exiting": "fake_mixer_exit2:SPEC"},
+                           {"fake_mixer_exit2": f"raise {exc}"})
+    code = "import sys; from mixer_plugins.tools.cli import main; sys.exit(main(['list']))"
+    env = dict(os.environ, PYTHONPATH=str(fake_site) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "attention" in out.stdout and "exiting-mixers" in out.stderr

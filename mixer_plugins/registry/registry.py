@@ -10,6 +10,12 @@ Rules (see the design notes):
 * A plugin that fails to import (or yields something that is not a valid spec) is reported with its
   distribution and error and never breaks the others.
 * A name claimed by two distributions is an error naming both; the other names keep working.
+* An alias resolves only to the spec that declares it. A key (name or alias) claimed by more than one
+  spec -- two aliases, or an alias and another mixer's name -- is ambiguous: looking it up raises
+  :class:`~mixer_plugins.DuplicateMixerError` naming every claimant, and :meth:`MixerRegistry.problems`
+  reports it. A plugin can therefore never take over a built-in name or alias silently.
+* A plugin whose import raises anything (``SystemExit`` included; only ``KeyboardInterrupt`` and
+  ``GeneratorExit`` propagate) is reported as broken; it never ends the host process.
 """
 
 from __future__ import annotations
@@ -49,6 +55,16 @@ class _Entry:
     load: Callable[[], Any]
     spec: MixerSpec | None = None
     error: PluginLoadError | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+    """One spec's claim on a key: its name (``kind="mixer"``) or one of its aliases."""
+
+    distribution: str
+    spec_name: str
+    kind: str  # "mixer" | "alias"
+    entry: _Entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +156,11 @@ class MixerRegistry:
             raise entry.error
         try:
             obj = entry.load()
-        except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, not ours
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any import failure (SystemExit too) is the plugin's, not ours
             entry.error = PluginLoadError(entry.name, entry.distribution, entry.target, exc)
-            raise entry.error from exc
+            raise entry.error from None
         if not isinstance(obj, MixerSpec):
             entry.error = PluginLoadError(
                 entry.name, entry.distribution, entry.target,
@@ -158,45 +176,51 @@ class MixerRegistry:
         entry.spec = dataclasses.replace(obj, distribution=entry.distribution)
         return entry.spec
 
-    def _single(self, key: str, candidates: list[_Entry]) -> _Entry:
-        if len(candidates) > 1:
-            raise DuplicateMixerError(
-                candidates[0].name, [f"{c.distribution} ({c.target})" for c in candidates]
-            )
-        return candidates[0]
+    def _claims(self, entries: dict[str, list[_Entry]]) -> tuple[dict[str, list[_Claim]], list[PluginProblem]]:
+        """Every key (name or alias) -> its claimants, and the broken entries. Loads every entry point (a broken
+        one is recorded, never raised)."""
+        claims: dict[str, list[_Claim]] = {}
+        broken: list[PluginProblem] = []
+        for key, candidates in sorted(entries.items()):
+            for entry in candidates:
+                claims.setdefault(key, []).append(_Claim(entry.distribution, entry.name, "mixer", entry))
+                try:
+                    spec = self._load(entry)
+                except PluginLoadError as err:
+                    broken.append(PluginProblem(entry.name, "broken", str(err), (entry.distribution,)))
+                    continue
+                for alias in spec.aliases:
+                    claim = _Claim(entry.distribution, spec.name, "alias", entry)
+                    akey = normalize_name(alias)
+                    if akey == key or any(c.entry is entry for c in claims.get(akey, [])):
+                        continue  # a spec repeating its own name or alias claims nothing more
+                    claims.setdefault(akey, []).append(claim)
+        return claims, broken
+
+    @staticmethod
+    def _describe(claim: _Claim) -> str:
+        kind = "mixer" if claim.kind == "mixer" else "alias of"
+        return f"{claim.distribution} ({kind} {claim.spec_name!r})"
 
     def _all_specs(self, *, warn: bool) -> tuple[list[MixerSpec], list[PluginProblem]]:
+        entries = self._discover()
+        claims, problems = self._claims(entries)
         specs: list[MixerSpec] = []
-        problems: list[PluginProblem] = []
-        for _key, candidates in sorted(self._discover().items()):
+        for _key, candidates in sorted(entries.items()):
             if len(candidates) > 1:
                 err = DuplicateMixerError(candidates[0].name, [c.distribution for c in candidates])
                 problems.append(
                     PluginProblem(candidates[0].name, "duplicate", str(err),
                                   tuple(c.distribution for c in candidates))
                 )
-                continue
-            try:
-                specs.append(self._load(candidates[0]))
-            except PluginLoadError as err:
-                problems.append(PluginProblem(candidates[0].name, "broken", str(err),
-                                              (candidates[0].distribution,)))
-        # Aliases must be unambiguous too.
-        owners: dict[str, list[MixerSpec]] = {}
-        names = {normalize_name(s.name) for s in specs}
-        for spec in specs:
-            for alias in spec.aliases:
-                owners.setdefault(normalize_name(alias), []).append(spec)
-        for alias, owning in sorted(owners.items()):
-            if len(owning) > 1 or alias in names:
-                claim = [f"{s.distribution} (alias of {s.name!r})" for s in owning]
-                if alias in names:
-                    other = next(s for s in specs if normalize_name(s.name) == alias)
-                    claim.append(f"{other.distribution} (mixer {other.name!r})")
-                problems.append(
-                    PluginProblem(alias, "alias-conflict", str(DuplicateMixerError(alias, claim)),
-                                  tuple(s.distribution or "" for s in owning))
-                )
+            elif candidates[0].spec is not None:
+                specs.append(candidates[0].spec)
+        # Aliases must be unambiguous too: an alias claimed twice, or an alias that is another mixer's name.
+        for key, owning in sorted(claims.items()):
+            if len(owning) > 1 and any(c.kind == "alias" for c in owning):
+                message = str(DuplicateMixerError(key, [self._describe(c) for c in owning]))
+                problems.append(PluginProblem(key, "alias-conflict", message,
+                                              tuple(dict.fromkeys(c.distribution for c in owning))))
         if warn:
             for problem in problems:
                 marker = (problem.name, problem.message)
@@ -221,7 +245,12 @@ class MixerRegistry:
             return self._all_specs(warn=False)[1]
 
     def get_spec(self, name: str) -> MixerSpec:
-        """The spec of a mixer, by name or alias (case-insensitive, ``-`` == ``_``)."""
+        """The spec of a mixer, by name or alias (case-insensitive, ``-`` == ``_``).
+
+        A key claimed by more than one spec (a name twice, or an alias together with another name or alias)
+        raises :class:`DuplicateMixerError` naming every claimant; an alias only ever resolves to the spec that
+        declares it.
+        """
         if isinstance(name, MixerSpec):
             return name
         if not isinstance(name, str):
@@ -229,14 +258,19 @@ class MixerRegistry:
         key = normalize_name(name)
         with self._lock:
             entries = self._discover()
-            if key in entries:
-                return self._load(self._single(key, entries[key]))
+            claims, _ = self._claims(entries)
+            owning = claims.get(key, [])
+            if len(owning) > 1:
+                if all(c.kind == "mixer" for c in owning):  # the same name from two distributions
+                    raise DuplicateMixerError(owning[0].spec_name,
+                                              [f"{c.distribution} ({c.target})" for c in entries[key]])
+                raise DuplicateMixerError(name, [self._describe(c) for c in owning])
+            if owning:
+                [claim] = owning
+                if claim.kind == "alias":  # warn about other problems once, as listing does
+                    self._all_specs(warn=True)
+                return self._load(claim.entry)
             specs, _ = self._all_specs(warn=True)
-            owners = [s for s in specs if key in {normalize_name(a) for a in s.aliases}]
-            if len(owners) == 1:
-                return owners[0]
-            if len(owners) > 1:
-                raise DuplicateMixerError(name, [f"{s.distribution} (alias of {s.name!r})" for s in owners])
             vocabulary = {normalize_name(e[0].name): e[0].name for e in entries.values()}
             for spec in specs:
                 for alias in spec.aliases:

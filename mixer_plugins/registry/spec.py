@@ -33,12 +33,16 @@ class MixerConfig(BaseModel):
     Subclasses add fields with ``pydantic.Field(default, description=...)``; the description is what
     ``mixer-plugins info NAME`` prints. Configs are immutable and reject unknown options.
 
+    Numbers are checked for what a size or a rate can be: float options must be finite (``inf`` and ``nan``
+    are refused, whatever the field's own bounds say) and ``True``/``False`` is not accepted for a number
+    (``num_heads=True`` is an error, not 1).
+
     A renamed option keeps its old name working for one release: list it in the class's ``deprecated_aliases``
     (old name -> new name; merged over the base classes). The old name is then accepted, with a
     ``DeprecationWarning``, and stored under the new one.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     #: Old option name -> current name, accepted for one release with a DeprecationWarning.
     deprecated_aliases: ClassVar[dict[str, str]] = {}
@@ -52,6 +56,21 @@ class MixerConfig(BaseModel):
         for klass in reversed(cls.__mro__):
             merged.update(vars(klass).get("deprecated_aliases", {}))
         return {old: new for old, new in merged.items() if new in cls.model_fields}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_bools_for_numbers(cls, data: Any) -> Any:
+        # pydantic's lax mode takes True as 1 and 1.0; an option that is a number never means a flag.
+        if not isinstance(data, Mapping):
+            return data
+        problems = []
+        for key, value in data.items():
+            field = cls.model_fields.get(key)
+            if isinstance(value, bool) and field is not None and _is_number_not_bool(field.annotation):
+                problems.append(f"{key}={value!r}: expected a number, not a bool")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +90,35 @@ class MixerConfig(BaseModel):
             )
             data[new] = data.pop(old)
         return data
+
+
+def _annotation_types(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits (``int | None`` -> {int, NoneType}; Annotated/Literal unwrapped)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _annotation_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_annotation_types(a) for a in typing.get_args(annotation)))
+    if origin is typing.Literal:
+        return {type(a) for a in typing.get_args(annotation)}
+    return {origin or annotation}
+
+
+def _is_number_not_bool(annotation: Any) -> bool:
+    kinds = _annotation_types(annotation)
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
+#: Substrings of the errors torch raises when an allocation is refused or a size overflows.
+_ALLOCATION_FAILURES = ("can't allocate", "cannot allocate", "out of memory", "not enough memory",
+                        "allocation", "overflow", "too large", "exceeds", "numel")
+
+
+def _size_options(config: MixerConfig) -> list[str]:
+    """The integer options of ``config``, largest first, as ``name=value``: what makes a mixer big."""
+    sizes = [(k, v) for k, v in config if isinstance(v, int) and not isinstance(v, bool)]
+    sizes.sort(key=lambda kv: -kv[1])
+    return [f"{k}={v}" for k, v in sizes]
 
 
 def _format_validation_error(err: ValidationError) -> list[str]:
@@ -182,12 +230,24 @@ class MixerSpec:
                 self.name, [f"expected a {self.config.__name__}, got {type(config).__name__}"]
             )
         rng = torch.get_rng_state()
-        module = self.builder(config)
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            torch.set_rng_state(rng)  # the constructor's own draws are replaced by reset_parameters' ones
-            with torch.no_grad():
-                reset()
+        try:
+            module = self.builder(config)
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                torch.set_rng_state(rng)  # the constructor's own draws are replaced by reset_parameters' ones
+                with torch.no_grad():
+                    reset()
+        except (RuntimeError, MemoryError, OverflowError) as err:
+            # Huge sizes: say which options make the mixer too big instead of a raw allocator error.
+            text = " ".join(str(err).split())
+            if not isinstance(err, (MemoryError, OverflowError)) and not any(
+                    m in text.lower() for m in _ALLOCATION_FAILURES):
+                raise
+            sizes = ", ".join(_size_options(config)) or "its options"
+            raise InvalidMixerOptions(self.name, [
+                f"the mixer cannot be allocated at these sizes ({sizes}); lower the largest one "
+                f"({type(err).__name__}: {text[:200]})"
+            ]) from None
         # Record where the module came from, so adapters (timm, fairseq2) can serialise it by name.
         try:
             module.mixer_name = self.name

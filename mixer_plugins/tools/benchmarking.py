@@ -5,10 +5,11 @@ and the pytest-benchmark suites in ``benchmarks/``.
   register their formulas, so the counter sees the scans and FFTs); :meth:`MatrixMixer.flops` is the
   analytic count it is checked against.
 * Peak memory on CUDA is ``torch.cuda.max_memory_allocated``. On CPU it is the rise of the process's
-  peak resident set size over the run (Linux: ``/proc/self/clear_refs`` resets the peak, and, during the
-  measured block only, large buffers are forced to ``mmap`` so freed memory really leaves the process).
+  peak resident set size over the run (Linux: ``/proc/self/clear_refs`` resets the peak) with malloc left as
+  every process has it: no ``mallopt``, no ``MALLOC_*`` tuning, so the figure is what a normal process sees.
   It includes allocator overhead, so compare it between mixers and lengths, not with tensor byte counts.
-  Timings are never taken inside such a block: forcing ``mmap`` slows large allocations down.
+  :func:`peak_memory` with ``tuned=True`` gives the older, lower figure measured with large buffers forced to
+  ``mmap`` (about 1.8x lower for Hydra's forward+backward); it is never reported as "the" peak.
 """
 
 from __future__ import annotations
@@ -144,13 +145,13 @@ def count_flops(fn: Callable[[], None]) -> int:
 # -- peak memory -----------------------------------------------------------------------------------------
 
 _LIBC = None
-# glibc mallopt parameters. Inside a peak-memory block, buffers of 64 KiB and more are mmapped, so freeing one
-# really lowers the resident set and the peak is the block's own. Outside it, the process must allocate as it
+# glibc mallopt parameters, used only by peak_memory(tuned=True). Inside such a block, buffers of 64 KiB and
+# more are mmapped, so freeing one really lowers the resident set. After it, the process must allocate as it
 # normally would: a low mmap threshold left in place makes every large tensor a fresh mmap (page faults on first
 # touch) and slowed forward+backward timings 2-3x. glibc's default threshold is dynamic (it rises to at most
 # 32 MiB as large buffers are freed) and mallopt cannot switch that back on, so after the block we set what the
-# dynamic rule converges to for tensor workloads: 32 MiB, with the matching trim threshold (timed the same as
-# glibc's default).
+# dynamic rule converges to for tensor workloads: 32 MiB, with the matching trim threshold. The default
+# measurement never calls mallopt: its figure is the one a normal process sees.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MEASURING_MMAP_THRESHOLD = 1 << 16
 _NORMAL_MMAP_THRESHOLD = 32 << 20
@@ -215,9 +216,15 @@ def _status_bytes(key: str) -> int:
 
 
 @contextlib.contextmanager
-def peak_memory(device: str | torch.device = "cpu") -> Iterator[dict[str, int | None]]:
+def peak_memory(device: str | torch.device = "cpu", *, tuned: bool = False) -> Iterator[dict[str, int | None]]:
     """``with peak_memory(dev) as m: ...`` then ``m["peak_bytes"]``: the peak extra memory of the block
-    (None where it cannot be measured, e.g. CPU memory off Linux)."""
+    (None where it cannot be measured, e.g. CPU memory off Linux).
+
+    On CPU the allocator is left as a normal process has it (only garbage is collected and free heap pages
+    returned before the baseline, so memory freed earlier does not hide this block's). ``tuned=True`` measures
+    with malloc's mmap threshold forced down inside the block (and changes the process's malloc settings for
+    good): a lower, allocator-tuned figure, to be reported as such, never as the peak a user would see.
+    """
     device = torch.device(device)
     result: dict[str, int | None] = {"peak_bytes": None}
     if device.type == "cuda":
@@ -230,14 +237,15 @@ def peak_memory(device: str | torch.device = "cpu") -> Iterator[dict[str, int | 
         return
     libc = _libc()
     plugs: list[int] = []
-    if libc:
+    if libc and tuned:
         libc.mallopt(_M_MMAP_THRESHOLD, _MEASURING_MMAP_THRESHOLD)
     try:
         try:
             gc.collect()
             if libc:
                 libc.malloc_trim(0)
-                plugs = _plug_free_heap_chunks(libc)
+                if tuned:
+                    plugs = _plug_free_heap_chunks(libc)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the peak resident set size
             base = _status_bytes("VmRSS")
@@ -247,7 +255,7 @@ def peak_memory(device: str | torch.device = "cpu") -> Iterator[dict[str, int | 
         yield result
         result["peak_bytes"] = max(0, _status_bytes("VmHWM") - base)
     finally:
-        if libc:
+        if libc and tuned:
             for pointer in plugs:
                 libc.free(pointer)
             libc.mallopt(_M_MMAP_THRESHOLD, _NORMAL_MMAP_THRESHOLD)
@@ -308,13 +316,15 @@ def sweep(mixers: Sequence[str], lengths: Sequence[int], *, dim: int = 256, batc
           direction: str = "default", options: dict[str, dict[str, Any]] | None = None, device: str = "cpu",
           dtype: torch.dtype = torch.float32, warmup: int = 1, repeats: int = 3, memory: bool = True,
           on_start: Callable[[str, int], None] | None = None, on_done: Callable[[str, int], None] | None = None,
+          on_record: Callable[[list[Measurement], list[SweepProblem]], None] | None = None,
           ) -> tuple[list[Measurement], list[SweepProblem]]:
     """Measure every mixer at every length (shortest first); what cannot run is reported, never raised.
 
     Mixers that cannot run in ``direction`` are skipped; a failure at one length (bad options for that
     length, an error in the mixer) is recorded and the sweep goes on; after running out of memory the
     longer lengths of that mixer are skipped. ``options[name]`` are the mixer's options. ``on_start(mixer,
-    length)`` and ``on_done(mixer, length)`` are called around each (mixer, length), measured or not (progress).
+    length)`` and ``on_done(mixer, length)`` are called around each (mixer, length), measured or not (progress);
+    ``on_record(results, problems)`` after each with everything so far (e.g. to save partial results).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -349,6 +359,8 @@ def sweep(mixers: Sequence[str], lengths: Sequence[int], *, dim: int = 256, batc
                     # gc.collect costs ~0.4 s in a big process: leave it to peak_memory, which needs it
                     if device.startswith("cuda"):
                         torch.cuda.empty_cache()
+            if on_record is not None:
+                on_record(results, problems)
             if on_done is not None:
                 on_done(name, length)
     return results, problems

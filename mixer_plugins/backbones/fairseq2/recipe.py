@@ -16,13 +16,22 @@ Defaults that differ from fairseq2's: ``trainer.mixed_precision.mode=off`` (fair
 bf16, falls back to bf16 autocast on a single device, which is very slow on CPU; on a GPU pass
 ``trainer.mixed_precision.mode=auto`` for bf16 autocast), ``common.no_sweep_dir=true`` (outputs directly in
 ``OUT_DIR``) and ``trainer.max_grad_norm=1.0``.
+
+Safety: a folder whose ``checkpoints/`` hold steps of another model config (e.g. another mixer) is refused
+before anything is written -- the earlier run stays loadable -- unless ``overwrite_checkpoints=true`` is
+given, which deletes those checkpoints first. A non-finite training loss stops the run with exit status 1.
 """
 
 from __future__ import annotations
 
+import io
+import math
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final, final
 
+from fairseq2.cluster import ClusterHandler
 from fairseq2.logging import log
 from fairseq2.metrics import MetricBag
 from fairseq2.metrics.common import (
@@ -58,7 +67,8 @@ from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
 from .data import MlmBatch, MlmDataReader, MlmDataSection
 from .model import MixerEncoderModel
 
-__all__ = ["MixerMlmConfig", "MlmTrainUnit", "MixerMlmRecipe"]
+__all__ = ["MixerMlmConfig", "MlmTrainUnit", "MixerMlmRecipe", "CheckpointConfigMismatchError",
+           "NonFiniteLossError"]
 
 #: Arch used when the command line names none.
 DEFAULT_ARCH: Final = "tiny"
@@ -87,6 +97,16 @@ class MixerMlmConfig:
     )
     common: CommonSection = field(default_factory=lambda: CommonSection(no_sweep_dir=True))
     gang: GangSection = field(default_factory=GangSection)
+    overwrite_checkpoints: bool = False
+    """Delete the output folder's checkpoints when they belong to another model config (refused otherwise)."""
+
+
+class CheckpointConfigMismatchError(RuntimeError):
+    """The output folder holds checkpoints of another model config; nothing was written."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite: the run stops instead of saving a broken model."""
 
 
 @final
@@ -106,6 +126,11 @@ class MlmTrainUnit(TrainUnit[MlmBatch]):
         layout = batch.layout()
         loss = self._model(batch.inputs, layout, batch.targets, target_mask=batch.target_mask, reduction="sum")
         num_targets = int(batch.target_mask.sum())
+        if not math.isfinite(float(loss.detach())):
+            raise NonFiniteLossError(
+                f"the training loss is {float(loss.detach())} (not finite): training stopped; lower the learning "
+                "rate (optimizer.config.lr) or check the mixer options"
+            )
         update_nll_loss_metric(metric_bag, loss, num_targets)
         update_seq_batch_metrics(metric_bag, batch.as_sequence_batch())
         return loss, num_targets
@@ -115,6 +140,90 @@ def _log_mixer_error(ex: Exception) -> int:
     # Our errors say what is wrong and what would be right; a stack trace adds nothing for the user.
     log.error(f"{type(ex).__name__}: {ex}")
     return 2
+
+
+def _log_training_failure(ex: Exception) -> int:
+    log.error(f"{type(ex).__name__}: {ex}")
+    return 1
+
+
+def _yaml_round_trip(resolver, obj: object) -> list[object]:
+    """``obj`` as fairseq2 writes it to YAML and reads it back (the form ``model.yaml`` is compared in)."""
+    from fairseq2.utils.yaml import YamlDumper, YamlLoader
+
+    stream = io.StringIO()
+    resolver.resolve(YamlDumper).dump(obj, stream)
+    stream.seek(0)
+    return resolver.resolve(YamlLoader).load(stream)
+
+
+def check_checkpoint_dir(resolver) -> None:
+    """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
+
+    fairseq2 rewrites ``checkpoints/model.yaml`` with the new config before it tries to restore the last step,
+    so a rerun with another mixer would fail *and* leave the earlier run unloadable. With
+    ``overwrite_checkpoints=true`` the old checkpoints are deleted instead.
+    """
+    from fairseq2.checkpoint import CheckpointDir
+    from fairseq2.models import ModelFamily
+    from fairseq2.recipe.internal.asset_config import _AssetConfigOverrider
+    from fairseq2.runtime.dependency import DependencyLookup
+    from fairseq2.utils.structured import ValueConverter
+    from fairseq2.utils.yaml import YamlLoader
+
+    context = RecipeContext(resolver)
+    config = context.get_config_as(MixerMlmConfig)
+    section = config.model
+    if section.path is not None or section.name is not None or section.family is None:
+        return  # not a new model of ours: fairseq2's own checks apply
+    ckpt_dir = resolver.resolve(CheckpointDir).path or context.output_dir.joinpath("checkpoints")
+    metadata_file = Path(ckpt_dir) / "model.yaml"
+    if not metadata_file.is_file() or not any(p.is_dir() for p in Path(ckpt_dir).glob("step_*")):
+        return  # no saved step to lose
+    family = DependencyLookup(resolver, ModelFamily).maybe_get(section.family)
+    if family is None:
+        return  # fairseq2 reports the unknown family
+    model_config = family.maybe_get_arch_config(section.arch) if section.arch is not None else family.config_kls()
+    if model_config is None:
+        return  # fairseq2 reports the unknown arch
+    model_config = resolver.resolve(_AssetConfigOverrider).apply_overrides(
+        "model", model_config, section.config_overrides)
+    wanted = {"name": "checkpoint", "model_family": family.name,
+              "model_config": resolver.resolve(ValueConverter).unstructure(model_config)}
+    [saved] = resolver.resolve(YamlLoader).load(metadata_file) or [None]
+    if _yaml_round_trip(resolver, wanted) == [saved]:
+        return  # the same model: fairseq2 resumes from the last step
+    old = saved.get("model_config", {}) if isinstance(saved, dict) else {}
+    new = wanted["model_config"]
+    differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)) if isinstance(old, dict) else []
+    what = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ[:4]) or "the model config differs"
+    if config.overwrite_checkpoints:
+        log.warning("overwrite_checkpoints=true: deleting {} (checkpoints of another model config: {}).",
+                    ckpt_dir, what)
+        shutil.rmtree(ckpt_dir)
+        return
+    raise CheckpointConfigMismatchError(
+        f"{ckpt_dir} holds checkpoints of another model config ({what}); nothing was written and that run "
+        "stays loadable. Use another output folder, or pass --config overwrite_checkpoints=true to delete them."
+    )
+
+
+@final
+class _PreflightHandler(ClusterHandler):
+    """A cluster handler that supports no cluster: its provider is where the output folder is checked."""
+
+    @override
+    def set_torch_distributed_env_variables(self) -> None:  # pragma: no cover - never selected
+        pass
+
+    @override
+    def supports_current_cluster(self) -> bool:
+        return False
+
+    @property
+    @override
+    def cluster(self) -> str:
+        return "mixer-plugins-preflight"
 
 
 @final
@@ -127,6 +236,17 @@ class MixerMlmRecipe(Recipe):
                     mixer_errors.DuplicateMixerError, mixer_errors.PluginLoadError, mixer_errors.MixerInputError,
                     mixer_errors.SequenceLengthError, mixer_errors.NotMaterializableError):
             register_cli_error(container, kls, _log_mixer_error)
+        register_cli_error(container, CheckpointConfigMismatchError, _log_mixer_error)
+        register_cli_error(container, NonFiniteLossError, _log_training_failure)
+
+        # The output folder is checked at the first thing a run resolves, before its logs, config.yaml or
+        # model.yaml are written: the cluster handlers (fairseq2's container allows no override, but a
+        # collection takes one more member; ours never claims the cluster).
+        def preflight_handler(resolver) -> ClusterHandler:
+            check_checkpoint_dir(resolver)
+            return _PreflightHandler()
+
+        container.collection.register(ClusterHandler, preflight_handler)
 
     @override
     def create_task(self, context: RecipeContext) -> Task:

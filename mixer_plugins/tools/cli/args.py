@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 __all__ = [
     "CliError",
+    "allocation_guard",
     "Command",
     "head",
     "length_list",
     "name_list",
     "non_negative_int",
+    "image_suffixes",
+    "is_allocation_error",
     "one_line",
+    "output_file",
+    "output_folder",
+    "writing",
     "positive_float",
     "positive_int",
     "set_threads",
@@ -40,6 +48,90 @@ def one_line(text: str) -> str:
     for part in filter(None, parts):
         out += ("" if not out else " " if out.endswith(":") else "; ") + part
     return out
+
+
+def _os_reason(err: OSError) -> str:
+    return err.strerror or str(err)
+
+
+def output_folder(path: Path, option: str) -> Path:
+    """Create ``path`` (a folder the command writes into) now, or fail with one line naming ``option``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CliError(f"{option} {str(path)!r}: exists and is not a folder") from None
+    except OSError as err:
+        raise CliError(f"{option} {str(path)!r}: cannot create the folder ({_os_reason(err)})") from None
+    return path
+
+
+def output_file(path: Path, option: str, *, default_suffix: str | None = None,
+                suffixes: Callable[[], set[str]] | None = None) -> Path:
+    """Check, before any work, that ``path`` can be written; returns the name that will really be written.
+
+    A name without an extension gets ``default_suffix`` (what matplotlib would silently add); ``suffixes()``
+    lists the accepted extensions (without the dot). The file itself is not left behind by the check.
+    """
+    if path.is_dir():
+        raise CliError(f"{option} {str(path)!r} is a folder; give a file name")
+    if default_suffix and not path.suffix:
+        path = path.with_name(path.name + default_suffix)
+    if suffixes is not None:
+        accepted = suffixes()
+        if path.suffix.lstrip(".").lower() not in accepted:
+            raise CliError(f"{option} {str(path)!r}: unsupported file type {path.suffix!r} "
+                           f"(use one of: {', '.join(sorted(accepted))})")
+    if path.is_dir():
+        raise CliError(f"{option} {str(path)!r} is a folder; give a file name")
+    output_folder(path.parent, option)
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise CliError(f"{option} {str(path)!r}: cannot write there ({_os_reason(err)})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def writing(path: Path, option: str) -> Iterator[None]:
+    """Turn an ``OSError`` while writing ``path`` into one line naming ``option``."""
+    try:
+        yield
+    except OSError as err:
+        raise CliError(f"{option} {str(path)!r}: cannot write there ({_os_reason(err)})") from None
+
+
+def image_suffixes() -> set[str]:
+    """The file extensions matplotlib can write (``png``, ``pdf``, ``svg``, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
+_ALLOCATION_FAILURES = ("can't allocate", "cannot allocate", "out of memory", "not enough memory", "overflow")
+
+
+def is_allocation_error(err: BaseException) -> bool:
+    """True for the errors torch raises when a tensor of the asked size cannot be allocated."""
+    if isinstance(err, MemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(m in text for m in _ALLOCATION_FAILURES)
+
+
+@contextlib.contextmanager
+def allocation_guard(what: str, hint: str) -> Iterator[None]:
+    """Turn torch's "cannot allocate" errors inside the block into one line: ``what`` cannot be allocated,
+    ``hint`` says which option to lower."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as err:
+        if not is_allocation_error(err):
+            raise
+        raise CliError(f"{what} cannot be allocated; {hint} ({one_line(str(err))[:160]})") from None
 
 
 def set_threads(threads: int | None) -> None:

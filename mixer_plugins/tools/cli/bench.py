@@ -8,7 +8,18 @@ import json
 import sys
 from pathlib import Path
 
-from .args import CliError, Command, length_list, name_list, non_negative_int, positive_int, set_threads
+from .args import (
+    CliError,
+    Command,
+    image_suffixes,
+    length_list,
+    name_list,
+    non_negative_int,
+    output_file,
+    positive_int,
+    set_threads,
+    writing,
+)
 from .options import parse_option_assignments, resolve_mixers
 
 __all__ = ["COMMAND", "DEFAULT_MIXERS"]
@@ -42,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=Path("outputs/bench.png"),
                         help="PNG of time and peak memory against length, log-log (default: outputs/bench.png)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
-    parser.add_argument("--json", type=Path, default=None, help="also write the measurements as JSON to this file")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the measurements as JSON to this file (rewritten after every run, so an "
+                             "interrupted sweep keeps what it measured)")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement (one run less)")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -87,11 +100,30 @@ def run(args: argparse.Namespace) -> int:
     baseline = None if args.baseline.lower() == "none" else resolve_mixers([args.baseline])[0]
     run_list = ([baseline] if baseline and baseline not in mixers else []) + mixers
     options = parse_option_assignments(args.option, run_list)
+    # Fail now, not after the measurements: matplotlib present, every output path writable.
+    plot_path = None
     if not args.no_plot:
         from ..plotting import require_matplotlib
 
-        require_matplotlib()  # fail now, not after the measurements
+        require_matplotlib()
+        plot_path = output_file(args.plot, "--plot", default_suffix=".png", suffixes=image_suffixes)
+    json_path = output_file(args.json, "--json") if args.json is not None else None
     set_threads(args.threads)
+    settings = {"dim": args.dim, "batch": args.batch, "mode": args.mode, "direction": args.direction,
+                "device": device, "repeats": args.repeats, "warmup": args.warmup, "options": options}
+
+    def write_json(results, problems, complete: bool) -> None:
+        if json_path is None:
+            return
+        with writing(json_path, "--json"):
+            json_path.write_text(json.dumps({
+                "settings": settings,
+                "complete": complete,
+                "measurements": [m.as_dict() for m in results],
+                "problems": [dataclasses.asdict(p) for p in problems],
+            }, indent=2))
+
+    write_json([], [], complete=False)
 
     bar = _progress(len(run_list) * len(args.lengths), not args.no_progress)
 
@@ -106,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         results, problems = sweep(run_list, args.lengths, dim=args.dim, batch=args.batch, mode=args.mode,
                                   direction=args.direction, options=options, device=device, warmup=args.warmup,
-                                  repeats=args.repeats, memory=not args.no_memory, on_start=on_start, on_done=on_done)
+                                  repeats=args.repeats, memory=not args.no_memory, on_start=on_start, on_done=on_done,
+                                  on_record=lambda results, problems: write_json(results, problems, complete=False))
     finally:
         if bar is not None:
             bar.close()
@@ -116,23 +149,22 @@ def run(args: argparse.Namespace) -> int:
     for p in problems:
         print(f"{p.kind}: {p.mixer} at L={p.length}: {p.reason}", file=sys.stderr)
     written = []
-    if rows and not args.no_plot:
+    if json_path is not None:  # first: the numbers are never lost to a plotting problem
+        write_json(results, problems, complete=True)
+        written.append(json_path)
+    if rows and plot_path is not None:
         from ..plotting import save_scaling_plot
 
         title = f"{args.mode}, dim {args.dim}, batch {args.batch}, {device}"
-        written.append(save_scaling_plot(rows, args.plot, title=title))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "settings": {"dim": args.dim, "batch": args.batch, "mode": args.mode, "direction": args.direction,
-                         "device": device, "repeats": args.repeats, "warmup": args.warmup, "options": options},
-            "measurements": rows,
-            "problems": [dataclasses.asdict(p) for p in problems],
-        }, indent=2))
-        written.append(args.json)
+        with writing(plot_path, "--plot"):
+            written.append(save_scaling_plot(rows, plot_path, title=title))
     if written:
         print("\nwrote " + ", ".join(str(p) for p in written))
-    return 0 if rows else 1
+    failed = [p for p in problems if p.kind == "failed"]
+    if failed:
+        print(f"mixer-plugins: {len(failed)} run(s) failed", file=sys.stderr)
+    # Like flops: non-zero when anything that was attempted failed (skipped directions are not failures).
+    return 1 if failed or not rows else 0
 
 
 COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot", run,

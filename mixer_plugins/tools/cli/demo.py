@@ -7,7 +7,18 @@ import sys
 from pathlib import Path
 
 from ...errors import MixerError
-from .args import CliError, Command, head, name_list, non_negative_int, positive_float, positive_int, set_threads
+from .args import (
+    CliError,
+    Command,
+    head,
+    name_list,
+    non_negative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    set_threads,
+    writing,
+)
 from .options import parse_option_assignments, resolve_mixers
 
 __all__ = ["COMMAND"]
@@ -71,8 +82,10 @@ def run(args: argparse.Namespace) -> int:
         )
     except MixerError as err:
         raise CliError(str(err)) from None
+    output_folder(config.out, "--out")  # an unwritable folder fails now, in one line, not after training
     set_threads(args.threads)
-    results = run_demo(config)
+    with writing(config.out, "--out"):
+        results = run_demo(config)
     failed = [r.mixer for r in results if r.error is not None]
     if failed:
         print(f"mixer-plugins: {len(failed)} of {len(results)} mixer(s) failed: {', '.join(failed)} "

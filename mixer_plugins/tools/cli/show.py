@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .args import CliError, Command, head, non_negative_int, one_line, positive_int
+from .args import (
+    CliError,
+    Command,
+    allocation_guard,
+    head,
+    image_suffixes,
+    non_negative_int,
+    one_line,
+    output_file,
+    positive_int,
+    writing,
+)
 from .options import parse_option_assignments, resolve_mixers
 
 __all__ = ["COMMAND"]
@@ -78,31 +89,40 @@ def run(args: argparse.Namespace) -> int:
     options = {k: v for k, v in spec.test_options.items() if k != "max_seq_len"}
     options.update(user)
     require_matplotlib()
+    # Output paths are checked before any work; the heat map is written under the name reported.
+    out = output_file(args.out or Path("outputs") / f"show_{name}.png", "--out", default_suffix=".png",
+                      suffixes=image_suffixes)
+    if args.save_matrix is not None:
+        output_file(args.save_matrix, "--save-matrix")
     if args.input is not None:
         x = load_input(args.input, args.length, args.dim)
     else:
         gen = torch.Generator().manual_seed(args.seed + 1)
-        x = torch.randn(1, args.length or 64, args.dim or 32, generator=gen, dtype=torch.float64)
+        with allocation_guard(f"the random input of length {args.length or 64} and width {args.dim or 32}",
+                              "lower --length or --dim"):
+            x = torch.randn(1, args.length or 64, args.dim or 32, generator=gen, dtype=torch.float64)
     length, dim = x.shape[1], x.shape[2]
     causal = None if args.direction == "default" else args.direction == "causal"
     problem = direction_problem(spec, causal)
     if problem:
         raise CliError(problem)
     torch.manual_seed(args.seed)
-    mixer = build_mixer(name, dim, length, causal=causal, options=options, dtype=torch.float64).eval()
-    with torch.no_grad():
-        matrix = mixer.materialize(x)[0]  # NotMaterializableError: one line, exit 2 (main)
+    with allocation_guard(f"mixer {name!r} at L={length}, dim={dim}: its {length} x {length} matrix",
+                          "lower --length or --dim"):
+        mixer = build_mixer(name, dim, length, causal=causal, options=options, dtype=torch.float64).eval()
+        with torch.no_grad():
+            matrix = mixer.materialize(x)[0]  # NotMaterializableError: one line, exit 2 (main)
     if args.head != "mean" and args.head >= matrix.shape[0]:
         raise CliError(f"--head {args.head}: mixer {name!r} has {matrix.shape[0]} head(s) here")
     image = matrix_to_image(matrix, args.head)
     shown = "mean over heads" if args.head == "mean" else f"head {args.head}"
     direction = "causal" if getattr(mixer, "causal", False) else "bidirectional"
     title = f"{name} ({spec.matrix_class or 'matrix'}, {direction}), L={length}, {shown}"
-    out = args.out or Path("outputs") / f"show_{name}.png"
-    save_matrix_heatmap(matrix, out, title=title, head=args.head, scale=args.scale)
+    with writing(out, "--out"):
+        out = save_matrix_heatmap(matrix, out, title=title, head=args.head, scale=args.scale)
     if args.save_matrix is not None:
-        args.save_matrix.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(matrix.detach().cpu(), args.save_matrix)
+        with writing(args.save_matrix, "--save-matrix"):
+            torch.save(matrix.detach().cpu(), args.save_matrix)
     below = float(image.tril(-1).abs().max()) if length > 1 else 0.0
     above = float(image.triu(1).abs().max()) if length > 1 else 0.0
     diagonal = float(image.diagonal().abs().max())
