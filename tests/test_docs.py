@@ -140,7 +140,29 @@ def test_python_block_runs(example, doc_env, monkeypatch):
         pytest.skip(f"{head.where}: {reason}")
     if "init_fairseq2()" in head.source:
         _reuse_initialised_fairseq2(monkeypatch)
-    run_example(example)
+    distributed = "init_process_group" in head.source
+    if distributed:
+        _single_process_torchrun(monkeypatch)
+    try:
+        run_example(example)
+    finally:
+        if distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _single_process_torchrun(monkeypatch) -> None:
+    """Start a distributed example as torchrun would start a world of one process (gloo, on 127.0.0.1)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
 
 
 def _reuse_initialised_fairseq2(monkeypatch) -> None:
@@ -336,5 +358,5 @@ def test_mkdocs_build_strict(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     home = (site / "index.html").read_text(encoding="utf-8")
     assert "Quick start" in home and 'href="install/"' in home    # the README, with its links made relative
-    assert 'id="mixer_plugins.kernels.ssd"' in (site / "api" / "kernels" / "index.html").read_text(encoding="utf-8")
+    assert 'id="mixer_plugins.kernels.ssd.ssd"' in (site / "api" / "kernels" / "index.html").read_text(encoding="utf-8")
     assert 'id="mixer_plugins.create_mixer"' in (site / "api" / "package" / "index.html").read_text(encoding="utf-8")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import AllowInfNan, Field, model_validator
 from torch import Tensor, nn
 
 from ..errors import NotMaterializableError
@@ -43,9 +43,9 @@ class SSMBlockConfig(BlockConfig):
     A_init_range: tuple[float, float] = Field(
         (1.0, 1.0), description="A = -U[lo, hi] per head at init (Hydra: -1; Mamba-2: [1, 16])"
     )
-    dt_limit: tuple[float, float] = Field(
+    dt_limit: tuple[float, Annotated[float, AllowInfNan(True)]] = Field(
         (0.0, math.inf), description="step sizes are clamped to [lo, hi] after the softplus (mamba-ssm/Hydra's "
-        "dt_limit; default: no clamp)"
+        "dt_limit; default: no clamp; hi may be inf, the one float option that may)"
     )
     conv_init: Optional[float] = Field(
         None, gt=0, description="initialise the short-conv weights U[-conv_init, conv_init] (mamba-ssm/Hydra's "
