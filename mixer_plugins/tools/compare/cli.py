@@ -78,7 +78,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="mixer entries (see below); default: the preset's, else attention,quasiseparable,toeplitz")
     parser.add_argument("--seeds", type=_seeds, default=None, help="number of seeds (3) or a list (0,5,7)")
     parser.add_argument("--steps", type=_positive_int, default=None, help="training steps per model")
-    parser.add_argument("--batch-size", type=_positive_int, default=None)
+    parser.add_argument("--batch-size", type=_positive_int, default=None,
+                        help="training sequences per step (default: the task's or the preset's)")
     parser.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (warmup, then cosine)")
     parser.add_argument("--eval-every", type=_positive_int, default=None, help="steps between test evaluations")
     parser.add_argument("--test-size", type=_positive_int, default=None, help="test examples per seed")
