@@ -17,11 +17,8 @@ from mixer_plugins.testing import MixerHarness
 LENGTH = 11
 
 # Kernel bugs found by this test, for the kernels' owners (the mixers themselves trace):
-KNOWN_KERNEL_BUGS = {
-    "toeplitz": "kernels.toeplitz_fft returns a permuted (non-contiguous) tensor but its fake (meta) implementation a "
-                "contiguous one, so compiled graphs take a view that fails at run time; the op should return "
-                ".contiguous()",
-}
+#: mixer name -> why its compiled graph is known to fail (a strict xfail: it flags the fix). None at present.
+KNOWN_KERNEL_BUGS: dict[str, str] = {}
 
 
 def _params():

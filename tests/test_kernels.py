@@ -19,9 +19,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mixer_plugins as mp
 from mixer_plugins import kernels
-from mixer_plugins.kernels.custom_ops import chunked_scan, chunked_scan_flops
-from mixer_plugins.kernels.scan_chunked import scan_chunked
-from mixer_plugins.kernels.scan_reference import scan_reference
+from mixer_plugins.kernels._scan import (
+    Direction,
+    ScanInputs,
+    chunked_scan,
+    chunked_scan_flops,
+    reference_scan,
+    scan_chunked,
+)
 
 F64 = torch.float64
 
@@ -234,13 +239,19 @@ def test_half_precision_inputs_are_scanned_in_float32():
     assert (y16.float() - y32).norm() / y32.norm() < 2e-2
 
 
-# -- slabs: the torch backend walks the chunks a slab at a time; the slab size changes nothing ------------
+# -- tiles: the torch backend walks the chunks a tile at a time; the tile size changes nothing ------------
+
+def _bidirectional(x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag, **options):
+    return ScanInputs(x=x, forward=Direction(dt_f, A, B_f, C_f), backward=Direction(dt_b, A, B_b, C_b), diag=diag,
+                      **options)
+
 
 @pytest.mark.parametrize("slab", [1, 2, 4])
 @pytest.mark.parametrize("shift", [True, False])
 def test_slabs_quasiseparable_matches_the_flip_identity(slab, shift):
-    x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = _qs_inputs(length=17)   # 6 chunks of 3: 6, 3 and 2 slabs
-    y = scan_chunked(x, dt_f, A, B_f, C_f, dt_b, A, B_b, C_b, diag, shift=shift, chunk_size=3, slab_size=slab)
+    x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = _qs_inputs(length=17)   # 6 chunks of 3: 6, 3 and 2 tiles
+    y = scan_chunked(_bidirectional(x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag, shift=shift, chunk_size=3),
+                     tile_size=slab)
     expected = flip_identity_qs(x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag, shift)
     torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-10)
 
@@ -250,8 +261,8 @@ def test_slabs_carry_initial_and_final_states_and_respect_segments(slab):
     x, dt, A, B, C = random_inputs(l=23)
     init = torch.randn(2, 4, 3, 5, dtype=F64)
     seq_idx = _segments([0, 5, 12, 23])
-    y, final = scan_chunked(x, dt, A, B, C, initial_state=init, seq_idx=seq_idx, chunk_size=4, slab_size=slab,
-                            return_final_state=True)
+    y, final = scan_chunked(ScanInputs(x=x, forward=Direction(dt, A, B, C), initial_state=init, seq_idx=seq_idx,
+                                       chunk_size=4), tile_size=slab, return_final_state=True)
     y_ref, final_ref = recurrence_ssd(x, dt, A, B, C, initial_state=init, seq_idx=seq_idx)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(final, final_ref, rtol=1e-10, atol=1e-10)
@@ -261,8 +272,8 @@ def test_slabs_carry_initial_and_final_states_and_respect_segments(slab):
 def test_slabs_bidirectional_segments(slab):
     x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = _qs_inputs(length=17)
     bounds = [0, 6, 7, 17]
-    y = scan_chunked(x, dt_f, A, B_f, C_f, dt_b, A, B_b, C_b, diag, _segments(bounds), shift=True, chunk_size=4,
-                     slab_size=slab)
+    y = scan_chunked(_bidirectional(x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag, seq_idx=_segments(bounds),
+                                    shift=True, chunk_size=4), tile_size=slab)
     _assert_each_segment_alone(y, bounds, x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag)
 
 
@@ -271,10 +282,11 @@ def test_slabs_gradients_match_reference():
     x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag = leaves
     init = torch.randn(2, 4, 3, 5, dtype=F64, requires_grad=True)
     grads = {}
-    for name, fn, extra in (("reference", scan_reference, {}),
-                            ("slabs", scan_chunked, {"slab_size": 2, "chunk_size": 4})):
-        y, final = fn(x, dt_f, A, B_f, C_f, dt_b, A, B_b, C_b, diag, None, init, shift=True,
-                      return_final_state=True, **extra)
+    inputs = _bidirectional(x, dt_f, dt_b, A, B_f, C_f, B_b, C_b, diag, initial_state=init, shift=True,
+                            chunk_size=4)
+    for name, fn, extra in (("reference", reference_scan, {}),
+                            ("slabs", scan_chunked, {"tile_size": 2})):
+        y, final = fn(inputs, return_final_state=True, **extra)
         loss = (y * y.cos()).sum() + (final * final.sin()).sum()
         grads[name] = torch.autograd.grad(loss, leaves + (init,))
     for g_ref, g in zip(grads["reference"], grads["slabs"]):
@@ -283,24 +295,26 @@ def test_slabs_gradients_match_reference():
 
 def test_slabs_rejects_a_bad_slab_size():
     x, dt, A, B, C = random_inputs(l=8)
-    with pytest.raises(ValueError, match="slab_size must be positive"):
-        scan_chunked(x, dt, A, B, C, chunk_size=4, slab_size=0)
+    with pytest.raises(ValueError, match="slab_size must be positive"), pytest.warns(DeprecationWarning):
+        scan_chunked(ScanInputs(x=x, forward=Direction(dt, A, B, C), chunk_size=4), slab_size=0)
+    with pytest.raises(ValueError, match="tile_size must be positive"):
+        scan_chunked(ScanInputs(x=x, forward=Direction(dt, A, B, C), chunk_size=4), tile_size=0)
 
 
 def test_default_slabs_keep_temporaries_near_the_target_size():
-    from mixer_plugins.kernels.scan_chunked import SLAB_ELEMENTS, slab_chunks
+    from mixer_plugins.kernels._scan.chunked import TILE_ELEMENTS, tile_chunks
 
-    per_slab = slab_chunks(1, 64, 8, 64)               # Hydra's defaults at dim 256: 16 chunks of 64 tokens
-    assert per_slab * 64 * 8 * 64 == SLAB_ELEMENTS
-    assert slab_chunks(4096, 64, 8, 64) == 1           # never fewer than one chunk
+    per_slab = tile_chunks(1, 64, 8, 64)               # Hydra's defaults at dim 256: 16 chunks of 64 tokens
+    assert per_slab * 64 * 8 * 64 == TILE_ELEMENTS
+    assert tile_chunks(4096, 64, 8, 64) == 1           # never fewer than one chunk
 
 
 @pytest.mark.parametrize("chunks_per_slab", [1, 2, 4])
 def test_flop_formula_counts_every_slab(monkeypatch, chunks_per_slab):
-    import mixer_plugins.kernels.scan_chunked as sc
+    import mixer_plugins.kernels._scan.chunked as sc
 
     # one chunk of the shapes below is (batch 2) x (Q 8) x (heads 4) x (width max(p, Q, n) = 8) elements
-    monkeypatch.setattr(sc, "SLAB_ELEMENTS", chunks_per_slab * 2 * 8 * 4 * 8)
+    monkeypatch.setattr(sc, "TILE_ELEMENTS", chunks_per_slab * 2 * 8 * 4 * 8)
     x, dt, A, B, C = random_inputs(b=2, l=45, h=4, p=3, g=2, n=5, dtype=torch.float32)
     with FlopCounterMode(display=False) as counter:
         kernels.quasiseparable(x, dt, A, B, C, chunk_size=8)
@@ -326,7 +340,7 @@ def test_chunked_scan_memory_is_linear_in_length():
     b, l, h, p, n, q = 1, 1024, 2, 4, 4, 16
     x, dt, A, B, C = random_inputs(b=b, l=l, h=h, p=p, g=1, n=n, dtype=torch.float32)
     with _LargestTensor() as mode:
-        scan_chunked(x, dt, A, B, C, dt, A, B, C, dt, shift=True, chunk_size=q)
+        scan_chunked(_bidirectional(x, dt, dt, A, B, C, B, C, dt, shift=True, chunk_size=q))
     # the largest intermediate is the (b, chunks, heads, Q, Q) intra-chunk block: h L Q, not h L^2
     assert mode.largest <= b * h * l * q
     assert mode.largest < l * l
@@ -342,7 +356,8 @@ def test_backend_selection_and_errors(monkeypatch):
         kernels.ssd(x, dt, A, B, C, 4, backend="mamba_ssm")
     with pytest.raises(kernels.BackendUnavailableError, match="unknown backend"):
         kernels.ssd(x, dt, A, B, C, 4, backend="cuda_magic")
-    with pytest.raises(kernels.BackendUnavailableError, match="TRITON_INTERPRET|no 'triton'"):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: the triton backend needs CUDA
+    with pytest.raises(kernels.BackendUnavailableError, match="TRITON_INTERPRET"):
         kernels.ssd(x, dt, A, B, C, 4, backend="triton")
     with kernels.use_backend("reference"):
         assert kernels.resolve_backend("ssd", None, x.device).__name__ == "impl"
@@ -423,7 +438,7 @@ def test_toeplitz_rejects_mismatched_taps():
 
 
 def test_fft_size_covers_the_linear_convolution():
-    from mixer_plugins.kernels.toeplitz import _fft_size
+    from mixer_plugins.kernels.toeplitz.torch import _fft_size
 
     for length in (1, 2, 3, 100, 1000):
         n = _fft_size(length)
@@ -454,8 +469,9 @@ def test_depthwise_conv_matches_conv1d(causal, kernel):
 @pytest.mark.parametrize("silu", [False, True])
 def test_depthwise_conv_tiles_and_fused_silu(monkeypatch, causal, kernel, silu):
     import mixer_plugins.kernels.conv as conv
+    from mixer_plugins.kernels.conv import torch as conv_torch
 
-    monkeypatch.setattr(conv, "TILE_ELEMENTS", 2 * 3 * 5)      # tiles of 3 steps: every tile edge is exercised
+    monkeypatch.setattr(conv_torch, "TILE_ELEMENTS", 2 * 3 * 5)      # tiles of 3 steps: every tile edge is exercised
     base = torch.randn(2, 11, 8, dtype=F64)
     x = base[..., 1:6].clone().requires_grad_()
     w = torch.randn(5, kernel, dtype=F64, requires_grad=True)
@@ -481,8 +497,9 @@ def test_depthwise_conv_tiles_and_fused_silu(monkeypatch, causal, kernel, silu):
 @pytest.mark.parametrize("tile", [12, 12 * 5, 1 << 18])
 def test_gated_rmsnorm_matches_the_formula(monkeypatch, norm_before_gate, tile):
     import mixer_plugins.kernels.norm as G
+    from mixer_plugins.kernels.norm import torch as norm_torch
 
-    monkeypatch.setattr(G, "TILE_ELEMENTS", tile)              # one row per tile, 5 rows, everything at once
+    monkeypatch.setattr(norm_torch, "TILE_ELEMENTS", tile)              # one row per tile, 5 rows, everything at once
     y = torch.randn(2, 7, 12, dtype=F64, requires_grad=True)
     z = torch.randn(2, 7, 12, dtype=F64, requires_grad=True)
     w = torch.randn(12, dtype=F64, requires_grad=True)

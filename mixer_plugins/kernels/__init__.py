@@ -1,4 +1,4 @@
-"""Functional ops beneath the mixers, each with backends behind one dispatcher.
+"""Functional ops beneath the mixers, one folder per op, each with backends behind one dispatcher.
 
 * :func:`ssd` — causal Mamba-2 SSD, with mamba_ssm's ``mamba_chunk_scan_combined`` argument conventions;
 * :func:`quasiseparable` — the bidirectional (Hydra) scan: forward + backward + shift + diagonal in one pass;
@@ -8,24 +8,40 @@
 * :func:`depthwise_conv1d` — the blocks' short convolution (optionally with SiLU fused), tiled along time;
 * :func:`gated_rmsnorm` — the blocks' output norm, tiled, with a hand-written backward.
 
+Layout: ``kernels/<op>/__init__.py`` holds the public function, its argument checks and its typed argument
+bundle (e.g. :class:`~.ssd.SSDArgs`); each backend is one module beside it (``reference.py``, ``torch.py``,
+``mamba_ssm.py``, ``triton.py``) that registers itself with :mod:`._dispatch`. The three scans share
+:mod:`._scan` (the chunked algorithm, its custom op and the materialized oracle).
+
 Backends: ``reference`` (materialized, float64-capable), ``torch`` (chunked, O(L) memory; the CPU
 default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :func:`use_backend` or the
-``MIXER_PLUGINS_BACKEND`` environment variable.
+``MIXER_PLUGINS_BACKEND`` environment variable; :func:`backend_report` says which can run here and why not.
 """
 
 from . import flop_formulas  # noqa: F401  (FlopCounterMode formulas for CPU attention)
-from .conv import depthwise_conv1d
-from .custom_ops import chunked_scan_flops
-from .dispatch import BACKENDS, BackendUnavailableError, available_backends, resolve_backend, use_backend
+from ._dispatch import (
+    BACKENDS,
+    BackendStatus,
+    BackendUnavailableError,
+    available_backends,
+    backend_report,
+    resolve_backend,
+    use_backend,
+)
+from ._scan import chunked_scan_flops, prepare_dt, scan_matrix, scan_reference
+from .conv import depthwise_conv1d, depthwise_conv1d_flops
+from .directional_scan import directional_scan
 from .norm import gated_rmsnorm
-from .scan import directional_scan, prepare_dt, quasiseparable, ssd
-from .scan_reference import scan_matrix, scan_reference
+from .quasiseparable import quasiseparable
+from .ssd import ssd
 from .toeplitz import toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 
 __all__ = [
     "BACKENDS",
+    "BackendStatus",
     "BackendUnavailableError",
     "available_backends",
+    "backend_report",
     "resolve_backend",
     "use_backend",
     "ssd",
@@ -40,4 +56,5 @@ __all__ = [
     "gated_rmsnorm",
     "chunked_scan_flops",
     "toeplitz_fft_flops",
+    "depthwise_conv1d_flops",
 ]

@@ -1,23 +1,27 @@
-"""Toeplitz (long convolution) mixing by FFT: ``y_i = sum_j c_{i-j} v_j``.
+"""``torch`` backend of :func:`..toeplitz_mix`: the product by FFT, ``y_i = sum_j c_{i-j} v_j``.
 
-``taps`` holds the 2L-1 diagonals of the Toeplitz matrix, offset ``d = i - j`` at index ``d + L - 1``.
 The product is one real FFT convolution of size >= 2L - 1 (no wrap-around reaches the kept outputs):
 O(L log L) instead of O(L^2). It is a ``torch.library`` custom op with a FLOP formula, so
-``FlopCounterMode`` counts the FFTs (it counts no FFT by itself).
+``FlopCounterMode`` counts the FFTs (it counts no FFT by itself). Its outputs are contiguous, as its fake
+kernels say: the compiler plans memory from the fake kernels' strides.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from ..errors import MixerInputError
-from .dispatch import register_backend, resolve_backend
+from .._dispatch import Backend, register
+from .._library import save_tensors, saved_tensors
 
-__all__ = ["toeplitz_mix", "toeplitz_matrix", "toeplitz_fft_flops"]
+if TYPE_CHECKING:
+    from . import ToeplitzArgs
+
+__all__ = ["toeplitz_fft", "toeplitz_fft_flops"]
 
 
 def _fft_size(length: int) -> int:
@@ -33,11 +37,12 @@ def _toeplitz_fft(taps: Tensor, v: Tensor) -> Tensor:
     c_f = torch.fft.rfft(taps.to(compute), n=n, dim=-1)                         # (b, h, n/2+1)
     v_f = torch.fft.rfft(v.to(compute).permute(0, 2, 3, 1), n=n, dim=-1)        # (b, h, p, n/2+1)
     out = torch.fft.irfft(c_f[:, :, None] * v_f, n=n, dim=-1)                   # linear convolution
-    return out[..., length - 1: 2 * length - 1].permute(0, 3, 1, 2).to(v.dtype)
+    return out[..., length - 1: 2 * length - 1].permute(0, 3, 1, 2).to(v.dtype).contiguous()
 
 
 @torch.library.custom_op("mixer_plugins::toeplitz_fft", mutates_args=())
 def toeplitz_fft(taps: Tensor, v: Tensor) -> Tensor:
+    """``y_i = sum_j taps[i - j + L - 1] v_j``: taps (b|1, h, 2L-1), v (b, L, h, p) -> (b, L, h, p)."""
     return _toeplitz_fft(taps, v)
 
 
@@ -47,7 +52,8 @@ def _toeplitz_fft_fake(taps, v):
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    taps, v = inputs
+    save_tensors(ctx, taps=taps, v=v)
 
 
 @torch.library.custom_op("mixer_plugins::toeplitz_fft_backward", mutates_args=())
@@ -64,7 +70,7 @@ def toeplitz_fft_backward(grad: Tensor, taps: Tensor, v: Tensor) -> tuple[Tensor
     grad_taps = torch.cat([corr[..., n - (length - 1):], corr[..., :length]], dim=-1)  # lags -(L-1) .. L-1
     if taps.shape[0] == 1 and grad_taps.shape[0] != 1:
         grad_taps = grad_taps.sum(0, keepdim=True)
-    return grad_taps.to(taps.dtype), grad_v
+    return grad_taps.to(taps.dtype).contiguous(), grad_v
 
 
 @toeplitz_fft_backward.register_fake
@@ -73,8 +79,8 @@ def _toeplitz_fft_backward_fake(grad, taps, v):
 
 
 def _backward(ctx, grad):
-    taps, v = ctx.saved_tensors
-    return toeplitz_fft_backward(grad.contiguous(), taps, v)
+    saved = saved_tensors(ctx)
+    return toeplitz_fft_backward(grad.contiguous(), saved.taps, saved.v)
 
 
 toeplitz_fft.register_autograd(_backward, setup_context=_setup)
@@ -103,32 +109,8 @@ def _toeplitz_backward_flop_formula(grad_shape, taps_shape, v_shape, *args, out_
     return 2 * toeplitz_fft_flops(b, length, h, p, tap_batch=taps_shape[0])
 
 
-def toeplitz_matrix(taps: Tensor, length: int) -> Tensor:
-    """(b, h, 2L-1) diagonals -> the (b, h, L, L) Toeplitz matrix ``M_ij = taps[i - j + L - 1]``."""
-    idx = torch.arange(length, device=taps.device)
-    offsets = idx[:, None] - idx[None, :] + length - 1
-    return taps[..., offsets]
+def impl(args: ToeplitzArgs) -> Tensor:
+    return toeplitz_fft(args.taps, args.v)
 
 
-def toeplitz_mix(taps: Tensor, v: Tensor, *, backend: str | None = None) -> Tensor:
-    """``y_i = sum_j taps[i - j + L - 1] v_j`` per head; taps (b or 1, h, 2L-1), v (b, L, h, p)."""
-    if v.dim() != 4:
-        raise MixerInputError(f"toeplitz_mix: v must be (batch, length, heads, head_dim), got {tuple(v.shape)}")
-    b, length, h, _ = v.shape
-    if taps.dim() != 3 or taps.shape[1:] != (h, 2 * length - 1) or taps.shape[0] not in (1, b):
-        raise MixerInputError(
-            f"toeplitz_mix: taps must be (batch or 1, heads, 2*length-1) = (*, {h}, {2 * length - 1}), "
-            f"got {tuple(taps.shape)}"
-        )
-    return resolve_backend("toeplitz", backend, v.device)(taps, v)
-
-
-@register_backend("toeplitz", "torch")
-def _toeplitz_torch(taps: Tensor, v: Tensor) -> Tensor:
-    return toeplitz_fft(taps, v)
-
-
-@register_backend("toeplitz", "reference")
-def _toeplitz_reference(taps: Tensor, v: Tensor) -> Tensor:
-    matrix = toeplitz_matrix(taps, v.shape[1]).to(v.dtype)
-    return torch.einsum("bhij,bjhp->bihp", matrix.expand(v.shape[0], -1, -1, -1), v)
+BACKEND = register(Backend(op="toeplitz", name="torch", impl=impl, priority=10))

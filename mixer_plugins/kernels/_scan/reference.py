@@ -1,4 +1,4 @@
-"""Materialized (O(L^2)) semiseparable and quasiseparable matrices: the oracle of the scan kernels.
+"""Materialized (O(L^2)) semiseparable and quasiseparable matrices: the oracle of the scan ops.
 
 Everything here builds the full L x L matrix per head from the per-token generators and multiplies.
 It is exact in float64, simple to read, and is what ``materialize`` of the SSM mixers returns.
@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["scan_matrix", "scan_reference"]
+from .inputs import Direction, ScanInputs
+
+__all__ = ["reference_scan", "scan_matrix", "scan_reference"]
 
 
 def _expand_groups(t: Tensor, heads: int) -> Tensor:
@@ -62,21 +64,13 @@ def _direction_matrix(dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, upper: boo
     return cb * decay * dt.transpose(1, 2)[..., None, :]
 
 
-def scan_matrix(
-    dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
-    dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
-    diag: Tensor | None = None, seq_idx: Tensor | None = None, *, shift: bool = False,
-) -> Tensor:
-    """The (b, h, l, l) matrix of a forward and/or backward scan plus a diagonal.
-
-    ``dt_*``: (b, l, h) step sizes (already softplus'ed); ``A_*``: (h,); ``B_*``, ``C_*``: (b, l, g, n);
-    ``diag``: (b, l, h); ``seq_idx``: (b, l) ints, tokens interact only within equal values.
-    """
+def _matrix(forward: Direction | None, backward: Direction | None, diag: Tensor | None, seq_idx: Tensor | None,
+            shift: bool) -> Tensor:
     matrix = None
-    if dt_f is not None:
-        matrix = _direction_matrix(dt_f, A_f, B_f, C_f, upper=False, shift=shift)
-    if dt_b is not None:
-        upper = _direction_matrix(dt_b, A_b, B_b, C_b, upper=True, shift=shift)
+    if forward is not None:
+        matrix = _direction_matrix(forward.dt, forward.A, forward.B, forward.C, upper=False, shift=shift)
+    if backward is not None:
+        upper = _direction_matrix(backward.dt, backward.A, backward.B, backward.C, upper=True, shift=shift)
         matrix = upper if matrix is None else matrix + upper
     if matrix is None:
         if diag is None:
@@ -91,6 +85,23 @@ def scan_matrix(
     return matrix
 
 
+def _direction(dt: Tensor | None, A: Tensor | None, B: Tensor | None, C: Tensor | None) -> Direction | None:
+    return None if dt is None else Direction(dt, A, B, C)
+
+
+def scan_matrix(
+    dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
+    dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
+    diag: Tensor | None = None, seq_idx: Tensor | None = None, *, shift: bool = False,
+) -> Tensor:
+    """The (b, h, l, l) matrix of a forward and/or backward scan plus a diagonal.
+
+    ``dt_*``: (b, l, h) step sizes (already softplus'ed); ``A_*``: (h,); ``B_*``, ``C_*``: (b, l, g, n);
+    ``diag``: (b, l, h); ``seq_idx``: (b, l) ints, tokens interact only within equal values.
+    """
+    return _matrix(_direction(dt_f, A_f, B_f, C_f), _direction(dt_b, A_b, B_b, C_b), diag, seq_idx, shift)
+
+
 def scan_reference(
     x: Tensor,
     dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
@@ -103,12 +114,22 @@ def scan_reference(
     ``initial_state`` (b, h, p, n) enters the forward direction before token 0 (only the first segment when
     ``seq_idx`` is given); the final state is the forward state after the last token.
     """
-    matrix = scan_matrix(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx, shift=shift)
+    inputs = ScanInputs(x=x, forward=_direction(dt_f, A_f, B_f, C_f), backward=_direction(dt_b, A_b, B_b, C_b),
+                        diag=diag, seq_idx=seq_idx, initial_state=initial_state, shift=shift)
+    return reference_scan(inputs, return_final_state=return_final_state)
+
+
+def reference_scan(inputs: ScanInputs, *, return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The scan of ``inputs`` by its materialized matrix: y (b, l, h, p), and the forward direction's state
+    after the last token (b, h, p, n) when ``return_final_state``."""
+    x, seq_idx, initial_state, shift = inputs.x, inputs.seq_idx, inputs.initial_state, inputs.shift
+    matrix = _matrix(inputs.forward, inputs.backward, inputs.diag, seq_idx, shift)
     y = torch.einsum("bhij,bjhp->bihp", matrix.to(x.dtype), x)
     h = x.shape[2]
-    need_forward_state = initial_state is not None or return_final_state
-    if need_forward_state and dt_f is None:
-        raise ValueError("initial and final states belong to the forward direction, which is absent")
+    if return_final_state and inputs.forward is None:
+        raise ValueError("the final state belongs to the forward direction, which is absent")
+    if inputs.forward is not None:
+        dt_f, A_f, B_f, C_f = inputs.forward.dt, inputs.forward.A, inputs.forward.B, inputs.forward.C
     if initial_state is not None:
         a = (dt_f * A_f.to(dt_f.dtype))                              # (b, l, h)
         P = a.cumsum(1)

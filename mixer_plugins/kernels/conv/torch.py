@@ -1,4 +1,4 @@
-"""Depthwise short convolution over time on (batch, length, channels), as a custom op.
+"""``torch`` backend of :func:`..depthwise_conv1d`: shifted multiply-adds, tile by tile, as a custom op.
 
 The block's short convolution (kernel 4-7 over thousands of channels) is a handful of shifted
 multiply-adds. Written that way, on the (batch, length, channels) layout the block already has, forward
@@ -12,26 +12,29 @@ convolution: 2 * batch * length * channels * kernel.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["depthwise_conv1d", "depthwise_conv1d_flops"]
+from .._dispatch import Backend, register
+from .._library import save_tensors, saved_tensors
+from .._tiling import time_tiles
+
+if TYPE_CHECKING:
+    from . import ConvArgs
+
+__all__ = ["TILE_ELEMENTS", "depthwise_conv1d_flops"]
 
 
 TILE_ELEMENTS = 1 << 18  # elements of one tile's temporaries (1 MiB in float32)
 
 
 def _tiles(x: Tensor) -> list[tuple[int, int]]:
-    """Row ranges of the tiles. Tiling is a CPU measure (GPU allocators cache; there a loop of small kernels
-    would only add launches), so other devices get one tile."""
-    if x.device.type != "cpu":
-        return [(0, x.shape[1])]
-    step = max(1, TILE_ELEMENTS // max(1, x.shape[0] * x.shape[2]))
-    return [(s, min(s + step, x.shape[1])) for s in range(0, x.shape[1], step)]
+    """Time ranges of the tiles of x (batch, length, channels) (one tile off CPU, see :mod:`.._tiling`)."""
+    return time_tiles(x.shape[1], x.shape[0] * x.shape[2], TILE_ELEMENTS, x.device)
 
 
 def _window(x: Tensor, lo: int, hi: int) -> Tensor:
@@ -87,7 +90,7 @@ def _fake(x, weight, bias, left, right, silu):
 def _setup(ctx, inputs, output):
     x, weight, bias, left, right, silu = inputs
     # with the activation the backward recomputes the pre-activation from x, so the bias is needed
-    ctx.save_for_backward(x, weight, bias if silu else None)
+    save_tensors(ctx, x=x, weight=weight, bias=bias if silu else None)
     ctx.has_bias = bias is not None
     ctx.pads = (left, right)
     ctx.silu = silu
@@ -138,14 +141,15 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
 
 @_depthwise_conv1d_backward_op.register_fake
 def _backward_fake(grad, x, weight, bias, left, right, with_bias, silu):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), grad.new_empty(grad.shape[-1] if with_bias else 0)
+    grad_b = weight.new_empty(x.shape[-1]) if with_bias else grad.new_empty(0)
+    return grad.new_empty(x.shape), weight.new_empty(weight.shape), grad_b
 
 
 def _backward(ctx, grad: Tensor):
-    x, weight, bias = ctx.saved_tensors
+    saved = saved_tensors(ctx)
     left, right = ctx.pads
-    grad_x, grad_w, grad_b = _depthwise_conv1d_backward_op(grad.contiguous(), x, weight, bias, left, right,
-                                                           ctx.has_bias, ctx.silu)
+    grad_x, grad_w, grad_b = _depthwise_conv1d_backward_op(grad.contiguous(), saved.x, saved.weight, saved.bias,
+                                                           left, right, ctx.has_bias, ctx.silu)
     return grad_x, grad_w, (grad_b if ctx.has_bias else None), None, None, None
 
 
@@ -153,6 +157,7 @@ _depthwise_conv1d_op.register_autograd(_backward, setup_context=_setup)
 
 
 def depthwise_conv1d_flops(batch: int, length: int, channels: int, kernel: int) -> int:
+    """FLOPs of one depthwise convolution (2 per multiply-add), as FlopCounterMode counts a convolution."""
     return 2 * batch * length * channels * kernel
 
 
@@ -168,14 +173,8 @@ def _backward_flop_formula(grad_shape, x_shape, w_shape, bias_shape, left, right
     return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
 
 
-def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: bool, silu: bool = False) -> Tensor:
-    """Per-channel convolution over time of ``x`` (batch, length, channels) with ``weight`` (channels, k).
+def impl(args: ConvArgs) -> Tensor:
+    return _depthwise_conv1d_op(args.x, args.weight, args.bias, args.left, args.right, args.silu)
 
-    Centred (``(k-1)//2`` zeros on each side; odd k) or causal (``k-1`` zeros on the left). Computes
-    ``y_t = bias + sum_tap weight[:, tap] * x_{t + tap - left}``, the cross-correlation ``nn.Conv1d`` computes,
-    followed by SiLU when ``silu`` (fused: the backward recomputes the pre-activation tile by tile instead of
-    storing it).
-    """
-    k = weight.shape[1]
-    left, right = (k - 1, 0) if causal else ((k - 1) // 2, (k - 1) // 2)
-    return _depthwise_conv1d_op(x, weight, bias, left, right, bool(silu))  # strided views are fine
+
+BACKEND = register(Backend(op="conv", name="torch", impl=impl, priority=10))

@@ -1,7 +1,4 @@
-"""Gated RMSNorm (the block's output norm), computed tile by tile with a hand-written backward.
-
-``norm_before_gate=True``:  ``out = w * y / rms(y) * silu(z)``
-``norm_before_gate=False``: ``out = w * u / rms(u)`` with ``u = y * silu(z)`` (Mamba-2's order)
+"""``torch`` backend of :func:`..gated_rmsnorm`: tile by tile, with a hand-written backward.
 
 Why not plain PyTorch ops: written as ops on the whole (tokens, width) tensors, the norm is about eight
 full-size temporaries forward and twice that backward. On CPU each is a fresh allocation that glibc
@@ -11,32 +8,29 @@ tokens are processed in tiles of :data:`TILE_ELEMENTS` elements: the temporaries
 and are reused by the allocator, and only the output (and, backward, the input gradients) is full size.
 The backward recomputes the per-tile statistics instead of storing them.
 
-Under ``torch.compile`` the plain formula is used instead (the compiler fuses it), see :func:`gated_rmsnorm`.
+Under ``torch.compile`` the plain formula (:func:`.reference.gated_rmsnorm_reference`) is traced instead:
+the compiler fuses it.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["gated_rmsnorm", "gated_rmsnorm_reference"]
+from .._dispatch import Backend, register
+from .._tiling import time_tiles
+from .reference import gated_rmsnorm_reference
+
+if TYPE_CHECKING:
+    from . import NormArgs
+
+__all__ = ["TILE_ELEMENTS"]
 
 TILE_ELEMENTS = 1 << 18  # elements of one tile's temporaries (1 MiB in float32)
-
-
-def gated_rmsnorm_reference(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
-    """The formula, as plain differentiable ops (the oracle of the tests, and the compiled path)."""
-    dtype = y.dtype
-    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    y, z = y.to(compute), z.to(compute)
-    if norm_before_gate:
-        out = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * F.silu(z)
-    else:
-        u = y * F.silu(z)
-        out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.to(out.dtype)).to(dtype)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -44,11 +38,8 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def _tiles(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]:
-    """Row ranges of the tiles; one tile off CPU (GPU allocators cache, and small kernels only add launches)."""
-    if device.type != "cpu":
-        return [(0, rows)]
-    step = max(1, TILE_ELEMENTS // max(1, width))
-    return [(s, min(s + step, rows)) for s in range(0, rows, step)]
+    """Row ranges of the tiles (one tile off CPU, see :mod:`.._tiling`)."""
+    return time_tiles(rows, width, TILE_ELEMENTS, device)
 
 
 class _GatedRMSNorm(torch.autograd.Function):
@@ -124,16 +115,10 @@ class _GatedRMSNorm(torch.autograd.Function):
                 grad_w.to(weight.dtype) if need_w else None, None, None)
 
 
-def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_before_gate: bool = True) -> Tensor:
-    """Gated RMSNorm over the last dimension of ``y`` and ``z`` (same shape), with per-channel ``weight``.
+def impl(args: NormArgs) -> Tensor:
+    if torch.compiler.is_compiling() or args.y.numel() == 0:
+        return gated_rmsnorm_reference(args.y, args.z, args.weight, args.eps, args.norm_before_gate)
+    return _GatedRMSNorm.apply(args.y, args.z, args.weight, float(args.eps), bool(args.norm_before_gate))
 
-    Half-precision inputs are normalized in float32 and returned in their dtype. Eager mode runs the tiled
-    op with its hand-written backward; under ``torch.compile`` the plain formula is traced and fused.
-    """
-    if y.shape != z.shape:
-        raise ValueError(f"gated_rmsnorm: y and z must have the same shape, got {tuple(y.shape)} and {tuple(z.shape)}")
-    if weight.shape != (y.shape[-1],):
-        raise ValueError(f"gated_rmsnorm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
-    if torch.compiler.is_compiling() or y.numel() == 0:
-        return gated_rmsnorm_reference(y, z, weight, eps, norm_before_gate)
-    return _GatedRMSNorm.apply(y, z, weight, float(eps), bool(norm_before_gate))
+
+BACKEND = register(Backend(op="norm", name="torch", impl=impl, priority=10))

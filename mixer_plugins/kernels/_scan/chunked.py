@@ -1,6 +1,6 @@
 """Chunked scans in pure PyTorch: the SSD algorithm, extended to both directions in one pass.
 
-This is the ``torch`` backend: O(L) memory (no L x L tensor), any length, CPU or GPU.
+The ``torch`` backend of the scan ops: O(L) memory (no L x L tensor), any length, CPU or GPU.
 
 The sequence is cut into chunks of Q tokens. Within a chunk, the forward (lower), backward (upper) and
 diagonal parts of the quasiseparable matrix are summed into **one** Q x Q block per head and applied with
@@ -9,7 +9,7 @@ flows left to right, the backward state right to left. So the two directions of 
 intra-chunk product plus two light state passes, with no flipped copies of the input and no doubled
 batch (what the released Hydra code does).
 
-All formulas are in :mod:`.scan_reference` (the oracle). With ``a = A * dt``, chunk-local cumsums
+All formulas are in :mod:`.reference` (the oracle). With ``a = A * dt``, chunk-local cumsums
 ``p`` (inclusive) and ``e = p - a`` (exclusive):
 
 * forward, query i in chunk c reads ``C~_i exp(q_i) H_c`` with ``H_c`` the state after chunk c-1;
@@ -21,23 +21,30 @@ All formulas are in :mod:`.scan_reference` (the oracle). With ``a = A * dt``, ch
 
 ``seq_idx`` (packed sequences) masks pairs across segments inside a chunk and gates the states
 between chunks, so neither direction, nor the shift, crosses a segment boundary.
+
+The chunks are walked a tile at a time (:data:`TILE_ELEMENTS` elements of temporaries per tile), in two
+sweeps: right to left for the backward direction's states, then left to right for everything else.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["scan_chunked"]
+from .._tiling import tile_bounds, tile_length
+from .inputs import ScanInputs
+
+__all__ = ["TILE_ELEMENTS", "scan_chunked", "tile_chunks"]
 
 
-def _pad_time(t: Tensor | None, pad: int, value: float = 0.0) -> Tensor | None:
+def _pad_time(t: Tensor | None, pad: int) -> Tensor | None:
+    """Zeros appended along dim 1 (time)."""
     if t is None or pad == 0:
         return t
-    # pad dim 1 (time) at the end
-    pad_spec = [0, 0] * (t.dim() - 2) + [0, pad]
-    return F.pad(t, pad_spec, value=value)
+    return F.pad(t, [0, 0] * (t.dim() - 2) + [0, pad])
 
 
 def _chunks(t: Tensor | None, q: int) -> Tensor | None:
@@ -47,56 +54,55 @@ def _chunks(t: Tensor | None, q: int) -> Tensor | None:
     return t.reshape(t.shape[0], t.shape[1] // q, q, *t.shape[2:])
 
 
-SLAB_ELEMENTS = 1 << 19  # target size of one slab's temporaries (elements): 2 MiB in float32
+TILE_ELEMENTS = 1 << 19  # target size of one tile's temporaries (elements): 2 MiB in float32
 
 
-def slab_chunks(bsz: int, chunk: int, heads: int, width: int) -> int:
-    """Chunks per slab: the slab's largest temporaries, (batch, chunk, heads, width) per chunk, stay near
-    :data:`SLAB_ELEMENTS` elements, so they live in cache and in malloc's reused heap (see the module notes)."""
-    return max(1, SLAB_ELEMENTS // max(1, bsz * chunk * heads * width))
+def tile_chunks(bsz: int, chunk: int, heads: int, width: int) -> int:
+    """Chunks per tile: the tile's largest temporaries, (batch, chunk, heads, width) per chunk, stay near
+    :data:`TILE_ELEMENTS` elements, so they live in cache and in malloc's reused heap (see :mod:`.._tiling`)."""
+    return tile_length(TILE_ELEMENTS, bsz * chunk * heads * width)
 
 
-def slab_bounds(nchunks: int, per_slab: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` chunk ranges of the slabs, left to right (the last may be shorter)."""
-    return [(s, min(s + per_slab, nchunks)) for s in range(0, nchunks, per_slab)]
+def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_size: int | None = None,
+                 slab_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """The chunked scan of ``inputs``; the same result as :func:`.reference.reference_scan`.
 
-
-def scan_chunked(
-    x: Tensor,
-    dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
-    dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
-    diag: Tensor | None = None, seq_idx: Tensor | None = None, initial_state: Tensor | None = None,
-    *, shift: bool = False, chunk_size: int = 64, return_final_state: bool = False,
-    slab_size: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Chunked forward/backward scan; same arguments and result as :func:`.scan_reference.scan_reference`.
-
-    Shapes: ``x`` (b, l, h, p); ``dt_*`` (b, l, h) (>= 0, already softplus'ed); ``A_*`` (h,);
-    ``B_*``/``C_*`` (b, l, g, n); ``diag`` (b, l, h); ``seq_idx`` (b, l); ``initial_state`` (b, h, p, n).
-    ``slab_size``: chunks per slab (default :func:`slab_chunks`); changes speed only, never the result.
+    Returns y (b, l, h, p), and the forward direction's state after the last token (b, h, p, n) when
+    ``return_final_state``. ``tile_size``: chunks per tile (default :func:`tile_chunks`); changes speed only,
+    never the result. ``slab_size`` is its deprecated former name.
     """
-    bsz, length, heads, hdim = x.shape
-    if dt_f is None and dt_b is None:
+    if slab_size is not None:
+        warnings.warn("scan_chunked(slab_size=...) is deprecated; use tile_size=...", DeprecationWarning,
+                      stacklevel=2)
+        if tile_size is not None:
+            raise ValueError("pass tile_size only (slab_size is its deprecated former name)")
+        tile_size, size_name = slab_size, "slab_size"
+    else:
+        size_name = "tile_size"
+    x, fwd_dir, bwd_dir, diag, seq_idx = inputs.x, inputs.forward, inputs.backward, inputs.diag, inputs.seq_idx
+    shift = inputs.shift
+    if fwd_dir is None and bwd_dir is None:
         raise ValueError("scan_chunked needs at least one direction")
-    ref_B = B_f if B_f is not None else B_b
-    groups, nstate = ref_B.shape[2], ref_B.shape[3]
+    bsz, length, heads, hdim = x.shape
+    groups, nstate = (fwd_dir or bwd_dir).B.shape[2:]
     if heads % groups:
         raise ValueError(f"number of heads ({heads}) must be a multiple of the number of groups ({groups})")
     rep = heads // groups
-    Q = min(int(chunk_size), length)  # a sequence shorter than a chunk is one chunk, not padded to one
+    Q = min(int(inputs.chunk_size), length)  # a sequence shorter than a chunk is one chunk, not padded to one
     nchunks = -(-length // Q)
     pad = nchunks * Q - length
     dtype = x.dtype
-    per_slab = int(slab_size) if slab_size is not None else slab_chunks(bsz, Q, heads, max(hdim, Q, nstate))
-    if per_slab < 1:
-        raise ValueError(f"slab_size must be positive, got {slab_size}")
-    slabs = slab_bounds(nchunks, per_slab)
+    per_tile = int(tile_size) if tile_size is not None else tile_chunks(bsz, Q, heads, max(hdim, Q, nstate))
+    if per_tile < 1:
+        raise ValueError(f"{size_name} must be positive, got {tile_size}")
+    tiles = tile_bounds(nchunks, per_tile)
 
     # Shift the query-side C by one position (Hydra's shift) before padding, so it never reads a pad.
-    if shift and dt_f is not None:
-        C_f = torch.cat([torch.zeros_like(C_f[:, :1]), C_f[:, :-1]], dim=1)
-    if shift and dt_b is not None:
-        C_b = torch.cat([C_b[:, 1:], torch.zeros_like(C_b[:, :1])], dim=1)
+    C_f = C_b = None
+    if fwd_dir is not None:
+        C_f = fwd_dir.C if not shift else torch.cat([torch.zeros_like(fwd_dir.C[:, :1]), fwd_dir.C[:, :-1]], dim=1)
+    if bwd_dir is not None:
+        C_b = bwd_dir.C if not shift else torch.cat([bwd_dir.C[:, 1:], torch.zeros_like(bwd_dir.C[:, :1])], dim=1)
 
     x_c = _chunks(_pad_time(x, pad), Q).view(bsz, nchunks, Q, groups, rep, hdim)       # (b,c,Q,g,r,p)
     seq = before = after_first = after_last = None
@@ -122,27 +128,25 @@ def scan_chunked(
         p = a.cumsum(-1)
         return p, p - a, dtp, _chunks(_pad_time(B, pad), Q), _chunks(_pad_time(C, pad), Q)
 
-    # Every per-chunk tensor is split into its slabs once, up front: the backward of one split is one
-    # concatenation, while the backward of each slab's slice would write a zero-filled gradient the size of
-    # the whole sequence (quadratic in the number of slabs).
-    def by_slab(t: Tensor | None) -> list[Tensor | None]:
-        return [None] * len(slabs) if t is None else list(t.split(per_slab, dim=1))
+    # Every per-chunk tensor is split into its tiles once, up front: the backward of one split is one
+    # concatenation, while the backward of each tile's slice would write a zero-filled gradient the size of
+    # the whole sequence (quadratic in the number of tiles).
+    def by_tile(t: Tensor | None) -> list[Tensor | None]:
+        return [None] * len(tiles) if t is None else list(t.split(per_tile, dim=1))
 
-    fwd = [by_slab(t) for t in direction(dt_f, A_f, B_f, C_f)] if dt_f is not None else None
-    bwd = None
-    if dt_b is not None:
-        bwd = [by_slab(t) for t in direction(dt_b, A_b if A_b is not None else A_f, B_b, C_b)]
-    diag_s = by_slab(None if diag is None else _chunks(_pad_time(diag, pad), Q).view(bsz, nchunks, Q, groups, rep))
-    x_s_all = by_slab(x_c)
-    seq_s, before_s, after_first_s, after_last_s = (by_slab(t) for t in (seq, before, after_first, after_last))
+    fwd = [by_tile(t) for t in direction(fwd_dir.dt, fwd_dir.A, fwd_dir.B, C_f)] if fwd_dir is not None else None
+    bwd = [by_tile(t) for t in direction(bwd_dir.dt, bwd_dir.A, bwd_dir.B, C_b)] if bwd_dir is not None else None
+    diag_s = by_tile(None if diag is None else _chunks(_pad_time(diag, pad), Q).view(bsz, nchunks, Q, groups, rep))
+    x_s_all = by_tile(x_c)
+    seq_s, before_s, after_first_s, after_last_s = (by_tile(t) for t in (seq, before, after_first, after_last))
 
     # ------------------------------------------------ sweep 1, right to left: the backward direction's states
-    # The backward state of a slab needs every slab to its right, so its read-out is computed first, slab by
-    # slab from the right, and kept (one slab-sized tensor each) until sweep 2 adds it in.
-    from_right: list[Tensor | None] = [None] * len(slabs)
+    # The backward state of a tile needs every tile to its right, so its read-out is computed first, tile by
+    # tile from the right, and kept (one tile-sized tensor each) until sweep 2 adds it in.
+    from_right: list[Tensor | None] = [None] * len(tiles)
     if bwd is not None:
         carry = None
-        for s in reversed(range(len(slabs))):
+        for s in reversed(range(len(tiles))):
             p, e, dtp, B_c, C_c = (t[s] for t in bwd)
             sq = seq_s[s]
             from_start = torch.exp(e) * dtp                                                # exp(e_j) dt_j
@@ -159,11 +163,12 @@ def scan_chunked(
                 query = query * (sq == after_last_s[s])[:, :, None, None, :]
             from_right[s] = _read_out(C_c, query, entering)
 
-    # ------------------------------------------------ sweep 2, left to right: everything else, slab by slab
+    # ------------------------------------------------ sweep 2, left to right: everything else, tile by tile
     outputs: list[Tensor] = []
-    carry = None if initial_state is None else initial_state.to(dtype).view(bsz, groups, rep, hdim, nstate)
+    init = inputs.initial_state
+    carry = None if init is None else init.to(dtype).view(bsz, groups, rep, hdim, nstate)
     final_state = None
-    for s in range(len(slabs)):
+    for s in range(len(tiles)):
         x_s = x_s_all[s]
         sq = seq_s[s]
         same = None if sq is None else (sq[..., :, None] == sq[..., None, :])[:, :, None, None]   # (b,c,1,1,Q,Q)
@@ -253,7 +258,7 @@ def _segsum(log_a: Tensor) -> Tensor:
     return seg.masked_fill(~on_or_below, float("-inf"))
 
 
-STATE_PASS_BLOCK = 32  # chunks per block of the state pass (chunked_scan_flops counts with it)
+STATE_PASS_BLOCK = 32  # chunks per block of the state pass's block-triangular product (the FLOP formula counts it)
 
 
 def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *, reverse: bool = False,
@@ -265,20 +270,20 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     ``reverse``: the recurrence runs right to left (``H_c = a_c H_{c+1} + S_c``; "entering" is then the
     state coming from the right and the final state the one after the first chunk).
 
-    Chunks are grouped ``block`` at a time: within a group the states entering every chunk are one small
-    matrix product (the decays between every pair of its chunks), and only the groups are walked in Python.
+    The chunks form blocks of ``block``: within a block the states entering every chunk are one small matrix
+    product (the decays between every pair of its chunks), and only the blocks are walked in Python.
     Only the small decay tensors are ever flipped or shifted: the state tensors are read once, in place, so
     autograd has no slice or flip of them to undo.
     """
     bsz, nchunks, groups, rep, hdim, nstate = states.shape
     size = min(block, nchunks)
-    ngroups_t = -(-nchunks // size)
-    pad = ngroups_t * size - nchunks
+    nblocks = -(-nchunks // size)
+    pad = nblocks * size - nchunks
     if pad:  # chunks with no contribution and no decay: the carry passes through them unchanged
         states = torch.cat([states, states.new_zeros(bsz, pad, groups, rep, hdim, nstate)], dim=1)
         log_carry = torch.cat([log_carry, log_carry.new_zeros(bsz, pad, groups, rep)], dim=1)
-    st = states.view(bsz, ngroups_t, size, groups, rep, hdim, nstate)
-    la = log_carry.view(bsz, ngroups_t, size, groups, rep).permute(0, 3, 4, 1, 2)       # (b,g,r,T,S)
+    st = states.view(bsz, nblocks, size, groups, rep, hdim, nstate)
+    la = log_carry.view(bsz, nblocks, size, groups, rep).permute(0, 3, 4, 1, 2)       # (b,g,r,T,S)
     if reverse:
         la = la.flip(-1)  # in scan order; flipped back below (small tensors only)
     seg = _segsum(la)                                                                     # (b,g,r,T,S,S)
@@ -286,22 +291,22 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     into = torch.exp(torch.cat([torch.full_like(seg[..., :1, :], float("-inf")), seg[..., :-1, :]], dim=-2))
     cum = torch.cumsum(la, dim=-1)
     carry_in = torch.exp(torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1))   # (b,g,r,T,S)
-    last_row = torch.exp(seg[..., -1, :])                                                 # to the group's end
+    last_row = torch.exp(seg[..., -1, :])                                                 # to the block's end
     total = torch.exp(cum[..., -1])                                                       # (b,g,r,T)
     if reverse:
         into, carry_in, last_row = into.flip(-1, -2), carry_in.flip(-1), last_row.flip(-1)
     dtype = states.dtype
     into, carry_in, last_row, total = (t.to(dtype) for t in (into, carry_in, last_row, total))
     local = torch.einsum("bgrtij,btjgrpn->btigrpn", into, st)                             # without the carry
-    group_final = torch.einsum("bgrtj,btjgrpn->btgrpn", last_row, st)                     # (b,T,g,r,p,n)
+    block_final = torch.einsum("bgrtj,btjgrpn->btgrpn", last_row, st)                     # (b,T,g,r,p,n)
     carry = init if init is not None else states.new_zeros(bsz, groups, rep, hdim, nstate)
-    carries: list[Tensor] = [carry] * ngroups_t
-    finals = group_final.unbind(1)
+    carries: list[Tensor] = [carry] * nblocks
+    finals = block_final.unbind(1)
     totals = total.unbind(-1)
-    for t in (reversed(range(ngroups_t)) if reverse else range(ngroups_t)):  # the state entering each group
+    for t in (reversed(range(nblocks)) if reverse else range(nblocks)):  # the state entering each block
         carries[t] = carry
         carry = finals[t] + totals[t][..., None, None] * carry
-    carries_t = carries[0][:, None] if ngroups_t == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
+    carries_t = carries[0][:, None] if nblocks == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
     entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
-    entering = entering.reshape(bsz, ngroups_t * size, groups, rep, hdim, nstate)
+    entering = entering.reshape(bsz, nblocks * size, groups, rep, hdim, nstate)
     return (entering[:, :nchunks] if pad else entering), carry

@@ -1,0 +1,220 @@
+"""Backend selection for the functional ops: every backend module declares itself, the dispatcher asks them.
+
+An op is a folder, ``kernels/<op>/``, whose ``__init__.py`` holds the public function and ends with
+``discover_backends(<op>, __name__)``. Every module of that folder named after a backend in :data:`BACKENDS`
+(``reference.py``, ``torch.py``, ``triton.py``, ``mamba_ssm.py``) is imported then and registers one
+:class:`Backend`: its name, its ``impl`` (called with the op's typed argument bundle), its priority for the
+automatic choice and a ``check`` that says why it cannot run here (or ``None`` when it can). Adding a backend
+is adding one such module; nothing else names it. A backend module imports its third-party package (mamba-ssm,
+Triton) inside its functions, never at the top, so that importing the kernels never imports them.
+
+Choosing, in order:
+
+* ``backend=`` named in the call: that backend, or :class:`BackendUnavailableError` with the reason;
+* a preference set by :func:`use_backend` (thread-local) or the ``MIXER_PLUGINS_BACKEND`` environment
+  variable: that backend for every op that has one (an op that has none makes its automatic choice);
+  :class:`BackendUnavailableError` where the op has it but it cannot run here;
+* otherwise the automatic choice: the available backend of highest ``priority`` (``mamba_ssm`` 30, ``triton``
+  20, ``torch`` 10; ``reference`` has none and is never chosen automatically; the Triton interpreter is for
+  tests and is never chosen automatically off CUDA).
+
+Under ``torch.compile`` the choice is ``backend`` or ``torch`` (our custom ops), without probing: imports
+cannot be traced. :func:`backend_report` lists, per op and device, which backends can run and why not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._text import did_you_mean
+from ..errors import BackendUnavailableError
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "Backend",
+    "BackendStatus",
+    "BackendUnavailableError",
+    "available_backends",
+    "backend_report",
+    "discover_backends",
+    "register",
+    "registered_ops",
+    "resolve_backend",
+    "use_backend",
+]
+
+BACKENDS = ("reference", "torch", "triton", "mamba_ssm")
+"""Every backend name an op may have (a backend module's file name is one of these)."""
+
+ENV_VAR = "MIXER_PLUGINS_BACKEND"
+
+Check = Callable[[torch.device, Any], "str | None"]
+
+
+def _runs_anywhere(device: torch.device, args: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend of one op, as its module declares it.
+
+    ``impl(args)`` runs the op on its argument bundle. ``priority``: rank in the automatic choice (highest
+    first); ``None``: only when asked for by name. ``check(device, args)``: why the backend cannot run on
+    ``device`` (``args`` is the call's bundle, or ``None`` when asked without a call), ``None`` when it can.
+    ``automatic_devices``: device types on which the automatic choice may pick it (``None``: every type).
+    """
+
+    op: str
+    name: str
+    impl: Callable[[Any], Any]
+    priority: int | None = None
+    check: Check = _runs_anywhere
+    automatic_devices: tuple[str, ...] | None = None
+
+    def unavailable_reason(self, device: torch.device | str, args: Any = None) -> str | None:
+        """Why this backend cannot run here (``None`` when it can)."""
+        return self.check(torch.device(device), args)
+
+    def automatic_on(self, device: torch.device) -> bool:
+        """Whether the automatic choice may pick this backend for tensors on ``device``."""
+        return self.priority is not None and (self.automatic_devices is None or device.type in self.automatic_devices)
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One row of :func:`backend_report`."""
+
+    op: str
+    backend: str
+    device: str
+    available: bool
+    reason: str          # why it cannot run ("" when it can)
+    automatic: bool      # whether the automatic choice may pick it on this device
+
+
+# op name -> backend name -> backend
+_REGISTRY: dict[str, dict[str, Backend]] = {}
+_local = threading.local()
+
+
+def register(backend: Backend) -> Backend:
+    """Register ``backend`` (called by each backend module at import); returns it."""
+    if backend.name not in BACKENDS:
+        raise ValueError(f"unknown backend {backend.name!r}; backends: {', '.join(BACKENDS)}")
+    _REGISTRY.setdefault(backend.op, {})[backend.name] = backend
+    return backend
+
+
+def discover_backends(op: str, package: str) -> None:
+    """Import the backend modules of ``package`` (its modules named after :data:`BACKENDS`); each registers
+    itself. Called once by each op's ``__init__``; an op with no backend module at all is an error."""
+    _REGISTRY.setdefault(op, {})
+    for name in BACKENDS:
+        if importlib.util.find_spec(f"{package}.{name}") is not None:
+            importlib.import_module(f"{package}.{name}")
+    if not _REGISTRY[op]:
+        raise RuntimeError(f"op {op!r} ({package}) has no backend module")
+
+
+def registered_ops() -> list[str]:
+    """The ops that have backends, in registration order."""
+    return list(_REGISTRY)
+
+
+def _unknown(backend: str) -> str:
+    return f"unknown backend {backend!r}{did_you_mean(backend, BACKENDS)} (backends: {', '.join(BACKENDS)})"
+
+
+def _check_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise BackendUnavailableError(_unknown(backend))
+
+
+def _backends_of(op: str) -> dict[str, Backend]:
+    if op not in _REGISTRY:
+        raise BackendUnavailableError(f"unknown op {op!r}{did_you_mean(op, _REGISTRY)} (ops: {', '.join(_REGISTRY)})")
+    return _REGISTRY[op]
+
+
+def _reason(op: str, backend: str, device: torch.device, args: Any = None) -> str | None:
+    """Why ``backend`` cannot run ``op`` on ``device`` (``None`` when it can)."""
+    impls = _backends_of(op)
+    if backend not in BACKENDS:
+        return _unknown(backend)
+    if backend not in impls:
+        return f"op {op!r} has no {backend!r} implementation (it has: {', '.join(sorted(impls))})"
+    return impls[backend].unavailable_reason(device, args)
+
+
+def available_backends(op: str, device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run ``op`` on ``device`` right now, in :data:`BACKENDS` order."""
+    device = torch.device(device)
+    return [b for b in BACKENDS if b in _backends_of(op) and _reason(op, b, device) is None]
+
+
+def backend_report(devices: Iterable[torch.device | str] | None = None) -> list[BackendStatus]:
+    """Per op, device and backend name: whether it can run, and why not. ``devices`` defaults to the CPU, plus
+    CUDA when a CUDA device is present."""
+    if devices is None:
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    rows = []
+    for device in (torch.device(d) for d in devices):
+        for op, impls in _REGISTRY.items():
+            for name in BACKENDS:
+                reason = _reason(op, name, device)
+                rows.append(BackendStatus(op=op, backend=name, device=str(device), available=reason is None,
+                                          reason=reason or "",
+                                          automatic=name in impls and impls[name].automatic_on(device)))
+    return rows
+
+
+@contextlib.contextmanager
+def use_backend(backend: str | None) -> Iterator[None]:
+    """Within the block, ops called with ``backend=None`` use ``backend`` where they have it (thread-local)."""
+    if backend is not None:
+        _check_name(backend)
+    previous = getattr(_local, "backend", None)
+    _local.backend = backend
+    try:
+        yield
+    finally:
+        _local.backend = previous
+
+
+def resolve_backend(op: str, backend: str | None, device: torch.device | str, args: Any = None) -> Callable:
+    """The implementation of ``op`` to run: ``backend``, the preferred one, or the automatic choice (see the
+    module notes). ``args``, the call's argument bundle, lets a backend refuse inputs it cannot handle."""
+    impls = _backends_of(op)
+    if torch.compiler.is_compiling():
+        chosen = backend or "torch"
+        if chosen not in impls:
+            raise BackendUnavailableError(f"op {op!r} has no {chosen!r} implementation")
+        return impls[chosen].impl
+    device = torch.device(device)
+    if backend is None:
+        preferred = getattr(_local, "backend", None) or os.environ.get(ENV_VAR) or None
+        if preferred is not None:
+            _check_name(preferred)
+            if preferred in impls:
+                backend = preferred
+    if backend is not None:
+        reason = _reason(op, backend, device, args)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {backend!r} cannot run {op!r} on {device}: {reason}")
+        return impls[backend].impl
+    candidates = sorted((b for b in impls.values() if b.automatic_on(device)), key=lambda b: -b.priority)
+    for candidate in candidates:
+        if candidate.unavailable_reason(device, args) is None:
+            return candidate.impl
+    raise BackendUnavailableError(f"no backend can run {op!r} on {device}")  # pragma: no cover

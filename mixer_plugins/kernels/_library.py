@@ -1,0 +1,27 @@
+"""Helpers for our ``torch.library`` custom ops: arguments and saved tensors by name, never by position."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__all__ = ["argument_names", "save_tensors", "saved_tensors"]
+
+
+def argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
+    """The names of a custom op's arguments (``torch.ops.<ns>.<name>.default``), in schema order: the order
+    ``setup_context`` receives its ``inputs`` in, and the backward returns its gradients in."""
+    return tuple(arg.name for arg in op._schema.arguments)
+
+
+def save_tensors(ctx: Any, **tensors: torch.Tensor | None) -> None:
+    """``ctx.save_for_backward`` by name (``None`` allowed); read them back with :func:`saved_tensors`."""
+    ctx.saved_names = tuple(tensors)
+    ctx.save_for_backward(*tensors.values())
+
+
+def saved_tensors(ctx: Any) -> SimpleNamespace:
+    """The tensors :func:`save_tensors` stored, as attributes by name."""
+    return SimpleNamespace(**dict(zip(ctx.saved_names, ctx.saved_tensors)))

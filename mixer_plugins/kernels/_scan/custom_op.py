@@ -1,0 +1,166 @@
+"""The chunked scan as a ``torch.library`` custom op, with a fake (meta) kernel and a FLOP formula.
+
+Why a custom op:
+
+* ``torch.compile`` sees one opaque op with a fake implementation instead of tracing a Python loop over
+  chunks;
+* ``torch.utils.flop_counter.FlopCounterMode`` counts it with :func:`chunked_scan_flops` (registered below);
+* the backward recomputes the forward under autograd instead of storing every intra-chunk tensor, so
+  training memory is the inputs plus one chunked forward: linear in the sequence length, like the
+  memory-efficient path of the Hydra code. (FlopCounterMode sees the recomputation's own matmuls.)
+
+The op's schema is flat (a custom op takes tensors, not dataclasses): :func:`_op_kwargs` flattens a
+:class:`.inputs.ScanInputs` by name and :func:`_unflatten` rebuilds it, and the backward saves and reads its
+tensors by name. Its outputs are contiguous, as its fake kernel says: the compiler plans memory from the
+fake kernel's strides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from .._library import argument_names, save_tensors, saved_tensors
+from .._tiling import tile_bounds
+from . import chunked
+from .inputs import Direction, ScanInputs
+
+__all__ = ["chunked_scan", "chunked_scan_flops", "run_chunked"]
+
+_DIRECTION_FIELDS = ("dt", "A", "B", "C")
+
+
+@torch.library.custom_op("mixer_plugins::chunked_scan", mutates_args=())
+def chunked_scan(
+    x: Tensor,
+    dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor],
+    dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor],
+    diag: Optional[Tensor], seq_idx: Optional[Tensor], initial_state: Optional[Tensor],
+    shift: bool, chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """Forward and/or backward chunked scan; returns (y, final forward state or an empty tensor), contiguous."""
+    inputs = _unflatten(locals())  # the arguments, by name
+    if inputs.forward is None:
+        return chunked.scan_chunked(inputs).contiguous(), x.new_empty(0)
+    y, final = chunked.scan_chunked(inputs, return_final_state=True)
+    # outputs own their storage (final is a view of the states) and have the fake kernel's strides
+    return y.contiguous(), final.clone(memory_format=torch.contiguous_format)
+
+
+@chunked_scan.register_fake
+def _chunked_scan_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx, initial_state, shift, chunk_size):
+    if dt_f is not None:
+        b, _, h, p = x.shape
+        return x.new_empty(x.shape), x.new_empty(b, h, p, B_f.shape[-1])
+    return x.new_empty(x.shape), x.new_empty(0)
+
+
+_ARGUMENTS = argument_names(torch.ops.mixer_plugins.chunked_scan.default)
+
+
+def _op_kwargs(inputs: ScanInputs) -> dict[str, Any]:
+    """``inputs`` as the op's keyword arguments."""
+    kwargs: dict[str, Any] = {"x": inputs.x, "diag": inputs.diag, "seq_idx": inputs.seq_idx,
+                              "initial_state": inputs.initial_state, "shift": bool(inputs.shift),
+                              "chunk_size": int(inputs.chunk_size)}
+    for suffix, direction in (("f", inputs.forward), ("b", inputs.backward)):
+        for field in _DIRECTION_FIELDS:
+            kwargs[f"{field}_{suffix}"] = None if direction is None else getattr(direction, field)
+    return kwargs
+
+
+def _unflatten(kwargs: dict[str, Any]) -> ScanInputs:
+    """The op's arguments, by name, back into :class:`ScanInputs`."""
+    directions = {
+        suffix: Direction(*(kwargs[f"{field}_{suffix}"] for field in _DIRECTION_FIELDS))
+        if kwargs[f"dt_{suffix}"] is not None else None
+        for suffix in ("f", "b")
+    }
+    return ScanInputs(x=kwargs["x"], forward=directions["f"], backward=directions["b"], diag=kwargs["diag"],
+                      seq_idx=kwargs["seq_idx"], initial_state=kwargs["initial_state"], shift=kwargs["shift"],
+                      chunk_size=kwargs["chunk_size"])
+
+
+_TENSOR_ARGUMENTS = tuple(name for name in _ARGUMENTS if name not in ("shift", "chunk_size"))
+_DIFFERENTIABLE = tuple(name for name in _TENSOR_ARGUMENTS if name != "seq_idx")
+
+
+def _setup_context(ctx, inputs, output):
+    named = dict(zip(_ARGUMENTS, inputs))
+    save_tensors(ctx, **{name: named[name] for name in _TENSOR_ARGUMENTS})
+    ctx.shift = named["shift"]
+    ctx.chunk_size = named["chunk_size"]
+
+
+def _backward(ctx, grad_y, grad_final):
+    # Recompute the forward under autograd (like activation checkpointing) and differentiate it: only the
+    # op's inputs were stored, never its intra-chunk tensors.
+    saved = vars(saved_tensors(ctx))
+    with torch.enable_grad():
+        leaves = {name: saved[name].detach().requires_grad_(True) for name in _DIFFERENTIABLE
+                  if saved[name] is not None}
+        inputs = _unflatten({**saved, **leaves, "shift": ctx.shift, "chunk_size": ctx.chunk_size})
+        want_final = inputs.forward is not None and grad_final is not None
+        result = chunked.scan_chunked(inputs, return_final_state=want_final)
+        outputs, grads_out = ([result[0], result[1]], [grad_y, grad_final]) if want_final else ([result], [grad_y])
+        keep = [(o, g) for o, g in zip(outputs, grads_out) if g is not None]
+        grads = torch.autograd.grad([o for o, _ in keep], list(leaves.values()), [g for _, g in keep],
+                                    allow_unused=True)
+    by_name = dict(zip(leaves, grads))
+    return tuple(by_name.get(name) for name in _ARGUMENTS)
+
+
+chunked_scan.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_chunked(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor | None]:
+    """The chunked scan: plain autograd in eager mode (fastest), the custom op under ``torch.compile``.
+    Returns (y, the forward direction's final state when ``want_final``, else None).
+
+    Eager autograd keeps the intra-chunk tensors for the backward (memory O(L * chunk_size) per head, linear
+    in L); the custom op is opaque to the compiler (fake kernel) and recomputes them in its backward.
+    """
+    if torch.compiler.is_compiling():
+        y, final = chunked_scan(**_op_kwargs(inputs))
+        return y, (final if want_final else None)
+    if want_final:
+        return chunked.scan_chunked(inputs, return_final_state=True)
+    return chunked.scan_chunked(inputs), None
+
+
+def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, groups: int, state: int,
+                       directions: int, chunk_size: int) -> int:
+    """FLOPs (2 per multiply-add) of the matmul work of one chunked scan.
+
+    Per direction: the C.B products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state
+    read-out (2 L h p n) and the state pass between chunks (within each tile, blocks of S = min(32, tile)
+    chunks: the states entering its chunks, a S x S product, and the state leaving it, a 1 x S product:
+    2 (S^2 + S) h p n per block, none when S = 1); once for both directions: the summed
+    intra-chunk block times x (2 L Q h p).
+    Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
+    """
+    chunk_size = min(chunk_size, length)
+    padded = -(-length // chunk_size) * chunk_size
+    chunks = padded // chunk_size
+    state_pass = 0
+    per_tile = chunked.tile_chunks(batch, chunk_size, heads, max(head_dim, chunk_size, state))
+    for lo, hi in tile_bounds(chunks, per_tile):
+        block = min(chunked.STATE_PASS_BLOCK, hi - lo)
+        if block > 1:  # a one-chunk block is an elementwise product, which FlopCounterMode does not count
+            state_pass += -(-(hi - lo) // block) * (block * block + block)
+    per_direction = (2 * padded * chunk_size * state * groups + 4 * padded * heads * head_dim * state
+                     + 2 * state_pass * heads * head_dim * state)
+    return batch * (directions * per_direction + 2 * padded * chunk_size * heads * head_dim)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.chunked_scan)
+def _chunked_scan_flop_formula(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape,
+                               B_b_shape, C_b_shape, diag_shape, seq_idx_shape, init_shape, shift, chunk_size,
+                               *args, out_shape=None, **kwargs) -> int:
+    b, l, h, p = x_shape
+    b_shape = B_f_shape if B_f_shape is not None else B_b_shape
+    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
+    return chunked_scan_flops(b, l, h, p, b_shape[2], b_shape[3], directions, chunk_size)

@@ -1,0 +1,362 @@
+"""Fused MLR (multi-level low-rank) attention forward in Triton: flash-style, no L x L tensor.
+
+Scores (per head; see ``mixer_plugins.mixers.mlr_attention``)::
+
+    S(i, j) = sum_l [i, j in the same level-l block] * tau_l * q_i^(l) . k_j^(l)     (/ cnt(i, j) with block_divide)
+
+with level l's features a contiguous slice of the head dim (widths ``ranks``) and its blocks ``block_sizes[l]``
+tokens aligned at 0 (None = global; the last, partial block is a block). Then the causal mask (optional), the
+right-padding mask, softmax over the keys, and the values.
+
+One program = one (query tile, batch * head); it walks the key tiles (only up to the diagonal when causal) with an
+online softmax. For each (query tile, key tile) pair, only the levels the two tiles share are computed: a level whose
+blocks put the two tiles apart is skipped, so far-apart tiles use only the coarse levels' features (the paper's
+FLOP saving); a level with a block boundary inside the pair is masked per entry. Accumulation in float32.
+
+Forward and backward (``torch.autograd.Function``). Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1``
+set before import.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:  # the ``triton`` package, not this module (absolute import)
+    import triton
+    import triton.language as tl
+    _IMPORT_ERROR: str | None = None
+except ImportError as exc:  # pragma: no cover - triton is an optional extra
+    triton = None
+    tl = None
+    _IMPORT_ERROR = f"triton is not importable ({exc})"
+
+__all__ = ["available", "mlr_attention_triton"]
+
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Precision of the kernels' float32 matmuls, fixed at import: "ieee" (default: exact float32, the tested
+# semantics; on GPUs it runs on CUDA cores, not tensor cores), "tf32x3" (about float32 accuracy on tensor
+# cores) or "tf32" (fastest, ~1e-3 relative). Set MIXER_PLUGINS_TRITON_DOT before importing this module.
+_DOT_PRECISION_NAME = os.environ.get("MIXER_PLUGINS_TRITON_DOT", "ieee")
+if _DOT_PRECISION_NAME not in ("ieee", "tf32", "tf32x3"):
+    raise ValueError(f"MIXER_PLUGINS_TRITON_DOT must be ieee, tf32 or tf32x3, got {_DOT_PRECISION_NAME!r}")
+_DOT_PRECISION = tl.constexpr(_DOT_PRECISION_NAME) if tl is not None else None
+
+
+def available(device: torch.device | str | None = None) -> str | None:
+    """Why the Triton MLR attention cannot run on ``device``, or None if it can."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if _INTERPRET_AT_IMPORT:
+        if dev.type != "cpu":
+            return "TRITON_INTERPRET=1 was set at import: the kernels run on CPU tensors only"
+        return None
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return "the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before import, to run them on CPU)"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E,
+                     offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
+                     NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
+                     HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Scores of one (query tile, key tile) pair from the levels the tiles share; (S, allowed, 1/cnt).
+
+        A level whose blocks put the two tiles apart is skipped (its features are never loaded)."""
+        m_ok = offs_m < L
+        n_ok = offs_n < L
+        S = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for lv in tl.static_range(NUM_LEVELS):
+            off = tl.load(lvl_off_ptr + lv)
+            rank = tl.load(lvl_rank_ptr + lv)
+            size = tl.load(lvl_size_ptr + lv)              # 0 = global
+            span = tl.maximum(size, 1)
+            # the tiles share this level somewhere iff their block ranges overlap
+            shared = (size == 0) | ((m_lo // span <= n_hi // span) & (n_lo // span <= m_hi // span))
+            if shared:
+                r_ok = offs_r < rank
+                ql = tl.load(q_ptr + ((b * L + offs_m[:, None]) * H + h) * E + off + offs_r[None, :],
+                             mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                kl = tl.load(k_ptr + ((b * L + offs_n[:, None]) * H + h) * E + off + offs_r[None, :],
+                             mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                dot = tl.dot(ql, tl.trans(kl), input_precision=_DOT_PRECISION)
+                same = (size == 0) | ((offs_m[:, None] // span) == (offs_n[None, :] // span))
+                S += tl.where(same, dot, 0.0)
+                cnt += tl.where(same, 1.0, 0.0)
+        inv = tl.full([BLOCK_M, BLOCK_N], 1.0, dtype=tl.float32)
+        if BLOCK_DIVIDE:
+            inv = 1.0 / tl.maximum(cnt, 1.0)
+            S = S * inv
+        allowed = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_KEYOK:
+            kok = tl.load(keyok_ptr + b * L + offs_n, mask=n_ok, other=0)
+            allowed = allowed & (kok != 0)[None, :]
+        return S, allowed, inv
+
+    @triton.jit
+    def _level_grads(dSr, rows_ptr, b, h, L, H, E, offs_rows, rows_lo, rows_hi, offs_cols, cols_lo, cols_hi,
+                     offs_e, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, acc, NUM_LEVELS: tl.constexpr):
+        """``acc[c, f] += sum_r [r, c share level(f)] dSr[r, c] * rows[r, f]`` over the levels the tiles share.
+
+        ``dSr`` is (rows, cols); the features ``f`` of ``rows_ptr`` (a (b, L, H, E) tensor) are taken full width and
+        masked to each level's slice."""
+        r_ok = offs_rows < L
+        feats = tl.load(rows_ptr + ((b * L + offs_rows[:, None]) * H + h) * E + offs_e[None, :],
+                        mask=r_ok[:, None] & (offs_e < E)[None, :], other=0.0).to(tl.float32)
+        for lv in tl.static_range(NUM_LEVELS):
+            off = tl.load(lvl_off_ptr + lv)
+            rank = tl.load(lvl_rank_ptr + lv)
+            size = tl.load(lvl_size_ptr + lv)
+            span = tl.maximum(size, 1)
+            shared = (size == 0) | ((rows_lo // span <= cols_hi // span) & (cols_lo // span <= rows_hi // span))
+            if shared:
+                same = (size == 0) | ((offs_rows[:, None] // span) == (offs_cols[None, :] // span))
+                level_feats = tl.where(((offs_e >= off) & (offs_e < off + rank))[None, :], feats, 0.0)
+                acc += tl.dot(tl.trans(tl.where(same, dSr, 0.0)), level_feats, input_precision=_DOT_PRECISION)
+        return acc
+
+    @triton.jit
+    def _mlr_fwd_kernel(
+        q_ptr, k_ptr, v_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, y_ptr, lse_ptr,
+        L, H, E, P,
+        NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid = tl.program_id(1)
+        b = pid // H
+        h = pid % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_p = tl.arange(0, BLOCK_P)
+        m_ok = offs_m < L
+        m_lo = pid_m * BLOCK_M
+        m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
+        row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        n_end = L
+        if CAUSAL:
+            n_end = m_hi + 1
+        n_lo = 0
+        while n_lo < n_end:
+            offs_n = n_lo + tl.arange(0, BLOCK_M)
+            n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
+            S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
+                                           b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
+                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M)
+            S = tl.where(allowed, S, -1.0e30)
+            new_max = tl.maximum(row_max, tl.max(S, 1))
+            alpha = tl.exp(row_max - new_max)
+            prob = tl.where(allowed, tl.exp(S - new_max[:, None]), 0.0)
+            row_sum = row_sum * alpha + tl.sum(prob, 1)
+            v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
+                        mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision=_DOT_PRECISION)
+            row_max = new_max
+            n_lo += BLOCK_M
+        row_sum = tl.maximum(row_sum, 1.0e-30)
+        out = acc / row_sum[:, None]
+        tl.store(y_ptr + ((b * L + offs_m[:, None]) * H + h) * P + offs_p[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (offs_p < P)[None, :])
+        tl.store(lse_ptr + (b * L + offs_m) * H + h, row_max + tl.log(row_sum), mask=m_ok)
+
+    @triton.jit
+    def _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr,
+                      lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_p,
+                      NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
+                      HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Recomputed probabilities of a tile pair and the gradient w.r.t. the undivided level sums: (P, dSr, dO)."""
+        S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
+                                       b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
+                                       NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_N)
+        m_ok = offs_m < L
+        lse = tl.load(lse_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
+        delta = tl.load(delta_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
+        prob = tl.where(allowed, tl.exp(S - lse[:, None]), 0.0)
+        do = tl.load(do_ptr + ((b * L + offs_m[:, None]) * H + h) * P + offs_p[None, :],
+                     mask=m_ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
+                    mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
+        dprob = tl.dot(do, tl.trans(v), input_precision=_DOT_PRECISION)
+        dSr = prob * (dprob - delta[:, None]) * inv
+        return prob, dSr, do
+
+    @triton.jit
+    def _mlr_bwd_dq_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
+        dq_ptr, L, H, E, P,
+        NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid = tl.program_id(1)
+        b = pid // H
+        h = pid % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_e = tl.arange(0, BLOCK_E)
+        m_lo = pid_m * BLOCK_M
+        m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
+        dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+        n_end = L
+        if CAUSAL:
+            n_end = m_hi + 1
+        n_lo = 0
+        while n_lo < n_end:
+            offs_n = n_lo + tl.arange(0, BLOCK_M)
+            n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
+            prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
+                                          lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
+                                          offs_n, n_lo, n_hi, offs_r, offs_p,
+                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M)
+            # dq[i] = sum_j dSr[i, j] k_j (level-masked): the "rows" of the product are the keys
+            dq = _level_grads(tl.trans(dSr), k_ptr, b, h, L, H, E, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e,
+                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dq, NUM_LEVELS)
+            n_lo += BLOCK_M
+        tl.store(dq_ptr + ((b * L + offs_m[:, None]) * H + h) * E + offs_e[None, :], dq,
+                 mask=(offs_m < L)[:, None] & (offs_e < E)[None, :])
+
+    @triton.jit
+    def _mlr_bwd_dkdv_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
+        dk_ptr, dv_ptr, L, H, E, P,
+        NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid = tl.program_id(1)
+        b = pid // H
+        h = pid % H
+        offs_n = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_e = tl.arange(0, BLOCK_E)
+        n_lo = pid_n * BLOCK_M
+        n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
+        dk = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        m_lo = 0
+        if CAUSAL:
+            m_lo = n_lo       # earlier query tiles see none of these keys
+        while m_lo < L:
+            offs_m = m_lo + tl.arange(0, BLOCK_M)
+            m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
+            prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
+                                          lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
+                                          offs_n, n_lo, n_hi, offs_r, offs_p,
+                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M)
+            dv += tl.dot(tl.trans(prob), do, input_precision=_DOT_PRECISION)
+            dk = _level_grads(dSr, q_ptr, b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e,
+                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dk, NUM_LEVELS)
+            m_lo += BLOCK_M
+        n_ok = offs_n < L
+        tl.store(dk_ptr + ((b * L + offs_n[:, None]) * H + h) * E + offs_e[None, :], dk,
+                 mask=n_ok[:, None] & (offs_e < E)[None, :])
+        tl.store(dv_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :], dv,
+                 mask=n_ok[:, None] & (offs_p < P)[None, :])
+
+
+class _Levels:
+    """Level tables and block sizes of one call."""
+
+    def __init__(self, q: Tensor, v: Tensor, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
+                 tile_size: int):
+        dev = q.device
+        offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+        self.off = torch.tensor(offsets, dtype=torch.int32, device=dev)
+        self.rank = torch.tensor(list(ranks), dtype=torch.int32, device=dev)
+        self.size = torch.tensor([0 if s is None else int(s) for s in block_sizes], dtype=torch.int32, device=dev)
+        L, E, P = q.shape[1], q.shape[-1], v.shape[-1]
+        # tl.dot needs >= 16 on GPUs; the interpreter takes any size (tests use tiny tiles to cross many boundaries)
+        floor = 1 if _INTERPRET_AT_IMPORT else 16
+        self.block_m = max(floor, triton.next_power_of_2(min(int(tile_size), L)))
+        self.blocks = dict(BLOCK_M=self.block_m, BLOCK_R=max(floor, triton.next_power_of_2(max(ranks))),
+                           BLOCK_P=max(floor, triton.next_power_of_2(P)))
+        self.block_e = max(floor, triton.next_power_of_2(E))
+        self.num_levels = len(ranks)
+
+    def tables(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.off, self.rank, self.size
+
+
+class _MLRFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qs, k, v, keyok, levels: _Levels, causal: bool, block_divide: bool):
+        b, L, H, E = qs.shape
+        P = v.shape[-1]
+        y = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
+        lse = torch.empty(b, L, H, dtype=torch.float32, device=v.device)
+        grid = (triton.cdiv(L, levels.block_m), b * H)
+        flags = dict(NUM_LEVELS=levels.num_levels, CAUSAL=bool(causal), BLOCK_DIVIDE=bool(block_divide),
+                     HAS_KEYOK=keyok is not None)
+        _mlr_fwd_kernel[grid](qs, k, v, keyok if keyok is not None else qs, *levels.tables(), y, lse, L, H, E, P,
+                              **flags, **levels.blocks)
+        ctx.save_for_backward(qs, k, v, keyok, y, lse)
+        ctx.levels, ctx.flags = levels, flags
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        qs, k, v, keyok, y, lse = ctx.saved_tensors
+        levels, flags = ctx.levels, ctx.flags
+        b, L, H, E = qs.shape
+        P = v.shape[-1]
+        dy = dy.contiguous()
+        delta = (dy.float() * y.float()).sum(-1).contiguous()            # D_i = dO_i . O_i
+        dq = torch.empty(b, L, H, E, dtype=torch.float32, device=qs.device)
+        dk = torch.empty_like(dq)
+        dv = torch.empty(b, L, H, P, dtype=torch.float32, device=qs.device)
+        grid = (triton.cdiv(L, levels.block_m), b * H)
+        common = (qs, k, v, dy, lse, delta, keyok if keyok is not None else qs, *levels.tables())
+        _mlr_bwd_dq_kernel[grid](*common, dq, L, H, E, P, **flags, **levels.blocks, BLOCK_E=levels.block_e)
+        _mlr_bwd_dkdv_kernel[grid](*common, dk, dv, L, H, E, P, **flags, **levels.blocks, BLOCK_E=levels.block_e)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def mlr_attention_triton(
+    q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
+    level_scales: Sequence[float], *, block_divide: bool = True, causal: bool = False, mask: Tensor | None = None,
+    tile_size: int = 64,
+) -> Tensor:
+    """MLR attention ``softmax(S + masks) v`` without materializing ``S``; differentiable in q, k, v.
+
+    q, k (b, l, h, e) with ``sum(ranks) == e`` (level l = the next ``ranks[l]`` features); v (b, l, h, p);
+    ``block_sizes[l]`` tokens per level-l block (None = global; blocks aligned at 0; nested, coarse first, as the
+    mixer validates); ``level_scales[l]`` = tau_l (the mixer's ``level_scales``, already divided by the number of
+    levels when ``divide_by_levels``); ``mask`` bool (b, l), True on real tokens, right padding (pad keys are
+    excluded; a row with no real token keeps all keys, as ``attention_bias_mask``). ``tile_size``: query/key tile
+    (rounded up to a power of two, at least 16 on GPUs). Returns (b, l, h, p) in v's dtype (pad outputs are not
+    zeroed: the mixer does that).
+
+    Backward (flash-style: the row log-sum-exp is kept, the probabilities are recomputed): one kernel for dq (per
+    query tile) and one for dk, dv (per key tile), each skipping the levels a tile pair does not share.
+    """
+    reason = available(q.device)
+    if reason is not None:
+        raise RuntimeError(f"triton MLR attention unavailable: {reason}")
+    E = q.shape[-1]
+    if sum(ranks) != E or len(ranks) != len(block_sizes) or len(ranks) != len(level_scales):
+        raise ValueError(f"ranks {list(ranks)} must sum to the q/k width {E} and match block_sizes/level_scales")
+    # tau_l folded into the queries, feature by feature (autograd carries it back to q)
+    tau = torch.cat([torch.full((r,), float(s), dtype=torch.float32, device=q.device)
+                     for r, s in zip(ranks, level_scales)])
+    qs = (q.float() * tau).contiguous()
+    keyok = None
+    if mask is not None:
+        keyok = (mask | ~mask.any(dim=1, keepdim=True)).to(torch.int8).contiguous()
+    levels = _Levels(q, v, ranks, block_sizes, tile_size)
+    return _MLRFunction.apply(qs, k.contiguous(), v.contiguous(), keyok, levels, causal, block_divide)

@@ -1,0 +1,36 @@
+"""``reference`` backend of :func:`..gated_rmsnorm`: the formula as plain differentiable ops."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._dispatch import Backend, register
+
+if TYPE_CHECKING:
+    from . import NormArgs
+
+__all__ = ["gated_rmsnorm_reference"]
+
+
+def gated_rmsnorm_reference(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    """The formula, as plain differentiable ops (the oracle of the tests, and the compiled path)."""
+    dtype = y.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    y, z = y.to(compute), z.to(compute)
+    if norm_before_gate:
+        out = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * F.silu(z)
+    else:
+        u = y * F.silu(z)
+        out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.to(out.dtype)).to(dtype)
+
+
+def impl(args: NormArgs) -> Tensor:
+    return gated_rmsnorm_reference(args.y, args.z, args.weight, args.eps, args.norm_before_gate)
+
+
+BACKEND = register(Backend(op="norm", name="reference", impl=impl))

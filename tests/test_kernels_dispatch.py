@@ -1,0 +1,231 @@
+"""The kernels' layout and dispatcher: one folder per op, backend modules that declare themselves, the report."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixer_plugins.errors as errors
+from mixer_plugins import kernels
+from mixer_plugins.kernels import _dispatch
+from mixer_plugins.kernels._requirements import mamba_ssm_unavailable, triton_unavailable
+
+KERNELS = Path(kernels.__file__).parent
+OPS = ("ssd", "quasiseparable", "directional_scan", "toeplitz", "conv", "norm")
+
+
+def _module(name: str):
+    """A module by dotted name (``import a.b as m`` would give the function a package is shadowed by)."""
+    return importlib.import_module(name)
+
+
+# -- layout -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_is_a_folder_with_a_reference_and_a_torch_backend(op):
+    folder = KERNELS / op
+    assert (folder / "__init__.py").is_file() and (folder / "reference.py").is_file()
+    assert (folder / "torch.py").is_file()
+    for name in ("reference", "torch"):
+        module = _module(f"mixer_plugins.kernels.{op}.{name}")
+        assert module.BACKEND.op == op and module.BACKEND.name == name and module.BACKEND.impl is module.impl
+    assert set(kernels.available_backends(op)) == {"reference", "torch"}
+
+
+def test_kernels_import_nothing_of_ours_outside_kernels_and_the_leaves():
+    allowed = ("mixer_plugins.kernels", "mixer_plugins.errors", "mixer_plugins._text")
+    for path in KERNELS.rglob("*.py"):
+        package = ".".join(("mixer_plugins", "kernels", *path.relative_to(KERNELS).parent.parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+            elif isinstance(node, ast.Import):
+                target = node.names[0].name
+            else:
+                continue
+            if target.startswith("mixer_plugins"):
+                assert target.startswith(allowed), f"{path}: imports {target}"
+            assert not target.startswith(("timm", "fairseq2", "matplotlib")), f"{path}: imports {target}"
+
+
+def test_backend_modules_never_import_their_package_at_the_top():
+    for path in KERNELS.rglob("mamba_ssm.py"):
+        top_level = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [getattr(n, "module", None) or n.names[0].name for n in top_level]
+        assert not any(name and name.startswith("mamba_ssm") for name in names), path
+    assert "mamba_ssm" not in sys.modules
+
+
+# -- the dispatcher -----------------------------------------------------------------------------------------
+
+def test_backend_report_lists_every_op_and_backend_with_reasons():
+    rows = kernels.backend_report(["cpu"])
+    assert {(r.op, r.backend) for r in rows} == {(op, b) for op in OPS for b in kernels.BACKENDS}
+    for row in rows:
+        assert row.available == (row.reason == ""), row
+        assert row.available == (row.backend in kernels.available_backends(row.op, "cpu")), row
+    by_key = {(r.op, r.backend): r for r in rows}
+    assert "mamba-ssm" in by_key["ssd", "mamba_ssm"].reason
+    assert by_key["ssd", "mamba_ssm"].automatic and not by_key["ssd", "reference"].automatic
+    assert "no 'triton' implementation" in by_key["norm", "triton"].reason
+
+
+def test_the_automatic_choice_and_named_backends():
+    x = torch.randn(2, 5, 3)
+    w = torch.randn(3, 3)
+    assert kernels.resolve_backend("conv", None, "cpu") is _module("mixer_plugins.kernels.conv.torch").impl
+    assert kernels.resolve_backend("conv", "reference", "cpu") is _module("mixer_plugins.kernels.conv.reference").impl
+    with kernels.use_backend("reference"):
+        impl = kernels.resolve_backend("ssd", None, x.device)
+        assert impl is _module("mixer_plugins.kernels.ssd.reference").impl
+        torch.testing.assert_close(kernels.depthwise_conv1d(x, w, None, causal=False),
+                                   kernels.depthwise_conv1d(x, w, None, causal=False, backend="torch"))
+    with pytest.raises(kernels.BackendUnavailableError, match="did you mean 'reference'"):
+        kernels.resolve_backend("ssd", "referense", "cpu")
+    with pytest.raises(kernels.BackendUnavailableError, match="unknown op"):
+        kernels.resolve_backend("no_such_op", None, "cpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        with kernels.use_backend("nope"):
+            pass
+
+
+def test_a_preferred_backend_applies_to_the_ops_that_have_it(monkeypatch):
+    v = torch.randn(1, 4, 2, 3)
+    taps = torch.randn(1, 2, 7)
+    x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
+
+    def check_preference():
+        # toeplitz has no mamba_ssm backend: its automatic choice runs ...
+        torch.testing.assert_close(kernels.toeplitz_mix(taps, v), kernels.toeplitz_mix(taps, v, backend="reference"))
+        # ... while ssd has one, which cannot run here: that is an error, never a silent fallback
+        with pytest.raises(kernels.BackendUnavailableError, match="mamba-ssm"):
+            kernels.ssd(x, dt, A, B, C, 4)
+
+    with kernels.use_backend("mamba_ssm"):
+        check_preference()
+    monkeypatch.setenv("MIXER_PLUGINS_BACKEND", "mamba_ssm")
+    check_preference()
+    monkeypatch.delenv("MIXER_PLUGINS_BACKEND")
+    with pytest.raises(kernels.BackendUnavailableError, match="no 'mamba_ssm' implementation"):
+        kernels.toeplitz_mix(taps, v, backend="mamba_ssm")  # named in the call: strict
+
+
+def test_adding_a_backend_is_adding_one_module(tmp_path, monkeypatch):
+    package = tmp_path / "fake_op_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(textwrap.dedent("""
+        from mixer_plugins.kernels._dispatch import discover_backends, resolve_backend
+
+        def fake_op(x, backend=None):
+            return resolve_backend("fake_op", backend, x.device, x)(x)
+
+        discover_backends("fake_op", __name__)
+    """))
+    (package / "reference.py").write_text(textwrap.dedent("""
+        from mixer_plugins.kernels._dispatch import Backend, register
+
+        def impl(x):
+            return x + 1
+
+        BACKEND = register(Backend(op="fake_op", name="reference", impl=impl))
+    """))
+    (package / "triton.py").write_text(textwrap.dedent("""
+        from mixer_plugins.kernels._dispatch import Backend, register
+        from mixer_plugins.kernels._requirements import triton_unavailable
+
+        def impl(x):
+            return x + 2
+
+        BACKEND = register(Backend(op="fake_op", name="triton", impl=impl, priority=20, check=triton_unavailable,
+                                   automatic_devices=("cuda",)))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        fake = importlib.import_module("fake_op_pkg")
+        x = torch.zeros(2)
+        assert "fake_op" in _dispatch.registered_ops()
+        with pytest.raises(kernels.BackendUnavailableError, match="no backend can run"):
+            fake.fake_op(x)                       # the reference is never automatic, triton needs CUDA here
+        assert fake.fake_op(x, backend="reference").tolist() == [1, 1]
+        with pytest.raises(kernels.BackendUnavailableError, match="TRITON_INTERPRET"):
+            fake.fake_op(x, backend="triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert fake.fake_op(x, backend="triton").tolist() == [2, 2]
+        assert kernels.available_backends("fake_op") == ["reference", "triton"]
+        rows = {r.backend: r for r in kernels.backend_report(["cpu"]) if r.op == "fake_op"}
+        assert rows["triton"].available and not rows["triton"].automatic
+    finally:
+        _dispatch._REGISTRY.pop("fake_op", None)
+        for name in [m for m in sys.modules if m.startswith("fake_op_pkg")]:
+            del sys.modules[name]
+
+
+def test_requirements_say_why(monkeypatch):
+    assert "not installed" in mamba_ssm_unavailable(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if importlib.util.find_spec("triton") is None:  # pragma: no cover
+        assert "not installed" in triton_unavailable(torch.device("cpu"))
+        return
+    assert "TRITON_INTERPRET" in triton_unavailable(torch.device("cpu"))
+    assert triton_unavailable(torch.device("cuda")) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_unavailable(torch.device("cpu")) is None
+
+
+def test_mamba_ssm_quasiseparable_declares_it_cannot_run_packed_sequences(monkeypatch):
+    backend = _module("mixer_plugins.kernels.quasiseparable.mamba_ssm")
+    monkeypatch.setattr(backend, "mamba_ssm_unavailable", lambda device, args=None: None)  # pretend it runs
+    from mixer_plugins.kernels.quasiseparable import QuasiseparableArgs
+
+    x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
+    args = QuasiseparableArgs(x, dt, A, B, C, dt, A, B, C, seq_idx=torch.zeros(1, 4, dtype=torch.long))
+    assert "seq_idx" in backend.BACKEND.unavailable_reason("cuda", args)
+    assert backend.BACKEND.unavailable_reason("cuda", None) is None
+    with pytest.raises(kernels.BackendUnavailableError, match="seq_idx"):
+        kernels.quasiseparable(x, dt, A, B, C, seq_idx=args.seq_idx, backend="mamba_ssm")
+
+
+# -- arguments by name --------------------------------------------------------------------------------------
+
+def test_argument_bundles_are_frozen_and_named():
+    from mixer_plugins.kernels.ssd import SSDArgs
+
+    x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
+    args = SSDArgs(x=x, dt=dt, A=A, B=B, C=C, chunk_size=2)
+    with pytest.raises(AttributeError):
+        args.chunk_size = 3  # type: ignore[misc]
+    inputs = args.scan_inputs()
+    assert inputs.forward is not None and inputs.backward is None and inputs.chunk_size == 2
+
+
+def test_conv_and_norm_check_their_arguments_and_match_their_references():
+    x = torch.randn(2, 9, 4, dtype=torch.float64)
+    w = torch.randn(4, 3, dtype=torch.float64)
+    b = torch.randn(4, dtype=torch.float64)
+    with pytest.raises(errors.MixerInputError, match="must be odd"):
+        kernels.depthwise_conv1d(x, torch.randn(4, 4, dtype=torch.float64), None, causal=False)
+    with pytest.raises(errors.MixerInputError, match="weight must be"):
+        kernels.depthwise_conv1d(x, w[:3], None, causal=True)
+    with pytest.raises(errors.MixerInputError, match="bias must be"):
+        kernels.depthwise_conv1d(x, w, b[:3], causal=True)
+    for causal in (True, False):
+        for silu in (True, False):
+            torch.testing.assert_close(kernels.depthwise_conv1d(x, w, b, causal=causal, silu=silu),
+                                       kernels.depthwise_conv1d(x, w, b, causal=causal, silu=silu,
+                                                                backend="reference"))
+    y, z = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
+    wn = torch.randn(8, dtype=torch.float64)
+    expected = F.rms_norm(y, (8,), eps=1e-5) * F.silu(z) * wn
+    torch.testing.assert_close(kernels.gated_rmsnorm(y, z, wn, backend="reference"), expected)
+    torch.testing.assert_close(kernels.gated_rmsnorm(y, z, wn), expected)
