@@ -16,6 +16,7 @@ __all__ = [
     "dense_allowed",
     "masked_softmax",
     "causal_nonfinite_guard",
+    "causal_nonfinite_guard_many",
     "padding_mask_to_bool",
     "poison_after",
     "zero_pads",
@@ -73,6 +74,22 @@ def causal_nonfinite_guard(x: Tensor) -> tuple[Tensor, Tensor]:
     bad = ~torch.isfinite(x).flatten(2).all(dim=-1)
     poisoned = bad.cummax(dim=1).values if bad.shape[1] else bad
     return x.masked_fill(bad.reshape(*bad.shape, *([1] * (x.dim() - 2))), 0.0), poisoned
+
+
+def causal_nonfinite_guard_many(*tensors: Tensor) -> tuple[list[Tensor], Tensor]:
+    """:func:`causal_nonfinite_guard` over several per-token tensors ``(batch|1, length, ...)`` of one causal op.
+
+    Each tensor's non-finite tokens become zeros (by selection); ``poisoned`` (batch, length) is True from the first
+    token that is non-finite in any of them on. Used where a finite but huge input becomes non-finite inside a mixer
+    (a LayerNorm of 1e30), so the base class's input guard cannot see it.
+    """
+    cleaned, poisoned = [], None
+    for t in tensors:
+        clean, p = causal_nonfinite_guard(t)
+        cleaned.append(clean)
+        poisoned = p if poisoned is None else poisoned | p
+    assert poisoned is not None, "at least one tensor"
+    return cleaned, poisoned
 
 
 def poison_after(out: Tensor, poisoned: Tensor | None) -> Tensor:
