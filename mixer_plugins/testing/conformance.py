@@ -374,6 +374,15 @@ def check_empty_batch(h: MixerHarness) -> None:
     mixer = h.build()
     length = h.default_length(mixer)
     x = h.inputs(length)[:0]
+    try:
+        _check_empty_batch(mixer, x, length)
+    except AssertionError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a raw error on an empty batch is a failure of this check
+        raise AssertionError(f"batch 0 raised {type(err).__name__}: {err}") from err
+
+
+def _check_empty_batch(mixer, x: Tensor, length: int) -> None:
     with torch.no_grad():
         y = mixer(x)
         assert tuple(y.shape) == tuple(x.shape), f"batch 0: output shape {tuple(y.shape)} != {tuple(x.shape)}"
@@ -391,11 +400,17 @@ def check_export(h: MixerHarness) -> None:
     length = min(19, mixer.max_seq_len or 19)
     x = h.inputs(length, dtype=torch.float32, seed=5)
     reference = h.build(dtype=torch.float32)
-    exported = torch.export.export(mixer, (x,))
-    with torch.no_grad():
-        y_after = mixer(x)
-        y_program = exported.module()(x)
-        y_again = mixer(x)
+    try:
+        exported = torch.export.export(mixer, (x,))
+    except Exception as err:  # noqa: BLE001
+        raise AssertionError(f"torch.export of the mixer failed: {type(err).__name__}: {err}") from err
+    try:
+        with torch.no_grad():
+            y_after = mixer(x)
+            y_program = exported.module()(x)
+            y_again = mixer(x)
+    except Exception as err:  # noqa: BLE001 - e.g. a FakeTensor kept from tracing, used in an eager call
+        raise AssertionError(f"eager forward after torch.export failed: {type(err).__name__}: {err}") from err
     assert torch.isfinite(y_after).all(), "eager forward after torch.export gave non-finite outputs"
     ok, err = _close(y_program, y_after, rtol=1e-4, atol=1e-5)
     assert ok, f"the exported program and eager disagree (max abs err {err:.3e})"
