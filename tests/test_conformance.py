@@ -8,6 +8,7 @@ from torch import nn
 
 import mixer_plugins as mp
 from mixer_plugins.mixers.attention import AttentionConfig, SoftmaxAttention
+from mixer_plugins.mixers.base import check_mixer_input
 from mixer_plugins.testing import CHECKS, ConformanceError, MixerHarness, check_mixer, conformance_test, run_check
 
 # Every registered mixer (built-ins and installed plugins, e.g. the example plugin) x every check.
@@ -71,9 +72,32 @@ class _ForgetsReset(SoftmaxAttention):
         return super().finish(ctx, y) * self.gain
 
 
+class _PadsEnterUnselected(SoftmaxAttention):
+    """the old base class: pad inputs reach prepare as they are (NaN pads then leak through 0 * NaN)."""
+
+    def _begin(self, x, mask):
+        x, mask = check_mixer_input(self, x, mask, self.dim)
+        return x, mask, None
+
+
+class _FutureLeaksNonFinite(_PadsEnterUnselected):
+    def __init__(self, config):
+        super().__init__(config.model_copy(update={"causal": True}))
+
+
+class _CrashesOnEmptyBatch(SoftmaxAttention):
+    def mix(self, ctx):
+        if ctx.values.shape[0] == 0:
+            raise RuntimeError("cannot reshape tensor of 0 elements")
+        return super().mix(ctx)
+
+
 @pytest.mark.parametrize(
     "cls, failing_check",
     [
+        (_PadsEnterUnselected, "nonfinite_pads"),
+        (_FutureLeaksNonFinite, "nonfinite_future"),
+        (_CrashesOnEmptyBatch, "empty_batch"),
         (_ForgetsReset, "reset_parameters"),
         (_FastPathBug, "materialize"),
         (_LeaksPads, "padding"),

@@ -15,7 +15,10 @@ __all__ = [
     "attention_bias_mask",
     "dense_allowed",
     "masked_softmax",
+    "causal_nonfinite_guard",
+    "causal_nonfinite_guard_many",
     "padding_mask_to_bool",
+    "poison_after",
     "zero_pads",
 ]
 
@@ -48,10 +51,52 @@ def padding_mask_to_bool(mask: Tensor, batch: int, length: int) -> Tensor:
 
 
 def zero_pads(out: Tensor, mask: Tensor | None) -> Tensor:
-    """``out`` (batch, length, ...) with the pad positions set to zero (unchanged when ``mask`` is None)."""
+    """``out`` (batch, length, ...) with the pad positions set to zero (unchanged when ``mask`` is None).
+
+    Zeroing is by selection (``masked_fill``), never by multiplying with the mask: a NaN or Inf at a pad becomes an
+    exact zero (``NaN * 0`` would stay NaN), so whatever a pad holds never reaches any other position.
+    """
     if mask is None:
         return out
     return out.masked_fill(~mask.reshape(*mask.shape, *([1] * (out.dim() - 2))), 0.0)
+
+
+def causal_nonfinite_guard(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Isolate non-finite tokens of the input of a causal mixer: ``(x_clean, poisoned)``.
+
+    ``x`` is (batch, length, ...). A token holding a NaN or an Inf is replaced (by selection) with zeros, so no
+    ``0 * NaN`` inside the mixer (a masked score times a future value, a zero decay times a future state) can carry
+    it into earlier positions. ``poisoned`` is bool (batch, length): True from the first non-finite token of each row
+    on. A causal mixer's output at ``i`` depends only on tokens ``j <= i``, so outputs before the first non-finite
+    token are exactly those of the clean computation; :func:`poison_after` then marks the later ones NaN, which is
+    what the non-finite input makes them.
+    """
+    bad = ~torch.isfinite(x).flatten(2).all(dim=-1)
+    poisoned = bad.cummax(dim=1).values if bad.shape[1] else bad
+    return x.masked_fill(bad.reshape(*bad.shape, *([1] * (x.dim() - 2))), 0.0), poisoned
+
+
+def causal_nonfinite_guard_many(*tensors: Tensor) -> tuple[list[Tensor], Tensor]:
+    """:func:`causal_nonfinite_guard` over several per-token tensors ``(batch|1, length, ...)`` of one causal op.
+
+    Each tensor's non-finite tokens become zeros (by selection); ``poisoned`` (batch, length) is True from the first
+    token that is non-finite in any of them on. Used where a finite but huge input becomes non-finite inside a mixer
+    (a LayerNorm of 1e30), so the base class's input guard cannot see it.
+    """
+    cleaned, poisoned = [], None
+    for t in tensors:
+        clean, p = causal_nonfinite_guard(t)
+        cleaned.append(clean)
+        poisoned = p if poisoned is None else poisoned | p
+    assert poisoned is not None, "at least one tensor"
+    return cleaned, poisoned
+
+
+def poison_after(out: Tensor, poisoned: Tensor | None) -> Tensor:
+    """``out`` (batch, length, ...) set to NaN where ``poisoned`` (bool (batch, length)) is True."""
+    if poisoned is None:
+        return out
+    return out.masked_fill(poisoned.reshape(*poisoned.shape, *([1] * (out.dim() - 2))), float("nan"))
 
 
 def attention_bias_mask(mask: Tensor | None, length: int, causal: bool, device: torch.device) -> Tensor | None:

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..layers.masks import attention_bias_mask, dense_allowed, masked_softmax
+from ..layers.masks import (
+    attention_bias_mask,
+    causal_nonfinite_guard_many,
+    dense_allowed,
+    masked_softmax,
+    poison_after,
+)
 from ..layers.mup import attention_logit_scale
 from ..registry.spec import MixerConfig
 from .base import MatrixMixer, QKContext
@@ -178,10 +184,13 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal
     ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p); returns (batch, length, heads, p).
     Query/key and value widths may differ.
     """
+    poisoned = None
+    if causal:  # SDPA masks by adding -inf: a non-finite future key or value would reach the past (NaN + -inf)
+        (q, k, v), poisoned = causal_nonfinite_guard_many(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     allowed = attention_bias_mask(mask, q.shape[2], causal, q.device) if mask is not None else None
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal and mask is None, scale=scale)
-    return y.transpose(1, 2)
+    return poison_after(y.transpose(1, 2), poisoned)
 
 
 # -- sliding-window attention, blocked -------------------------------------------------------------------------------
@@ -224,6 +233,14 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: boo
     ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p) -> (batch, length, heads, p). Computed
     chunk by chunk (see :class:`LocalPlan`); falls back to dense scores when that is cheaper.
     """
+    if causal:  # a zero probability times a non-finite future value is NaN: isolate such tokens (selection)
+        (q, k, v), poisoned = causal_nonfinite_guard_many(q, k, v)
+        return poison_after(_local_attention(q, k, v, window=window, causal=True, mask=mask, scale=scale), poisoned)
+    return _local_attention(q, k, v, window=window, causal=False, mask=mask, scale=scale)
+
+
+def _local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, mask: Tensor | None,
+                     scale: float) -> Tensor:
     b, length, h, _ = q.shape
     plan = LocalPlan(length, window, causal)
     if plan.dense:

@@ -22,7 +22,10 @@ steps is a typed dataclass (:class:`MixerContext` or a subclass), so a whole mix
 ``torch.compile(fullgraph=True)``.
 
 ``mask`` is an optional bool ``(batch, length)`` tensor, True on real tokens, right-padded. Outputs at
-real positions equal what the mixer gives on the unpadded row; outputs at pads are zero.
+real positions equal what the mixer gives on the unpadded row; outputs at pads are zero. Pads never leak: the base
+class replaces pad inputs with zeros by selection before ``prepare`` (so a NaN, an Inf or a 1e30 at a pad is never
+multiplied into anything) and sets pad outputs to zero by selection after ``finish``. A causal mixer's outputs at
+positions before a non-finite input token are those of the clean input (see :func:`causal_nonfinite_guard`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import MixerInputError, SequenceLengthError
-from ..layers.masks import padding_mask_to_bool, zero_pads
+from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_after, zero_pads
 from ..registry.spec import MixerConfig
 
 __all__ = ["MatrixMixer", "MixerContext", "QKContext", "check_mixer_input"]
@@ -170,21 +173,33 @@ class MatrixMixer(nn.Module):
                 "max_seq_len, or use the data-dependent variant (data_dependent=True) where there is one"
             )
 
-    def _begin(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _begin(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Checked input with pads zeroed by selection, the bool mask, and (causal mixers) the poisoned positions."""
         x, mask = check_mixer_input(self, x, mask, self.dim)
         self.check_length(x.shape[1])
-        return x, mask
+        x = zero_pads(x, mask)            # by selection: NaN/Inf/huge pad contents never enter the mixer
+        poisoned = None
+        if self.causal:
+            x, poisoned = causal_nonfinite_guard(x)
+            if mask is not None:
+                poisoned = poisoned & mask
+        return x, mask, poisoned
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
-        x, mask = self._begin(x, mask)
+        x, mask, poisoned = self._begin(x, mask)
         ctx = self.prepare(x, mask)
-        return zero_pads(self.finish(ctx, self.mix(ctx)), mask)
+        return zero_pads(poison_after(self.finish(ctx, self.mix(ctx)), poisoned), mask)
 
     def materialize(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
-        """The mixer's matrix for this input, (batch, heads, length, length); zero on pad rows/columns."""
-        x, mask = self._begin(x, mask)
+        """The mixer's matrix for this input, (batch, heads, length, length); zero on pad rows/columns.
+
+        Rows of a causal mixer at or after a non-finite input token are NaN.
+        """
+        x, mask, poisoned = self._begin(x, mask)
         ctx = self.prepare(x, mask)
         matrix = self.matrix(ctx)
+        if poisoned is not None:
+            matrix = matrix.masked_fill(poisoned[:, None, :, None], float("nan"))
         if mask is not None:
             keep = mask[:, None, :, None] & mask[:, None, None, :]
             matrix = matrix.masked_fill(~keep, 0.0)
@@ -192,11 +207,11 @@ class MatrixMixer(nn.Module):
 
     def forward_via_matrix(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         """Forward computed through the materialized matrix: the oracle for :meth:`forward`."""
-        x, mask = self._begin(x, mask)
+        x, mask, poisoned = self._begin(x, mask)
         ctx = self.prepare(x, mask)
         matrix = self.matrix(ctx)
         y = torch.einsum("bhij,bjhp->bihp", matrix, ctx.values)
-        return zero_pads(self.finish(ctx, y), mask)
+        return zero_pads(poison_after(self.finish(ctx, y), poisoned), mask)
 
     def extra_repr(self) -> str:
         opts = ", ".join(

@@ -24,7 +24,6 @@ per level; the summed scores, the softmax and ``A V`` remain one dense ``L x L``
 
 from __future__ import annotations
 
-import functools
 from typing import Literal, Optional
 
 import torch
@@ -111,12 +110,15 @@ def mlr_level_counts(length: int, block_sizes: list[Optional[int]], device: torc
     return counts
 
 
-@functools.lru_cache(maxsize=64)
-def _inverse_counts(size: int, block_sizes: tuple[Optional[int], ...], coarser: int) -> Tensor:
-    """(size, size) float64: ``coarser / (coarser + number of levels in block_sizes sharing a block)``, for a segment of
-    ``size`` tokens aligned with every block. Rescales a running mean over ``coarser`` levels to the pair's count."""
-    counts = mlr_level_counts(size, list(block_sizes)).double()
-    return coarser / (coarser + counts)
+def _inverse_counts(size: int, block_sizes: tuple[Optional[int], ...], coarser: int, device: torch.device,
+                    dtype: torch.dtype) -> Tensor:
+    """(size, size): ``coarser / (coarser + number of levels in block_sizes sharing a block)``, for a segment of
+    ``size`` tokens aligned with every block. Rescales a running mean over ``coarser`` levels to the pair's count.
+
+    Built per call on the scores' device, never cached at module level: a cached tensor outlives the call that made
+    it, and one made while ``torch.export`` traces is a FakeTensor that would corrupt every later eager forward."""
+    counts = mlr_level_counts(size, list(block_sizes), device).double()
+    return (coarser / (coarser + counts)).to(dtype)
 
 
 def _block_view(scores: Tensor, num: int, size: int) -> Tensor:
@@ -239,7 +241,7 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
 
             def segments(levels, start=start, num=num, width=width):
                 # (B, num * width, h, r) -> (B * num, width, h, r): one entry per block
-                return [None if t is None else t[:, start:start + num * width].reshape(batch * num, width, heads, -1)
+                return [None if t is None else t[:, start:start + num * width].reshape(batch * num, width, heads, t.shape[-1])
                         for t in levels]
 
             q_seg = segments([None] * level + list(q_levels[level:]))
@@ -248,7 +250,7 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             keep = None
             if self.block_divide and level > 0:
                 # a pair in this block is counted by the `level` coarser levels plus the finer ones it shares
-                keep = _inverse_counts(width, sizes[level:], level).to(scores.device, scores.dtype)
+                keep = _inverse_counts(width, sizes[level:], level, scores.device, scores.dtype)
             if width == size:
                 sub = sub.view(batch, num, heads, width, width).permute(0, 2, 3, 4, 1)
                 keep = keep[..., None] if keep is not None else None

@@ -92,6 +92,8 @@ class ToeplitzMixer(MatrixMixerBlock):
         return self.identity_plus(matrix, self.scale)
 
     def mix(self, ctx: ToeplitzContext) -> Tensor:
+        if ctx.values.shape[0] == 0:  # an empty batch: nothing to convolve (the FFT rejects empty inputs)
+            return torch.zeros_like(ctx.values)
         return toeplitz_mix(self.scale * ctx.taps, ctx.values) + ctx.values
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:

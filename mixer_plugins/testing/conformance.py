@@ -28,7 +28,13 @@ Checks (each one a function in :data:`CHECKS`):
 * ``bad_input``: wrong rank, width, dtype or mask raise ``MixerInputError``;
 * ``bad_config``: a bad ``dim`` or a misspelt option raise ``InvalidMixerOptions`` (with a suggestion);
 * ``causality``: causal mixers ignore the future and have a lower-triangular matrix;
-* ``low_precision``: bfloat16 parameters and inputs give a finite bfloat16 output.
+* ``low_precision``: bfloat16 parameters and inputs give a finite bfloat16 output;
+* ``nonfinite_pads``: NaN, Inf or 1e30 at the pads change nothing at real positions (pads are excluded by selection,
+  never by multiplying with the mask) and pad outputs stay exactly zero, in float32 and float64;
+* ``nonfinite_future``: for causal mixers, a NaN or an Inf at a later token leaves every earlier output unchanged;
+* ``empty_batch``: a batch of 0 rows gives an empty output of the right shape (and an empty matrix);
+* ``export``: ``torch.export`` of the mixer succeeds, the exported program agrees with eager, and eager forwards
+  after the export are unchanged (no tensor made while tracing survives in a cache).
 """
 
 from __future__ import annotations
@@ -312,6 +318,113 @@ def check_low_precision(h: MixerHarness) -> None:
     assert torch.isfinite(y).all(), "bfloat16 forward gave non-finite values"
 
 
+_NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def check_nonfinite_pads(h: MixerHarness) -> None:
+    for dtype in (torch.float32, torch.float64):
+        mixer = h.build(dtype=dtype)
+        length = h.default_length(mixer)
+        real = [length, max(1, length - 5), 1]
+        x = h.inputs(length, batch=len(real), dtype=dtype)
+        mask = torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+        with torch.no_grad():
+            y = mixer(x, mask=mask)
+            for label, value in {**_NONFINITE, "1e30": 1e30}.items():
+                bad = x.masked_fill(~mask[..., None], value)
+                y_bad = mixer(bad, mask=mask)
+                assert torch.isfinite(y_bad).all(), (
+                    f"{label} at the pads made outputs non-finite ({dtype}): pads must be excluded by selection "
+                    "(torch.where / masked_fill), not by multiplying with the mask (NaN * 0 = NaN)"
+                )
+                ok, err = _close(y_bad, y, rtol=1e-6 if dtype == torch.float32 else 1e-9, atol=1e-6)
+                assert ok, f"{label} at the pads changed real outputs by {err:.3e} ({dtype})"
+                assert (y_bad[~mask] == 0).all(), f"{label} at the pads: pad outputs are not zero ({dtype})"
+                if mixer.materializable and dtype == torch.float64:
+                    matrix = mixer.materialize(bad, mask=mask)
+                    assert torch.isfinite(matrix).all(), f"{label} at the pads made the materialized matrix non-finite"
+
+
+def check_nonfinite_future(h: MixerHarness) -> None:
+    mixer = h.build()
+    if not mixer.causal:
+        return
+    length = h.default_length(mixer)
+    x = h.inputs(length)
+    t = length // 2
+    with torch.no_grad():
+        y = mixer(x)
+        for label, value in _NONFINITE.items():
+            for first in (t + 1, length - 1):
+                if first >= length:
+                    continue
+                bad = x.clone()
+                bad[:, first:] = value
+                y_bad = mixer(bad)
+                past = y_bad[:, :first]
+                assert torch.isfinite(past).all(), (
+                    f"causal mixer: {label} from token {first} on made earlier outputs non-finite (a causal mask "
+                    "applied by multiplying: 0 * NaN = NaN)"
+                )
+                ok, err = _close(past, y[:, :first], rtol=1e-9, atol=1e-11)
+                assert ok, f"causal mixer: {label} from token {first} on changed earlier outputs by {err:.3e}"
+
+
+def check_empty_batch(h: MixerHarness) -> None:
+    mixer = h.build()
+    length = h.default_length(mixer)
+    x = h.inputs(length)[:0]
+    try:
+        _check_empty_batch(mixer, x, length)
+    except AssertionError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a raw error on an empty batch is a failure of this check
+        raise AssertionError(f"batch 0 raised {type(err).__name__}: {err}") from err
+
+
+def _check_empty_batch(mixer, x: Tensor, length: int) -> None:
+    with torch.no_grad():
+        y = mixer(x)
+        assert tuple(y.shape) == tuple(x.shape), f"batch 0: output shape {tuple(y.shape)} != {tuple(x.shape)}"
+        y_masked = mixer(x, mask=torch.ones(0, length, dtype=torch.bool))
+        assert tuple(y_masked.shape) == tuple(x.shape), "batch 0 with a mask: wrong output shape"
+        if mixer.materializable:
+            matrix = mixer.materialize(x)
+            expected = (0, mixer.num_heads, length, length)
+            assert tuple(matrix.shape) == expected, f"batch 0: materialize shape {tuple(matrix.shape)} != {expected}"
+
+
+def check_export(h: MixerHarness) -> None:
+    mixer = h.build(dtype=torch.float32)
+    # A length the other checks do not use, so nothing this mixer caches per length was made before the export.
+    length = min(19, mixer.max_seq_len or 19)
+    x = h.inputs(length, dtype=torch.float32, seed=5)
+    reference = h.build(dtype=torch.float32)
+    try:
+        exported = torch.export.export(mixer, (x,))
+    except Exception as err:  # noqa: BLE001
+        raise AssertionError(f"torch.export of the mixer failed: {type(err).__name__}: {err}") from err
+    try:
+        with torch.no_grad():
+            y_after = mixer(x)
+            y_program = exported.module()(x)
+            y_again = mixer(x)
+    except Exception as err:  # noqa: BLE001 - e.g. a FakeTensor kept from tracing, used in an eager call
+        raise AssertionError(f"eager forward after torch.export failed: {type(err).__name__}: {err}") from err
+    assert torch.isfinite(y_after).all(), "eager forward after torch.export gave non-finite outputs"
+    ok, err = _close(y_program, y_after, rtol=1e-4, atol=1e-5)
+    assert ok, f"the exported program and eager disagree (max abs err {err:.3e})"
+    assert torch.equal(y_after, y_again), "eager forwards after torch.export differ from one another"
+    if mixer.materializable:
+        with torch.no_grad():
+            y_ref = reference.forward_via_matrix(x)
+        ok, err = _close(y_after, y_ref, rtol=1e-4, atol=1e-5)
+        assert ok, (
+            f"eager forward after torch.export drifted from the mixer's matrix (max abs err {err:.3e}): a tensor "
+            "made while tracing (a FakeTensor) survived in a cache"
+        )
+
+
 #: Every check, by name, in the order the kit runs them.
 CHECKS: dict[str, Callable[[MixerHarness], None]] = {
     "output": check_output,
@@ -326,6 +439,10 @@ CHECKS: dict[str, Callable[[MixerHarness], None]] = {
     "bad_config": check_bad_config,
     "causality": check_causality,
     "low_precision": check_low_precision,
+    "nonfinite_pads": check_nonfinite_pads,
+    "nonfinite_future": check_nonfinite_future,
+    "empty_batch": check_empty_batch,
+    "export": check_export,
 }
 
 

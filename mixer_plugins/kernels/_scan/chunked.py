@@ -226,7 +226,9 @@ def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, all
     C, B (b,c,Q,g,n); row, col, dt (b,c,g,r,Q); allowed (Q, Q) or (b,c,1,1,Q,Q) -> (b,c,g,r,Q,Q)."""
     cb = torch.einsum("bcign,bcjgn->bcgij", C, B)                                          # (b,c,g,Q,Q)
     w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
-    return cb[:, :, :, None] * w * dt[..., None, :]
+    # Excluded pairs are dropped by selection after the product, not by their zero weight: a huge or non-finite
+    # B_j or dt_j of an excluded (e.g. future) token would otherwise give 0 * inf = NaN in the allowed rows.
+    return (cb[:, :, :, None] * w * dt[..., None, :]).masked_fill(~allowed, 0.0)
 
 
 def _chunk_states(weights: Tensor, B: Tensor, x: Tensor) -> Tensor:
@@ -276,6 +278,16 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     autograd has no slice or flip of them to undo.
     """
     bsz, nchunks, groups, rep, hdim, nstate = states.shape
+    # A chunk whose own state is non-finite (a huge or non-finite token) must reach only the chunks after it (before
+    # it, reversed): the block products below would multiply it by the zero decays of earlier chunks (0 * inf = NaN).
+    # So it enters the products as zeros (by selection) and the chunks it does reach are marked NaN afterwards.
+    bad = ~torch.isfinite(states).flatten(-2).all(dim=-1)                                 # (b, C, g, r)
+    states = states.masked_fill(bad[..., None, None], 0.0)
+    if reverse:
+        reached = bad.flip(1).cummax(dim=1).values.flip(1)[:, 1:]
+        reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
+    else:
+        reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
     size = min(block, nchunks)
     nblocks = -(-nchunks // size)
     pad = nblocks * size - nchunks
@@ -309,4 +321,5 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     carries_t = carries[0][:, None] if nblocks == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
     entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
     entering = entering.reshape(bsz, nblocks * size, groups, rep, hdim, nstate)
-    return (entering[:, :nchunks] if pad else entering), carry
+    entering = (entering[:, :nchunks] if pad else entering).masked_fill(reached[..., None, None], float("nan"))
+    return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
