@@ -241,7 +241,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
 
             def segments(levels, start=start, num=num, width=width):
                 # (B, num * width, h, r) -> (B * num, width, h, r): one entry per block
-                return [None if t is None else t[:, start:start + num * width].reshape(batch * num, width, heads, t.shape[-1])
+                return [None if t is None
+                        else t[:, start:start + num * width].reshape(batch * num, width, heads, t.shape[-1])
                         for t in levels]
 
             q_seg = segments([None] * level + list(q_levels[level:]))
