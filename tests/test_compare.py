@@ -131,10 +131,10 @@ def test_task_knobs_are_validated():
 
 
 def test_mixer_entries_parse_names_options_and_labels():
-    entries = parse_mixers("attention, long_conv=toeplitz(data_dependent=False,headdim=16), "
+    entries = parse_mixers("attention, long_conv=toeplitz(data_dependent=False,head_dim=16), "
                            "mlr_attention(ranks=[4,4],block_sizes=[None,8])")
     assert [e.label for e in entries] == ["attention", "long_conv", "mlr_attention(ranks=[4, 4],block_sizes=[None, 8])"]
-    assert entries[1].name == "toeplitz" and entries[1].options == {"data_dependent": False, "headdim": 16}
+    assert entries[1].name == "toeplitz" and entries[1].options == {"data_dependent": False, "head_dim": 16}
     assert entries[2].options == {"ranks": [4, 4], "block_sizes": [None, 8]}
     assert parse_mixers("long_conv")[0].name == "toeplitz"  # aliases resolve to canonical names
     assert {e.name for e in parse_mixers("all")} == set(mp.list_mixers())
@@ -148,7 +148,7 @@ def test_backbone_sizes_options_and_counts_flops():
     task = make_task("mqar", seq_len=16, num_kv_pairs=3, vocab_size=16)
     entry = MixerEntry("toeplitz", {"data_dependent": False})
     options = adapted_options(entry, width=32, heads=4, seq_len=16, causal=False)
-    assert options["max_seq_len"] == 16 and options["headdim"] == 16 and options["data_dependent"] is False
+    assert options["max_seq_len"] == 16 and options["head_dim"] == 16 and options["data_dependent"] is False
     model = SequenceModel(task, entry, width=32, depth=2, heads=4)
     out = model(task.sample(3, _gen()).inputs)
     assert out.shape == (3, 16, 16)
@@ -229,7 +229,7 @@ def test_ordering_verdicts():
 
 
 def test_a_failing_mixer_is_reported_and_the_others_run():
-    config = _tiny(mixers="attention,broken=toeplitz(data_dependent=False,headdim=7)", seeds=(0,))
+    config = _tiny(mixers="attention,broken=toeplitz(data_dependent=False,head_dim=7)", seeds=(0,))
     result = compare(config, log=_quiet)
     by_label = {s.label: s for s in result.summaries()}
     assert by_label["attention"].mean is not None

@@ -305,13 +305,13 @@ def test_attention_logits_probe_gives_the_pre_softmax_logits(kind):
 
 def test_coord_check_records_logits_without_double_counting_the_probe():
     batch = (torch.randn(2, 5, IN), torch.randn(2, 5, 1))
-    result = mup.coord_check(_logit_builder("mlr_attention", True), [16, 32], 3, data=batch)
+    result = mup.coord_check(_logit_builder("mlr_attention", True), [16, 32], 3, data=batch, logits=True)
     logits = result.rms["blocks.0.mixer.logits"]
     assert logits.shape == (2, 4) and result.delta["blocks.0.mixer.logits"].shape == (2, 3)
     # muP: zero query, zero logits; the first update reaches only the zero readout, the second the query
     assert (logits[:, :2] == 0).all() and (logits[:, 2:] > 0).all()
     # the probe's own calls of the q/k/v projection are not recorded: its RMS is the plain forward's
-    plain = mup.coord_check(_logit_builder("mlr_attention", True), [16, 32], 3, data=batch,
+    plain = mup.coord_check(_logit_builder("mlr_attention", True), [16, 32], 3, data=batch, logits=True,
                             include=lambda name, module: name.endswith("qkv"))
     torch.testing.assert_close(plain.rms["blocks.0.mixer.qkv"], result.rms["blocks.0.mixer.qkv"])
 
@@ -332,9 +332,9 @@ def test_coord_check_logits_fail_for_the_wrong_logit_rule(kind):
     widths, steps = [16, 32, 64, 128], 6
     only_mixers = lambda name, module: name.endswith("mixer")  # noqa: E731
     wrong = mup.coord_check(_logit_builder(kind, False), widths, steps, data=regression_stream, lr=3e-3,
-                            include=only_mixers)
+                            include=only_mixers, logits=True)
     right = mup.coord_check(_logit_builder(kind, True), widths, steps, data=regression_stream, lr=3e-3,
-                            include=only_mixers)
+                            include=only_mixers, logits=True)
     wrong_growth = max(min(ratio, trend) for _, ratio, trend in _logit_spreads(wrong))
     right_growth = max(min(ratio, trend) for _, ratio, trend in _logit_spreads(right))
     assert not wrong.passes(0.5) and wrong_growth > 0.5, wrong.table()   # logits grow with width: caught

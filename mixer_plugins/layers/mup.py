@@ -396,7 +396,7 @@ def coord_check(build_model: Callable[[int], nn.Module], widths: Sequence[int], 
                 loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None, lr: float = 3e-3,
                 parametrization: Literal["mup", "sp"] = "mup", base_width: int | None = None,
                 zero_init: Iterable[str] = (), sp_init_std: float = 0.02, seed: int = 0, seeds: int = 1,
-                include: Callable[[str, nn.Module], bool] | None = None) -> CoordCheckResult:
+                include: Callable[[str, nn.Module], bool] | None = None, logits: bool = False) -> CoordCheckResult:
     """Train ``build_model(width)`` for ``steps`` Adam steps at each width and record every module's output RMS.
 
     ``data`` is the training batch ``(inputs, targets)``, or a function ``step -> (inputs, targets)`` (a stream: the
@@ -414,13 +414,17 @@ def coord_check(build_model: Callable[[int], nn.Module], widths: Sequence[int], 
     several times per forward is recorded over all its calls together. ``seeds > 1`` repeats the whole check with
     seeds ``seed, seed + 1, ...`` and averages the RMS values (as the reference muP tooling does): at small widths a
     single run's RMS of a freshly trained quantity is noisy.
+
+    ``logits=True`` also records the pre-softmax attention logits of every mixer that exposes
+    ``attention_logits(x, mask=None)`` (:class:`AttentionLogitsProbe`), as ``"<module>.logits"``: the quantity that
+    shows a wrong logit-scale rule (``1/sqrt(d)`` instead of ``1/d`` under muP) when the head size grows with width.
     """
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     runs = [
         _coord_check_once(build_model, widths, steps, data=data, probe=probe, loss_fn=loss_fn, lr=lr,
                           parametrization=parametrization, base_width=base_width, zero_init=zero_init,
-                          sp_init_std=sp_init_std, seed=seed + k, include=include)
+                          sp_init_std=sp_init_std, seed=seed + k, include=include, logits=logits)
         for k in range(seeds)
     ]
     first = runs[0]
@@ -454,8 +458,9 @@ class _ActivationRecorder:
     """Forward hooks that record, for one forward, each module's output RMS and flattened output, and the attention
     logits of modules that expose them (:class:`AttentionLogitsProbe`)."""
 
-    def __init__(self, modules: list[tuple[str, nn.Module]]):
+    def __init__(self, modules: list[tuple[str, nn.Module]], logits: bool = False):
         self.modules = modules
+        self.logits = logits
         self.sums: dict[str, list[float]] = {}
         self.outputs: dict[str, list[Tensor]] = {}
         self._paused = False
@@ -491,8 +496,9 @@ class _ActivationRecorder:
         """Eval-mode forward on ``inputs``: (RMS per module, flattened output per module)."""
         self.sums, self.outputs = {}, {}
         handles = [module.register_forward_hook(self._hook(name)) for name, module in self.modules]
-        handles += [module.register_forward_hook(self._logits_hook(name), with_kwargs=True)
-                    for name, module in self.modules if callable(getattr(module, "attention_logits", None))]
+        if self.logits:
+            handles += [module.register_forward_hook(self._logits_hook(name), with_kwargs=True)
+                        for name, module in self.modules if callable(getattr(module, "attention_logits", None))]
         was_training = model.training
         try:
             model.eval()
@@ -506,11 +512,12 @@ class _ActivationRecorder:
 
 
 def _train_one_width(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, batch_at, probe_inputs: Tensor,
-                     loss_fn, include) -> tuple[dict[str, list[float]], dict[str, list[float]], list[float]]:
+                     loss_fn, include, logits: bool = False
+                     ) -> tuple[dict[str, list[float]], dict[str, list[float]], list[float]]:
     """Train ``steps`` steps; per module, the probe RMS before each update and after the last, and the RMS of each
     update's change of the probe output; and the training losses."""
     recorder = _ActivationRecorder([(name, module) for name, module in model.named_modules()
-                                    if name and (include is None or include(name, module))])
+                                    if name and (include is None or include(name, module))], logits=logits)
     rms: dict[str, list[float]] = {}
     delta: dict[str, list[float]] = {}
     losses: list[float] = []
@@ -537,7 +544,7 @@ def _train_one_width(model: nn.Module, optimizer: torch.optim.Optimizer, steps: 
 
 
 def _coord_check_once(build_model, widths, steps, *, data, probe, loss_fn, lr, parametrization, base_width,
-                      zero_init, sp_init_std, seed, include) -> CoordCheckResult:
+                      zero_init, sp_init_std, seed, include, logits=False) -> CoordCheckResult:
     if parametrization not in ("mup", "sp"):
         raise ValueError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
     widths = sorted(int(w) for w in widths)
@@ -561,7 +568,7 @@ def _coord_check_once(build_model, widths, steps, *, data, probe, loss_fn, lr, p
             standard_init(model, std=sp_init_std)
             groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        per_width.append(_train_one_width(model, optimizer, steps, batch_at, probe_inputs, loss_fn, include))
+        per_width.append(_train_one_width(model, optimizer, steps, batch_at, probe_inputs, loss_fn, include, logits))
 
     def stack(index: int) -> dict[str, Tensor]:
         names = set.intersection(*(set(run[index]) for run in per_width))  # recorded at every width

@@ -99,7 +99,7 @@ class AttentionLogitsMixin:
 
     def attention_logits(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         """Pre-softmax logits (batch, heads, L, L) for input ``x`` (scale included, before masking)."""
-        x, mask = self._begin(x, mask)
+        x, mask, _ = self._begin(x, mask)
         return self.logits(self.prepare(x, mask))
 
 

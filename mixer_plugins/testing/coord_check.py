@@ -39,7 +39,7 @@ class MixerCoordCheckModel(CoordCheckModel):
 
 def _plain_attention_logits(mixer, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
     """Plain softmax attention's pre-softmax logits ``scale * q_i . k_j``, (batch, heads, L, L)."""
-    x, mask = mixer._begin(x, mask)
+    x, mask, _ = mixer._begin(x, mask)
     ctx = mixer.prepare(x, mask)
     return torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) * mixer.scale
 

@@ -132,7 +132,7 @@ def parse_mixers(text: str | Sequence[str | MixerEntry]) -> list[MixerEntry]:
 def adapted_options(entry: MixerEntry, *, width: int, heads: int, seq_len: int, causal: bool) -> dict[str, Any]:
     """The entry's options filled in for the backbone, where the mixer has the option and the user did not set it.
 
-    ``num_heads`` = ``heads``; block mixers (``expand`` and ``headdim``) get ``headdim = expand * width / heads``
+    ``num_heads`` = ``heads``; block mixers (``expand`` and ``head_dim``) get ``head_dim = expand * width / heads``
     (the same head count); ``d_state = 16``; ``chunk_size`` at most the sequence length; ``max_seq_len`` = the
     sequence length (data-independent forms need it; data-dependent ones ignore it); ``causal=True`` when the
     comparison is causal. A bidirectional-only mixer in a causal comparison is refused.
@@ -143,10 +143,10 @@ def adapted_options(entry: MixerEntry, *, width: int, heads: int, seq_len: int, 
     filled: dict[str, Any] = {}
     if "num_heads" in fields:
         filled["num_heads"] = heads
-    if "headdim" in fields and "expand" in fields:
+    if "head_dim" in fields and "expand" in fields:
         expand = user.get("expand", fields["expand"].get_default())
         if (expand * width) % heads == 0:
-            filled["headdim"] = expand * width // heads
+            filled["head_dim"] = expand * width // heads
     if "d_state" in fields:
         filled["d_state"] = 16
     if "chunk_size" in fields:

@@ -371,10 +371,7 @@ class DigitsTask(Task):
 
     def _split(self, seed: int):
         if seed not in self._data:
-            try:
-                from mixer_plugins.tools.demo import load_digits_data
-            except ImportError:
-                from mixer_plugins.demo import load_digits_data
+            from ..demo import load_digits_data
             self._data[seed] = load_digits_data(seed)
         return self._data[seed]
 
