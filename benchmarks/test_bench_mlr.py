@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-from mixer_plugins.benchmarking import build_mixer, peak_memory
 
 from mixer_plugins.kernels.mlr_attention import mlr_attention
+from mixer_plugins.tools.benchmarking import build_mixer, peak_memory
 
 DIM, HEADS = 256, 4
 RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
