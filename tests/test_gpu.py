@@ -100,6 +100,6 @@ def test_mamba_ssm_backends_run_where_mamba_ssm_is_installed():
 
     if _mamba_loader.distribution_folder() is None:
         pytest.skip("mamba-ssm is not installed here (benchmarks/gpu/run.sh installs the carried wheel)")
-    for op in ("ssd", "quasiseparable"):
+    for op in ("ssd", "quasiseparable", "directional_scan"):
         assert "mamba_ssm" in kernels.available_backends(op, "cuda"), [
             (r.op, r.reason) for r in kernels.backend_report(["cuda"]) if r.backend == "mamba_ssm"]

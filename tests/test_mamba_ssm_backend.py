@@ -112,6 +112,17 @@ def test_the_backends_run_the_loaded_kernels(fake_mamba):
     expected[:, 1:] += 2 * x[:, :-1]
     expected[:, :-1] += 2 * x[:, 1:]
     torch.testing.assert_close(y, expected)
+    # one direction, shifted, packed: the shift never carries a token into the next segment
+    from mixer_plugins.kernels.directional_scan import DirectionalScanArgs
+
+    ds_backend = _module("mixer_plugins.kernels.directional_scan.mamba_ssm").BACKEND
+    seq_idx = torch.tensor([[0, 0, 1, 1, 1]])
+    for reverse, source, cut in ((False, [None, 0, None, 2, 3], 2), (True, [1, None, 3, 4, None], 1)):
+        y = ds_backend.impl(DirectionalScanArgs(x, dt, A, B, C, reverse=reverse, shift=True, chunk_size=4,
+                                                seq_idx=seq_idx))
+        expected = torch.stack([2 * x[:, j] if j is not None else torch.zeros_like(x[:, 0]) for j in source], 1)
+        torch.testing.assert_close(y, expected, msg=f"reverse={reverse}")
+        assert y[:, cut].abs().sum() == 0
     # installed and loadable, but CPU tensors: refused, saying why
     with pytest.raises(kernels.BackendUnavailableError, match="need CUDA tensors"):
         kernels.ssd(x, dt, A, B, C, 4, backend="mamba_ssm")
@@ -153,6 +164,8 @@ def test_the_reasons_name_what_is_missing(fake_mamba, monkeypatch):
         kernels.ssd(x, dt, A, B, C, 4, backend="mamba_ssm")
     with pytest.raises(kernels.BackendUnavailableError, match="mamba-ssm is not installed"):
         kernels.quasiseparable(x, dt, A, B, C, backend="mamba_ssm")
+    with pytest.raises(kernels.BackendUnavailableError, match="mamba-ssm is not installed"):
+        kernels.directional_scan(x, dt, A, B, C, backend="mamba_ssm")
 
 
 def test_probing_on_the_cpu_imports_no_mamba_ssm():

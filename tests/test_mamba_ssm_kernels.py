@@ -90,8 +90,11 @@ def _no_cpu_refusal(device, args=None):
 def _open_the_cpu_check(monkeypatch):
     ssd_backend = __import__("mixer_plugins.kernels.ssd.mamba_ssm", fromlist=["BACKEND"])
     qs_backend = __import__("mixer_plugins.kernels.quasiseparable.mamba_ssm", fromlist=["BACKEND"])
+    ds_backend = __import__("mixer_plugins.kernels.directional_scan.mamba_ssm", fromlist=["BACKEND"])
     registry = _dispatch._REGISTRY
     monkeypatch.setitem(registry["ssd"], "mamba_ssm", dataclasses.replace(ssd_backend.BACKEND, check=_no_cpu_refusal))
+    monkeypatch.setitem(registry["directional_scan"], "mamba_ssm",
+                        dataclasses.replace(ds_backend.BACKEND, check=_no_cpu_refusal))
     monkeypatch.setattr(qs_backend, "mamba_ssm_unavailable", _no_cpu_refusal)  # keeps its seq_idx refusal
 
 
@@ -185,5 +188,22 @@ def test_quasiseparable_run_twice_the_hydra_way_matches_the_reference():
     def run(backend, x, dt, dt_bwd, A, B, C, B_bwd, C_bwd, diag, dt_bias):
         return kernels.quasiseparable(x, dt, A, B, C, dt_bwd=dt_bwd, B_bwd=B_bwd, C_bwd=C_bwd, diag=diag,
                                       shift=True, chunk_size=8, dt_bias=dt_bias, dt_softplus=True, backend=backend)
+
+    _compare(run, inputs)
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_directional_scan_with_shift_and_packed_sequences_matches_the_reference(reverse):
+    """The flipped segment labels and the shift cut at segment boundaries."""
+    g = torch.Generator().manual_seed(4)
+    b, l, h, p, groups, n = 2, 13, 2, 4, 1, 4
+    seq_idx = torch.tensor([[0] * 5 + [1] * 8, [3] * 9 + [7] * 4])
+    inputs = dict(x=_rand(b, l, h, p, generator=g), dt=_rand(b, l, h, generator=g, scale=0.5),
+                  A=-torch.rand(h, generator=g) - 0.5, B=_rand(b, l, groups, n, generator=g, scale=0.5),
+                  C=_rand(b, l, groups, n, generator=g, scale=0.5))
+
+    def run(backend, x, dt, A, B, C):
+        return kernels.directional_scan(x, dt, A, B, C, reverse=reverse, shift=True, chunk_size=8, seq_idx=seq_idx,
+                                        dt_softplus=True, backend=backend)
 
     _compare(run, inputs)
