@@ -65,8 +65,9 @@ if [ "$DRY" = "--dry" ]; then
   "$PY" benchmarks/gpu/throughput.py --out "$OUT" --dry 2>&1 | tee "$OUT/log.txt" || status=1
 else
   # budgets: install ~15 s + tests 190 s + tables 250 s < 8 minutes
-  timeout 190 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests --junitxml="$OUT/gpu_tests.xml" 2>&1 \
-    | tee "$OUT/log.txt" || status=1
+  # SIGINT at the limit: pytest stops, prints its summary and still writes the XML; one line per test in the log
+  timeout -s INT -k 15 190 "$PY" -m pytest -v -m gpu -p no:cacheprovider --durations=15 tests \
+    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/log.txt" || status=1
   timeout 250 "$PY" benchmarks/gpu/throughput.py --out "$OUT" --budget-s 200 2>&1 | tee -a "$OUT/log.txt" \
     || status=1
 fi
