@@ -1,6 +1,7 @@
 """``mamba_ssm`` backend of :func:`..quasiseparable`: mamba-ssm's causal kernel run on the sequence and on its
-flip, the way the released Hydra code does it (CUDA tensors; loaded on first use by :mod:`.._mamba_loader`). Packed sequences (``seq_idx``) would need per-segment flips, so this
-backend declares itself unable to run them rather than silently mixing segments."""
+flip, the way the released Hydra code does it (CUDA tensors; loaded on first use by :mod:`.._mamba_loader`).
+Packed sequences (``seq_idx``) are refused here, so that this backend never silently mixes segments (the
+``directional_scan`` backend runs them one direction at a time)."""
 
 from __future__ import annotations
 
