@@ -19,18 +19,34 @@ WHEELS="${MIXER_PLUGINS_WHEELS:-.whl}"
 SITE="${MIXER_PLUGINS_SITE:-${TMPDIR:-/tmp}/mixer-plugins-site}"
 
 install_wheels() {
-  # the carried wheels whose distribution the machine lacks, installed without network or dependencies
-  local missing=() whl dist
-  for whl in "$WHEELS"/*.whl; do
-    [ -e "$whl" ] || continue
-    dist="$(basename "$whl" | cut -d- -f1)"
-    if ! "$PY" -c 'import importlib.metadata as m, sys; m.version(sys.argv[1])' "$dist" >/dev/null 2>&1; then
-      missing+=("$whl")
-    fi
-  done
+  # the carried wheels whose distribution the machine lacks, or has at an older version, installed offline
+  local missing=() whl
+  while IFS= read -r whl; do missing+=("$whl"); done < <("$PY" - "$WHEELS" <<'PYEOF'
+import importlib.metadata as metadata
+import pathlib
+import sys
+
+def key(text):
+    try:
+        from packaging.version import Version
+        return Version(text)
+    except Exception:  # no packaging, or an odd version: compare as text
+        return text
+
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name, version = wheel.name.split("-")[:2]
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        have = None
+    if have is None or key(have) < key(version):
+        print(wheel)
+PYEOF
+)
   echo "wheels in $WHEELS: $(ls "$WHEELS"/*.whl 2>/dev/null | wc -l); to install: ${#missing[@]}"
   [ "${#missing[@]}" -gt 0 ] || return 0
   printf '  %s\n' "${missing[@]}"
+  export PIP_ROOT_USER_ACTION=ignore
   local pip=("$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps --no-compile --no-cache-dir
              --disable-pip-version-check)
   if mkdir -p "$SITE" && "${pip[@]}" --upgrade --target "$SITE" "${missing[@]}"; then
