@@ -1,31 +1,90 @@
 #!/usr/bin/env bash
-# The GPU check of mixer-plugins, in one command:
-#     bash benchmarks/gpu/run.sh OUT_DIR          # on a CUDA machine (about 5-8 minutes on one H100/H200)
+# The GPU check of mixer-plugins, in one command (about 7 minutes at most on one H100/H200):
+#     bash benchmarks/gpu/run.sh OUT_DIR          # on a CUDA machine
 #     bash benchmarks/gpu/run.sh OUT_DIR --dry    # anywhere: CPU, Triton interpreter, tiny shapes (CI runs this)
-# It installs wheels carried in .whl/ (pydantic and its needs, a mamba-ssm wheel built with
-# MAMBA_SKIP_CUDA_BUILD=TRUE) when the machine lacks them, runs the CUDA correctness tests (pytest -m gpu), then the
-# throughput tables. Results: OUT_DIR/gpu_tests.xml, OUT_DIR/throughput.json, OUT_DIR/throughput.md, OUT_DIR/log.txt.
+# First it installs the wheels carried in $MIXER_PLUGINS_WHEELS (default .whl/, filled by
+# benchmarks/gpu/fetch_wheels.sh: pydantic and its needs, einops, a mamba-ssm wheel built with
+# MAMBA_SKIP_CUDA_BUILD=TRUE), offline, each only where the machine lacks that distribution, into a site folder
+# put first on PYTHONPATH (the machine's own environment is left alone). Then it runs the CUDA correctness tests
+# (pytest -m gpu) and the throughput tables. Results: OUT_DIR/install.log, OUT_DIR/gpu_tests.xml, OUT_DIR/log.txt,
+# OUT_DIR/throughput.json, OUT_DIR/throughput.md (rewritten after each table). See docs/kernels.md.
 set -uo pipefail
 OUT="${1:?usage: run.sh OUT_DIR [--dry]}"
 DRY="${2:-}"
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-python3}"
+WHEELS="${MIXER_PLUGINS_WHEELS:-.whl}"
+SITE="${MIXER_PLUGINS_SITE:-${TMPDIR:-/tmp}/mixer-plugins-site}"
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import pydantic" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mp-site .whl/*.whl \
-    && export PYTHONPATH="/tmp/mp-site${PYTHONPATH:+:$PYTHONPATH}"
+install_wheels() {
+  # the carried wheels whose distribution the machine lacks, or has at an older version, installed offline
+  local missing=() whl
+  while IFS= read -r whl; do missing+=("$whl"); done < <("$PY" - "$WHEELS" <<'PYEOF'
+import importlib.metadata as metadata
+import pathlib
+import sys
+
+def key(text):
+    try:
+        from packaging.version import Version
+        return Version(text)
+    except Exception:  # no packaging, or an odd version: compare as text
+        return text
+
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name, version = wheel.name.split("-")[:2]
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        have = None
+    if have is None or key(have) < key(version):
+        print(wheel)
+PYEOF
+)
+  echo "wheels in $WHEELS: $(ls "$WHEELS"/*.whl 2>/dev/null | wc -l); to install: ${#missing[@]}"
+  [ "${#missing[@]}" -gt 0 ] || return 0
+  printf '  %s\n' "${missing[@]}"
+  export PIP_ROOT_USER_ACTION=ignore
+  local pip=("$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps --no-compile --no-cache-dir
+             --disable-pip-version-check)
+  if mkdir -p "$SITE" && "${pip[@]}" --upgrade --target "$SITE" "${missing[@]}"; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    echo "installed into $SITE (first on PYTHONPATH)"
+  elif "${pip[@]}" --user "${missing[@]}"; then
+    echo "installed into the user site"
+  else
+    echo "WARNING: the carried wheels could not be installed; what needs them will fail and say so"
+  fi
+}
+
+: > "$OUT/install.log"
+if [ -d "$WHEELS" ]; then
+  install_wheels > "$OUT/install.log" 2>&1   # not in a pipeline: its PYTHONPATH must reach this shell
+  cat "$OUT/install.log"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+"$PY" - <<'EOF' 2>&1 | tee -a "$OUT/install.log"
+import importlib.metadata as m
+for name in ("torch", "triton", "pydantic", "pydantic-core", "einops", "mamba-ssm", "timm"):
+    try:
+        print(f"{name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        print(f"{name} MISSING")
+EOF
 
 status=0
 if [ "$DRY" = "--dry" ]; then
   export TRITON_INTERPRET=1
   "$PY" benchmarks/gpu/throughput.py --out "$OUT" --dry 2>&1 | tee "$OUT/log.txt" || status=1
 else
-  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests --junitxml="$OUT/gpu_tests.xml" 2>&1 \
-    | tee "$OUT/log.txt" || status=1
-  timeout 300 "$PY" benchmarks/gpu/throughput.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt" || status=1
+  # budgets: install ~15 s + tests 190 s + tables 250 s < 8 minutes
+  # SIGINT at the limit: pytest stops, prints its summary and still writes the XML; one line per test in the log
+  timeout -s INT -k 15 190 "$PY" -m pytest -v -m gpu -p no:cacheprovider --durations=15 tests \
+    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/log.txt" || status=1
+  timeout 250 "$PY" benchmarks/gpu/throughput.py --out "$OUT" --budget-s 200 2>&1 | tee -a "$OUT/log.txt" \
+    || status=1
 fi
 exit $status

@@ -10,7 +10,9 @@ forward+backward, with peak memory:
 * a timm ViT-B/16 training step (bf16, batch 64) with ``mixer='quasi'`` and with attention: images per second.
 
 A candidate that cannot run here (no mamba-ssm, no Triton backend, out of memory) is reported with its reason, never
-silently dropped. Results go to ``OUT/throughput.json`` and ``OUT/throughput.md``.
+silently dropped. Results go to ``OUT/throughput.json`` and ``OUT/throughput.md``, rewritten after each table, so a
+run stopped from outside keeps what it measured. ``--budget-s``: once that many seconds have passed, the candidates
+left are reported as not run (the GPU script gives the whole run 8 minutes).
 """
 
 from __future__ import annotations
@@ -154,8 +156,19 @@ def scan_rows(setup: Setup) -> list[Row]:
     return rows
 
 
+_DEADLINE: list[float] = []  # time.monotonic() after which nothing more is measured (set by main)
+OVER_BUDGET = "not run: the time budget (--budget-s) was spent"
+
+
+def _over_budget() -> bool:
+    return bool(_DEADLINE) and time.monotonic() > _DEADLINE[0]
+
+
 def _measure(table: str, name: str, length: int, batch: int, mode: str, fn: Callable[[], None], setup: Setup) -> Row:
     row = Row(table, name, length, batch, mode)
+    if _over_budget():
+        row.note = OVER_BUDGET
+        return row
     try:
         row.ms, row.peak_mib = timed(fn, setup)
     except Exception as err:  # report, never drop
@@ -242,6 +255,12 @@ def environment(setup: Setup) -> dict:
         info["mamba_ssm"] = version("mamba-ssm")
     except Exception:
         info["mamba_ssm"] = None
+    if setup.device == "cuda":
+        from mixer_plugins.kernels import backend_report
+
+        info["backends_on_cuda"] = "; ".join(
+            f"{r.op}/{r.backend}: {'yes' if r.available else r.reason}" for r in backend_report(["cuda"])
+            if r.op in ("ssd", "quasiseparable", "mlr_attention") and r.backend in ("triton", "mamba_ssm"))
     return info
 
 
@@ -290,15 +309,29 @@ def markdown(info: dict, rows: list[Row], checks: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write(out: Path, info: dict, rows: list[Row]) -> str:
+    """Writes ``out/throughput.json`` and ``out/throughput.md`` from the rows so far; returns the Markdown."""
+    checks = targets(rows)
+    (out / "throughput.json").write_text(json.dumps(
+        {"environment": info, "rows": [asdict(r) for r in rows], "targets": checks}, indent=2, default=str))
+    text = markdown(info, rows, checks)
+    (out / "throughput.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for throughput.json and throughput.md")
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds after which the candidates left are reported as not run")
     args = parser.parse_args(argv)
     if not args.dry and not torch.cuda.is_available():
         parser.error("no CUDA device: use --dry to check the script on the CPU")
     setup = DRY if args.dry else GPU
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.budget_s is not None:
+        _DEADLINE[:] = [time.monotonic() + args.budget_s]
     info = environment(setup)
     rows: list[Row] = []
     for part in (scan_rows, attention_rows, vit_rows):
@@ -308,11 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             rows.append(Row(part.__name__, "(part failed)", 0, 0, "", note=traceback.format_exc(limit=1)[-200:]))
         print(f"{part.__name__}: done", flush=True)
-    checks = targets(rows)
-    (args.out / "throughput.json").write_text(json.dumps(
-        {"environment": info, "rows": [asdict(r) for r in rows], "targets": checks}, indent=2, default=str))
-    text = markdown(info, rows, checks)
-    (args.out / "throughput.md").write_text(text)
+        text = write(args.out, info, rows)
     print(text)
     failed_parts = [r for r in rows if r.candidate == "(part failed)"]
     return 1 if failed_parts or any(math.isnan(r.ms) for r in rows if r.ms is not None) else 0

@@ -6,7 +6,6 @@ result of an import is cached: importing the kernels never imports mamba-ssm or 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from typing import Any
@@ -16,24 +15,37 @@ import torch
 __all__ = ["mamba_ssm_unavailable", "triton_unavailable"]
 
 
-@functools.cache
-def _mamba_ssm_import_error() -> str | None:
-    if importlib.util.find_spec("mamba_ssm") is None:
-        return "mamba-ssm is not installed (pip extra 'cuda')"
-    try:  # its package __init__ imports the CUDA extension; import lazily and report why it failed
-        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
-    except Exception as err:  # noqa: BLE001
-        return f"mamba-ssm failed to import: {type(err).__name__}: {err}"
+def _mamba_ssm_load_error() -> str | None:
+    """Why mamba-ssm's Triton SSD cannot be loaded (``None``: it is). Loads it on the first call; the loader
+    remembers the module, or why it failed."""
+    from . import _mamba_loader
+
+    try:
+        _mamba_loader.load()
+    except ImportError as err:
+        return str(err)
     return None
 
 
 def mamba_ssm_unavailable(device: torch.device, args: Any = None) -> str | None:
-    """mamba-ssm's kernels: the package installed and importable, and CUDA tensors."""
-    if importlib.util.find_spec("mamba_ssm") is None:
-        return "mamba-ssm is not installed (pip extra 'cuda')"
+    """mamba-ssm's Triton SSD kernels: the package installed (its CUDA extensions are not needed: see
+    :mod:`._mamba_loader`), Triton and einops installed, and CUDA tensors.
+
+    CPU tensors are refused even under ``TRITON_INTERPRET=1``: mamba-ssm's host code asks ``torch.cuda`` for the
+    current device and the SM count, which fails without a CUDA driver (the CPU tests shim those calls).
+    Nothing is imported unless the package is installed and the tensors are on CUDA.
+    """
+    from . import _mamba_loader
+
+    reason = _mamba_loader.unavailable_reason()
+    if reason is not None:
+        return reason
     if device.type != "cuda":
-        return f"mamba-ssm needs CUDA tensors (got {device.type})"
-    return _mamba_ssm_import_error()
+        return (f"mamba-ssm's kernels need CUDA tensors (got {device.type}); not even TRITON_INTERPRET=1 runs them "
+                "on CPU tensors, as mamba-ssm's host code queries torch.cuda")
+    if not torch.cuda.is_available():
+        return "mamba-ssm's kernels need a CUDA device, and torch finds none"
+    return _mamba_ssm_load_error()
 
 
 def triton_unavailable(device: torch.device, args: Any = None) -> str | None:

@@ -1,6 +1,7 @@
 """``mamba_ssm`` backend of :func:`..quasiseparable`: mamba-ssm's causal kernel run on the sequence and on its
-flip (CUDA tensors; imported lazily). Packed sequences (``seq_idx``) would need per-segment flips, so this
-backend declares itself unable to run them rather than silently mixing segments."""
+flip, the way the released Hydra code does it (CUDA tensors; loaded on first use by :mod:`.._mamba_loader`).
+Packed sequences (``seq_idx``) are refused here, so that this backend never silently mixes segments (the
+``directional_scan`` backend runs them one direction at a time)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def _unavailable(device: torch.device, args: Any) -> str | None:
     return reason
 
 
-def impl(args: QuasiseparableArgs) -> Tensor:  # pragma: no cover - needs CUDA and mamba-ssm
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+def impl(args: QuasiseparableArgs) -> Tensor:
+    from .._mamba_loader import load
 
+    mamba_chunk_scan_combined = load().mamba_chunk_scan_combined
     kw = dict(dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
     y_f = mamba_chunk_scan_combined(args.x, args.dt, args.A, args.B, args.C, args.chunk_size, **kw)
     y_b = mamba_chunk_scan_combined(args.x.flip(1), args.dt_bwd.flip(1), args.A_bwd, args.B_bwd.flip(1),

@@ -1,4 +1,6 @@
-"""``mamba_ssm`` backend of :func:`..ssd`: mamba-ssm's fused Triton kernels (CUDA tensors; imported lazily)."""
+"""``mamba_ssm`` backend of :func:`..ssd`: mamba-ssm's fused Triton SSD kernel (``mamba_chunk_scan_combined``),
+on CUDA tensors. Loaded on first use by :mod:`.._mamba_loader`, which also works where mamba-ssm's CUDA extensions
+are missing (a wheel built with ``MAMBA_SKIP_CUDA_BUILD=TRUE``)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ if TYPE_CHECKING:
     from . import SSDArgs
 
 
-def impl(args: SSDArgs) -> Tensor | tuple[Tensor, Tensor]:  # pragma: no cover - needs CUDA and mamba-ssm
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+def impl(args: SSDArgs) -> Tensor | tuple[Tensor, Tensor]:
+    from .._mamba_loader import load
 
-    return mamba_chunk_scan_combined(
+    return load().mamba_chunk_scan_combined(
         args.x, args.dt, args.A, args.B, args.C, args.chunk_size, D=args.D, z=args.z, dt_bias=args.dt_bias,
         initial_states=args.initial_states, seq_idx=args.seq_idx, dt_softplus=args.dt_softplus,
         dt_limit=args.dt_limit, return_final_states=args.return_final_states,
