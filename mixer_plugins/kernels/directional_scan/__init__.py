@@ -1,7 +1,8 @@
 """One scan direction, for the bidirectional heuristics that combine the two non-additively (mult, concat).
 
-Backends: ``reference`` (materialized, float64-capable), ``torch`` (chunked, O(L) memory; the CPU default).
-Each is a module of this folder that registers itself.
+Backends: ``reference`` (materialized, float64-capable), ``torch`` (chunked, O(L) memory; the CPU default),
+``triton`` (our fused kernel; first on CUDA) and ``mamba_ssm`` (mamba-ssm's Triton SSD, the sequence flipped for
+``reverse``; CUDA). Each is a module of this folder that registers itself.
 """
 
 from __future__ import annotations
