@@ -29,7 +29,7 @@ from torch import Tensor
 
 __all__ = ["CAUSAL_TILE", "causal_toeplitz", "toeplitz_causal_flops"]
 
-CAUSAL_TILE = 32
+CAUSAL_TILE = 64
 """Tile of the direct products (positions). Changes speed only, never which inputs an output sees."""
 
 
@@ -75,25 +75,24 @@ def _direct(k: Tensor, x: Tensor, t: int) -> Tensor:
     return y.reshape(b, h, p, n)
 
 
-def _level(k: Tensor, x: Tensor, p_len: int, value_blocks: int, tap_blocks: int) -> Tensor:
-    """The tile pairs of one dyadic level ``P``; returns its contribution (b, h, p, N)."""
-    b, h, p, n = x.shape
+def _level(k: Tensor, x: Tensor, y: Tensor, p_len: int, value_blocks: int, tap_blocks: int) -> None:
+    """Adds the tile pairs of one dyadic level ``P`` into ``y`` (b, h, p, >= N + 2P), in place."""
+    b, h, p, _ = x.shape
     size = 2 * p_len
-    nb = math.ceil(n / p_len)
     rfft = torch.fft.rfft
     # taps [P, 2P) against the value blocks a = 1 .. value_blocks (outputs from (a + 1) P)
     values = x[..., p_len: (value_blocks + 1) * p_len].reshape(b, h, p, value_blocks, p_len)
-    spectrum = rfft(values, n=size) * rfft(k[..., p_len: size], n=size)[:, :, None, None]
+    spectrum = rfft(values, n=size)
+    spectrum *= rfft(k[..., p_len: size], n=size)[:, :, None, None]
     if tap_blocks > 0:
         # the values [P, 2P) against the tap blocks a = 2 .. tap_blocks + 1 (outputs from (a + 1) P)
         taps = k[..., size: (tap_blocks + 2) * p_len].reshape(k.shape[0], h, 1, tap_blocks, p_len)
-        cross = rfft(taps, n=size) * rfft(x[..., p_len: size], n=size)[..., None, :]
-        spectrum = torch.cat([spectrum[..., :1, :], spectrum[..., 1:, :] + cross], dim=-2)
+        spectrum[..., 1:, :] += rfft(taps, n=size) * rfft(x[..., p_len: size], n=size)[..., None, :]
     out = torch.fft.irfft(spectrum, n=size)                               # (b, h, p, blocks, 2P)
-    y = x.new_zeros(b, h, p, nb + 1, p_len)
-    y[..., 2: value_blocks + 2, :] += out[..., :p_len]
-    y[..., 3: value_blocks + 3, :] += out[..., p_len:]
-    return y.reshape(b, h, p, (nb + 1) * p_len)[..., :n]
+    first = y[..., 2 * p_len: (value_blocks + 2) * p_len].view(b, h, p, value_blocks, p_len)
+    first += out[..., :p_len]
+    second = y[..., 3 * p_len: (value_blocks + 3) * p_len].view(b, h, p, value_blocks, p_len)
+    second += out[..., p_len:]
 
 
 def causal_toeplitz(taps: Tensor, v: Tensor, *, tile: int = CAUSAL_TILE) -> Tensor:
@@ -108,8 +107,10 @@ def causal_toeplitz(taps: Tensor, v: Tensor, *, tile: int = CAUSAL_TILE) -> Tens
     x = F.pad(v.to(compute).permute(0, 2, 3, 1), (0, n - length))         # (b, h, p, N)
     k = F.pad(taps.to(compute), (0, n - length))                            # (bt, h, N)
     y = _direct(k, x, t)
-    for p_len, value_blocks, tap_blocks in levels:
-        y = y + _level(k, x, p_len, value_blocks, tap_blocks)
+    if levels:
+        y = F.pad(y, (0, 2 * levels[-1][0]))                                    # room for the last blocks' tails
+        for p_len, value_blocks, tap_blocks in levels:
+            _level(k, x, y, p_len, value_blocks, tap_blocks)
     return y[..., :length].permute(0, 3, 1, 2).to(v.dtype).contiguous()
 
 
