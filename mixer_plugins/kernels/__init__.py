@@ -36,7 +36,7 @@ from .mlr_attention import mlr_attention, mlr_attention_flops
 from .norm import gated_rmsnorm
 from .quasiseparable import quasiseparable
 from .ssd import ssd
-from .toeplitz import toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
+from .toeplitz import toeplitz_causal_flops, toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 
 __all__ = [
     "BACKENDS",
@@ -58,6 +58,7 @@ __all__ = [
     "gated_rmsnorm",
     "chunked_scan_flops",
     "toeplitz_fft_flops",
+    "toeplitz_causal_flops",
     "depthwise_conv1d_flops",
     "mlr_attention",
     "mlr_attention_flops",

@@ -9,7 +9,8 @@ Per head ``M_ij = c_{i-j}``, applied as ``y = s M v + v`` with ``s = 0.5/sqrt(L)
 * Data-independent: free taps ``c`` of shape (heads, 2 max_seq_len - 1); shorter sequences use the central
   2L - 1 of them.
 
-``causal=True`` keeps the non-negative offsets only.
+``causal=True`` keeps the non-negative offsets only, and the product is arranged so that no output sees a later
+token, not even through FFT round-off (direct tiles plus FFTs whose inputs precede their outputs; O(L log^2 L)).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..kernels import toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
+from ..kernels import toeplitz_causal_flops, toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 from ..registry.spec import MixerSpec
 from .block import BlockContext, ChannelGroup, MatrixMixerBlock
 from .qk_block import SequenceBlockConfig
@@ -94,10 +95,12 @@ class ToeplitzMixer(MatrixMixerBlock):
     def mix(self, ctx: ToeplitzContext) -> Tensor:
         if ctx.values.shape[0] == 0:  # an empty batch: nothing to convolve (the FFT rejects empty inputs)
             return torch.zeros_like(ctx.values)
-        return toeplitz_mix(self.scale * ctx.taps, ctx.values) + ctx.values
+        return toeplitz_mix(self.scale * ctx.taps, ctx.values, causal=self.causal) + ctx.values
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         tap_batch = batch if self.data_dependent else 1
+        if self.causal:
+            return {"causal_conv": toeplitz_causal_flops(batch, length, self.num_heads, self.head_dim, tap_batch)}
         return {"fft_conv": toeplitz_fft_flops(batch, length, self.num_heads, self.head_dim, tap_batch)}
 
 

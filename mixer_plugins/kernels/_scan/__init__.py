@@ -10,7 +10,7 @@
 
 from .chunked import scan_chunked
 from .custom_op import chunked_scan, chunked_scan_flops, run_chunked
-from .inputs import Direction, ScanInputs, check_generators, check_seq_idx, prepare_dt, upcast
+from .inputs import Direction, ScanInputs, check_generators, check_seq_idx, normalize_seq_idx, prepare_dt, upcast
 from .reference import reference_scan, scan_matrix, scan_reference
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "check_seq_idx",
     "chunked_scan",
     "chunked_scan_flops",
+    "normalize_seq_idx",
     "prepare_dt",
     "reference_scan",
     "run_chunked",

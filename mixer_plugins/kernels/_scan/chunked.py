@@ -21,6 +21,7 @@ All formulas are in :mod:`.reference` (the oracle). With ``a = A * dt``, chunk-l
 
 ``seq_idx`` (packed sequences) masks pairs across segments inside a chunk and gates the states
 between chunks, so neither direction, nor the shift, crosses a segment boundary.
+Its ids arrive normalised by the public op (:func:`.inputs.normalize_seq_idx`): equal ids <=> same segment.
 
 The chunks are walked a tile at a time (:data:`TILE_ELEMENTS` elements of temporaries per tile), in two
 sweeps: right to left for the backward direction's states, then left to right for everything else.

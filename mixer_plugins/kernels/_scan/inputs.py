@@ -11,7 +11,11 @@ from torch import Tensor
 
 from .._checks import check
 
-__all__ = ["Direction", "ScanInputs", "check_generators", "check_seq_idx", "prepare_dt", "upcast"]
+__all__ = ["Direction", "ScanInputs", "check_generators", "check_seq_idx", "normalize_seq_idx", "prepare_dt",
+           "upcast"]
+
+SEQ_IDX_MEANING = "a new segment starts wherever the id changes along the row ([0, 0, 1, 1, 0, 0]: three segments)"
+"""The one meaning of ``seq_idx`` in every scan op and backend."""
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,9 @@ class Direction:
 @dataclass(frozen=True)
 class ScanInputs:
     """Everything one scan reads: ``x`` (b, l, h, p); the ``forward`` (lower, left to right) and/or
-    ``backward`` (upper, right to left) direction; ``diag`` (b, l, h); ``seq_idx`` (b, l) integer segment ids
-    (tokens interact only within a segment); ``initial_state`` (b, h, p, n), the forward state before token 0;
+    ``backward`` (upper, right to left) direction; ``diag`` (b, l, h); ``seq_idx`` (b, l) integer segment ids,
+    already normalised by :func:`normalize_seq_idx` (equal ids <=> same segment; tokens interact only within
+    a segment); ``initial_state`` (b, h, p, n), the forward state before token 0;
     ``shift`` (Hydra's: each direction one step off the diagonal); ``chunk_size`` (tokens per chunk)."""
 
     x: Tensor
@@ -61,12 +66,31 @@ def check_generators(name: str, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: 
     return b, l, h, p, g, n
 
 
-def check_seq_idx(name: str, seq_idx: Tensor | None, batch: int, length: int) -> None:
-    """``seq_idx``, when given, is an integer (batch, length) tensor."""
-    if seq_idx is not None:
-        check(tuple(seq_idx.shape) == (batch, length) and not seq_idx.is_floating_point(),
-              f"{name}: seq_idx must be an integer (batch, length) = {(batch, length)} tensor, "
-              f"got {tuple(seq_idx.shape)} {seq_idx.dtype}")
+def normalize_seq_idx(seq_idx: Tensor) -> Tensor:
+    """Segment ids (b, l) -> int32 ids numbering each row's segments 0, 1, 2, ... left to right, where a new
+    segment starts wherever the id changes: ``[0, 0, 1, 1, 0, 0] -> [0, 0, 1, 1, 2, 2]``. After this, equal
+    ids mean the same segment, which is what every backend compares (a reused id is a new segment)."""
+    change = torch.zeros(seq_idx.shape, dtype=torch.int32, device=seq_idx.device)
+    if seq_idx.shape[-1] > 1:
+        change[:, 1:] = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
+    return change.cumsum(-1, dtype=torch.int32)
+
+
+def check_seq_idx(name: str, seq_idx: Tensor | None, batch: int, length: int,
+                  device: torch.device | None = None) -> Tensor | None:
+    """Check ``seq_idx`` (an integer (batch, length) tensor, on ``device`` when given) and return it
+    normalised by :func:`normalize_seq_idx` (``None`` stays ``None``). Each public scan op calls this once,
+    before choosing a backend, so every backend sees the same segments."""
+    if seq_idx is None:
+        return None
+    check(isinstance(seq_idx, Tensor) and tuple(seq_idx.shape) == (batch, length)
+          and not seq_idx.is_floating_point() and not seq_idx.is_complex(),
+          f"{name}: seq_idx must be an integer (batch, length) = {(batch, length)} tensor, got "
+          f"{tuple(seq_idx.shape) if isinstance(seq_idx, Tensor) else type(seq_idx).__name__} "
+          f"{getattr(seq_idx, 'dtype', '')}")
+    check(device is None or seq_idx.device == device,
+          f"{name}: seq_idx is on {seq_idx.device}, the inputs on {device}")
+    return normalize_seq_idx(seq_idx)
 
 
 def prepare_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool,

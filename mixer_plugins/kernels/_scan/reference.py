@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .inputs import Direction, ScanInputs
+from .inputs import Direction, ScanInputs, normalize_seq_idx
 
 __all__ = ["reference_scan", "scan_matrix", "scan_reference"]
 
@@ -97,8 +97,10 @@ def scan_matrix(
     """The (b, h, l, l) matrix of a forward and/or backward scan plus a diagonal.
 
     ``dt_*``: (b, l, h) step sizes (already softplus'ed); ``A_*``: (h,); ``B_*``, ``C_*``: (b, l, g, n);
-    ``diag``: (b, l, h); ``seq_idx``: (b, l) ints, tokens interact only within equal values.
+    ``diag``: (b, l, h); ``seq_idx``: (b, l) integer segment ids, a new segment starting wherever the id changes
+    along the row ([0, 0, 1, 1, 0, 0] is three segments); tokens interact only within a segment.
     """
+    seq_idx = None if seq_idx is None else normalize_seq_idx(seq_idx)
     return _matrix(_direction(dt_f, A_f, B_f, C_f), _direction(dt_b, A_b, B_b, C_b), diag, seq_idx, shift)
 
 
@@ -112,7 +114,8 @@ def scan_reference(
     """Apply :func:`scan_matrix` to ``x`` (b, l, h, p); forward-direction initial/final states supported.
 
     ``initial_state`` (b, h, p, n) enters the forward direction before token 0 (only the first segment when
-    ``seq_idx`` is given); the final state is the forward state after the last token.
+    ``seq_idx`` is given); the final state is the forward state after the last token. ``seq_idx`` as in
+    :func:`scan_matrix` (a new segment wherever the id changes).
     """
     inputs = ScanInputs(x=x, forward=_direction(dt_f, A_f, B_f, C_f), backward=_direction(dt_b, A_b, B_b, C_b),
                         diag=diag, seq_idx=seq_idx, initial_state=initial_state, shift=shift)
@@ -123,6 +126,8 @@ def reference_scan(inputs: ScanInputs, *, return_final_state: bool = False) -> T
     """The scan of ``inputs`` by its materialized matrix: y (b, l, h, p), and the forward direction's state
     after the last token (b, h, p, n) when ``return_final_state``."""
     x, seq_idx, initial_state, shift = inputs.x, inputs.seq_idx, inputs.initial_state, inputs.shift
+    if seq_idx is not None:  # idempotent: the public ops pass ids already normalised
+        seq_idx = normalize_seq_idx(seq_idx)
     matrix = _matrix(inputs.forward, inputs.backward, inputs.diag, seq_idx, shift)
     y = torch.einsum("bhij,bjhp->bihp", matrix.to(x.dtype), x)
     h = x.shape[2]

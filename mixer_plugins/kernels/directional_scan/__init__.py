@@ -54,11 +54,13 @@ def directional_scan(
     """One scan direction: the causal SSD (``reverse=False``) or its mirror image at original positions,
     ``flip(SS(flip x))`` (``reverse=True``); ``shift=True`` moves it one step off the diagonal (Hydra).
 
-    Shapes as :func:`mixer_plugins.kernels.quasiseparable`. ``backend``: see :mod:`mixer_plugins.kernels`.
+    Shapes as :func:`mixer_plugins.kernels.quasiseparable`; ``seq_idx`` (b, l) as there: a new segment starts
+    wherever the id changes along the row ([0, 0, 1, 1, 0, 0] is three segments), and no scan or shift crosses
+    a segment start. ``backend``: see :mod:`mixer_plugins.kernels`.
     """
     b, l, *_ = check_generators("directional_scan", x, dt, A, B, C)
     check(chunk_size > 0, f"directional_scan: chunk_size must be positive, got {chunk_size}")
-    check_seq_idx("directional_scan", seq_idx, b, l)
+    seq_idx = check_seq_idx("directional_scan", seq_idx, b, l, x.device)  # normalised once, for every backend
     args = DirectionalScanArgs(x=x, dt=dt, A=A, B=B, C=C, reverse=reverse, shift=shift, chunk_size=chunk_size,
                                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=seq_idx)
     return resolve_backend("directional_scan", backend, x.device, args)(args)

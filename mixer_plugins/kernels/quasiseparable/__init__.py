@@ -68,7 +68,9 @@ def quasiseparable(
     shared-B,C form of the paper's quasiseparable mixer; Hydra passes separate ``*_bwd`` tensors.
 
     Shapes: x (b, l, h, p); dt, dt_bwd, diag (b, l, h); A, A_bwd, dt_bias (h,); B, C, B_bwd, C_bwd (b, l, g, n);
-    seq_idx (b, l): tokens interact only within a segment (neither the scans nor the shift cross one).
+    seq_idx (b, l) integer segment ids of packed sequences: a new segment starts wherever the id changes along
+    the row ([0, 0, 1, 1, 0, 0] is three segments; a reused id is a new segment); tokens interact only within a
+    segment (neither the scans nor the shift cross one). The same in every backend.
     ``backend``: see :mod:`mixer_plugins.kernels`.
     """
     check_generators("quasiseparable", x, dt, A, B, C)
@@ -81,7 +83,7 @@ def quasiseparable(
     if diag is not None:
         check(tuple(diag.shape) == (b, l, h), f"quasiseparable: diag must be (batch, length, heads) = {(b, l, h)}, "
                                               f"got {tuple(diag.shape)}")
-    check_seq_idx("quasiseparable", seq_idx, b, l)
+    seq_idx = check_seq_idx("quasiseparable", seq_idx, b, l, x.device)  # normalised once, for every backend
     check(chunk_size > 0, f"quasiseparable: chunk_size must be positive, got {chunk_size}")
     args = QuasiseparableArgs(x=x, dt=dt, A=A, B=B, C=C, dt_bwd=dt_bwd, A_bwd=A_bwd, B_bwd=B_bwd, C_bwd=C_bwd,
                               diag=diag, shift=shift, chunk_size=chunk_size, dt_bias=dt_bias,

@@ -67,7 +67,9 @@ def ssd(
 
     Args follow ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``: x (b, l, h, p), dt (b, l, h),
     A (h,), B and C (b, l, g, n), D (h,) or (h, p), z (b, l, h, p) (output gated by SiLU(z)), dt_bias (h,),
-    initial_states (b, h, p, n), seq_idx (b, l) (states reset where it changes; packed sequences).
+    initial_states (b, h, p, n), seq_idx (b, l) integer segment ids of packed sequences: a new segment starts
+    wherever the id changes along the row ([0, 0, 1, 1, 0, 0] is three segments; a reused id is a new segment),
+    and no state crosses a segment start. The same in every backend.
     Returns y (b, l, h, p), and the final states (b, h, p, n) when ``return_final_states``.
     ``backend``: see :mod:`mixer_plugins.kernels`.
     """
@@ -82,7 +84,7 @@ def ssd(
     if initial_states is not None:
         check(tuple(initial_states.shape) == (b, h, p, n),
               f"ssd: initial_states must be {(b, h, p, n)}, got {tuple(initial_states.shape)}")
-    check_seq_idx("ssd", seq_idx, b, l)
+    seq_idx = check_seq_idx("ssd", seq_idx, b, l, x.device)  # normalised once, for every backend
     args = SSDArgs(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                    initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    return_final_states=return_final_states)

@@ -23,7 +23,11 @@ def toeplitz_matrix(taps: Tensor, length: int) -> Tensor:
 
 
 def impl(args: ToeplitzArgs) -> Tensor:
-    matrix = toeplitz_matrix(args.taps, args.v.shape[1]).to(args.v.dtype)
+    length = args.v.shape[1]
+    matrix = toeplitz_matrix(args.taps, length).to(args.v.dtype)
+    if args.causal:  # keep j <= i by selection: the negative offsets are never read
+        idx = torch.arange(length, device=matrix.device)
+        matrix = torch.where(idx[:, None] >= idx[None, :], matrix, matrix.new_zeros(()))
     return torch.einsum("bhij,bjhp->bihp", matrix.expand(args.v.shape[0], -1, -1, -1), args.v)
 
 

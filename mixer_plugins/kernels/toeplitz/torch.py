@@ -1,7 +1,9 @@
 """``torch`` backend of :func:`..toeplitz_mix`: the product by FFT, ``y_i = sum_j c_{i-j} v_j``.
 
-The product is one real FFT convolution of size >= 2L - 1 (no wrap-around reaches the kept outputs):
-O(L log L) instead of O(L^2). It is a ``torch.library`` custom op with a FLOP formula, so
+Bidirectional: one real FFT convolution of size >= 2L - 1 (no wrap-around reaches the kept outputs):
+O(L log L) instead of O(L^2). Causal: :func:`.causal.causal_toeplitz` (direct tiles and FFTs whose inputs all
+precede their outputs, O(L log^2 L)), so that no round-off of a future token reaches a past output; its
+backward is the FFT backward of the bidirectional product with the negative taps zero. It is a ``torch.library`` custom op with a FLOP formula, so
 ``FlopCounterMode`` counts the FFTs (it counts no FFT by itself). Its outputs are contiguous, as its fake
 kernels say: the compiler plans memory from the fake kernels' strides.
 """
@@ -17,11 +19,12 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
+from .causal import CAUSAL_TILE, causal_toeplitz, toeplitz_causal_flops
 
 if TYPE_CHECKING:
     from . import ToeplitzArgs
 
-__all__ = ["toeplitz_fft", "toeplitz_fft_flops"]
+__all__ = ["toeplitz_causal", "toeplitz_fft", "toeplitz_fft_flops"]
 
 
 def _fft_size(length: int) -> int:
@@ -109,7 +112,41 @@ def _toeplitz_backward_flop_formula(grad_shape, taps_shape, v_shape, *args, out_
     return 2 * toeplitz_fft_flops(b, length, h, p, tap_batch=taps_shape[0])
 
 
+@torch.library.custom_op("mixer_plugins::toeplitz_causal", mutates_args=())
+def toeplitz_causal(taps: Tensor, v: Tensor) -> Tensor:
+    """``y_i = sum_{d <= i} taps[d] v_{i-d}``: taps (b|1, h, L) of offsets 0 .. L-1, v (b, L, h, p) -> (b, L, h, p);
+    output i sees nothing after position i (see :mod:`.causal`)."""
+    return causal_toeplitz(taps, v, tile=CAUSAL_TILE)
+
+
+@toeplitz_causal.register_fake
+def _toeplitz_causal_fake(taps, v):
+    return v.new_empty(v.shape)
+
+
+def _causal_backward(ctx, grad):
+    saved = saved_tensors(ctx)
+    taps, v = saved.taps, saved.v
+    length = v.shape[1]
+    full = torch.cat([taps.new_zeros(*taps.shape[:2], length - 1), taps], dim=-1)
+    grad_full, grad_v = toeplitz_fft_backward(grad.contiguous(), full, v)
+    return grad_full[..., length - 1:].contiguous(), grad_v
+
+
+toeplitz_causal.register_autograd(_causal_backward, setup_context=_setup)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.toeplitz_causal)
+def _toeplitz_causal_flop_formula(taps_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    b, length, h, p = v_shape
+    return toeplitz_causal_flops(b, length, h, p, tap_batch=taps_shape[0])
+
+
 def impl(args: ToeplitzArgs) -> Tensor:
+    if args.v.shape[0] == 0:  # an empty batch: nothing to convolve (the FFT rejects empty inputs)
+        return args.v.new_zeros(args.v.shape)
+    if args.causal:
+        return toeplitz_causal(args.taps[..., args.v.shape[1] - 1:].contiguous(), args.v)
     return toeplitz_fft(args.taps, args.v)
 
 
