@@ -22,9 +22,9 @@ from .plan import MLRPlan, Task
 
 __all__ = ["DEFAULT_BUDGET", "chunked_backward", "chunked_forward"]
 
-#: score elements of one chunk (the scratch buffer): 2^21 = 8 MiB in float32. Big enough that a chunk's ``bmm`` and
+#: score elements of one chunk (the scratch buffer): 2^22 = 16 MiB in float32. Big enough that a chunk's ``bmm`` and
 #: elementwise passes dwarf their Python overhead, small enough to stay near the caches.
-DEFAULT_BUDGET = 1 << 21
+DEFAULT_BUDGET = 1 << 22
 
 
 def _rows(t: Tensor, task: Task, lo: int, hi: int) -> Tensor:
@@ -81,8 +81,10 @@ def _scores(a: Tensor, kt: Tensor, scratch: Tensor, task: Task, lo: int, n: int,
 
 
 def chunked_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, plan: MLRPlan,
-                    budget: int = DEFAULT_BUDGET) -> tuple[Tensor, Tensor]:
-    """Output (B, H, L, P) and log-sum-exp (B, H, L) (float64 for float64 inputs, else float32)."""
+                    budget: int | None = None) -> tuple[Tensor, Tensor]:
+    """Output (B, H, L, P) and log-sum-exp (B, H, L) (float64 for float64 inputs, else float32); ``budget``: score
+    elements per chunk (None: :data:`DEFAULT_BUDGET`, read at call time)."""
+    budget = budget or DEFAULT_BUDGET
     batch, heads, length, _ = q.shape
     pv = v.shape[-1]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -93,20 +95,26 @@ def chunked_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, plan: 
         w = group.width
         for task in group.tasks:
             rows_per = _chunk_rows(task, batch * heads, budget)
+            kt_all = _flat(_keys(k, task, task.k_len)[..., :w])
+            vt_all = _flat(_keys(v, task, task.k_len))
             for lo in range(0, task.q_len, rows_per):
                 n = min(rows_per, task.q_len - lo)
                 k_len = min(task.k_len, lo + n) if task.causal else task.k_len  # later keys: all masked
-                kt = _flat(_keys(k, task, k_len)[..., :w])
-                vt = _flat(_keys(v, task, k_len))
+                kt, vt = kt_all[:, :k_len], vt_all[:, :k_len]
                 a = _flat(_rows(q, task, lo, lo + n)[..., :w] * group.scale)
                 shape5 = (batch, heads, task.count, n, k_len)
                 s = _scores(a, kt, scratch, task, lo, n, shape5, _key_bias(bias, task, k_len))
-                m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(s.dtype).min)  # all-masked rows: finite max
+                m = s.amax(-1, keepdim=True)
+                if bias is not None:  # rows whose keys are all pads: a finite max, then a zero sum
+                    m.clamp_(min=torch.finfo(s.dtype).min)
                 s.sub_(m).exp_()
                 total = s.sum(-1, keepdim=True)
                 o = torch.bmm(s, vt)
-                o.mul_(total.reciprocal().masked_fill_(total == 0, 0))
-                task_lse = (m + total.log()).to(lse_dtype)
+                if bias is not None:
+                    o.mul_(total.reciprocal().masked_fill_(total == 0, 0))
+                else:  # every row has an allowed key (its own, or all of them)
+                    o.div_(total)
+                task_lse = m.add_(total.log_()).to(lse_dtype)
                 _merge(_rows(out, task, lo, lo + n), _rows(lse[..., None], task, lo, lo + n)[..., 0],
                        o.view(batch, heads, task.count, n, pv), task_lse.view(batch, heads, task.count, n))
     return out, lse
@@ -122,8 +130,9 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
 
 
 def chunked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, out: Tensor, lse: Tensor,
-                     plan: MLRPlan, budget: int = DEFAULT_BUDGET) -> tuple[Tensor, Tensor, Tensor]:
+                     plan: MLRPlan, budget: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) given the final output and log-sum-exp of :func:`chunked_forward`."""
+    budget = budget or DEFAULT_BUDGET
     batch, heads, length, _ = q.shape
     pv = v.shape[-1]
     delta = (dout * out).sum(-1, keepdim=True).to(lse.dtype)  # (B, H, L, 1)
