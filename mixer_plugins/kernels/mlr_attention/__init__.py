@@ -13,8 +13,9 @@ scores only pairs inside a block::
 
 Backends (see :mod:`mixer_plugins.kernels._dispatch`): ``torch`` (tiled, flash-style, memory linear in the length;
 the default; a ``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` and ``torch.export``
-keep it whole and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized ``L x L`` oracle, float64-capable); ``triton`` (our fused
-kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA, chosen first there).
+keep it whole and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
+``L x L`` oracle, float64-capable); ``triton`` (our fused kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA,
+chosen first there).
 """
 
 from __future__ import annotations

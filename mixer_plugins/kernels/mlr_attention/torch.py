@@ -13,24 +13,27 @@ pairs are therefore split into **groups that share a level**:
 
 Levels whose block covers the whole sequence (``None``, or a size >= L) are merged into one global "parent".
 Every (query rectangle, key rectangle) of a group is a **task**, batched over the parents of the same shape (the
-last, partial parent and the last, partial child are tasks of their own). On the flash engine the global parent
-is cut dyadically (virtual levels of ``child * 2^k`` tokens, same width and scale), so a few large batched
-rectangles cover its pairs. A task returns its softmax-normalized output and log-sum-exp; the tasks are merged per
-query with log-sum-exp (as in flash attention's split-KV). Optionally (``leaf_max``, off by default) the levels
-inside small blocks are computed together, block by block, as one *leaf* group.
+last, partial parent and the last, partial child are tasks of their own). The global parent is cut dyadically
+(virtual levels of ``child * 2^k`` tokens, same width and scale), so a few large batched rectangles cover its pairs.
+A task returns its softmax-normalized output and log-sum-exp; the tasks are merged per query with log-sum-exp (as in
+flash attention's split-KV). The backward of a task uses the *final* output and log-sum-exp of the whole row, so
+each task's gradient is exactly its share of the full softmax's gradient (split-KV backward). Optionally
+(``leaf_max``, off by default, eager only) the levels inside small blocks are computed together, block by block, as
+one *leaf* group.
 
-Engines per task:
+Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else ``matmul``):
 
-* ``flash``: PyTorch's fused CPU flash-attention op (``_scaled_dot_product_flash_attention_for_cpu``, which
-  returns the log-sum-exp, and its backward). It needs equal q/k/v widths, so the group's keys keep their first
-  ``R_m`` features and are zero beyond (queries and values are shared by all groups, at width
-  ``max(head_dim, value width)``); FLOPs per pair are those of attention, but no ``L x L`` tensor exists and the
-  backward is the fused one. The backward of a task uses the *final* output and log-sum-exp of the whole row, so
-  each task's gradient is exactly its share of the full softmax's gradient (split-KV backward).
-* ``matmul``: plain batched matmuls per task at the group's own width ``R_m`` (any device, any dtype); its scores
-  exist one task at a time (``child x parent`` tokens), recomputed in the backward.
+* ``flash`` (the CPU default): PyTorch's fused CPU flash-attention op
+  (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp, and its backward). It needs equal
+  q/k/v widths, so the group's keys keep their first ``R_m`` features and are zero beyond (queries and values are
+  shared by all groups, at width ``max(head_dim, value width)``): it executes attention's FLOPs per pair, more than
+  the count (see :func:`mixer_plugins.kernels.mlr_attention.mlr_attention_flops`).
+* ``matmul``: :mod:`.chunked`, batched matmuls per task at the group's own width ``R_m`` (any device, any dtype), rows
+  in chunks whose scores fit one reused scratch buffer; no padding.
 
-One :class:`torch.autograd.Function` runs all tasks; it saves only q, k, v, the output and the log-sum-exp.
+Both run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
+``torch.compile`` and ``torch.export`` see one node and ``FlopCounterMode`` counts it by its registered formula (the
+paper's count, :func:`paper_flops`). It saves only q, k, v, the output and the log-sum-exp.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-
 from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
@@ -49,13 +51,13 @@ from .._library import save_tensors, saved_tensors
 from .chunked import chunked_backward, chunked_forward
 from .plan import LEAF_MAX, Group, MLRPlan, Task, plan_tasks  # noqa: F401  (re-exported)
 
-__all__ = ["MLRPlan", "Task", "mlr_attention_torch", "plan_tasks"]
+__all__ = ["AUTO_ENGINE", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops", "plan_tasks"]
 
 _FLASH_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 #: the engine ``engine="auto"`` picks where both can run (measured, see docs/structured_attention.md)
-AUTO_ENGINE = "matmul"
+AUTO_ENGINE = "flash"
 
 # -- engines: one task's (output, log-sum-exp) and its backward given the row's final output and log-sum-exp -------
 
