@@ -198,13 +198,9 @@ def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, pla
         bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device).masked_fill(~key_real, float("-inf"))
     out = torch.zeros(batch, length, heads, vw.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((batch, length, heads), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
-    keys = []  # each group's keys, kept for the backward (flash: a zero-padded copy per group)
-    for group, use_flash in zip(plan.groups, flash):
-        if group.inner is not None:
-            qg, kg = q, k
-        else:
-            qg, kg = _group_qk(qw, k, group, width if use_flash else None)
-        keys.append(kg)
+    keys = _group_keys(q, k, v, plan, flash)  # kept for the backward (flash: a zero-padded copy per group)
+    for group, use_flash, kg in zip(plan.groups, flash, keys):
+        qg = q if group.inner is not None else qw if use_flash else qw[..., : group.width]
         for task in group.tasks:
             args = _task_inputs(qg, kg, vw, bias, task)
             if group.inner is not None:
@@ -266,10 +262,17 @@ def _tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Ten
 
 
 def _group_keys(q: Tensor, k: Tensor, v: Tensor, plan: MLRPlan, flash: tuple[bool, ...]) -> list[Tensor]:
-    """The group keys :func:`_tiled_forward` returns, rebuilt (cheap: one padded copy of ``k`` per flash group)."""
+    """Each group's keys: the flash groups' as one zero-padded stack (a single ``where``: the keys of group ``m``
+    keep their first ``R_m`` features), the matmul groups' as views of their first ``R_m``, the leaf's all."""
     width = max(q.shape[-1], v.shape[-1]) if any(flash) else None
-    return [k if g.inner is not None else _group_qk(q, k, g, width if f else None)[1]
-            for g, f in zip(plan.groups, flash)]
+    stack = None
+    if width:
+        kw = _pad(k, width)
+        widths = torch.tensor([g.width for g in plan.groups], device=k.device)
+        keep = torch.arange(width, device=k.device) < widths[:, None]  # (groups, width)
+        stack = torch.where(keep[:, None, None, None, :], kw[None], torch.zeros((), dtype=k.dtype, device=k.device))
+    return [k if g.inner is not None else stack[i] if f else k[..., : g.width]
+            for i, (g, f) in enumerate(zip(plan.groups, flash))]
 
 
 class _TiledMLR(torch.autograd.Function):
@@ -297,14 +300,6 @@ def _pad(t: Tensor, width: int) -> Tensor:
     if t.shape[-1] == width:
         return t.contiguous()
     return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-
-
-def _group_qk(qw: Tensor, k: Tensor, group: Group, width: int | None) -> tuple[Tensor, Tensor]:
-    """The group's queries and keys: the first ``group.width`` features (flash: keys zero beyond, full width)."""
-    if width is None:
-        return qw[..., : group.width], k[..., : group.width]
-    kg = torch.nn.functional.pad(k[..., : group.width], (0, width - group.width))
-    return qw, kg
 
 
 def _task_inputs(qg, kg, vw, bias, task: Task):
