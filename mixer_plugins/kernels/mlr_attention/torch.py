@@ -185,7 +185,7 @@ def _kernel_layout(t: Tensor) -> Tensor:
 def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, plan: MLRPlan,
                    flash: tuple[bool, ...]) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Per-task engines (flash, per-task matmul, leaf): output at the padded value width, log-sum-exp (B, L, H),
-    and each group's keys (flash: a zero-padded copy), for :func:`_tiled_backward`.
+    for :func:`_tiled_backward`.
 
     q (B, L, H, Dh) (level scales applied), k (B, L, H, Dh), v (B, L, H, P); key_real bool (B, L) or None; flash:
     per group, whether it runs on the flash engine."""
@@ -198,8 +198,8 @@ def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, pla
         bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device).masked_fill(~key_real, float("-inf"))
     out = torch.zeros(batch, length, heads, vw.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((batch, length, heads), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
-    keys = _group_keys(q, k, v, plan, flash)  # kept for the backward (flash: a zero-padded copy per group)
-    for group, use_flash, kg in zip(plan.groups, flash, keys):
+    for group, use_flash in zip(plan.groups, flash):
+        kg = _group_key(k, group, use_flash, width)  # one group at a time: the allocator reuses its buffer
         qg = q if group.inner is not None else qw if use_flash else qw[..., : group.width]
         for task in group.tasks:
             args = _task_inputs(qg, kg, vw, bias, task)
@@ -215,12 +215,12 @@ def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, pla
                    _parents(lse, task)[:, :, task.q0: task.q0 + task.q_len],
                    o.transpose(1, 2).unflatten(0, (batch, task.count)),
                    l.transpose(1, 2).unflatten(0, (batch, task.count)).to(lse.dtype))
-    return out, lse, keys
+    return out, lse
 
 
 def _tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, out: Tensor, lse: Tensor,
-                    plan: MLRPlan, flash: tuple[bool, ...], keys: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`_tiled_forward` given its (padded) output, log-sum-exp and group keys."""
+                    plan: MLRPlan, flash: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_tiled_forward` given its (padded) output and log-sum-exp."""
     batch, length, heads, dh = q.shape
     pv = v.shape[-1]
     width = max(dh, pv) if any(flash) else None
@@ -234,7 +234,8 @@ def _tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Ten
     dq = torch.zeros_like(qw)
     dk = torch.zeros(batch, length, heads, qw.shape[-1], dtype=q.dtype, device=q.device)
     dv = torch.zeros_like(vw)
-    for group, use_flash, kg in zip(plan.groups, flash, keys):
+    for group, use_flash in zip(plan.groups, flash):
+        kg = _group_key(k, group, use_flash, width)
         leaf = group.inner is not None
         qg = q if leaf else qw if use_flash else qw[..., : group.width]
         gw = qg.shape[-1]
@@ -261,18 +262,14 @@ def _tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Ten
     return dq[..., :dh], dk[..., :dh], dv[..., :pv]
 
 
-def _group_keys(q: Tensor, k: Tensor, v: Tensor, plan: MLRPlan, flash: tuple[bool, ...]) -> list[Tensor]:
-    """Each group's keys: the flash groups' as one zero-padded stack (a single ``where``: the keys of group ``m``
-    keep their first ``R_m`` features), the matmul groups' as views of their first ``R_m``, the leaf's all."""
-    width = max(q.shape[-1], v.shape[-1]) if any(flash) else None
-    stack = None
-    if width:
-        kw = _pad(k, width)
-        widths = torch.tensor([g.width for g in plan.groups], device=k.device)
-        keep = torch.arange(width, device=k.device) < widths[:, None]  # (groups, width)
-        stack = torch.where(keep[:, None, None, None, :], kw[None], torch.zeros((), dtype=k.dtype, device=k.device))
-    return [k if g.inner is not None else stack[i] if f else k[..., : g.width]
-            for i, (g, f) in enumerate(zip(plan.groups, flash))]
+def _group_key(k: Tensor, group: Group, use_flash: bool, width: int | None) -> Tensor:
+    """A group's keys: all of them (leaf), the first ``R_m`` features (matmul), or those zero-padded to ``width``
+    (flash: the kernel's one width; a copy per group, made when the group runs so that its buffer is reused)."""
+    if group.inner is not None:
+        return k
+    if not use_flash:
+        return k[..., : group.width]
+    return torch.nn.functional.pad(k[..., : group.width], (0, width - group.width))
 
 
 class _TiledMLR(torch.autograd.Function):
@@ -280,16 +277,16 @@ class _TiledMLR(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_real, plan, flash):
-        out, lse, keys = _tiled_forward(q, k, v, key_real, plan, flash)
+        out, lse = _tiled_forward(q, k, v, key_real, plan, flash)
         ctx.save_for_backward(q, k, v, key_real, out, lse)
-        ctx.plan, ctx.flash, ctx.keys = plan, flash, keys
+        ctx.plan, ctx.flash = plan, flash
         pv = v.shape[-1]
         return out[..., :pv].contiguous() if out.shape[-1] != pv else out.clone()
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, key_real, out, lse = ctx.saved_tensors
-        return (*_tiled_backward(dout, q, k, v, key_real, out, lse, ctx.plan, ctx.flash, ctx.keys), None, None, None)
+        return (*_tiled_backward(dout, q, k, v, key_real, out, lse, ctx.plan, ctx.flash), None, None, None)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -362,7 +359,7 @@ def mlr_attention_tiled(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tens
     if engine == "matmul":
         out, lse = chunked_forward(_head_major(q), _head_major(k), _head_major(v), _key_bias(key_real, q.dtype), plan)
         return _head_major(out), _head_major(lse)
-    out, lse, _ = _tiled_forward(q, k, v, key_real, plan, (True,) * len(plan.groups))
+    out, lse = _tiled_forward(q, k, v, key_real, plan, (True,) * len(plan.groups))
     return out[..., : v.shape[-1]].contiguous(), lse
 
 
@@ -385,8 +382,7 @@ def mlr_attention_tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
         return tuple(_head_major(g) for g in grads)
     flash = (True,) * len(plan.groups)
     width = max(q.shape[-1], v.shape[-1])
-    return _tiled_backward(dout, q, k, v, key_real, _pad(out, width), lse, plan, flash,
-                           _group_keys(q, k, v, plan, flash))
+    return _tiled_backward(dout, q, k, v, key_real, _pad(out, width), lse, plan, flash)
 
 
 @mlr_attention_tiled_backward.register_fake
