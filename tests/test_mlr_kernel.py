@@ -299,6 +299,9 @@ def test_executed_flops_of_the_engines():
         if pairs:
             assert flash == {"scores": 2 * pairs * 8, "weighted_values": 2 * pairs * 8}
         assert matmul["scores"] < flash["scores"] and matmul["weighted_values"] == flash["weighted_values"]
+    with pytest.warns(DeprecationWarning, match="executed"):
+        old = mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, engine="flash")
+    assert old == mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, executed="flash")
     with pytest.raises(ValueError, match="executed"):
         mlr_attention_flops(1, 1, 8, ranks=[2], block_sizes=[None], value_width=2, executed="cuda")
 

@@ -20,6 +20,7 @@ chosen first there).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -125,7 +126,7 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
 
 def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], value_width: int, causal: bool = False,
-                        executed: str | None = None) -> dict[str, int]:
+                        executed: str | None = None, engine: str | None = None) -> dict[str, int]:
     """Forward FLOPs (2 per multiply-add) of :func:`mlr_attention`: ``{"scores": ..., "weighted_values": ...}``.
 
     By default the count ``FlopCounterMode`` reports for the op (its registered formula) and the ``mlr_attention``
@@ -136,8 +137,13 @@ def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[
     ``executed="flash"`` or ``"matmul"``: what that engine of the ``torch`` backend actually multiplies (every task a
     full rectangle, causal pairs only). ``flash`` takes one width for q, k and v, so each computed pair costs
     ``max(sum(ranks), value_width)`` for its score and as many for its value (the padding); ``matmul`` costs the
-    group's own width ``r_0 + ... + r_m`` and ``value_width``.
+    group's own width ``r_0 + ... + r_m`` and ``value_width``. (``engine=``: the former name of ``executed``,
+    deprecated.)
     """
+    if engine is not None:
+        warnings.warn("mlr_attention_flops(engine=...) is now executed=...; without it the function returns the "
+                      "counted (paper) FLOPs", DeprecationWarning, stacklevel=2)
+        executed = executed or engine
     if executed is None:
         return paper_flops(batch, heads, length, list(ranks), list(block_sizes), value_width)
     if executed not in ("flash", "matmul"):
