@@ -254,17 +254,94 @@ def test_argument_checks():
         mlr_attention_torch(q.half(), k.half(), v.half(), scales=[0.5, 0.5], engine="flash", **ok)
 
 
+def _paper_count(batch, heads, length, ranks, sizes, value_width):
+    """Independent of the op: per (query, key) pair of the L x L matrix, the features of every level whose block
+    holds both (from dense same-block masks), and ``value_width`` for ``A V``; 2 FLOPs per multiply-add."""
+    from mixer_plugins.kernels.mlr_attention.reference import same_block_mask
+
+    macs = sum(r * int(same_block_mask(length, s).sum()) for r, s in zip(ranks, sizes))
+    return 2 * batch * heads * macs, 2 * batch * heads * length * length * value_width
+
+
 @pytest.mark.parametrize("engine", ["flash", "matmul"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
-def test_flops_match_the_flop_counter(engine, causal):
+@pytest.mark.parametrize("levels", [0, 1, 2])
+def test_flops_match_the_flop_counter(engine, causal, levels):
+    """FlopCounterMode counts the op by its registered formula: the paper's count (each pair the features of the
+    levels it shares; causal not subtracted, as PyTorch's SDPA formula), whatever the engine executes; forward and
+    backward (3x the score FLOPs and 2x the value FLOPs, PyTorch's convention for attention)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import mixer_plugins.kernels  # noqa: F401  (registers the CPU flash formulas)
-
-    ranks, sizes = LEVELS[0]
-    q, k, v = (t.float() for t in _inputs(2, 45, 3, ranks, 8))
+    ranks, sizes = LEVELS[levels]
+    q, k, v = (t.float().requires_grad_(True) for t in _inputs(2, 45, 3, ranks, 8))
+    mask = _right_mask(2, 45, [45, 30])
+    kw = dict(ranks=ranks, block_sizes=sizes, scales=[1.0] * len(ranks), causal=causal, mask=mask, engine=engine)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=[1.0] * 4, causal=causal, engine=engine)
-    expected = mlr_attention_flops(2, 3, 45, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal,
-                                   engine=engine)
-    assert counter.get_total_flops() == sum(expected.values())
+        mlr_attention_torch(q, k, v, **kw)
+    scores, values = _paper_count(2, 3, 45, ranks, sizes, 8)
+    expected = mlr_attention_flops(2, 3, 45, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal)
+    assert expected == {"scores": scores, "weighted_values": values}
+    assert counter.get_total_flops() == scores + values
+    with FlopCounterMode(display=False) as counter:
+        mlr_attention_torch(q, k, v, **kw).sum().backward()
+    assert counter.get_total_flops() == 4 * scores + 3 * values
+
+
+def test_executed_flops_of_the_engines():
+    """What the engines really multiply (documented): flash pads every pair to the head width, matmul does not."""
+    ranks, sizes = LEVELS[0]
+    for causal in (False, True):
+        flash = mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal,
+                                    executed="flash")
+        matmul = mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal,
+                                     executed="matmul")
+        pairs = 64 * 64 if not causal else None
+        if pairs:
+            assert flash == {"scores": 2 * pairs * 8, "weighted_values": 2 * pairs * 8}
+        assert matmul["scores"] < flash["scores"] and matmul["weighted_values"] == flash["weighted_values"]
+    with pytest.warns(DeprecationWarning, match="executed"):
+        old = mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, engine="flash")
+    assert old == mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, executed="flash")
+    with pytest.raises(ValueError, match="executed"):
+        mlr_attention_flops(1, 1, 8, ranks=[2], block_sizes=[None], value_width=2, executed="cuda")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("levels", [0, 1, 4, 5])
+def test_matmul_engine_in_small_chunks(monkeypatch, causal, levels):
+    """The chunked engine with a tiny score budget (many row chunks per task, chunks of one row wider than the
+    budget, causal chunks that skip their masked keys) still equals the reference, values and gradients."""
+    from mixer_plugins.kernels.mlr_attention import chunked
+
+    monkeypatch.setattr(chunked, "DEFAULT_BUDGET", 40)
+    ranks, sizes = LEVELS[levels]
+    length = 41
+    mask = _right_mask(3, length, [41, 26, 3])
+    q, k, v = _inputs(3, length, 2, ranks, 5, seed=11)
+    kw = dict(ranks=ranks, block_sizes=sizes, scales=[0.5 / r for r in ranks], causal=causal, mask=mask)
+    ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, engine="matmul", **kw), (q, k, v))
+    _close(out, ref, 1e-12)
+    for g, rg in zip(grads, ref_grads):
+        _close(g, rg, 1e-12)
+
+
+def test_custom_op_exports_as_one_node():
+    """The op is one ``torch.library`` custom op: ``torch.export`` records it as a single node (no graph of its
+    Python loops); the exported program gives the eager values. (``torch.compile(fullgraph=True)`` of the mixer, which
+    runs the op, is tests/test_compile.py.)"""
+    ranks, sizes = LEVELS[0]
+    mask = _right_mask(2, 19, [19, 11])
+    q, k, v = (t.float() for t in _inputs(2, 19, 2, ranks, 4, seed=4))
+
+    def fn(q, k, v, mask):
+        return mlr_attention(q, k, v, ranks=ranks, block_sizes=sizes, causal=True, mask=mask, backend="torch")
+
+    class Wrap(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return fn(q, k, v, mask)
+
+    program = torch.export.export(Wrap(), (q, k, v, mask))
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert sum("mlr_attention_tiled" in t for t in targets) == 1, targets
+    torch.testing.assert_close(program.module()(q, k, v, mask), fn(q, k, v, mask))

@@ -648,3 +648,108 @@ def test_attention_dropout_drops_the_weights_in_training_only(name):
 def test_link_and_dropout_options_are_validated(name, options, message):
     with pytest.raises(mp.InvalidMixerOptions, match=message):
         mp.create_mixer(name, 32, num_heads=2, **options)
+
+
+# -- the mixer runs the tiled MLR op (issue 14, item 4) ----------------------------------------------------------------
+
+MLR_TILED_CASES = [
+    dict(ranks=[8, 4, 2, 2], block_sizes=[None, 8, 4, 2]),
+    dict(ranks=[8, 4, 2, 2], block_sizes=[12, 6, 3, 1], block_divide=False, divide_by_levels=True),
+    dict(ranks=[4, 4, 4, 4], min_block_size=3, logit_scaling="standard", logit_multiplier=2.0),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("case", range(len(MLR_TILED_CASES)))
+@pytest.mark.parametrize("length", [1, 23, 37])
+def test_mlr_mixer_tiled_equals_the_materialized_path(case, causal, length):
+    """The mixer's forward (the tiled op) equals the materialized L x L path (``forward_via_matrix``, the
+    independent reference) in float64 to 1e-12, values and gradients of the input and of every parameter; right
+    padding with NaN in the pads changes no real output or gradient."""
+    torch.manual_seed(case)
+    mixer = make("mlr_attention", causal=causal, num_heads=2, **MLR_TILED_CASES[case]).train()
+    assert mixer.uses_tiled_op()
+    with torch.no_grad():
+        mixer.q_norm.weight.uniform_(0.5, 1.5)  # muP zero-initialises it: scores would all be 0
+    x = randn(3, length, 32, seed=length)
+    mask = right_padded([length, max(1, length - 7), 1], length)
+    nan_x = x.masked_fill(~mask[..., None], float("nan"))
+    params = list(mixer.parameters())
+    cot = randn(3, length, 32, seed=99)
+
+    def run(fn, inp):
+        xr = inp.clone().requires_grad_(True)
+        out = fn(xr, mask=mask)
+        grads = torch.autograd.grad(out, [xr, *params], cot)
+        return out.detach(), [torch.nan_to_num(grads[0].masked_fill(~mask[..., None], 0)), *grads[1:]]
+
+    tiled, tiled_grads = run(mixer, nan_x)
+    dense, dense_grads = run(mixer.forward_via_matrix, x)
+    assert torch.isfinite(tiled).all()
+    torch.testing.assert_close(tiled, dense, rtol=0, atol=1e-12)
+    for g, dg in zip(tiled_grads, dense_grads):
+        torch.testing.assert_close(g, dg, rtol=0, atol=1e-12)
+
+
+def test_mlr_mixer_builds_no_quadratic_tensor():
+    """Forward and backward of the mixer never hold an L x L tensor per head (the former mix built one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    length = 1024
+    mixer = mp.create_mixer("mlr_attention", 32, num_heads=2, ranks=[8, 4, 2, 2], block_sizes=[None, 64, 32, 16],
+                            causal=True)
+    x = torch.randn(1, length, 32, requires_grad=True)
+    with Largest() as probe:
+        mixer(x).sum().backward()
+    assert probe.largest < length * length, probe.largest
+    with Largest() as probe, torch.no_grad():
+        mixer.mix_materialized(mixer.prepare(x, None))
+    assert probe.largest >= 2 * length * length  # the probe sees the materialized path's (1, 2, L, L)
+
+
+def test_mlr_dropout_and_identity_link_fall_back_to_the_materialized_path():
+    """The op has no dropout and no identity link: attention dropout in training mode (only then) and the identity
+    link take the materialized path, which applies them."""
+    x = randn(2, 13, 32)
+    mixer = make("mlr_attention", num_heads=2, ranks=[8, 4, 2, 2], block_sizes=[None, 8, 4, 2], attn_dropout=0.5)
+    with torch.no_grad():
+        mixer.q_norm.weight.fill_(1.0)
+    assert mixer.uses_tiled_op()  # eval: no dropout
+    torch.testing.assert_close(mixer(x), mixer.forward_via_matrix(x), rtol=0, atol=1e-12)
+    mixer.train()
+    assert not mixer.uses_tiled_op()
+    torch.manual_seed(0)
+    a = mixer(x)
+    torch.manual_seed(0)
+    b = mixer.forward_via_matrix(x)  # the matrix path applies the same dropout draw
+    torch.manual_seed(1)
+    c = mixer(x)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert not torch.allclose(a, c)  # dropout is active
+    identity = make("mlr_attention", num_heads=2, ranks=[8, 4, 2, 2], block_sizes=[None, 8, 4, 2],
+                    link_function="identity", causal=True)
+    assert not identity.uses_tiled_op()
+    torch.testing.assert_close(identity(x), identity.forward_via_matrix(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mlr_mixer_forward_backward_flops_are_counted(causal):
+    """Forward+backward of the mixer under FlopCounterMode: the projections' (3x forward) plus the op's backward
+    formula (3x the score and 2x the value FLOPs, as PyTorch counts attention's backward)."""
+    mixer = mp.create_mixer("mlr_attention", 64, causal=causal, **FLOP_CASES["mlr_attention"])
+    x = torch.randn(2, 45, 64, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        mixer(x).sum().backward()
+    parts = mixer.flops_breakdown(2, 45)
+    expected = 3 * (parts["qkv_proj"] + parts["out_proj"]) + 4 * parts["scores"] + 3 * parts["weighted_values"]
+    assert counter.get_total_flops() == expected

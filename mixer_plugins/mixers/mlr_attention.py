@@ -16,10 +16,15 @@ a block), so a token's blocks never depend on the sequence length or on padding.
 level 0 global and then halving down to ``min_block_size`` at the last level: with 8 levels and 8 tokens that is the
 paper's ``1024, 512, ..., 8`` at its training length 1024.
 
-Scores are computed **block by block**: one dense product for the global level(s), and for each finer level one
-batched product per block, added in place into the diagonal blocks; so score FLOPs are ``T * sum_l s_l * r_l`` per
-head (``L^2 * sum_l r_l 2^-l`` with halving blocks) instead of ``L^2 * head_dim``. No dense ``L x L`` matrix is built
-per level; the summed scores, the softmax and ``A V`` remain one dense ``L x L`` per head (the softmax is global).
+The forward runs the tiled op :func:`mixer_plugins.kernels.mlr_attention` (flash-style: the pairs are grouped by the
+levels they share, each group's scores computed at its own width and merged by log-sum-exp; memory linear in the
+length, no ``L x L`` tensor). Score FLOPs are ``T * sum_l s_l * r_l`` per head (``L^2 * sum_l r_l 2^-l`` with
+halving blocks) instead of ``L^2 * head_dim``, as ``FlopCounterMode`` counts them (the op's registered formula).
+
+The op has neither dropout nor the identity link: with ``attn_dropout > 0`` in training mode, or
+``link_function="identity"``, the mixer falls back to the materialized path (:meth:`MLRAttention.scores`: block by
+block into one dense ``L x L`` per head, then the link, dropout and ``A V``), which is also what
+:meth:`~MLRAttention.logits` returns.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
+from ..kernels import mlr_attention
 from ..layers.masks import dense_allowed
 from ..registry.spec import MixerSpec
 from ._softmax_common import (
@@ -269,7 +275,20 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             scores = self._add_blocks(scores, q_seg, k_seg, sizes, level + 1)
         return scores
 
+    def uses_tiled_op(self) -> bool:
+        """Whether :meth:`mix` runs the tiled op (memory linear in L) rather than the materialized ``L x L`` path: it
+        does unless dropout is active (``attn_dropout > 0`` in training mode) or the link is ``"identity"``."""
+        return self.link_function == "softmax" and not (self.attn_dropout and self.training)
+
     def mix(self, ctx: QKContext) -> Tensor:
+        if self.uses_tiled_op():
+            return mlr_attention(ctx.q, ctx.k, ctx.values, ranks=self.ranks, block_sizes=self.block_sizes,
+                                 scales=self.level_scales, causal=self.causal, mask=ctx.mask,
+                                 block_divide=self.block_divide)
+        return self.mix_materialized(ctx)
+
+    def mix_materialized(self, ctx: QKContext) -> Tensor:
+        """The materialized path: blocked scores into one dense ``L x L`` per head, link, dropout, ``A V``."""
         probs = self._weights(self.scores(ctx), ctx.mask)
         return torch.einsum("bhij,bjhp->bihp", probs, ctx.values)
 

@@ -12,12 +12,15 @@ scores only pairs inside a block::
 ``v``. Blocks must nest: each size divides the previous one, global levels come first.
 
 Backends (see :mod:`mixer_plugins.kernels._dispatch`): ``torch`` (tiled, flash-style, memory linear in the length;
-the default), ``reference`` (the materialized ``L x L`` oracle, float64-capable); ``triton`` (our fused
-kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA, chosen first there).
+the default; a ``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` and ``torch.export``
+keep it whole and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
+``L x L`` oracle, float64-capable); ``triton`` (our fused kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA,
+chosen first there).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -26,13 +29,14 @@ from torch import Tensor
 
 from .._dispatch import discover_backends, resolve_backend
 from .reference import mlr_attention_reference
-from .torch import mlr_attention_torch, plan_tasks
+from .torch import mlr_attention_tiled, mlr_attention_torch, paper_flops, plan_tasks
 
 __all__ = [
     "check_mlr_arguments",
     "mlr_attention",
     "mlr_attention_flops",
     "mlr_attention_reference",
+    "mlr_attention_tiled",
     "mlr_attention_torch",
     "plan_tasks",
 ]
@@ -86,7 +90,8 @@ def check_mlr_arguments(q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int],
             raise ValueError(f"mask must have shape (batch, length) = {tuple(q.shape[:2])}, got {tuple(mask.shape)}")
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q on {q.device}")
-        if mask.shape[1] > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+        # data-dependent: checked in eager only (under torch.compile / torch.export it would break the graph)
+        if not _torch.compiler.is_compiling() and mask.shape[1] > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
             raise ValueError("mask must be right-padded: True on the real tokens, then False on the pads")
     return ranks, [None if s is None else int(s) for s in sizes], scales
 
@@ -121,17 +126,30 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
 
 def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], value_width: int, causal: bool = False,
-                        engine: str = "flash") -> dict[str, int]:
-    """Forward FLOPs (2 per multiply-add) the ``torch`` backend runs, as ``FlopCounterMode`` counts them:
-    ``{"scores": ..., "weighted_values": ...}``.
+                        executed: str | None = None, engine: str | None = None) -> dict[str, int]:
+    """Forward FLOPs (2 per multiply-add) of :func:`mlr_attention`: ``{"scores": ..., "weighted_values": ...}``.
 
-    Every task is a full rectangle (diagonal blocks included). ``engine="flash"`` (the CPU default): the fused
-    kernel takes one width for q, k and v, so each computed pair costs ``max(sum(ranks), value_width)`` multiply-adds
-    for its score and as many for its value; ``"matmul"``: the group's own width ``r_0 + ... + r_m`` and
-    ``value_width``.
+    By default the count ``FlopCounterMode`` reports for the op (its registered formula) and the ``mlr_attention``
+    mixer's ``flops``: the math of the definition, as attention kernels are counted (useful FLOPs, not padding).
+    Each (query, key) pair of the ``L x L`` matrix costs the features of the levels whose block holds both, plus
+    ``value_width`` for ``A V``; causal masking is not subtracted (PyTorch's SDPA formula does not either).
+
+    ``executed="flash"`` or ``"matmul"``: what that engine of the ``torch`` backend actually multiplies (every task a
+    full rectangle, causal pairs only). ``flash`` takes one width for q, k and v, so each computed pair costs
+    ``max(sum(ranks), value_width)`` for its score and as many for its value (the padding); ``matmul`` costs the
+    group's own width ``r_0 + ... + r_m`` and ``value_width``. (``engine=``: the former name of ``executed``,
+    deprecated.)
     """
-    flash = engine == "flash"
-    plan = plan_tasks(length, list(ranks), list(block_sizes), causal=causal, block_divide=True, dyadic=flash)
+    if engine is not None:
+        warnings.warn("mlr_attention_flops(engine=...) is now executed=...; without it the function returns the "
+                      "counted (paper) FLOPs", DeprecationWarning, stacklevel=2)
+        executed = executed or engine
+    if executed is None:
+        return paper_flops(batch, heads, length, list(ranks), list(block_sizes), value_width)
+    if executed not in ("flash", "matmul"):
+        raise ValueError(f"executed must be None, 'flash' or 'matmul', got {executed!r}")
+    flash = executed == "flash"
+    plan = plan_tasks(length, list(ranks), list(block_sizes), causal=causal, block_divide=True, dyadic=True)
     width = max(sum(ranks), value_width)
     scores = values = 0
     for group in plan.groups:

@@ -13,165 +13,51 @@ pairs are therefore split into **groups that share a level**:
 
 Levels whose block covers the whole sequence (``None``, or a size >= L) are merged into one global "parent".
 Every (query rectangle, key rectangle) of a group is a **task**, batched over the parents of the same shape (the
-last, partial parent and the last, partial child are tasks of their own). On the flash engine the global parent
-is cut dyadically (virtual levels of ``child * 2^k`` tokens, same width and scale), so a few large batched
-rectangles cover its pairs. A task returns its softmax-normalized output and log-sum-exp; the tasks are merged per
-query with log-sum-exp (as in flash attention's split-KV). Optionally (``leaf_max``, off by default) the levels
-inside small blocks are computed together, block by block, as one *leaf* group.
+last, partial parent and the last, partial child are tasks of their own). The global parent is cut dyadically
+(virtual levels of ``child * 2^k`` tokens, same width and scale), so a few large batched rectangles cover its pairs.
+A task returns its softmax-normalized output and log-sum-exp; the tasks are merged per query with log-sum-exp (as in
+flash attention's split-KV). The backward of a task uses the *final* output and log-sum-exp of the whole row, so
+each task's gradient is exactly its share of the full softmax's gradient (split-KV backward). Optionally
+(``leaf_max``, off by default, eager only) the levels inside small blocks are computed together, block by block, as
+one *leaf* group.
 
-Engines per task:
+Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else ``matmul``):
 
-* ``flash``: PyTorch's fused CPU flash-attention op (``_scaled_dot_product_flash_attention_for_cpu``, which
-  returns the log-sum-exp, and its backward). It needs equal q/k/v widths, so the group's keys keep their first
-  ``R_m`` features and are zero beyond (queries and values are shared by all groups, at width
-  ``max(head_dim, value width)``); FLOPs per pair are those of attention, but no ``L x L`` tensor exists and the
-  backward is the fused one. The backward of a task uses the *final* output and log-sum-exp of the whole row, so
-  each task's gradient is exactly its share of the full softmax's gradient (split-KV backward).
-* ``matmul``: plain batched matmuls per task at the group's own width ``R_m`` (any device, any dtype); its scores
-  exist one task at a time (``child x parent`` tokens), recomputed in the backward.
+* ``flash`` (the CPU default): PyTorch's fused CPU flash-attention op
+  (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp, and its backward). It needs equal
+  q/k/v widths, so the group's keys keep their first ``R_m`` features and are zero beyond (queries and values are
+  shared by all groups, at width ``max(head_dim, value width)``): it executes attention's FLOPs per pair, more than
+  the count (see :func:`mixer_plugins.kernels.mlr_attention.mlr_attention_flops`).
+* ``matmul``: :mod:`.chunked`, batched matmuls per task at the group's own width ``R_m`` (any device, any dtype), rows
+  in chunks whose scores fit one reused scratch buffer; no padding.
 
-One :class:`torch.autograd.Function` runs all tasks; it saves only q, k, v, the output and the log-sum-exp.
+Both run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
+``torch.compile`` and ``torch.export`` see one node and ``FlopCounterMode`` counts it by its registered formula (the
+paper's count, :func:`paper_flops`). It saves only q, k, v, the output and the log-sum-exp.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
+from .._library import save_tensors, saved_tensors
+from .chunked import chunked_backward, chunked_forward
+from .plan import LEAF_MAX, Group, MLRPlan, Task, plan_tasks  # noqa: F401  (re-exported)
 
-__all__ = ["MLRPlan", "Task", "mlr_attention_torch", "plan_tasks"]
+__all__ = ["AUTO_ENGINE", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops", "plan_tasks"]
 
 _FLASH_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-#: blocks of at most this many tokens, with their finer levels, form one leaf group (see :func:`plan_tasks`). Off
-#: (0) by default: on CPU the leaf's per-block matmuls and elementwise passes measured slower than one flash group
-#: per level (L=4096, paper levels: leaf of 64 2.1-2.4 s against 1.3-1.5 s for the four groups it replaces).
-LEAF_MAX = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """Queries ``[q0, q0 + q_len)`` against keys ``[k0, k0 + k_len)`` inside each of ``count`` parents of ``plen``
-    tokens starting at ``start`` (parent ``p`` covers ``[start + p * plen, start + (p + 1) * plen)``)."""
-
-    start: int
-    count: int
-    plen: int
-    q0: int
-    q_len: int
-    k0: int
-    k_len: int
-    causal: bool  # only for diagonal tasks (q range == k range): key <= query inside the task
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """Pairs sharing exactly levels ``0..level`` (``level == -1``: none): feature width and scale of their score."""
-
-    level: int
-    width: int
-    scale: float
-    tasks: tuple[Task, ...]
-    #: a *leaf* group (not None) covers every pair inside the level-``level`` blocks, finer levels included, with
-    #: matmuls on each block: per finer level ``l``, (first feature, end feature, block size).
-    inner: Optional[tuple[tuple[int, int, int], ...]] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class MLRPlan:
-    length: int
-    groups: tuple[Group, ...]
-    block_divide: bool = True
-
-    def pairs(self) -> int:
-        """(query, key) pairs computed per (batch, head): the causal pairs or all ``L^2``."""
-        return sum(t.count * t.q_len * (t.k_len + 1) // 2 if t.causal else t.count * t.q_len * t.k_len
-                   for g in self.groups for t in g.tasks)
-
-    def score_macs(self) -> int:
-        """Multiply-adds of the scores at the groups' own widths, per (batch, head)."""
-        return sum((t.count * t.q_len * (t.k_len + 1) // 2 if t.causal else t.count * t.q_len * t.k_len) * g.width
-                   for g in self.groups for t in g.tasks)
-
-
-def _segments(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
-    """``[start, end)`` as (start, count, length) runs: the full pieces of ``size`` and the partial last one."""
-    full, rem = divmod(end - start, size)
-    runs = []
-    if full:
-        runs.append((start, full, size))
-    if rem:
-        runs.append((start + full * size, 1, rem))
-    return runs
-
-
-def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional[int]], *, causal: bool,
-               block_divide: bool, dyadic: bool = True, leaf_max: int = LEAF_MAX) -> MLRPlan:
-    """The groups and tasks that cover every allowed (query, key) pair of a length-``length`` sequence once.
-
-    ``dyadic``: cover the global parent with a few large rectangles (halving virtual levels) instead of one query
-    tile per child (the flash engine never materializes a rectangle's scores; the matmul engine does, so it keeps
-    rectangles of ``child x length``). Levels inside blocks of at most ``leaf_max`` tokens are computed together,
-    block by block (a leaf group), instead of one group per level: their blocks are too small to repay a group."""
-    sizes = [None if s is None or s >= length else int(s) for s in block_sizes]
-    n = len(sizes)
-    num_global = next((i for i, s in enumerate(sizes) if s is not None), n)
-    widths = [sum(ranks[: m + 1]) for m in range(n)]
-
-    def divisor(m: int) -> float:
-        return 1.0 / (m + 1) if block_divide and m >= 0 else 1.0
-
-    def child_tasks(parents, child):
-        tasks = []
-        for start, count, plen in parents:
-            for a in range(math.ceil(plen / child)):
-                q0 = a * child
-                q_len = min(child, plen - q0)
-                if q0 > 0:
-                    tasks.append(Task(start, count, plen, q0, q_len, 0, q0, False))
-                after = plen - q0 - q_len
-                if not causal and after > 0:
-                    tasks.append(Task(start, count, plen, q0, q_len, q0 + q_len, after, False))
-        return tasks
-
-    leaf = next((j for j in range(num_global, n - 1) if sizes[j] <= leaf_max), None)
-    groups = []
-    # group m: parents at level m (the whole sequence for m = num_global - 1), children at level m + 1
-    for m in range(num_global - 1, n - 1 if leaf is None else leaf):
-        child = sizes[m + 1]
-        if m < num_global and dyadic:
-            # One parent, the whole sequence, with many children: split it dyadically instead (virtual levels of
-            # child * 2^k tokens, same width and scale), so a few large batched rectangles cover its pairs.
-            chain = [length]
-            while chain[-1] > 2 * child:
-                chain.append(child * 2 ** math.ceil(math.log2(chain[-1] / child) - 1))
-            chain.append(child)
-            tasks = []
-            for parent, sub in zip(chain[:-1], chain[1:]):
-                tasks += child_tasks(_segments(0, length, parent), sub)
-        else:
-            parents = [(0, 1, length)] if m < num_global else _segments(0, length, sizes[m])
-            tasks = child_tasks(parents, child)
-        groups.append(Group(m, widths[m] if m >= 0 else 0, divisor(m), tuple(tasks)))
-    if leaf is not None:
-        inner = tuple((widths[l - 1], widths[l], sizes[l]) for l in range(leaf + 1, n))
-        groups.append(Group(leaf, widths[leaf], divisor(leaf), tuple(
-            Task(s, c, p, 0, p, 0, p, causal) for s, c, p in _segments(0, length, sizes[leaf])), inner))
-        return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
-    finest = sizes[-1]
-    diag = [(0, 1, length)] if finest is None else _segments(0, length, finest)
-    groups.append(Group(n - 1, widths[-1], divisor(n - 1),
-                        tuple(Task(s, c, p, 0, p, 0, p, causal) for s, c, p in diag)))
-    return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
-
+#: the engine ``engine="auto"`` picks where both can run (measured, see docs/structured_attention.md)
+AUTO_ENGINE = "flash"
 
 # -- engines: one task's (output, log-sum-exp) and its backward given the row's final output and log-sum-exp -------
 
@@ -222,7 +108,7 @@ def _flash_usable(q: Tensor, engine: str) -> bool:
         return True
     if engine not in ("auto", "matmul"):
         raise ValueError(f"engine must be 'auto', 'flash' or 'matmul', got {engine!r}")
-    return usable and engine == "auto"
+    return usable and engine == "auto" and AUTO_ENGINE == "flash"
 
 
 # -- the leaf group: every pair inside small blocks, all their levels, with matmuls on each block -----------------
@@ -296,87 +182,111 @@ def _kernel_layout(t: Tensor) -> Tensor:
     return t.flatten(0, 1).transpose(1, 2)
 
 
+def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, plan: MLRPlan,
+                   flash: tuple[bool, ...]) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Per-task engines (flash, per-task matmul, leaf): output at the padded value width, log-sum-exp (B, L, H),
+    for :func:`_tiled_backward`.
+
+    q (B, L, H, Dh) (level scales applied), k (B, L, H, Dh), v (B, L, H, P); key_real bool (B, L) or None; flash:
+    per group, whether it runs on the flash engine."""
+    batch, length, heads, dh = q.shape
+    pv = v.shape[-1]
+    width = max(dh, pv) if any(flash) else None
+    qw, vw = (_pad(q, width), _pad(v, width)) if width else (q, v)
+    bias = None
+    if key_real is not None:
+        bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device).masked_fill(~key_real, float("-inf"))
+    out = torch.zeros(batch, length, heads, vw.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, length, heads), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
+    for group, use_flash in zip(plan.groups, flash):
+        kg = _group_key(k, group, use_flash, width)  # one group at a time: the allocator reuses its buffer
+        qg = q if group.inner is not None else qw if use_flash else qw[..., : group.width]
+        for task in group.tasks:
+            args = _task_inputs(qg, kg, vw, bias, task)
+            if group.inner is not None:
+                o, l = _leaf_forward(*args, group, task, block_divide=plan.block_divide)
+            else:
+                o, l = (_flash_forward if use_flash else _matmul_forward)(*args[:3], task.causal, args[3],
+                                                                          group.scale)
+            if key_real is not None:  # rows whose task keys are all pads (right padding: the first key is)
+                empty = ~_parents(key_real, task)[:, :, task.k0].flatten()
+                l = l.masked_fill(empty[:, None, None], float("-inf"))
+            _merge(_parents(out, task)[:, :, task.q0: task.q0 + task.q_len],
+                   _parents(lse, task)[:, :, task.q0: task.q0 + task.q_len],
+                   o.transpose(1, 2).unflatten(0, (batch, task.count)),
+                   l.transpose(1, 2).unflatten(0, (batch, task.count)).to(lse.dtype))
+    return out, lse
+
+
+def _tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, out: Tensor, lse: Tensor,
+                    plan: MLRPlan, flash: tuple[bool, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_tiled_forward` given its (padded) output and log-sum-exp."""
+    batch, length, heads, dh = q.shape
+    pv = v.shape[-1]
+    width = max(dh, pv) if any(flash) else None
+    qw, vw = (_pad(q, width), _pad(v, width)) if width else (q, v)
+    dout = dout.contiguous()
+    if dout.shape[-1] != out.shape[-1]:
+        dout = _pad(dout, out.shape[-1])
+    bias = None
+    if key_real is not None:
+        bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device).masked_fill(~key_real, float("-inf"))
+    dq = torch.zeros_like(qw)
+    dk = torch.zeros(batch, length, heads, qw.shape[-1], dtype=q.dtype, device=q.device)
+    dv = torch.zeros_like(vw)
+    for group, use_flash in zip(plan.groups, flash):
+        kg = _group_key(k, group, use_flash, width)
+        leaf = group.inner is not None
+        qg = q if leaf else qw if use_flash else qw[..., : group.width]
+        gw = qg.shape[-1]
+        kw = kg.shape[-1] if leaf else group.width
+        for task in group.tasks:
+            qt, kt, vt, bt = _task_inputs(qg, kg, vw, bias, task)
+            rows = slice(task.q0, task.q0 + task.q_len)
+            do_t = _kernel_layout(_parents(dout, task)[:, :, rows])
+            o_t = _kernel_layout(_parents(out, task)[:, :, rows])
+            l_t = _parents(lse, task)[:, :, rows].flatten(0, 1).transpose(1, 2).contiguous()
+            if not use_flash:
+                l_t = l_t.to(q.dtype)
+            if leaf:
+                gq, gk, gv = _leaf_backward(do_t, qt, kt, vt, o_t, l_t.to(q.dtype), bt, group, task,
+                                            block_divide=plan.block_divide)
+            else:
+                gq, gk, gv = (_flash_backward if use_flash else _matmul_backward)(
+                    do_t, qt, kt, vt, o_t, l_t, task.causal, bt, group.scale)
+            keys = slice(task.k0, task.k0 + task.k_len)
+            unflat = (batch, task.count)
+            _parents(dq, task)[:, :, rows, :, :gw] += gq.transpose(1, 2).unflatten(0, unflat)
+            _parents(dk, task)[:, :, keys, :, :kw] += gk.transpose(1, 2).unflatten(0, unflat)[..., :kw]
+            _parents(dv, task)[:, :, keys] += gv.transpose(1, 2).unflatten(0, unflat)
+    return dq[..., :dh], dk[..., :dh], dv[..., :pv]
+
+
+def _group_key(k: Tensor, group: Group, use_flash: bool, width: int | None) -> Tensor:
+    """A group's keys: all of them (leaf), the first ``R_m`` features (matmul), or those zero-padded to ``width``
+    (flash: the kernel's one width; a copy per group, made when the group runs so that its buffer is reused)."""
+    if group.inner is not None:
+        return k
+    if not use_flash:
+        return k[..., : group.width]
+    return torch.nn.functional.pad(k[..., : group.width], (0, width - group.width))
+
+
 class _TiledMLR(torch.autograd.Function):
+    """Autograd of :func:`_tiled_forward` (the leaf plans; the others run as the custom op below)."""
+
     @staticmethod
     def forward(ctx, q, k, v, key_real, plan, flash):
-        # q (B, L, H, Dh) (level scales applied), k (B, L, H, Dh), v (B, L, H, P); key_real bool (B, L) or None;
-        # flash: per group, whether it runs on the flash engine
-        batch, length, heads, dh = q.shape
-        pv = v.shape[-1]
-        width = max(dh, pv) if any(flash) else None
-        qw, vw = (_pad(q, width), _pad(v, width)) if width else (q, v)
-        bias = None
-        if key_real is not None:
-            bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device).masked_fill(~key_real, float("-inf"))
-        out = torch.zeros(batch, length, heads, vw.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.full((batch, length, heads), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
-        keys = []  # each group's keys, kept for the backward (flash: a zero-padded copy per group)
-        for group, use_flash in zip(plan.groups, flash):
-            if group.inner is not None:
-                qg, kg = q, k
-            else:
-                qg, kg = _group_qk(qw, k, group, width if use_flash else None)
-            keys.append(kg)
-            for task in group.tasks:
-                args = _task_inputs(qg, kg, vw, bias, task)
-                if group.inner is not None:
-                    o, l = _leaf_forward(*args, group, task, block_divide=plan.block_divide)
-                else:
-                    o, l = (_flash_forward if use_flash else _matmul_forward)(*args[:3], task.causal, args[3],
-                                                                              group.scale)
-                if key_real is not None:  # rows whose task keys are all pads (right padding: the first key is)
-                    empty = ~_parents(key_real, task)[:, :, task.k0].flatten()
-                    l = l.masked_fill(empty[:, None, None], float("-inf"))
-                _merge(_parents(out, task)[:, :, task.q0: task.q0 + task.q_len],
-                       _parents(lse, task)[:, :, task.q0: task.q0 + task.q_len],
-                       o.transpose(1, 2).unflatten(0, (batch, task.count)),
-                       l.transpose(1, 2).unflatten(0, (batch, task.count)).to(lse.dtype))
+        out, lse = _tiled_forward(q, k, v, key_real, plan, flash)
         ctx.save_for_backward(q, k, v, key_real, out, lse)
-        ctx.plan, ctx.flash, ctx.keys = plan, flash, keys
+        ctx.plan, ctx.flash = plan, flash
+        pv = v.shape[-1]
         return out[..., :pv].contiguous() if out.shape[-1] != pv else out.clone()
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, key_real, out, lse = ctx.saved_tensors
-        plan, flash = ctx.plan, ctx.flash
-        batch, length, heads, dh = q.shape
-        pv = v.shape[-1]
-        width = max(dh, pv) if any(flash) else None
-        qw, vw = (_pad(q, width), _pad(v, width)) if width else (q, v)
-        dout = dout.contiguous()
-        if dout.shape[-1] != out.shape[-1]:
-            dout = _pad(dout, out.shape[-1])
-        bias = None
-        if key_real is not None:
-            bias = torch.zeros(batch, length, dtype=q.dtype, device=q.device).masked_fill(~key_real, float("-inf"))
-        dq = torch.zeros_like(qw)
-        dk = torch.zeros(batch, length, heads, qw.shape[-1], dtype=q.dtype, device=q.device)
-        dv = torch.zeros_like(vw)
-        for group, use_flash, kg in zip(plan.groups, flash, ctx.keys):
-            leaf = group.inner is not None
-            qg = q if leaf else qw if use_flash else qw[..., : group.width]
-            gw = qg.shape[-1]
-            kw = kg.shape[-1] if leaf else group.width
-            for task in group.tasks:
-                qt, kt, vt, bt = _task_inputs(qg, kg, vw, bias, task)
-                rows = slice(task.q0, task.q0 + task.q_len)
-                do_t = _kernel_layout(_parents(dout, task)[:, :, rows])
-                o_t = _kernel_layout(_parents(out, task)[:, :, rows])
-                l_t = _parents(lse, task)[:, :, rows].flatten(0, 1).transpose(1, 2).contiguous()
-                if not use_flash:
-                    l_t = l_t.to(q.dtype)
-                if leaf:
-                    gq, gk, gv = _leaf_backward(do_t, qt, kt, vt, o_t, l_t.to(q.dtype), bt, group, task,
-                                                block_divide=plan.block_divide)
-                else:
-                    gq, gk, gv = (_flash_backward if use_flash else _matmul_backward)(
-                        do_t, qt, kt, vt, o_t, l_t, task.causal, bt, group.scale)
-                keys = slice(task.k0, task.k0 + task.k_len)
-                unflat = (batch, task.count)
-                _parents(dq, task)[:, :, rows, :, :gw] += gq.transpose(1, 2).unflatten(0, unflat)
-                _parents(dk, task)[:, :, keys, :, :kw] += gk.transpose(1, 2).unflatten(0, unflat)[..., :kw]
-                _parents(dv, task)[:, :, keys] += gv.transpose(1, 2).unflatten(0, unflat)
-        return dq[..., :dh], dk[..., :dh], dv[..., :pv], None, None, None
+        return (*_tiled_backward(dout, q, k, v, key_real, out, lse, ctx.plan, ctx.flash), None, None, None)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -387,14 +297,6 @@ def _pad(t: Tensor, width: int) -> Tensor:
     if t.shape[-1] == width:
         return t.contiguous()
     return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-
-
-def _group_qk(qw: Tensor, k: Tensor, group: Group, width: int | None) -> tuple[Tensor, Tensor]:
-    """The group's queries and keys: the first ``group.width`` features (flash: keys zero beyond, full width)."""
-    if width is None:
-        return qw[..., : group.width], k[..., : group.width]
-    kg = torch.nn.functional.pad(k[..., : group.width], (0, width - group.width))
-    return qw, kg
 
 
 def _task_inputs(qg, kg, vw, bias, task: Task):
@@ -421,14 +323,135 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
     acc_lse.copy_(new)
 
 
+# -- the custom op: what torch.compile, torch.export and FlopCounterMode see --------------------------------------
+
+def _sizes_arg(block_sizes: Sequence[Optional[int]]) -> list[int]:
+    return [0 if s is None else int(s) for s in block_sizes]  # the op schema has no optional ints in lists: 0 = None
+
+
+def _plan(length: int, ranks: Sequence[int], sizes: Sequence[int], causal: bool, block_divide: bool) -> MLRPlan:
+    return _cached_plan(length, tuple(ranks), tuple(None if s == 0 else s for s in sizes), causal, block_divide)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(length, ranks, sizes, causal, block_divide) -> MLRPlan:
+    return plan_tasks(length, ranks, sizes, causal=causal, block_divide=block_divide, dyadic=True)
+
+
+def _head_major(t: Tensor) -> Tensor:
+    return t.transpose(1, 2).contiguous()
+
+
+def _key_bias(key_real: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if key_real is None:
+        return None
+    return torch.zeros(key_real.shape, dtype=dtype, device=key_real.device).masked_fill(~key_real, float("-inf"))
+
+
+@torch.library.custom_op("mixer_plugins::mlr_attention_tiled", mutates_args=())
+def mlr_attention_tiled(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tensor], ranks: list[int],
+                        block_sizes: list[int], causal: bool, block_divide: bool, engine: str) -> tuple[Tensor, Tensor]:
+    """The tiled op on prepared inputs: q (B, L, H, D) with the level scales applied, k (B, L, H, D), v (B, L, H, P),
+    ``key_real`` (B, L) bool or None (pad keys are excluded; their q/k/v must be finite), ``block_sizes`` with 0 for
+    a global level, ``engine`` ``"matmul"`` (:mod:`.chunked`) or ``"flash"``. Returns the output (B, L, H, P) and the
+    log-sum-exp (B, L, H) of every row (float64 for float64 inputs, else float32)."""
+    plan = _plan(q.shape[1], ranks, block_sizes, causal, block_divide)
+    if engine == "matmul":
+        out, lse = chunked_forward(_head_major(q), _head_major(k), _head_major(v), _key_bias(key_real, q.dtype), plan)
+        return _head_major(out), _head_major(lse)
+    out, lse = _tiled_forward(q, k, v, key_real, plan, (True,) * len(plan.groups))
+    return out[..., : v.shape[-1]].contiguous(), lse
+
+
+@mlr_attention_tiled.register_fake
+def _mlr_attention_tiled_fake(q, k, v, key_real, ranks, block_sizes, causal, block_divide, engine):
+    batch, length, heads, _ = q.shape
+    return (q.new_empty(batch, length, heads, v.shape[-1]),
+            q.new_empty((batch, length, heads), dtype=_lse_dtype(q.dtype)))
+
+
+@torch.library.custom_op("mixer_plugins::mlr_attention_tiled_backward", mutates_args=())
+def mlr_attention_tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tensor],
+                                 out: Tensor, lse: Tensor, ranks: list[int], block_sizes: list[int], causal: bool,
+                                 block_divide: bool, engine: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of :func:`mlr_attention_tiled` given its output and log-sum-exp."""
+    plan = _plan(q.shape[1], ranks, block_sizes, causal, block_divide)
+    if engine == "matmul":
+        grads = chunked_backward(_head_major(dout), _head_major(q), _head_major(k), _head_major(v),
+                                 _key_bias(key_real, q.dtype), _head_major(out), _head_major(lse), plan)
+        return tuple(_head_major(g) for g in grads)
+    flash = (True,) * len(plan.groups)
+    width = max(q.shape[-1], v.shape[-1])
+    grads = _tiled_backward(dout, q, k, v, key_real, _pad(out, width), lse, plan, flash)
+    return tuple(g.contiguous() for g in grads)  # as the fake kernel says (the compiler plans memory from it)
+
+
+@mlr_attention_tiled_backward.register_fake
+def _mlr_attention_tiled_backward_fake(dout, q, k, v, key_real, out, lse, ranks, block_sizes, causal, block_divide,
+                                       engine):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, key_real, ranks, block_sizes, causal, block_divide, engine = inputs
+    out, lse = output
+    save_tensors(ctx, q=q, k=k, v=v, key_real=key_real, out=out, lse=lse)
+    ctx.args = (ranks, block_sizes, causal, block_divide, engine)
+
+
+def _backward(ctx, dout, dlse):
+    s = saved_tensors(ctx)
+    dq, dk, dv = mlr_attention_tiled_backward(dout.contiguous(), s.q, s.k, s.v, s.key_real, s.out, s.lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+mlr_attention_tiled.register_autograd(_backward, setup_context=_setup)
+
+
+def paper_flops(batch: int, heads: int, length: int, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
+                value_width: int) -> dict[str, int]:
+    """Forward FLOPs of MLR attention as counted (2 per multiply-add): each (query, key) pair of the ``L x L``
+    score matrix costs the features of the levels whose block holds both (``sum_l r_l * sum over level-l blocks of
+    size^2``), and ``value_width`` for its share of ``A V``. Causal masking is not subtracted, as PyTorch's own
+    attention formula does not; padding the kernel may execute (the flash engine) is not added."""
+    score_macs = 0
+    for rank, size in zip(ranks, block_sizes):
+        if size is None or size <= 0 or size >= length:
+            pairs = length * length
+        else:
+            full, rem = divmod(length, size)
+            pairs = full * size * size + rem * rem
+        score_macs += rank * pairs
+    return {"scores": 2 * batch * heads * score_macs,
+            "weighted_values": 2 * batch * heads * length * length * value_width}
+
+
+@register_flop_formula(torch.ops.mixer_plugins.mlr_attention_tiled)
+def _flop_formula(q_shape, k_shape, v_shape, key_real_shape, ranks, block_sizes, *args, out_shape=None,
+                  **kwargs) -> int:
+    batch, length, heads, _ = q_shape
+    return sum(paper_flops(batch, heads, length, ranks, block_sizes, v_shape[-1]).values())
+
+
+@register_flop_formula(torch.ops.mixer_plugins.mlr_attention_tiled_backward)
+def _backward_flop_formula(dout_shape, q_shape, k_shape, v_shape, key_real_shape, out_shape_, lse_shape, ranks,
+                           block_sizes, *args, out_shape=None, **kwargs) -> int:
+    # as PyTorch counts attention's backward: scores recomputed, dQ and dK (3x the score FLOPs); dP and dV (2x)
+    batch, length, heads, _ = q_shape
+    parts = paper_flops(batch, heads, length, ranks, block_sizes, v_shape[-1])
+    return 3 * parts["scores"] + 2 * parts["weighted_values"]
+
+
 def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], scales: Sequence[float], causal: bool = False,
                         mask: Tensor | None = None, block_divide: bool = True, engine: str = "auto",
                         leaf_max: int = LEAF_MAX) -> Tensor:
     """The tiled fast path (see the module docstring); arguments as :func:`mixer_plugins.kernels.mlr_attention`.
 
-    ``engine``: ``"auto"`` (the fused CPU flash op on CPU, else matmuls), ``"flash"`` or ``"matmul"``;
-    ``leaf_max``: blocks of at most this many tokens are computed with all their finer levels at once (0: never).
+    ``engine``: ``"auto"`` (:data:`AUTO_ENGINE` where it can run, else ``"matmul"``), ``"matmul"`` (the chunked
+    matmul engine, :mod:`.chunked`: any device and dtype, no padding) or ``"flash"`` (PyTorch's fused CPU kernel,
+    keys zero-padded to the head width). ``leaf_max``: blocks of at most this many tokens are computed with all
+    their finer levels at once (0: never; an eager-only experiment, see :data:`LEAF_MAX`).
     """
     length = q.shape[1]
     key_real = None
@@ -441,9 +464,13 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
                                for r, s in zip(ranks, scales)])
     q = q * feature_scale
     flash = _flash_usable(q, engine)
-    plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide, dyadic=flash,
-                      leaf_max=leaf_max)
-    out = _TiledMLR.apply(q, k, v, key_real, plan, (flash,) * len(plan.groups))
+    if leaf_max:
+        plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide, dyadic=flash,
+                          leaf_max=leaf_max)
+        out = _TiledMLR.apply(q, k, v, key_real, plan, (flash,) * len(plan.groups))
+    else:
+        out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), _sizes_arg(block_sizes), causal, block_divide,
+                                     "flash" if flash else "matmul")
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
