@@ -283,14 +283,20 @@ class ContextParallelMixer(nn.Module):
 
     def _exchange_states(self, directions: list[_Direction]) -> list[Tensor]:
         """The state entering this segment, per direction (forward: from the left; backward: from the right)."""
-        rank = group_rank(self.group)
         packed = torch.stack([d.packed() for d in directions])        # (dirs, b, h, p*n + 1)
-        gathered = all_gather_autograd(packed, self.group)
         p, n = directions[0].state.shape[-2:]
+        return self._combine_states(packed, [d.reverse for d in directions], p, n)
+
+    def _combine_states(self, packed: Tensor, reverse: Sequence[bool], p: int, n: int) -> list[Tensor]:
+        """The collective part of the state exchange: all-gather every rank's packed (state, total decay) per
+        direction and combine the prefix (forward) or suffix (``reverse``) for this rank. Kept apart so that
+        ``benchmarks/test_bench_context_parallel.py`` can time it alone at the real tensor sizes."""
+        rank = group_rank(self.group)
+        gathered = all_gather_autograd(packed, self.group)
         incoming = []
-        for i, d in enumerate(directions):
+        for i, backward in enumerate(reverse):
             states, totals = zip(*(_unpack(g[i], p, n) for g in gathered))
-            incoming.append(_suffix(totals, states, rank) if d.reverse else _prefix(totals, states, rank))
+            incoming.append(_suffix(totals, states, rank) if backward else _prefix(totals, states, rank))
         return incoming
 
     # -- forward ------------------------------------------------------------------------------------------
