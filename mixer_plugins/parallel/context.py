@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import MixerError, MixerInputError
 from ..kernels import directional_scan
@@ -144,6 +145,17 @@ def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
     return y * torch.exp(log_decay)[..., None]
 
 
+def _recomputed(fn, *args: Tensor) -> Tensor:
+    """``fn(*args)`` whose backward recomputes it instead of keeping its intermediates.
+
+    The boundary terms' einsums would otherwise save a (batch, length, heads, head_dim) operand or product per
+    direction (four tensors the size of the scan's input, ~10% of the mixer's activations); their inputs are
+    kept alive by the scan anyway, so recomputing costs one einsum each in the backward and no memory."""
+    if not torch.is_grad_enabled() or not any(a.requires_grad for a in args):
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
 def _zero_from(states: Sequence[Tensor]) -> Tensor:
     """Zeros that depend on the gathered states: every rank's loss must reach the all-gather, or the ranks
     whose result does not use it (the first rank of a causal scan) would skip its backward collective and
@@ -178,7 +190,7 @@ class _Direction:
             weight = torch.exp(self.total[:, None] - self.p) * dt
         else:
             weight = torch.exp(self.e) * dt
-        self.state = _outgoing_state(x, weight, B)           # (b, h, p, n)
+        self.state = _recomputed(_outgoing_state, x, weight, B)    # (b, h, p, n)
         self.C = C
         self.neighbour_C = neighbour_C                        # (b, g, n): C across the border (shift only)
 
@@ -195,7 +207,7 @@ class _Direction:
             log_decay = self.e if self.shift else self.p
         else:
             log_decay = self.total[:, None] - (self.p if self.shift else self.e)
-        return _read_state(C, incoming, log_decay)
+        return _recomputed(_read_state, C, incoming, log_decay)
 
 
 def _unpack(packed: Tensor, p: int, n: int) -> tuple[Tensor, Tensor]:
