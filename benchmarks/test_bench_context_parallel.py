@@ -30,6 +30,7 @@ One configuration at a time, printed as a JSON line (what the tables in ``docs/d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -65,6 +66,10 @@ def _timed(fn, *tensors) -> float:
     return time.perf_counter() - t0
 
 
+def _halo(cp, x: torch.Tensor) -> torch.Tensor:
+    return cp._widen(x, None)[0]
+
+
 def _measure(rank: int, world_size: int, mixer_names: tuple[str, ...], length: int, reps: int) -> dict:
     """On one rank: peak memory of the first forward + backward, then ``reps`` timed repetitions."""
     import mixer_plugins
@@ -94,13 +99,16 @@ def _measure(rank: int, world_size: int, mixer_names: tuple[str, ...], length: i
         directions = 2 if cp.bidirectional else 1
         packed = torch.rand(directions, 1, heads, p * n + 1)
         reverse = [False, True][:directions]
-        times: dict[str, list[float]] = {"local": [], "halo": [], "states": [], "cp": []}
+        parts = {
+            "local": (mixer, x),
+            "halo": (functools.partial(_halo, cp), x),
+            "states": (functools.partial(cp._combine_states, reverse=reverse, p=p, n=n), packed),
+            "cp": (cp, x),
+        }
+        times: dict[str, list[float]] = {part: [] for part in parts}
         for _ in range(reps):      # interleaved, so that load from other jobs hits every figure alike
-            times["local"].append(_timed(mixer, x.clone().requires_grad_(True)))
-            times["halo"].append(_timed(lambda t: cp._widen(t, None)[0], x.clone().requires_grad_(True)))
-            times["states"].append(_timed(lambda t: cp._combine_states(t, reverse, p, n),
-                                          packed.clone().requires_grad_(True)))
-            times["cp"].append(_timed(cp, x.clone().requires_grad_(True)))
+            for part, (fn, inp) in parts.items():
+                times[part].append(_timed(fn, inp.clone().requires_grad_(True)))
             mixer.zero_grad(set_to_none=True)
         results[name] = {"tokens": stop - start, "peak_bytes": mem["peak_bytes"], "times": times}
     return results
