@@ -221,7 +221,7 @@ def _recipe_env() -> dict:
     return env
 
 
-def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int) -> None:
+def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int, data_parallelism: str = "ddp") -> None:
     import subprocess
     import sys
 
@@ -230,7 +230,8 @@ def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int) -> None:
     # the LR schedule must not depend on num_steps: the run is stopped at step 3, then resumed to step 6
     config = ["--no-rich", "--config", f"regime.num_steps={num_steps}", "regime.checkpoint_every_n_steps=3",
               "regime.publish_metrics_every_n_steps=1", "data.num_examples=64", f"data.batch_size={batch_size}",
-              "model.config_overrides.mixer=quasiseparable", "lr_scheduler.config.cycle_len=6"]
+              "model.config_overrides.mixer=quasiseparable", "lr_scheduler.config.cycle_len=6",
+              f"trainer.data_parallelism={data_parallelism}"]
     module = ["-m", "mixer_plugins.backbones.fairseq2", str(out_dir)]
     if nproc == 1:
         cmd = [sys.executable, *module, *config]
@@ -252,18 +253,38 @@ def _losses(out_dir) -> dict[int, float]:
     return losses
 
 
-def test_fairseq2_recipe_under_torchrun_follows_one_process_and_resumes(tmp_path):
-    """torchrun, 2 CPU ranks (gloo), data.batch_size=4 each, stopped at step 3 and resumed from its checkpoint,
-    gives the loss curve of one process with data.batch_size=8 (float32; rtol 1e-4)."""
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory) -> dict[int, float]:
+    """The recipe in one process, data.batch_size=8, 6 steps: the reference loss curve."""
     pytest.importorskip("fairseq2")
-    _recipe(tmp_path / "one", nproc=1, batch_size=8, num_steps=6)
-    _recipe(tmp_path / "two", nproc=2, batch_size=4, num_steps=3)
-    assert os.path.isdir(tmp_path / "two" / "checkpoints" / "step_3")
-    _recipe(tmp_path / "two", nproc=2, batch_size=4, num_steps=6)        # resumes from step 3
-    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    out = tmp_path_factory.mktemp("one")
+    _recipe(out, nproc=1, batch_size=8, num_steps=6)
+    return _losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_parallelism", ["ddp", "fsdp"])
+def test_fairseq2_recipe_under_torchrun_follows_one_process_and_resumes(tmp_path, one_process_losses,
+                                                                         data_parallelism):
+    """torchrun, 2 CPU ranks (gloo), data.batch_size=4 each, ``trainer.data_parallelism`` ddp (replicated) or
+    fsdp (FSDP2, sharded parameters, optimizer state and checkpoint), stopped at step 3 and resumed from its
+    checkpoint, gives the loss curve of one process with data.batch_size=8 (float32; rtol 1e-4)."""
+    pytest.importorskip("fairseq2")
+    out = tmp_path / data_parallelism
+    _recipe(out, nproc=2, batch_size=4, num_steps=3, data_parallelism=data_parallelism)
+    assert os.path.isdir(out / "checkpoints" / "step_3")
+    shards = sorted(p.name for p in (out / "checkpoints" / "step_3" / "model").rglob("*.pt"))
+    # FSDP saves one shard of the model per rank; DDP one replicated copy
+    assert len(shards) == (2 if data_parallelism == "fsdp" else 1), shards
+    _recipe(out, nproc=2, batch_size=4, num_steps=6, data_parallelism=data_parallelism)   # resumes from step 3
+    one, two = one_process_losses, _losses(out)
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-4), f"step {step}: 2 ranks {two[step]} vs 1 {one[step]}"
+    log = (out / "logs" / "rank_0.log").read_text()
+    wrapped = "Wrapping model with FSDP2" if data_parallelism == "fsdp" else "Wrapping model with DDP"
+    assert wrapped in log, f"the recipe did not wrap the model as asked ({data_parallelism})"
+    assert "Resuming from step 3" in log
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import MixerError, MixerInputError
 from ..kernels import directional_scan
@@ -144,6 +145,17 @@ def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
     return y * torch.exp(log_decay)[..., None]
 
 
+def _recomputed(fn, *args: Tensor) -> Tensor:
+    """``fn(*args)`` whose backward recomputes it instead of keeping its intermediates.
+
+    The boundary terms' einsums would otherwise save a (batch, length, heads, head_dim) operand or product per
+    direction (four tensors the size of the scan's input, ~10% of the mixer's activations); their inputs are
+    kept alive by the scan anyway, so recomputing costs one einsum each in the backward and no memory."""
+    if not torch.is_grad_enabled() or not any(a.requires_grad for a in args):
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
 def _zero_from(states: Sequence[Tensor]) -> Tensor:
     """Zeros that depend on the gathered states: every rank's loss must reach the all-gather, or the ranks
     whose result does not use it (the first rank of a causal scan) would skip its backward collective and
@@ -178,7 +190,7 @@ class _Direction:
             weight = torch.exp(self.total[:, None] - self.p) * dt
         else:
             weight = torch.exp(self.e) * dt
-        self.state = _outgoing_state(x, weight, B)           # (b, h, p, n)
+        self.state = _recomputed(_outgoing_state, x, weight, B)    # (b, h, p, n)
         self.C = C
         self.neighbour_C = neighbour_C                        # (b, g, n): C across the border (shift only)
 
@@ -195,7 +207,7 @@ class _Direction:
             log_decay = self.e if self.shift else self.p
         else:
             log_decay = self.total[:, None] - (self.p if self.shift else self.e)
-        return _read_state(C, incoming, log_decay)
+        return _recomputed(_read_state, C, incoming, log_decay)
 
 
 def _unpack(packed: Tensor, p: int, n: int) -> tuple[Tensor, Tensor]:
@@ -283,14 +295,20 @@ class ContextParallelMixer(nn.Module):
 
     def _exchange_states(self, directions: list[_Direction]) -> list[Tensor]:
         """The state entering this segment, per direction (forward: from the left; backward: from the right)."""
-        rank = group_rank(self.group)
         packed = torch.stack([d.packed() for d in directions])        # (dirs, b, h, p*n + 1)
-        gathered = all_gather_autograd(packed, self.group)
         p, n = directions[0].state.shape[-2:]
+        return self._combine_states(packed, [d.reverse for d in directions], p, n)
+
+    def _combine_states(self, packed: Tensor, reverse: Sequence[bool], p: int, n: int) -> list[Tensor]:
+        """The collective part of the state exchange: all-gather every rank's packed (state, total decay) per
+        direction and combine the prefix (forward) or suffix (``reverse``) for this rank. Kept apart so that
+        ``benchmarks/test_bench_context_parallel.py`` can time it alone at the real tensor sizes."""
+        rank = group_rank(self.group)
+        gathered = all_gather_autograd(packed, self.group)
         incoming = []
-        for i, d in enumerate(directions):
+        for i, backward in enumerate(reverse):
             states, totals = zip(*(_unpack(g[i], p, n) for g in gathered))
-            incoming.append(_suffix(totals, states, rank) if d.reverse else _prefix(totals, states, rank))
+            incoming.append(_suffix(totals, states, rank) if backward else _prefix(totals, states, rank))
         return incoming
 
     # -- forward ------------------------------------------------------------------------------------------
