@@ -149,7 +149,7 @@ class MixerSection:
     until given and is merged over the arch's config only when the model is built; so ``--dump-config`` cannot show
     ``mixer``. This typed section can: ``--config mixer.name=quasi mixer.options.d_state=32`` is folded into
     ``model.config_overrides`` (``mixer=quasi``, ``mixer_options={quasi: {d_state: 32}}``) when the recipe config
-    is built. Both ways work; naming two different mixers is an error.
+    is built. Both ways work; naming two different mixers is a config error.
     """
 
     name: str | None = None
@@ -163,29 +163,42 @@ class MixerSection:
     def apply_to(self, config_overrides: object | None) -> object | None:
         """``config_overrides`` (a model section's) with this section folded in; unchanged when it is empty.
 
-        Raises ``ValueError`` when the overrides already name another mixer, or options are given without a name.
+        What cannot be folded (the overrides name another mixer, options without a name, overrides that are not a
+        mapping) is left out and reported by :meth:`validate`, which fairseq2 calls on the recipe config.
         """
+        self._problems: list[str] = []
         if self.name is None and not self.options:
             return config_overrides
         if config_overrides is None:
             config_overrides = {}
         if not isinstance(config_overrides, Mapping):
-            raise ValueError("`model.config_overrides` must be a mapping to combine it with the `mixer` section")
+            self._problems.append("`model.config_overrides` must be a mapping to combine it with the `mixer` "
+                                  "section.")
+            return config_overrides
         overrides = dict(config_overrides)
         given = overrides.get("mixer")
         if self.name is not None:
             if given is not None and normalize_name(str(given)) != normalize_name(self.name):
-                raise ValueError(f"`mixer.name={self.name}` and `model.config_overrides.mixer={given}` name two "
-                                 "different mixers; give one of them")
+                self._problems.append(f"`mixer.name={self.name}` and `model.config_overrides.mixer={given}` name "
+                                      "two different mixers; give one of them.")
+                return config_overrides
             overrides["mixer"] = self.name
         name = overrides.get("mixer")
         if self.options:
             if name is None:
-                raise ValueError("`mixer.options` needs `mixer.name`: the options belong to a named mixer")
+                self._problems.append("`mixer.options` needs `mixer.name`: the options belong to a named mixer.")
+                return config_overrides
             per_mixer = dict(overrides.get("mixer_options") or {})
             per_mixer[str(name)] = {**dict(per_mixer.get(str(name)) or {}), **self.options}
             overrides["mixer_options"] = per_mixer
         return overrides
+
+    def validate(self) -> ValidationResult:
+        """What :meth:`apply_to` could not fold (fairseq2 reports it as a config error)."""
+        result = ValidationResult()
+        for problem in getattr(self, "_problems", []):
+            result.add_error(problem)
+        return result
 
 
 def register_mixer_encoder_archs(container: DependencyContainer) -> None:
