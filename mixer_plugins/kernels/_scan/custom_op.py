@@ -18,6 +18,8 @@ fake kernel's strides.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -108,22 +110,42 @@ def chunked_scan_backward(
     """Gradients of :func:`chunked_scan` w.r.t. its differentiable inputs (``x, dt_f, ..., diag,
     initial_state``, in schema order), contiguous; an empty tensor for an input that is None.
 
-    It recomputes the forward (like activation checkpointing) and differentiates it with ``torch.func.vjp``: only
+    It recomputes the forward (like activation checkpointing) and differentiates it with autograd: only
     the op's inputs were stored, never its intra-chunk tensors. A custom op of its own, so that the compiler sees
     one opaque backward instead of tracing the chunk loop and its gradient (minutes of inductor compilation).
     """
     named = {k: v for k, v in locals().items() if k not in ("grad_y", "grad_final")}
-    names = [name for name in _DIFFERENTIABLE if named[name] is not None]
     want_final = named["dt_f"] is not None and grad_final is not None
+    with _autograd_in_kernel():
+        leaves = {name: named[name].detach().requires_grad_(True) for name in _DIFFERENTIABLE
+                  if named[name] is not None}
+        inputs = _unflatten({**named, **leaves})
+        if want_final:
+            y, final = chunked.scan_chunked(inputs, return_final_state=True)
+            outputs, grads_out = [y, final], [grad_y, grad_final]
+        else:
+            outputs, grads_out = [chunked.scan_chunked(inputs)], [grad_y]
+        grads = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads_out,
+                                                     allow_unused=True)))
+    return [x.new_empty(0) if name not in grads else torch.zeros_like(named[name]) if grads[name] is None
+            else grads[name].contiguous() for name in _DIFFERENTIABLE]
 
-    def forward(*leaves: Tensor):
-        result = chunked.scan_chunked(_unflatten({**named, **dict(zip(names, leaves))}),
-                                      return_final_state=want_final)
-        return tuple(result) if want_final else (result,)
 
-    _, vjp = torch.func.vjp(forward, *(named[name] for name in names))
-    grads = dict(zip(names, vjp((grad_y, grad_final) if want_final else (grad_y,))))
-    return [grads[name].contiguous() if name in grads else x.new_empty(0) for name in _DIFFERENTIABLE]
+#: The autograd dispatch keys a custom op's kernel runs below (the dispatcher excludes them while it runs).
+_AUTOGRAD_KEYS = tuple(key for name, key in torch._C.DispatchKey.__members__.items() if name.startswith("Autograd"))
+
+
+@contextlib.contextmanager
+def _autograd_in_kernel() -> Iterator[None]:
+    """Autograd inside a custom op's kernel: the dispatcher runs a kernel with the autograd keys excluded (and the
+    backward with grad mode off); let them through again, so the kernel can differentiate its recomputed forward
+    with ``torch.autograd.grad``, and the tensors it returns carry no graph."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
 
 
 @chunked_scan_backward.register_fake

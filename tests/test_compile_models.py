@@ -1,0 +1,163 @@
+"""``torch.compile`` with the inductor backend (the compiler users get by default) on whole timm ViTs with a mixer,
+and on mixers; ``torch.export`` of a mixer ViT. Everything is compared with eager: outputs, losses and every
+parameter's gradient, in training (a step) and in eval (dropout off).
+
+Inductor generates and compiles C++ for every graph: on a small CPU runner that is ~10-60 s per graph, so CI runs a
+representative set (the custom ops of the Hydra block -- chunked scan, short conv, gated norm -- through ``quasi``;
+softmax attention with dropout; the FFT Toeplitz op through the fairseq2 encoder). ``MIXER_PLUGINS_INDUCTOR_ALL=1`` compiles every registered
+mixer as well (``tests/test_compile_models.py::test_every_mixer_compiles_with_inductor``). The fairseq2 encoder is
+compiled in ``tests/test_fairseq2.py`` (it needs that file's fairseq2 set-up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import mixer_plugins as mp
+from mixer_plugins.testing import MixerHarness
+
+timm = pytest.importorskip("timm")
+
+pytestmark = pytest.mark.slow
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+ALL = os.environ.get("MIXER_PLUGINS_INDUCTOR_ALL") == "1"
+
+
+@contextlib.contextmanager
+def inductor_settings() -> Iterator[None]:
+    """One compile per graph: no recompiles for dynamic shapes (every call has the same shapes); compile in this
+    process (starting a pool of workers costs more than it saves on a small runner)."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=8), \
+            inductor_config.patch(compile_threads=1):
+        yield
+    torch._dynamo.reset()
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+@contextlib.contextmanager
+def dropout_off(module: nn.Module) -> Iterator[None]:
+    """Dropout probabilities set to 0 for a while (``nn.Dropout`` modules and float ``dropout`` attributes): the
+    compiled graph draws its random numbers in another order than eager, so training is compared without them."""
+    saved = []
+    for sub in module.modules():
+        for attr in ("p", "dropout", "attn_dropout"):
+            value = getattr(sub, attr, None)
+            if isinstance(value, float) and value > 0 and (attr != "p" or isinstance(sub, nn.Dropout)):
+                saved.append((sub, attr, value))
+                setattr(sub, attr, 0.0)
+    try:
+        yield
+    finally:
+        for sub, attr, value in saved:
+            setattr(sub, attr, value)
+
+
+def assert_train_and_eval_match(module: nn.Module, inputs: tuple, loss_fn, *, fullgraph: bool = True) -> None:
+    """A training step (loss, every parameter gradient) and an eval forward of ``torch.compile(module)`` equal
+    eager's. Training is compared with dropout off (see :func:`dropout_off`); eval runs with the module's dropout
+    probabilities, which eval must ignore."""
+    compiled = torch.compile(module, backend="inductor", fullgraph=fullgraph)
+    module.train()
+    results = []
+    with dropout_off(module):
+        for run in (module, compiled):
+            loss = loss_fn(run(*inputs))
+            loss.backward()
+            results.append((loss.detach(), _grads(module)))
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    assert grads_c.keys() == grads_e.keys() and grads_e
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-3, atol=1e-4, msg=name)
+    module.eval()
+    with torch.no_grad():
+        torch.manual_seed(7)
+        expected = module(*inputs)
+        torch.manual_seed(8)  # another seed: eval must not depend on the random state (dropout off)
+        torch.testing.assert_close(compiled(*inputs), expected, **TOL)
+
+
+# -- whole timm ViTs --------------------------------------------------------------------------------------------
+
+def _vit(mixer: str, **options) -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny", mixer=mixer, mixer_options=options, img_size=32, patch_size=8,
+                             embed_dim=32, depth=1, num_heads=2, num_classes=5, drop_rate=0.1, proj_drop_rate=0.1)
+
+
+# quasi: the Hydra block and its custom ops (chunked scan forward and backward, short conv, gated norm);
+# attention: softmax attention with its own dropout. (The FFT Toeplitz op: the fairseq2 encoder in test_fairseq2.py.)
+VIT_MIXERS = {
+    "quasi": {"d_state": 8, "head_dim": 16, "chunk_size": 32},
+    "attention": {"dropout": 0.1},
+}
+
+
+@pytest.mark.parametrize("mixer", sorted(VIT_MIXERS))
+def test_timm_vit_compiles_with_inductor(mixer):
+    model = _vit(mixer, **VIT_MIXERS[mixer])
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([1, 3])
+    with inductor_settings():
+        assert_train_and_eval_match(model, (images,), lambda logits: nn.functional.cross_entropy(logits, labels))
+
+
+def test_torch_export_of_a_mixer_vit():
+    model = _vit("quasi", **VIT_MIXERS["quasi"]).eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    exported = torch.export.export(model, (images,))
+    names = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert any("mixer_plugins.chunked_scan" in n for n in names), "the scan is one custom op in the exported graph"
+    other = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for x in (images, other):
+            torch.testing.assert_close(exported.module()(x), model(x), **TOL)
+
+
+# -- every registered mixer (opt-in: ~20 graphs of 10-60 s each) -----------------------------------------------
+
+def _mixer_params():
+    for name in mp.list_mixers():
+        yield pytest.param(name, id=name, marks=[] if ALL else [pytest.mark.skip(
+            reason="set MIXER_PLUGINS_INDUCTOR_ALL=1 to compile every mixer with inductor (minutes)")])
+
+
+class _Loss(nn.Module):
+    """A mixer with a mask, as one module to compile."""
+
+    def __init__(self, mixer: nn.Module, mask: torch.Tensor):
+        super().__init__()
+        self.mixer = mixer
+        self.register_buffer("mask", mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixer(x, mask=self.mask)
+
+
+@pytest.mark.parametrize("name", _mixer_params())
+def test_every_mixer_compiles_with_inductor(name):
+    spec = mp.get_spec(name)
+    options = {"dropout": 0.1} if "dropout" in spec.config.model_fields else {}
+    harness = MixerHarness(spec=spec, dim=32)
+    mixer = harness.build(dtype=torch.float32, **options)
+    length = min(10, mixer.max_seq_len or 10)
+    mask = torch.arange(length)[None, :] < torch.tensor([length, length - 3])[:, None]
+    x = harness.inputs(length, dtype=torch.float32)
+    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    with inductor_settings():
+        assert_train_and_eval_match(_Loss(mixer, mask), (x,), lambda y: (y * probe).sum())
