@@ -805,6 +805,31 @@ def test_recipe_mixer_section_agrees_with_the_model_overrides(fs2):
     assert MixerSection().apply_to(None) is None
 
 
+# -- 7c. torch.compile with inductor (issue 15) --------------------------------------------------------------------
+
+@pytest.mark.slow  # inductor compiles a forward, a backward and an inference graph: ~1 min on a small CPU
+def test_mixer_encoder_compiles_with_inductor(fs2, hub):
+    """A training step (loss, every gradient) and eval of ``torch.compile(model)`` equal eager, with padding. The
+    mixer is ``toeplitz``: the FFT Toeplitz custom op and its backward (the timm tests compile quasi and attention)."""
+    from compile_helpers import assert_train_and_eval_match, inductor_settings
+
+    torch.manual_seed(0)
+    config = _tiny(fs2, mixer="toeplitz", mixer_options={"toeplitz": {"head_dim": 16}}, num_layers=1,
+                   max_seq_len=16, dropout_p=0.1)
+    model = hub.create_new_model(config, device=CPU)
+    lengths = [12, 7]
+    tokens = _padded_tokens(lengths, seed=4)
+    layout = BatchLayout.of(tokens, lengths)
+    real = torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]
+    targets = _padded_tokens(lengths, seed=5)
+
+    def loss_fn(logits):
+        return torch.nn.functional.cross_entropy(logits[real].float(), targets[real])
+
+    with inductor_settings():
+        assert_train_and_eval_match(model, (tokens, layout), loss_fn, fullgraph=False)
+
+
 # -- 8. the documentation's example runs ------------------------------------------------------------------
 
 def _doc_snippet(first_line: str) -> str:

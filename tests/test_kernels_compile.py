@@ -53,12 +53,9 @@ def test_opcheck_chunked_scan(case):
 
     args = _chunked_scan_cases()[case]
     _assert_fake_kernel_matches_real(chunked_scan, tree_map_only(torch.Tensor, torch.Tensor.detach, args))
-    # test_aot_dispatch_dynamic is left out: it traces the recomputing backward (the chunked scan's Python loop)
-    # with symbolic lengths, for minutes; the inductor test below compiles the op instead.
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    if case == "both_directions":
-        utils += ("test_aot_dispatch_static",)
-    torch.library.opcheck(chunked_scan, args, test_utils=utils)
+    # every check, test_aot_dispatch_dynamic included: the backward is an opaque op of its own, so AOT dispatch no
+    # longer traces the chunk loop with symbolic lengths
+    torch.library.opcheck(chunked_scan, args)
 
 
 def _chunked_scan_backward_args(case):
