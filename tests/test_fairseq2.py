@@ -827,7 +827,7 @@ def test_mixer_encoder_compiles_with_inductor(fs2, hub):
         return torch.nn.functional.cross_entropy(logits[real].float(), targets[real])
 
     with inductor_settings():
-        assert_train_and_eval_match(model, (tokens, layout), loss_fn, fullgraph=False)
+        assert_train_and_eval_match(model, (tokens, layout), loss_fn)  # fullgraph: one graph, no breaks
 
 
 # -- 8. the documentation's example runs ------------------------------------------------------------------
