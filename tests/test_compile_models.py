@@ -3,10 +3,10 @@ and on mixers; ``torch.export`` of a mixer ViT. Everything is compared with eage
 parameter's gradient, in training (a step) and in eval (dropout off).
 
 Inductor generates and compiles C++ for every graph: on a small CPU runner that is ~10-60 s per graph, so CI runs a
-representative set (the custom ops of the Hydra block -- chunked scan, short conv, gated norm -- through ``quasi``;
-softmax attention with dropout; the FFT Toeplitz op through the fairseq2 encoder). ``MIXER_PLUGINS_INDUCTOR_ALL=1`` compiles every registered
-mixer as well (``tests/test_compile_models.py::test_every_mixer_compiles_with_inductor``). The fairseq2 encoder is
-compiled in ``tests/test_fairseq2.py`` (it needs that file's fairseq2 set-up).
+representative set: one ViT whose blocks use ``quasi`` (the Hydra block's custom ops: chunked scan and its backward,
+short conv, gated norm) and softmax ``attention`` with dropout; the FFT Toeplitz op runs in the fairseq2 encoder
+(``tests/test_fairseq2.py``, which has the fairseq2 set-up). ``MIXER_PLUGINS_INDUCTOR_ALL=1`` compiles every
+registered mixer as well (``test_every_mixer_compiles_with_inductor``).
 """
 
 from __future__ import annotations
