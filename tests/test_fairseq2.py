@@ -725,6 +725,120 @@ def test_recipe_fails_clearly_on_a_non_finite_loss(tmp_path):
     assert not (tmp_path / "checkpoints" / "step_4").exists()
 
 
+# -- 7b. the recipe's --help and --dump-config (issue 15) ---------------------------------------------------------
+
+def _recipe_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1"}
+    return subprocess.run([sys.executable, "-m", "mixer_plugins.backbones.fairseq2", *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=300)
+
+
+def test_recipe_help_describes_the_recipe(fs2, monkeypatch, capsys):
+    """``python -m mixer_plugins.backbones.fairseq2 --help``, in this process: fairseq2 parses the command line
+    before anything else, and ``--help`` prints and exits there."""
+    import importlib
+
+    entry = importlib.import_module("mixer_plugins.backbones.fairseq2.__main__")
+    monkeypatch.setattr(sys, "argv", ["__main__.py", "--help"])
+    with pytest.raises(SystemExit) as info:
+        entry.main()
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m mixer_plugins.backbones.fairseq2")
+    for fragment in ("masked", "OUT_DIR", "checkpoints", "--config mixer.name=NAME", "mixer.options.OPTION=VALUE",
+                     "model.config_overrides.mixer", "mixer-plugins list", "base_hydra", "examples:",
+                     "--dump-config", "--config-file"):  # ours, and fairseq2's own options still listed
+        assert fragment in out, fragment
+    from fairseq2.recipe import cli
+
+    assert cli.ArgumentParser is __import__("argparse").ArgumentParser  # restored afterwards
+
+
+@pytest.mark.slow  # a fresh fairseq2 process: ~10 s
+def test_recipe_dump_config_shows_the_mixer_fields():
+    proc = _recipe_cli("--dump-config", "--no-rich", "--config", "mixer.name=quasi", "mixer.options.d_state=32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dumped = yaml.safe_load(proc.stdout)
+    assert dumped["mixer"] == {"name": "quasi", "options": {"d_state": 32}}
+    assert dumped["model"]["config_overrides"] == {"mixer": "quasi", "mixer_options": {"quasi": {"d_state": 32}}}
+
+
+def _recipe_config(resolver, unstructured: dict):
+    from fairseq2.utils.structured import ValueConverter
+    from fairseq2.utils.validation import ObjectValidator
+
+    from mixer_plugins.backbones.fairseq2.recipe import MixerMlmConfig
+
+    unstructured = {**unstructured, "model": {"family": "mixer_encoder", "arch": "tiny",
+                                              **unstructured.get("model", {})}}
+    config = resolver.resolve(ValueConverter).structure(unstructured, MixerMlmConfig)
+    resolver.resolve(ObjectValidator).validate(config)
+    return config
+
+
+def test_recipe_mixer_section_reaches_the_model(fs2, hub, resolver):
+    from mixer_plugins.backbones.fairseq2.config import MixerSection
+    from mixer_plugins.backbones.fairseq2.recipe import MixerMlmConfig
+
+    assert MixerMlmConfig().mixer == MixerSection()  # shown by --dump-config: name null = the arch's mixer
+    assert MixerMlmConfig().model.config_overrides is None
+    config = _recipe_config(resolver, {"mixer": {"name": "quasi", "options": {"d_state": 8}}})
+    # fairseq2 merges the overrides' top-level keys over the arch's config
+    model_config = replace(hub.get_arch_config("tiny"), **config.model.config_overrides)
+    assert model_config.mixer == "quasi" and model_config.mixer_options == {"quasi": {"d_state": 8}}
+    model = hub.create_new_model(model_config, device=CPU)
+    assert model.encoder.layers[0].self_attn.mixer.config.d_state == 8
+    # the arch's own mixer stays when the section names none
+    config = _recipe_config(resolver, {"model": {"arch": "base_hydra"}})
+    assert config.model.config_overrides is None
+
+
+@pytest.mark.parametrize("section, overrides, problem", [
+    ({"name": "quasi"}, {"mixer": "toeplitz"}, "name two different mixers"),
+    ({"options": {"d_state": 8}}, None, "needs `mixer.name`"),
+])
+def test_recipe_mixer_section_conflicts_are_config_errors(fs2, resolver, section, overrides, problem):
+    from fairseq2.utils.validation import ValidationError
+
+    with pytest.raises(ValidationError, match=re.escape(problem)):
+        _recipe_config(resolver, {"mixer": section, "model": {"config_overrides": overrides}})
+
+
+def test_recipe_mixer_section_agrees_with_the_model_overrides(fs2):
+    from mixer_plugins.backbones.fairseq2.config import MixerSection
+
+    section = MixerSection(name="Quasi", options={"d_state": 8})
+    merged = section.apply_to({"mixer": "quasi", "mixer_options": {"Quasi": {"chunk_size": 8}}, "num_layers": 1})
+    assert merged == {"mixer": "Quasi", "mixer_options": {"Quasi": {"chunk_size": 8, "d_state": 8}}, "num_layers": 1}
+    assert not section.validate().has_error()
+    assert MixerSection().apply_to(None) is None
+
+
+# -- 7c. torch.compile with inductor (issue 15) --------------------------------------------------------------------
+
+@pytest.mark.slow  # inductor compiles a forward, a backward and an inference graph: ~1 min on a small CPU
+def test_mixer_encoder_compiles_with_inductor(fs2, hub):
+    """A training step (loss, every gradient) and eval of ``torch.compile(model)`` equal eager, with padding. The
+    mixer is ``toeplitz``: the FFT Toeplitz custom op and its backward (the timm tests compile quasi and attention)."""
+    from compile_helpers import assert_train_and_eval_match, inductor_settings
+
+    torch.manual_seed(0)
+    config = _tiny(fs2, mixer="toeplitz", mixer_options={"toeplitz": {"head_dim": 16}}, num_layers=1,
+                   max_seq_len=16, dropout_p=0.1)
+    model = hub.create_new_model(config, device=CPU)
+    lengths = [12, 7]
+    tokens = _padded_tokens(lengths, seed=4)
+    layout = BatchLayout.of(tokens, lengths)
+    real = torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]
+    targets = _padded_tokens(lengths, seed=5)
+
+    def loss_fn(logits):
+        return torch.nn.functional.cross_entropy(logits[real].float(), targets[real])
+
+    with inductor_settings():
+        assert_train_and_eval_match(model, (tokens, layout), loss_fn)  # fullgraph: one graph, no breaks
+
+
 # -- 8. the documentation's example runs ------------------------------------------------------------------
 
 def _doc_snippet(first_line: str) -> str:

@@ -53,12 +53,136 @@ def test_opcheck_chunked_scan(case):
 
     args = _chunked_scan_cases()[case]
     _assert_fake_kernel_matches_real(chunked_scan, tree_map_only(torch.Tensor, torch.Tensor.detach, args))
-    # test_aot_dispatch_dynamic is left out: it traces the recomputing backward (the chunked scan's Python loop)
-    # with symbolic lengths, for minutes; the inductor test below compiles the op instead.
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    if case == "both_directions":
-        utils += ("test_aot_dispatch_static",)
-    torch.library.opcheck(chunked_scan, args, test_utils=utils)
+    # every check, test_aot_dispatch_dynamic included: the backward is an opaque op of its own, so AOT dispatch no
+    # longer traces the chunk loop with symbolic lengths
+    torch.library.opcheck(chunked_scan, args)
+
+
+def _chunked_scan_backward_args(case):
+    from mixer_plugins.kernels._scan import chunked_scan
+
+    args = tree_map_only(torch.Tensor, torch.Tensor.detach, _chunked_scan_cases()[case])
+    y, final = chunked_scan(*args)
+    gen = torch.Generator().manual_seed(3)
+    grad_y = torch.randn(y.shape, generator=gen)
+    grad_final = torch.randn(final.shape, generator=gen) if final.numel() else None
+    return (grad_y, grad_final, *args)
+
+
+@pytest.mark.parametrize("case", sorted(_chunked_scan_cases()))
+def test_opcheck_chunked_scan_backward(case):
+    """The scan's backward is an opaque op of its own (the compiler never traces the chunk loop): fake kernel,
+    strides and schema checked like the forward's, and its gradients equal autograd through the eager scan."""
+    from mixer_plugins.kernels._scan import chunked
+    from mixer_plugins.kernels._scan.custom_op import _DIFFERENTIABLE, _unflatten, chunked_scan_backward
+
+    args = _chunked_scan_backward_args(case)
+    _assert_fake_kernel_matches_real(chunked_scan_backward, args)
+    torch.library.opcheck(chunked_scan_backward, args)  # schema, fake kernel, AOT dispatch (static and dynamic)
+    # an independent reference: autograd through the eager (non-op) chunked scan
+    grad_y, grad_final, *inputs = args
+    names = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "seq_idx", "initial_state",
+             "shift", "chunk_size")
+    named = dict(zip(names, inputs))
+    leaves = {n: named[n].clone().requires_grad_(True) for n in _DIFFERENTIABLE if named[n] is not None}
+    scan_inputs = _unflatten({**named, **leaves})
+    if named["dt_f"] is not None:
+        y, final = chunked.scan_chunked(scan_inputs, return_final_state=True)
+        loss = (y * grad_y).sum() + (final * grad_final).sum()
+    else:
+        loss = (chunked.scan_chunked(scan_inputs) * grad_y).sum()
+    expected = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    for name, grad in zip(_DIFFERENTIABLE, chunked_scan_backward(*args)):
+        if name in expected:
+            torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+        else:
+            assert grad.numel() == 0, name
+
+
+#: Every custom op of ours -> the test that puts it under opcheck and the fake-vs-real stride check.
+OP_CHECKS = {
+    "mixer_plugins::chunked_scan": "test_opcheck_chunked_scan",
+    "mixer_plugins::chunked_scan_backward": "test_opcheck_chunked_scan_backward",
+    "mixer_plugins::depthwise_conv1d": "test_opcheck_depthwise_conv1d",
+    "mixer_plugins::depthwise_conv1d_backward": "test_opcheck_depthwise_conv1d",
+    "mixer_plugins::toeplitz_fft": "test_opcheck_toeplitz_fft",
+    "mixer_plugins::toeplitz_fft_backward": "test_opcheck_toeplitz_fft",
+    # the Triton scan (CUDA, or CPU under TRITON_INTERPRET=1 in a fresh interpreter)
+    "mixer_plugins::quasiseparable_triton": "test_opcheck_triton_scan_ops_under_the_interpreter",
+    "mixer_plugins::quasiseparable_triton_backward": "test_opcheck_triton_scan_ops_under_the_interpreter",
+}
+
+
+def test_every_custom_op_is_opchecked():
+    """A new custom op must be added to :data:`OP_CHECKS` with a test (the registry of ops is read from torch)."""
+    import importlib
+
+    import mixer_plugins as mp
+
+    for name in mp.list_mixers():  # every mixer's module, and the kernels they import
+        mp.get_spec(name)
+    with __import__("contextlib").suppress(ImportError):
+        importlib.import_module("mixer_plugins.kernels._triton.scan")
+    ops = {op for op in torch._C._dispatch_get_all_op_names() if op.startswith("mixer_plugins::")}
+    assert ops - set(OP_CHECKS) == set(), f"custom ops without an opcheck test: {sorted(ops - set(OP_CHECKS))}"
+    assert {op for op in OP_CHECKS if "triton" not in op} <= ops
+    for test in set(OP_CHECKS.values()):
+        assert test in globals(), test
+
+
+_TRITON_OPCHECK = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+import mixer_plugins.kernels._triton.scan  # registers the ops (kernels defined in interpreter mode)
+
+g = torch.Generator().manual_seed(0)
+b, l, h, p, n = 1, 9, 2, 2, 3
+x = torch.randn(b, l, h, p, generator=g)
+dt, dt_b = (0.5 * torch.rand(b, l, h, generator=g) for _ in range(2))
+A, A_b = (-torch.rand(h, generator=g) - 0.2 for _ in range(2))
+B, C, B_b, C_b = (torch.randn(b, l, 1, n, generator=g) for _ in range(4))
+diag = torch.randn(b, l, h, generator=g)
+seg = torch.tensor([[0] * 4 + [1] * 5], dtype=torch.int32)
+
+def same_layout(op, args):
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
+    for r, f in zip(tree_leaves(real), tree_leaves(fake), strict=True):
+        assert (r.shape, r.dtype, r.stride(), r.storage_offset()) == (f.shape, f.dtype, f.stride(),
+                                                                       f.storage_offset()), (op, r.shape, f.shape)
+    return real
+
+fwd = torch.ops.mixer_plugins.quasiseparable_triton.default
+bwd = torch.ops.mixer_plugins.quasiseparable_triton_backward.default
+args = (x, dt, A, B, C, dt_b, A_b, B_b, C_b, diag, None, seg, True, 4)
+y, hs, lg, final = same_layout(fwd, args)
+bargs = (torch.randn(y.shape, generator=g), torch.randn(final.shape, generator=g), x, dt, A, B, C, dt_b, A_b, B_b,
+         C_b, diag, seg, hs, lg, True, 4)
+same_layout(bwd, bargs)
+torch.library.opcheck(bwd, bargs, test_utils=("test_schema", "test_faketensor"))
+print("ok")
+"""
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_opcheck_triton_scan_ops_under_the_interpreter():
+    """The Triton scan's forward and backward ops: fake kernels with the real kernels' strides, and the backward
+    under opcheck (the forward's opcheck is in tests/test_triton_kernels.py). A fresh interpreter: Triton reads
+    ``TRITON_INTERPRET`` when its kernels are defined."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _TRITON_OPCHECK], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("silu", [False, True])

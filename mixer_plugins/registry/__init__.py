@@ -1,4 +1,12 @@
-"""Mixer registry: entry-point discovery, specs and configs, and the registry's errors."""
+"""Mixer registry: entry-point discovery, specs and configs, and the registry's errors.
+
+Importing this package imports neither torch nor pydantic: :class:`MixerSpec` and :class:`MixerConfig` (whose module
+needs both) are loaded on first access, so listing names and cached metadata stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     DuplicateMixerError,
@@ -11,15 +19,29 @@ from ..errors import (
     SequenceLengthError,
     UnknownMixerError,
 )
+from .metadata import MetadataCache, MixerInfo
 from .registry import ENTRY_POINT_GROUP, IN_PROCESS, MixerRegistry, PluginProblem, make_register_function
-from .spec import MixerConfig, MixerSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .spec import MixerConfig, MixerSpec
 
 #: The process-wide registry behind :func:`mixer_plugins.create_mixer` and friends.
 default_registry = MixerRegistry(ENTRY_POINT_GROUP)
 
+
+def __getattr__(name: str) -> Any:
+    if name in ("MixerConfig", "MixerSpec"):
+        from . import spec
+
+        return getattr(spec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "IN_PROCESS",
+    "MetadataCache",
+    "MixerInfo",
     "MixerRegistry",
     "PluginProblem",
     "MixerConfig",

@@ -25,7 +25,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._text import closest
 from ..errors import (
@@ -34,9 +34,19 @@ from ..errors import (
     PluginLoadError,
     UnknownMixerError,
 )
-from .spec import MixerSpec
+from .metadata import MetadataCache, MixerInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .spec import MixerSpec
 
 __all__ = ["ENTRY_POINT_GROUP", "MixerRegistry", "PluginProblem", "IN_PROCESS"]
+
+
+def _spec_class() -> type[MixerSpec]:
+    # spec.py imports torch and pydantic: only when a spec is loaded or checked, never to list names or metadata.
+    from .spec import MixerSpec
+
+    return MixerSpec
 
 ENTRY_POINT_GROUP = "mixer_plugins.mixers"
 IN_PROCESS = "<in-process>"
@@ -161,7 +171,7 @@ class MixerRegistry:
         except BaseException as exc:  # noqa: BLE001 - any import failure (SystemExit too) is the plugin's, not ours
             entry.error = PluginLoadError(entry.name, entry.distribution, entry.target, exc)
             raise entry.error from None
-        if not isinstance(obj, MixerSpec):
+        if not isinstance(obj, _spec_class()):
             entry.error = PluginLoadError(
                 entry.name, entry.distribution, entry.target,
                 f"the entry point must point to a mixer_plugins.MixerSpec, got {type(obj).__name__}",
@@ -176,19 +186,24 @@ class MixerRegistry:
         entry.spec = dataclasses.replace(obj, distribution=entry.distribution)
         return entry.spec
 
-    def _claims(self, entries: dict[str, list[_Entry]]) -> tuple[dict[str, list[_Claim]], list[PluginProblem]]:
-        """Every key (name or alias) -> its claimants, and the broken entries. Loads every entry point (a broken
-        one is recorded, never raised)."""
+    def _claims(self, entries: dict[str, list[_Entry]], load: Callable[[_Entry], Any] | None = None,
+                loaded: dict[int, Any] | None = None) -> tuple[dict[str, list[_Claim]], list[PluginProblem]]:
+        """Every key (name or alias) -> its claimants, and the broken entries. Loads every entry point with
+        ``load`` (default: its spec; a broken one is recorded, never raised) and puts what it loaded in ``loaded``
+        (by ``id(entry)``)."""
+        load = self._load if load is None else load
         claims: dict[str, list[_Claim]] = {}
         broken: list[PluginProblem] = []
         for key, candidates in sorted(entries.items()):
             for entry in candidates:
                 claims.setdefault(key, []).append(_Claim(entry.distribution, entry.name, "mixer", entry))
                 try:
-                    spec = self._load(entry)
+                    spec = load(entry)
                 except PluginLoadError as err:
                     broken.append(PluginProblem(entry.name, "broken", str(err), (entry.distribution,)))
                     continue
+                if loaded is not None:
+                    loaded[id(entry)] = spec
                 for alias in spec.aliases:
                     claim = _Claim(entry.distribution, spec.name, "alias", entry)
                     akey = normalize_name(alias)
@@ -202,10 +217,13 @@ class MixerRegistry:
         kind = "mixer" if claim.kind == "mixer" else "alias of"
         return f"{claim.distribution} ({kind} {claim.spec_name!r})"
 
-    def _all_specs(self, *, warn: bool) -> tuple[list[MixerSpec], list[PluginProblem]]:
-        entries = self._discover()
-        claims, problems = self._claims(entries)
-        specs: list[MixerSpec] = []
+    def _all_specs(self, *, warn: bool, load: Callable[[_Entry], Any] | None = None,
+                   entries: dict[str, list[_Entry]] | None = None) -> tuple[list[Any], list[PluginProblem]]:
+        """Every loadable spec (or what ``load`` makes of an entry) and every problem."""
+        entries = self._discover() if entries is None else entries
+        loaded: dict[int, Any] = {}
+        claims, problems = self._claims(entries, load, loaded)
+        specs: list[Any] = []
         for _key, candidates in sorted(entries.items()):
             if len(candidates) > 1:
                 err = DuplicateMixerError(candidates[0].name, [c.distribution for c in candidates])
@@ -213,8 +231,8 @@ class MixerRegistry:
                     PluginProblem(candidates[0].name, "duplicate", str(err),
                                   tuple(c.distribution for c in candidates))
                 )
-            elif candidates[0].spec is not None:
-                specs.append(candidates[0].spec)
+            elif id(candidates[0]) in loaded:
+                specs.append(loaded[id(candidates[0])])
         # Aliases must be unambiguous too: an alias claimed twice, or an alias that is another mixer's name.
         for key, owning in sorted(claims.items()):
             if len(owning) > 1 and any(c.kind == "alias" for c in owning):
@@ -244,6 +262,37 @@ class MixerRegistry:
         with self._lock:
             return self._all_specs(warn=False)[1]
 
+    def catalog(self, *, cache: MetadataCache | bool = True,
+                refresh: bool = False) -> tuple[list[MixerInfo], list[PluginProblem]]:
+        """The printable metadata of every loadable mixer (sorted by name) and every problem, as
+        :meth:`specs` and :meth:`problems` would give them, for listing.
+
+        With a cache (``True``: the default :class:`~mixer_plugins.registry.metadata.MetadataCache`), the metadata
+        of a plugin whose module and environment are unchanged since it last loaded is read from the cache: no
+        plugin module (nor torch) is imported. Anything else is loaded, which reports broken plugins as
+        :meth:`problems` does; the cache is then rewritten. ``refresh=True`` loads everything (and rewrites the
+        cache). Never warns: the problems are returned.
+        """
+        store = MetadataCache() if cache is True else (cache or None)
+        cached = {} if store is None or refresh else store.read()
+        fresh: dict[str, MixerInfo] = {}
+
+        def load(entry: _Entry) -> MixerInfo:
+            key = None if entry.target == IN_PROCESS else \
+                MetadataCache.key(entry.name, entry.target, entry.distribution)
+            info = None if key is None or entry.spec is not None else cached.get(key)
+            if info is None:
+                info = MixerInfo.from_spec(self._load(entry))
+            if key is not None:
+                fresh[key] = info
+            return info
+
+        with self._lock:
+            infos, problems = self._all_specs(warn=False, load=load)
+        if store is not None and fresh != cached:
+            store.write(fresh)
+        return infos, problems
+
     def get_spec(self, name: str) -> MixerSpec:
         """The spec of a mixer, by name or alias (case-insensitive, ``-`` == ``_``).
 
@@ -251,7 +300,7 @@ class MixerRegistry:
         raises :class:`DuplicateMixerError` naming every claimant; an alias only ever resolves to the spec that
         declares it.
         """
-        if isinstance(name, MixerSpec):
+        if isinstance(name, _spec_class()):
             return name
         if not isinstance(name, str):
             raise TypeError(f"mixer name must be a string, got {type(name).__name__}")
@@ -286,7 +335,7 @@ class MixerRegistry:
 
     def register(self, spec: MixerSpec, *, replace: bool = False) -> MixerSpec:
         """Register a spec in this process only (notebooks, tests). Entry points are the way to ship one."""
-        if not isinstance(spec, MixerSpec):
+        if not isinstance(spec, _spec_class()):
             raise TypeError(f"register() takes a MixerSpec, got {type(spec).__name__}")
         key = normalize_name(spec.name)
         with self._lock:
@@ -325,6 +374,7 @@ def make_register_function(registry: MixerRegistry):
     """
 
     def register_mixer(spec_or_name: MixerSpec | str, *, replace: bool = False, **fields: Any):
+        MixerSpec = _spec_class()
         if isinstance(spec_or_name, MixerSpec):
             if fields:
                 raise TypeError("pass either a MixerSpec or a name with spec fields, not both")

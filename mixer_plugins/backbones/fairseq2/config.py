@@ -7,6 +7,7 @@ the whole user-facing surface is the dataclass below; the one field a user flips
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -15,6 +16,7 @@ from fairseq2.runtime.config_registry import ConfigRegistrar
 from fairseq2.runtime.dependency import DependencyContainer
 from fairseq2.utils.validation import ValidationResult
 
+from ...registry.registry import normalize_name
 from .options import ResolvedMixer, mixer_problems, resolve_mixer
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "BYTE_VOCAB_SIZE",
     "BERT_VOCAB_SIZE",
     "MixerEncoderConfig",
+    "MixerSection",
     "register_mixer_encoder_archs",
 ]
 
@@ -135,6 +138,66 @@ class MixerEncoderConfig:
             for problem in mixer_problems(self.mixer, self.mixer_options, dim=self.model_dim,
                                           host_options=self.host_options()):
                 result.add_error(problem)
+        return result
+
+
+@dataclass(kw_only=True)
+class MixerSection:
+    """The recipe's ``mixer`` section: the token mixer of the model, shown by ``--dump-config``.
+
+    fairseq2 keeps a model's own fields in ``model.config_overrides``, an untyped mapping that is empty (``null``)
+    until given and is merged over the arch's config only when the model is built; so ``--dump-config`` cannot show
+    ``mixer``. This typed section can: ``--config mixer.name=quasi mixer.options.d_state=32`` is folded into
+    ``model.config_overrides`` (``mixer=quasi``, ``mixer_options={quasi: {d_state: 32}}``) when the recipe config
+    is built. Both ways work; naming two different mixers is a config error.
+    """
+
+    name: str | None = None
+    """Any registered mixer name or alias (``mixer-plugins list``); ``null``: the arch's own mixer
+    (``attention`` for tiny, small and base; ``quasiseparable`` for base_hydra)."""
+
+    options: dict[str, object] = field(default_factory=dict)
+    """Options of that mixer (``mixer-plugins info NAME``), e.g. ``{d_state: 32}``; the model supplies
+    ``dim``, and ``num_heads``/``max_seq_len`` unless given here."""
+
+    def apply_to(self, config_overrides: object | None) -> object | None:
+        """``config_overrides`` (a model section's) with this section folded in; unchanged when it is empty.
+
+        What cannot be folded (the overrides name another mixer, options without a name, overrides that are not a
+        mapping) is left out and reported by :meth:`validate`, which fairseq2 calls on the recipe config.
+        """
+        self._problems: list[str] = []
+        if self.name is None and not self.options:
+            return config_overrides
+        if config_overrides is None:
+            config_overrides = {}
+        if not isinstance(config_overrides, Mapping):
+            self._problems.append("`model.config_overrides` must be a mapping to combine it with the `mixer` "
+                                  "section.")
+            return config_overrides
+        overrides = dict(config_overrides)
+        given = overrides.get("mixer")
+        if self.name is not None:
+            if given is not None and normalize_name(str(given)) != normalize_name(self.name):
+                self._problems.append(f"`mixer.name={self.name}` and `model.config_overrides.mixer={given}` name "
+                                      "two different mixers; give one of them.")
+                return config_overrides
+            overrides["mixer"] = self.name
+        name = overrides.get("mixer")
+        if self.options:
+            if name is None:
+                self._problems.append("`mixer.options` needs `mixer.name`: the options belong to a named mixer.")
+                return config_overrides
+            per_mixer = dict(overrides.get("mixer_options") or {})
+            per_mixer[str(name)] = {**dict(per_mixer.get(str(name)) or {}), **self.options}
+            overrides["mixer_options"] = per_mixer
+        return overrides
+
+    def validate(self) -> ValidationResult:
+        """What :meth:`apply_to` could not fold (fairseq2 reports it as a config error)."""
+        result = ValidationResult()
+        for problem in getattr(self, "_problems", []):
+            result.add_error(problem)
         return result
 
 

@@ -62,7 +62,7 @@ from typing_extensions import override
 
 import mixer_plugins.errors as mixer_errors
 
-from .config import MIXER_ENCODER_FAMILY
+from .config import MIXER_ENCODER_FAMILY, MixerSection
 from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
 from .data import MlmBatch, MlmDataReader, MlmDataSection
 from .model import MixerEncoderModel
@@ -99,6 +99,11 @@ class MixerMlmConfig:
     gang: GangSection = field(default_factory=GangSection)
     overwrite_checkpoints: bool = False
     """Delete the output folder's checkpoints when they belong to another model config (refused otherwise)."""
+    mixer: MixerSection = field(default_factory=MixerSection)
+    """The token mixer (``mixer.name``, ``mixer.options``), folded into ``model.config_overrides``."""
+
+    def __post_init__(self) -> None:
+        self.model.config_overrides = self.mixer.apply_to(self.model.config_overrides)
 
 
 class CheckpointConfigMismatchError(RuntimeError):

@@ -7,7 +7,8 @@ Why a custom op:
 * ``torch.utils.flop_counter.FlopCounterMode`` counts it with :func:`chunked_scan_flops` (registered below);
 * the backward recomputes the forward under autograd instead of storing every intra-chunk tensor, so
   training memory is the inputs plus one chunked forward: linear in the sequence length, like the
-  memory-efficient path of the Hydra code. (FlopCounterMode sees the recomputation's own matmuls.)
+  memory-efficient path of the Hydra code. (FlopCounterMode sees the recomputation's own matmuls.) The
+  backward is a custom op too (``chunked_scan_backward``), so the compiler never traces the chunk loop.
 
 The op's schema is flat (a custom op takes tensors, not dataclasses): :func:`_op_kwargs` flattens a
 :class:`.inputs.ScanInputs` by name and :func:`_unflatten` rebuilds it, and the backward saves and reads its
@@ -17,6 +18,8 @@ fake kernel's strides.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -28,7 +31,7 @@ from .._tiling import tile_bounds
 from . import chunked
 from .inputs import Direction, ScanInputs
 
-__all__ = ["chunked_scan", "chunked_scan_flops", "run_chunked"]
+__all__ = ["chunked_scan", "chunked_scan_backward", "chunked_scan_flops", "run_chunked"]
 
 _DIRECTION_FIELDS = ("dt", "A", "B", "C")
 
@@ -95,21 +98,72 @@ def _setup_context(ctx, inputs, output):
     ctx.chunk_size = named["chunk_size"]
 
 
+@torch.library.custom_op("mixer_plugins::chunked_scan_backward", mutates_args=())
+def chunked_scan_backward(
+    grad_y: Tensor, grad_final: Optional[Tensor],
+    x: Tensor,
+    dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor],
+    dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor],
+    diag: Optional[Tensor], seq_idx: Optional[Tensor], initial_state: Optional[Tensor],
+    shift: bool, chunk_size: int,
+) -> list[Tensor]:
+    """Gradients of :func:`chunked_scan` w.r.t. its differentiable inputs (``x, dt_f, ..., diag,
+    initial_state``, in schema order), contiguous; an empty tensor for an input that is None.
+
+    It recomputes the forward (like activation checkpointing) and differentiates it with autograd: only
+    the op's inputs were stored, never its intra-chunk tensors. A custom op of its own, so that the compiler sees
+    one opaque backward instead of tracing the chunk loop and its gradient (minutes of inductor compilation).
+    """
+    named = {k: v for k, v in locals().items() if k not in ("grad_y", "grad_final")}
+    want_final = named["dt_f"] is not None and grad_final is not None
+    with _autograd_in_kernel():
+        leaves = {name: named[name].detach().requires_grad_(True) for name in _DIFFERENTIABLE
+                  if named[name] is not None}
+        inputs = _unflatten({**named, **leaves})
+        if want_final:
+            y, final = chunked.scan_chunked(inputs, return_final_state=True)
+            outputs, grads_out = [y, final], [grad_y, grad_final]
+        else:
+            outputs, grads_out = [chunked.scan_chunked(inputs)], [grad_y]
+        grads = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads_out,
+                                                     allow_unused=True)))
+    return [x.new_empty(0) if name not in grads else torch.zeros_like(named[name]) if grads[name] is None
+            else grads[name].contiguous() for name in _DIFFERENTIABLE]
+
+
+#: The autograd dispatch keys a custom op's kernel runs below (the dispatcher excludes them while it runs).
+_AUTOGRAD_KEYS = tuple(key for name, key in torch._C.DispatchKey.__members__.items() if name.startswith("Autograd"))
+
+
+@contextlib.contextmanager
+def _autograd_in_kernel() -> Iterator[None]:
+    """Autograd inside a custom op's kernel: the dispatcher runs a kernel with the autograd keys excluded (and the
+    backward with grad mode off); let them through again, so the kernel can differentiate its recomputed forward
+    with ``torch.autograd.grad``, and the tensors it returns carry no graph."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
+
+
+@chunked_scan_backward.register_fake
+def _chunked_scan_backward_fake(grad_y, grad_final, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seq_idx,
+                                initial_state, shift, chunk_size):
+    named = {"x": x, "dt_f": dt_f, "A_f": A_f, "B_f": B_f, "C_f": C_f, "dt_b": dt_b, "A_b": A_b, "B_b": B_b,
+             "C_b": C_b, "diag": diag, "initial_state": initial_state}
+    return [x.new_empty(0) if named[name] is None else named[name].new_empty(named[name].shape)
+            for name in _DIFFERENTIABLE]
+
+
 def _backward(ctx, grad_y, grad_final):
-    # Recompute the forward under autograd (like activation checkpointing) and differentiate it: only the
-    # op's inputs were stored, never its intra-chunk tensors.
     saved = vars(saved_tensors(ctx))
-    with torch.enable_grad():
-        leaves = {name: saved[name].detach().requires_grad_(True) for name in _DIFFERENTIABLE
-                  if saved[name] is not None}
-        inputs = _unflatten({**saved, **leaves, "shift": ctx.shift, "chunk_size": ctx.chunk_size})
-        want_final = inputs.forward is not None and grad_final is not None
-        result = chunked.scan_chunked(inputs, return_final_state=want_final)
-        outputs, grads_out = ([result[0], result[1]], [grad_y, grad_final]) if want_final else ([result], [grad_y])
-        keep = [(o, g) for o, g in zip(outputs, grads_out) if g is not None]
-        grads = torch.autograd.grad([o for o, _ in keep], list(leaves.values()), [g for _, g in keep],
-                                    allow_unused=True)
-    by_name = dict(zip(leaves, grads))
+    want_final = saved["dt_f"] is not None and grad_final is not None
+    grads = chunked_scan_backward(grad_y.contiguous(), grad_final.contiguous() if want_final else None,
+                                  **{name: saved[name] for name in _TENSOR_ARGUMENTS},
+                                  shift=ctx.shift, chunk_size=ctx.chunk_size)
+    by_name = {name: grad for name, grad in zip(_DIFFERENTIABLE, grads) if saved[name] is not None}
     return tuple(by_name.get(name) for name in _ARGUMENTS)
 
 

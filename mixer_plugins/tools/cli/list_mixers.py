@@ -1,7 +1,10 @@
 """``mixer-plugins list``: a table of every registered mixer (and any broken plugin).
 
 ``list --names`` prints the names alone, from the installed entry points' metadata: it imports no mixer code (nor
-torch), so it answers at once. The table needs every spec, hence every plugin's module.
+torch), so it answers at once. The table needs every spec's metadata: it comes from the registry's metadata cache
+(:class:`mixer_plugins.registry.MetadataCache`) for every plugin unchanged since it last loaded, so a listing
+after the first imports neither torch nor any mixer module. A plugin that is new, changed or broken is imported (a
+broken one is reported every time: it is never cached); ``--refresh`` imports them all.
 """
 
 from __future__ import annotations
@@ -33,18 +36,19 @@ def entry_point_names(group: str = ENTRY_POINT_GROUP) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--names", action="store_true",
                         help="print the names only, one a line (fast: reads metadata, imports no mixer code)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="import every plugin instead of trusting the metadata cache (and rewrite the cache)")
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "names", False):
         print("\n".join(entry_point_names()))
         return 0
-    from ...registry import MixerPluginWarning, default_registry
+    from ...registry import MixerPluginWarning, default_registry  # cheap: neither torch nor pydantic
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MixerPluginWarning)  # reported below instead
-        specs = default_registry.specs()
-        problems = default_registry.problems()
+        specs, problems = default_registry.catalog(refresh=getattr(args, "refresh", False))
     rows = [
         (
             s.name,
