@@ -349,6 +349,11 @@ def test_runs_record_cpu_time_and_results_are_kept_as_they_finish(tmp_path):
     from mixer_plugins.tools.compare import CompareResult
 
     assert CompareResult.load(tmp_path).timing == json.loads((tmp_path / "results.json").read_text())["timing"]
+    # a comparison cut short: the summaries say how many of the seeds were run
+    two_seeds = compare(_tiny(seeds=(0, 1)), log=_quiet)
+    two_seeds.runs = [r for r in two_seeds.runs if not (r.label == "long_conv" and r.seed == 1)]
+    notes = {s.label: (s.seeds, s.error) for s in two_seeds.summaries()}
+    assert notes == {"attention": (2, None), "long_conv": (1, "1 of 2 seeds run")}
 
 
 def test_the_token_tasks_share_one_position_sampler():

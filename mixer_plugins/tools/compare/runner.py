@@ -174,8 +174,14 @@ class CompareResult:
             mean, std = _mean_std([r.metric for r in done])
             seconds = sum(r.train_seconds for r in done) / len(done)
             failed = [r for r in runs if r.error]
+            if failed:
+                note = f"{len(failed)} seed(s) failed: {failed[0].error}"
+            elif len(done) < len(self.config.seeds):  # a comparison cut short (its results.json as it was kept)
+                note = f"{len(done)} of {len(self.config.seeds)} seeds run"
+            else:
+                note = None
             out.append(EntrySummary(entry.label, mean, std, len(done), done[0].parameters, done[0].flops, seconds,
-                                    f"{len(failed)} seed(s) failed: {failed[0].error}" if failed else None))
+                                    note))
         return out
 
     def check_orderings(self) -> list[dict[str, Any]]:
