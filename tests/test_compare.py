@@ -354,6 +354,9 @@ def test_runs_record_cpu_time_and_results_are_kept_as_they_finish(tmp_path):
     two_seeds.runs = [r for r in two_seeds.runs if not (r.label == "long_conv" and r.seed == 1)]
     notes = {s.label: (s.seeds, s.error) for s in two_seeds.summaries()}
     assert notes == {"attention": (2, None), "long_conv": (1, "1 of 2 seeds run")}
+    attention = next(s for s in two_seeds.summaries() if s.label == "attention")
+    assert attention.cpu_seconds == pytest.approx(sum(r.cpu_seconds for r in two_seeds.runs[:2]) / 2)
+    assert "CPU time / seed" in two_seeds.table() and f"{attention.cpu_seconds:.1f} s" in two_seeds.table()
 
 
 def test_the_token_tasks_share_one_position_sampler():

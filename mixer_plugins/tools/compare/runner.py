@@ -137,6 +137,8 @@ class EntrySummary:
     flops: int | None
     train_seconds: float | None
     error: str | None = None
+    #: mean CPU time of a run (None when the runs did not record it, e.g. results saved by an older version)
+    cpu_seconds: float | None = None
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -180,8 +182,9 @@ class CompareResult:
                 note = f"{len(done)} of {len(self.config.seeds)} seeds run"
             else:
                 note = None
+            cpu = [r.cpu_seconds for r in done if r.cpu_seconds is not None]
             out.append(EntrySummary(entry.label, mean, std, len(done), done[0].parameters, done[0].flops, seconds,
-                                    note))
+                                    note, sum(cpu) / len(cpu) if len(cpu) == len(done) else None))
         return out
 
     def check_orderings(self) -> list[dict[str, Any]]:
@@ -217,18 +220,20 @@ class CompareResult:
         rows = []
         for s in self.summaries():
             if s.mean is None:
-                rows.append((s.label, "-", "-", "-", "-", f"FAILED: {s.error}"))
+                rows.append((s.label, "-", "-", "-", "-", "-", f"FAILED: {s.error}"))
                 continue
+            cpu = "-" if s.cpu_seconds is None else f"{s.cpu_seconds:.1f} s"
             rows.append((s.label, f"{s.mean:.3f} ± {s.std:.3f}", format_count(s.parameters),
-                         format_count(s.flops), f"{s.train_seconds:.1f} s", s.error or ""))
+                         format_count(s.flops), f"{s.train_seconds:.1f} s", cpu, s.error or ""))
         return rows
 
     def table(self, *, markdown: bool = False) -> str:
-        """Mean ± std of the metric over seeds, parameters, FLOPs per example (forward), mean train time."""
+        """Mean ± std of the metric over seeds, parameters, FLOPs per example (forward), mean train time (wall time
+        of the training steps) and mean CPU time of a run (building, training, evaluations)."""
         from ..._text import format_table, markdown_table
 
         headers = ("mixer", f"{self.metric_name} ({'higher' if self.task.higher_is_better else 'lower'} is better)",
-                   "parameters", "FLOPs / example", "train time / seed", "note")
+                   "parameters", "FLOPs / example", "train time / seed", "CPU time / seed", "note")
         return (markdown_table if markdown else format_table)(headers, self._rows())
 
     def orderings_table(self, *, markdown: bool = False) -> str:
