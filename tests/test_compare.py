@@ -312,3 +312,77 @@ def test_cli_reports_bad_input(capsys):
     assert run_compare(_parse(["--list"])) == 0
     listing = capsys.readouterr().out
     assert all(name in listing for name in ("mqar", "copying", "regression", "digits", *PRESETS))
+
+
+# -- worker processes, timing, partial results, the shared sampler -------------------------------------------------
+
+
+def test_jobs_give_the_same_results_as_one_process(tmp_path):
+    # two fresh worker processes (spawned) train the runs side by side; every number is that of jobs=1, in the
+    # same order, whatever order the workers finish in
+    torch.set_num_threads(1)
+    config = _tiny(steps=3, seeds=(1, 0))
+    one = compare(config, log=_quiet)
+    two = compare(_tiny(steps=3, seeds=(1, 0), jobs=2), log=_quiet)
+    assert [(r.label, r.seed) for r in two.runs] == [("attention", 1), ("attention", 0), ("long_conv", 1),
+                                                     ("long_conv", 0)]
+    for a, b in zip(one.runs, two.runs):
+        assert b.error is None and (a.label, a.seed, a.curve, a.train_loss) == (b.label, b.seed, b.curve, b.train_loss)
+    assert two.timing["jobs"] == 2 and two.timing["threads"] == 1
+    # the workers' start-up is in the process-tree CPU time, not in the runs' own CPU time
+    assert two.timing["process_cpu_seconds"] > two.timing["cpu_seconds"] > 0
+
+
+def test_runs_record_cpu_time_and_results_are_kept_as_they_finish(tmp_path):
+    seen = []
+
+    def log(line: str) -> None:  # after each finished run, results.json already holds it
+        if line.startswith(("attention seed", "long_conv seed")):
+            seen.append(len(json.loads((tmp_path / "results.json").read_text())["runs"]))
+
+    result = compare(_tiny(seeds=(0,), out=tmp_path), log=log)
+    assert seen == [1, 2]
+    for run in result.runs:
+        assert run.cpu_seconds > 0 and run.train_seconds > 0
+    assert result.timing["cpu_seconds"] == pytest.approx(sum(r.cpu_seconds for r in result.runs), abs=1e-2)
+    assert result.timing["wall_seconds"] > 0 and result.timing["process_cpu_seconds"] >= result.timing["cpu_seconds"]
+    from mixer_plugins.tools.compare import CompareResult
+
+    assert CompareResult.load(tmp_path).timing == json.loads((tmp_path / "results.json").read_text())["timing"]
+    # a comparison cut short: the summaries say how many of the seeds were run
+    two_seeds = compare(_tiny(seeds=(0, 1)), log=_quiet)
+    two_seeds.runs = [r for r in two_seeds.runs if not (r.label == "long_conv" and r.seed == 1)]
+    notes = {s.label: (s.seeds, s.error) for s in two_seeds.summaries()}
+    assert notes == {"attention": (2, None), "long_conv": (1, "1 of 2 seeds run")}
+    attention = next(s for s in two_seeds.summaries() if s.label == "attention")
+    assert attention.cpu_seconds == pytest.approx(sum(r.cpu_seconds for r in two_seeds.runs[:2]) / 2)
+    assert "CPU time / seed" in two_seeds.table() and f"{attention.cpu_seconds:.1f} s" in two_seeds.table()
+
+
+def test_the_token_tasks_share_one_position_sampler():
+    from mixer_plugins.tools.compare.tasks import _scatter_slots
+
+    slots = _scatter_slots(500, 9, 4, _gen(7), offset=3)
+    assert slots.shape == (500, 4)
+    assert torch.all(slots[:, 1:] > slots[:, :-1]) and int(slots.min()) >= 3 and int(slots.max()) <= 11
+    assert set(slots.flatten().tolist()) == set(range(3, 12))  # every position in the region is used
+    # both generators place their graded positions with it: the same generator state gives the same positions
+    mqar = make_task("mqar", seq_len=17, num_kv_pairs=4, vocab_size=12, num_queries=4)
+    gen = _gen(8)
+    gen.manual_seed(8)
+    torch.rand(1, 5, generator=gen).argsort(-1)  # the keys' draw
+    torch.randint(0, 6, (1, 4), generator=gen)  # the values' draw
+    expected = _scatter_slots(1, 9, 4, gen, offset=8)
+    assert mqar.sample(1, _gen(8)).graded[0].nonzero()[:, 0].tolist() == expected[0].tolist()
+    copying = make_task("copying", seq_len=12, num_tokens=3, vocab_size=8)
+    gen = _gen(9)
+    torch.randint(2, 8, (1, 3), generator=gen)  # the data tokens' draw
+    expected = _scatter_slots(1, 9, 3, gen)
+    assert (copying.sample(1, _gen(9)).inputs[0, :9] >= 2).nonzero()[:, 0].tolist() == expected[0].tolist()
+
+
+def test_cli_jobs_and_a_single_seed():
+    config = config_from_args(_parse(["--preset", "hydra-classes", "--jobs", "2", "--seeds", "0,", "--no-plots"]))
+    assert config.jobs == 2 and config.seeds == (0,)
+    with pytest.raises(MixerError, match="jobs"):
+        _tiny(jobs=0)

@@ -39,7 +39,7 @@ def _seeds(text: str) -> list[int]:
     if "," not in text and text.strip().isdigit():
         count = int(text)
         if count <= 0:
-            raise argparse.ArgumentTypeError("the number of seeds must be positive")
+            raise argparse.ArgumentTypeError("the number of seeds must be positive (seed 0 alone: --seeds 0,)")
         return list(range(count))
     try:
         return [int(s) for s in text.split(",") if s.strip()]
@@ -96,7 +96,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="folder for results.json, results.md, curves.png, final.png (default: "
                         "outputs/compare/<preset or task>)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only; write nothing")
-    parser.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--threads", type=_positive_int, default=1,
+                        help="torch intra-op threads per run (default 1)")
+    parser.add_argument("--jobs", type=_positive_int, default=None,
+                        help="worker processes training (mixer, seed) runs side by side (default 1); the results "
+                        "do not depend on it. Cores used: jobs x threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--list", action="store_true", help="list the tasks (with their knobs) and the presets")
     parser.set_defaults(func=run_compare)
@@ -126,7 +130,7 @@ def config_from_args(args: argparse.Namespace):
 
     overrides: dict[str, Any] = {}
     for flag in ("steps", "batch_size", "lr", "eval_every", "test_size", "width", "depth", "heads", "causal",
-                 "token_shift", "seeds", "mixers", "task"):
+                 "token_shift", "seeds", "mixers", "task", "jobs"):
         value = getattr(args, flag)
         if value is not None:
             overrides[flag] = value

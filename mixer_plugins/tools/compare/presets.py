@@ -51,6 +51,9 @@ class Preset:
 QUICK: dict[str, Any] = {"steps": 6, "eval_every": 3, "seeds": (0,), "test_size": 32, "batch_size": 16}
 
 _RECALL = {"seq_len": 32, "num_kv_pairs": 4, "vocab_size": 32}
+#: the recall presets' training (sized in docs/compare.md: each full preset in under 30 min on 2 free cores)
+_RECALL_TRAINING = {"steps": 600, "eval_every": 50, "seeds": (0, 1), "batch_size": 32, "lr": 3e-3, "width": 64,
+                    "token_shift": True}
 
 PRESETS: dict[str, Preset] = {}
 
@@ -87,8 +90,7 @@ _add(Preset(
         Ordering("quasiseparable", "toeplitz", "quasiseparable is the best class (Hydra)"),
         Ordering("quasiseparable", "low_rank", "quasiseparable is the best class (Hydra)"),
     ),
-    training={"steps": 200, "eval_every": 25, "seeds": (0, 1), "batch_size": 32, "lr": 3e-3, "width": 64,
-              "token_shift": True},
+    training=_RECALL_TRAINING,
 ))
 
 _add(Preset(
@@ -113,8 +115,7 @@ _add(Preset(
         for other in ("bidirectional_add", "bidirectional_mult", "bidirectional_concat", "quasiseparable_no_shift",
                       "quasiseparable_no_diag")
     ),
-    training={"steps": 200, "eval_every": 25, "seeds": (0, 1), "batch_size": 32, "lr": 3e-3, "width": 64,
-              "token_shift": True},
+    training=_RECALL_TRAINING,
 ))
 
 _add(Preset(

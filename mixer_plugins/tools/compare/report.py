@@ -86,7 +86,8 @@ def save_final(result: CompareResult, path: Path) -> Path:
     ax.set_xticklabels([s.label for s in summaries], rotation=35, ha="right", fontsize=7)
     ax.set_ylabel(f"final test {result.metric_name} ({_better(result)})")
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(_title(result).replace("\n", f", {len(result.config.seeds)} seeds\n", 1), fontsize=8)
+    seeds = max(s.seeds for s in summaries) if summaries else 0
+    ax.set_title(_title(result).replace("\n", f", {seeds} seeds\n", 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

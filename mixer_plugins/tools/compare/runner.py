@@ -66,12 +66,15 @@ class CompareConfig:
     causal: bool = False
     out: Path | None = None
     progress: bool = True
+    #: worker processes that train (mixer, seed) runs side by side; the numbers do not depend on it (each run
+    #: is fixed by its seed and the torch thread count, which the workers copy from the caller).
+    jobs: int = 1
     #: preset name and the orderings to check (filled by presets; empty for ad-hoc comparisons).
     preset: str | None = None
     orderings: Sequence[Ordering] = ()
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads"):
+        for name in ("steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads", "jobs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise MixerError(f"{name} must be a positive integer, got {value!r}")
@@ -116,6 +119,8 @@ class RunResult:
     parameters: int | None = None
     flops: int | None = None
     train_seconds: float | None = None
+    #: CPU time of the whole run (building, training steps, evaluations) in the process that ran it.
+    cpu_seconds: float | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
 
@@ -132,6 +137,8 @@ class EntrySummary:
     flops: int | None
     train_seconds: float | None
     error: str | None = None
+    #: mean CPU time of a run (None when the runs did not record it, e.g. results saved by an older version)
+    cpu_seconds: float | None = None
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -149,6 +156,9 @@ class CompareResult:
     task: Task
     runs: list[RunResult]
     reference: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: ``wall_seconds`` of the whole comparison, ``cpu_seconds`` (the runs' CPU time summed over processes),
+    #: ``jobs`` and ``threads``: what the run cost, for sizing (wall time overstates it on a loaded machine).
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def metric_name(self) -> str:
@@ -166,8 +176,15 @@ class CompareResult:
             mean, std = _mean_std([r.metric for r in done])
             seconds = sum(r.train_seconds for r in done) / len(done)
             failed = [r for r in runs if r.error]
+            if failed:
+                note = f"{len(failed)} seed(s) failed: {failed[0].error}"
+            elif len(done) < len(self.config.seeds):  # a comparison cut short (its results.json as it was kept)
+                note = f"{len(done)} of {len(self.config.seeds)} seeds run"
+            else:
+                note = None
+            cpu = [r.cpu_seconds for r in done if r.cpu_seconds is not None]
             out.append(EntrySummary(entry.label, mean, std, len(done), done[0].parameters, done[0].flops, seconds,
-                                    f"{len(failed)} seed(s) failed: {failed[0].error}" if failed else None))
+                                    note, sum(cpu) / len(cpu) if len(cpu) == len(done) else None))
         return out
 
     def check_orderings(self) -> list[dict[str, Any]]:
@@ -203,18 +220,20 @@ class CompareResult:
         rows = []
         for s in self.summaries():
             if s.mean is None:
-                rows.append((s.label, "-", "-", "-", "-", f"FAILED: {s.error}"))
+                rows.append((s.label, "-", "-", "-", "-", "-", f"FAILED: {s.error}"))
                 continue
+            cpu = "-" if s.cpu_seconds is None else f"{s.cpu_seconds:.1f} s"
             rows.append((s.label, f"{s.mean:.3f} ± {s.std:.3f}", format_count(s.parameters),
-                         format_count(s.flops), f"{s.train_seconds:.1f} s", s.error or ""))
+                         format_count(s.flops), f"{s.train_seconds:.1f} s", cpu, s.error or ""))
         return rows
 
     def table(self, *, markdown: bool = False) -> str:
-        """Mean ± std of the metric over seeds, parameters, FLOPs per example (forward), mean train time."""
+        """Mean ± std of the metric over seeds, parameters, FLOPs per example (forward), mean train time (wall time
+        of the training steps) and mean CPU time of a run (building, training, evaluations)."""
         from ..._text import format_table, markdown_table
 
         headers = ("mixer", f"{self.metric_name} ({'higher' if self.task.higher_is_better else 'lower'} is better)",
-                   "parameters", "FLOPs / example", "train time / seed", "note")
+                   "parameters", "FLOPs / example", "train time / seed", "CPU time / seed", "note")
         return (markdown_table if markdown else format_table)(headers, self._rows())
 
     def orderings_table(self, *, markdown: bool = False) -> str:
@@ -241,6 +260,7 @@ class CompareResult:
             "task": {"name": self.task.name, "knobs": self.task.knobs(), "metric": self.metric_name,
                      "higher_is_better": self.task.higher_is_better, "seq_len": self.task.seq_len},
             "reference": self.reference,
+            "timing": self.timing,
             "summaries": [dataclasses.asdict(s) for s in self.summaries()],
             "orderings": self.check_orderings(),
             "runs": [dataclasses.asdict(r) for r in self.runs],
@@ -261,7 +281,7 @@ class CompareResult:
             run["curve"] = [tuple(point) for point in run["curve"]]
             run["train_loss"] = [tuple(point) for point in run["train_loss"]]
             runs.append(RunResult(**run))
-        return cls(config, config.build_task(), runs, data.get("reference", {}))
+        return cls(config, config.build_task(), runs, data.get("reference", {}), data.get("timing", {}))
 
     def write(self, out: Path) -> list[Path]:
         """``results.json``, ``results.md`` and the two plots (when matplotlib is installed) under ``out``."""
@@ -290,7 +310,7 @@ def _fmt(mean: float | None, std: float | None) -> str:
 def _evaluate(model: SequenceModel, task: Task, test: Batch, batch: int = 256) -> float:
     model.eval()
     total = 0.0
-    with torch.no_grad():
+    with torch.inference_mode():
         for start in range(0, len(test), batch):
             part = test.slice(start, start + batch)
             total += task.metric(model(part.inputs), part) * len(part)
@@ -323,6 +343,7 @@ def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, t
               *, on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """Train one model (``entry`` in the backbone) for ``config.steps`` steps with ``seed``; evaluate on ``test``
     every ``config.eval_every`` steps and at the end. Raises whatever the mixer raises (the caller records it)."""
+    cpu_start = time.process_time()
     torch.manual_seed(seed)
     model = SequenceModel(task, entry, width=config.width, depth=config.depth, heads=config.heads,
                           mlp_ratio=config.mlp_ratio, positions=config.positions, token_shift=config.token_shift,
@@ -356,26 +377,93 @@ def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, t
             on_step(done, result.curve[-1][1] if result.curve else float("nan"))
     result.metric = result.curve[-1][1]
     result.train_seconds = seconds
+    result.cpu_seconds = time.process_time() - cpu_start
     return result
+
+
+def _run_or_record(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, test: Batch,
+                   on_step: Callable[[int, float], None] | None = None) -> tuple[RunResult, str | None]:
+    """:func:`train_run`, with a failure recorded in the result (and its traceback returned) instead of raised."""
+    try:
+        return train_run(config, task, entry, seed, test, on_step=on_step), None
+    except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
+        first = (str(err).strip().splitlines() or [""])[0]
+        return (RunResult(entry.label, seed, error=f"{type(err).__name__}: {first}"),
+                f"== {entry.label} seed {seed}\n{traceback.format_exc()}")
+
+
+def _worker_setup(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _worker_run(config: CompareConfig, index: int, seed: int) -> tuple[RunResult, str | None]:
+    """One (entry, seed) run in a worker process: the task and test set are rebuilt from the config and seed."""
+    task = config.build_task()
+    return _run_or_record(config, task, config.mixers[index], seed, task.test_set(config.test_size, seed))
+
+
+def _log_run(log: Callable[[str], None], task: Task, run: RunResult) -> None:
+    if run.error is None:
+        log(f"{run.label} seed {run.seed}: {task.metric_name} {run.metric:.3f} ({run.train_seconds:.1f} s, "
+            f"{run.cpu_seconds:.1f} s CPU)")
+    else:
+        log(f"{run.label} seed {run.seed} failed: {run.error}")
 
 
 def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> CompareResult:
     """Train every mixer entry of ``config`` with every seed, print the table and (with ``config.out``) write
     ``results.json``, ``results.md``, ``curves.png`` and ``final.png``. A failing mixer is reported in the table
-    (and its traceback in ``errors.log``); the others still run."""
+    (and its traceback in ``errors.log``); the others still run.
+
+    With ``config.jobs > 1`` the runs are trained by that many fresh worker processes (spawned: a mixer registered
+    at run time rather than by an import or an entry point is unknown to them, and a script that calls this must
+    guard its entry with ``if __name__ == "__main__":``); each worker uses the caller's torch thread count, so the
+    numbers are those of ``jobs=1``. With ``config.out``, ``results.json`` is rewritten
+    after every finished run, so an interrupted comparison keeps what it trained.
+    """
     if config.out is not None:
         from .report import require_matplotlib
 
         require_matplotlib()  # fail before training, not after
     task = config.build_task()
     log(f"task: {task.describe()}")
-    runs: list[RunResult] = []
-    errors: list[str] = []
+    wall_start = time.perf_counter()
+    cpu_start = _process_tree_cpu()
     tests = {seed: task.test_set(config.test_size, seed) for seed in config.seeds}
-    total = len(config.mixers) * len(config.seeds)
-    for entry in config.mixers:
-        for seed in config.seeds:
-            bar = _progress(config.steps, f"[{len(runs) + 1}/{total}] {entry.label} seed {seed}", config.progress)
+    jobs_list = [(index, entry, seed) for index, entry in enumerate(config.mixers) for seed in config.seeds]
+    total = len(jobs_list)
+    finished: dict[tuple[int, int], RunResult] = {}
+    errors: dict[tuple[int, int], str] = {}
+
+    def record(index: int, seed: int, run: RunResult, error: str | None) -> None:
+        key = (index, config.seeds.index(seed))
+        finished[key] = run
+        if error is not None:
+            errors[key] = error
+        if config.out is not None:  # keep what is done so far
+            partial = CompareResult(config, task, _ordered(finished), timing=_timing(config, wall_start, finished))
+            config.out.mkdir(parents=True, exist_ok=True)
+            (config.out / "results.json").write_text(json.dumps(partial.as_dict(), indent=2, default=str))
+        _log_run(log, task, run)
+
+    if config.jobs > 1 and total > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        # spawn, not fork: a forked child of a process whose OpenMP pool has started can hang in it
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(min(config.jobs, total), mp_context=context,
+                                                    initializer=_worker_setup,
+                                                    initargs=(torch.get_num_threads(),)) as pool:
+            # seed-major submission: an interrupted comparison has every entry for the first seeds
+            order = sorted(jobs_list, key=lambda job: (config.seeds.index(job[2]), job[0]))
+            futures = {pool.submit(_worker_run, config, index, seed): (index, seed) for index, _, seed in order}
+            for future in concurrent.futures.as_completed(futures):
+                index, seed = futures[future]
+                record(index, seed, *future.result())
+    else:
+        for number, (index, entry, seed) in enumerate(jobs_list, 1):
+            bar = _progress(config.steps, f"[{number}/{total}] {entry.label} seed {seed}", config.progress)
 
             def on_step(step: int, metric: float, bar=bar) -> None:
                 bar.update(1)
@@ -383,34 +471,55 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
                     bar.set_postfix({task.metric_name: f"{metric:.3f}"})
 
             try:
-                run = train_run(config, task, entry, seed, tests[seed], on_step=on_step if bar else None)
-                log(f"{entry.label} seed {seed}: {task.metric_name} {run.metric:.3f} ({run.train_seconds:.1f} s)")
-            except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
-                first = (str(err).strip().splitlines() or [""])[0]
-                run = RunResult(entry.label, seed, error=f"{type(err).__name__}: {first}")
-                errors.append(f"== {entry.label} seed {seed}\n{traceback.format_exc()}")
-                log(f"{entry.label} seed {seed} failed: {run.error}")
+                run, error = _run_or_record(config, task, entry, seed, tests[seed], on_step if bar else None)
             finally:
                 if bar is not None:
                     bar.close()
-            runs.append(run)
+            record(index, seed, run, error)
+    runs = _ordered(finished)
     reference = {}
     if hasattr(task, "least_squares_metric"):
         reference["least squares"] = sum(task.least_squares_metric(t) for t in tests.values()) / len(tests)
-    result = CompareResult(config, task, runs, reference)
+    result = CompareResult(config, task, runs, reference, _timing(config, wall_start, finished))
+    # everything this comparison cost: this process and its (finished) workers, including their start-up
+    result.timing["process_cpu_seconds"] = round(_process_tree_cpu() - cpu_start, 3)
     log("")
     log(result.describe())
     log(result.table())
     if config.orderings:
         log("")
         log(result.orderings_table())
+    log(f"total: {result.timing['wall_seconds']:.1f} s wall, {result.timing['cpu_seconds']:.1f} s CPU in the runs, "
+        f"{result.timing['process_cpu_seconds']:.1f} s CPU in all (jobs {config.jobs}, "
+        f"{result.timing['threads']} thread(s) each)")
     if config.out is not None:
         written = result.write(config.out)
         error_log = config.out / "errors.log"
         if errors:
-            error_log.write_text("\n".join(errors))
+            error_log.write_text("\n".join(errors[key] for key in sorted(errors)))
             written.append(error_log)
         elif error_log.exists():
             error_log.unlink()
         log("wrote " + ", ".join(str(p) for p in written))
     return result
+
+
+def _process_tree_cpu() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended."""
+    try:
+        import resource
+    except ImportError:  # not on Unix: this process only
+        return time.process_time()
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _ordered(finished: Mapping[tuple[int, int], RunResult]) -> list[RunResult]:
+    """The runs in entry order, then seed order (the order of ``jobs=1``), whatever order they finished in."""
+    return [finished[key] for key in sorted(finished)]
+
+
+def _timing(config: CompareConfig, wall_start: float, finished: Mapping[tuple[int, int], RunResult]) -> dict:
+    return {"wall_seconds": round(time.perf_counter() - wall_start, 3),
+            "cpu_seconds": round(sum(r.cpu_seconds or 0.0 for r in finished.values()), 3),
+            "jobs": config.jobs, "threads": torch.get_num_threads()}

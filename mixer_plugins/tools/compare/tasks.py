@@ -133,8 +133,38 @@ def _check_positive(task: Task, *names: str) -> None:
             raise MixerError(f"{task.name}: {name} must be a positive integer, got {value!r}")
 
 
+def _distinct(n: int, pool: int, count: int, generator: torch.Generator) -> Tensor:
+    """``count`` distinct draws from ``range(pool)`` per row, in random order: a long ``(n, count)`` tensor."""
+    return torch.rand(n, pool, generator=generator).argsort(-1)[:, :count]
+
+
+def _scatter_slots(n: int, region: int, count: int, generator: torch.Generator, *, offset: int = 0) -> Tensor:
+    """``count`` distinct positions per row among ``offset .. offset + region - 1``, increasing: where the recall
+    queries and the copied tokens go."""
+    return _distinct(n, region, count, generator).sort(-1).values + offset
+
+
+class _TokenSequence:
+    """Shapes shared by the token tasks: a ``seq_len_`` knob, and one vocabulary for the inputs and the classes."""
+
+    seq_len_: int
+    vocab_size: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.seq_len_
+
+    @property
+    def input_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def output_size(self) -> int:
+        return self.vocab_size
+
+
 @dataclasses.dataclass
-class MultiQueryRecallTask(Task):
+class MultiQueryRecallTask(_TokenSequence, Task):
     """Multi-query associative recall (MQAR, Zoology, Arora et al. 2023), answered at the query positions.
 
     Token 0 is a blank; keys are ``1 .. K`` and values ``K+1 .. vocab_size-1`` with ``K = (vocab_size - 1) // 2``.
@@ -168,18 +198,6 @@ class MultiQueryRecallTask(Task):
             raise MixerError(f"mqar: seq_len ({self.seq_len_}) must hold the {2 * self.num_kv_pairs} context tokens "
                              f"and the {self.num_queries} queries")
 
-    @property
-    def seq_len(self) -> int:
-        return self.seq_len_
-
-    @property
-    def input_size(self) -> int:
-        return self.vocab_size
-
-    @property
-    def output_size(self) -> int:
-        return self.vocab_size
-
     def knobs(self) -> dict[str, Any]:
         return {"seq_len": self.seq_len_, "num_kv_pairs": self.num_kv_pairs, "vocab_size": self.vocab_size,
                 "num_queries": self.num_queries}
@@ -188,14 +206,13 @@ class MultiQueryRecallTask(Task):
         pairs, queries, length = self.num_kv_pairs, self.num_queries, self.seq_len_
         num_keys = (self.vocab_size - 1) // 2
         num_values = self.vocab_size - 1 - num_keys
-        keys = torch.rand(n, num_keys, generator=generator).argsort(-1)[:, :pairs] + 1
+        keys = _distinct(n, num_keys, pairs, generator) + 1
         values = torch.randint(0, num_values, (n, pairs), generator=generator) + 1 + num_keys
         inputs = torch.zeros(n, length, dtype=torch.long)
         inputs[:, 0:2 * pairs:2] = keys
         inputs[:, 1:2 * pairs:2] = values
-        region = length - 2 * pairs
-        slots = torch.rand(n, region, generator=generator).argsort(-1)[:, :queries].sort(-1).values + 2 * pairs
-        which = torch.rand(n, pairs, generator=generator).argsort(-1)[:, :queries]
+        slots = _scatter_slots(n, length - 2 * pairs, queries, generator, offset=2 * pairs)
+        which = _distinct(n, pairs, queries, generator)
         rows = torch.arange(n)[:, None]
         inputs[rows, slots] = keys.gather(1, which)
         targets = torch.full((n, length), IGNORE, dtype=torch.long)
@@ -204,7 +221,7 @@ class MultiQueryRecallTask(Task):
 
 
 @dataclasses.dataclass
-class SelectiveCopyingTask(Task):
+class SelectiveCopyingTask(_TokenSequence, Task):
     """Selective copying (Mamba, Gu and Dao 2023): copy the scattered data tokens, in order, after the context.
 
     Token 0 is noise, 1 the copy marker, ``2 .. vocab_size-1`` data. The first ``seq_len - num_tokens`` positions
@@ -227,18 +244,6 @@ class SelectiveCopyingTask(Task):
             raise MixerError(f"copying: seq_len ({self.seq_len_}) must be at least 2 * num_tokens "
                              f"({2 * self.num_tokens})")
 
-    @property
-    def seq_len(self) -> int:
-        return self.seq_len_
-
-    @property
-    def input_size(self) -> int:
-        return self.vocab_size
-
-    @property
-    def output_size(self) -> int:
-        return self.vocab_size
-
     def knobs(self) -> dict[str, Any]:
         return {"seq_len": self.seq_len_, "num_tokens": self.num_tokens, "vocab_size": self.vocab_size}
 
@@ -246,7 +251,7 @@ class SelectiveCopyingTask(Task):
         count, length = self.num_tokens, self.seq_len_
         context = length - count
         data = torch.randint(2, self.vocab_size, (n, count), generator=generator)
-        slots = torch.rand(n, context, generator=generator).argsort(-1)[:, :count].sort(-1).values
+        slots = _scatter_slots(n, context, count, generator)
         inputs = torch.zeros(n, length, dtype=torch.long)
         rows = torch.arange(n)[:, None]
         inputs[rows, slots] = data
