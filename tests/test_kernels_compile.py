@@ -107,6 +107,9 @@ OP_CHECKS = {
     "mixer_plugins::depthwise_conv1d_backward": "test_opcheck_depthwise_conv1d",
     "mixer_plugins::toeplitz_fft": "test_opcheck_toeplitz_fft",
     "mixer_plugins::toeplitz_fft_backward": "test_opcheck_toeplitz_fft",
+    "mixer_plugins::toeplitz_causal": "test_opcheck_toeplitz_causal",
+    "mixer_plugins::mlr_attention_tiled": "test_opcheck_mlr_attention_tiled",
+    "mixer_plugins::mlr_attention_tiled_backward": "test_opcheck_mlr_attention_tiled",
     # the Triton scan (CUDA, or CPU under TRITON_INTERPRET=1 in a fresh interpreter)
     "mixer_plugins::quasiseparable_triton": "test_opcheck_triton_scan_ops_under_the_interpreter",
     "mixer_plugins::quasiseparable_triton_backward": "test_opcheck_triton_scan_ops_under_the_interpreter",
@@ -249,3 +252,73 @@ def test_depthwise_conv1d_compiles_with_inductor(causal):
     expected = torch.autograd.grad(f(x, w, b).square().sum(), (x, w, b))
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck_toeplitz_causal():
+    """The causal Toeplitz op (direct tiles + causal FFT blocks): fake kernel and strides, schema, autograd
+    registration, and AOT dispatch; its values equal the explicit causal sum (an independent reference)."""
+    op = torch.ops.mixer_plugins.toeplitz_causal
+    for tap_batch in (1, 2):
+        taps = torch.randn(tap_batch, 3, 70, dtype=F64, requires_grad=True)  # longer than one causal tile (64)
+        v = torch.randn(2, 70, 3, 4, dtype=F64, requires_grad=True)
+        _assert_fake_kernel_matches_real(op, (taps.detach(), v.detach()))
+        torch.library.opcheck(op, (taps, v))
+        expected = torch.zeros_like(v)
+        for i in range(70):
+            for d in range(i + 1):
+                expected[:, i] += taps[:, :, d, None].expand(2, 3, 1) * v[:, i - d]
+        torch.testing.assert_close(op(taps, v), expected, rtol=1e-10, atol=1e-10)
+
+
+def _mlr_op_calls(engine):
+    """The arguments the ``mlr_attention`` torch backend passes to its custom ops, recorded while it runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mixer_plugins.kernels import mlr_attention
+
+    calls = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "mlr_attention_tiled" in str(func):
+                calls.setdefault(str(func.overloadpacket).split(".")[-1], (args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    ranks, sizes = [4, 2, 1], [None, 8, 4]
+    q, k = (torch.randn(2, 19, 2, sum(ranks), generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 19, 2, 5, generator=gen, requires_grad=True)
+    mask = torch.arange(19)[None, :] < torch.tensor([19, 11])[:, None]
+    from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
+
+    old = mlr_torch.AUTO_ENGINE if hasattr(mlr_torch, "AUTO_ENGINE") else None
+    try:
+        if old is not None:
+            mlr_torch.AUTO_ENGINE = engine
+        with Record():
+            out = mlr_attention(q, k, v, ranks=ranks, block_sizes=sizes, causal=True, mask=mask, backend="torch")
+            out.sum().backward()
+    finally:
+        if old is not None:
+            mlr_torch.AUTO_ENGINE = old
+    return calls
+
+
+@pytest.mark.parametrize("engine", ["flash", "matmul"])
+def test_opcheck_mlr_attention_tiled(engine):
+    """The tiled MLR op and its backward op, with the arguments the backend really passes: fake kernels and
+    strides, schema, autograd registration and AOT dispatch."""
+    calls = _mlr_op_calls(engine)
+    assert {"mlr_attention_tiled", "mlr_attention_tiled_backward"} <= set(calls), sorted(calls)
+    fwd_args, fwd_kwargs = calls["mlr_attention_tiled"]
+    assert engine in fwd_args, fwd_args[-1]  # the engine this case meant to check ran
+    bwd_args, bwd_kwargs = calls["mlr_attention_tiled_backward"]
+    detach = lambda args: tree_map_only(torch.Tensor, torch.Tensor.detach, args)  # noqa: E731
+    fwd = torch.ops.mixer_plugins.mlr_attention_tiled
+    bwd = torch.ops.mixer_plugins.mlr_attention_tiled_backward
+    _assert_fake_kernel_matches_real(fwd, detach(fwd_args))
+    _assert_fake_kernel_matches_real(bwd, detach(bwd_args))
+    grad_args = tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                      for a in fwd_args)
+    torch.library.opcheck(fwd, grad_args, fwd_kwargs)
+    torch.library.opcheck(bwd, detach(bwd_args), bwd_kwargs)
