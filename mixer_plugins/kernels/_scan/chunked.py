@@ -38,7 +38,7 @@ from torch import Tensor
 from .._tiling import tile_bounds, tile_length
 from .inputs import ScanInputs
 
-__all__ = ["TILE_ELEMENTS", "scan_chunked", "tile_chunks"]
+__all__ = ["TILE_ELEMENTS", "scan_chunked", "tile_chunks", "tile_elements"]
 
 
 def _pad_time(t: Tensor | None, pad: int) -> Tensor | None:
@@ -55,13 +55,24 @@ def _chunks(t: Tensor | None, q: int) -> Tensor | None:
     return t.reshape(t.shape[0], t.shape[1] // q, q, *t.shape[2:])
 
 
-TILE_ELEMENTS = 1 << 19  # target size of one tile's temporaries (elements): 2 MiB in float32
+TILE_ELEMENTS = 1 << 21  # target size of one tile's temporaries (elements): 8 MiB in float32
 
 
 def tile_chunks(bsz: int, chunk: int, heads: int, width: int) -> int:
     """Chunks per tile: the tile's largest temporaries, (batch, chunk, heads, width) per chunk, stay near
     :data:`TILE_ELEMENTS` elements, so they live in cache and in malloc's reused heap (see :mod:`.._tiling`)."""
     return tile_length(TILE_ELEMENTS, bsz * chunk * heads * width)
+
+
+def tile_elements(inputs: ScanInputs) -> int:
+    """Elements of the largest temporary of one tile of ``inputs``' scan (what :mod:`.._threads` sizes by)."""
+    bsz, length, heads, hdim = inputs.x.shape
+    direction = inputs.forward or inputs.backward
+    nstate = 0 if direction is None else direction.B.shape[-1]
+    q = max(1, min(int(inputs.chunk_size), length))
+    width = max(hdim, q, nstate)
+    nchunks = -(-length // q)
+    return bsz * min(nchunks, tile_chunks(bsz, q, heads, width)) * q * heads * width
 
 
 def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_size: int | None = None,
