@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 if __package__ in (None, ""):  # run as a script from the repository root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH, when set, wins
 
 from mixer_plugins.tools.benchmarking import build_mixer, count_flops  # noqa: E402
 
