@@ -294,12 +294,15 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     # it, reversed): the block products below would multiply it by the zero decays of earlier chunks (0 * inf = NaN).
     # So it enters the products as zeros (by selection) and the chunks it does reach are marked NaN afterwards.
     bad = ~torch.isfinite(states).flatten(-2).all(dim=-1)                                 # (b, C, g, r)
-    states = states.masked_fill(bad[..., None, None], 0.0)
-    if reverse:
-        reached = bad.flip(1).cummax(dim=1).values.flip(1)[:, 1:]
-        reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
-    else:
-        reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
+    any_bad = bool(bad.any())  # the usual case, all finite, skips the selections (full-size copies) below
+    reached = None
+    if any_bad:
+        states = states.masked_fill(bad[..., None, None], 0.0)
+        if reverse:
+            reached = bad.flip(1).cummax(dim=1).values.flip(1)[:, 1:]
+            reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
+        else:
+            reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
     size = min(block, nchunks)
     nblocks = -(-nchunks // size)
     pad = nblocks * size - nchunks
@@ -333,5 +336,8 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     carries_t = carries[0][:, None] if nblocks == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
     entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
     entering = entering.reshape(bsz, nblocks * size, groups, rep, hdim, nstate)
-    entering = (entering[:, :nchunks] if pad else entering).masked_fill(reached[..., None, None], float("nan"))
+    entering = entering[:, :nchunks] if pad else entering
+    if not any_bad:
+        return entering, carry
+    entering = entering.masked_fill(reached[..., None, None], float("nan"))
     return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
