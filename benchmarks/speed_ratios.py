@@ -44,6 +44,29 @@ def step(name: str, length: int, *, dim: int = 256, batch: int = 1) -> Callable[
     return mixer_step(mixer, x, "forward_backward")
 
 
+def vit_step(mixer: str, *, batch: int, **model_options) -> Callable[[], None]:
+    """One SGD training step (forward, cross-entropy, backward, update) of our timm ViT-S/16 (``vit_small``)
+    with ``mixer`` on random 224 x 224 images (197 tokens), as a zero-argument function."""
+    import timm
+
+    import mixer_plugins  # noqa: F401  (the timm hook)
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small", mixer=mixer, num_classes=10, **model_options)  # ViT-S/16
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    size = model_options.get("img_size", 224)
+    images = torch.randn(batch, 3, size, size)
+    labels = torch.randint(0, 10, (batch,))
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    return run
+
+
 def interleaved_times(fns: dict[str, Callable[[], None]], rounds: int, *, warmup: int = 1) -> dict[str, list[float]]:
     """Wall times of each function over ``rounds`` rounds, one call of each per round, in turn."""
     for _ in range(warmup):
@@ -112,17 +135,19 @@ def slowdowns(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, dict
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mixers", default="quasiseparable,semiseparable")
-    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--lengths", default="1024,4096,16384", help="comma-separated ('' for none)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--competitor", action="store_true", help="also measure the slowdowns under a busy loop")
+    parser.add_argument("--vit", action="store_true",
+                        help="also time a ViT-S/16 training step (batch 32) with mixer='quasi' against attention")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.mixers.split(",")]
     results = []
-    for length in (int(v) for v in args.lengths.split(",")):
+    for length in (int(v) for v in args.lengths.split(",") if v.strip()):
         fns = {name: step(name, length, dim=args.dim) for name in [*names, REFERENCE]}
         times = interleaved_times(fns, args.rounds)
         row = {"length": length, "threads": args.threads, "rounds": args.rounds,
@@ -136,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n} {s['slowdown']:.2f}x" for n, s in row["slowdowns"].items())
         print(line, flush=True)
         results.append(row)
+    if args.vit:
+        times = interleaved_times({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step(REFERENCE, batch=32)},
+                                  args.rounds)
+        ratio = ratio_stats(times["quasi"], times[REFERENCE])
+        results.append({"vit_small_step": {"median_seconds": {n: statistics.median(t) for n, t in times.items()},
+                                           "quasi_over_attention": ratio}})
+        print(f"ViT-S/16 training step, batch 32: quasi/attention time {ratio['median']:.2f} "
+              f"[{ratio['min']:.2f}, {ratio['max']:.2f}]", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -22,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed_ratios import REFERENCE, busy_competitor, interleaved_times, ratio_stats, slowdowns, step  # noqa: E402
+from speed_ratios import (  # noqa: E402
+    REFERENCE, busy_competitor, interleaved_times, ratio_stats, slowdowns, step, vit_step,
+)
 
 MIXERS = ["quasiseparable", "semiseparable"]
 TARGETS = {1024: 0.8, 16384: 10.0}  # attention time / mixer time, at least
@@ -73,33 +75,12 @@ def test_target_contention(benchmark, benchmarking_enabled, mixer, length):
         f"(target: at most {CONTENTION_TARGET}x SDPA's)")
 
 
-def _vit_step(mixer: str, *, batch: int, **model_options):
-    import timm
-
-    import mixer_plugins  # noqa: F401  (the timm hook)
-
-    torch.manual_seed(0)
-    model = timm.create_model("vit_small", mixer=mixer, num_classes=10, **model_options)  # ViT-S/16
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    size = model_options.get("img_size", 224)
-    images = torch.randn(batch, 3, size, size)
-    labels = torch.randint(0, 10, (batch,))
-
-    def run() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-
-    return run
-
-
 def test_target_vit_small_training_step(benchmark, benchmarking_enabled):
     pytest.importorskip("timm")
     if not benchmarking_enabled:  # CI: one step of a two-block ViT-S on 2 x 32 x 32 images
-        _vit_step("quasi", batch=2, img_size=32, depth=2)()
+        vit_step("quasi", batch=2, img_size=32, depth=2)()
         return
-    times = interleaved_times({"quasi": _vit_step("quasi", batch=32), REFERENCE: _vit_step("attention", batch=32)},
+    times = interleaved_times({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step("attention", batch=32)},
                               3)
     ratio = ratio_stats(times["quasi"], times[REFERENCE])  # quasi time / attention time
     _record(benchmark, ratio=ratio, seconds={n: statistics.median(t) for n, t in times.items()},

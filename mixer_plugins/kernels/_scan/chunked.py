@@ -212,14 +212,14 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
             # upper part: C~_i.B_j exp(e_j - q_i) dt_j for j > i (j >= i unshifted)
             allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
             upper = _intra_block(C_c, B_c, -q_log, e, dtp, allowed if same is None else allowed & same)
-            block = upper if block is None else block + upper
+            block = upper if block is None else block.add_(upper)  # in place: no product reads it back
             terms.append(from_right[s])
             from_right[s] = None  # drop the reference: its memory is only the autograd graph's from now on
         if diag_s[s] is not None:
             terms.append(diag_s[s][..., None].to(dtype) * x_s)
         y = torch.einsum("bcgrij,bcjgrp->bcigrp", block.to(dtype), x_s)
-        for term in terms:
-            y = y + term
+        for term in terms:  # in place: the product's backward never reads its own result
+            y = y.add_(term)
         outputs.append(y)
     if fwd is not None:
         final_state = carry.reshape(bsz, heads, hdim, nstate)
@@ -238,9 +238,13 @@ def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, all
     C, B (b,c,Q,g,n); row, col, dt (b,c,g,r,Q); allowed (Q, Q) or (b,c,1,1,Q,Q) -> (b,c,g,r,Q,Q)."""
     cb = torch.einsum("bcign,bcjgn->bcgij", C, B)                                          # (b,c,g,Q,Q)
     w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
-    # Excluded pairs are dropped by selection after the product, not by their zero weight: a huge or non-finite
-    # B_j or dt_j of an excluded (e.g. future) token would otherwise give 0 * inf = NaN in the allowed rows.
-    return (cb[:, :, :, None] * w * dt[..., None, :]).masked_fill(~allowed, 0.0)
+    block = cb[:, :, :, None] * w * dt[..., None, :]
+    # Excluded pairs have weight exactly 0, so their product is 0 unless C.B or dt is non-finite (a huge or
+    # non-finite B_j or dt_j of an excluded, e.g. future, token: 0 * inf = NaN). Only then are they dropped by
+    # selection (a full-size copy, and one more in the backward, that the usual all-finite case skips).
+    if not (bool(torch.isfinite(cb).all()) and bool(torch.isfinite(dt).all())):
+        block = block.masked_fill(~allowed, 0.0)
+    return block
 
 
 def _chunk_states(weights: Tensor, B: Tensor, x: Tensor) -> Tensor:
