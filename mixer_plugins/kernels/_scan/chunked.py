@@ -34,6 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._tiling import tile_bounds, tile_length
 from .inputs import ScanInputs
@@ -233,6 +234,17 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
     return y
 
 
+def _known_finite(*tensors: Tensor) -> bool:
+    """True when every tensor is a plain (eager, untraced) tensor whose values are all finite: then the selections
+    that guard against non-finite values can be skipped. False, the safe path, whenever values cannot be read
+    (fake or functional tensors, a dispatch mode, ``torch.compile``) or one is non-finite."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return False
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, allowed: Tensor) -> Tensor:
     """One direction's part of the intra-chunk matrix, ``C_i.B_j exp(row_i + col_j) dt_j`` where ``allowed``:
     C, B (b,c,Q,g,n); row, col, dt (b,c,g,r,Q); allowed (Q, Q) or (b,c,1,1,Q,Q) -> (b,c,g,r,Q,Q)."""
@@ -242,7 +254,7 @@ def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, all
     # Excluded pairs have weight exactly 0, so their product is 0 unless C.B or dt is non-finite (a huge or
     # non-finite B_j or dt_j of an excluded, e.g. future, token: 0 * inf = NaN). Only then are they dropped by
     # selection (a full-size copy, and one more in the backward, that the usual all-finite case skips).
-    if not (bool(torch.isfinite(cb).all()) and bool(torch.isfinite(dt).all())):
+    if not _known_finite(cb, dt):
         block = block.masked_fill(~allowed, 0.0)
     return block
 
@@ -297,10 +309,10 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     # A chunk whose own state is non-finite (a huge or non-finite token) must reach only the chunks after it (before
     # it, reversed): the block products below would multiply it by the zero decays of earlier chunks (0 * inf = NaN).
     # So it enters the products as zeros (by selection) and the chunks it does reach are marked NaN afterwards.
-    bad = ~torch.isfinite(states).flatten(-2).all(dim=-1)                                 # (b, C, g, r)
-    any_bad = bool(bad.any())  # the usual case, all finite, skips the selections (full-size copies) below
-    reached = None
+    any_bad = not _known_finite(states)  # the usual case, all finite, skips the selections (full-size copies)
+    reached = bad = None
     if any_bad:
+        bad = ~torch.isfinite(states).flatten(-2).all(dim=-1)                             # (b, C, g, r)
         states = states.masked_fill(bad[..., None, None], 0.0)
         if reverse:
             reached = bad.flip(1).cummax(dim=1).values.flip(1)[:, 1:]
