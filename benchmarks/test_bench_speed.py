@@ -23,7 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speed_ratios import (  # noqa: E402
-    REFERENCE, busy_competitor, interleaved_times, ratio_stats, slowdowns, step, vit_step,
+    REFERENCE,
+    busy_competitor,
+    interleaved_times,
+    ratio_stats,
+    slowdowns,
+    step,
+    vit_step,
 )
 
 MIXERS = ["quasiseparable", "semiseparable"]
