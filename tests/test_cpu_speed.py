@@ -36,6 +36,15 @@ def test_threads_for_runs_small_sections_on_one_thread_and_restores(two_threads)
     assert torch.get_num_threads() == 2
 
 
+def test_the_threshold_can_be_set_from_the_environment(two_threads, monkeypatch):
+    monkeypatch.setenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", "0")
+    assert _threads.section_threads(10, "cpu") == 2               # everything parallel
+    monkeypatch.setenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", str(1 << 40))
+    assert _threads.section_threads(1 << 30, "cpu") == 1          # everything on one thread
+    monkeypatch.setenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", "many")
+    assert _threads.parallel_min_elements() == _threads.PARALLEL_MIN_ELEMENTS   # not a number: the default
+
+
 def _inputs(b=2, length=37, h=4, p=3, g=2, n=5, requires_grad=True):
     torch.manual_seed(0)
     leaves = [torch.randn(b, length, h, p, dtype=F64), torch.rand(b, length, h, dtype=F64) * 0.5,

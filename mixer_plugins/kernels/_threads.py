@@ -8,21 +8,35 @@ down far more than a path of a few large ones, such as SDPA. So the scan, the sh
 norm run a section whose ops are small (:data:`PARALLEL_MIN_ELEMENTS`) on one thread, and only sections of
 large ops on all of ``torch.get_num_threads()``. The setting is changed for the section and restored after it
 (``torch.set_num_threads`` costs about a microsecond); it changes speed only, never a result.
+
+The threshold is :data:`PARALLEL_MIN_ELEMENTS`, or the environment variable ``MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS``
+when set (read at every section): raise it on a machine whose cores are always shared (everything small and
+medium then runs on one thread), lower it (e.g. to 0) on a dedicated one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["PARALLEL_MIN_ELEMENTS", "section_threads", "threads_for"]
+__all__ = ["PARALLEL_MIN_ELEMENTS", "parallel_min_elements", "section_threads", "threads_for"]
 
 #: Below this many elements in the largest tensor an op of the section writes, the section runs on one thread.
 #: (An elementwise op of 2^21 float32 elements takes about a millisecond on one core: long enough that a
 #: second thread pays off, and that a wait for a descheduled thread is in proportion.)
 PARALLEL_MIN_ELEMENTS = 1 << 21
+
+
+def parallel_min_elements() -> int:
+    """The threshold in force: ``MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS`` when it is a non-negative integer, else
+    :data:`PARALLEL_MIN_ELEMENTS`."""
+    value = os.environ.get("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", "").strip()
+    if value.isdigit():
+        return int(value)
+    return PARALLEL_MIN_ELEMENTS
 
 
 def section_threads(elements: int, device: torch.device | str | None) -> int:
@@ -31,7 +45,7 @@ def section_threads(elements: int, device: torch.device | str | None) -> int:
     threads = torch.get_num_threads()
     if device is not None and torch.device(device).type != "cpu":
         return threads
-    return 1 if elements < PARALLEL_MIN_ELEMENTS else threads
+    return 1 if elements < parallel_min_elements() else threads
 
 
 @contextlib.contextmanager
