@@ -25,9 +25,10 @@ import torch
 __all__ = ["PARALLEL_MIN_ELEMENTS", "parallel_min_elements", "section_threads", "threads_for"]
 
 #: Below this many elements in the largest tensor an op of the section writes, the section runs on one thread.
-#: (An elementwise op of 2^21 float32 elements takes about a millisecond on one core: long enough that a
-#: second thread pays off, and that a wait for a descheduled thread is in proportion.)
-PARALLEL_MIN_ELEMENTS = 1 << 21
+#: (An elementwise op of 2^20 float32 elements takes about half a millisecond on one core. Measured on 2 cores,
+#: 2^20 kept the slowdown under a competing process within the benchmark's bound at L = 1024 and 4096 while
+#: losing less quiet-machine speed than 2^21: see docs/performance.md.)
+PARALLEL_MIN_ELEMENTS = 1 << 20
 
 
 def parallel_min_elements() -> int:
