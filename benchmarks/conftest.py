@@ -9,12 +9,14 @@ FLOP counter as a timed run (no extra call), and its ``extra_info`` is checked.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
 import torch
 
 from mixer_plugins.tools.benchmarking import build_mixer, count_flops, mixer_step, peak_memory
+from mixer_plugins.tools.cli.args import positive_int
 
 
 def bench_threads(environ: dict[str, str] | None = None) -> int:
@@ -26,12 +28,9 @@ def bench_threads(environ: dict[str, str] | None = None) -> int:
         value = environ.get(variable, "").strip()
         if value:
             try:
-                threads = int(value)
-            except ValueError:
+                return positive_int(value)  # the CLI's --threads parser: one rule for both
+            except argparse.ArgumentTypeError:
                 raise pytest.UsageError(f"{variable} must be a positive integer, got {value!r}") from None
-            if threads < 1:
-                raise pytest.UsageError(f"{variable} must be a positive integer, got {value!r}")
-            return threads
     return 1 if environ.get("PYTEST_XDIST_WORKER") else (os.cpu_count() or 1)
 
 

@@ -34,11 +34,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._tiling import tile_bounds, tile_length
 from .inputs import ScanInputs
 
-__all__ = ["TILE_ELEMENTS", "scan_chunked", "tile_chunks"]
+__all__ = ["TILE_ELEMENTS", "scan_chunked", "tile_chunks", "tile_elements"]
 
 
 def _pad_time(t: Tensor | None, pad: int) -> Tensor | None:
@@ -55,13 +56,24 @@ def _chunks(t: Tensor | None, q: int) -> Tensor | None:
     return t.reshape(t.shape[0], t.shape[1] // q, q, *t.shape[2:])
 
 
-TILE_ELEMENTS = 1 << 19  # target size of one tile's temporaries (elements): 2 MiB in float32
+TILE_ELEMENTS = 1 << 21  # target size of one tile's temporaries (elements): 8 MiB in float32
 
 
 def tile_chunks(bsz: int, chunk: int, heads: int, width: int) -> int:
     """Chunks per tile: the tile's largest temporaries, (batch, chunk, heads, width) per chunk, stay near
     :data:`TILE_ELEMENTS` elements, so they live in cache and in malloc's reused heap (see :mod:`.._tiling`)."""
     return tile_length(TILE_ELEMENTS, bsz * chunk * heads * width)
+
+
+def tile_elements(inputs: ScanInputs) -> int:
+    """Elements of the largest temporary of one tile of ``inputs``' scan (what :mod:`.._threads` sizes by)."""
+    bsz, length, heads, hdim = inputs.x.shape
+    direction = inputs.forward or inputs.backward
+    nstate = 0 if direction is None else direction.B.shape[-1]
+    q = max(1, min(int(inputs.chunk_size), length))
+    width = max(hdim, q, nstate)
+    nchunks = -(-length // q)
+    return bsz * min(nchunks, tile_chunks(bsz, q, heads, width)) * q * heads * width
 
 
 def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_size: int | None = None,
@@ -201,14 +213,14 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
             # upper part: C~_i.B_j exp(e_j - q_i) dt_j for j > i (j >= i unshifted)
             allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
             upper = _intra_block(C_c, B_c, -q_log, e, dtp, allowed if same is None else allowed & same)
-            block = upper if block is None else block + upper
+            block = upper if block is None else block.add_(upper)  # in place: no product reads it back
             terms.append(from_right[s])
             from_right[s] = None  # drop the reference: its memory is only the autograd graph's from now on
         if diag_s[s] is not None:
             terms.append(diag_s[s][..., None].to(dtype) * x_s)
         y = torch.einsum("bcgrij,bcjgrp->bcigrp", block.to(dtype), x_s)
-        for term in terms:
-            y = y + term
+        for term in terms:  # in place: the product's backward never reads its own result
+            y = y.add_(term)
         outputs.append(y)
     if fwd is not None:
         final_state = carry.reshape(bsz, heads, hdim, nstate)
@@ -222,14 +234,29 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
     return y
 
 
+def _known_finite(*tensors: Tensor) -> bool:
+    """True when every tensor is a plain (eager, untraced) tensor whose values are all finite: then the selections
+    that guard against non-finite values can be skipped. False, the safe path, whenever values cannot be read
+    (fake or functional tensors, a dispatch mode, ``torch.compile``) or one is non-finite."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return False
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, allowed: Tensor) -> Tensor:
     """One direction's part of the intra-chunk matrix, ``C_i.B_j exp(row_i + col_j) dt_j`` where ``allowed``:
     C, B (b,c,Q,g,n); row, col, dt (b,c,g,r,Q); allowed (Q, Q) or (b,c,1,1,Q,Q) -> (b,c,g,r,Q,Q)."""
     cb = torch.einsum("bcign,bcjgn->bcgij", C, B)                                          # (b,c,g,Q,Q)
     w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
-    # Excluded pairs are dropped by selection after the product, not by their zero weight: a huge or non-finite
-    # B_j or dt_j of an excluded (e.g. future) token would otherwise give 0 * inf = NaN in the allowed rows.
-    return (cb[:, :, :, None] * w * dt[..., None, :]).masked_fill(~allowed, 0.0)
+    block = cb[:, :, :, None] * w * dt[..., None, :]
+    # Excluded pairs have weight exactly 0, so their product is 0 unless C.B or dt is non-finite (a huge or
+    # non-finite B_j or dt_j of an excluded, e.g. future, token: 0 * inf = NaN). Only then are they dropped by
+    # selection (a full-size copy, and one more in the backward, that the usual all-finite case skips).
+    if not _known_finite(cb, dt):
+        block = block.masked_fill(~allowed, 0.0)
+    return block
 
 
 def _chunk_states(weights: Tensor, B: Tensor, x: Tensor) -> Tensor:
@@ -282,13 +309,16 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     # A chunk whose own state is non-finite (a huge or non-finite token) must reach only the chunks after it (before
     # it, reversed): the block products below would multiply it by the zero decays of earlier chunks (0 * inf = NaN).
     # So it enters the products as zeros (by selection) and the chunks it does reach are marked NaN afterwards.
-    bad = ~torch.isfinite(states).flatten(-2).all(dim=-1)                                 # (b, C, g, r)
-    states = states.masked_fill(bad[..., None, None], 0.0)
-    if reverse:
-        reached = bad.flip(1).cummax(dim=1).values.flip(1)[:, 1:]
-        reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
-    else:
-        reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
+    any_bad = not _known_finite(states)  # the usual case, all finite, skips the selections (full-size copies)
+    reached = bad = None
+    if any_bad:
+        bad = ~torch.isfinite(states).flatten(-2).all(dim=-1)                             # (b, C, g, r)
+        states = states.masked_fill(bad[..., None, None], 0.0)
+        if reverse:
+            reached = bad.flip(1).cummax(dim=1).values.flip(1)[:, 1:]
+            reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
+        else:
+            reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
     size = min(block, nchunks)
     nblocks = -(-nchunks // size)
     pad = nblocks * size - nchunks
@@ -322,5 +352,8 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     carries_t = carries[0][:, None] if nblocks == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
     entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
     entering = entering.reshape(bsz, nblocks * size, groups, rep, hdim, nstate)
-    entering = (entering[:, :nchunks] if pad else entering).masked_fill(reached[..., None, None], float("nan"))
+    entering = entering[:, :nchunks] if pad else entering
+    if not any_bad:
+        return entering, carry
+    entering = entering.masked_fill(reached[..., None, None], float("nan"))
     return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))

@@ -24,9 +24,11 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
 from .._library import argument_names, save_tensors, saved_tensors
+from .._threads import threads_for
 from .._tiling import tile_bounds
 from . import chunked
 from .inputs import Direction, ScanInputs
@@ -46,9 +48,10 @@ def chunked_scan(
 ) -> tuple[Tensor, Tensor]:
     """Forward and/or backward chunked scan; returns (y, final forward state or an empty tensor), contiguous."""
     inputs = _unflatten(locals())  # the arguments, by name
-    if inputs.forward is None:
-        return chunked.scan_chunked(inputs).contiguous(), x.new_empty(0)
-    y, final = chunked.scan_chunked(inputs, return_final_state=True)
+    with threads_for(chunked.tile_elements(inputs), x.device):
+        if inputs.forward is None:
+            return chunked.scan_chunked(inputs).contiguous(), x.new_empty(0)
+        y, final = chunked.scan_chunked(inputs, return_final_state=True)
     # outputs own their storage (final is a view of the states) and have the fake kernel's strides
     return y.contiguous(), final.clone(memory_format=torch.contiguous_format)
 
@@ -116,7 +119,7 @@ def chunked_scan_backward(
     """
     named = {k: v for k, v in locals().items() if k not in ("grad_y", "grad_final")}
     want_final = named["dt_f"] is not None and grad_final is not None
-    with _autograd_in_kernel():
+    with _autograd_in_kernel(), threads_for(chunked.tile_elements(_unflatten(named)), x.device):
         leaves = {name: named[name].detach().requires_grad_(True) for name in _DIFFERENTIABLE
                   if named[name] is not None}
         inputs = _unflatten({**named, **leaves})
@@ -170,19 +173,67 @@ def _backward(ctx, grad_y, grad_final):
 chunked_scan.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerScan(torch.autograd.Function):
+    """The eager path: the chunked scan under plain autograd (its intra-chunk tensors are kept, nothing is
+    recomputed), wrapped so that its backward, too, runs with the threads :mod:`.._threads` picks for its size.
+
+    The forward builds the scan's own autograd graph on detached copies of the inputs; the backward runs that
+    graph (``torch.autograd.grad``) inside the thread setting. Not differentiable twice (it says so).
+    """
+
+    @staticmethod
+    def forward(ctx, options: dict[str, Any], *tensors: Tensor | None):
+        names = options["names"]
+        need = ctx.needs_input_grad[1:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) if t is not None and wants else t
+                      for t, wants in zip(tensors, need)]
+            inputs = _unflatten({**dict(zip(names, leaves)), "shift": options["shift"],
+                                 "chunk_size": options["chunk_size"]})
+            with threads_for(chunked.tile_elements(inputs), inputs.x.device):
+                result = chunked.scan_chunked(inputs, return_final_state=options["want_final"])
+        outputs = list(result) if options["want_final"] else [result]
+        ctx.inner = (outputs, [(i, t) for i, (t, wants) in enumerate(zip(leaves, need)) if wants and t is not None])
+        ctx.elements, ctx.device = chunked.tile_elements(inputs), inputs.x.device
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads_out: Tensor | None):
+        outputs, wanted = ctx.inner
+        ctx.inner = None  # the inner graph is freed with this backward
+        grads: list[Tensor | None] = [None] * (len(ctx.needs_input_grad) - 1)
+        keep = [(o, g) for o, g in zip(outputs, grads_out) if g is not None and o.requires_grad]
+        if keep and wanted:
+            with threads_for(ctx.elements, ctx.device):
+                found = torch.autograd.grad([o for o, _ in keep], [t for _, t in wanted], [g for _, g in keep],
+                                            allow_unused=True)
+            for (i, _), g in zip(wanted, found):
+                grads[i] = g
+        return (None, *grads)
+
+
 def run_chunked(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor | None]:
     """The chunked scan: plain autograd in eager mode (fastest), the custom op under ``torch.compile``.
     Returns (y, the forward direction's final state when ``want_final``, else None).
 
     Eager autograd keeps the intra-chunk tensors for the backward (memory O(L * chunk_size) per head, linear
-    in L); the custom op is opaque to the compiler (fake kernel) and recomputes them in its backward.
+    in L); the custom op is opaque to the compiler (fake kernel) and recomputes them in its backward. Both run
+    forward and backward with the threads :mod:`.._threads` picks for the scan's size.
     """
     if torch.compiler.is_compiling():
         y, final = chunked_scan(**_op_kwargs(inputs))
         return y, (final if want_final else None)
-    if want_final:
-        return chunked.scan_chunked(inputs, return_final_state=True)
-    return chunked.scan_chunked(inputs), None
+    kwargs = _op_kwargs(inputs)
+    names = tuple(_TENSOR_ARGUMENTS)
+    tensors = [kwargs[name] for name in names]
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        with threads_for(chunked.tile_elements(inputs), inputs.x.device):
+            result = chunked.scan_chunked(inputs, return_final_state=want_final)
+        return (result[0], result[1]) if want_final else (result, None)
+    options = {"names": names, "shift": kwargs["shift"], "chunk_size": kwargs["chunk_size"], "want_final": want_final}
+    out = _EagerScan.apply(options, *tensors)
+    return (out[0], out[1]) if want_final else (out[0], None)
 
 
 def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, groups: int, state: int,

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
+from .._threads import threads_for
 from .._tiling import time_tiles
 
 if TYPE_CHECKING:
@@ -29,12 +30,18 @@ if TYPE_CHECKING:
 __all__ = ["TILE_ELEMENTS", "depthwise_conv1d_flops"]
 
 
-TILE_ELEMENTS = 1 << 18  # elements of one tile's temporaries (1 MiB in float32)
+TILE_ELEMENTS = 1 << 20  # elements of one tile's temporaries (4 MiB in float32)
 
 
 def _tiles(x: Tensor) -> list[tuple[int, int]]:
     """Time ranges of the tiles of x (batch, length, channels) (one tile off CPU, see :mod:`.._tiling`)."""
     return time_tiles(x.shape[1], x.shape[0] * x.shape[2], TILE_ELEMENTS, x.device)
+
+
+def _tile_threads(x: Tensor, tiles: list[tuple[int, int]]):
+    """The thread setting of a pass over ``tiles`` (see :mod:`.._threads`): sized by its largest tile."""
+    widest = max((hi - lo for lo, hi in tiles), default=0)
+    return threads_for(widest * x.shape[0] * x.shape[2], x.device)
 
 
 def _window(x: Tensor, lo: int, hi: int) -> Tensor:
@@ -75,10 +82,12 @@ def _depthwise_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     taps = _taps_first(weight)
     bias = None if bias is None else bias.contiguous()
-    for lo, hi in _tiles(x):
-        tile = _conv_tile(x, taps, bias, left, lo, hi, out[:, lo:hi])
-        if silu:
-            F.silu(tile, inplace=True)
+    tiles = _tiles(x)
+    with _tile_threads(x, tiles):
+        for lo, hi in tiles:
+            tile = _conv_tile(x, taps, bias, left, lo, hi, out[:, lo:hi])
+            if silu:
+                F.silu(tile, inplace=True)
     return out
 
 
@@ -104,38 +113,39 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
     grad_w = torch.zeros(weight.shape, dtype=compute, device=x.device)
     grad_b = torch.zeros(x.shape[-1], dtype=compute, device=x.device) if with_bias else grad.new_empty(0)
     tiles = _tiles(x)
-    taps = _taps_first(weight)
-    bias = None if bias is None else bias.contiguous()
-    widest = max(hi - lo for lo, hi in tiles)
-    work = torch.empty(2 if silu else 1, x.shape[0], widest, x.shape[2], dtype=grad.dtype, device=grad.device)
-    # pass 1, tile by tile: the gradient before the activation, and the weight and bias gradients
-    # (grad_w[:, tap] = sum_t g_t x_{t + tap - left})
-    g_pre = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device) if silu else grad
-    for lo, hi in tiles:
-        prod = work[0, :, :hi - lo]
-        if silu:
-            pre, sig = g_pre[:, lo:hi], work[1, :, :hi - lo]
-            _conv_tile(x, taps, bias, left, lo, hi, pre)
-            torch.sigmoid(pre, out=sig)
-            pre.mul_(sig)                              # silu(v)
-            sig.addcmul_(pre, sig, value=-1.0).add_(pre)   # silu'(v) = sig + silu(v) (1 - sig)
-            torch.mul(grad[:, lo:hi], sig, out=pre)
-        g = g_pre[:, lo:hi]
-        xp = _window(x, lo - left, hi - left + k - 1)
-        for tap in range(k):
-            torch.mul(g, xp[:, tap: tap + hi - lo], out=prod)
-            grad_w[:, tap] += prod.sum(dim=(0, 1))
-        if with_bias:
-            grad_b += g.sum(dim=(0, 1))
-    # pass 2: y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of the
-    # pre-activation gradient with the flipped kernel (its rows [lo - right, hi + left) for rows [lo, hi))
-    grad_x = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
-    for lo, hi in tiles:
-        gp = _window(g_pre, lo - right, hi + left)
-        acc = grad_x[:, lo:hi]
-        torch.mul(gp[:, 0:hi - lo], taps[k - 1], out=acc)
-        for tap in range(1, k):
-            acc.addcmul_(gp[:, tap: tap + hi - lo], taps[k - 1 - tap])
+    with _tile_threads(x, tiles):
+        taps = _taps_first(weight)
+        bias = None if bias is None else bias.contiguous()
+        widest = max(hi - lo for lo, hi in tiles)
+        work = torch.empty(2 if silu else 1, x.shape[0], widest, x.shape[2], dtype=grad.dtype, device=grad.device)
+        # pass 1, tile by tile: the gradient before the activation, and the weight and bias gradients
+        # (grad_w[:, tap] = sum_t g_t x_{t + tap - left})
+        g_pre = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device) if silu else grad
+        for lo, hi in tiles:
+            prod = work[0, :, :hi - lo]
+            if silu:
+                pre, sig = g_pre[:, lo:hi], work[1, :, :hi - lo]
+                _conv_tile(x, taps, bias, left, lo, hi, pre)
+                torch.sigmoid(pre, out=sig)
+                pre.mul_(sig)                              # silu(v)
+                sig.addcmul_(pre, sig, value=-1.0).add_(pre)   # silu'(v) = sig + silu(v) (1 - sig)
+                torch.mul(grad[:, lo:hi], sig, out=pre)
+            g = g_pre[:, lo:hi]
+            xp = _window(x, lo - left, hi - left + k - 1)
+            for tap in range(k):
+                torch.mul(g, xp[:, tap: tap + hi - lo], out=prod)
+                grad_w[:, tap] += prod.sum(dim=(0, 1))
+            if with_bias:
+                grad_b += g.sum(dim=(0, 1))
+        # pass 2: y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of the
+        # pre-activation gradient with the flipped kernel (its rows [lo - right, hi + left) for rows [lo, hi))
+        grad_x = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
+        for lo, hi in tiles:
+            gp = _window(g_pre, lo - right, hi + left)
+            acc = grad_x[:, lo:hi]
+            torch.mul(gp[:, 0:hi - lo], taps[k - 1], out=acc)
+            for tap in range(1, k):
+                acc.addcmul_(gp[:, tap: tap + hi - lo], taps[k - 1 - tap])
     return grad_x, grad_w.to(weight.dtype), grad_b.to(weight.dtype) if with_bias else grad_b
 
 

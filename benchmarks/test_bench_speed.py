@@ -1,0 +1,104 @@
+"""CPU speed targets of the SSM mixers against SDPA attention (the CPU-speed issue), asserted only when
+benchmarking is enabled:
+
+* attention / mixer forward+backward time >= 10x at L = 16384 and >= 0.8x at L = 1024 (dim 256, batch 1),
+  for quasiseparable and semiseparable, the ratio taken per interleaved round (median over the rounds);
+* with one competing CPU-bound process, a mixer's slowdown is at most 1.5x SDPA's slowdown;
+* a timm ViT-S/16 training step (batch 32, 197 tokens) with ``mixer='quasi'`` takes at most 1.5x the attention
+  model's time.
+
+With ``--benchmark-disable`` (CI) each test makes one cheap call of the same code on tiny shapes, so it cannot rot.
+The same figures, outside pytest: ``python benchmarks/speed_ratios.py --competitor``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from speed_ratios import (  # noqa: E402
+    REFERENCE,
+    busy_competitor,
+    interleaved_times,
+    ratio_stats,
+    slowdowns,
+    step,
+    vit_step,
+)
+
+MIXERS = ["quasiseparable", "semiseparable"]
+TARGETS = {1024: 0.8, 16384: 10.0}  # attention time / mixer time, at least
+CONTENTION_TARGET = 1.5            # mixer slowdown / SDPA slowdown, at most
+VIT_TARGET = 1.5                   # quasi ViT-S step time / attention ViT-S step time, at most
+
+
+def _record(benchmark, **info) -> None:
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(lambda: None, rounds=1)
+
+
+@pytest.mark.parametrize("length", sorted(TARGETS))
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_target_ratio_vs_attention(benchmark, benchmarking_enabled, mixer, length):
+    if not benchmarking_enabled:  # CI: the same code, once, on a tiny sequence (one case is enough)
+        if (mixer, length) != (MIXERS[0], min(TARGETS)):
+            pytest.skip("timing target: runs with benchmarking enabled (one case smoke-tests the code)")
+        fns = {n: step(n, 32, dim=32) for n in (mixer, REFERENCE)}
+        times = benchmark.pedantic(lambda: interleaved_times(fns, 1, warmup=0), rounds=1, iterations=1)
+        assert ratio_stats(times[REFERENCE], times[mixer])["median"] > 0
+        return
+    rounds = 3 if length >= 16384 else 7
+    times = interleaved_times({n: step(n, length) for n in (mixer, REFERENCE)}, rounds)
+    ratio = ratio_stats(times[REFERENCE], times[mixer])
+    _record(benchmark, mixer=mixer, length=length, ratio=ratio, threads=torch.get_num_threads(),
+            seconds={n: statistics.median(t) for n, t in times.items()})
+    print(f"\nL={length} fwd+bwd attention/{mixer}: {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
+    assert ratio["median"] >= TARGETS[length], (
+        f"attention/{mixer} forward+backward time ratio at L={length} is {ratio['median']:.2f} "
+        f"[{ratio['min']:.2f}, {ratio['max']:.2f}] (target >= {TARGETS[length]})")
+
+
+@pytest.mark.parametrize("length", [1024, 4096])
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_target_contention(benchmark, benchmarking_enabled, mixer, length):
+    if not benchmarking_enabled:  # CI: start and stop the competitor once around a tiny call (one case)
+        if (mixer, length) != (MIXERS[0], 1024):
+            pytest.skip("timing target: runs with benchmarking enabled (one case smoke-tests the code)")
+        fn = step(mixer, 32, dim=32)
+
+        def smoke() -> None:
+            with busy_competitor():
+                fn()
+
+        benchmark.pedantic(smoke, rounds=1, iterations=1)
+        return
+    result = slowdowns({n: step(n, length) for n in (mixer, REFERENCE)}, rounds=3)
+    ours, sdpa = result[mixer]["slowdown"], result[REFERENCE]["slowdown"]
+    _record(benchmark, mixer=mixer, length=length, slowdowns=result, threads=torch.get_num_threads())
+    print(f"\nL={length} fwd+bwd slowdown with a competing process: {mixer} {ours:.2f}x, {REFERENCE} {sdpa:.2f}x")
+    assert ours <= CONTENTION_TARGET * sdpa, (
+        f"{mixer} slows down {ours:.2f}x with a competing process, SDPA {sdpa:.2f}x "
+        f"(target: at most {CONTENTION_TARGET}x SDPA's)")
+
+
+def test_target_vit_small_training_step(benchmark, benchmarking_enabled):
+    pytest.importorskip("timm")
+    if not benchmarking_enabled:  # CI: one step of a two-block ViT-S on 2 x 32 x 32 images
+        benchmark.pedantic(vit_step("quasi", batch=2, img_size=32, depth=2), rounds=1, iterations=1)
+        return
+    times = interleaved_times({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step("attention", batch=32)},
+                              3)
+    ratio = ratio_stats(times["quasi"], times[REFERENCE])  # quasi time / attention time
+    _record(benchmark, ratio=ratio, seconds={n: statistics.median(t) for n, t in times.items()},
+            threads=torch.get_num_threads())
+    print(f"\nViT-S/16 training step, batch 32: quasi/attention time {ratio['median']:.2f} "
+          f"[{ratio['min']:.2f}, {ratio['max']:.2f}]")
+    assert ratio["median"] <= VIT_TARGET, (
+        f"a ViT-S/16 training step with mixer='quasi' takes {ratio['median']:.2f}x the attention model's time "
+        f"(target <= {VIT_TARGET}x)")

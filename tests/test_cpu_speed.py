@@ -1,0 +1,133 @@
+"""The CPU paths' structure (the CPU-speed issue): threads per op size, and an op count that does not grow with
+the number of chunks. No timing here: speed targets live in benchmarks/test_bench_speed.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixer_plugins import kernels
+from mixer_plugins.kernels import _threads
+from mixer_plugins.kernels._scan import Direction, ScanInputs, reference_scan
+from mixer_plugins.kernels._scan import chunked as chunked_module
+
+F64 = torch.float64
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threads_for_runs_small_sections_on_one_thread_and_restores(two_threads):
+    with _threads.threads_for(1000, "cpu") as threads:
+        assert threads == 1 and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with _threads.threads_for(_threads.PARALLEL_MIN_ELEMENTS, "cpu") as threads:
+        assert threads == 2 and torch.get_num_threads() == 2
+    with _threads.threads_for(1000, "meta"):   # other devices: the setting is left alone
+        assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), _threads.threads_for(1000, "cpu"):
+        raise RuntimeError("restored even on an error")
+    assert torch.get_num_threads() == 2
+
+
+def test_the_threshold_can_be_set_from_the_environment(two_threads, monkeypatch):
+    monkeypatch.setenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", "0")
+    assert _threads.section_threads(10, "cpu") == 2               # everything parallel
+    monkeypatch.setenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", str(1 << 40))
+    assert _threads.section_threads(1 << 30, "cpu") == 1          # everything on one thread
+    monkeypatch.setenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", "many")
+    assert _threads.parallel_min_elements() == _threads.PARALLEL_MIN_ELEMENTS   # not a number: the default
+
+
+def _inputs(b=2, length=37, h=4, p=3, g=2, n=5, requires_grad=True):
+    torch.manual_seed(0)
+    leaves = [torch.randn(b, length, h, p, dtype=F64), torch.rand(b, length, h, dtype=F64) * 0.5,
+              -torch.rand(h, dtype=F64) - 0.1, torch.randn(b, length, g, n, dtype=F64),
+              torch.randn(b, length, g, n, dtype=F64), torch.rand(b, length, h, dtype=F64) * 0.5,
+              torch.randn(b, length, g, n, dtype=F64), torch.randn(b, length, g, n, dtype=F64),
+              torch.randn(b, length, h, dtype=F64)]
+    return [t.requires_grad_(requires_grad) for t in leaves]
+
+
+def test_eager_scan_backward_runs_single_threaded_when_small_and_matches_the_reference(two_threads, monkeypatch):
+    x, dt, A, B, C, dt_b, B_b, C_b, diag = leaves = _inputs()
+    seen = []
+    original = chunked_module.scan_chunked
+
+    def spy(inputs, **kwargs):
+        out = original(inputs, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        y.register_hook(lambda grad: seen.append(torch.get_num_threads()))
+        return out
+
+    monkeypatch.setattr(chunked_module, "scan_chunked", spy)
+    y = kernels.quasiseparable(x, dt, A, B, C, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, diag=diag, chunk_size=8,
+                               backend="torch")
+    loss = (y * y.cos()).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    assert seen == [1] and torch.get_num_threads() == 2   # the backward ran on one thread, then restored
+
+    ref_inputs = ScanInputs(x=x, forward=Direction(dt, A, B, C), backward=Direction(dt_b, A, B_b, C_b), diag=diag,
+                            shift=True, chunk_size=8)
+    y_ref = reference_scan(ref_inputs)
+    grads_ref = torch.autograd.grad((y_ref * y_ref.cos()).sum(), leaves)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-11)
+
+
+def test_eager_ssd_final_state_gradients_match_the_reference():
+    x, dt, A, B, C = _inputs()[:5]
+    init = torch.randn(2, 4, 3, 5, dtype=F64, requires_grad=True)
+    y, final = kernels.ssd(x, dt, A, B, C, 8, initial_states=init, return_final_states=True, backend="torch")
+    y_ref, final_ref = reference_scan(ScanInputs(x=x, forward=Direction(dt, A, B, C), initial_state=init,
+                                                 chunk_size=8), return_final_state=True)
+    torch.testing.assert_close(final, final_ref, rtol=1e-12, atol=1e-12)
+    leaves = (x, dt, A, B, C, init)
+    grads = torch.autograd.grad(y.sum() + (final ** 2).sum(), leaves)
+    grads_ref = torch.autograd.grad(y_ref.sum() + (final_ref ** 2).sum(), leaves)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-11)
+
+
+def test_the_eager_scan_says_it_is_not_twice_differentiable():
+    x, dt, A, B, C = _inputs(length=9)[:5]
+    y = kernels.quasiseparable(x, dt, A, B, C, chunk_size=4, backend="torch")
+    gx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _scan_ops(length: int) -> int:
+    torch.manual_seed(0)
+    h, p, n = 2, 16, 16
+    x = torch.randn(1, length, h, p, requires_grad=True)
+    dt = torch.rand(1, length, h) * 0.1
+    A = -torch.rand(h) - 0.5
+    B, C = torch.randn(1, length, 1, n), torch.randn(1, length, 1, n)
+    with _CountOps() as counter:
+        kernels.quasiseparable(x, dt, A, B, C, chunk_size=64, backend="torch").sum().backward()
+    return counter.count
+
+
+def test_scan_op_count_does_not_grow_with_the_number_of_chunks():
+    # 32 chunks and 256 chunks of 64 tokens: the longer scan is the same few large ops (batched over the chunks
+    # of a tile, and the state pass's blocks), not a loop over tiles of a few chunks each
+    short, long = _scan_ops(2048), _scan_ops(16384)
+    assert long <= 1.5 * short, (short, long)
