@@ -68,7 +68,8 @@ def test_nonfinite_last_token_leaves_the_past_unchanged(name, options, value):
 
 @pytest.mark.parametrize(
     "name, options",
-    CAUSAL_OPTIONS + [("semiseparable", {}), ("toeplitz", {"causal": True, "data_dependent": False, "max_seq_len": 16})],
+    CAUSAL_OPTIONS + [("semiseparable", {}),
+                      ("toeplitz", {"causal": True, "data_dependent": False, "max_seq_len": 16})],
 )
 def test_huge_future_token_leaves_the_past_unchanged(name, options):
     torch.manual_seed(0)

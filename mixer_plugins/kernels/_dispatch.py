@@ -15,8 +15,8 @@ Choosing, in order:
   variable: that backend for every op that has one (an op that has none makes its automatic choice);
   :class:`BackendUnavailableError` where the op has it but it cannot run here;
 * otherwise the automatic choice: the available backend of highest ``priority`` (``triton`` 40, ``mamba_ssm``
-  30, ``torch`` 10, so on CUDA: triton, then mamba_ssm, then torch; ``reference`` has none and is never chosen automatically; the Triton interpreter is for
-  tests and is never chosen automatically off CUDA).
+  30, ``torch`` 10, so on CUDA: triton, then mamba_ssm, then torch; ``reference`` has none and is never chosen
+  automatically; the Triton interpreter is for tests and is never chosen automatically off CUDA).
 
 Under ``torch.compile`` the choice is ``backend`` or ``torch`` (our custom ops), without probing: imports
 cannot be traced. :func:`backend_report` lists, per op and device, which backends can run and why not.

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from ...errors import MixerInputError
 from .._dispatch import discover_backends, resolve_backend
-from .reference import toeplitz_matrix
 from .causal import toeplitz_causal_flops
+from .reference import toeplitz_matrix
 from .torch import toeplitz_fft_flops
 
 __all__ = ["ToeplitzArgs", "toeplitz_causal_flops", "toeplitz_fft_flops", "toeplitz_matrix", "toeplitz_mix"]

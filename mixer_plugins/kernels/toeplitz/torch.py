@@ -3,9 +3,9 @@
 Bidirectional: one real FFT convolution of size >= 2L - 1 (no wrap-around reaches the kept outputs):
 O(L log L) instead of O(L^2). Causal: :func:`.causal.causal_toeplitz` (direct tiles and FFTs whose inputs all
 precede their outputs, O(L log^2 L)), so that no round-off of a future token reaches a past output; its
-backward is the FFT backward of the bidirectional product with the negative taps zero. It is a ``torch.library`` custom op with a FLOP formula, so
-``FlopCounterMode`` counts the FFTs (it counts no FFT by itself). Its outputs are contiguous, as its fake
-kernels say: the compiler plans memory from the fake kernels' strides.
+backward is the FFT backward of the bidirectional product with the negative taps zero. Each is a
+``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts the FFTs (it counts no FFT by
+itself). Its outputs are contiguous, as its fake kernels say: the compiler plans memory from the fake kernels' strides.
 """
 
 from __future__ import annotations
