@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from kernel_helpers import LargestTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 import mixer_plugins as mp
@@ -323,23 +323,10 @@ def test_flop_formula_counts_every_slab(monkeypatch, chunks_per_slab):
 
 # -- memory: the torch backend never builds an L x L tensor -------------------------------------------
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_chunked_scan_memory_is_linear_in_length():
     b, l, h, p, n, q = 1, 1024, 2, 4, 4, 16
     x, dt, A, B, C = random_inputs(b=b, l=l, h=h, p=p, g=1, n=n, dtype=torch.float32)
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         scan_chunked(_bidirectional(x, dt, dt, A, B, C, B, C, dt, shift=True, chunk_size=q))
     # the largest intermediate is the (b, chunks, heads, Q, Q) intra-chunk block: h L Q, not h L^2
     assert mode.largest <= b * h * l * q

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import run_test_file_fresh
 
 from mixer_plugins import kernels
 from mixer_plugins.kernels import _mamba_loader
@@ -191,13 +190,7 @@ def test_mamba_ssm_kernels_match_the_reference_under_the_interpreter():
     reason = _why_not_runnable()
     if reason is not None:
         pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MIXER_PLUGINS_MAMBA_FRESH": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
-         str(ROOT / "tests" / "test_mamba_ssm_kernels.py")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    tail = result.stdout[-6000:] + result.stderr[-3000:]
+    result, tail = run_test_file_fresh("test_mamba_ssm_kernels.py",
+                                       {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_MAMBA_FRESH": "1"}, timeout=1500)
     assert result.returncode == 0, tail
     assert " passed" in result.stdout and " failed" not in result.stdout and "skipped" not in result.stdout, tail

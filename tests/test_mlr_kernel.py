@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from kernel_helpers import LargestTensor
 
 import mixer_plugins
 from mixer_plugins.kernels.mlr_attention import mlr_attention, mlr_attention_flops, plan_tasks
@@ -195,19 +195,6 @@ def test_plan_covers_every_pair_once(causal, length):
         assert torch.equal(seen, expected.tril() if causal else expected)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("engine", ["flash", "matmul", "matmul-leaf"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_no_quadratic_tensor(engine, causal):
@@ -215,12 +202,12 @@ def test_no_quadratic_tensor(engine, causal):
     length, ranks, sizes = 1024, [16, 8, 4, 4], [None, 64, 32, 16]
     q, k, v = (t.float().requires_grad_(True) for t in _inputs(1, length, 1, ranks, 32, seed=2))
     mask = _right_mask(1, length, [1000])
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         out = mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=[1 / r for r in ranks],
                                   causal=causal, mask=mask, **ENGINES[engine])
         out.sum().backward()
     assert probe.largest <= length * length // 8, probe.largest
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         mlr_attention(q, k, v, ranks=ranks, block_sizes=sizes, causal=causal, backend="reference")
     assert probe.largest >= length * length  # the probe sees an L x L tensor when there is one
 

@@ -26,13 +26,19 @@ class _SpyLibc:
         return getattr(self.real, name)
 
 
-@linux_only
-def test_default_peak_memory_leaves_malloc_untuned(monkeypatch):
+def _spy_on_libc(monkeypatch) -> _SpyLibc:
+    """Route the benchmarking module's glibc calls through a spy (skips without glibc)."""
     real = benchmarking._libc()
     if not real:
         pytest.skip("no glibc")
     spy = _SpyLibc(real)
     monkeypatch.setattr(benchmarking, "_libc", lambda: spy)
+    return spy
+
+
+@linux_only
+def test_default_peak_memory_leaves_malloc_untuned(monkeypatch):
+    spy = _spy_on_libc(monkeypatch)
     with benchmarking.peak_memory() as mem:
         torch.ones(4 << 20)  # 16 MiB, touched
     assert spy.mallopt_calls == []
@@ -43,11 +49,7 @@ def test_default_peak_memory_leaves_malloc_untuned(monkeypatch):
 
 @linux_only
 def test_tuned_peak_memory_is_only_on_request(monkeypatch):
-    real = benchmarking._libc()
-    if not real:
-        pytest.skip("no glibc")
-    spy = _SpyLibc(real)
-    monkeypatch.setattr(benchmarking, "_libc", lambda: spy)
+    spy = _spy_on_libc(monkeypatch)
     with benchmarking.peak_memory(tuned=True) as mem:
         torch.ones(1 << 20)
     assert any(p == benchmarking._M_MMAP_THRESHOLD for p, _ in spy.mallopt_calls)

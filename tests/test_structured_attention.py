@@ -693,26 +693,16 @@ def test_mlr_mixer_tiled_equals_the_materialized_path(case, causal, length):
 
 def test_mlr_mixer_builds_no_quadratic_tensor():
     """Forward and backward of the mixer never hold an L x L tensor per head (the former mix built one)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel())
-            return out
+    from kernel_helpers import LargestTensor
 
     length = 1024
     mixer = mp.create_mixer("mlr_attention", 32, num_heads=2, ranks=[8, 4, 2, 2], block_sizes=[None, 64, 32, 16],
                             causal=True)
     x = torch.randn(1, length, 32, requires_grad=True)
-    with Largest() as probe:
+    with LargestTensor() as probe:
         mixer(x).sum().backward()
     assert probe.largest < length * length, probe.largest
-    with Largest() as probe, torch.no_grad():
+    with LargestTensor() as probe, torch.no_grad():
         mixer.mix_materialized(mixer.prepare(x, None))
     assert probe.largest >= 2 * length * length  # the probe sees the materialized path's (1, 2, L, L)
 
