@@ -190,11 +190,11 @@ class _EagerScan(torch.autograd.Function):
                       for t, wants in zip(tensors, need)]
             inputs = _unflatten({**dict(zip(names, leaves)), "shift": options["shift"],
                                  "chunk_size": options["chunk_size"]})
-            with threads_for(chunked.tile_elements(inputs), inputs.x.device):
+            ctx.elements, ctx.device = chunked.tile_elements(inputs), inputs.x.device
+            with threads_for(ctx.elements, ctx.device):
                 result = chunked.scan_chunked(inputs, return_final_state=options["want_final"])
         outputs = list(result) if options["want_final"] else [result]
         ctx.inner = (outputs, [(i, t) for i, (t, wants) in enumerate(zip(leaves, need)) if wants and t is not None])
-        ctx.elements, ctx.device = chunked.tile_elements(inputs), inputs.x.device
         return tuple(o.detach() for o in outputs)
 
     @staticmethod
