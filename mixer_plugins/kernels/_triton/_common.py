@@ -1,8 +1,16 @@
 """What our Triton kernel modules share: the guarded ``triton`` import, the matmul precision and ``available``.
 
-``MIXER_PLUGINS_TRITON_DOT`` sets the precision of the kernels' float32 matmuls, fixed at import: ``ieee``
-(default: exact float32, the tested semantics; on GPUs it runs on CUDA cores, not tensor cores), ``tf32x3`` (about
-float32 accuracy on tensor cores) or ``tf32`` (fastest, ~1e-3 relative).
+Every matmul inside the kernels takes float32 operands and accumulates in float32. Its precision on a GPU is
+``MIXER_PLUGINS_TRITON_DOT`` (read at import):
+
+* ``auto`` (default): ``tf32x3`` when the inputs are float32 (about float32 accuracy, on tensor cores), ``bf16``
+  when they are bfloat16 or float16 (operands rounded to bfloat16, as mamba-ssm's kernels do: the fastest, and the
+  operand tiles take half the shared memory, which the backward kernel needs at state size 128);
+* ``ieee``: exact float32 on CUDA cores (several times slower, and its unrolled code compiles 5-10x longer);
+* ``tf32x3``, ``tf32`` (~1e-3 relative) or ``bf16`` for every input dtype.
+
+The Triton interpreter (CPU) computes ``ieee``, ``tf32x3`` and ``tf32`` matmuls in exact float32; ``bf16`` rounds
+the operands there too.
 """
 
 from __future__ import annotations
@@ -23,10 +31,33 @@ except ImportError as exc:  # pragma: no cover - triton is an optional extra
 #: whether ``triton.jit`` defined the kernels for the interpreter (``TRITON_INTERPRET=1`` at import)
 INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-DOT_PRECISION_NAME = os.environ.get("MIXER_PLUGINS_TRITON_DOT", "ieee")
-if DOT_PRECISION_NAME not in ("ieee", "tf32", "tf32x3"):
-    raise ValueError(f"MIXER_PLUGINS_TRITON_DOT must be ieee, tf32 or tf32x3, got {DOT_PRECISION_NAME!r}")
-DOT_PRECISION = tl.constexpr(DOT_PRECISION_NAME) if tl is not None else None
+DOT_PRECISION_NAME = os.environ.get("MIXER_PLUGINS_TRITON_DOT", "auto")
+if DOT_PRECISION_NAME not in ("auto", "ieee", "tf32", "tf32x3", "bf16"):
+    raise ValueError(f"MIXER_PLUGINS_TRITON_DOT must be auto, ieee, tf32, tf32x3 or bf16, got {DOT_PRECISION_NAME!r}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``input_precision`` of the kernels' float32 matmuls for inputs of ``dtype`` (see the module docstring)."""
+    if DOT_PRECISION_NAME != "auto":
+        return DOT_PRECISION_NAME
+    return "tf32x3" if dtype in (torch.float32, torch.float64) else "bf16"
+
+
+if triton is not None:
+    INTERPRET = tl.constexpr(INTERPRET_AT_IMPORT)
+
+    @triton.jit
+    def mm(a, b, DOT: tl.constexpr):
+        """``a @ b`` of two float32 tiles, accumulated in float32, at precision ``DOT`` (see the module docstring)."""
+        if DOT == "bf16":
+            if INTERPRET:  # the interpreter multiplies bfloat16 tiles wrongly: round, then multiply in float32
+                return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32))
+            else:
+                return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        else:
+            return tl.dot(a, b, input_precision=DOT)
+else:  # pragma: no cover - triton is an optional extra
+    mm = None
 
 
 def available(device: torch.device | str | None = None) -> str | None:

@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import DOT_PRECISION as _DOT_PRECISION
 from ._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
-from ._common import available, tl, triton
+from ._common import available, dot_precision, tl, triton
+from ._common import mm as _mm
 
 __all__ = ["available", "mlr_attention_triton"]
 
@@ -38,7 +38,7 @@ if triton is not None:
     def _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E,
                      offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
                      NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
-                     HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
         """Scores of one (query tile, key tile) pair from the levels the tiles share; (S, allowed, 1/cnt).
 
         A level whose blocks put the two tiles apart is skipped (its features are never loaded)."""
@@ -59,7 +59,7 @@ if triton is not None:
                              mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
                 kl = tl.load(k_ptr + ((b * L + offs_n[:, None]) * H + h) * E + off + offs_r[None, :],
                              mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                dot = tl.dot(ql, tl.trans(kl), input_precision=_DOT_PRECISION)
+                dot = _mm(ql, tl.trans(kl), DOT)
                 same = (size == 0) | ((offs_m[:, None] // span) == (offs_n[None, :] // span))
                 S += tl.where(same, dot, 0.0)
                 cnt += tl.where(same, 1.0, 0.0)
@@ -77,7 +77,7 @@ if triton is not None:
 
     @triton.jit
     def _level_grads(dSr, rows_ptr, b, h, L, H, E, offs_rows, rows_lo, rows_hi, offs_cols, cols_lo, cols_hi,
-                     offs_e, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, acc, NUM_LEVELS: tl.constexpr):
+                     offs_e, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, acc, NUM_LEVELS: tl.constexpr, DOT: tl.constexpr):
         """``acc[c, f] += sum_r [r, c share level(f)] dSr[r, c] * rows[r, f]`` over the levels the tiles share.
 
         ``dSr`` is (rows, cols); the features ``f`` of ``rows_ptr`` (a (b, L, H, E) tensor) are taken full width and
@@ -94,7 +94,7 @@ if triton is not None:
             if shared:
                 same = (size == 0) | ((offs_rows[:, None] // span) == (offs_cols[None, :] // span))
                 level_feats = tl.where(((offs_e >= off) & (offs_e < off + rank))[None, :], feats, 0.0)
-                acc += tl.dot(tl.trans(tl.where(same, dSr, 0.0)), level_feats, input_precision=_DOT_PRECISION)
+                acc += _mm(tl.trans(tl.where(same, dSr, 0.0)), level_feats, DOT)
         return acc
 
     @triton.jit
@@ -102,7 +102,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, y_ptr, lse_ptr,
         L, H, E, P,
         NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid = tl.program_id(1)
@@ -126,7 +126,7 @@ if triton is not None:
             n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
             S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
                                            b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
-                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M)
+                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M, DOT)
             S = tl.where(allowed, S, -1.0e30)
             new_max = tl.maximum(row_max, tl.max(S, 1))
             alpha = tl.exp(row_max - new_max)
@@ -134,7 +134,7 @@ if triton is not None:
             row_sum = row_sum * alpha + tl.sum(prob, 1)
             v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
                         mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(prob, v, input_precision=_DOT_PRECISION)
+            acc = acc * alpha[:, None] + _mm(prob, v, DOT)
             row_max = new_max
             n_lo += BLOCK_M
         row_sum = tl.maximum(row_sum, 1.0e-30)
@@ -147,11 +147,11 @@ if triton is not None:
     def _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr,
                       lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_p,
                       NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
-                      HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
         """Recomputed probabilities of a tile pair and the gradient w.r.t. the undivided level sums: (P, dSr, dO)."""
         S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
                                        b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
-                                       NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_N)
+                                       NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_N, DOT)
         m_ok = offs_m < L
         lse = tl.load(lse_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
         delta = tl.load(delta_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
@@ -160,7 +160,7 @@ if triton is not None:
                      mask=m_ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
                     mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        dprob = tl.dot(do, tl.trans(v), input_precision=_DOT_PRECISION)
+        dprob = _mm(do, tl.trans(v), DOT)
         dSr = prob * (dprob - delta[:, None]) * inv
         return prob, dSr, do
 
@@ -169,7 +169,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
         dq_ptr, L, H, E, P,
         NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid = tl.program_id(1)
@@ -192,10 +192,10 @@ if triton is not None:
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
                                           offs_n, n_lo, n_hi, offs_r, offs_p,
-                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M)
+                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M, DOT)
             # dq[i] = sum_j dSr[i, j] k_j (level-masked): the "rows" of the product are the keys
             dq = _level_grads(tl.trans(dSr), k_ptr, b, h, L, H, E, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e,
-                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dq, NUM_LEVELS)
+                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dq, NUM_LEVELS, DOT)
             n_lo += BLOCK_M
         tl.store(dq_ptr + ((b * L + offs_m[:, None]) * H + h) * E + offs_e[None, :], dq,
                  mask=(offs_m < L)[:, None] & (offs_e < E)[None, :])
@@ -205,7 +205,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
         dk_ptr, dv_ptr, L, H, E, P,
         NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid = tl.program_id(1)
@@ -228,10 +228,10 @@ if triton is not None:
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
                                           offs_n, n_lo, n_hi, offs_r, offs_p,
-                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M)
-            dv += tl.dot(tl.trans(prob), do, input_precision=_DOT_PRECISION)
+                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M, DOT)
+            dv += _mm(tl.trans(prob), do, DOT)
             dk = _level_grads(dSr, q_ptr, b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e,
-                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dk, NUM_LEVELS)
+                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dk, NUM_LEVELS, DOT)
             m_lo += BLOCK_M
         n_ok = offs_n < L
         tl.store(dk_ptr + ((b * L + offs_n[:, None]) * H + h) * E + offs_e[None, :], dk,
@@ -272,7 +272,7 @@ class _MLRFunction(torch.autograd.Function):
         lse = torch.empty(b, L, H, dtype=torch.float32, device=v.device)
         grid = (triton.cdiv(L, levels.block_m), b * H)
         flags = dict(NUM_LEVELS=levels.num_levels, CAUSAL=bool(causal), BLOCK_DIVIDE=bool(block_divide),
-                     HAS_KEYOK=keyok is not None)
+                     HAS_KEYOK=keyok is not None, DOT=dot_precision(v.dtype))
         _mlr_fwd_kernel[grid](qs, k, v, keyok if keyok is not None else qs, *levels.tables(), y, lse, L, H, E, P,
                               **flags, **levels.blocks)
         ctx.save_for_backward(qs, k, v, keyok, y, lse)

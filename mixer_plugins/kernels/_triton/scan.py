@@ -48,8 +48,8 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .._scan.inputs import prepare_dt
-from ._common import DOT_PRECISION as _DOT_PRECISION
-from ._common import available, tl, triton
+from ._common import available, dot_precision, tl, triton
+from ._common import mm as _mm
 
 __all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan_triton", "scan_triton",
            "scan_triton_flops"]
@@ -75,7 +75,7 @@ if triton is not None:
         x_ptr, dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, seg_ptr, st_ptr, lg_ptr,
         BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_SEG: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         c = tl.program_id(0)
         pid = tl.program_id(1)
@@ -109,7 +109,7 @@ if triton is not None:
                 lg = tl.where(seg_last == seg_before, plast, float("-inf"))
             Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision=_DOT_PRECISION)     # (P, N)
+            S = _mm(tl.trans(x * w[:, None]), Bt, DOT)     # (P, N)
             base = (b * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
             tl.store(lg_ptr + base, lg)
@@ -126,7 +126,7 @@ if triton is not None:
                 lg = tl.where(seg_first == seg_after, plast, float("-inf"))
             Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            S = tl.dot(tl.trans(x * w[:, None]), Bt, input_precision=_DOT_PRECISION)
+            S = _mm(tl.trans(x * w[:, None]), Bt, DOT)
             base = ((BATCH + b) * NC + c) * H + h
             tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
             tl.store(lg_ptr + base, lg)
@@ -169,7 +169,7 @@ if triton is not None:
         y_ptr, BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
         SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         c = tl.program_id(0)
         pid = tl.program_id(1)
@@ -211,14 +211,14 @@ if triton is not None:
                 allowed = valid & (jj <= ii)
             Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            CB = tl.dot(Ct, tl.trans(Bt), input_precision=_DOT_PRECISION)
+            CB = _mm(Ct, tl.trans(Bt), DOT)
             decay = tl.exp(tl.where(allowed, q[:, None] - p[None, :], float("-inf")))
             M += CB * decay * dt[None, :]
             Hc = tl.load(hs_ptr + ((b * NC + c) * H + h) * P * N + st_off, mask=st_mask, other=0.0)
             wq = tl.exp(q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_before, wq, 0.0)
-            acc += tl.dot(Ct, tl.trans(Hc), input_precision=_DOT_PRECISION) * wq[:, None]
+            acc += _mm(Ct, tl.trans(Hc), DOT) * wq[:, None]
         if HAS_B:
             dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
@@ -237,7 +237,7 @@ if triton is not None:
                 allowed = valid & (jj >= ii)
             Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            CB = tl.dot(Ct, tl.trans(Bt), input_precision=_DOT_PRECISION)
+            CB = _mm(Ct, tl.trans(Bt), DOT)
             if DEBUG_BUG == 1:
                 decay = tl.exp(tl.where(allowed, q[:, None] - e[None, :], float("-inf")))
             else:
@@ -247,11 +247,11 @@ if triton is not None:
             wq = tl.exp(plast - q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_after, wq, 0.0)
-            acc += tl.dot(Ct, tl.trans(Gc), input_precision=_DOT_PRECISION) * wq[:, None]
+            acc += _mm(Ct, tl.trans(Gc), DOT) * wq[:, None]
         if HAS_DIAG:
             dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             M += tl.where(ii == jj, dg[:, None], 0.0)
-        acc += tl.dot(M, x, input_precision=_DOT_PRECISION)
+        acc += _mm(M, x, DOT)
         y_ptrs = y_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok[:, None] & (offs_p < P)[None, :])
 
@@ -260,7 +260,7 @@ if triton is not None:
         dy_ptr, dtf_ptr, Af_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Cb_ptr, seg_ptr, dst_ptr,
         BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         """Gradient of the chunk's read-outs w.r.t. the state entering it: ``sum_i w_i dy_i C~_i^T``."""
         c = tl.program_id(0)
@@ -296,7 +296,7 @@ if triton is not None:
             wq = tl.exp(q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_before, wq, 0.0)
-            dH = tl.dot(tl.trans(dy * wq[:, None]), Ct, input_precision=_DOT_PRECISION)
+            dH = _mm(tl.trans(dy * wq[:, None]), Ct, DOT)
             tl.store(dst_ptr + ((b * NC + c) * H + h) * P * N + st_off, dH, mask=st_mask)
         if HAS_B:
             dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
@@ -314,7 +314,7 @@ if triton is not None:
             wq = tl.exp(plast - q)
             if HAS_SEG:
                 wq = tl.where(seg == seg_after, wq, 0.0)
-            dG = tl.dot(tl.trans(dy * wq[:, None]), Ct, input_precision=_DOT_PRECISION)
+            dG = _mm(tl.trans(dy * wq[:, None]), Ct, DOT)
             tl.store(dst_ptr + (((BATCH + b) * NC + c) * H + h) * P * N + st_off, dG, mask=st_mask)
 
     @triton.jit
@@ -322,7 +322,7 @@ if triton is not None:
         x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_read, seg_own,
         dt_ptr, A_ptr, B_ptr, C_ptr, hs_ptr, ds_ptr, lg_ptr, dB_ptr, dC_ptr, ddt_ptr, dA_ptr,
         BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask, DIR: tl.constexpr,
-        HAS_SEG: tl.constexpr, SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr,
+        HAS_SEG: tl.constexpr, SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr, DOT: tl.constexpr,
     ):
         """All gradients of one direction inside one chunk; returns dx with this direction's part added.
 
@@ -377,30 +377,30 @@ if triton is not None:
         lg = tl.load(lg_ptr + sbase)
 
         # intra-chunk block
-        CB = tl.dot(Ct, tl.trans(Bt), input_precision=_DOT_PRECISION)
+        CB = _mm(Ct, tl.trans(Bt), DOT)
         decay = tl.exp(tl.where(allowed, logw, float("-inf")))
         ldt = decay * dt[None, :]
-        dx += tl.dot(tl.trans(CB * ldt), dy, input_precision=_DOT_PRECISION)
+        dx += _mm(tl.trans(CB * ldt), dy, DOT)
         dCB = DYX * ldt
-        dCt = tl.dot(dCB, Bt, input_precision=_DOT_PRECISION)
-        dBt = tl.dot(tl.trans(dCB), Ct, input_precision=_DOT_PRECISION)
+        dCt = _mm(dCB, Bt, DOT)
+        dBt = _mm(tl.trans(dCB), Ct, DOT)
         K = DYX * CB * decay
         ddt = tl.sum(K, 0)
         R = K * dt[None, :]
         d_query = tl.sum(R, 1)       # d/d(log weight), summed over keys, per query i
         d_key = tl.sum(R, 0)         # per key j
         # read-out of the entering state
-        HC = tl.dot(Ct, tl.trans(Hc), input_precision=_DOT_PRECISION)                      # (Q, P)
+        HC = _mm(Ct, tl.trans(Hc), DOT)                      # (Q, P)
         Rr = wq * tl.sum(dy * HC, 1)
-        dCt += tl.dot(dy * wq[:, None], Hc, input_precision=_DOT_PRECISION)
+        dCt += _mm(dy * wq[:, None], Hc, DOT)
         # this chunk's own state
-        xdS = tl.dot(x, dS, input_precision=_DOT_PRECISION)                                # (Q, N)
+        xdS = _mm(x, dS, DOT)                                # (Q, N)
         val = tl.sum(xdS * Bt, 1)
         ws = wsraw * dt
         Rs = ws * val
         ddt += wsraw * val
         dBt += ws[:, None] * xdS
-        dx += ws[:, None] * tl.dot(Bt, tl.trans(dS), input_precision=_DOT_PRECISION)
+        dx += ws[:, None] * _mm(Bt, tl.trans(dS), DOT)
         dplast = tl.exp(lg) * tl.sum(tl.sum(dS * Hc, 1), 0)
         if DEBUG_BUG == 2:
             dplast = 0.0 * dplast
@@ -439,7 +439,7 @@ if triton is not None:
         BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
         SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         c = tl.program_id(0)
         pid = tl.program_id(1)
@@ -472,7 +472,7 @@ if triton is not None:
                      mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
         st_off = offs_p[:, None] * N + offs_n[None, :]
         st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-        DYX = tl.dot(dy, tl.trans(x), input_precision=_DOT_PRECISION)                       # [i, j] = dy_i . x_j
+        DYX = _mm(dy, tl.trans(x), DOT)                       # [i, j] = dy_i . x_j
         dx = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
         if HAS_DIAG:
             dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
@@ -482,12 +482,12 @@ if triton is not None:
             dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_before, seg_last,
                                 dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, hs_ptr, ds_ptr, lg_ptr, dBf_ptr, dCf_ptr,
                                 ddtf_ptr, dAf_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                0, HAS_SEG, SHIFT, DEBUG_BUG)
+                                0, HAS_SEG, SHIFT, DEBUG_BUG, DOT)
         if HAS_B:
             dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_after, seg_first,
                                 dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, hs_ptr, ds_ptr, lg_ptr, dBb_ptr, dCb_ptr,
                                 ddtb_ptr, dAb_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                1, HAS_SEG, SHIFT, DEBUG_BUG)
+                                1, HAS_SEG, SHIFT, DEBUG_BUG, DOT)
         dx_ptrs = dx_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
         tl.store(dx_ptrs, dx, mask=ok[:, None] & (offs_p < P)[None, :])
 
@@ -512,7 +512,8 @@ class _Geometry:
         self.groups, self.nstate = B.shape[2], B.shape[3]
         self.Q = min(int(chunk_size), self.length)
         self.nchunks = -(-self.length // self.Q)
-        self.blocks = dict(BLOCK_Q=_block(self.Q), BLOCK_P=_block(self.hdim), BLOCK_N=_block(self.nstate))
+        self.blocks = dict(BLOCK_Q=_block(self.Q), BLOCK_P=_block(self.hdim), BLOCK_N=_block(self.nstate),
+                           DOT=dot_precision(x.dtype))
         self.grid = (self.nchunks, self.batch * self.heads)
         pn = self.hdim * self.nstate
         self.pn_block = min(1024, triton.next_power_of_2(pn))

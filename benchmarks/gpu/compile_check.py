@@ -1,0 +1,187 @@
+"""Compile every Triton kernel of mixer-plugins for a GPU, on a machine without one.
+
+The Triton interpreter (``TRITON_INTERPRET=1``, how CI checks the kernels' arithmetic) runs kernels as NumPy
+code: it accepts much that the GPU compiler refuses (``tl.dot`` tiles under 16, mixed operand dtypes, ...) and
+never shows what a kernel costs in registers or shared memory. This script runs the kernels' host code on small
+CPU tensors with Triton's launcher replaced by a compile-only one aimed at a CUDA target (default sm_90, the H100
+and H200), so every kernel specialization the host code launches goes through Triton's whole pipeline down to
+``ptxas``, which ships with Triton: no GPU and no driver are needed.
+
+Usage (from the repository root)::
+
+    python benchmarks/gpu/compile_check.py [--arch 90] [--json OUT.json]
+
+Prints one line per compiled kernel (compile seconds, shared memory) and exits non-zero if a kernel
+fails to compile or needs more shared memory than the target has. ``tests/test_triton_compile.py`` runs it in CI.
+Must run in a fresh process without ``TRITON_INTERPRET`` (the kernels must be compiled, not interpreted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: shared memory per block, in bytes, by compute capability (the opt-in maximum a kernel may use)
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    case: str
+    seconds: float
+    shared_bytes: int
+
+
+@contextmanager
+def compile_only(arch: int, record: Callable[[str, float, object], None]) -> Iterator[None]:
+    """While active, launching a ``triton.jit`` kernel compiles it for CUDA ``arch`` and runs nothing."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class _CompileOnlyDriver:  # what JITFunction.run asks of the active driver
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", arch, 32)
+
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        start = time.perf_counter()
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        record(self.__name__, time.perf_counter() - start, kernel)
+        return kernel
+
+    previous = driver._active
+    driver.set_active(_CompileOnlyDriver())
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = original
+        driver._active = previous
+
+
+def _scan_cases() -> Iterator[tuple[str, Callable[[], None]]]:
+    import torch
+
+    from mixer_plugins.kernels._triton import scan
+
+    def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, length=200):
+        def go():
+            g = torch.Generator().manual_seed(0)
+            b, h = 1, 4
+            x = torch.randn(b, length, h, head_dim, generator=g).to(dtype)
+            dt = torch.rand(b, length, h, generator=g)
+            A = -torch.rand(h, generator=g)
+            B = torch.randn(b, length, groups, state, generator=g).to(dtype)
+            C = torch.randn(b, length, groups, state, generator=g).to(dtype)
+            fwd = (dt, A, B, C) if "f" in directions else (None,) * 4
+            bwd = (dt, A, B, C) if "b" in directions else (None,) * 4
+            d = torch.randn(b, length, h, generator=g).to(dtype) if diag else None
+            s = torch.zeros(b, length, dtype=torch.int32) if seg else None
+            st = torch.zeros(b, h, head_dim, state) if init else None
+            y, hs, lg, _ = scan._scan_fwd(x, *fwd, *bwd, d, s, st, shift, 64)
+            scan._scan_bwd(torch.randn_like(x), st, x, *fwd, *bwd, d, s, hs, lg, shift, 64)
+        name = (f"{str(dtype).removeprefix('torch.')} dirs={directions} shift={shift} seg={seg} diag={diag} "
+                f"init={init} g={groups} n={state} p={head_dim}")
+        return name, go
+
+    # Hydra (both directions, shift, free diagonal, shared B/C) in both input dtypes, with and without segments
+    yield case(torch.bfloat16, True, False, True, "fb", False, 1, 64, 64)
+    yield case(torch.float32, True, True, True, "fb", False, 1, 64, 64)
+    # causal SSD (forward alone, initial state), and the reversed single direction; odd sizes padded to blocks
+    yield case(torch.bfloat16, False, True, False, "f", True, 2, 128, 64)
+    yield case(torch.float16, False, False, False, "b", False, 2, 16, 24)
+
+
+def _mlr_cases() -> Iterator[tuple[str, Callable[[], None]]]:
+    import torch
+
+    from mixer_plugins.kernels._triton import mlr
+
+    def case(dtype, causal, masked, ranks, block_sizes, length=300, heads=2, p=64):
+        def go():
+            g = torch.Generator().manual_seed(0)
+            e = sum(ranks)
+            q = torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
+            k = torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
+            v = torch.randn(1, length, heads, p, generator=g).to(dtype).requires_grad_(True)
+            mask = torch.ones(1, length, dtype=torch.bool) if masked else None
+            levels = mlr._Levels(q, v, ranks, block_sizes, 64)
+            tau = torch.ones(e)
+            qs = (q.float() * tau).contiguous()
+            keyok = mask.to(torch.int8) if masked else None
+            y = mlr._MLRFunction.apply(qs, k.contiguous(), v.contiguous(), keyok, levels, causal, True)
+            y.float().sum().backward()
+        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} ranks={ranks}"
+        return name, go
+
+    yield case(torch.bfloat16, False, True, (32, 16, 16), (None, 128, 32))
+    yield case(torch.float32, True, False, (16, 16, 16, 16), (None, 256, 64, 16))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--only", choices=("scan", "mlr"), help="compile one kernel family")
+    parser.add_argument("--case", default="", help="compile only the cases whose name holds this text")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+    results: list[Compiled] = []
+    current = [""]
+
+    def record(name: str, seconds: float, kernel) -> None:
+        meta = kernel.metadata
+        item = Compiled(name, current[0], round(seconds, 2), int(meta.shared))
+        results.append(item)
+        print(f"  {name:24s} {seconds:6.1f} s  shared {item.shared_bytes // 1024:4d} KiB", flush=True)
+
+    failures: list[str] = []
+    families = {"scan": _scan_cases, "mlr": _mlr_cases}
+    with compile_only(args.arch, record):
+        for family, cases in families.items():
+            if args.only and family != args.only:
+                continue
+            for name, go in cases():
+                if args.case not in name:
+                    continue
+                current[0] = f"{family}: {name}"
+                print(current[0], flush=True)
+                try:
+                    go()
+                except Exception as err:  # report every failing case, not only the first
+                    failures.append(f"{current[0]}: {type(err).__name__}: {err}")
+                    print(f"  FAILED: {type(err).__name__}: {str(err)[:2000]}", flush=True)
+    limit = SHARED_LIMIT.get(args.arch)
+    if limit is not None:
+        failures += [f"{r.case}: {r.kernel} needs {r.shared_bytes} bytes of shared memory, sm_{args.arch} has {limit}"
+                     for r in results if r.shared_bytes > limit]
+    if args.json:
+        args.json.write_text(json.dumps({"arch": args.arch, "compiled": [asdict(r) for r in results],
+                                         "failures": failures}, indent=2))
+    print(f"{len(results)} kernel compilations for sm_{args.arch}, {len(failures)} failures")
+    for failure in failures:
+        print("FAILURE:", failure)
+    return 1 if failures or not results else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
