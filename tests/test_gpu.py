@@ -72,6 +72,12 @@ def _scan_inputs(batch=2, length=1024, heads=8, p=64, groups=2, n=64, dtype=torc
                 B=r(batch, length, groups, n, scale=0.3), C=r(batch, length, groups, n, scale=0.3))
 
 
+# (output, gradients) bounds on float32 inputs. Ours: float32 accumulation, matmuls in 3xTF32 (about float32).
+# mamba-ssm's Triton kernels take float32 matmuls in plain TF32 (10 mantissa bits); on the H200 its outputs
+# differ from the reference backend by 1.4e-3 to 1.9e-3 (relative to the largest), hence its own bound.
+SCAN_TOLERANCE = {"default": (1e-3, 5e-3), "mamba_ssm": (5e-3, 1e-2)}
+
+
 def _gpu_backends(op: str) -> list[str]:
     return [b for b in kernels.available_backends(op, "cuda") if b != "reference"]
 
@@ -88,10 +94,11 @@ def test_kernel_backends_on_cuda_match_reference(op):
     ref_grads = torch.autograd.grad(ref.sum(), list(inputs.values()))
     for backend in backends:
         out = fn(**inputs, chunk_size=64, dt_softplus=True, backend=backend, **extra)
-        assert _relative_error(out, ref) < 1e-3, backend
+        bound = SCAN_TOLERANCE.get(backend, SCAN_TOLERANCE["default"])
+        assert _relative_error(out, ref) < bound[0], backend
         grads = torch.autograd.grad(out.sum(), list(inputs.values()))
         for name, g, g_ref in zip(inputs, grads, ref_grads):
-            assert _relative_error(g, g_ref) < 5e-3, (backend, name)
+            assert _relative_error(g, g_ref) < bound[1], (backend, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -385,3 +385,38 @@ def test_cli_list_survives_a_plugin_raising_base_exceptions(fake_site, exc):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "attention" in out.stdout and "exiting-mixers" in out.stderr
+
+
+def test_a_source_checkout_that_is_not_installed_still_has_the_builtin_mixers(monkeypatch):
+    """Run from a checkout on PYTHONPATH without `pip install` (as the GPU check does on a bare machine), our own
+    distribution has no metadata and so no entry points: the registry reads the built-in table from the checkout's
+    pyproject.toml. (Before, `list_mixers()` was empty there and every mixer was 'unknown'.)"""
+    from importlib import metadata
+
+    import tomllib
+
+    from mixer_plugins.registry import registry as registry_module
+
+    real_distribution, real_entry_points = metadata.distribution, metadata.entry_points
+
+    def no_own_distribution(name):
+        if registry_module.normalize_name(name) == "mixer_plugins":
+            raise metadata.PackageNotFoundError(name)
+        return real_distribution(name)
+
+    def entry_points_of_others(**kwargs):
+        return [ep for ep in real_entry_points(**kwargs)
+                if registry_module.normalize_name(ep.dist.name) != "mixer_plugins"]
+
+    monkeypatch.setattr(metadata, "distribution", no_own_distribution)
+    monkeypatch.setattr(metadata, "entry_points", entry_points_of_others)
+    declared = tomllib.loads((registry_module.Path(registry_module.__file__).parents[2] / "pyproject.toml")
+                             .read_text())["project"]["entry-points"]["mixer_plugins.mixers"]
+    reg = MixerRegistry()
+    assert set(declared) <= set(reg.names())
+    spec = reg.get_spec("quasiseparable")
+    assert spec.distribution == registry_module.SOURCE_CHECKOUT
+    assert reg.problems() == []
+    # installed (the normal case): nothing is read from the checkout, so nothing is listed twice
+    monkeypatch.setattr(metadata, "distribution", real_distribution)
+    assert registry_module._source_checkout_entry_points("mixer_plugins.mixers") == []

@@ -2,6 +2,9 @@
 # The GPU check of mixer-plugins, in one command (under 7 minutes on one H100/H200):
 #     bash benchmarks/gpu/run.sh OUT_DIR          # on a CUDA machine
 #     bash benchmarks/gpu/run.sh OUT_DIR --dry    # anywhere: CPU, Triton interpreter, tiny shapes (CI runs this)
+# Options by environment: MIXER_PLUGINS_GPU_TABLES=scan,attention,vit (a subset to measure fewer tables);
+# MIXER_PLUGINS_GPU_TUNE=1 adds benchmarks/gpu/tune.py (launch options of the fused scan, and its profile);
+# MIXER_PLUGINS_GPU_TEST_S / MIXER_PLUGINS_GPU_TABLES_S: time limits of the tests (170) and the tables (230).
 # First it installs the wheels carried in $MIXER_PLUGINS_WHEELS (default .whl/, filled by
 # benchmarks/gpu/fetch_wheels.sh: pydantic and its needs, einops, a mamba-ssm wheel built with
 # MAMBA_SKIP_CUDA_BUILD=TRUE), offline, each only where the machine lacks that distribution, into a site folder
@@ -76,17 +79,25 @@ for name in ("torch", "triton", "pydantic", "pydantic-core", "einops", "mamba-ss
 EOF
 
 status=0
+TABLES="${MIXER_PLUGINS_GPU_TABLES:-scan,attention,vit}"   # which throughput tables (all by default)
 if [ "$DRY" = "--dry" ]; then
   export TRITON_INTERPRET=1
   "$PY" benchmarks/gpu/throughput.py --out "$OUT" --dry 2>&1 | tee "$OUT/log.txt" || status=1
+  if [ "${MIXER_PLUGINS_GPU_TUNE:-0}" = 1 ]; then
+    "$PY" benchmarks/gpu/tune.py --out "$OUT" --dry 2>&1 | tee -a "$OUT/log.txt" || status=1
+  fi
 else
   # budgets: install ~15 s + tests 170 s + tables 230 s < 7 minutes
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/log.txt"
   # SIGINT at the limit: pytest stops, prints its summary and still writes the XML; one line per test in the log.
   # tests/test_gpu.py holds every gpu-marked test (collecting the whole suite would import what this machine lacks)
-  timeout -s INT -k 15 170 "$PY" -m pytest -v -m gpu -p no:cacheprovider --durations=15 tests/test_gpu.py \
+  timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_TEST_S:-170}" "$PY" -m pytest -v -m gpu -p no:cacheprovider --durations=15 tests/test_gpu.py \
     --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee -a "$OUT/log.txt" || status=1
-  timeout 230 "$PY" benchmarks/gpu/throughput.py --out "$OUT" --budget-s 190 2>&1 | tee -a "$OUT/log.txt" \
-    || status=1
+  limit="${MIXER_PLUGINS_GPU_TABLES_S:-230}"
+  timeout "$limit" "$PY" benchmarks/gpu/throughput.py --out "$OUT" --budget-s $((limit - 40)) --tables "$TABLES" 2>&1 \
+    | tee -a "$OUT/log.txt" || status=1
+  if [ "${MIXER_PLUGINS_GPU_TUNE:-0}" = 1 ]; then  # launch options of the fused scan and its profile (~90 s)
+    timeout 120 "$PY" benchmarks/gpu/tune.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt" || status=1
+  fi
 fi
 exit $status

@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for throughput.json and throughput.md")
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
+    parser.add_argument("--tables", default="scan,attention,vit",
+                        help="comma-separated tables to measure (default: scan,attention,vit)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds after which the candidates left are reported as not run")
     args = parser.parse_args(argv)
@@ -334,7 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         _DEADLINE[:] = [time.monotonic() + args.budget_s]
     info = environment(setup)
     rows: list[Row] = []
-    for part in (scan_rows, attention_rows, vit_rows):
+    parts = {"scan": scan_rows, "attention": attention_rows, "vit": vit_rows}
+    unknown = set(args.tables.split(",")) - set(parts)
+    if unknown:
+        parser.error(f"unknown tables {sorted(unknown)}; choose from {sorted(parts)}")
+    for part in [parts[name] for name in parts if name in args.tables.split(",")]:
         try:
             rows += part(setup)
         except Exception:

@@ -4,7 +4,9 @@ Rules (see the design notes):
 
 * One entry-point group, :data:`ENTRY_POINT_GROUP`. An entry point's name is the mixer's name and its
   object is a :class:`~mixer_plugins.registry.spec.MixerSpec`. Our own built-in mixers are declared the
-  same way in our ``pyproject.toml``: one discovery path for everybody.
+  same way in our ``pyproject.toml``: one discovery path for everybody. A source checkout put on ``sys.path``
+  without being installed (no distribution metadata, so no entry points) reads that table from the checkout's own
+  ``pyproject.toml`` instead, so the built-in mixers are there either way.
 * Listing names reads entry-point metadata only; a plugin's module is imported the first time its spec
   is needed.
 * A plugin that fails to import (or yields something that is not a valid spec) is reported with its
@@ -25,6 +27,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._text import closest
@@ -87,6 +90,33 @@ class PluginProblem:
     distributions: tuple[str, ...]
 
 
+OWN_DISTRIBUTION = "mixer-plugins"
+SOURCE_CHECKOUT = "mixer-plugins (source checkout)"
+
+
+def _source_checkout_entry_points(group: str) -> list[metadata.EntryPoint]:
+    """The entry points of ``group`` declared by our own ``pyproject.toml`` when this package runs from a source
+    checkout that is not installed (our distribution has no metadata); empty otherwise."""
+    try:
+        metadata.distribution(OWN_DISTRIBUTION)
+        return []  # installed (editable or not): its metadata already lists them
+    except metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10 has no TOML reader
+        return []
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, ValueError):
+        return []
+    if project.get("name") != OWN_DISTRIBUTION:
+        return []
+    table = project.get("entry-points", {}).get(group, {})
+    return [metadata.EntryPoint(name=name, value=value, group=group) for name, value in table.items()]
+
+
 def _distribution_name(ep: metadata.EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     if dist is None:
@@ -143,8 +173,9 @@ class MixerRegistry:
             if self._entries is None:
                 entries: dict[str, list[_Entry]] = {}
                 seen: set[tuple[str, str, str]] = set()
-                for ep in metadata.entry_points(group=self.group):
-                    dist = _distribution_name(ep)
+                found = [(ep, _distribution_name(ep)) for ep in metadata.entry_points(group=self.group)]
+                found += [(ep, SOURCE_CHECKOUT) for ep in _source_checkout_entry_points(self.group)]
+                for ep, dist in found:
                     key = (ep.name, normalize_name(dist), ep.value)
                     if key in seen:  # the same distribution seen twice on sys.path
                         continue

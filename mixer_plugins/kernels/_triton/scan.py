@@ -59,8 +59,9 @@ __all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan
 # decay gradient in the backward kernel (forward unchanged). Never set it outside tests.
 _DEBUG_BUG = 0
 
-
-
+#: Triton launch options (``num_warps``, ``num_stages``) of each kernel; empty = Triton's defaults.
+#: ``benchmarks/gpu/tune.py`` times alternatives on a GPU.
+LAUNCH: dict[str, dict[str, int]] = {"states": {}, "pass": {}, "out": {}, "dread": {}, "bwd": {}}
 
 
 def _block(n: int) -> int:
@@ -543,7 +544,7 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shif
     seg_arg = seg if seg is not None else dummy
     _chunk_states_kernel[geo.grid](
         x, *args_f, *args_b, seg_arg, st, lg, *geo.dims,
-        HAS_F=has_f, HAS_B=has_b, HAS_SEG=seg is not None, **geo.blocks)
+        HAS_F=has_f, HAS_B=has_b, HAS_SEG=seg is not None, **geo.blocks, **LAUNCH["states"])
     hs = torch.empty_like(st)
     init_buf = torch.zeros(2, bsz, H, P, N, device=dev, dtype=torch.float32)
     if init is not None:
@@ -552,7 +553,7 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shif
     d0, nd = _dirs(has_f, has_b)
     _state_pass_kernel[geo.pass_grid(nd)](
         st, lg, hs, init_buf, final, bsz, H, NC, P * N,
-        DIR0=d0, REV_FIRST=0, HAS_INIT=init is not None, BLOCK=geo.pn_block)
+        DIR0=d0, REV_FIRST=0, HAS_INIT=init is not None, BLOCK=geo.pn_block, **LAUNCH["pass"])
     y = torch.empty_like(x)
     Cf_arg = C_f if has_f else dummy
     Cb_arg = C_b if has_b else dummy
@@ -560,7 +561,7 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shif
         x, *args_f[:2], args_f[2], Cf_arg, *args_b[:2], args_b[2], Cb_arg,
         diag if diag is not None else dummy, seg_arg, hs, y, *geo.dims,
         HAS_F=has_f, HAS_B=has_b, HAS_DIAG=diag is not None, HAS_SEG=seg is not None, SHIFT=bool(shift),
-        DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks)
+        DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks, **LAUNCH["out"])
     return y, hs, lg, final[0]
 
 
@@ -580,7 +581,8 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     _chunk_dread_kernel[geo.grid](
         dy, dt_f if has_f else dummy, A_f if has_f else dummy, C_f if has_f else dummy,
         dt_b if has_b else dummy, A_b if has_b else dummy, C_b if has_b else dummy, seg_arg, dread, *geo.dims,
-        HAS_F=has_f, HAS_B=has_b, HAS_SEG=seg is not None, SHIFT=bool(shift), **geo.blocks)
+        HAS_F=has_f, HAS_B=has_b, HAS_SEG=seg is not None, SHIFT=bool(shift), **geo.blocks,
+        **LAUNCH["dread"])
     # the state gradients obey the states' recurrence run the other way
     ds = torch.empty_like(dread)
     init_buf = torch.zeros(2, bsz, H, P, N, **f32)
@@ -590,7 +592,7 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     d0, nd = _dirs(has_f, has_b)
     _state_pass_kernel[geo.pass_grid(nd)](
         dread, lg, ds, init_buf, dinit, bsz, H, NC, P * N,
-        DIR0=d0, REV_FIRST=1, HAS_INIT=dfinal is not None, BLOCK=geo.pn_block)
+        DIR0=d0, REV_FIRST=1, HAS_INIT=dfinal is not None, BLOCK=geo.pn_block, **LAUNCH["pass"])
     per_head = (bsz, L, H, N)
 
     def grads(has: bool):
@@ -613,7 +615,7 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
             C_b if d == 1 else dummy, diag if diag is not None else dummy, seg_arg, hs, ds, lg,
             dx_parts[slot], dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
             HAS_F=d == 0, HAS_B=d == 1, HAS_DIAG=diag is not None and slot == 0, HAS_SEG=seg is not None,
-            SHIFT=bool(shift), DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks)
+            SHIFT=bool(shift), DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks, **LAUNCH["bwd"])
     dx = dx_parts[0] if len(directions) == 1 else dx_parts.sum(0)
 
     def group_sum(t: Tensor) -> Tensor:
