@@ -743,3 +743,25 @@ def test_mlr_mixer_forward_backward_flops_are_counted(causal):
     parts = mixer.flops_breakdown(2, 45)
     expected = 3 * (parts["qkv_proj"] + parts["out_proj"]) + 4 * parts["scores"] + 3 * parts["weighted_values"]
     assert counter.get_total_flops() == expected
+
+
+@pytest.mark.parametrize("name", ["attention", "btt_attention"])
+def test_sdpa_gets_unit_stride_features(monkeypatch, name):
+    """cuDNN's SDPA (bf16 on CUDA) takes its output's layout from the query's and fails on BTT's query, which is
+    broadcast over the heads (stride 0): "The stride for the last dimension ... should be 1 for output O" (the H200
+    check failed on btt_attention bf16). Every tensor handed to SDPA has unit feature stride and no stride-0 axis,
+    and the result is unchanged."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append([(t.stride(-1), min(t.stride())) for t in (q, k, v)])
+        return real(q, k, v, *args, **kwargs)
+
+    mixer = mp.create_mixer(name, 32, num_heads=4).double()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    expected = mixer(x)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    got = mixer(x)
+    assert seen and all(feature == 1 and smallest > 0 for call in seen for feature, smallest in call), seen
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

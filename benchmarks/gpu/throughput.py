@@ -69,6 +69,7 @@ class Row:
     ms: float | None = None
     peak_mib: float | None = None
     note: str = ""
+    flop_ratio: float | None = None  # attention table: the candidate's FLOPs / attention's at the same shape
 
 
 def _sync(device: str) -> None:
@@ -197,6 +198,7 @@ def attention_rows(setup: Setup) -> list[Row]:
                     ratio = mixer.flops(batch, length) / mp.create_mixer("attention", setup.d_model,
                                                                          num_heads=heads).flops(batch, length)
                     row.note = (row.note + f" FLOPs/attention={ratio:.2f}").strip()
+                    row.flop_ratio = ratio
                 except Exception as err:
                     row = Row("attention", name, length, batch, mode, note=f"{type(err).__name__}: {err}"[:200])
                 rows.append(row)
@@ -287,6 +289,15 @@ def targets(rows: list[Row]) -> list[dict]:
         if fused and sdpa and length == 16384:
             out.append({"target": "fused QS fwd+bwd >= 5x faster than SDPA at 16k", "length": length,
                         "value": sdpa / fused, "bound": 5.0, "held": sdpa / fused >= 5.0})
+    for length in (4096, 16384):
+        mlr = [r for r in rows if r.table == "attention" and r.candidate == "mlr_attention" and r.length == length
+               and r.mode == "forward_backward" and r.ms]
+        attn = ms("attention", length)
+        if mlr and attn and mlr[0].flop_ratio:
+            # time ratio to SDPA within 1.2x of the FLOP ratio, i.e. (time ratio / FLOP ratio) <= 1.2
+            value = (mlr[0].ms / attn) / mlr[0].flop_ratio
+            out.append({"target": "MLR fwd+bwd time ratio to SDPA <= 1.2x its FLOP ratio", "length": length,
+                        "value": value, "bound": 1.2, "held": value <= 1.2})
     return out
 
 

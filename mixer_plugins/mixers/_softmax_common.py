@@ -178,6 +178,13 @@ def attention_weights(scores: Tensor, allowed: Tensor | None, link: str = "softm
     return weights
 
 
+def _sdpa_layout(t: Tensor) -> Tensor:
+    """``t`` with unit feature stride and no broadcast (stride-0) axis, copied only if needed. cuDNN's SDPA (bf16 on
+    CUDA) derives its output's layout from the query's and fails on a query broadcast over the heads, as BTT's is
+    ("The stride for the last dimension ... should be 1 for output O")."""
+    return t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous()
+
+
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
     """``softmax(scale * q k^T) v`` with causal/padding masks, via PyTorch's SDPA.
 
@@ -187,7 +194,7 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal
     poisoned = None
     if causal:  # SDPA masks by adding -inf: a non-finite future key or value would reach the past (NaN + -inf)
         (q, k, v), poisoned = causal_nonfinite_guard_many(q, k, v)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    q, k, v = (_sdpa_layout(t).transpose(1, 2) for t in (q, k, v))
     allowed = attention_bias_mask(mask, q.shape[2], causal, q.device) if mask is not None else None
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal and mask is None, scale=scale)
     return poison_after(y.transpose(1, 2), poisoned)

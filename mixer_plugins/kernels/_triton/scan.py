@@ -439,7 +439,7 @@ if triton is not None:
         dx_ptr, dBf_ptr, dCf_ptr, ddtf_ptr, dAf_ptr, dBb_ptr, dCb_ptr, ddtb_ptr, dAb_ptr, ddiag_ptr,
         BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr,
+        SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr, ACC_DX: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         c = tl.program_id(0)
@@ -490,7 +490,10 @@ if triton is not None:
                                 ddtb_ptr, dAb_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
                                 1, HAS_SEG, SHIFT, DEBUG_BUG, DOT)
         dx_ptrs = dx_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
-        tl.store(dx_ptrs, dx, mask=ok[:, None] & (offs_p < P)[None, :])
+        dx_mask = ok[:, None] & (offs_p < P)[None, :]
+        if ACC_DX:  # the other direction's launch (earlier on the same stream) wrote its part
+            dx += tl.load(dx_ptrs, mask=dx_mask, other=0.0)
+        tl.store(dx_ptrs, dx, mask=dx_mask)
 
 
 # -- host side ----------------------------------------------------------------------------------------
@@ -536,7 +539,8 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shif
     geo = _Geometry(x, ref_B, chunk_size)
     bsz, L, H, G, P, N, NC, Q = geo.dims
     dev = x.device
-    st = torch.zeros(2, bsz, NC, H, P, N, device=dev, dtype=torch.float32)
+    # every entry of the present directions is written by the kernel (an absent direction's half is never read)
+    st = torch.empty(2, bsz, NC, H, P, N, device=dev, dtype=torch.float32)
     lg = torch.zeros(2, bsz, NC, H, device=dev, dtype=torch.float32)
     dummy = x
     args_f = (dt_f, A_f, B_f) if has_f else (dummy, dummy, dummy)
@@ -577,7 +581,7 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     dummy = x
     seg_arg = seg if seg is not None else dummy
     dy = dy.contiguous()
-    dread = torch.zeros(2, bsz, NC, H, P, N, **f32)
+    dread = torch.empty(2, bsz, NC, H, P, N, **f32)   # written in full for the present directions
     _chunk_dread_kernel[geo.grid](
         dy, dt_f if has_f else dummy, A_f if has_f else dummy, C_f if has_f else dummy,
         dt_b if has_b else dummy, A_b if has_b else dummy, C_b if has_b else dummy, seg_arg, dread, *geo.dims,
@@ -604,22 +608,22 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     dBf, dCf, ddtf, dAf = grads(has_f)
     dBb, dCb, ddtb, dAb = grads(has_b)
     ddiag = torch.empty(bsz, L, H, **f32) if diag is not None else dummy
-    # One launch per direction (each with its own dx slot, summed below): a program then holds one direction's
-    # tiles only, which halves its registers and compile time; the diagonal rides with the first launch.
+    # One launch per direction: a program then holds one direction's tiles only, which halves its registers and
+    # compile time; the diagonal rides with the first launch, and the second adds its dx to the first's in place
+    # (launches on one stream run in order).
     directions = [d for d, has in ((0, has_f), (1, has_b)) if has]
-    dx_parts = torch.empty(len(directions), bsz, L, H, P, **f32)
+    dx = torch.empty(bsz, L, H, P, **f32)
     for slot, d in enumerate(directions):
         _chunk_bwd_kernel[geo.grid](
             x, dy, dt_f if d == 0 else dummy, A_f if d == 0 else dummy, B_f if d == 0 else dummy,
             C_f if d == 0 else dummy, dt_b if d == 1 else dummy, A_b if d == 1 else dummy, B_b if d == 1 else dummy,
             C_b if d == 1 else dummy, diag if diag is not None else dummy, seg_arg, hs, ds, lg,
-            dx_parts[slot], dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
+            dx, dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
             HAS_F=d == 0, HAS_B=d == 1, HAS_DIAG=diag is not None and slot == 0, HAS_SEG=seg is not None,
-            SHIFT=bool(shift), DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks, **LAUNCH["bwd"])
-    dx = dx_parts[0] if len(directions) == 1 else dx_parts.sum(0)
+            SHIFT=bool(shift), DEBUG_BUG=int(_DEBUG_BUG), ACC_DX=slot > 0, **geo.blocks, **LAUNCH["bwd"])
 
     def group_sum(t: Tensor) -> Tensor:
-        return t.view(bsz, L, G, H // G, N).sum(3)
+        return t if G == H else t.view(bsz, L, G, H // G, N).sum(3)
 
     out_f = (ddtf, dAf.sum((0, 1)), group_sum(dBf), group_sum(dCf)) if has_f else (None,) * 4
     out_b = (ddtb, dAb.sum((0, 1)), group_sum(dBb), group_sum(dCb)) if has_b else (None,) * 4
