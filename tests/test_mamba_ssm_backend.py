@@ -122,6 +122,14 @@ def test_the_backends_run_the_loaded_kernels(fake_mamba):
         expected = torch.stack([2 * x[:, j] if j is not None else torch.zeros_like(x[:, 0]) for j in source], 1)
         torch.testing.assert_close(y, expected, msg=f"reverse={reverse}")
         assert y[:, cut].abs().sum() == 0
+    # both directions, shifted, packed: neither direction's shift crosses the segment boundary
+    y = qs_backend.impl(QuasiseparableArgs(x, dt, A, B, C, dt, A, B, C, shift=True, chunk_size=4, seq_idx=seq_idx))
+    expected = torch.zeros_like(x)
+    for i, j in ((1, 0), (3, 2), (4, 3)):      # forward part: x[i-1] within a segment
+        expected[:, i] += 2 * x[:, j]
+    for i, j in ((0, 1), (2, 3), (3, 4)):      # backward part: x[i+1] within a segment
+        expected[:, i] += 2 * x[:, j]
+    torch.testing.assert_close(y, expected)
     # installed and loadable, but CPU tensors: refused, saying why
     with pytest.raises(kernels.BackendUnavailableError, match="need CUDA tensors"):
         kernels.ssd(x, dt, A, B, C, 4, backend="mamba_ssm")

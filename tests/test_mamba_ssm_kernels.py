@@ -95,7 +95,8 @@ def _open_the_cpu_check(monkeypatch):
     monkeypatch.setitem(registry["ssd"], "mamba_ssm", dataclasses.replace(ssd_backend.BACKEND, check=_no_cpu_refusal))
     monkeypatch.setitem(registry["directional_scan"], "mamba_ssm",
                         dataclasses.replace(ds_backend.BACKEND, check=_no_cpu_refusal))
-    monkeypatch.setattr(qs_backend, "mamba_ssm_unavailable", _no_cpu_refusal)  # keeps its seq_idx refusal
+    monkeypatch.setitem(registry["quasiseparable"], "mamba_ssm",
+                        dataclasses.replace(qs_backend.BACKEND, check=_no_cpu_refusal))
 
 
 def test_the_kernels_were_loaded_from_the_files():
@@ -205,5 +206,23 @@ def test_directional_scan_with_shift_and_packed_sequences_matches_the_reference(
     def run(backend, x, dt, A, B, C):
         return kernels.directional_scan(x, dt, A, B, C, reverse=reverse, shift=True, chunk_size=8, seq_idx=seq_idx,
                                         dt_softplus=True, backend=backend)
+
+    _compare(run, inputs)
+
+
+def test_quasiseparable_with_packed_sequences_matches_the_reference():
+    """Both directions with the segment labels (flipped for the backward one), shift cut at the boundaries, a
+    diagonal and separate backward generators: equal to the reference, values and every gradient."""
+    g = torch.Generator().manual_seed(5)
+    b, l, h, p, groups, n = 2, 13, 2, 4, 1, 4
+    seq_idx = torch.tensor([[0] * 5 + [1] * 6 + [2] * 2, [3] * 9 + [7] * 4])
+    inputs = dict(x=_rand(b, l, h, p, generator=g), dt=_rand(b, l, h, generator=g, scale=0.5),
+                  A=-torch.rand(h, generator=g) - 0.5, B=_rand(b, l, groups, n, generator=g, scale=0.5),
+                  C=_rand(b, l, groups, n, generator=g, scale=0.5), dt_bwd=_rand(b, l, h, generator=g, scale=0.5),
+                  B_bwd=_rand(b, l, groups, n, generator=g, scale=0.5), diag=_rand(b, l, h, generator=g))
+
+    def run(backend, x, dt, A, B, C, dt_bwd, B_bwd, diag):
+        return kernels.quasiseparable(x, dt, A, B, C, dt_bwd=dt_bwd, B_bwd=B_bwd, diag=diag, shift=True,
+                                      chunk_size=8, seq_idx=seq_idx, dt_softplus=True, backend=backend)
 
     _compare(run, inputs)

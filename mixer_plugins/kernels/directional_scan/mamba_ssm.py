@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from .._dispatch import Backend, register
+from .._mamba_scan import mamba_direction
 from .._requirements import mamba_ssm_unavailable
 
 if TYPE_CHECKING:
@@ -21,26 +21,9 @@ if TYPE_CHECKING:
 def impl(args: DirectionalScanArgs) -> Tensor:
     from .._mamba_loader import load
 
-    scan = load().mamba_chunk_scan_combined
-    kw = dict(dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
-    seq_idx = args.seq_idx
-    if not args.reverse:
-        y = scan(args.x, args.dt, args.A, args.B, args.C, args.chunk_size, seq_idx=seq_idx, **kw)
-    else:
-        flipped_idx = None if seq_idx is None else seq_idx.flip(1).contiguous()
-        y = scan(args.x.flip(1), args.dt.flip(1), args.A, args.B.flip(1), args.C.flip(1), args.chunk_size,
-                 seq_idx=flipped_idx, **kw).flip(1)
-    if args.shift:
-        # token i reads the output at i - 1 (forward) or i + 1 (reverse), never across a segment boundary
-        if args.reverse:
-            y = F.pad(y[:, 1:], (0, 0, 0, 0, 0, 1))
-            same = None if seq_idx is None else F.pad(seq_idx[:, 1:] == seq_idx[:, :-1], (0, 1))
-        else:
-            y = F.pad(y[:, :-1], (0, 0, 0, 0, 1, 0))
-            same = None if seq_idx is None else F.pad(seq_idx[:, 1:] == seq_idx[:, :-1], (1, 0))
-        if same is not None:
-            y = y * same[:, :, None, None].to(y.dtype)
-    return y
+    return mamba_direction(load().mamba_chunk_scan_combined, args.x, args.dt, args.A, args.B, args.C,
+                           chunk_size=args.chunk_size, reverse=args.reverse, shift=args.shift, seq_idx=args.seq_idx,
+                           dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
 
 
 BACKEND = register(Backend(op="directional_scan", name="mamba_ssm", impl=impl, priority=30,
