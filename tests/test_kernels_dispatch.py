@@ -184,17 +184,21 @@ def test_requirements_say_why(monkeypatch):
     assert triton_unavailable(torch.device("cpu")) is None
 
 
-def test_mamba_ssm_quasiseparable_declares_it_cannot_run_packed_sequences(monkeypatch):
+def test_mamba_ssm_quasiseparable_takes_packed_sequences():
+    """It used to refuse ``seq_idx``; each direction now runs with the segment labels (values and gradients checked
+    in tests/test_mamba_ssm_backend.py and, with mamba-ssm's own kernels, tests/test_mamba_ssm_kernels.py), so the
+    only reasons it can give are mamba-ssm's own, the same with or without packed sequences."""
+    import dataclasses
+
     backend = _module("mixer_plugins.kernels.quasiseparable.mamba_ssm")
-    monkeypatch.setattr(backend, "mamba_ssm_unavailable", lambda device, args=None: None)  # pretend it runs
     from mixer_plugins.kernels.quasiseparable import QuasiseparableArgs
 
     x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
     args = QuasiseparableArgs(x, dt, A, B, C, dt, A, B, C, seq_idx=torch.zeros(1, 4, dtype=torch.long))
-    assert "seq_idx" in backend.BACKEND.unavailable_reason("cuda", args)
-    assert backend.BACKEND.unavailable_reason("cuda", None) is None
-    with pytest.raises(kernels.BackendUnavailableError, match="seq_idx"):
-        kernels.quasiseparable(x, dt, A, B, C, seq_idx=args.seq_idx, backend="mamba_ssm")
+    for device in ("cuda", "cpu"):
+        packed = backend.BACKEND.unavailable_reason(device, args)
+        assert packed == backend.BACKEND.unavailable_reason(device, dataclasses.replace(args, seq_idx=None))
+        assert packed is None or "seq_idx" not in packed
 
 
 # -- arguments by name --------------------------------------------------------------------------------------
