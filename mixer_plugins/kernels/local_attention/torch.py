@@ -7,8 +7,8 @@ softmax over band + global keys; a global key inside the band is counted once, i
 queries' rows are computed densely against every key. When that tiling would cost at least as much as the plain
 ``L x L`` scores (short sequences, wide windows) it computes them densely instead (:class:`LocalPlan`).
 
-The op is a ``torch.library`` custom op (:data:`local_attention_blocked`) with an opaque backward op (the vector-
-Jacobian product of the same blocked computation), so ``torch.compile(fullgraph=True)`` sees one node and
+The op is a ``torch.library`` custom op (:data:`local_attention_blocked`) with an opaque backward op (the
+probabilities recomputed chunk by chunk), so ``torch.compile(fullgraph=True)`` sees one node and
 ``FlopCounterMode`` counts the executed pairs (:func:`local_attention_flops`).
 """
 
@@ -66,72 +66,152 @@ def _softmax(scores: Tensor, allowed: Tensor) -> Tensor:
     return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min).softmax(dim=-1)
 
 
+def _dscores(probs: Tensor, dprobs: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """Gradient w.r.t. the unscaled dot products of ``scale * dots -> masked softmax`` (disallowed entries: 0)."""
+    ds = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True)) * scale
+    return torch.where(allowed, ds, torch.zeros((), dtype=ds.dtype, device=ds.device))
+
+
+class _Blocks:
+    """The chunk layout of one call (see :class:`LocalPlan`): chunked / neighbour views and the allowed masks."""
+
+    def __init__(self, q: Tensor, key_real: Tensor | None, plan: LocalPlan, window: int, causal: bool):
+        b, length, h, _ = q.shape
+        device = q.device
+        self.plan, self.b, self.h, self.length = plan, b, h, length
+        c, n, G = plan.chunk, plan.num_chunks, plan.num_global
+        self.padded = n * c
+        self.extra = self.padded - length
+        # absolute positions of every query and key slot: the band / causal / padding mask of each chunk
+        qpos = torch.arange(self.padded, device=device).view(n, c)
+        starts = torch.arange(n, device=device)[:, None] * c
+        kpos = torch.cat([starts + off * c + torch.arange(c, device=device) for off in plan.offsets], dim=1)
+        diff = qpos[:, :, None] - kpos[:, None, :]  # (n, c, K)
+        allowed = (diff.abs() <= window) & (kpos >= G)[:, None, :] & (kpos < length)[:, None, :]
+        if causal:
+            allowed = allowed & (diff >= 0)
+        allowed = allowed[None]  # (1, n, c, K)
+        if key_real is not None:
+            slots = F.pad(key_real, (c, self.extra + c))[:, kpos + c]  # (b, n, K): False on pads, out of range
+            allowed = allowed & slots[:, :, None, :]
+        self.rows_allowed = None
+        if G:  # every chunk also scores the global keys; the global queries' rows are dense
+            gpos = torch.arange(G, device=device)
+            g_allowed = (gpos[None, None, :] <= qpos[:, :, None]) if causal else torch.ones(
+                n, c, G, dtype=torch.bool, device=device)
+            g_allowed = g_allowed[None]
+            if key_real is not None:
+                g_allowed = g_allowed & key_real[:, None, None, :G]
+            allowed = torch.cat([allowed.expand(g_allowed.shape[0], -1, -1, -1), g_allowed], dim=-1)
+            pos = torch.arange(length, device=device)
+            rows = (pos[None, :] <= pos[:G, None]) if causal else torch.ones(G, length, dtype=torch.bool,
+                                                                             device=device)
+            rows = rows[None, None]
+            if key_real is not None:
+                rows = rows & key_real[:, None, None, :]
+            self.rows_allowed = rows
+        self.allowed = allowed[:, None]  # (b or 1, 1, n, c, K [+ G])
+
+    def chunks(self, t: Tensor) -> Tensor:
+        """(b, L, h, e) -> (b, n, c, h, e), zero-padded at the end."""
+        return F.pad(t, (0, 0, 0, 0, 0, self.extra)).view(self.b, self.plan.num_chunks, self.plan.chunk, self.h,
+                                                          t.shape[-1])
+
+    def unchunk(self, t: Tensor) -> Tensor:
+        """(b, n, c, h, e) -> (b, L, h, e)."""
+        return t.reshape(self.b, self.padded, self.h, t.shape[-1])[:, : self.length]
+
+    def neighbours(self, t: Tensor) -> Tensor:
+        """(b, n, c, h, e) -> (b, n, len(offsets) * c, h, e): each chunk's neighbour chunks (zeros off the ends)."""
+        n = self.plan.num_chunks
+        framed = F.pad(t, (0, 0, 0, 0, 0, 0, 1, 1))  # one empty chunk before and after
+        return torch.cat([framed[:, 1 + off: 1 + off + n] for off in self.plan.offsets], dim=2)
+
+    def neighbours_transposed(self, g: Tensor) -> Tensor:
+        """The adjoint of :meth:`neighbours`: (b, n, K, h, e) -> (b, n, c, h, e), summing each chunk's shares."""
+        n, c = self.plan.num_chunks, self.plan.chunk
+        framed = g.new_zeros(g.shape[0], n + 2, c, *g.shape[3:])
+        for i, off in enumerate(self.plan.offsets):
+            framed[:, 1 + off: 1 + off + n] += g[:, :, i * c: (i + 1) * c]
+        return framed[:, 1: 1 + n]
+
+
+def _dense_allowed(key_real, length, window, num_global, causal, device):
+    allowed = allowed_pairs(length, window, causal, num_global, device)[None, None]
+    return allowed if key_real is None else allowed & key_real[:, None, None, :]
+
+
 def _blocked(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: int, num_global: int, causal: bool,
              scale: float) -> Tensor:
-    """The blocked forward (plain PyTorch, differentiable); shapes and masks as :func:`local_attention_blocked`."""
-    b, length, h, _ = q.shape
-    device = q.device
+    """The blocked forward; shapes and masks as :func:`local_attention_blocked`."""
+    length = q.shape[1]
     plan = LocalPlan(length, window, causal, num_global)
     if plan.dense:
-        allowed = allowed_pairs(length, window, causal, num_global, device)[None, None]
-        if key_real is not None:
-            allowed = allowed & key_real[:, None, None, :]
+        allowed = _dense_allowed(key_real, length, window, num_global, causal, q.device)
         probs = _softmax(torch.einsum("bihe,bjhe->bhij", q, k) * scale, allowed)
         return torch.einsum("bhij,bjhp->bihp", probs, v)
-
-    c, n, G = plan.chunk, plan.num_chunks, num_global
-    padded = n * c
-    extra = padded - length
-
-    def chunks(t: Tensor) -> Tensor:  # (b, L, h, e) -> (b, n, c, h, e), zero-padded at the end
-        return F.pad(t, (0, 0, 0, 0, 0, extra)).view(b, n, c, h, t.shape[-1])
-
-    def neighbours(t: Tensor) -> Tensor:  # (b, n, c, h, e) -> (b, n, len(offsets) * c, h, e)
-        framed = F.pad(t, (0, 0, 0, 0, 0, 0, 1, 1))  # one empty chunk before and after
-        return torch.cat([framed[:, 1 + off: 1 + off + n] for off in plan.offsets], dim=2)
-
-    qc = chunks(q)
-    kc = neighbours(chunks(k))
-    vc = neighbours(chunks(v))
-
-    # absolute positions of every query and key slot: the band / causal / padding mask of each chunk
-    qpos = torch.arange(padded, device=device).view(n, c)
-    starts = torch.arange(n, device=device)[:, None] * c
-    kpos = torch.cat([starts + off * c + torch.arange(c, device=device) for off in plan.offsets], dim=1)  # (n, K)
-    diff = qpos[:, :, None] - kpos[:, None, :]  # (n, c, K)
-    allowed = (diff.abs() <= window) & (kpos >= G)[:, None, :] & (kpos < length)[:, None, :]
-    if causal:
-        allowed = allowed & (diff >= 0)
-    allowed = allowed[None]  # (1, n, c, K)
-    if key_real is not None:
-        slots = F.pad(key_real, (c, extra + c))[:, kpos + c]  # (b, n, K): False on pads and out-of-range slots
-        allowed = allowed & slots[:, :, None, :]
-    scores = torch.einsum("bnqhe,bnkhe->bhnqk", qc, kc) * scale
-    if G:  # every chunk also scores the global keys
-        gpos = torch.arange(G, device=device)
-        g_allowed = (gpos[None, None, :] <= qpos[:, :, None]) if causal else torch.ones(
-            n, c, G, dtype=torch.bool, device=device)
-        g_allowed = g_allowed[None]
-        if key_real is not None:
-            g_allowed = g_allowed & key_real[:, None, None, :G]
-        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bhnqk", qc, k[:, :G]) * scale], dim=-1)
-        allowed = torch.cat([allowed.expand(g_allowed.shape[0], -1, -1, -1), g_allowed], dim=-1)
-    probs = _softmax(scores, allowed[:, None])
+    blocks = _Blocks(q, key_real, plan, window, causal)
+    G = num_global
+    qc = blocks.chunks(q)
+    kc, vc = blocks.neighbours(blocks.chunks(k)), blocks.neighbours(blocks.chunks(v))
+    scores = torch.einsum("bnqhe,bnkhe->bhnqk", qc, kc)
+    if G:
+        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bhnqk", qc, k[:, :G])], dim=-1)
+    probs = _softmax(scores * scale, blocks.allowed)
     K = kc.shape[2]
     y = torch.einsum("bhnqk,bnkhp->bnqhp", probs[..., :K], vc)
     if G:
         y = y + torch.einsum("bhnqk,bkhp->bnqhp", probs[..., K:], v[:, :G])
-    y = y.reshape(b, padded, h, v.shape[-1])[:, :length]
+    y = blocks.unchunk(y)
     if G:  # the global queries see every key: dense rows
-        pos = torch.arange(length, device=device)
-        r_allowed = (pos[None, :] <= pos[:G, None]) if causal else torch.ones(G, length, dtype=torch.bool,
-                                                                                device=device)
-        r_allowed = r_allowed[None, None]
-        if key_real is not None:
-            r_allowed = r_allowed & key_real[:, None, None, :]
-        r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, r_allowed)
+        r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, blocks.rows_allowed)
         y = torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1)
     return y
+
+
+def _blocked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: int,
+                      num_global: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_blocked` (probabilities recomputed, chunk by chunk as in the forward)."""
+    length = q.shape[1]
+    plan = LocalPlan(length, window, causal, num_global)
+
+    def dense(qr, dout_r, allowed):  # rows qr (b, R, h, e) against every key
+        probs = _softmax(torch.einsum("bihe,bjhe->bhij", qr, k) * scale, allowed)
+        ds = _dscores(probs, torch.einsum("bihp,bjhp->bhij", dout_r, v), allowed, scale)
+        return (torch.einsum("bhij,bjhe->bihe", ds, k), torch.einsum("bhij,bihe->bjhe", ds, qr),
+                torch.einsum("bhij,bihp->bjhp", probs, dout_r))
+
+    if plan.dense:
+        return dense(q, dout, _dense_allowed(key_real, length, window, num_global, causal, q.device))
+    blocks = _Blocks(q, key_real, plan, window, causal)
+    G = num_global
+    if G:  # the global rows' outputs come from the dense rows, not the chunks
+        dout_band = torch.cat([torch.zeros_like(dout[:, :G]), dout[:, G:]], dim=1)
+    else:
+        dout_band = dout
+    qc, doc = blocks.chunks(q), blocks.chunks(dout_band)
+    kc, vc = blocks.neighbours(blocks.chunks(k)), blocks.neighbours(blocks.chunks(v))
+    K = kc.shape[2]
+    scores = torch.einsum("bnqhe,bnkhe->bhnqk", qc, kc)
+    dprobs = torch.einsum("bnqhp,bnkhp->bhnqk", doc, vc)
+    if G:
+        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bhnqk", qc, k[:, :G])], dim=-1)
+        dprobs = torch.cat([dprobs, torch.einsum("bnqhp,bkhp->bhnqk", doc, v[:, :G])], dim=-1)
+    probs = _softmax(scores * scale, blocks.allowed)
+    ds = _dscores(probs, dprobs, blocks.allowed, scale)
+    dq = blocks.unchunk(torch.einsum("bhnqk,bnkhe->bnqhe", ds[..., :K], kc))
+    dk = blocks.unchunk(blocks.neighbours_transposed(torch.einsum("bhnqk,bnqhe->bnkhe", ds[..., :K], qc)))
+    dv = blocks.unchunk(blocks.neighbours_transposed(torch.einsum("bhnqk,bnqhp->bnkhp", probs[..., :K], doc)))
+    if G:
+        dq = dq + torch.einsum("bhnqk,bkhe->bnqhe", ds[..., K:], k[:, :G]).reshape(dq.shape[0], -1, *dq.shape[2:])[
+            :, :length]
+        pad = (0, 0, 0, 0, 0, length - G)
+        dk = dk + F.pad(torch.einsum("bhnqk,bnqhe->bkhe", ds[..., K:], qc), pad)
+        dv = dv + F.pad(torch.einsum("bhnqk,bnqhp->bkhp", probs[..., K:], doc), pad)
+        gq, gk, gv = dense(q[:, :G], dout[:, :G], blocks.rows_allowed)
+        dq = dq + F.pad(gq, pad)
+        dk, dv = dk + gk, dv + gv
+    return dq, dk, dv
 
 
 @torch.library.custom_op("mixer_plugins::local_attention_blocked", mutates_args=())
@@ -151,11 +231,9 @@ def _local_attention_blocked_fake(q, k, v, key_real, window, num_global, causal,
 def local_attention_blocked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tensor],
                                      window: int, num_global: int, causal: bool,
                                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of :func:`local_attention_blocked` (the vector-Jacobian product of the same blocked
-    computation, recomputed)."""
-    _, vjp = torch.func.vjp(lambda a, b_, c: _blocked(a, b_, c, key_real, window, num_global, causal, scale),
-                            q, k, v)
-    return tuple(g.contiguous() for g in vjp(dout))
+    """Gradients (dq, dk, dv) of :func:`local_attention_blocked` (probabilities recomputed chunk by chunk)."""
+    grads = _blocked_backward(dout, q, k, v, key_real, window, num_global, causal, scale)
+    return tuple(g.contiguous() for g in grads)
 
 
 @local_attention_blocked_backward.register_fake
