@@ -133,7 +133,8 @@ def test_opcheck_local_attention_blocked(window, num_global, causal, masked):
         key_real = torch.ones(2, 11, dtype=torch.bool)
         key_real[1, 8:] = False
     args = (q, k, v, key_real, window, num_global, causal, 0.5)
-    bwd_args = (torch.randn(2, 11, 2, 3, generator=g), *args)
+    _, probs, row_probs = local_attention_blocked(*args)
+    bwd_args = (torch.randn(2, 11, 2, 3, generator=g), q, k, v, key_real, probs, row_probs, *args[4:])
     _assert_fake_kernel_matches_real(local_attention_blocked, args)
     _assert_fake_kernel_matches_real(local_attention_blocked_backward, bwd_args)
     torch.library.opcheck(local_attention_blocked_backward, bwd_args)

@@ -27,7 +27,7 @@ def _inputs(L, *, masked, seed=0, dtype=torch.float64):
     return q, k, v, mask
 
 
-CASES = [c for c in itertools.product([1, 7, 13, 30], [0, 1, 3, 40], [0, 1, 3], [False, True], [False, True])
+CASES = [c for c in itertools.product([1, 7, 30], [0, 3, 40], [0, 1, 3], [False, True], [False, True])
          if c[2] <= c[0]]
 
 
@@ -64,8 +64,8 @@ def test_planted_band_bug_is_caught(monkeypatch):
     """A band one token too wide in the blocked path fails the comparison above."""
     from mixer_plugins.kernels.local_attention import torch as backend
 
-    original = backend._blocked
-    monkeypatch.setattr(backend, "_blocked", lambda q, k, v, kr, w, *a: original(q, k, v, kr, w + 1, *a))
+    original = backend._Blocks
+    monkeypatch.setattr(backend, "_Blocks", lambda q, kr, plan, w, causal: original(q, kr, plan, w + 1, causal))
     with pytest.raises(AssertionError):
         test_torch_backend_matches_reference(30, 3, 1, True, True)
 
@@ -112,4 +112,5 @@ def test_flop_counter_counts_the_executed_pairs(L, window, num_global, causal):
     assert parts["scores"] == 2 * 2 * pairs * 4
     with FlopCounterMode(display=False) as counter:
         y.sum().backward()
-    assert counter.get_total_flops() == 3 * parts["scores"] + 2 * parts["weighted_values"]
+    # the kept probabilities are not recomputed: dQ, dK (2x the score FLOPs), dP, dV (2x the value FLOPs)
+    assert counter.get_total_flops() == 2 * parts["scores"] + 2 * parts["weighted_values"]

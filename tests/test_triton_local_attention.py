@@ -154,9 +154,14 @@ def test_dispatcher_picks_triton_on_cuda_and_torch_for_float64():
 @needs_kernels
 @pytest.mark.parametrize("name", ["sliding_window_attention", "global_local_attention"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mixers_run_on_the_triton_kernel(name, causal):
+def test_mixers_run_on_the_triton_kernel(name, causal, monkeypatch):
     """The windowed mixers through the Triton backend (float32) equal their own matrix (float64)."""
     from mixer_plugins import create_mixer, kernels
+    from mixer_plugins.kernels.local_attention import triton as backend
+
+    calls = []
+    original = backend.local_attention_triton
+    monkeypatch.setattr(backend, "local_attention_triton", lambda *a, **kw: calls.append(1) or original(*a, **kw))
 
     torch.manual_seed(0)
     mixer = create_mixer(name, dim=16, num_heads=2, window=3, causal=causal).double()
@@ -166,4 +171,5 @@ def test_mixers_run_on_the_triton_kernel(name, causal):
     want = mixer.forward_via_matrix(x, mask=mask)
     with kernels.use_backend("triton"):
         got = mixer.float()(x.float(), mask=mask)
+    assert calls, "the mixer did not reach the Triton kernel"
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

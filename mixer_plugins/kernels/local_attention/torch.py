@@ -7,14 +7,14 @@ softmax over band + global keys; a global key inside the band is counted once, i
 queries' rows are computed densely against every key. When that tiling would cost at least as much as the plain
 ``L x L`` scores (short sequences, wide windows) it computes them densely instead (:class:`LocalPlan`).
 
-The op is a ``torch.library`` custom op (:data:`local_attention_blocked`) with an opaque backward op (the
-probabilities recomputed chunk by chunk), so ``torch.compile(fullgraph=True)`` sees one node and
+The op is a ``torch.library`` custom op (:data:`local_attention_blocked`) with an opaque backward op (from the
+probabilities the forward keeps, ``O(L * window)``, as autograd through the blocked path would), so
+``torch.compile(fullgraph=True)`` sees one node and
 ``FlopCounterMode`` counts the executed pairs (:func:`local_attention_flops`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -41,7 +41,7 @@ class LocalPlan:
         self.length = length
         self.num_global = num_global
         self.chunk = max(1, min(window, length))
-        self.num_chunks = math.ceil(length / self.chunk)
+        self.num_chunks = -(-length // self.chunk)
         self.offsets = (-1, 0) if causal else (-1, 0, 1)
         self.keys_per_chunk = len(self.offsets) * self.chunk
         padded = self.num_chunks * self.chunk
@@ -67,9 +67,10 @@ def _softmax(scores: Tensor, allowed: Tensor) -> Tensor:
 
 
 def _dscores(probs: Tensor, dprobs: Tensor, allowed: Tensor, scale: float) -> Tensor:
-    """Gradient w.r.t. the unscaled dot products of ``scale * dots -> masked softmax`` (disallowed entries: 0)."""
-    ds = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True)) * scale
-    return torch.where(allowed, ds, torch.zeros((), dtype=ds.dtype, device=ds.device))
+    """Gradient w.r.t. the dot products of ``scale * dots -> masked softmax`` (disallowed entries: 0), without the
+    factor ``scale`` (the callers apply it to the smaller products)."""
+    ds = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)
+    return ds.masked_fill_(~allowed, 0)
 
 
 class _Blocks:
@@ -110,7 +111,7 @@ class _Blocks:
             if key_real is not None:
                 rows = rows & key_real[:, None, None, :]
             self.rows_allowed = rows
-        self.allowed = allowed[:, None]  # (b or 1, 1, n, c, K [+ G])
+        self.allowed = allowed[:, :, None]  # (b or 1, n, 1, c, K [+ G]): probabilities are (b, n, h, c, K [+ G])
 
     def chunks(self, t: Tensor) -> Tensor:
         """(b, L, h, e) -> (b, n, c, h, e), zero-padded at the end."""
@@ -142,47 +143,60 @@ def _dense_allowed(key_real, length, window, num_global, causal, device):
 
 
 def _blocked(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: int, num_global: int, causal: bool,
-             scale: float) -> Tensor:
-    """The blocked forward; shapes and masks as :func:`local_attention_blocked`."""
+             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The blocked forward: (output, probabilities, global rows' probabilities) (see :func:`_prob_shapes`)."""
     length = q.shape[1]
     plan = LocalPlan(length, window, causal, num_global)
+    no_rows = q.new_empty(_prob_shapes(q.shape, plan)[1])
     if plan.dense:
         allowed = _dense_allowed(key_real, length, window, num_global, causal, q.device)
         probs = _softmax(torch.einsum("bihe,bjhe->bhij", q, k) * scale, allowed)
-        return torch.einsum("bhij,bjhp->bihp", probs, v)
+        return torch.einsum("bhij,bjhp->bihp", probs, v), probs, no_rows
     blocks = _Blocks(q, key_real, plan, window, causal)
     G = num_global
     qc = blocks.chunks(q)
     kc, vc = blocks.neighbours(blocks.chunks(k)), blocks.neighbours(blocks.chunks(v))
-    scores = torch.einsum("bnqhe,bnkhe->bhnqk", qc, kc)
+    scores = torch.einsum("bnqhe,bnkhe->bnhqk", qc, kc)
     if G:
-        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bhnqk", qc, k[:, :G])], dim=-1)
+        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bnhqk", qc, k[:, :G])], dim=-1)
     probs = _softmax(scores * scale, blocks.allowed)
     K = kc.shape[2]
-    y = torch.einsum("bhnqk,bnkhp->bnqhp", probs[..., :K], vc)
+    y = torch.einsum("bnhqk,bnkhp->bnqhp", probs[..., :K], vc)
     if G:
-        y = y + torch.einsum("bhnqk,bkhp->bnqhp", probs[..., K:], v[:, :G])
+        y = y + torch.einsum("bnhqk,bkhp->bnqhp", probs[..., K:], v[:, :G])
     y = blocks.unchunk(y)
-    if G:  # the global queries see every key: dense rows
-        r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, blocks.rows_allowed)
-        y = torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1)
-    return y
+    if not G:
+        return y, probs, no_rows
+    # the global queries see every key: dense rows
+    r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, blocks.rows_allowed)
+    return torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1), probs, r_probs
 
 
-def _blocked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: int,
-                      num_global: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`_blocked` (probabilities recomputed, chunk by chunk as in the forward)."""
+def _prob_shapes(q_shape, plan: LocalPlan) -> tuple[tuple, tuple]:
+    """Shapes of the probabilities the forward keeps for the backward: the chunks' (b, n, h, c, K + G) (dense:
+    (b, h, L, L)) and the global rows' (b, h, G, L) (dense: (b, h, 0, L))."""
+    b, length, h = q_shape[:3]
+    if plan.dense:
+        return (b, h, length, length), (b, h, 0, length)
+    return ((b, plan.num_chunks, h, plan.chunk, plan.keys_per_chunk + plan.num_global),
+            (b, h, plan.num_global, length))
+
+
+def _blocked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, probs: Tensor,
+                      row_probs: Tensor, window: int, num_global: int, causal: bool,
+                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_blocked` from its kept probabilities, chunk by chunk as in the forward."""
     length = q.shape[1]
     plan = LocalPlan(length, window, causal, num_global)
 
-    def dense(qr, dout_r, allowed):  # rows qr (b, R, h, e) against every key
-        probs = _softmax(torch.einsum("bihe,bjhe->bhij", qr, k) * scale, allowed)
-        ds = _dscores(probs, torch.einsum("bihp,bjhp->bhij", dout_r, v), allowed, scale)
+    def dense(qr, dout_r, p, allowed):  # rows qr (b, R, h, e) against every key
+        ds = _dscores(p, torch.einsum("bihp,bjhp->bhij", dout_r, v), allowed, scale)
         return (torch.einsum("bhij,bjhe->bihe", ds, k), torch.einsum("bhij,bihe->bjhe", ds, qr),
-                torch.einsum("bhij,bihp->bjhp", probs, dout_r))
+                torch.einsum("bhij,bihp->bjhp", p, dout_r))
 
     if plan.dense:
-        return dense(q, dout, _dense_allowed(key_real, length, window, num_global, causal, q.device))
+        dq, dk, dv = dense(q, dout, probs, _dense_allowed(key_real, length, window, num_global, causal, q.device))
+        return dq * scale, dk * scale, dv
     blocks = _Blocks(q, key_real, plan, window, causal)
     G = num_global
     if G:  # the global rows' outputs come from the dense rows, not the chunks
@@ -192,64 +206,68 @@ def _blocked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: T
     qc, doc = blocks.chunks(q), blocks.chunks(dout_band)
     kc, vc = blocks.neighbours(blocks.chunks(k)), blocks.neighbours(blocks.chunks(v))
     K = kc.shape[2]
-    scores = torch.einsum("bnqhe,bnkhe->bhnqk", qc, kc)
-    dprobs = torch.einsum("bnqhp,bnkhp->bhnqk", doc, vc)
+    dprobs = torch.einsum("bnqhp,bnkhp->bnhqk", doc, vc)
     if G:
-        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bhnqk", qc, k[:, :G])], dim=-1)
-        dprobs = torch.cat([dprobs, torch.einsum("bnqhp,bkhp->bhnqk", doc, v[:, :G])], dim=-1)
-    probs = _softmax(scores * scale, blocks.allowed)
+        dprobs = torch.cat([dprobs, torch.einsum("bnqhp,bkhp->bnhqk", doc, v[:, :G])], dim=-1)
     ds = _dscores(probs, dprobs, blocks.allowed, scale)
-    dq = blocks.unchunk(torch.einsum("bhnqk,bnkhe->bnqhe", ds[..., :K], kc))
-    dk = blocks.unchunk(blocks.neighbours_transposed(torch.einsum("bhnqk,bnqhe->bnkhe", ds[..., :K], qc)))
-    dv = blocks.unchunk(blocks.neighbours_transposed(torch.einsum("bhnqk,bnqhp->bnkhp", probs[..., :K], doc)))
+    dq = blocks.unchunk(torch.einsum("bnhqk,bnkhe->bnqhe", ds[..., :K], kc))
+    dk = blocks.unchunk(blocks.neighbours_transposed(torch.einsum("bnhqk,bnqhe->bnkhe", ds[..., :K], qc)))
+    dv = blocks.unchunk(blocks.neighbours_transposed(torch.einsum("bnhqk,bnqhp->bnkhp", probs[..., :K], doc)))
     if G:
-        dq = dq + torch.einsum("bhnqk,bkhe->bnqhe", ds[..., K:], k[:, :G]).reshape(dq.shape[0], -1, *dq.shape[2:])[
-            :, :length]
+        dq = dq + blocks.unchunk(torch.einsum("bnhqk,bkhe->bnqhe", ds[..., K:], k[:, :G]))
         pad = (0, 0, 0, 0, 0, length - G)
-        dk = dk + F.pad(torch.einsum("bhnqk,bnqhe->bkhe", ds[..., K:], qc), pad)
-        dv = dv + F.pad(torch.einsum("bhnqk,bnqhp->bkhp", probs[..., K:], doc), pad)
-        gq, gk, gv = dense(q[:, :G], dout[:, :G], blocks.rows_allowed)
+        dk = dk + F.pad(torch.einsum("bnhqk,bnqhe->bkhe", ds[..., K:], qc), pad)
+        dv = dv + F.pad(torch.einsum("bnhqk,bnqhp->bkhp", probs[..., K:], doc), pad)
+        gq, gk, gv = dense(q[:, :G], dout[:, :G], row_probs, blocks.rows_allowed)
         dq = dq + F.pad(gq, pad)
         dk, dv = dk + gk, dv + gv
-    return dq, dk, dv
+    return dq * scale, dk * scale, dv
 
 
 @torch.library.custom_op("mixer_plugins::local_attention_blocked", mutates_args=())
 def local_attention_blocked(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tensor], window: int,
-                            num_global: int, causal: bool, scale: float) -> Tensor:
+                            num_global: int, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """The blocked op: q, k (B, L, H, E), v (B, L, H, P) (finite: pads already selected away), ``key_real`` (B, L)
-    bool or None (False keys are excluded). Returns (B, L, H, P) (pad rows are not zeroed here)."""
-    return _blocked(q, k, v, key_real, window, num_global, causal, scale).contiguous()
+    bool or None (False keys are excluded). Returns the output (B, L, H, P) (pad rows are not zeroed here) and the
+    probabilities the backward uses (the chunks' and the global rows', see :func:`_prob_shapes`): kept, not
+    recomputed, as autograd through the blocked path would (memory ``O(L * window)``)."""
+    y, probs, row_probs = _blocked(q, k, v, key_real, window, num_global, causal, scale)
+    return y.contiguous(), probs.contiguous(), row_probs.contiguous()
 
 
 @local_attention_blocked.register_fake
 def _local_attention_blocked_fake(q, k, v, key_real, window, num_global, causal, scale):
-    return q.new_empty(*q.shape[:3], v.shape[-1])
+    plan = LocalPlan(q.shape[1], window, causal, num_global)
+    probs, rows = _prob_shapes(q.shape, plan)
+    return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(probs), q.new_empty(rows)
 
 
 @torch.library.custom_op("mixer_plugins::local_attention_blocked_backward", mutates_args=())
 def local_attention_blocked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tensor],
-                                     window: int, num_global: int, causal: bool,
+                                     probs: Tensor, row_probs: Tensor, window: int, num_global: int, causal: bool,
                                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of :func:`local_attention_blocked` (probabilities recomputed chunk by chunk)."""
-    grads = _blocked_backward(dout, q, k, v, key_real, window, num_global, causal, scale)
+    """Gradients (dq, dk, dv) of :func:`local_attention_blocked` from its kept probabilities."""
+    grads = _blocked_backward(dout, q, k, v, key_real, probs, row_probs, window, num_global, causal, scale)
     return tuple(g.contiguous() for g in grads)
 
 
 @local_attention_blocked_backward.register_fake
-def _local_attention_blocked_backward_fake(dout, q, k, v, key_real, window, num_global, causal, scale):
+def _local_attention_blocked_backward_fake(dout, q, k, v, key_real, probs, row_probs, window, num_global, causal,
+                                           scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
     q, k, v, key_real, window, num_global, causal, scale = inputs
-    save_tensors(ctx, q=q, k=k, v=v, key_real=key_real)
+    _, probs, row_probs = output
+    save_tensors(ctx, q=q, k=k, v=v, key_real=key_real, probs=probs, row_probs=row_probs)
     ctx.args = (window, num_global, causal, scale)
 
 
-def _backward(ctx, dout):
+def _backward(ctx, dout, dprobs, drow_probs):
     s = saved_tensors(ctx)
-    dq, dk, dv = local_attention_blocked_backward(dout.contiguous(), s.q, s.k, s.v, s.key_real, *ctx.args)
+    dq, dk, dv = local_attention_blocked_backward(dout.contiguous(), s.q, s.k, s.v, s.key_real, s.probs,
+                                                  s.row_probs, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -265,19 +283,19 @@ def _flop_formula(q_shape, k_shape, v_shape, key_real_shape, window, num_global,
 
 
 @register_flop_formula(torch.ops.mixer_plugins.local_attention_blocked_backward)
-def _backward_flop_formula(dout_shape, q_shape, k_shape, v_shape, key_real_shape, window, num_global, causal,
-                           *args, out_shape=None, **kwargs) -> int:
-    # as PyTorch counts attention's backward: scores recomputed, dQ and dK (3x the score FLOPs); dP and dV (2x)
+def _backward_flop_formula(dout_shape, q_shape, k_shape, v_shape, key_real_shape, probs_shape, row_probs_shape,
+                           window, num_global, causal, *args, out_shape=None, **kwargs) -> int:
+    # the probabilities are kept, not recomputed: dP and dV (2x the value FLOPs), dQ and dK (2x the score FLOPs)
     batch, length, heads, e = q_shape
     parts = local_attention_flops(batch, heads, length, window, causal, e, v_shape[-1], num_global=num_global)
-    return 3 * parts["scores"] + 2 * parts["weighted_values"]
+    return 2 * parts["scores"] + 2 * parts["weighted_values"]
 
 
 def local_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool = False,
                           mask: Tensor | None = None, scale: float, num_global: int = 0) -> Tensor:
     """The blocked path (see the module docstring); arguments as :func:`mixer_plugins.kernels.local_attention`
     (pads already selected away by it)."""
-    return local_attention_blocked(q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))
+    return local_attention_blocked(q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))[0]
 
 
 impl = local_attention_torch  # the backend entry point, as in every op folder
