@@ -13,6 +13,12 @@ online softmax. For each (query tile, key tile) pair, only the levels the two ti
 blocks put the two tiles apart is skipped, so far-apart tiles use only the coarse levels' features (the paper's
 FLOP saving); a level with a block boundary inside the pair is masked per entry. Accumulation in float32.
 
+Banded (``BANDED``, for :func:`mixer_plugins.kernels.local_attention`): pairs are also restricted to
+``|i - j| <= W`` or ``i < G`` or ``j < G`` (global tokens). The tile loops then start and stop at the band: a query
+tile visits the key tiles holding global keys, then those meeting ``[lo - W, hi + W]`` (every key tile if it holds a
+global query); a key tile's backward loop likewise visits only the query tiles that can see it. A per-entry mask
+cuts the band inside the visited tiles. One global level of rank = head dim is plain (windowed) attention.
+
 Forward and backward (``torch.autograd.Function``). Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1``
 set before import.
 """
