@@ -110,10 +110,36 @@ OP_CHECKS = {
     "mixer_plugins::toeplitz_causal": "test_opcheck_toeplitz_causal",
     "mixer_plugins::mlr_attention_tiled": "test_opcheck_mlr_attention_tiled",
     "mixer_plugins::mlr_attention_tiled_backward": "test_opcheck_mlr_attention_tiled",
+    "mixer_plugins::local_attention_blocked": "test_opcheck_local_attention_blocked",
+    "mixer_plugins::local_attention_blocked_backward": "test_opcheck_local_attention_blocked",
     # the Triton scan (CUDA, or CPU under TRITON_INTERPRET=1 in a fresh interpreter)
     "mixer_plugins::quasiseparable_triton": "test_opcheck_triton_scan_ops_under_the_interpreter",
     "mixer_plugins::quasiseparable_triton_backward": "test_opcheck_triton_scan_ops_under_the_interpreter",
 }
+
+
+@pytest.mark.parametrize("window,num_global,causal,masked", [(2, 0, False, True), (3, 2, True, True),
+                                                            (1, 1, False, False), (20, 0, True, False)])
+def test_opcheck_local_attention_blocked(window, num_global, causal, masked):
+    """The blocked sliding-window op (band chunks, global tokens, dense fallback) and its backward op: fake kernels
+    and strides, schema, autograd registration and AOT dispatch."""
+    from mixer_plugins.kernels.local_attention.torch import local_attention_blocked, local_attention_blocked_backward
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 11, 2, 4, generator=g) for _ in range(2))
+    v = torch.randn(2, 11, 2, 3, generator=g)
+    key_real = None
+    if masked:
+        key_real = torch.ones(2, 11, dtype=torch.bool)
+        key_real[1, 8:] = False
+    args = (q, k, v, key_real, window, num_global, causal, 0.5)
+    _, probs, row_probs = local_attention_blocked(*args)
+    bwd_args = (torch.randn(2, 11, 2, 3, generator=g), q, k, v, key_real, probs, row_probs, *args[4:])
+    _assert_fake_kernel_matches_real(local_attention_blocked, args)
+    _assert_fake_kernel_matches_real(local_attention_blocked_backward, bwd_args)
+    torch.library.opcheck(local_attention_blocked_backward, bwd_args)
+    torch.library.opcheck(local_attention_blocked, tuple(a.detach().requires_grad_(True) if isinstance(
+        a, torch.Tensor) and a.is_floating_point() else a for a in args))
 
 
 def test_every_custom_op_is_opchecked():

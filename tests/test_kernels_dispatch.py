@@ -18,7 +18,8 @@ from mixer_plugins.kernels import _dispatch
 from mixer_plugins.kernels._requirements import mamba_ssm_unavailable, triton_unavailable
 
 KERNELS = Path(kernels.__file__).parent
-OPS = ("ssd", "quasiseparable", "directional_scan", "toeplitz", "conv", "norm", "mlr_attention")
+OPS = ("ssd", "quasiseparable", "directional_scan", "toeplitz", "conv", "norm", "mlr_attention",
+       "local_attention")
 
 
 def _module(name: str):

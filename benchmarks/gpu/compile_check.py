@@ -134,11 +134,35 @@ def _mlr_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     yield case(torch.float32, True, False, (16, 16, 16, 16), (None, 256, 64, 16))
 
 
+def _local_cases() -> Iterator[tuple[str, Callable[[], None]]]:
+    """``kernels.local_attention``'s Triton backend: the MLR kernels' banded specializations (BANDED=True)."""
+    import torch
+
+    from mixer_plugins.kernels._triton import mlr
+
+    def case(dtype, causal, masked, num_global, length=300, heads=2, e=64, window=100):
+        def go():
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
+                       for _ in range(3))
+            keyok = torch.ones(1, length, dtype=torch.int8) if masked else None
+            # as local_attention_triton launches them (its device check would refuse CPU tensors here)
+            levels = mlr._Levels(q, v, [e], [None], 64)
+            y = mlr._MLRFunction.apply((q.float() * e ** -0.5).contiguous(), k, v, keyok, levels, causal, False,
+                                       window, num_global)
+            y.float().sum().backward()
+        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} globals={num_global}"
+        return name, go
+
+    yield case(torch.bfloat16, True, False, 0)
+    yield case(torch.float32, False, True, 3, e=128)   # the widest tiles: float32 operands at head dim 128
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90)")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--only", choices=("scan", "mlr"), help="compile one kernel family")
+    parser.add_argument("--only", choices=("scan", "mlr", "local"), help="compile one kernel family")
     parser.add_argument("--case", default="", help="compile only the cases whose name holds this text")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -155,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:24s} {seconds:6.1f} s  shared {item.shared_bytes // 1024:4d} KiB", flush=True)
 
     failures: list[str] = []
-    families = {"scan": _scan_cases, "mlr": _mlr_cases}
+    families = {"scan": _scan_cases, "mlr": _mlr_cases, "local": _local_cases}
     with compile_only(args.arch, record):
         for family, cases in families.items():
             if args.only and family != args.only:

@@ -205,6 +205,37 @@ def attention_rows(setup: Setup) -> list[Row]:
     return rows
 
 
+def window_rows(setup: Setup) -> list[Row]:
+    """``sliding_window_attention`` (window 512; on CUDA the Triton ``local_attention`` kernel) in the attention
+    table at L 4k and 16k, beside ``attention``'s rows from :func:`attention_rows` (its FLOP ratio in the note)."""
+    import mixer_plugins as mp
+
+    rows = []
+    heads = setup.d_model // setup.head_dim
+    window = 512 if setup.device == "cuda" else 4
+    lengths = [n for n in setup.lengths if n in (4096, 16384)] or list(setup.lengths)
+    for length in lengths:
+        batch = max(1, setup.tokens // length)
+        for mode in ("forward", "forward_backward"):
+            backward = mode == "forward_backward"
+            name = f"sliding_window_attention w={window}"
+            try:
+                mixer = mp.create_mixer("sliding_window_attention", setup.d_model, num_heads=heads,
+                                        window=window).to(setup.device, setup.dtype)
+                x = torch.randn(batch, length, setup.d_model, device=setup.device, dtype=setup.dtype,
+                                requires_grad=backward)
+                row = _measure("attention", name, length, batch, mode, _run(lambda m=mixer, x=x: m(x), backward),
+                               setup)
+                ratio = mixer.flops(batch, length) / mp.create_mixer("attention", setup.d_model,
+                                                                     num_heads=heads).flops(batch, length)
+                row.note = (row.note + f" FLOPs/attention={ratio:.2f}").strip()
+                row.flop_ratio = ratio
+            except Exception as err:
+                row = Row("attention", name, length, batch, mode, note=f"{type(err).__name__}: {err}"[:200])
+            rows.append(row)
+    return rows
+
+
 def vit_rows(setup: Setup) -> list[Row]:
     import timm
 
@@ -334,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for throughput.json and throughput.md")
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
-    parser.add_argument("--tables", default="scan,attention,vit",
-                        help="comma-separated tables to measure (default: scan,attention,vit)")
+    parser.add_argument("--tables", default="scan,attention,window,vit",
+                        help="comma-separated tables to measure (default: scan,attention,window,vit)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds after which the candidates left are reported as not run")
     args = parser.parse_args(argv)
@@ -347,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         _DEADLINE[:] = [time.monotonic() + args.budget_s]
     info = environment(setup)
     rows: list[Row] = []
-    parts = {"scan": scan_rows, "attention": attention_rows, "vit": vit_rows}
+    # "window": the sliding-window rows of the attention table (window_rows)
+    parts = {"scan": scan_rows, "attention": attention_rows, "window": window_rows, "vit": vit_rows}
     unknown = set(args.tables.split(",")) - set(parts)
     if unknown:
         parser.error(f"unknown tables {sorted(unknown)}; choose from {sorted(parts)}")

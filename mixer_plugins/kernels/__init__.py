@@ -7,7 +7,9 @@
 * :func:`toeplitz_mix` — Toeplitz (long convolution) product by FFT; :func:`toeplitz_matrix` its matrix;
 * :func:`depthwise_conv1d` — the blocks' short convolution (optionally with SiLU fused), tiled along time;
 * :func:`gated_rmsnorm` — the blocks' output norm, tiled, with a hand-written backward;
-* :func:`mlr_attention` — MLR softmax attention (Kuang et al. 2025), tiled by shared level, O(L) memory.
+* :func:`mlr_attention` — MLR softmax attention (Kuang et al. 2025), tiled by shared level, O(L) memory;
+* :func:`local_attention` — sliding-window softmax attention (+ optional global tokens), blocked, O(L * window);
+  on CUDA the MLR Triton kernel with the tiles outside the band skipped.
 
 Layout: ``kernels/<op>/__init__.py`` holds the public function, its argument checks and its typed argument
 bundle (e.g. :class:`~.ssd.SSDArgs`); each backend is one module beside it (``reference.py``, ``torch.py``,
@@ -32,6 +34,7 @@ from ._dispatch import (
 from ._scan import chunked_scan_flops, prepare_dt, scan_matrix, scan_reference
 from .conv import depthwise_conv1d, depthwise_conv1d_flops
 from .directional_scan import directional_scan
+from .local_attention import LocalPlan, local_attention, local_attention_flops
 from .mlr_attention import mlr_attention, mlr_attention_flops
 from .norm import gated_rmsnorm
 from .quasiseparable import quasiseparable
@@ -62,4 +65,7 @@ __all__ = [
     "depthwise_conv1d_flops",
     "mlr_attention",
     "mlr_attention_flops",
+    "LocalPlan",
+    "local_attention",
+    "local_attention_flops",
 ]

@@ -9,7 +9,6 @@ projections. The masks live in :mod:`mixer_plugins.layers.masks`.
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Literal, Optional
 
 import torch
@@ -17,10 +16,11 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from ..kernels import LocalPlan, local_attention_flops
+from ..kernels import local_attention as _local_attention_op
 from ..layers.masks import (
     attention_bias_mask,
     causal_nonfinite_guard_many,
-    dense_allowed,
     masked_softmax,
     poison_after,
 )
@@ -200,93 +200,23 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal
     return poison_after(y.transpose(1, 2), poisoned)
 
 
-# -- sliding-window attention, blocked -------------------------------------------------------------------------------
-
-class LocalPlan:
-    """How :func:`local_attention` tiles a length-``L`` sequence for window ``w``.
-
-    Queries are cut into chunks of ``chunk = w`` tokens; chunk ``k`` sees the keys of chunks ``k-1, k`` (causal) or
-    ``k-1, k, k+1`` (bidirectional), which hold every key within ``w`` of its queries. ``dense`` is True when that
-    tiling would cost at least as much as the plain L x L scores (short sequences, wide windows).
-    """
-
-    def __init__(self, length: int, window: int, causal: bool):
-        self.length = length
-        self.chunk = max(1, min(window, length))
-        self.num_chunks = math.ceil(length / self.chunk)
-        self.offsets = (-1, 0) if causal else (-1, 0, 1)
-        self.keys_per_chunk = len(self.offsets) * self.chunk
-        self.dense = self.num_chunks == 1 or self.num_chunks * self.chunk * self.keys_per_chunk >= length * length
-
-    def pairs(self) -> int:
-        """Number of (query, key) score entries computed per (batch, head)."""
-        if self.dense:
-            return self.length * self.length
-        return self.num_chunks * self.chunk * self.keys_per_chunk
-
-
-def local_attention_flops(batch: int, heads: int, length: int, window: int, causal: bool,
-                          qk_dim: int, v_dim: int) -> dict[str, int]:
-    """FLOPs (2 per multiply-add) of :func:`local_attention`: scores and weighted values."""
-    pairs = LocalPlan(length, window, causal).pairs()
-    return {"scores": 2 * batch * heads * pairs * qk_dim, "weighted_values": 2 * batch * heads * pairs * v_dim}
-
+# -- sliding-window attention ------------------------------------------------------------------------------------
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, mask: Tensor | None,
                     scale: float) -> Tensor:
     """Sliding-window softmax attention in O(L * window): each query ``i`` sees keys ``|i - j| <= window``
     (causal: ``i - window <= j <= i``), pads excluded.
 
-    ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p) -> (batch, length, heads, p). Computed
-    chunk by chunk (see :class:`LocalPlan`); falls back to dense scores when that is cheaper.
+    ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p) -> (batch, length, heads, p). Runs the
+    kernel op :func:`mixer_plugins.kernels.local_attention` (automatic backend: on CUDA our Triton kernel, which
+    never visits the key tiles outside the band; elsewhere the blocked PyTorch path, see
+    :class:`~mixer_plugins.kernels.LocalPlan`).
     """
     if causal:  # a zero probability times a non-finite future value is NaN: isolate such tokens (selection)
         (q, k, v), poisoned = causal_nonfinite_guard_many(q, k, v)
-        return poison_after(_local_attention(q, k, v, window=window, causal=True, mask=mask, scale=scale), poisoned)
-    return _local_attention(q, k, v, window=window, causal=False, mask=mask, scale=scale)
-
-
-def _local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, mask: Tensor | None,
-                     scale: float) -> Tensor:
-    b, length, h, _ = q.shape
-    plan = LocalPlan(length, window, causal)
-    if plan.dense:
-        probs = masked_softmax(dot_scores(q, k) * scale, dense_allowed(mask, length, causal, q.device, window))
-        return torch.einsum("bhij,bjhp->bihp", probs, v)
-
-    c, n = plan.chunk, plan.num_chunks
-    padded = n * c
-    extra = padded - length
-
-    def chunks(t: Tensor) -> Tensor:  # (b, L, h, e) -> (b, n, c, h, e), zero-padded at the end
-        return F.pad(t, (0, 0, 0, 0, 0, extra)).view(b, n, c, h, t.shape[-1])
-
-    def neighbours(t: Tensor) -> Tensor:  # (b, n, c, h, e) -> (b, n, len(offsets) * c, h, e)
-        framed = F.pad(t, (0, 0, 0, 0, 0, 0, 1, 1))  # one empty chunk before and after
-        return torch.cat([framed[:, 1 + off: 1 + off + n] for off in plan.offsets], dim=2)
-
-    qc = chunks(q)
-    kc = neighbours(chunks(k))
-    vc = neighbours(chunks(v))
-
-    # Absolute positions of every query and key slot, to build the band / causal / padding mask per chunk.
-    device = q.device
-    qpos = torch.arange(padded, device=device).view(n, c)
-    starts = torch.arange(n, device=device)[:, None] * c
-    kpos = torch.cat([starts + off * c + torch.arange(c, device=device) for off in plan.offsets], dim=1)  # (n, K)
-    diff = qpos[:, :, None] - kpos[:, None, :]  # (n, c, K)
-    allowed = (diff.abs() <= window) & (kpos >= 0)[:, None, :] & (kpos < length)[:, None, :]
-    if causal:
-        allowed = allowed & (diff >= 0)
-    allowed = allowed[None]  # (1, n, c, K)
-    if mask is not None:
-        key_real = F.pad(mask, (c, extra + c))[:, kpos + c]  # (b, n, K): False on pads and out-of-range slots
-        allowed = allowed & key_real[:, :, None, :]
-
-    scores = torch.einsum("bnqhe,bnkhe->bhnqk", qc, kc) * scale
-    probs = masked_softmax(scores, allowed[:, None])
-    y = torch.einsum("bhnqk,bnkhp->bnqhp", probs, vc)
-    return y.reshape(b, padded, h, v.shape[-1])[:, :length]
+        return poison_after(_local_attention_op(q, k, v, window=window, causal=True, mask=mask, scale=scale),
+                            poisoned)
+    return _local_attention_op(q, k, v, window=window, causal=False, mask=mask, scale=scale)
 
 
 # -- the q/k/v base class ---------------------------------------------------------------------------------------------

@@ -13,6 +13,12 @@ online softmax. For each (query tile, key tile) pair, only the levels the two ti
 blocks put the two tiles apart is skipped, so far-apart tiles use only the coarse levels' features (the paper's
 FLOP saving); a level with a block boundary inside the pair is masked per entry. Accumulation in float32.
 
+Banded (``BANDED``, for :func:`mixer_plugins.kernels.local_attention`): pairs are also restricted to
+``|i - j| <= W`` or ``i < G`` or ``j < G`` (global tokens). The tile loops then start and stop at the band: a query
+tile visits the key tiles holding global keys, then those meeting ``[lo - W, hi + W]`` (every key tile if it holds a
+global query); a key tile's backward loop likewise visits only the query tiles that can see it. A per-entry mask
+cuts the band inside the visited tiles. One global level of rank = head dim is plain (windowed) attention.
+
 Forward and backward (``torch.autograd.Function``). Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1``
 set before import.
 """
@@ -29,16 +35,17 @@ from ._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
 from ._common import available, dot_precision, tl, triton
 from ._common import mm as _mm
 
-__all__ = ["available", "mlr_attention_triton"]
+__all__ = ["available", "mlr_attention_triton", "mlr_backward", "mlr_forward"]
 
 
 if triton is not None:
 
     @triton.jit
     def _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E,
-                     offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
+                     offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, W, G,
                      NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
-                     HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+                     HAS_KEYOK: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT: tl.constexpr):
         """Scores of one (query tile, key tile) pair from the levels the tiles share; (S, allowed, 1/cnt).
 
         A level whose blocks put the two tiles apart is skipped (its features are never loaded)."""
@@ -70,6 +77,9 @@ if triton is not None:
         allowed = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+        if BANDED:  # |i - j| <= W, or i or j one of the first G (global) tokens
+            dist = offs_m[:, None] - offs_n[None, :]
+            allowed = allowed & (((dist <= W) & (dist >= -W)) | (offs_m[:, None] < G) | (offs_n[None, :] < G))
         if HAS_KEYOK:
             kok = tl.load(keyok_ptr + b * L + offs_n, mask=n_ok, other=0)
             allowed = allowed & (kok != 0)[None, :]
@@ -98,11 +108,62 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _key_tiles(m_lo, m_hi, L, W, G, CAUSAL: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Key tiles a query tile ``[m_lo, m_hi]`` visits: ``na`` tiles from 0, then ``nb`` tiles from ``b_lo``.
+
+        Not banded: every key tile (causal: up to the diagonal). Banded: the tiles holding global keys (all of them
+        when the query tile holds a global query), then the tiles that meet the band ``[m_lo - W, m_hi + W]``; a
+        tile outside both is never visited."""
+        zero = m_lo * 0
+        n_end = zero + L
+        if CAUSAL:
+            n_end = m_hi + 1
+        a_end = n_end
+        b_lo = zero
+        b_end = zero
+        if BANDED:
+            if m_lo >= G:
+                a_end = tl.minimum(tl.cdiv(zero + G, BLOCK_M) * BLOCK_M, n_end)
+                b_lo = tl.maximum((tl.maximum(m_lo - W, 0) // BLOCK_M) * BLOCK_M, a_end)
+                b_end = tl.minimum(n_end, m_hi + W + 1)
+        na = tl.cdiv(a_end, BLOCK_M)
+        nb = tl.cdiv(tl.maximum(b_end - b_lo, 0), BLOCK_M)
+        return na, b_lo, nb
+
+    @triton.jit
+    def _query_tiles(n_lo, n_hi, L, W, G, CAUSAL: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Query tiles a key tile ``[n_lo, n_hi]`` is seen by: ``na`` tiles from ``a_lo``, then ``nb`` from ``b_lo``.
+
+        Not banded: every query tile (causal: from the diagonal). Banded: every query tile when the key tile holds a
+        global key; else the tiles holding global queries (none when causal: they lie before the keys), then the
+        tiles that meet the band ``[n_lo - W, n_hi + W]`` (causal: ``[n_lo, n_hi + W]``)."""
+        zero = n_lo * 0
+        a_lo = zero
+        if CAUSAL:
+            a_lo = n_lo       # earlier query tiles see none of these keys
+        a_end = zero + L
+        b_lo = zero
+        b_end = zero
+        if BANDED:
+            if n_lo >= G:
+                a_end = tl.minimum(tl.cdiv(zero + G, BLOCK_M) * BLOCK_M, a_end)
+                if CAUSAL:
+                    a_end = a_lo
+                    b_lo = n_lo
+                else:
+                    b_lo = tl.maximum((tl.maximum(n_lo - W, 0) // BLOCK_M) * BLOCK_M, a_end)
+                b_end = tl.minimum(zero + L, n_hi + W + 1)
+        na = tl.cdiv(tl.maximum(a_end - a_lo, 0), BLOCK_M)
+        nb = tl.cdiv(tl.maximum(b_end - b_lo, 0), BLOCK_M)
+        return a_lo, na, b_lo, nb
+
+    @triton.jit
     def _mlr_fwd_kernel(
         q_ptr, k_ptr, v_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, y_ptr, lse_ptr,
-        L, H, E, P,
+        L, H, E, P, W, G,
         NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT: tl.constexpr,
+        BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid = tl.program_id(1)
@@ -117,16 +178,17 @@ if triton is not None:
         row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-        n_end = L
-        if CAUSAL:
-            n_end = m_hi + 1
-        n_lo = 0
-        while n_lo < n_end:
+        na, b_lo, nb = _key_tiles(m_lo, m_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
+        t = 0
+        while t < na + nb:
+            n_lo = t * BLOCK_M
+            if t >= na:
+                n_lo = b_lo + (t - na) * BLOCK_M
             offs_n = n_lo + tl.arange(0, BLOCK_M)
             n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
             S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-                                           b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
-                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M, DOT)
+                                           b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, W, G,
+                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
             S = tl.where(allowed, S, -1.0e30)
             new_max = tl.maximum(row_max, tl.max(S, 1))
             alpha = tl.exp(row_max - new_max)
@@ -136,7 +198,7 @@ if triton is not None:
                         mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + _mm(prob, v, DOT)
             row_max = new_max
-            n_lo += BLOCK_M
+            t += 1
         row_sum = tl.maximum(row_sum, 1.0e-30)
         out = acc / row_sum[:, None]
         tl.store(y_ptr + ((b * L + offs_m[:, None]) * H + h) * P + offs_p[None, :], out.to(y_ptr.dtype.element_ty),
@@ -145,13 +207,14 @@ if triton is not None:
 
     @triton.jit
     def _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr,
-                      lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_p,
+                      lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_p, W, G,
                       NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
-                      HAS_KEYOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+                      HAS_KEYOK: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT: tl.constexpr):
         """Recomputed probabilities of a tile pair and the gradient w.r.t. the undivided level sums: (P, dSr, dO)."""
         S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-                                       b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r,
-                                       NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_N, DOT)
+                                       b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, W, G,
+                                       NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_N, DOT)
         m_ok = offs_m < L
         lse = tl.load(lse_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
         delta = tl.load(delta_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
@@ -167,9 +230,10 @@ if triton is not None:
     @triton.jit
     def _mlr_bwd_dq_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-        dq_ptr, L, H, E, P,
+        dq_ptr, L, H, E, P, W, G,
         NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr,
+        BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid = tl.program_id(1)
@@ -182,30 +246,32 @@ if triton is not None:
         m_lo = pid_m * BLOCK_M
         m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
         dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-        n_end = L
-        if CAUSAL:
-            n_end = m_hi + 1
-        n_lo = 0
-        while n_lo < n_end:
+        na, b_lo, nb = _key_tiles(m_lo, m_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
+        t = 0
+        while t < na + nb:
+            n_lo = t * BLOCK_M
+            if t >= na:
+                n_lo = b_lo + (t - na) * BLOCK_M
             offs_n = n_lo + tl.arange(0, BLOCK_M)
             n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
-                                          offs_n, n_lo, n_hi, offs_r, offs_p,
-                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M, DOT)
+                                          offs_n, n_lo, n_hi, offs_r, offs_p, W, G,
+                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
             # dq[i] = sum_j dSr[i, j] k_j (level-masked): the "rows" of the product are the keys
             dq = _level_grads(tl.trans(dSr), k_ptr, b, h, L, H, E, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e,
                               lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dq, NUM_LEVELS, DOT)
-            n_lo += BLOCK_M
+            t += 1
         tl.store(dq_ptr + ((b * L + offs_m[:, None]) * H + h) * E + offs_e[None, :], dq,
                  mask=(offs_m < L)[:, None] & (offs_e < E)[None, :])
 
     @triton.jit
     def _mlr_bwd_dkdv_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-        dk_ptr, dv_ptr, L, H, E, P,
+        dk_ptr, dv_ptr, L, H, E, P, W, G,
         NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT: tl.constexpr, BLOCK_E: tl.constexpr,
+        BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid = tl.program_id(1)
@@ -219,20 +285,22 @@ if triton is not None:
         n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
         dk = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
         dv = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-        m_lo = 0
-        if CAUSAL:
-            m_lo = n_lo       # earlier query tiles see none of these keys
-        while m_lo < L:
+        a_lo, na, b_lo, nb = _query_tiles(n_lo, n_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
+        t = 0
+        while t < na + nb:
+            m_lo = a_lo + t * BLOCK_M
+            if t >= na:
+                m_lo = b_lo + (t - na) * BLOCK_M
             offs_m = m_lo + tl.arange(0, BLOCK_M)
             m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
-                                          offs_n, n_lo, n_hi, offs_r, offs_p,
-                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BLOCK_M, BLOCK_M, DOT)
+                                          offs_n, n_lo, n_hi, offs_r, offs_p, W, G,
+                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
             dv += _mm(tl.trans(prob), do, DOT)
             dk = _level_grads(dSr, q_ptr, b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e,
                               lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dk, NUM_LEVELS, DOT)
-            m_lo += BLOCK_M
+            t += 1
         n_ok = offs_n < L
         tl.store(dk_ptr + ((b * L + offs_n[:, None]) * H + h) * E + offs_e[None, :], dk,
                  mask=n_ok[:, None] & (offs_e < E)[None, :])
@@ -263,38 +331,67 @@ class _Levels:
         return self.off, self.rank, self.size
 
 
+def mlr_forward(qs: Tensor, k: Tensor, v: Tensor, keyok: Tensor | None, levels: _Levels, causal: bool,
+                block_divide: bool, window: int | None = None, num_global: int = 0) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel: output (b, L, H, P) in v's dtype and row log-sum-exp (b, L, H) float32.
+
+    ``window`` (not None): also restrict to the band ``|i - j| <= window`` or ``i < num_global`` or
+    ``j < num_global``; key tiles outside it are never visited."""
+    b, L, H, E = qs.shape
+    P = v.shape[-1]
+    y = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
+    lse = torch.empty(b, L, H, dtype=torch.float32, device=v.device)
+    grid = (triton.cdiv(L, levels.block_m), b * H)
+    _mlr_fwd_kernel[grid](qs, k, v, keyok if keyok is not None else qs, *levels.tables(), y, lse, L, H, E, P,
+                          *_band_args(window, num_global), **_flags(levels, v, keyok, causal, block_divide, window),
+                          **levels.blocks)
+    return y, lse
+
+
+def mlr_backward(dy: Tensor, qs: Tensor, k: Tensor, v: Tensor, keyok: Tensor | None, y: Tensor, lse: Tensor,
+                 levels: _Levels, causal: bool, block_divide: bool, window: int | None = None,
+                 num_global: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the two backward kernels (dq per query tile; dk, dv per key tile): float32 (dq, dk, dv)."""
+    b, L, H, E = qs.shape
+    P = v.shape[-1]
+    dy = dy.contiguous()
+    delta = (dy.float() * y.float()).sum(-1).contiguous()            # D_i = dO_i . O_i
+    dq = torch.empty(b, L, H, E, dtype=torch.float32, device=qs.device)
+    dk = torch.empty_like(dq)
+    dv = torch.empty(b, L, H, P, dtype=torch.float32, device=qs.device)
+    grid = (triton.cdiv(L, levels.block_m), b * H)
+    common = (qs, k, v, dy, lse, delta, keyok if keyok is not None else qs, *levels.tables())
+    flags = _flags(levels, v, keyok, causal, block_divide, window)
+    band = _band_args(window, num_global)
+    _mlr_bwd_dq_kernel[grid](*common, dq, L, H, E, P, *band, **flags, **levels.blocks, BLOCK_E=levels.block_e)
+    _mlr_bwd_dkdv_kernel[grid](*common, dk, dv, L, H, E, P, *band, **flags, **levels.blocks, BLOCK_E=levels.block_e)
+    return dq, dk, dv
+
+
+def _flags(levels: _Levels, v: Tensor, keyok: Tensor | None, causal: bool, block_divide: bool,
+           window: int | None) -> dict:
+    return dict(NUM_LEVELS=levels.num_levels, CAUSAL=bool(causal), BLOCK_DIVIDE=bool(block_divide),
+                HAS_KEYOK=keyok is not None, BANDED=window is not None, DOT=dot_precision(v.dtype))
+
+
+def _band_args(window: int | None, num_global: int) -> tuple[int, int]:
+    return (0 if window is None else int(window)), int(num_global)
+
+
 class _MLRFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qs, k, v, keyok, levels: _Levels, causal: bool, block_divide: bool):
-        b, L, H, E = qs.shape
-        P = v.shape[-1]
-        y = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
-        lse = torch.empty(b, L, H, dtype=torch.float32, device=v.device)
-        grid = (triton.cdiv(L, levels.block_m), b * H)
-        flags = dict(NUM_LEVELS=levels.num_levels, CAUSAL=bool(causal), BLOCK_DIVIDE=bool(block_divide),
-                     HAS_KEYOK=keyok is not None, DOT=dot_precision(v.dtype))
-        _mlr_fwd_kernel[grid](qs, k, v, keyok if keyok is not None else qs, *levels.tables(), y, lse, L, H, E, P,
-                              **flags, **levels.blocks)
+    def forward(ctx, qs, k, v, keyok, levels: _Levels, causal: bool, block_divide: bool,
+                window: int | None = None, num_global: int = 0):
+        y, lse = mlr_forward(qs, k, v, keyok, levels, causal, block_divide, window, num_global)
         ctx.save_for_backward(qs, k, v, keyok, y, lse)
-        ctx.levels, ctx.flags = levels, flags
+        ctx.args = (levels, causal, block_divide, window, num_global)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         qs, k, v, keyok, y, lse = ctx.saved_tensors
-        levels, flags = ctx.levels, ctx.flags
-        b, L, H, E = qs.shape
-        P = v.shape[-1]
-        dy = dy.contiguous()
-        delta = (dy.float() * y.float()).sum(-1).contiguous()            # D_i = dO_i . O_i
-        dq = torch.empty(b, L, H, E, dtype=torch.float32, device=qs.device)
-        dk = torch.empty_like(dq)
-        dv = torch.empty(b, L, H, P, dtype=torch.float32, device=qs.device)
-        grid = (triton.cdiv(L, levels.block_m), b * H)
-        common = (qs, k, v, dy, lse, delta, keyok if keyok is not None else qs, *levels.tables())
-        _mlr_bwd_dq_kernel[grid](*common, dq, L, H, E, P, **flags, **levels.blocks, BLOCK_E=levels.block_e)
-        _mlr_bwd_dkdv_kernel[grid](*common, dk, dv, L, H, E, P, **flags, **levels.blocks, BLOCK_E=levels.block_e)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dq, dk, dv = mlr_backward(dy, qs, k, v, keyok, y, lse, *ctx.args)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def mlr_attention_triton(

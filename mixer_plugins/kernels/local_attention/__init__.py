@@ -1,0 +1,119 @@
+"""``local_attention``: sliding-window softmax attention, optionally with global tokens, on the sequence axis.
+
+Per head, query ``i`` may attend key ``j`` when
+
+    |i - j| <= window   or   i < num_global   or   j < num_global        (the band, plus global tokens)
+
+and, when ``causal``, ``j <= i`` (so causal + window keeps ``i - window <= j <= i``: ``window + 1`` keys); pad keys
+(right padding, ``mask`` False) are excluded. Then ``softmax_j(scale * q_i . k_j)`` over the allowed keys, times
+``v``. The first ``num_global`` tokens are global as in Longformer: every query sees them and they see every key.
+
+Backends (see :mod:`mixer_plugins.kernels._dispatch`):
+
+* ``torch`` (the default off CUDA): blocked, ``O(L * window)`` time and memory: queries in chunks of ``window``
+  tokens, each chunk scoring only the keys of its neighbour chunks (and the global keys); global queries are dense
+  rows. A ``torch.library`` custom op (:data:`local_attention_blocked`), so ``torch.compile(fullgraph=True)`` keeps
+  it whole and ``FlopCounterMode`` counts the executed pairs (:func:`local_attention_flops`).
+* ``triton`` (chosen first on CUDA, float32/bfloat16/float16): the fused MLR attention kernel
+  (:mod:`mixer_plugins.kernels._triton.mlr`) with one global level of rank = head dim and a band: a key tile
+  entirely outside a query tile's band that holds no global token is never visited (the tile loops start and stop
+  at the band), a per-entry mask cuts the band inside the visited tiles. Forward and backward.
+* ``reference``: the dense ``L x L`` masked softmax, float64-capable, the independent oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
+from torch import Tensor
+
+from .._dispatch import discover_backends, resolve_backend
+from .reference import local_attention_reference
+from .torch import LocalPlan, local_attention_blocked, local_attention_flops, local_attention_torch
+
+__all__ = [
+    "LocalPlan",
+    "check_local_arguments",
+    "local_attention",
+    "local_attention_blocked",
+    "local_attention_flops",
+    "local_attention_reference",
+    "local_attention_torch",
+]
+
+
+def check_local_arguments(q: Tensor, k: Tensor, v: Tensor, window: int, num_global: int, mask: Tensor | None,
+                          scale: float | None) -> tuple[int, int, float]:
+    """Validate the arguments of :func:`local_attention`; returns (window, num_global, scale)."""
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):
+        raise TypeError("q, k and v must be tensors")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (batch, length, heads, width); got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must share (batch, length, heads) {tuple(q.shape[:3])} with q, got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if isinstance(window, bool) or int(window) != window or window < 0:
+        raise ValueError(f"window must be a non-negative integer, got {window!r}")
+    length = q.shape[1]
+    if isinstance(num_global, bool) or int(num_global) != num_global or not 0 <= num_global <= length:
+        raise ValueError(f"num_global must be an integer in [0, length={length}], got {num_global!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dtype != _torch.bool:
+            raise TypeError("mask must be a bool tensor (batch, length), True on real tokens")
+        if mask.shape != q.shape[:2]:
+            raise ValueError(f"mask must have shape (batch, length) = {tuple(q.shape[:2])}, got {tuple(mask.shape)}")
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q on {q.device}")
+        # data-dependent: checked in eager only (under torch.compile it would break the graph)
+        if not _torch.compiler.is_compiling() and mask.shape[1] > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+            raise ValueError("mask must be right-padded: True on the real tokens, then False on the pads")
+    return int(window), int(num_global), float(scale)
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool = False,
+                    mask: Tensor | None = None, scale: float | None = None, num_global: int = 0,
+                    backend: str | None = None) -> Tensor:
+    """Sliding-window softmax attention with optional global tokens (see the module docstring).
+
+    Args:
+        q, k: (batch, length, heads, e).
+        v: (batch, length, heads, p).
+        window: keys within this distance are attended (``>= length``: plain attention).
+        causal: key ``j`` is allowed for query ``i`` only if ``j <= i``.
+        mask: optional bool (batch, length), True on real tokens, right-padded. Pad keys are excluded and pad
+            contents never reach real outputs (selected away, so NaN pads are harmless); outputs at pads are 0.
+        scale: logit scale (default ``1 / sqrt(e)``).
+        num_global: the first ``num_global`` tokens attend and are attended by every token (causal mask aside).
+        backend: ``"torch"``, ``"triton"``, ``"reference"``; None = automatic (triton, then torch, on CUDA).
+
+    Returns:
+        (batch, length, heads, p) in v's dtype.
+
+    Note: a non-finite value at a real *future* key still reaches a causal row through ``0 * inf`` in the
+    ``torch``/``triton`` matmuls; the mixers guard against that before calling (as for the other fused paths).
+    """
+    window, num_global, scale = check_local_arguments(q, k, v, window, num_global, mask, scale)
+    if mask is not None:
+        real = mask[:, :, None, None]
+        zero = _torch.zeros((), dtype=q.dtype, device=q.device)
+        q, k, v = (_torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
+    # the call's bundle lets the triton backend refuse float64 (under torch.compile the choice is made without it)
+    bundle = None if _torch.compiler.is_compiling() else SimpleNamespace(dtype=q.dtype)
+    impl = resolve_backend("local_attention", backend, q.device, bundle)
+    out = impl(q, k, v, window=window, causal=causal, mask=mask, scale=scale, num_global=num_global)
+    if mask is not None:
+        out = _torch.where(mask[:, :, None, None], out, _torch.zeros((), dtype=out.dtype, device=out.device))
+    return out
+
+
+discover_backends("local_attention", __name__)
