@@ -2,7 +2,7 @@
 # The GPU check of mixer-plugins, in one command (under 7 minutes on one H100/H200):
 #     bash benchmarks/gpu/run.sh OUT_DIR          # on a CUDA machine
 #     bash benchmarks/gpu/run.sh OUT_DIR --dry    # anywhere: CPU, Triton interpreter, tiny shapes (CI runs this)
-# Options by environment: MIXER_PLUGINS_GPU_TABLES=scan,attention,vit (a subset to measure fewer tables);
+# Options by environment: MIXER_PLUGINS_GPU_TABLES=scan,attention,window,vit (a subset to measure fewer tables);
 # MIXER_PLUGINS_GPU_TUNE=1 adds benchmarks/gpu/tune.py (launch options of the fused scan, and its profile);
 # MIXER_PLUGINS_GPU_TEST_S / MIXER_PLUGINS_GPU_TABLES_S: time limits of the tests (170) and the tables (230).
 # First it installs the wheels carried in $MIXER_PLUGINS_WHEELS (default .whl/, filled by
@@ -79,7 +79,7 @@ for name in ("torch", "triton", "pydantic", "pydantic-core", "einops", "mamba-ss
 EOF
 
 status=0
-TABLES="${MIXER_PLUGINS_GPU_TABLES:-scan,attention,vit}"   # which throughput tables (all by default)
+TABLES="${MIXER_PLUGINS_GPU_TABLES:-scan,attention,window,vit}"   # which throughput tables (all by default)
 if [ "$DRY" = "--dry" ]; then
   export TRITON_INTERPRET=1
   "$PY" benchmarks/gpu/throughput.py --out "$OUT" --dry 2>&1 | tee "$OUT/log.txt" || status=1
