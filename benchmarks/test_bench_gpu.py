@@ -24,35 +24,32 @@ sys.modules[_spec.name] = throughput
 _spec.loader.exec_module(throughput)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU targets: needs a CUDA device")
+
+
+def _check(benchmark, benchmarking_enabled, rows_of, keep, why_none: str) -> None:
+    """Measure the rows, record the targets computed from them (``keep`` selects which), assert every one held."""
+    if not benchmarking_enabled:
+        pytest.skip("timing targets: run with benchmarking enabled")
+    rows = rows_of(throughput.Setup(device="cuda", dtype=torch.bfloat16, lengths=(4096, 16384)))
+    checks = [c for c in throughput.targets(rows) if keep(c)]
+    benchmark.extra_info["targets"] = checks
+    benchmark.pedantic(lambda: None, rounds=1)
+    if not checks:
+        pytest.skip(why_none + ": " + "; ".join(f"{r.candidate}: {r.note}" for r in rows if r.ms is None))
+    failed = [c for c in checks if not c["held"]]
+    assert not failed, failed
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU targets: needs a CUDA device")
+@needs_cuda
 def test_fused_scan_targets(benchmark, benchmarking_enabled):
-    if not benchmarking_enabled:
-        pytest.skip("timing targets: run with benchmarking enabled")
-    setup = throughput.Setup(device="cuda", dtype=torch.bfloat16, lengths=(4096, 16384))
-    rows = throughput.scan_rows(setup)
-    checks = throughput.targets(rows)
-    benchmark.extra_info["targets"] = checks
-    benchmark.pedantic(lambda: None, rounds=1)
-    if not checks:
-        pytest.skip("the fused Triton backend or mamba-ssm cannot run here: " +
-                    "; ".join(f"{r.candidate}: {r.note}" for r in rows if r.ms is None))
-    failed = [c for c in checks if not c["held"]]
-    assert not failed, failed
+    _check(benchmark, benchmarking_enabled, throughput.scan_rows, lambda c: not c["target"].startswith("MLR"),
+           "the fused Triton backend or mamba-ssm cannot run here")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU targets: needs a CUDA device")
+@needs_cuda
 def test_mlr_attention_target(benchmark, benchmarking_enabled):
-    if not benchmarking_enabled:
-        pytest.skip("timing targets: run with benchmarking enabled")
-    setup = throughput.Setup(device="cuda", dtype=torch.bfloat16, lengths=(4096, 16384))
-    rows = throughput.attention_rows(setup)
-    checks = [c for c in throughput.targets(rows) if c["target"].startswith("MLR")]
-    benchmark.extra_info["targets"] = checks
-    benchmark.pedantic(lambda: None, rounds=1)
-    if not checks:
-        pytest.skip("mlr_attention or attention could not run here: " +
-                    "; ".join(f"{r.candidate}: {r.note}" for r in rows if r.ms is None))
-    failed = [c for c in checks if not c["held"]]
-    assert not failed, failed
+    _check(benchmark, benchmarking_enabled, throughput.attention_rows, lambda c: c["target"].startswith("MLR"),
+           "mlr_attention or attention could not run here")

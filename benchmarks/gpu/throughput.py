@@ -179,60 +179,47 @@ def _measure(table: str, name: str, length: int, batch: int, mode: str, fn: Call
     return row
 
 
-def attention_rows(setup: Setup) -> list[Row]:
+def _mixer_row(label: str, name: str, length: int, batch: int, mode: str, setup: Setup, **options) -> Row:
+    """One row of the attention table: mixer ``name`` (with ``options``) timed on (batch, length, d_model) inputs,
+    its FLOPs over attention's in the note and in ``flop_ratio``; an error becomes the row's note."""
     import mixer_plugins as mp
 
-    rows = []
     heads = setup.d_model // setup.head_dim
+    backward = mode == "forward_backward"
+    try:
+        mixer = mp.create_mixer(name, setup.d_model, num_heads=heads, **options).to(setup.device, setup.dtype)
+        x = torch.randn(batch, length, setup.d_model, device=setup.device, dtype=setup.dtype, requires_grad=backward)
+        row = _measure("attention", label, length, batch, mode, _run(lambda m=mixer, x=x: m(x), backward), setup)
+        ratio = mixer.flops(batch, length) / mp.create_mixer("attention", setup.d_model,
+                                                             num_heads=heads).flops(batch, length)
+        row.note = (row.note + f" FLOPs/attention={ratio:.2f}").strip()
+        row.flop_ratio = ratio
+    except Exception as err:
+        row = Row("attention", label, length, batch, mode, note=f"{type(err).__name__}: {err}"[:200])
+    return row
+
+
+def attention_rows(setup: Setup) -> list[Row]:
+    rows = []
     for length in [n for n in setup.lengths if n <= 16384]:
         batch = max(1, setup.tokens // length)
         for mode in ("forward", "forward_backward"):
-            backward = mode == "forward_backward"
             for name in ("mlr_attention", "attention"):
-                try:
-                    mixer = mp.create_mixer(name, setup.d_model, num_heads=heads).to(setup.device, setup.dtype)
-                    x = torch.randn(batch, length, setup.d_model, device=setup.device, dtype=setup.dtype,
-                                    requires_grad=backward)
-                    row = _measure("attention", name, length, batch, mode, _run(lambda m=mixer, x=x: m(x), backward),
-                                   setup)
-                    ratio = mixer.flops(batch, length) / mp.create_mixer("attention", setup.d_model,
-                                                                         num_heads=heads).flops(batch, length)
-                    row.note = (row.note + f" FLOPs/attention={ratio:.2f}").strip()
-                    row.flop_ratio = ratio
-                except Exception as err:
-                    row = Row("attention", name, length, batch, mode, note=f"{type(err).__name__}: {err}"[:200])
-                rows.append(row)
+                rows.append(_mixer_row(name, name, length, batch, mode, setup))
     return rows
 
 
 def window_rows(setup: Setup) -> list[Row]:
     """``sliding_window_attention`` (window 512; on CUDA the Triton ``local_attention`` kernel) in the attention
     table at L 4k and 16k, beside ``attention``'s rows from :func:`attention_rows` (its FLOP ratio in the note)."""
-    import mixer_plugins as mp
-
     rows = []
-    heads = setup.d_model // setup.head_dim
     window = 512 if setup.device == "cuda" else 4
     lengths = [n for n in setup.lengths if n in (4096, 16384)] or list(setup.lengths)
     for length in lengths:
         batch = max(1, setup.tokens // length)
         for mode in ("forward", "forward_backward"):
-            backward = mode == "forward_backward"
-            name = f"sliding_window_attention w={window}"
-            try:
-                mixer = mp.create_mixer("sliding_window_attention", setup.d_model, num_heads=heads,
-                                        window=window).to(setup.device, setup.dtype)
-                x = torch.randn(batch, length, setup.d_model, device=setup.device, dtype=setup.dtype,
-                                requires_grad=backward)
-                row = _measure("attention", name, length, batch, mode, _run(lambda m=mixer, x=x: m(x), backward),
-                               setup)
-                ratio = mixer.flops(batch, length) / mp.create_mixer("attention", setup.d_model,
-                                                                     num_heads=heads).flops(batch, length)
-                row.note = (row.note + f" FLOPs/attention={ratio:.2f}").strip()
-                row.flop_ratio = ratio
-            except Exception as err:
-                row = Row("attention", name, length, batch, mode, note=f"{type(err).__name__}: {err}"[:200])
-            rows.append(row)
+            rows.append(_mixer_row(f"sliding_window_attention w={window}", "sliding_window_attention", length, batch,
+                                   mode, setup, window=window))
     return rows
 
 

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
 
+from .._checks import check_qkv, check_right_padded_mask
 from .._dispatch import discover_backends, resolve_backend
 from .reference import local_attention_reference
 from .torch import LocalPlan, local_attention_blocked, local_attention_flops, local_attention_torch
@@ -47,19 +48,7 @@ __all__ = [
 def check_local_arguments(q: Tensor, k: Tensor, v: Tensor, window: int, num_global: int, mask: Tensor | None,
                           scale: float | None) -> tuple[int, int, float]:
     """Validate the arguments of :func:`local_attention`; returns (window, num_global, scale)."""
-    if not all(isinstance(t, Tensor) for t in (q, k, v)):
-        raise TypeError("q, k and v must be tensors")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (batch, length, heads, width); got shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must share (batch, length, heads) {tuple(q.shape[:3])} with q, got {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_qkv(q, k, v)
     if isinstance(window, bool) or int(window) != window or window < 0:
         raise ValueError(f"window must be a non-negative integer, got {window!r}")
     length = q.shape[1]
@@ -67,16 +56,7 @@ def check_local_arguments(q: Tensor, k: Tensor, v: Tensor, window: int, num_glob
         raise ValueError(f"num_global must be an integer in [0, length={length}], got {num_global!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dtype != _torch.bool:
-            raise TypeError("mask must be a bool tensor (batch, length), True on real tokens")
-        if mask.shape != q.shape[:2]:
-            raise ValueError(f"mask must have shape (batch, length) = {tuple(q.shape[:2])}, got {tuple(mask.shape)}")
-        if mask.device != q.device:
-            raise ValueError(f"mask is on {mask.device} but q on {q.device}")
-        # data-dependent: checked in eager only (under torch.compile it would break the graph)
-        if not _torch.compiler.is_compiling() and mask.shape[1] > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
-            raise ValueError("mask must be right-padded: True on the real tokens, then False on the pads")
+    check_right_padded_mask(mask, q)
     return int(window), int(num_global), float(scale)
 
 

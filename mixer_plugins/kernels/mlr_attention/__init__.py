@@ -24,9 +24,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Optional
 
-import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
 
+from .._checks import check_qkv, check_right_padded_mask
 from .._dispatch import discover_backends, resolve_backend
 from .reference import mlr_attention_reference
 from .torch import mlr_attention_tiled, mlr_attention_torch, paper_flops, plan_tasks
@@ -47,19 +47,7 @@ def check_mlr_arguments(q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], scales: Sequence[float] | None,
                         mask: Tensor | None) -> tuple[list[int], list[Optional[int]], list[float]]:
     """Validate the arguments of :func:`mlr_attention`; returns (ranks, block_sizes, scales) as lists."""
-    if not all(isinstance(t, Tensor) for t in (q, k, v)):
-        raise TypeError("q, k and v must be tensors")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (batch, length, heads, width); got shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must share (batch, length, heads) {tuple(q.shape[:3])} with q, got {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_qkv(q, k, v)
     ranks = [int(r) for r in ranks]
     if not ranks or any(r <= 0 for r in ranks):
         raise ValueError(f"ranks must be a non-empty list of positive integers, got {ranks}")
@@ -83,16 +71,7 @@ def check_mlr_arguments(q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int],
     scales = [float(s) for s in scales]
     if len(scales) != len(ranks):
         raise ValueError(f"scales has {len(scales)} entries but ranks has {len(ranks)} (one per level)")
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dtype != _torch.bool:
-            raise TypeError("mask must be a bool tensor (batch, length), True on real tokens")
-        if mask.shape != q.shape[:2]:
-            raise ValueError(f"mask must have shape (batch, length) = {tuple(q.shape[:2])}, got {tuple(mask.shape)}")
-        if mask.device != q.device:
-            raise ValueError(f"mask is on {mask.device} but q on {q.device}")
-        # data-dependent: checked in eager only (under torch.compile / torch.export it would break the graph)
-        if not _torch.compiler.is_compiling() and mask.shape[1] > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
-            raise ValueError("mask must be right-padded: True on the real tokens, then False on the pads")
+    check_right_padded_mask(mask, q)
     return ranks, [None if s is None else int(s) for s in sizes], scales
 
 
