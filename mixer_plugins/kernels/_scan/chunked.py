@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from .._tiling import tile_bounds, tile_length
 from .inputs import ScanInputs
 
-__all__ = ["TILE_ELEMENTS", "scan_chunked", "tile_chunks", "tile_elements"]
+__all__ = ["AUTO_CHUNK_MIN_STATE", "TILE_ELEMENTS", "chunk_length", "scan_chunked", "tile_chunks", "tile_elements"]
 
 
 def _pad_time(t: Tensor | None, pad: int) -> Tensor | None:
@@ -65,12 +65,43 @@ def tile_chunks(bsz: int, chunk: int, heads: int, width: int) -> int:
     return tile_length(TILE_ELEMENTS, bsz * chunk * heads * width)
 
 
-def tile_elements(inputs: ScanInputs) -> int:
-    """Elements of the largest temporary of one tile of ``inputs``' scan (what :mod:`.._threads` sizes by)."""
+#: The chunk length is tuned (:func:`chunk_length`) only for scans whose per-token state, heads x head_dim x state,
+#: holds at least this many elements: the sizes where it was measured. Smaller scans use ``chunk_size`` as given, so
+#: that tests at small shapes exercise the chunk and tile boundaries they ask for.
+AUTO_CHUNK_MIN_STATE = 4096
+
+
+def chunk_length(length: int, chunk_size: int, heads: int, head_dim: int, groups: int, state: int,
+                 directions: int) -> int:
+    """Tokens per chunk that the scan actually uses for a sequence of ``length`` and the requested ``chunk_size``.
+
+    It changes speed only, never the result (up to rounding). A sequence no longer than ``chunk_size`` is one
+    chunk of ``length`` tokens (not padded to a chunk; it then needs no state work at all unless an initial or
+    final state is involved). For scans of at least :data:`AUTO_CHUNK_MIN_STATE` state elements per token, longer
+    sequences use **balanced** chunks: the fewest chunks of at most ``chunk_size`` tokens, all of equal length, so
+    that little is padded (197 tokens at chunk 64: 4 chunks of 50, 200 tokens, not 256). Smaller scans use
+    ``chunk_size`` as given. (One chunk for a longer sequence, the quadratic form, saves the states' FLOPs but was
+    measured slower on CPU: its elementwise passes over the L x L blocks cost more; see docs/performance.md.)
+    ``heads``, ``head_dim``, ``groups``, ``state`` and ``directions`` describe the scan (the gate above).
+    """
+    q = max(1, min(int(chunk_size), int(length)))
+    if length <= q or heads * head_dim * state < AUTO_CHUNK_MIN_STATE:
+        return q
+    return -(-length // -(-length // q))
+
+
+def _scan_shape(inputs: ScanInputs) -> tuple[int, int, int, int, int, int, int]:
+    """(batch, length, heads, head_dim, groups, state, directions) of ``inputs``."""
     bsz, length, heads, hdim = inputs.x.shape
     direction = inputs.forward or inputs.backward
-    nstate = 0 if direction is None else direction.B.shape[-1]
-    q = max(1, min(int(inputs.chunk_size), length))
+    groups, nstate = (0, 0) if direction is None else direction.B.shape[2:]
+    return bsz, length, heads, hdim, groups, nstate, int(inputs.forward is not None) + int(inputs.backward is not None)
+
+
+def tile_elements(inputs: ScanInputs) -> int:
+    """Elements of the largest temporary of one tile of ``inputs``' scan (what :mod:`.._threads` sizes by)."""
+    bsz, length, heads, hdim, groups, nstate, directions = _scan_shape(inputs)
+    q = chunk_length(length, inputs.chunk_size, heads, hdim, groups, nstate, directions)
     width = max(hdim, q, nstate)
     nchunks = -(-length // q)
     return bsz * min(nchunks, tile_chunks(bsz, q, heads, width)) * q * heads * width
@@ -101,7 +132,8 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
     if heads % groups:
         raise ValueError(f"number of heads ({heads}) must be a multiple of the number of groups ({groups})")
     rep = heads // groups
-    Q = min(int(inputs.chunk_size), length)  # a sequence shorter than a chunk is one chunk, not padded to one
+    # a sequence shorter than a chunk is one chunk, not padded to one; larger scans tune the length (chunk_length)
+    Q = chunk_length(length, inputs.chunk_size, heads, hdim, groups, nstate, 2 if fwd_dir is not None and bwd_dir is not None else 1)
     nchunks = -(-length // Q)
     pad = nchunks * Q - length
     dtype = x.dtype
@@ -157,7 +189,10 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
     # The backward state of a tile needs every tile to its right, so its read-out is computed first, tile by
     # tile from the right, and kept (one tile-sized tensor each) until sweep 2 adds it in.
     from_right: list[Tensor | None] = [None] * len(tiles)
-    if bwd is not None:
+    # One chunk: nothing enters it from the right, and from the left only an initial state; the chunk's own state
+    # is needed only for the final state. Then the state machinery is skipped (the quadratic form alone).
+    single = nchunks == 1
+    if bwd is not None and not single:
         carry = None
         for s in reversed(range(len(tiles))):
             p, e, dtp, B_c, C_c = (t[s] for t in bwd)
@@ -193,6 +228,7 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
             # lower part: C~_i.B_j exp(q_i - p_j) dt_j for j < i (j <= i unshifted)
             allowed = (idx[:, None] > idx[None, :]) if shift else (idx[:, None] >= idx[None, :])
             block = _intra_block(C_c, B_c, q_log, -p, dtp, allowed if same is None else allowed & same)
+        if fwd is not None and not (single and init is None and not return_final_state):
             # chunk states: sum_j exp(p_last - p_j) dt_j B_j x_j^T
             to_end = torch.exp(p[..., -1:] - p) * dtp                                     # (b,c,g,r,Q)
             if sq is not None:
@@ -214,7 +250,8 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
             allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
             upper = _intra_block(C_c, B_c, -q_log, e, dtp, allowed if same is None else allowed & same)
             block = upper if block is None else block.add_(upper)  # in place: no product reads it back
-            terms.append(from_right[s])
+            if from_right[s] is not None:
+                terms.append(from_right[s])
             from_right[s] = None  # drop the reference: its memory is only the autograd graph's from now on
         if diag_s[s] is not None:
             terms.append(diag_s[s][..., None].to(dtype) * x_s)
@@ -222,7 +259,7 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
         for term in terms:  # in place: the product's backward never reads its own result
             y = y.add_(term)
         outputs.append(y)
-    if fwd is not None:
+    if fwd is not None and carry is not None:
         final_state = carry.reshape(bsz, heads, hdim, nstate)
 
     y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1))

@@ -237,28 +237,34 @@ def run_chunked(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor
 
 
 def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, groups: int, state: int,
-                       directions: int, chunk_size: int) -> int:
+                       directions: int, chunk_size: int, *, states: bool = False) -> int:
     """FLOPs (2 per multiply-add) of the matmul work of one chunked scan.
 
-    Per direction: the C.B products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state
-    read-out (2 L h p n) and the state pass between chunks (within each tile, blocks of S = min(32, tile)
-    chunks: the states entering its chunks, a S x S product, and the state leaving it, a 1 x S product:
-    2 (S^2 + S) h p n per block, none when S = 1); once for both directions: the summed
-    intra-chunk block times x (2 L Q h p).
+    The chunks are those the scan uses, :func:`.chunked.chunk_length` tokens each (Q). Per direction: the C.B
+    products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state read-out (2 L h p n) and the state
+    pass between chunks (within each tile, blocks of S = min(32, tile) chunks: the states entering its chunks, a
+    S x S product, and the state leaving it, a 1 x S product: 2 (S^2 + S) h p n per block, none when S = 1); once
+    for both directions: the summed intra-chunk block times x (2 L Q h p). A sequence that is one chunk (no longer
+    than ``chunk_size``) has no states, unless ``states`` (an initial state is given or the final state is
+    returned): then the forward direction's are counted.
     Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
     """
-    chunk_size = min(chunk_size, length)
+    chunk_size = chunked.chunk_length(length, chunk_size, heads, head_dim, groups, state, directions)
     padded = -(-length // chunk_size) * chunk_size
     chunks = padded // chunk_size
+    block_product = 2 * padded * chunk_size * heads * head_dim
+    products = 2 * padded * chunk_size * state * groups
+    if chunks == 1:
+        with_states = 4 * padded * heads * head_dim * state if states else 0
+        return batch * (directions * products + with_states + block_product)
     state_pass = 0
     per_tile = chunked.tile_chunks(batch, chunk_size, heads, max(head_dim, chunk_size, state))
     for lo, hi in tile_bounds(chunks, per_tile):
         block = min(chunked.STATE_PASS_BLOCK, hi - lo)
         if block > 1:  # a one-chunk block is an elementwise product, which FlopCounterMode does not count
             state_pass += -(-(hi - lo) // block) * (block * block + block)
-    per_direction = (2 * padded * chunk_size * state * groups + 4 * padded * heads * head_dim * state
-                     + 2 * state_pass * heads * head_dim * state)
-    return batch * (directions * per_direction + 2 * padded * chunk_size * heads * head_dim)
+    per_direction = products + 4 * padded * heads * head_dim * state + 2 * state_pass * heads * head_dim * state
+    return batch * (directions * per_direction + block_product)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.chunked_scan)
@@ -268,4 +274,6 @@ def _chunked_scan_flop_formula(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_sh
     b, l, h, p = x_shape
     b_shape = B_f_shape if B_f_shape is not None else B_b_shape
     directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return chunked_scan_flops(b, l, h, p, b_shape[2], b_shape[3], directions, chunk_size)
+    # the op always returns the forward direction's final state
+    return chunked_scan_flops(b, l, h, p, b_shape[2], b_shape[3], directions, chunk_size,
+                              states=dt_f_shape is not None)
