@@ -106,8 +106,58 @@ def test_a_short_sequence_is_one_chunk_without_state_products():
     assert counter.get_total_flops() == only_quadratic == chunked_scan_flops(b, length, H, P, G, N, 2, 64)
     with FlopCounterMode(display=False) as counter:   # the final state needs the forward direction's states
         kernels.ssd(x, dt, A, B, C, 64, return_final_states=True, backend="torch")
-    assert counter.get_total_flops() == chunked_scan_flops(b, length, H, P, G, N, 1, 64, states=True)
+    assert counter.get_total_flops() == chunked_scan_flops(b, length, H, P, G, N, 1, 64, final_state=True)
     with FlopCounterMode(display=False) as counter:   # balanced chunks: 100 tokens at chunk 16 are 7 chunks of 15
         x100, dt100, A100, B100, C100, *_ = (t.detach().float() for t in _leaves(b, 100))
         kernels.ssd(x100, dt100, A100, B100, C100, 16, backend="torch")
     assert counter.get_total_flops() == chunked_scan_flops(b, 100, H, P, G, N, 1, 16)
+
+
+@pytest.fixture
+def one_chunk_per_tile(monkeypatch):
+    """Tiles of one chunk each (what a large batch gets): the state pass's one-chunk path."""
+    import mixer_plugins.kernels._scan.chunked as chunked
+
+    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 1)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_one_chunk_per_tile_matches_the_reference(one_chunk_per_tile, segments):
+    leaves = _leaves(2, 45)
+    x, dt, A, B, C, dt_b, B_b, C_b, diag = leaves
+    seq_idx = None
+    if segments:
+        seq_idx = torch.zeros(2, 45, dtype=torch.long)
+        seq_idx[0, 15:] = 1          # on a chunk boundary (chunks of 15)
+        seq_idx[1, 20:] = 2
+    _check_against_reference(
+        lambda backend: kernels.quasiseparable(x, dt, A, B, C, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, diag=diag,
+                                               chunk_size=16, seq_idx=seq_idx, backend=backend), leaves)
+    init = torch.randn(2, H, P, N, dtype=F64, requires_grad=True)
+    _check_against_reference(
+        lambda backend: kernels.ssd(x, dt, A, B, C, 16, initial_states=init, return_final_states=True,
+                                    seq_idx=seq_idx, backend=backend), [*leaves[:5], init])
+    _check_against_reference(
+        lambda backend: kernels.directional_scan(x, dt, A, B, C, reverse=True, chunk_size=16, seq_idx=seq_idx,
+                                                 backend=backend), leaves[:5])
+
+
+def test_flop_formula_with_one_chunk_per_tile(one_chunk_per_tile):
+    b, length = 2, 45
+    x, dt, A, B, C, dt_b, B_b, C_b, diag = (t.detach().float() for t in _leaves(b, length))
+    init = torch.randn(b, H, P, N)
+    cases = [
+        (lambda: kernels.quasiseparable(x, dt, A, B, C, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, chunk_size=16,
+                                        backend="torch"), dict(directions=2)),
+        (lambda: kernels.ssd(x, dt, A, B, C, 16, initial_states=init, backend="torch"),
+         dict(directions=1, initial_state=True)),
+        (lambda: kernels.ssd(x, dt, A, B, C, 16, return_final_states=True, backend="torch"),
+         dict(directions=1, final_state=True)),
+        (lambda: kernels.directional_scan(x, dt, A, B, C, reverse=True, chunk_size=16, backend="torch"),
+         dict(directions=1)),
+    ]
+    for call, options in cases:
+        directions = options.pop("directions")
+        with FlopCounterMode(display=False) as counter:
+            call()
+        assert counter.get_total_flops() == chunked_scan_flops(b, length, H, P, G, N, directions, 16, **options)

@@ -206,6 +206,10 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
                 log_carry = log_carry.masked_fill(~(sq[:, :, 0] == after_first_s[s][..., 0])[:, :, None, None],
                                                   float("-inf"))
             entering, carry = _scan_chunk_states(states, log_carry, carry, reverse=True)
+            if entering is None:  # a one-chunk tile with nothing to its right
+                if per_tile == 1:  # (every tile is one chunk: skipped, as the FLOP formula counts)
+                    continue
+                entering = torch.zeros_like(states)
             query = torch.exp(p[..., -1:] - (p if shift else e)).to(dtype)
             if sq is not None:
                 query = query * (sq == after_last_s[s])[:, :, None, None, :]
@@ -239,10 +243,11 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
                 crosses = (sq[:, :, -1] == before_s[s][..., 0])[:, :, None, None]
                 log_carry = log_carry.masked_fill(~crosses, float("-inf"))
             entering, carry = _scan_chunk_states(states, log_carry, carry)
-            query = torch.exp(q_log).to(dtype)                                            # (b,c,g,r,Q)
-            if sq is not None:
-                query = query * (sq == before_s[s])[:, :, None, None, :]
-            terms.append(_read_out(C_c, query, entering))
+            if entering is not None:  # None: a one-chunk tile with nothing to its left
+                query = torch.exp(q_log).to(dtype)                                        # (b,c,g,r,Q)
+                if sq is not None:
+                    query = query * (sq == before_s[s])[:, :, None, None, :]
+                terms.append(_read_out(C_c, query, entering))
         if bwd is not None:
             p, e, dtp, B_c, C_c = (t[s] for t in bwd)
             q_log = p if shift else e
@@ -274,12 +279,15 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
 def _known_finite(*tensors: Tensor) -> bool:
     """True when every tensor is a plain (eager, untraced) tensor whose values are all finite: then the selections
     that guard against non-finite values can be skipped. False, the safe path, whenever values cannot be read
-    (fake or functional tensors, a dispatch mode, ``torch.compile``) or one is non-finite."""
+    (fake or functional tensors, a dispatch mode, ``torch.compile``) or one is non-finite.
+
+    One pass per tensor: the sum of finite values is finite unless it overflows, and any NaN or infinity makes it
+    non-finite; an overflowing sum only sends a finite tensor down the safe path (never the reverse)."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     if any(type(t) is not torch.Tensor for t in tensors):
         return False
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return all(bool(torch.isfinite(t.detach().sum())) for t in tensors)
 
 
 def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, allowed: Tensor) -> Tensor:
@@ -334,6 +342,7 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
 
     ``states`` (b, C, g, r, p, n) are the chunks' own contributions ``S_c``; ``log_carry`` (b, C, g, r) is
     ``log a_c`` (-inf where the chain breaks); ``init`` (b, g, r, p, n) is ``H_{-1}`` (zero if None).
+    ``entering`` is None when nothing enters (one chunk and no ``init``).
     ``reverse``: the recurrence runs right to left (``H_c = a_c H_{c+1} + S_c``; "entering" is then the
     state coming from the right and the final state the one after the first chunk).
 
@@ -356,6 +365,25 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
             reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
         else:
             reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
+    if nchunks == 1:  # one chunk (e.g. one per tile at a large batch): no block product, two elementwise ops
+        total = torch.exp(log_carry[:, 0]).to(states.dtype)[..., None, None]                # (b, g, r, 1, 1)
+        if init is None:
+            entering, carry = None, states[:, 0]  # nothing enters: the caller skips the read-out
+        else:
+            entering, carry = init[:, None], states[:, 0] + total * init
+    else:
+        entering, carry = _scan_chunk_blocks(states, log_carry, init, reverse=reverse, block=block)
+    if not any_bad:
+        return entering, carry
+    if entering is not None:
+        entering = entering.masked_fill(reached[..., None, None], float("nan"))
+    return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
+
+
+def _scan_chunk_blocks(states: Tensor, log_carry: Tensor, init: Tensor | None, *, reverse: bool,
+                       block: int) -> tuple[Tensor, Tensor]:
+    """:func:`_scan_chunk_states` of finite ``states`` over more than one chunk: blocks of ``block`` chunks."""
+    bsz, nchunks, groups, rep, hdim, nstate = states.shape
     size = min(block, nchunks)
     nblocks = -(-nchunks // size)
     pad = nblocks * size - nchunks
@@ -389,8 +417,4 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     carries_t = carries[0][:, None] if nblocks == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
     entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
     entering = entering.reshape(bsz, nblocks * size, groups, rep, hdim, nstate)
-    entering = entering[:, :nchunks] if pad else entering
-    if not any_bad:
-        return entering, carry
-    entering = entering.masked_fill(reached[..., None, None], float("nan"))
-    return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
+    return (entering[:, :nchunks] if pad else entering), carry
