@@ -34,6 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._tiling import tile_bounds, tile_length
@@ -294,21 +295,56 @@ def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, all
     """One direction's part of the intra-chunk matrix, ``C_i.B_j exp(row_i + col_j) dt_j`` where ``allowed``:
     C, B (b,c,Q,g,n); row, col, dt (b,c,g,r,Q); allowed (Q, Q) or (b,c,1,1,Q,Q) -> (b,c,g,r,Q,Q)."""
     cb = torch.einsum("bcign,bcjgn->bcgij", C, B)                                          # (b,c,g,Q,Q)
-    w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
-    block = cb[:, :, :, None] * w * dt[..., None, :]
     # Excluded pairs have weight exactly 0, so their product is 0 unless C.B or dt is non-finite (a huge or
     # non-finite B_j or dt_j of an excluded, e.g. future, token: 0 * inf = NaN). Only then are they dropped by
-    # selection (a full-size copy, and one more in the backward, that the usual all-finite case skips).
-    if not _known_finite(cb, dt):
-        block = block.masked_fill(~allowed, 0.0)
-    return block
+    # selection (a full-size copy, and one more in the backward), under plain autograd; the usual all-finite case
+    # runs :class:`_IntraWeights`, whose backward is written out (fewer passes over the Q x Q blocks).
+    if _known_finite(cb, dt):
+        return _IntraWeights.apply(cb, row, col, dt, allowed)
+    w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
+    return (cb[:, :, :, None] * w * dt[..., None, :]).masked_fill(~allowed, 0.0)
+
+
+class _IntraWeights(torch.autograd.Function):
+    """``cb_ij exp(row_i + col_j) dt_j`` where ``allowed`` (else 0), for finite ``cb`` and ``dt``, with its
+    gradients written out: with ``E = grad * out``, ``d row_i = sum_j E_ij``, ``d col_j = sum_i E_ij``,
+    ``d dt_j = sum_i grad_ij cb_ij w_ij`` and ``d cb_ij = sum_heads grad_ij w_ij dt_j``. The excluded pairs enter
+    as an additive ``-inf`` bias (cheaper than a selection) and keep weight 0; a non-finite incoming gradient is
+    zeroed there first, so it reaches only the pairs that exist. Saves ``w`` only (autograd kept two blocks)."""
+
+    @staticmethod
+    def forward(ctx, cb: Tensor, row: Tensor, col: Tensor, dt: Tensor, allowed: Tensor) -> Tensor:
+        bias = torch.zeros(allowed.shape, dtype=row.dtype, device=row.device).masked_fill_(~allowed, float("-inf"))
+        w = (row[..., :, None] + bias).add_(col[..., None, :]).exp_()                        # (b,c,g,r,Q,Q)
+        out = w * cb[:, :, :, None]
+        out.mul_(dt[..., None, :])
+        ctx.save_for_backward(cb, dt, w, allowed)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        cb, dt, w, allowed = ctx.saved_tensors
+        if not bool(torch.isfinite(grad.sum())):
+            grad = grad.masked_fill(~allowed, 0.0)
+        t = grad * w                                                                           # grad_ij w_ij
+        need_cb, need_row, need_col, need_dt, _ = ctx.needs_input_grad
+        grad_cb = (t * dt[..., None, :]).sum(3).to(cb.dtype) if need_cb else None
+        u = t.mul_(cb[:, :, :, None])                                                          # grad_ij cb_ij w_ij
+        grad_dt = u.sum(-2).to(dt.dtype) if need_dt else None
+        e = u.mul_(dt[..., None, :])                                                           # grad_ij out_ij
+        grad_row = e.sum(-1) if need_row else None
+        grad_col = e.sum(-2) if need_col else None
+        return grad_cb, grad_row, grad_col, grad_dt, None
 
 
 def _chunk_states(weights: Tensor, B: Tensor, x: Tensor) -> Tensor:
     """Each chunk's own state ``sum_j w_j B_j x_j^T``: weights (b,c,g,r,Q), B (b,c,Q,g,n), x (b,c,Q,g,r,p)
     -> (b,c,g,r,p,n). The weights scale x first, so the product is one matmul per chunk and group over all
     the group's heads at once ((r p) x Q times Q x n), not one small matmul per head."""
-    xw = x * weights.permute(0, 1, 4, 2, 3)[..., None]
+    # (the small weights are made contiguous in x's layout first: a strided broadcast operand makes the full-size
+    # product, and its backward, about 3x slower on CPU)
+    xw = x * weights.permute(0, 1, 4, 2, 3).contiguous()[..., None]
     return torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xw)
 
 
@@ -316,7 +352,7 @@ def _read_out(C: Tensor, query: Tensor, entering: Tensor) -> Tensor:
     """``query_i C_i . H`` for every token: C (b,c,Q,g,n), query (b,c,g,r,Q), states (b,c,g,r,p,n)
     -> (b,c,Q,g,r,p); one matmul per chunk and group, then the per-head decay."""
     out = torch.einsum("bcign,bcgrpn->bcigrp", C, entering)
-    return out * query.permute(0, 1, 4, 2, 3)[..., None]
+    return out * query.permute(0, 1, 4, 2, 3).contiguous()[..., None]
 
 
 def _segsum(log_a: Tensor) -> Tensor:
