@@ -2,7 +2,8 @@
 
 The ``torch`` backend of the scan ops: O(L) memory (no L x L tensor), any length, CPU or GPU.
 
-The sequence is cut into chunks of Q tokens. Within a chunk, the forward (lower), backward (upper) and
+The sequence is cut into chunks of Q tokens (:func:`chunk_length`: at most ``chunk_size``, balanced so that
+little is padded). Within a chunk, the forward (lower), backward (upper) and
 diagonal parts of the quasiseparable matrix are summed into **one** Q x Q block per head and applied with
 one batched matmul. Between chunks, each direction carries an (p x n) state per head: the forward state
 flows left to right, the backward state right to left. So the two directions of Hydra cost one
