@@ -135,7 +135,8 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
         raise ValueError(f"number of heads ({heads}) must be a multiple of the number of groups ({groups})")
     rep = heads // groups
     # a sequence shorter than a chunk is one chunk, not padded to one; larger scans tune the length (chunk_length)
-    Q = chunk_length(length, inputs.chunk_size, heads, hdim, groups, nstate, 2 if fwd_dir is not None and bwd_dir is not None else 1)
+    directions = int(fwd_dir is not None) + int(bwd_dir is not None)
+    Q = chunk_length(length, inputs.chunk_size, heads, hdim, groups, nstate, directions)
     nchunks = -(-length // Q)
     pad = nchunks * Q - length
     dtype = x.dtype
