@@ -131,3 +131,24 @@ def test_scan_op_count_does_not_grow_with_the_number_of_chunks():
     # of a tile, and the state pass's blocks), not a loop over tiles of a few chunks each
     short, long = _scan_ops(2048), _scan_ops(16384)
     assert long <= 1.5 * short, (short, long)
+
+
+def test_an_all_finite_scan_makes_no_full_size_selection():
+    # The intra-chunk weights' excluded pairs enter as an additive -inf bias and its backward is written out: no
+    # masked_fill or where over the (chunk x chunk) blocks, forward or backward, when every value is finite
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    h, p, n, q, length = 4, 16, 16, 32, 256
+    x = torch.randn(1, length, h, p, requires_grad=True)
+    dt = (torch.rand(1, length, h) * 0.1).requires_grad_(True)
+    A = -torch.rand(h) - 0.5
+    B, C = torch.randn(1, length, 1, n, requires_grad=True), torch.randn(1, length, 1, n, requires_grad=True)
+    block = length * q * h
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        kernels.quasiseparable(x, dt, A, B, C, chunk_size=q, backend="torch").sum().backward()
+    selections = [(e.name, e.input_shapes) for e in prof.events()
+                  if e.name in ("aten::masked_fill", "aten::masked_fill_", "aten::where")
+                  and e.input_shapes and e.input_shapes[0] and torch.Size(e.input_shapes[0]).numel() >= block]
+    assert selections == []
+    assert any(e.name == "aten::bmm" for e in prof.events())   # the profile did see the scan

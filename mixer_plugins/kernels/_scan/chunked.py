@@ -2,7 +2,8 @@
 
 The ``torch`` backend of the scan ops: O(L) memory (no L x L tensor), any length, CPU or GPU.
 
-The sequence is cut into chunks of Q tokens. Within a chunk, the forward (lower), backward (upper) and
+The sequence is cut into chunks of Q tokens (:func:`chunk_length`: at most ``chunk_size``, balanced so that
+little is padded). Within a chunk, the forward (lower), backward (upper) and
 diagonal parts of the quasiseparable matrix are summed into **one** Q x Q block per head and applied with
 one batched matmul. Between chunks, each direction carries an (p x n) state per head: the forward state
 flows left to right, the backward state right to left. So the two directions of Hydra cost one
@@ -34,12 +35,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .._tiling import tile_bounds, tile_length
 from .inputs import ScanInputs
 
-__all__ = ["TILE_ELEMENTS", "scan_chunked", "tile_chunks", "tile_elements"]
+__all__ = ["AUTO_CHUNK_MIN_STATE", "TILE_ELEMENTS", "chunk_length", "scan_chunked", "tile_chunks", "tile_elements"]
 
 
 def _pad_time(t: Tensor | None, pad: int) -> Tensor | None:
@@ -65,12 +67,43 @@ def tile_chunks(bsz: int, chunk: int, heads: int, width: int) -> int:
     return tile_length(TILE_ELEMENTS, bsz * chunk * heads * width)
 
 
-def tile_elements(inputs: ScanInputs) -> int:
-    """Elements of the largest temporary of one tile of ``inputs``' scan (what :mod:`.._threads` sizes by)."""
+#: The chunk length is tuned (:func:`chunk_length`) only for scans whose per-token state, heads x head_dim x state,
+#: holds at least this many elements: the sizes where it was measured. Smaller scans use ``chunk_size`` as given, so
+#: that tests at small shapes exercise the chunk and tile boundaries they ask for.
+AUTO_CHUNK_MIN_STATE = 4096
+
+
+def chunk_length(length: int, chunk_size: int, heads: int, head_dim: int, groups: int, state: int,
+                 directions: int) -> int:
+    """Tokens per chunk that the scan actually uses for a sequence of ``length`` and the requested ``chunk_size``.
+
+    It changes speed only, never the result (up to rounding). A sequence no longer than ``chunk_size`` is one
+    chunk of ``length`` tokens (not padded to a chunk; it then needs no state work at all unless an initial or
+    final state is involved). For scans of at least :data:`AUTO_CHUNK_MIN_STATE` state elements per token, longer
+    sequences use **balanced** chunks: the fewest chunks of at most ``chunk_size`` tokens, all of equal length, so
+    that little is padded (197 tokens at chunk 64: 4 chunks of 50, 200 tokens, not 256). Smaller scans use
+    ``chunk_size`` as given. (One chunk for a longer sequence, the quadratic form, saves the states' FLOPs but was
+    measured slower on CPU: its elementwise passes over the L x L blocks cost more; see docs/performance.md.)
+    ``heads``, ``head_dim``, ``groups``, ``state`` and ``directions`` describe the scan (the gate above).
+    """
+    q = max(1, min(int(chunk_size), int(length)))
+    if length <= q or heads * head_dim * state < AUTO_CHUNK_MIN_STATE:
+        return q
+    return -(-length // -(-length // q))
+
+
+def _scan_shape(inputs: ScanInputs) -> tuple[int, int, int, int, int, int, int]:
+    """(batch, length, heads, head_dim, groups, state, directions) of ``inputs``."""
     bsz, length, heads, hdim = inputs.x.shape
     direction = inputs.forward or inputs.backward
-    nstate = 0 if direction is None else direction.B.shape[-1]
-    q = max(1, min(int(inputs.chunk_size), length))
+    groups, nstate = (0, 0) if direction is None else direction.B.shape[2:]
+    return bsz, length, heads, hdim, groups, nstate, int(inputs.forward is not None) + int(inputs.backward is not None)
+
+
+def tile_elements(inputs: ScanInputs) -> int:
+    """Elements of the largest temporary of one tile of ``inputs``' scan (what :mod:`.._threads` sizes by)."""
+    bsz, length, heads, hdim, groups, nstate, directions = _scan_shape(inputs)
+    q = chunk_length(length, inputs.chunk_size, heads, hdim, groups, nstate, directions)
     width = max(hdim, q, nstate)
     nchunks = -(-length // q)
     return bsz * min(nchunks, tile_chunks(bsz, q, heads, width)) * q * heads * width
@@ -101,7 +134,9 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
     if heads % groups:
         raise ValueError(f"number of heads ({heads}) must be a multiple of the number of groups ({groups})")
     rep = heads // groups
-    Q = min(int(inputs.chunk_size), length)  # a sequence shorter than a chunk is one chunk, not padded to one
+    # a sequence shorter than a chunk is one chunk, not padded to one; larger scans tune the length (chunk_length)
+    directions = int(fwd_dir is not None) + int(bwd_dir is not None)
+    Q = chunk_length(length, inputs.chunk_size, heads, hdim, groups, nstate, directions)
     nchunks = -(-length // Q)
     pad = nchunks * Q - length
     dtype = x.dtype
@@ -157,7 +192,10 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
     # The backward state of a tile needs every tile to its right, so its read-out is computed first, tile by
     # tile from the right, and kept (one tile-sized tensor each) until sweep 2 adds it in.
     from_right: list[Tensor | None] = [None] * len(tiles)
-    if bwd is not None:
+    # One chunk: nothing enters it from the right, and from the left only an initial state; the chunk's own state
+    # is needed only for the final state. Then the state machinery is skipped (the quadratic form alone).
+    single = nchunks == 1
+    if bwd is not None and not single:
         carry = None
         for s in reversed(range(len(tiles))):
             p, e, dtp, B_c, C_c = (t[s] for t in bwd)
@@ -171,6 +209,10 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
                 log_carry = log_carry.masked_fill(~(sq[:, :, 0] == after_first_s[s][..., 0])[:, :, None, None],
                                                   float("-inf"))
             entering, carry = _scan_chunk_states(states, log_carry, carry, reverse=True)
+            if entering is None:  # a one-chunk tile with nothing to its right
+                if per_tile == 1:  # (every tile is one chunk: skipped, as the FLOP formula counts)
+                    continue
+                entering = torch.zeros_like(states)
             query = torch.exp(p[..., -1:] - (p if shift else e)).to(dtype)
             if sq is not None:
                 query = query * (sq == after_last_s[s])[:, :, None, None, :]
@@ -193,6 +235,7 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
             # lower part: C~_i.B_j exp(q_i - p_j) dt_j for j < i (j <= i unshifted)
             allowed = (idx[:, None] > idx[None, :]) if shift else (idx[:, None] >= idx[None, :])
             block = _intra_block(C_c, B_c, q_log, -p, dtp, allowed if same is None else allowed & same)
+        if fwd is not None and not (single and init is None and not return_final_state):
             # chunk states: sum_j exp(p_last - p_j) dt_j B_j x_j^T
             to_end = torch.exp(p[..., -1:] - p) * dtp                                     # (b,c,g,r,Q)
             if sq is not None:
@@ -203,10 +246,11 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
                 crosses = (sq[:, :, -1] == before_s[s][..., 0])[:, :, None, None]
                 log_carry = log_carry.masked_fill(~crosses, float("-inf"))
             entering, carry = _scan_chunk_states(states, log_carry, carry)
-            query = torch.exp(q_log).to(dtype)                                            # (b,c,g,r,Q)
-            if sq is not None:
-                query = query * (sq == before_s[s])[:, :, None, None, :]
-            terms.append(_read_out(C_c, query, entering))
+            if entering is not None:  # None: a one-chunk tile with nothing to its left
+                query = torch.exp(q_log).to(dtype)                                        # (b,c,g,r,Q)
+                if sq is not None:
+                    query = query * (sq == before_s[s])[:, :, None, None, :]
+                terms.append(_read_out(C_c, query, entering))
         if bwd is not None:
             p, e, dtp, B_c, C_c = (t[s] for t in bwd)
             q_log = p if shift else e
@@ -214,7 +258,8 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
             allowed = (idx[:, None] < idx[None, :]) if shift else (idx[:, None] <= idx[None, :])
             upper = _intra_block(C_c, B_c, -q_log, e, dtp, allowed if same is None else allowed & same)
             block = upper if block is None else block.add_(upper)  # in place: no product reads it back
-            terms.append(from_right[s])
+            if from_right[s] is not None:
+                terms.append(from_right[s])
             from_right[s] = None  # drop the reference: its memory is only the autograd graph's from now on
         if diag_s[s] is not None:
             terms.append(diag_s[s][..., None].to(dtype) * x_s)
@@ -222,7 +267,7 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
         for term in terms:  # in place: the product's backward never reads its own result
             y = y.add_(term)
         outputs.append(y)
-    if fwd is not None:
+    if fwd is not None and carry is not None:
         final_state = carry.reshape(bsz, heads, hdim, nstate)
 
     y = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1))
@@ -237,33 +282,71 @@ def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False, tile_s
 def _known_finite(*tensors: Tensor) -> bool:
     """True when every tensor is a plain (eager, untraced) tensor whose values are all finite: then the selections
     that guard against non-finite values can be skipped. False, the safe path, whenever values cannot be read
-    (fake or functional tensors, a dispatch mode, ``torch.compile``) or one is non-finite."""
+    (fake or functional tensors, a dispatch mode, ``torch.compile``) or one is non-finite.
+
+    One pass per tensor: the sum of finite values is finite unless it overflows, and any NaN or infinity makes it
+    non-finite; an overflowing sum only sends a finite tensor down the safe path (never the reverse)."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     if any(type(t) is not torch.Tensor for t in tensors):
         return False
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return all(bool(torch.isfinite(t.detach().sum())) for t in tensors)
 
 
 def _intra_block(C: Tensor, B: Tensor, row: Tensor, col: Tensor, dt: Tensor, allowed: Tensor) -> Tensor:
     """One direction's part of the intra-chunk matrix, ``C_i.B_j exp(row_i + col_j) dt_j`` where ``allowed``:
     C, B (b,c,Q,g,n); row, col, dt (b,c,g,r,Q); allowed (Q, Q) or (b,c,1,1,Q,Q) -> (b,c,g,r,Q,Q)."""
     cb = torch.einsum("bcign,bcjgn->bcgij", C, B)                                          # (b,c,g,Q,Q)
-    w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
-    block = cb[:, :, :, None] * w * dt[..., None, :]
     # Excluded pairs have weight exactly 0, so their product is 0 unless C.B or dt is non-finite (a huge or
     # non-finite B_j or dt_j of an excluded, e.g. future, token: 0 * inf = NaN). Only then are they dropped by
-    # selection (a full-size copy, and one more in the backward, that the usual all-finite case skips).
-    if not _known_finite(cb, dt):
-        block = block.masked_fill(~allowed, 0.0)
-    return block
+    # selection (a full-size copy, and one more in the backward), under plain autograd; the usual all-finite case
+    # runs :class:`_IntraWeights`, whose backward is written out (fewer passes over the Q x Q blocks).
+    if _known_finite(cb, dt):
+        return _IntraWeights.apply(cb, row, col, dt, allowed)
+    w = torch.exp((row[..., :, None] + col[..., None, :]).masked_fill(~allowed, float("-inf")))
+    return (cb[:, :, :, None] * w * dt[..., None, :]).masked_fill(~allowed, 0.0)
+
+
+class _IntraWeights(torch.autograd.Function):
+    """``cb_ij exp(row_i + col_j) dt_j`` where ``allowed`` (else 0), for finite ``cb`` and ``dt``, with its
+    gradients written out: with ``E = grad * out``, ``d row_i = sum_j E_ij``, ``d col_j = sum_i E_ij``,
+    ``d dt_j = sum_i grad_ij cb_ij w_ij`` and ``d cb_ij = sum_heads grad_ij w_ij dt_j``. The excluded pairs enter
+    as an additive ``-inf`` bias (cheaper than a selection) and keep weight 0; a non-finite incoming gradient is
+    zeroed there first, so it reaches only the pairs that exist. Saves ``w`` only (autograd kept two blocks)."""
+
+    @staticmethod
+    def forward(ctx, cb: Tensor, row: Tensor, col: Tensor, dt: Tensor, allowed: Tensor) -> Tensor:
+        bias = torch.zeros(allowed.shape, dtype=row.dtype, device=row.device).masked_fill_(~allowed, float("-inf"))
+        w = (row[..., :, None] + bias).add_(col[..., None, :]).exp_()                        # (b,c,g,r,Q,Q)
+        out = w * cb[:, :, :, None]
+        out.mul_(dt[..., None, :])
+        ctx.save_for_backward(cb, dt, w, allowed)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        cb, dt, w, allowed = ctx.saved_tensors
+        if not bool(torch.isfinite(grad.sum())):
+            grad = grad.masked_fill(~allowed, 0.0)
+        t = grad * w                                                                           # grad_ij w_ij
+        need_cb, need_row, need_col, need_dt, _ = ctx.needs_input_grad
+        grad_cb = (t * dt[..., None, :]).sum(3).to(cb.dtype) if need_cb else None
+        u = t.mul_(cb[:, :, :, None])                                                          # grad_ij cb_ij w_ij
+        grad_dt = u.sum(-2).to(dt.dtype) if need_dt else None
+        e = u.mul_(dt[..., None, :])                                                           # grad_ij out_ij
+        grad_row = e.sum(-1) if need_row else None
+        grad_col = e.sum(-2) if need_col else None
+        return grad_cb, grad_row, grad_col, grad_dt, None
 
 
 def _chunk_states(weights: Tensor, B: Tensor, x: Tensor) -> Tensor:
     """Each chunk's own state ``sum_j w_j B_j x_j^T``: weights (b,c,g,r,Q), B (b,c,Q,g,n), x (b,c,Q,g,r,p)
     -> (b,c,g,r,p,n). The weights scale x first, so the product is one matmul per chunk and group over all
     the group's heads at once ((r p) x Q times Q x n), not one small matmul per head."""
-    xw = x * weights.permute(0, 1, 4, 2, 3)[..., None]
+    # (the small weights are made contiguous in x's layout first: a strided broadcast operand makes the full-size
+    # product, and its backward, about 3x slower on CPU)
+    xw = x * weights.permute(0, 1, 4, 2, 3).contiguous()[..., None]
     return torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xw)
 
 
@@ -271,7 +354,7 @@ def _read_out(C: Tensor, query: Tensor, entering: Tensor) -> Tensor:
     """``query_i C_i . H`` for every token: C (b,c,Q,g,n), query (b,c,g,r,Q), states (b,c,g,r,p,n)
     -> (b,c,Q,g,r,p); one matmul per chunk and group, then the per-head decay."""
     out = torch.einsum("bcign,bcgrpn->bcigrp", C, entering)
-    return out * query.permute(0, 1, 4, 2, 3)[..., None]
+    return out * query.permute(0, 1, 4, 2, 3).contiguous()[..., None]
 
 
 def _segsum(log_a: Tensor) -> Tensor:
@@ -297,6 +380,7 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
 
     ``states`` (b, C, g, r, p, n) are the chunks' own contributions ``S_c``; ``log_carry`` (b, C, g, r) is
     ``log a_c`` (-inf where the chain breaks); ``init`` (b, g, r, p, n) is ``H_{-1}`` (zero if None).
+    ``entering`` is None when nothing enters (one chunk and no ``init``).
     ``reverse``: the recurrence runs right to left (``H_c = a_c H_{c+1} + S_c``; "entering" is then the
     state coming from the right and the final state the one after the first chunk).
 
@@ -319,6 +403,25 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
             reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
         else:
             reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
+    if nchunks == 1:  # one chunk (e.g. one per tile at a large batch): no block product, two elementwise ops
+        total = torch.exp(log_carry[:, 0]).to(states.dtype)[..., None, None]                # (b, g, r, 1, 1)
+        if init is None:
+            entering, carry = None, states[:, 0]  # nothing enters: the caller skips the read-out
+        else:
+            entering, carry = init[:, None], states[:, 0] + total * init
+    else:
+        entering, carry = _scan_chunk_blocks(states, log_carry, init, reverse=reverse, block=block)
+    if not any_bad:
+        return entering, carry
+    if entering is not None:
+        entering = entering.masked_fill(reached[..., None, None], float("nan"))
+    return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
+
+
+def _scan_chunk_blocks(states: Tensor, log_carry: Tensor, init: Tensor | None, *, reverse: bool,
+                       block: int) -> tuple[Tensor, Tensor]:
+    """:func:`_scan_chunk_states` of finite ``states`` over more than one chunk: blocks of ``block`` chunks."""
+    bsz, nchunks, groups, rep, hdim, nstate = states.shape
     size = min(block, nchunks)
     nblocks = -(-nchunks // size)
     pad = nblocks * size - nchunks
@@ -352,8 +455,4 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     carries_t = carries[0][:, None] if nblocks == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
     entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
     entering = entering.reshape(bsz, nblocks * size, groups, rep, hdim, nstate)
-    entering = entering[:, :nchunks] if pad else entering
-    if not any_bad:
-        return entering, carry
-    entering = entering.masked_fill(reached[..., None, None], float("nan"))
-    return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
+    return (entering[:, :nchunks] if pad else entering), carry

@@ -237,28 +237,39 @@ def run_chunked(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor
 
 
 def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, groups: int, state: int,
-                       directions: int, chunk_size: int) -> int:
+                       directions: int, chunk_size: int, *, initial_state: bool = False,
+                       final_state: bool = False) -> int:
     """FLOPs (2 per multiply-add) of the matmul work of one chunked scan.
 
-    Per direction: the C.B products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state
-    read-out (2 L h p n) and the state pass between chunks (within each tile, blocks of S = min(32, tile)
-    chunks: the states entering its chunks, a S x S product, and the state leaving it, a 1 x S product:
-    2 (S^2 + S) h p n per block, none when S = 1); once for both directions: the summed
-    intra-chunk block times x (2 L Q h p).
+    The chunks are those the scan uses, :func:`.chunked.chunk_length` tokens each (Q). Per direction: the C.B
+    products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state read-out (2 L h p n) and the state
+    pass between chunks (within each tile, blocks of S = min(32, tile) chunks: the states entering its chunks, a
+    S x S product, and the state leaving it, a 1 x S product: 2 (S^2 + S) h p n per block, none when S = 1); once
+    for both directions: the summed intra-chunk block times x (2 L Q h p). The read-out of a state that is known to
+    be zero is skipped: a sequence that is one chunk (no longer than ``chunk_size``) has no states at all unless the
+    forward direction has an ``initial_state`` or returns its ``final_state`` (its states are then counted, and its
+    read-out with an initial state); when every tile is one chunk, the first chunk of each direction (the last one,
+    right to left) reads out nothing, except the forward direction's with an initial state.
     Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
     """
-    chunk_size = min(chunk_size, length)
+    chunk_size = chunked.chunk_length(length, chunk_size, heads, head_dim, groups, state, directions)
     padded = -(-length // chunk_size) * chunk_size
     chunks = padded // chunk_size
+    block_product = 2 * padded * chunk_size * heads * head_dim
+    products = 2 * padded * chunk_size * state * groups
+    one_pass = 2 * padded * heads * head_dim * state  # the chunk states, or their read-out
+    if chunks == 1:
+        fwd_states = one_pass * (int(initial_state or final_state) + int(initial_state))
+        return batch * (directions * products + fwd_states + block_product)
     state_pass = 0
     per_tile = chunked.tile_chunks(batch, chunk_size, heads, max(head_dim, chunk_size, state))
     for lo, hi in tile_bounds(chunks, per_tile):
         block = min(chunked.STATE_PASS_BLOCK, hi - lo)
         if block > 1:  # a one-chunk block is an elementwise product, which FlopCounterMode does not count
             state_pass += -(-(hi - lo) // block) * (block * block + block)
-    per_direction = (2 * padded * chunk_size * state * groups + 4 * padded * heads * head_dim * state
-                     + 2 * state_pass * heads * head_dim * state)
-    return batch * (directions * per_direction + 2 * padded * chunk_size * heads * head_dim)
+    per_direction = products + 2 * one_pass + 2 * state_pass * heads * head_dim * state
+    skipped = (directions - int(initial_state)) * one_pass // chunks if per_tile == 1 else 0
+    return batch * (directions * per_direction + block_product - skipped)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.chunked_scan)
@@ -268,4 +279,6 @@ def _chunked_scan_flop_formula(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_sh
     b, l, h, p = x_shape
     b_shape = B_f_shape if B_f_shape is not None else B_b_shape
     directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return chunked_scan_flops(b, l, h, p, b_shape[2], b_shape[3], directions, chunk_size)
+    # the op always returns the forward direction's final state
+    return chunked_scan_flops(b, l, h, p, b_shape[2], b_shape[3], directions, chunk_size,
+                              initial_state=init_shape is not None, final_state=dt_f_shape is not None)
