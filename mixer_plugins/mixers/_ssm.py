@@ -193,8 +193,8 @@ class BidirectionalSSMBlock(MatrixMixerBlock):
         b, length = x.shape[:2]
         gn = (self.ngroups, self.d_state)
         if self.data_dependent:
-            raw_f, raw_b = parts["dt"].chunk(2, dim=-1)
-            dt_f, dt_b = self.ssm.dt(raw_f), self.ssm.dt(raw_b)
+            # both directions' step sizes in one softplus (and one clamp): (b, L, 2, h) -> two strided views
+            dt_f, dt_b = self.ssm.dt(parts["dt"].unflatten(-1, (2, self.scan_heads))).unbind(dim=2)
             if self.shared_bc:
                 B_f = B_b = parts["B"].unflatten(-1, gn)
                 C_f = C_b = parts["C"].unflatten(-1, gn)
@@ -207,7 +207,8 @@ class BidirectionalSSMBlock(MatrixMixerBlock):
             dt_f = dt_b = self.ssm.dt(x.new_zeros(b, length, self.scan_heads))  # time-invariant steps
         diag = None
         if self.use_diag:
-            diag = self.fc_D(parts["x"]) + self.ssm.D.to(x.dtype)
+            # diag = W_D x + D as one fused multiply-add (D is the bias of the product)
+            diag = nn.functional.linear(parts["x"], self.fc_D.weight, self.ssm.D.to(x.dtype))
         values = torch.cat([x, x], dim=2) if self.combine == "concat" else x
         return ScanContext(values=values, mask=mask, x=x, A=self.ssm.A(x.dtype), dt_f=dt_f, dt_b=dt_b,
                            B_f=B_f, C_f=C_f, B_b=B_b, C_b=C_b, diag=diag)
