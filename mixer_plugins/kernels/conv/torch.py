@@ -61,11 +61,12 @@ def _conv_tile(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, lo:
     """
     taps = weight.shape[0]
     xp = _window(x, lo - left, hi - left + taps - 1)
-    torch.mul(xp[:, 0:hi - lo], weight[0], out=out)
+    if bias is not None:  # the bias rides on the first tap's multiply-add (one pass fewer)
+        torch.addcmul(bias, xp[:, 0:hi - lo], weight[0], out=out)
+    else:
+        torch.mul(xp[:, 0:hi - lo], weight[0], out=out)
     for tap in range(1, taps):
         out.addcmul_(xp[:, tap: tap + hi - lo], weight[tap])
-    if bias is not None:
-        out.add_(bias)
     return out
 
 
@@ -110,21 +111,25 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
                                   right: int, with_bias: bool, silu: bool) -> tuple[Tensor, Tensor, Tensor]:
     k = weight.shape[1]
     compute = torch.promote_types(grad.dtype, x.dtype)
-    grad_w = torch.zeros(weight.shape, dtype=compute, device=x.device)
+    grad_w = torch.zeros(weight.shape[::-1], dtype=compute, device=x.device)   # taps-first (k, C)
     grad_b = torch.zeros(x.shape[-1], dtype=compute, device=x.device) if with_bias else grad.new_empty(0)
     tiles = _tiles(x)
     with _tile_threads(x, tiles):
         taps = _taps_first(weight)
         bias = None if bias is None else bias.contiguous()
         widest = max(hi - lo for lo, hi in tiles)
-        work = torch.empty(2 if silu else 1, x.shape[0], widest, x.shape[2], dtype=grad.dtype, device=grad.device)
+        batch, channels = x.shape[0], x.shape[2]
+        work = torch.empty(2 if silu else 1, batch * widest * channels, dtype=grad.dtype, device=grad.device)
+        ones = torch.ones(batch * widest, dtype=grad.dtype, device=grad.device)
         # pass 1, tile by tile: the gradient before the activation, and the weight and bias gradients
-        # (grad_w[:, tap] = sum_t g_t x_{t + tap - left})
+        # (grad_w[tap] = sum_t g_t x_{t + tap - left}, kept taps-first)
         g_pre = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device) if silu else grad
         for lo, hi in tiles:
-            prod = work[0, :, :hi - lo]
+            rows = batch * (hi - lo)
+            # contiguous tile-sized buffers: each tap's column sums are then one matrix-vector product
+            prod = work[0, :rows * channels].view(batch, hi - lo, channels)
             if silu:
-                pre, sig = g_pre[:, lo:hi], work[1, :, :hi - lo]
+                pre, sig = g_pre[:, lo:hi], work[1, :rows * channels].view(batch, hi - lo, channels)
                 _conv_tile(x, taps, bias, left, lo, hi, pre)
                 torch.sigmoid(pre, out=sig)
                 pre.mul_(sig)                              # silu(v)
@@ -134,7 +139,10 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
             xp = _window(x, lo - left, hi - left + k - 1)
             for tap in range(k):
                 torch.mul(g, xp[:, tap: tap + hi - lo], out=prod)
-                grad_w[:, tap] += prod.sum(dim=(0, 1))
+                if prod.dtype == compute:
+                    grad_w[tap].addmv_(prod.view(rows, channels).t(), ones[:rows])
+                else:
+                    grad_w[tap] += prod.sum(dim=(0, 1))
             if with_bias:
                 grad_b += g.sum(dim=(0, 1))
         # pass 2: y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of the
@@ -146,7 +154,8 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
             torch.mul(gp[:, 0:hi - lo], taps[k - 1], out=acc)
             for tap in range(1, k):
                 acc.addcmul_(gp[:, tap: tap + hi - lo], taps[k - 1 - tap])
-    return grad_x, grad_w.to(weight.dtype), grad_b.to(weight.dtype) if with_bias else grad_b
+    grad_w = grad_w.t().contiguous().to(weight.dtype)
+    return grad_x, grad_w, grad_b.to(weight.dtype) if with_bias else grad_b
 
 
 @_depthwise_conv1d_backward_op.register_fake

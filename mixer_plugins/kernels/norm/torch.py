@@ -74,22 +74,41 @@ class _GatedRMSNorm(torch.autograd.Function):
 
 def _forward_tiles(y2: Tensor, z2: Tensor, w: Tensor, out: Tensor, tiles: list[tuple[int, int]], eps: float,
                    norm_before_gate: bool, compute: torch.dtype) -> None:
-    """The forward, tile by tile, into ``out`` (rows x width)."""
+    """The forward, tile by tile, into ``out`` (rows x width).
+
+    Every product is written in place (into the output rows when ``out`` has the compute dtype): a tile costs
+    one ``silu``, one sum of squares (a matrix-vector product, no squared temporary) and three multiplies.
+    """
+    direct = out.dtype == compute
     for lo, hi in tiles:
         yt, gate = y2[lo:hi].to(compute), F.silu(z2[lo:hi].to(compute))
+        o = out[lo:hi] if direct else torch.empty_like(gate)
         if norm_before_gate:
-            r = torch.rsqrt(yt.pow(2).mean(-1, keepdim=True) + eps)
-            o = yt * r
-            o *= gate
+            torch.mul(yt, _inv_rms(yt, eps), out=o)
+            o.mul_(gate)
         else:
-            o = yt * gate
-            o *= torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
-        o *= w
-        out[lo:hi] = o
+            torch.mul(yt, gate, out=o)
+            o.mul_(_inv_rms(o, eps))
+        o.mul_(w)
+        if not direct:
+            out[lo:hi] = o
+
+
+def _inv_rms(v: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(mean(v^2, -1) + eps)`` of the rows of ``v`` (rows, 1), from the rows' 2-norms: one reduction,
+    no squared temporary (``pow(2).mean`` allocates one and runs ~2.5x slower on CPU)."""
+    ss = torch.linalg.vector_norm(v, dim=-1, keepdim=True).square_()
+    return ss.div_(v.shape[-1]).add_(eps).rsqrt_()
 
 
 def _backward(ctx, grad: Tensor, tiles: list[tuple[int, int]]):
-    """The backward of :class:`_GatedRMSNorm`, tile by tile (the per-tile statistics recomputed)."""
+    """The backward of :class:`_GatedRMSNorm`, tile by tile (the per-tile statistics recomputed).
+
+    With ``n = v / rms(v)`` (``v = y``, or ``v = y * silu(z)``), ``s`` the gate ``silu(z)`` and ``g`` the output
+    gradient: ``dn = g w s`` (before the gate) or ``g w``, ``dv = r (dn - n mean(dn n))``, the gain gradient is the
+    column sum of ``g s n`` (or ``g n``), and ``silu'(z) = sig(z) + s (1 - sig(z))``. The products are formed in
+    place in a few tile-sized buffers and in the gradients' own rows.
+    """
     y, z, weight = ctx.saved_tensors
     eps, before = ctx.eps, ctx.norm_before_gate
     dtype = y.dtype
@@ -98,40 +117,47 @@ def _backward(ctx, grad: Tensor, tiles: list[tuple[int, int]]):
     w = weight.to(compute)
     width = y2.shape[-1]
     need_y, need_z, need_w = ctx.needs_input_grad[:3]
+    direct = dtype == compute and z.dtype == compute
     grad_y = torch.empty(y2.shape, dtype=dtype, device=y.device) if need_y else None
     grad_z = torch.empty(z2.shape, dtype=z.dtype, device=z.device) if need_z else None
     grad_w = torch.zeros(width, dtype=compute, device=y.device)
     for lo, hi in tiles:
         yt, zt, gt = y2[lo:hi].to(compute), z2[lo:hi].to(compute), g2[lo:hi].to(compute)
         sig = torch.sigmoid(zt)
-        gate = zt * sig
-        # silu'(z) = sig(z) * (1 + z * (1 - sig(z)))
-        dgate = sig * (1.0 + zt * (1.0 - sig))
-        # the normalized tensor n = v / rms(v) (v = y, or v = y * silu(z)) and the gradient reaching it
-        v = yt if before else yt * gate
-        r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-        n = v * r
-        gw = gt * w
+        gate = zt * sig                                   # silu(z)
         if before:
-            grad_w += (gt * gate * n).sum(0)
-            dn = gw * gate                       # d out / d n = w * silu(z)
-            dz_part = gw * n                     # d out / d silu(z) = w * n
+            r = _inv_rms(yt, eps)
+            n = yt * r
         else:
-            grad_w += (gt * n).sum(0)
-            dn = gw
-        # RMSNorm backward: dv = r * (dn - n * mean(dn * n))
-        dv = dn - n * (dn * n).mean(-1, keepdim=True)
-        dv *= r
+            n = yt * gate
+            r = _inv_rms(n, eps)
+            n.mul_(r)
+        gn = gt * n                                       # g n
         if before:
-            if grad_y is not None:
-                grad_y[lo:hi] = dv
+            gn.mul_(gate)                                 # g s n
+        grad_w += gn.sum(0)
+        m = (gn @ w[:, None]).div_(width)                 # mean(dn n): dn n = g w s n (or g w n)
+        dn = torch.mul(gt, w, out=gn)                     # dn = g w s (or g w), in g n's buffer
+        if before:
+            if grad_z is not None:                        # g w n
+                dz = torch.mul(dn, n, out=grad_z[lo:hi]) if direct else dn * n
+            dn.mul_(gate)
+        into_y = grad_y is not None and direct
+        dv = torch.addcmul(dn, n, m, value=-1.0, out=grad_y[lo:hi] if into_y else None).mul_(r)  # r (dn - n m)
+        if not before:
+            # v = y s: dy = dv s, dz = dv y silu'(z)
             if grad_z is not None:
-                grad_z[lo:hi] = dz_part * dgate
-        else:
+                dz = dv * yt
             if grad_y is not None:
-                grad_y[lo:hi] = dv * gate
-            if grad_z is not None:
-                grad_z[lo:hi] = dv * yt * dgate
+                dv.mul_(gate)
+        if grad_y is not None and not into_y:
+            grad_y[lo:hi] = dv
+        if grad_z is not None:
+            # silu'(z) = sig + s (1 - sig) = sig + s - s sig, built in sig's place
+            dgate = sig.addcmul_(gate, sig, value=-1.0).add_(gate)
+            dz.mul_(dgate)
+            if not (before and direct):
+                grad_z[lo:hi] = dz
     return (None if grad_y is None else grad_y.view(y.shape),
             None if grad_z is None else grad_z.view(z.shape),
             grad_w.to(weight.dtype) if need_w else None, None, None)
