@@ -104,33 +104,63 @@ def test_the_eager_scan_says_it_is_not_twice_differentiable():
         gx.sum().backward()
 
 
+#: The state pass's per-chunk steps (see ``chunked._StatePass``): a fused multiply-add into a slice per chunk.
+_STEP_OPS = (torch.ops.aten.addcmul.out, torch.ops.aten.mul.out)
+
+
 class _CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched, and records the intra-op threads of each per-chunk step of the state pass."""
+
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.step_threads: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        if func in _STEP_OPS:
+            self.step_threads.append(torch.get_num_threads())
         return func(*args, **(kwargs or {}))
 
+    @property
+    def batched(self) -> int:
+        """The ops that are not per-chunk steps."""
+        return self.count - len(self.step_threads)
 
-def _scan_ops(length: int) -> int:
+
+def _scan_ops(length: int, *, heads: int = 2, head_dim: int = 16, state: int = 16) -> _CountOps:
     torch.manual_seed(0)
-    h, p, n = 2, 16, 16
+    h, p, n = heads, head_dim, state
     x = torch.randn(1, length, h, p, requires_grad=True)
     dt = torch.rand(1, length, h) * 0.1
     A = -torch.rand(h) - 0.5
     B, C = torch.randn(1, length, 1, n), torch.randn(1, length, 1, n)
     with _CountOps() as counter:
         kernels.quasiseparable(x, dt, A, B, C, chunk_size=64, backend="torch").sum().backward()
-    return counter.count
+    return counter
 
 
-def test_scan_op_count_does_not_grow_with_the_number_of_chunks():
-    # 32 chunks and 256 chunks of 64 tokens: the longer scan is the same few large ops (batched over the chunks
-    # of a tile, and the state pass's blocks), not a loop over tiles of a few chunks each
+def test_scan_op_count_does_not_grow_with_the_number_of_chunks_but_for_the_state_steps():
+    # 32 chunks and 256 chunks of 64 tokens: the longer scan's ops are the same few, batched over the chunks of a
+    # tile, not a loop over tiles of a few chunks each. Only the state pass between chunks steps chunk by chunk,
+    # one small fused multiply-add (one chunk's state) per chunk and direction, forward and backward.
     short, long = _scan_ops(2048), _scan_ops(16384)
-    assert long <= 1.5 * short, (short, long)
+    assert long.batched <= 1.5 * short.batched, (short.batched, long.batched)
+    assert len(long.step_threads) - len(short.step_threads) <= 2 * 2 * (256 - 32), (short.count, long.count)
+
+
+def test_the_state_pass_steps_run_on_one_thread(monkeypatch):
+    # Each per-chunk step of the state pass is a parallel region when its chunk state reaches the grain (here
+    # 8 x 64 x 64 = 32768 elements, Hydra's): it must then run on one thread, so that a descheduled thread cannot
+    # stall every one of them. (The threshold 0 would make every section parallel: the steps are still on one.)
+    monkeypatch.delenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", raising=False)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        counter = _scan_ops(4 * 64, heads=8, head_dim=64, state=64)
+    finally:
+        torch.set_num_threads(previous)
+    assert counter.step_threads and set(counter.step_threads) == {1}, counter.step_threads
 
 
 def test_an_all_finite_scan_makes_no_full_size_selection():
@@ -152,3 +182,41 @@ def test_an_all_finite_scan_makes_no_full_size_selection():
                   and e.input_shapes and e.input_shapes[0] and torch.Size(e.input_shapes[0]).numel() >= block]
     assert selections == []
     assert any(e.name == "aten::bmm" for e in prof.events())   # the profile did see the scan
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_the_state_pass_matches_the_recurrence_values_and_gradients(reverse, with_init):
+    # chunked._StatePass (chunk by chunk, written-out backward) against the recurrence H_c = a_c H_{c-1} + S_c
+    # written with plain autograd, float64, including a broken chain (a_c = 0) and the final state's gradient
+    from mixer_plugins.kernels._scan.chunked import _StatePass
+
+    torch.manual_seed(0)
+    b, nchunks, g, r, p, n = 2, 5, 1, 3, 4, 2
+    states = torch.randn(b, nchunks, g, r, p, n, dtype=torch.float64, requires_grad=True)
+    log_carry = -torch.rand(b, nchunks, g, r, dtype=torch.float64)
+    log_carry[0, 2, 0, 1] = float("-inf")
+    log_carry.requires_grad_(True)
+    init = torch.randn(b, g, r, p, n, dtype=torch.float64, requires_grad=True) if with_init else None
+
+    def recurrence():
+        h = torch.zeros_like(states[:, 0]) if init is None else init
+        entering = [None] * nchunks
+        for c in (reversed(range(nchunks)) if reverse else range(nchunks)):
+            entering[c] = h
+            h = torch.exp(log_carry[:, c])[..., None, None] * h + states[:, c]
+        return torch.stack(entering, dim=1), h
+
+    leaves = [t for t in (states, log_carry, init) if t is not None]
+    weights = (torch.randn(b, nchunks, g, r, p, n, dtype=torch.float64), torch.randn(b, g, r, p, n,
+                                                                                     dtype=torch.float64))
+    got, want = _StatePass.apply(states, log_carry, init, reverse), recurrence()
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    for use in ((0, 1), (0,), (1,)):  # both outputs, the entering states only, the final state only
+        loss_got = sum((got[i] * weights[i]).sum() for i in use)
+        loss_want = sum((want[i] * weights[i]).sum() for i in use)
+        grads_got = torch.autograd.grad(loss_got, leaves, retain_graph=True)
+        grads_want = torch.autograd.grad(loss_want, leaves, retain_graph=True)
+        for a, e in zip(grads_got, grads_want):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .._threads import threads_for
 from .._tiling import tile_bounds, tile_length
 from .inputs import ScanInputs
 
@@ -357,25 +358,8 @@ def _read_out(C: Tensor, query: Tensor, entering: Tensor) -> Tensor:
     return out * query.permute(0, 1, 4, 2, 3).contiguous()[..., None]
 
 
-def _segsum(log_a: Tensor) -> Tensor:
-    """``out[..., i, j] = sum_{k=j+1..i} log_a[..., k]`` for j <= i, -inf above the diagonal.
-
-    Summed per pair (a masked cumsum), never as a difference of cumulative sums: exact, and -inf entries
-    (broken chains) never meet +inf.
-    """
-    n = log_a.shape[-1]
-    x = log_a[..., :, None].expand(*log_a.shape, n)                                     # x[..., k, j] = log_a_k
-    below = torch.ones(n, n, dtype=torch.bool, device=log_a.device).tril(-1)
-    seg = torch.cumsum(x.masked_fill(~below, 0.0), dim=-2)
-    on_or_below = torch.ones(n, n, dtype=torch.bool, device=log_a.device).tril()
-    return seg.masked_fill(~on_or_below, float("-inf"))
-
-
-STATE_PASS_BLOCK = 32  # chunks per block of the state pass's block-triangular product (the FLOP formula counts it)
-
-
-def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *, reverse: bool = False,
-                       block: int = STATE_PASS_BLOCK) -> tuple[Tensor, Tensor]:
+def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *,
+                       reverse: bool = False) -> tuple[Tensor, Tensor]:
     """The state entering each chunk, and the state after the last one, of ``H_c = a_c H_{c-1} + S_c``.
 
     ``states`` (b, C, g, r, p, n) are the chunks' own contributions ``S_c``; ``log_carry`` (b, C, g, r) is
@@ -384,15 +368,15 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     ``reverse``: the recurrence runs right to left (``H_c = a_c H_{c+1} + S_c``; "entering" is then the
     state coming from the right and the final state the one after the first chunk).
 
-    The chunks form blocks of ``block``: within a block the states entering every chunk are one small matrix
-    product (the decays between every pair of its chunks), and only the blocks are walked in Python.
-    Only the small decay tensors are ever flipped or shifted: the state tensors are read once, in place, so
-    autograd has no slice or flip of them to undo.
+    The recurrence runs chunk by chunk (:class:`_StatePass`, with a written-out backward): one fused
+    multiply-add of one chunk's (b, g, r, p, n) state per chunk, each small enough to stay off the thread pool.
+    (A block-triangular product over blocks of chunks did the same work as matmuls, but its permuted operands
+    and its backward through the decay matrix cost several times more than the recurrence itself.)
     """
     bsz, nchunks, groups, rep, hdim, nstate = states.shape
     # A chunk whose own state is non-finite (a huge or non-finite token) must reach only the chunks after it (before
-    # it, reversed): the block products below would multiply it by the zero decays of earlier chunks (0 * inf = NaN).
-    # So it enters the products as zeros (by selection) and the chunks it does reach are marked NaN afterwards.
+    # it, reversed), and through a broken chain (decay exactly 0) not even those: 0 * inf = NaN would cross it.
+    # So it enters the recurrence as zeros (by selection) and the chunks after it are marked NaN afterwards.
     any_bad = not _known_finite(states)  # the usual case, all finite, skips the selections (full-size copies)
     reached = bad = None
     if any_bad:
@@ -410,7 +394,7 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
         else:
             entering, carry = init[:, None], states[:, 0] + total * init
     else:
-        entering, carry = _scan_chunk_blocks(states, log_carry, init, reverse=reverse, block=block)
+        entering, carry = _StatePass.apply(states, log_carry, init, reverse)
     if not any_bad:
         return entering, carry
     if entering is not None:
@@ -418,41 +402,69 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
     return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
 
 
-def _scan_chunk_blocks(states: Tensor, log_carry: Tensor, init: Tensor | None, *, reverse: bool,
-                       block: int) -> tuple[Tensor, Tensor]:
-    """:func:`_scan_chunk_states` of finite ``states`` over more than one chunk: blocks of ``block`` chunks."""
-    bsz, nchunks, groups, rep, hdim, nstate = states.shape
-    size = min(block, nchunks)
-    nblocks = -(-nchunks // size)
-    pad = nblocks * size - nchunks
-    if pad:  # chunks with no contribution and no decay: the carry passes through them unchanged
-        states = torch.cat([states, states.new_zeros(bsz, pad, groups, rep, hdim, nstate)], dim=1)
-        log_carry = torch.cat([log_carry, log_carry.new_zeros(bsz, pad, groups, rep)], dim=1)
-    st = states.view(bsz, nblocks, size, groups, rep, hdim, nstate)
-    la = log_carry.view(bsz, nblocks, size, groups, rep).permute(0, 3, 4, 1, 2)       # (b,g,r,T,S)
-    if reverse:
-        la = la.flip(-1)  # in scan order; flipped back below (small tensors only)
-    seg = _segsum(la)                                                                     # (b,g,r,T,S,S)
-    # entering_i = sum_{j<i} exp(la_{j+1} + ... + la_{i-1}) S_j + exp(la_0 + ... + la_{i-1}) carry
-    into = torch.exp(torch.cat([torch.full_like(seg[..., :1, :], float("-inf")), seg[..., :-1, :]], dim=-2))
-    cum = torch.cumsum(la, dim=-1)
-    carry_in = torch.exp(torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1))   # (b,g,r,T,S)
-    last_row = torch.exp(seg[..., -1, :])                                                 # to the block's end
-    total = torch.exp(cum[..., -1])                                                       # (b,g,r,T)
-    if reverse:
-        into, carry_in, last_row = into.flip(-1, -2), carry_in.flip(-1), last_row.flip(-1)
-    dtype = states.dtype
-    into, carry_in, last_row, total = (t.to(dtype) for t in (into, carry_in, last_row, total))
-    local = torch.einsum("bgrtij,btjgrpn->btigrpn", into, st)                             # without the carry
-    block_final = torch.einsum("bgrtj,btjgrpn->btgrpn", last_row, st)                     # (b,T,g,r,p,n)
-    carry = init if init is not None else states.new_zeros(bsz, groups, rep, hdim, nstate)
-    carries: list[Tensor] = [carry] * nblocks
-    finals = block_final.unbind(1)
-    totals = total.unbind(-1)
-    for t in (reversed(range(nblocks)) if reverse else range(nblocks)):  # the state entering each block
-        carries[t] = carry
-        carry = finals[t] + totals[t][..., None, None] * carry
-    carries_t = carries[0][:, None] if nblocks == 1 else torch.stack(carries, dim=1)   # (b,T,g,r,p,n)
-    entering = local + carry_in.permute(0, 3, 4, 1, 2)[..., None, None] * carries_t[:, :, None]
-    entering = entering.reshape(bsz, nblocks * size, groups, rep, hdim, nstate)
-    return (entering[:, :nchunks] if pad else entering), carry
+def _one_thread(device: torch.device):
+    """The thread setting of the state pass's per-chunk steps: one chunk's state is small, so on CPU they run on
+    one thread (no parallel region per chunk, see :mod:`.._threads`), unless ``MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS``
+    asks for all threads everywhere."""
+    return threads_for(0, device)
+
+
+class _StatePass(torch.autograd.Function):
+    """``H_c = a_c H_{c-1} + S_c`` over more than one chunk, chunk by chunk, and its written-out backward.
+
+    states (b, C, g, r, p, n), log_carry (b, C, g, r) = ``log a_c``, init (b, g, r, p, n) or None (zero).
+    Returns the state entering every chunk (b, C, g, r, p, n) and the state after the last one. ``reverse``:
+    right to left (``H_c = a_c H_{c+1} + S_c``; "entering" comes from the right, the final state is the one
+    after the first chunk). Backward, with ``K_c`` the gradient reaching the state that leaves chunk c:
+    ``K_c = dEntering_{c+1} + a_{c+1} K_{c+1}`` (the last one is the final state's gradient), ``dS_c = K_c``,
+    ``d log a_c = a_c <K_c, entering_c>`` and ``d init = dEntering_0 + a_0 K_0`` (indices mirrored in reverse).
+    """
+
+    @staticmethod
+    def forward(ctx, states: Tensor, log_carry: Tensor, init: Tensor | None, reverse: bool):
+        nchunks = states.shape[1]
+        decay = torch.exp(log_carry).to(states.dtype)[..., None, None]                     # (b, C, g, r, 1, 1)
+        entering = torch.empty_like(states)
+        order = list(reversed(range(nchunks))) if reverse else list(range(nchunks))
+        # one unbind per tensor: the loop then indexes Python lists (no op per view)
+        own, dec, ent = states.unbind(1), decay.unbind(1), entering.unbind(1)
+        if init is None:
+            ent[order[0]].zero_()
+        else:
+            ent[order[0]].copy_(init)
+        with _one_thread(states.device):
+            for prev, c in zip(order[:-1], order[1:]):
+                torch.addcmul(own[prev], dec[prev], ent[prev], out=ent[c])
+        last = order[-1]
+        carry = torch.addcmul(own[last], dec[last], ent[last])
+        ctx.save_for_backward(decay, entering)
+        ctx.reverse, ctx.has_init, ctx.log_dtype = reverse, init is not None, log_carry.dtype
+        return entering, carry
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_entering: Tensor | None, grad_carry: Tensor | None):
+        decay, entering = ctx.saved_tensors
+        nchunks = entering.shape[1]
+        order = list(reversed(range(nchunks))) if ctx.reverse else list(range(nchunks))
+        grad_states = torch.empty_like(entering)   # grad_states[:, c] = K_c, the gradient of the state leaving c
+        dec, ks = decay.unbind(1), grad_states.unbind(1)
+        g_ent = None if grad_entering is None else grad_entering.unbind(1)
+        if grad_carry is None:
+            ks[order[-1]].zero_()
+        else:
+            ks[order[-1]].copy_(grad_carry)
+        with _one_thread(entering.device):
+            for c, prev in zip(reversed(order[1:]), reversed(order[:-1])):
+                if g_ent is None:
+                    torch.mul(dec[c], ks[c], out=ks[prev])
+                else:
+                    torch.addcmul(g_ent[c], dec[c], ks[c], out=ks[prev])
+        grad_log = (grad_states * entering).sum((-2, -1)).mul_(decay[..., 0, 0]).to(ctx.log_dtype)
+        grad_init = None
+        if ctx.has_init and ctx.needs_input_grad[2]:
+            first = order[0]
+            grad_init = dec[first] * ks[first]
+            if g_ent is not None:
+                grad_init += g_ent[first]
+        return grad_states, grad_log, grad_init, None

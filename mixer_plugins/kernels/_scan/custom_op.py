@@ -29,7 +29,6 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .._library import argument_names, save_tensors, saved_tensors
 from .._threads import threads_for
-from .._tiling import tile_bounds
 from . import chunked
 from .inputs import Direction, ScanInputs
 
@@ -242,14 +241,13 @@ def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, group
     """FLOPs (2 per multiply-add) of the matmul work of one chunked scan.
 
     The chunks are those the scan uses, :func:`.chunked.chunk_length` tokens each (Q). Per direction: the C.B
-    products of each chunk (2 L Q n g), the chunk states (2 L h p n), the state read-out (2 L h p n) and the state
-    pass between chunks (within each tile, blocks of S = min(32, tile) chunks: the states entering its chunks, a
-    S x S product, and the state leaving it, a 1 x S product: 2 (S^2 + S) h p n per block, none when S = 1); once
-    for both directions: the summed intra-chunk block times x (2 L Q h p). The read-out of a state that is known to
-    be zero is skipped: a sequence that is one chunk (no longer than ``chunk_size``) has no states at all unless the
-    forward direction has an ``initial_state`` or returns its ``final_state`` (its states are then counted, and its
-    read-out with an initial state); when every tile is one chunk, the first chunk of each direction (the last one,
-    right to left) reads out nothing, except the forward direction's with an initial state.
+    products of each chunk (2 L Q n g), the chunk states (2 L h p n) and the state read-out (2 L h p n) (the state
+    pass between chunks is a chunk-by-chunk elementwise recurrence, not counted); once for both directions: the
+    summed intra-chunk block times x (2 L Q h p). The read-out of a state that is known to be zero is skipped: a
+    sequence that is one chunk (no longer than ``chunk_size``) has no states at all unless the forward direction
+    has an ``initial_state`` or returns its ``final_state`` (its states are then counted, and its read-out with an
+    initial state); when every tile is one chunk, the first chunk of each direction (the last one, right to left)
+    reads out nothing, except the forward direction's with an initial state.
     Elementwise work (decays, masks, state passing) is not counted, as FlopCounterMode counts none.
     """
     chunk_size = chunked.chunk_length(length, chunk_size, heads, head_dim, groups, state, directions)
@@ -261,13 +259,8 @@ def chunked_scan_flops(batch: int, length: int, heads: int, head_dim: int, group
     if chunks == 1:
         fwd_states = one_pass * (int(initial_state or final_state) + int(initial_state))
         return batch * (directions * products + fwd_states + block_product)
-    state_pass = 0
     per_tile = chunked.tile_chunks(batch, chunk_size, heads, max(head_dim, chunk_size, state))
-    for lo, hi in tile_bounds(chunks, per_tile):
-        block = min(chunked.STATE_PASS_BLOCK, hi - lo)
-        if block > 1:  # a one-chunk block is an elementwise product, which FlopCounterMode does not count
-            state_pass += -(-(hi - lo) // block) * (block * block + block)
-    per_direction = products + 2 * one_pass + 2 * state_pass * heads * head_dim * state
+    per_direction = products + 2 * one_pass
     skipped = (directions - int(initial_state)) * one_pass // chunks if per_tile == 1 else 0
     return batch * (directions * per_direction + block_product - skipped)
 
