@@ -220,3 +220,29 @@ def test_the_state_pass_matches_the_recurrence_values_and_gradients(reverse, wit
         grads_want = torch.autograd.grad(loss_want, leaves, retain_graph=True)
         for a, e in zip(grads_got, grads_want):
             torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_a_conv_or_norm_pass_of_several_tiles_uses_all_threads(two_threads, monkeypatch):
+    # A tile holds the element budget rounded down to whole rows (768 channels: 1365 rows, just under 2^20), so
+    # sizing the threads by one tile's exact elements kept every pass of Hydra's conv on one thread at any length
+    from mixer_plugins.kernels._tiling import section_elements, time_tiles
+    from mixer_plugins.kernels.conv import torch as conv_torch
+
+    monkeypatch.delenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", raising=False)
+    width = 768
+    many = time_tiles(16384, width, conv_torch.TILE_ELEMENTS, torch.device("cpu"))
+    one = time_tiles(1024, width, conv_torch.TILE_ELEMENTS, torch.device("cpu"))
+    assert len(many) > 1 and len(one) == 1
+    assert _threads.section_threads(section_elements(many, width, conv_torch.TILE_ELEMENTS), "cpu") == 2
+    assert _threads.section_threads(section_elements(one, width, conv_torch.TILE_ELEMENTS), "cpu") == 1
+    seen = []
+    real_silu = torch.nn.functional.silu
+
+    def spy(t, inplace=False):
+        seen.append(torch.get_num_threads())
+        return real_silu(t, inplace=inplace)
+
+    monkeypatch.setattr(conv_torch.F, "silu", spy)
+    x = torch.randn(1, 16384, width)
+    conv_torch._depthwise_conv1d_op(x, torch.randn(width, 4), None, 3, 0, True)
+    assert seen and set(seen) == {2}, seen

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tile_bounds", "tile_length", "time_tiles"]
+__all__ = ["section_elements", "tile_bounds", "tile_length", "time_tiles"]
 
 
 def tile_length(budget: int, item_elements: int) -> int:
@@ -31,3 +31,12 @@ def time_tiles(total: int, item_elements: int, budget: int, device: torch.device
     if device.type != "cpu":
         return [(0, total)]
     return tile_bounds(total, tile_length(budget, item_elements))
+
+
+def section_elements(tiles: list[tuple[int, int]], item_elements: int, budget: int) -> int:
+    """The size a pass over ``tiles`` is threaded by (:mod:`._threads`): its widest tile's elements, or the whole
+    ``budget`` when the pass is cut into several tiles. (A tile holds the budget rounded down to whole items, so
+    just under it: sized by its exact elements, a pass of full tiles would never reach a threshold equal to
+    the budget.)"""
+    widest = max((hi - lo for lo, hi in tiles), default=0) * item_elements
+    return max(widest, budget) if len(tiles) > 1 else widest

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
 from .._threads import threads_for
-from .._tiling import time_tiles
+from .._tiling import section_elements, time_tiles
 
 if TYPE_CHECKING:
     from . import ConvArgs
@@ -39,9 +39,8 @@ def _tiles(x: Tensor) -> list[tuple[int, int]]:
 
 
 def _tile_threads(x: Tensor, tiles: list[tuple[int, int]]):
-    """The thread setting of a pass over ``tiles`` (see :mod:`.._threads`): sized by its largest tile."""
-    widest = max((hi - lo for lo, hi in tiles), default=0)
-    return threads_for(widest * x.shape[0] * x.shape[2], x.device)
+    """The thread setting of a pass over ``tiles`` (see :mod:`.._threads`): sized by its tiles."""
+    return threads_for(section_elements(tiles, x.shape[0] * x.shape[2], TILE_ELEMENTS), x.device)
 
 
 def _window(x: Tensor, lo: int, hi: int) -> Tensor:

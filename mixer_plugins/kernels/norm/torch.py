@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .._dispatch import Backend, register
 from .._threads import threads_for
-from .._tiling import time_tiles
+from .._tiling import section_elements, time_tiles
 from .reference import gated_rmsnorm_reference
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ def _tiles(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]
 
 
 def _tile_threads(tiles: list[tuple[int, int]], width: int, device: torch.device):
-    """The thread setting of a pass over ``tiles`` (see :mod:`.._threads`): sized by its largest tile."""
-    return threads_for(max((hi - lo for lo, hi in tiles), default=0) * width, device)
+    """The thread setting of a pass over ``tiles`` (see :mod:`.._threads`): sized by its tiles."""
+    return threads_for(section_elements(tiles, width, TILE_ELEMENTS), device)
 
 
 class _GatedRMSNorm(torch.autograd.Function):
