@@ -113,28 +113,40 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
     grad_w = torch.zeros(weight.shape[::-1], dtype=compute, device=x.device)   # taps-first (k, C)
     grad_b = torch.zeros(x.shape[-1], dtype=compute, device=x.device) if with_bias else grad.new_empty(0)
     tiles = _tiles(x)
+    length = x.shape[1]
     with _tile_threads(x, tiles):
         taps = _taps_first(weight)
         bias = None if bias is None else bias.contiguous()
         widest = max(hi - lo for lo, hi in tiles)
         batch, channels = x.shape[0], x.shape[2]
-        work = torch.empty(2 if silu else 1, batch * widest * channels, dtype=grad.dtype, device=grad.device)
+        halo = widest + k - 1  # a tile's rows and the k - 1 rows around it that its input gradient reads
+        work = torch.empty(3 if silu else 1, batch * halo * channels, dtype=grad.dtype, device=grad.device)
         ones = torch.ones(batch * widest, dtype=grad.dtype, device=grad.device)
-        # pass 1, tile by tile: the gradient before the activation, and the weight and bias gradients
-        # (grad_w[tap] = sum_t g_t x_{t + tap - left}, kept taps-first)
-        g_pre = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device) if silu else grad
+        grad_x = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
+        # One pass, tile by tile. With the activation, the gradient before it (g) is formed for the tile's rows and
+        # the k - 1 rows around it (recomputed by neighbouring tiles too: a few rows per tile), in a tile-sized
+        # buffer that is still in cache when the input gradient reads it; never a full-size tensor.
         for lo, hi in tiles:
             rows = batch * (hi - lo)
             # contiguous tile-sized buffers: each tap's column sums are then one matrix-vector product
             prod = work[0, :rows * channels].view(batch, hi - lo, channels)
             if silu:
-                pre, sig = g_pre[:, lo:hi], work[1, :rows * channels].view(batch, hi - lo, channels)
-                _conv_tile(x, taps, bias, left, lo, hi, pre)
+                elo, ehi = max(lo - right, 0), min(hi + left, length)   # rows [lo - right, hi + left) in range
+                span = batch * (ehi - elo) * channels
+                pre, sig = (work[i, :span].view(batch, ehi - elo, channels) for i in (1, 2))
+                _conv_tile(x, taps, bias, left, elo, ehi, pre)
                 torch.sigmoid(pre, out=sig)
                 pre.mul_(sig)                              # silu(v)
                 sig.addcmul_(pre, sig, value=-1.0).add_(pre)   # silu'(v) = sig + silu(v) (1 - sig)
-                torch.mul(grad[:, lo:hi], sig, out=pre)
-            g = g_pre[:, lo:hi]
+                g_ext = torch.mul(grad[:, elo:ehi], sig, out=pre)
+                g = g_ext[:, lo - elo:hi - elo]
+                # zeros where the window leaves the sequence (a small copy at the two edges only)
+                before, after = elo - (lo - right), (hi + left) - ehi
+                gp = F.pad(g_ext, (0, 0, before, after)) if before or after else g_ext
+            else:
+                g = grad[:, lo:hi]
+                gp = _window(grad, lo - right, hi + left)
+            # the weight and bias gradients (grad_w[tap] = sum_t g_t x_{t + tap - left}, kept taps-first)
             xp = _window(x, lo - left, hi - left + k - 1)
             for tap in range(k):
                 torch.mul(g, xp[:, tap: tap + hi - lo], out=prod)
@@ -144,11 +156,8 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
                     grad_w[tap] += prod.sum(dim=(0, 1))
             if with_bias:
                 grad_b += g.sum(dim=(0, 1))
-        # pass 2: y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of the
-        # pre-activation gradient with the flipped kernel (its rows [lo - right, hi + left) for rows [lo, hi))
-        grad_x = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
-        for lo, hi in tiles:
-            gp = _window(g_pre, lo - right, hi + left)
+            # y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of g with the
+            # flipped kernel (its rows [lo - right, hi + left) for rows [lo, hi))
             acc = grad_x[:, lo:hi]
             torch.mul(gp[:, 0:hi - lo], taps[k - 1], out=acc)
             for tap in range(1, k):
