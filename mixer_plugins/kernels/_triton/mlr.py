@@ -11,7 +11,10 @@ right-padding mask, softmax over the keys, and the values.
 One program = one (query tile, batch * head); it walks the key tiles (only up to the diagonal when causal) with an
 online softmax. For each (query tile, key tile) pair, only the levels the two tiles share are computed: a level whose
 blocks put the two tiles apart is skipped, so far-apart tiles use only the coarse levels' features (the paper's
-FLOP saving); a level with a block boundary inside the pair is masked per entry. Accumulation in float32.
+FLOP saving). Blocks nest, so the levels whose one block holds both tiles whole are a prefix of the levels, and their
+features a prefix of the head dim: they enter **one** dot product per tile pair (and one per pair in each gradient),
+unmasked. Only a level with a block boundary inside the pair (near the diagonal) is a dot of its own, masked per
+entry. Accumulation in float32.
 
 Banded (``BANDED``, for :func:`mixer_plugins.kernels.local_attention`): pairs are also restricted to
 ``|i - j| <= W`` or ``i < G`` or ``j < G`` (global tokens). The tile loops then start and stop at the band: a query
@@ -41,8 +44,29 @@ __all__ = ["available", "mlr_attention_triton", "mlr_backward", "mlr_forward"]
 if triton is not None:
 
     @triton.jit
+    def _one_block(size, span, a_lo, a_hi, b_lo, b_hi):
+        """Whether one block of a level (``size`` tokens, 0 = global) holds both tiles ``[a_lo, a_hi]`` and
+        ``[b_lo, b_hi]`` whole."""
+        first = a_lo // span
+        return (size == 0) | ((a_hi // span == first) & (b_lo // span == first) & (b_hi // span == first))
+
+    @triton.jit
+    def _shared_prefix(lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, a_lo, a_hi, b_lo, b_hi, NUM_LEVELS: tl.constexpr):
+        """(end of the features, number) of the leading levels that hold both tiles in one block: blocks nest, so
+        these are a prefix of the levels, and their features the prefix ``[0, end)`` of the head dim."""
+        end = a_lo * 0
+        count = a_lo * 0.0
+        whole = a_lo >= 0
+        for lv in tl.static_range(NUM_LEVELS):
+            size = tl.load(lvl_size_ptr + lv)
+            whole = whole & _one_block(size, tl.maximum(size, 1), a_lo, a_hi, b_lo, b_hi)
+            end = tl.where(whole, tl.load(lvl_off_ptr + lv) + tl.load(lvl_rank_ptr + lv), end)
+            count += tl.where(whole, 1.0, 0.0)
+        return end, count
+
+    @triton.jit
     def _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E,
-                     offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, W, G,
+                     offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e, W, G,
                      NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
                      HAS_KEYOK: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      DOT: tl.constexpr):
@@ -51,23 +75,38 @@ if triton is not None:
         A level whose blocks put the two tiles apart is skipped (its features are never loaded)."""
         m_ok = offs_m < L
         n_ok = offs_n < L
+        # The levels that hold both tiles in one block (every entry of the pair shares them) come first, as blocks
+        # nest: their features are the prefix [0, full_end) of the head dim, and enter ONE dot product. Only the
+        # levels after them that still meet the pair (a block boundary inside it: near the diagonal) are masked
+        # per entry, one dot each.
+        full_end, n_full = _shared_prefix(lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, m_lo, m_hi, n_lo, n_hi,
+                                          NUM_LEVELS)
         S = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if full_end > 0:
+            e_ok = offs_e < full_end
+            qf = tl.load(q_ptr + ((b * L + offs_m[:, None]) * H + h) * E + offs_e[None, :],
+                         mask=m_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+            kf = tl.load(k_ptr + ((b * L + offs_n[:, None]) * H + h) * E + offs_e[None, :],
+                         mask=n_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+            S = _mm(qf, tl.trans(kf), DOT)
+        cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + n_full
+        whole = m_lo >= 0  # (a scalar True) the levels so far all hold both tiles in one block
         for lv in tl.static_range(NUM_LEVELS):
             off = tl.load(lvl_off_ptr + lv)
             rank = tl.load(lvl_rank_ptr + lv)
             size = tl.load(lvl_size_ptr + lv)              # 0 = global
             span = tl.maximum(size, 1)
+            whole = whole & _one_block(size, span, m_lo, m_hi, n_lo, n_hi)
             # the tiles share this level somewhere iff their block ranges overlap
             shared = (size == 0) | ((m_lo // span <= n_hi // span) & (n_lo // span <= m_hi // span))
-            if shared:
+            if shared & ~whole:
                 r_ok = offs_r < rank
                 ql = tl.load(q_ptr + ((b * L + offs_m[:, None]) * H + h) * E + off + offs_r[None, :],
                              mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
                 kl = tl.load(k_ptr + ((b * L + offs_n[:, None]) * H + h) * E + off + offs_r[None, :],
                              mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
                 dot = _mm(ql, tl.trans(kl), DOT)
-                same = (size == 0) | ((offs_m[:, None] // span) == (offs_n[None, :] // span))
+                same = (offs_m[:, None] // span) == (offs_n[None, :] // span)
                 S += tl.where(same, dot, 0.0)
                 cnt += tl.where(same, 1.0, 0.0)
         inv = tl.full([BLOCK_M, BLOCK_N], 1.0, dtype=tl.float32)
@@ -95,14 +134,22 @@ if triton is not None:
         r_ok = offs_rows < L
         feats = tl.load(rows_ptr + ((b * L + offs_rows[:, None]) * H + h) * E + offs_e[None, :],
                         mask=r_ok[:, None] & (offs_e < E)[None, :], other=0.0).to(tl.float32)
+        # the leading levels that hold both tiles in one block: one product over their features, no mask
+        full_end, n_full = _shared_prefix(lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, rows_lo, rows_hi, cols_lo,
+                                          cols_hi, NUM_LEVELS)
+        dSt = tl.trans(dSr)
+        if full_end > 0:
+            acc += _mm(dSt, tl.where((offs_e < full_end)[None, :], feats, 0.0), DOT)
+        whole = rows_lo >= 0
         for lv in tl.static_range(NUM_LEVELS):
             off = tl.load(lvl_off_ptr + lv)
             rank = tl.load(lvl_rank_ptr + lv)
             size = tl.load(lvl_size_ptr + lv)
             span = tl.maximum(size, 1)
+            whole = whole & _one_block(size, span, rows_lo, rows_hi, cols_lo, cols_hi)
             shared = (size == 0) | ((rows_lo // span <= cols_hi // span) & (cols_lo // span <= rows_hi // span))
-            if shared:
-                same = (size == 0) | ((offs_rows[:, None] // span) == (offs_cols[None, :] // span))
+            if shared & ~whole:
+                same = (offs_rows[:, None] // span) == (offs_cols[None, :] // span)
                 level_feats = tl.where(((offs_e >= off) & (offs_e < off + rank))[None, :], feats, 0.0)
                 acc += _mm(tl.trans(tl.where(same, dSr, 0.0)), level_feats, DOT)
         return acc
@@ -163,7 +210,7 @@ if triton is not None:
         L, H, E, P, W, G,
         NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
         BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT: tl.constexpr,
+        DOT: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid = tl.program_id(1)
@@ -172,6 +219,7 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, BLOCK_R)
         offs_p = tl.arange(0, BLOCK_P)
+        offs_e = tl.arange(0, BLOCK_E)
         m_ok = offs_m < L
         m_lo = pid_m * BLOCK_M
         m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
@@ -187,7 +235,8 @@ if triton is not None:
             offs_n = n_lo + tl.arange(0, BLOCK_M)
             n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
             S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-                                           b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, W, G,
+                                           b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e,
+                                           W, G,
                                            NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
             S = tl.where(allowed, S, -1.0e30)
             new_max = tl.maximum(row_max, tl.max(S, 1))
@@ -207,13 +256,14 @@ if triton is not None:
 
     @triton.jit
     def _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr,
-                      lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_p, W, G,
+                      lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e, offs_p,
+                      W, G,
                       NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
                       HAS_KEYOK: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DOT: tl.constexpr):
         """Recomputed probabilities of a tile pair and the gradient w.r.t. the undivided level sums: (P, dSr, dO)."""
         S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-                                       b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, W, G,
+                                       b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e, W, G,
                                        NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_N, DOT)
         m_ok = offs_m < L
         lse = tl.load(lse_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
@@ -256,7 +306,7 @@ if triton is not None:
             n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
-                                          offs_n, n_lo, n_hi, offs_r, offs_p, W, G,
+                                          offs_n, n_lo, n_hi, offs_r, offs_e, offs_p, W, G,
                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
             # dq[i] = sum_j dSr[i, j] k_j (level-masked): the "rows" of the product are the keys
             dq = _level_grads(tl.trans(dSr), k_ptr, b, h, L, H, E, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e,
@@ -295,7 +345,7 @@ if triton is not None:
             m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
-                                          offs_n, n_lo, n_hi, offs_r, offs_p, W, G,
+                                          offs_n, n_lo, n_hi, offs_r, offs_e, offs_p, W, G,
                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
             dv += _mm(tl.trans(prob), do, DOT)
             dk = _level_grads(dSr, q_ptr, b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e,
@@ -344,7 +394,7 @@ def mlr_forward(qs: Tensor, k: Tensor, v: Tensor, keyok: Tensor | None, levels: 
     grid = (triton.cdiv(L, levels.block_m), b * H)
     _mlr_fwd_kernel[grid](qs, k, v, keyok if keyok is not None else qs, *levels.tables(), y, lse, L, H, E, P,
                           *_band_args(window, num_global), **_flags(levels, v, keyok, causal, block_divide, window),
-                          **levels.blocks)
+                          **levels.blocks, BLOCK_E=levels.block_e)
     return y, lse
 
 
