@@ -205,6 +205,15 @@ if triton is not None:
         return a_lo, na, b_lo, nb
 
     @triton.jit
+    def _visit(t, a_lo, na, b_lo, L, BLOCK_M: tl.constexpr):
+        """The ``t``-th tile a loop of :func:`_key_tiles` / :func:`_query_tiles` visits: ``na`` tiles from ``a_lo``,
+        then tiles from ``b_lo``; returns (its first index, its indices, its last index in range)."""
+        lo = a_lo + t * BLOCK_M
+        if t >= na:
+            lo = b_lo + (t - na) * BLOCK_M
+        return lo, lo + tl.arange(0, BLOCK_M), tl.minimum(lo + BLOCK_M, L) - 1
+
+    @triton.jit
     def _mlr_fwd_kernel(
         q_ptr, k_ptr, v_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, y_ptr, lse_ptr,
         L, H, E, P, W, G,
@@ -229,11 +238,7 @@ if triton is not None:
         na, b_lo, nb = _key_tiles(m_lo, m_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
         t = 0
         while t < na + nb:
-            n_lo = t * BLOCK_M
-            if t >= na:
-                n_lo = b_lo + (t - na) * BLOCK_M
-            offs_n = n_lo + tl.arange(0, BLOCK_M)
-            n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
+            n_lo, offs_n, n_hi = _visit(t, 0, na, b_lo, L, BLOCK_M)
             S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
                                            b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e,
                                            W, G,
@@ -299,11 +304,7 @@ if triton is not None:
         na, b_lo, nb = _key_tiles(m_lo, m_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
         t = 0
         while t < na + nb:
-            n_lo = t * BLOCK_M
-            if t >= na:
-                n_lo = b_lo + (t - na) * BLOCK_M
-            offs_n = n_lo + tl.arange(0, BLOCK_M)
-            n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
+            n_lo, offs_n, n_hi = _visit(t, 0, na, b_lo, L, BLOCK_M)
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
                                           offs_n, n_lo, n_hi, offs_r, offs_e, offs_p, W, G,
@@ -338,11 +339,7 @@ if triton is not None:
         a_lo, na, b_lo, nb = _query_tiles(n_lo, n_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
         t = 0
         while t < na + nb:
-            m_lo = a_lo + t * BLOCK_M
-            if t >= na:
-                m_lo = b_lo + (t - na) * BLOCK_M
-            offs_m = m_lo + tl.arange(0, BLOCK_M)
-            m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
+            m_lo, offs_m, m_hi = _visit(t, a_lo, na, b_lo, L, BLOCK_M)
             prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
                                           lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
                                           offs_n, n_lo, n_hi, offs_r, offs_e, offs_p, W, G,
