@@ -40,3 +40,13 @@ def run_test_file_fresh(test_file: str, env: dict[str, str], timeout: int) -> tu
          str(ROOT / "tests" / test_file)],
         cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     return result, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+def assert_passes_fresh(test_file: str, env: dict[str, str], timeout: int, *, allow_skips: bool = True) -> None:
+    """Run ``tests/<test_file>`` as :func:`run_test_file_fresh` does and assert that it passed: exit code 0, some
+    tests passed, none failed (and, with ``allow_skips=False``, none skipped)."""
+    result, tail = run_test_file_fresh(test_file, env, timeout)
+    assert result.returncode == 0, tail
+    assert " passed" in result.stdout and " failed" not in result.stdout, tail
+    if not allow_skips:
+        assert "skipped" not in result.stdout, tail

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import run_test_file_fresh
+from kernel_helpers import assert_passes_fresh
 
 from mixer_plugins import kernels
 from mixer_plugins.kernels import _mamba_loader
@@ -198,7 +198,5 @@ def test_mamba_ssm_kernels_match_the_reference_under_the_interpreter():
     reason = _why_not_runnable()
     if reason is not None:
         pytest.skip(reason)
-    result, tail = run_test_file_fresh("test_mamba_ssm_kernels.py",
-                                       {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_MAMBA_FRESH": "1"}, timeout=1500)
-    assert result.returncode == 0, tail
-    assert " passed" in result.stdout and " failed" not in result.stdout and "skipped" not in result.stdout, tail
+    assert_passes_fresh("test_mamba_ssm_kernels.py", {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_MAMBA_FRESH": "1"},
+                        timeout=1500, allow_skips=False)

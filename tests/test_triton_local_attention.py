@@ -22,12 +22,10 @@ pytestmark = pytest.mark.triton
 @pytest.mark.skipif(IN_PROCESS, reason="the checks run in this process")
 def test_local_attention_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    from kernel_helpers import run_test_file_fresh
+    from kernel_helpers import assert_passes_fresh
 
-    result, tail = run_test_file_fresh("test_triton_local_attention.py",
-                                       {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=600)
-    assert result.returncode == 0, tail
-    assert " passed" in result.stdout and " failed" not in result.stdout, tail
+    assert_passes_fresh("test_triton_local_attention.py",
+                        {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=600)
 
 
 if IN_PROCESS:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import run_test_file_fresh
+from kernel_helpers import assert_passes_fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,5 @@ pytestmark = pytest.mark.triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, test_triton_kernels.py runs in this process")
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    result, tail = run_test_file_fresh("test_triton_kernels.py",
-                                       {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=1200)
-    assert result.returncode == 0, tail
-    assert " passed" in result.stdout and " failed" not in result.stdout, tail
+    assert_passes_fresh("test_triton_kernels.py",
+                        {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=1200)
