@@ -435,8 +435,8 @@ class _StatePass(torch.autograd.Function):
         with _one_thread(states.device):
             for prev, c in zip(order[:-1], order[1:]):
                 torch.addcmul(own[prev], dec[prev], ent[prev], out=ent[c])
-        last = order[-1]
-        carry = torch.addcmul(own[last], dec[last], ent[last])
+            last = order[-1]
+            carry = torch.addcmul(own[last], dec[last], ent[last])
         ctx.save_for_backward(decay, entering)
         ctx.reverse, ctx.has_init, ctx.log_dtype = reverse, init is not None, log_carry.dtype
         return entering, carry
