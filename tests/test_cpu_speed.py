@@ -3,6 +3,8 @@ the number of chunks. No timing here: speed targets live in benchmarks/test_benc
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,11 +18,18 @@ F64 = torch.float64
 
 
 @pytest.fixture
-def two_threads():
+def two_threads_adaptive():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def two_threads(two_threads_adaptive, monkeypatch):
+    # these tests assert thread counts; the suite shares the machine (pytest-xdist), so the reading of other
+    # processes' load (tested on its own below) is turned off here
+    monkeypatch.setenv("MIXER_PLUGINS_ADAPTIVE_THREADS", "0")
 
 
 def test_threads_for_runs_small_sections_on_one_thread_and_restores(two_threads):
@@ -43,6 +52,73 @@ def test_the_threshold_can_be_set_from_the_environment(two_threads, monkeypatch)
     assert _threads.section_threads(1 << 30, "cpu") == 1          # everything on one thread
     monkeypatch.setenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", "many")
     assert _threads.parallel_min_elements() == _threads.PARALLEL_MIN_ELEMENTS   # not a number: the default
+
+
+class _Machine:
+    """A stand-in for ``/proc``: runnable tasks on the machine and of this process, and a clock."""
+
+    def __init__(self, monkeypatch, cores=2):
+        self.runnable, self.own, self.now = 1, 1, 100.0
+        monkeypatch.setattr(_threads, "_runnable_tasks", lambda: self.runnable)
+        monkeypatch.setattr(_threads, "_own_runnable_tasks", lambda: self.own)
+        monkeypatch.setattr(_threads, "_cores", lambda: cores)
+        monkeypatch.setattr(_threads, "_clock", lambda: self.now)
+        monkeypatch.setattr(_threads, "_last_sample", (float("-inf"), None, None))
+        monkeypatch.delenv("MIXER_PLUGINS_ADAPTIVE_THREADS", raising=False)
+
+    def later(self):
+        self.now += _threads.LOAD_SAMPLE_SECONDS + 1e-3
+
+
+def test_large_sections_use_only_the_cores_other_processes_leave_free(two_threads_adaptive, monkeypatch):
+    machine = _Machine(monkeypatch)
+    large = _threads.PARALLEL_MIN_ELEMENTS
+    assert _threads.section_threads(large, "cpu") == 2            # quiet: only our own thread runs
+    machine.runnable, machine.own = 3, 2                          # ours, our spinning worker, and one other
+    machine.later()
+    assert _threads.section_threads(large, "cpu") == 2            # one busy reading alone changes nothing
+    machine.later()
+    assert _threads.section_threads(large, "cpu") == 1            # two in a row: one core is taken
+    assert _threads.section_threads(1000, "cpu") == 1             # (small sections are on one thread anyway)
+    assert _threads.section_threads(large, "meta") == 2           # other devices are left alone
+    machine.runnable = 5                                          # more busy tasks than cores: still one
+    machine.later()
+    assert _threads.section_threads(large, "cpu") == 1
+    with _threads.threads_for(large, "cpu") as threads:
+        assert threads == 1 and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    machine.runnable, machine.own = 1, 1                          # the other process ended: all threads again
+    machine.later()
+    assert _threads.section_threads(large, "cpu") == 2
+    machine.runnable = 4                                          # readings are kept for LOAD_SAMPLE_SECONDS
+    assert _threads.section_threads(large, "cpu") == 2
+
+
+def test_adaptive_threads_can_be_turned_off_and_are_off_where_proc_is_unreadable(two_threads_adaptive, monkeypatch):
+    machine = _Machine(monkeypatch)
+    machine.runnable, machine.own = 4, 1
+    for _ in range(2):
+        machine.later()
+        _threads.free_cores()
+    assert _threads.section_threads(_threads.PARALLEL_MIN_ELEMENTS, "cpu") == 1
+    for off in ("0", "false", "Off"):
+        monkeypatch.setenv("MIXER_PLUGINS_ADAPTIVE_THREADS", off)
+        assert _threads.free_cores() is None
+        assert _threads.section_threads(_threads.PARALLEL_MIN_ELEMENTS, "cpu") == 2
+    monkeypatch.setenv("MIXER_PLUGINS_ADAPTIVE_THREADS", "1")
+    monkeypatch.setattr(_threads, "_runnable_tasks", lambda: None)    # no /proc (not Linux)
+    machine.later()
+    machine.later()
+    assert _threads.free_cores() is None
+    assert _threads.section_threads(_threads.PARALLEL_MIN_ELEMENTS, "cpu") == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="reads Linux's /proc")
+def test_the_load_readings_count_this_thread_as_runnable():
+    assert _threads._own_runnable_tasks() >= 1       # the thread reading is running
+    assert _threads._runnable_tasks() >= 1
+    free = _threads._sample_free_cores()
+    assert 0 <= free <= os.cpu_count()
 
 
 def _inputs(b=2, length=37, h=4, p=3, g=2, n=5, requires_grad=True):
@@ -231,7 +307,8 @@ def test_a_conv_or_norm_pass_of_several_tiles_uses_all_threads(two_threads, monk
     monkeypatch.delenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", raising=False)
     width = 768
     many = time_tiles(16384, width, conv_torch.TILE_ELEMENTS, torch.device("cpu"))
-    one = time_tiles(1024, width, conv_torch.TILE_ELEMENTS, torch.device("cpu"))
+    short = _threads.PARALLEL_MIN_ELEMENTS // width // 2             # a pass smaller than the threshold
+    one = time_tiles(short, width, conv_torch.TILE_ELEMENTS, torch.device("cpu"))
     assert len(many) > 1 and len(one) == 1
     assert _threads.section_threads(section_elements(many, width, conv_torch.TILE_ELEMENTS), "cpu") == 2
     assert _threads.section_threads(section_elements(one, width, conv_torch.TILE_ELEMENTS), "cpu") == 1

@@ -12,23 +12,33 @@ large ops on all of ``torch.get_num_threads()``. The setting is changed for the 
 The threshold is :data:`PARALLEL_MIN_ELEMENTS`, or the environment variable ``MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS``
 when set (read at every section): raise it on a machine whose cores are always shared (everything small and
 medium then runs on one thread), lower it (e.g. to 0) on a dedicated one.
+
+**Shared cores.** Large sections do not run on more threads than the machine has cores left: on Linux the
+runnable tasks that are not this process's own are read from ``/proc`` (at most every
+:data:`LOAD_SAMPLE_SECONDS`), and while another process keeps cores busy a large section uses only the free ones
+(at least one), as OpenMP's dynamic mode does. A quiet machine keeps all threads. Two readings in a row must agree
+before threads are given up, so a short-lived task (a kernel worker waking for a moment) changes nothing. Set
+``MIXER_PLUGINS_ADAPTIVE_THREADS=0`` to turn this off; elsewhere than Linux it is off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["PARALLEL_MIN_ELEMENTS", "parallel_min_elements", "section_threads", "threads_for"]
+__all__ = ["LOAD_SAMPLE_SECONDS", "PARALLEL_MIN_ELEMENTS", "adaptive", "free_cores", "parallel_min_elements",
+           "section_threads", "threads_for"]
 
 #: Below this many elements in the largest tensor an op of the section writes, the section runs on one thread.
-#: (An elementwise op of 2^20 float32 elements takes about half a millisecond on one core. Measured on 2 cores,
-#: 2^20 kept the slowdown under a competing process within the benchmark's bound at L = 1024 and 4096 while
-#: losing less quiet-machine speed than 2^21: see docs/performance.md.)
-PARALLEL_MIN_ELEMENTS = 1 << 20
+#: (An elementwise op of 2^18 float32 elements takes about 0.1 ms on one core.) Until session 5 it was 2^20, chosen
+#: for the contention target; with the adaptive rule below handling shared cores, 2^18 was measured faster on a
+#: quiet 2-core machine (L = 1024: quasiseparable 149 -> 110 ms, semiseparable 93 -> 77 ms forward+backward) and
+#: the same at L = 4096 (see docs/performance.md).
+PARALLEL_MIN_ELEMENTS = 1 << 18
 
 
 def parallel_min_elements() -> int:
@@ -40,13 +50,97 @@ def parallel_min_elements() -> int:
     return PARALLEL_MIN_ELEMENTS
 
 
+#: How long (seconds) one reading of the machine's runnable tasks is used before it is read again.
+LOAD_SAMPLE_SECONDS = 0.02
+
+
+def adaptive() -> bool:
+    """Whether large sections adapt to the cores other processes keep busy (``MIXER_PLUGINS_ADAPTIVE_THREADS``,
+    on unless set to ``0``, ``false``, ``no`` or ``off``)."""
+    value = os.environ.get("MIXER_PLUGINS_ADAPTIVE_THREADS", "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def _runnable_tasks() -> int | None:
+    """Runnable tasks on the whole machine now (the fourth field of ``/proc/loadavg``), None where unreadable."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _own_runnable_tasks() -> int:
+    """This process's threads that are runnable now (state ``R`` in ``/proc/self/task/*/stat``): the reading thread
+    itself, and thread-pool workers still spinning after a parallel region."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        end = stat.rfind(")")  # the state follows the command name, which may hold spaces and parentheses
+        if end >= 0 and stat[end + 2:end + 3] == "R":
+            count += 1
+    return count
+
+
+_clock = time.monotonic
+
+
+def _cores() -> int:
+    """Cores of the machine (what the runnable tasks of ``/proc/loadavg`` share)."""
+    return os.cpu_count() or 1
+
+
+_last_sample: tuple[float, int | None, int | None] = (float("-inf"), None, None)  # (time, free cores, previous)
+
+
+def _sample_free_cores() -> int | None:
+    """Cores not kept busy by other processes now: all cores minus the runnable tasks that are not ours. (Our own
+    threads are read before and after the machine's count, and the larger count is taken: a worker that stops
+    spinning between the two readings must not look like another process.)"""
+    before = _own_runnable_tasks()
+    running = _runnable_tasks()
+    if running is None:
+        return None
+    others = max(0, running - max(before, _own_runnable_tasks())) if running > 1 else 0
+    return max(0, _cores() - others)
+
+
+def free_cores() -> int | None:
+    """Cores that other processes leave free (see the module docstring), or None when unknown or when
+    :func:`adaptive` is off. Read at most every :data:`LOAD_SAMPLE_SECONDS`; the larger of the last two readings,
+    so that one moment's busy task does not count."""
+    global _last_sample
+    if not adaptive():
+        return None
+    now = _clock()
+    when, current, previous = _last_sample
+    if now - when >= LOAD_SAMPLE_SECONDS:
+        current, previous = _sample_free_cores(), current
+        _last_sample = (now, current, previous)
+    if current is None:
+        return None
+    return current if previous is None else max(current, previous)
+
+
 def section_threads(elements: int, device: torch.device | str | None) -> int:
     """Threads for a section whose largest op writes ``elements`` elements on ``device``: one for small
-    sections on CPU, else the current ``torch.get_num_threads()``."""
+    sections on CPU; else the current ``torch.get_num_threads()``, but no more than :func:`free_cores` (and at
+    least one) while other processes keep cores busy."""
     threads = torch.get_num_threads()
     if device is not None and torch.device(device).type != "cpu":
         return threads
-    return 1 if elements < parallel_min_elements() else threads
+    if elements < parallel_min_elements():
+        return 1
+    free = free_cores()
+    return threads if free is None else max(1, min(threads, free))
 
 
 @contextlib.contextmanager
