@@ -13,6 +13,7 @@ from mixer_plugins import kernels
 from mixer_plugins.kernels import _threads
 from mixer_plugins.kernels._scan import Direction, ScanInputs, reference_scan
 from mixer_plugins.kernels._scan import chunked as chunked_module
+from mixer_plugins.kernels._scan import custom_op as custom_op_module
 
 F64 = torch.float64
 
@@ -134,7 +135,7 @@ def _inputs(b=2, length=37, h=4, p=3, g=2, n=5, requires_grad=True):
 def test_eager_scan_backward_runs_single_threaded_when_small_and_matches_the_reference(two_threads, monkeypatch):
     x, dt, A, B, C, dt_b, B_b, C_b, diag = leaves = _inputs()
     seen = []
-    original = chunked_module.scan_chunked
+    original = custom_op_module._scan   # the scan either path runs (factored decays or the general one)
 
     def spy(inputs, **kwargs):
         out = original(inputs, **kwargs)
@@ -142,7 +143,7 @@ def test_eager_scan_backward_runs_single_threaded_when_small_and_matches_the_ref
         y.register_hook(lambda grad: seen.append(torch.get_num_threads()))
         return out
 
-    monkeypatch.setattr(chunked_module, "scan_chunked", spy)
+    monkeypatch.setattr(custom_op_module, "_scan", spy)
     y = kernels.quasiseparable(x, dt, A, B, C, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, diag=diag, chunk_size=8,
                                backend="torch")
     loss = (y * y.cos()).sum()
@@ -286,7 +287,7 @@ def test_the_state_pass_matches_the_recurrence_values_and_gradients(reverse, wit
     leaves = [t for t in (states, log_carry, init) if t is not None]
     weights = (torch.randn(b, nchunks, g, r, p, n, dtype=torch.float64), torch.randn(b, g, r, p, n,
                                                                                      dtype=torch.float64))
-    got, want = _StatePass.apply(states, log_carry, init, reverse), recurrence()
+    got, want = _StatePass.apply(states, log_carry[..., None, None], init, reverse), recurrence()
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
     for use in ((0, 1), (0,), (1,)):  # both outputs, the entering states only, the final state only

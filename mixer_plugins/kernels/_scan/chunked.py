@@ -394,7 +394,7 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
         else:
             entering, carry = init[:, None], states[:, 0] + total * init
     else:
-        entering, carry = _StatePass.apply(states, log_carry, init, reverse)
+        entering, carry = _StatePass.apply(states, log_carry[..., None, None], init, reverse)
     if not any_bad:
         return entering, carry
     if entering is not None:
@@ -412,7 +412,8 @@ def _one_thread(device: torch.device):
 class _StatePass(torch.autograd.Function):
     """``H_c = a_c H_{c-1} + S_c`` over more than one chunk, chunk by chunk, and its written-out backward.
 
-    states (b, C, g, r, p, n), log_carry (b, C, g, r) = ``log a_c``, init (b, g, r, p, n) or None (zero).
+    states (b, C, ...) in any layout, log_carry = ``log a_c`` of a shape that broadcasts against them
+    ((b, C, g, r, 1, 1) for states (b, C, g, r, p, n)), init (b, ...) or None (zero).
     Returns the state entering every chunk (b, C, g, r, p, n) and the state after the last one. ``reverse``:
     right to left (``H_c = a_c H_{c+1} + S_c``; "entering" comes from the right, the final state is the one
     after the first chunk). Backward, with ``K_c`` the gradient reaching the state that leaves chunk c:
@@ -423,7 +424,7 @@ class _StatePass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states: Tensor, log_carry: Tensor, init: Tensor | None, reverse: bool):
         nchunks = states.shape[1]
-        decay = torch.exp(log_carry).to(states.dtype)[..., None, None]                     # (b, C, g, r, 1, 1)
+        decay = torch.exp(log_carry).to(states.dtype)                                      # broadcasts to states
         entering = torch.empty_like(states)
         order = list(reversed(range(nchunks))) if reverse else list(range(nchunks))
         # one unbind per tensor: the loop then indexes Python lists (no op per view)
@@ -460,7 +461,7 @@ class _StatePass(torch.autograd.Function):
                     torch.mul(dec[c], ks[c], out=ks[prev])
                 else:
                     torch.addcmul(g_ent[c], dec[c], ks[c], out=ks[prev])
-        grad_log = (grad_states * entering).sum((-2, -1)).mul_(decay[..., 0, 0]).to(ctx.log_dtype)
+        grad_log = (grad_states * entering).sum_to_size(decay.shape).mul_(decay).to(ctx.log_dtype)
         grad_init = None
         if ctx.has_init and ctx.needs_input_grad[2]:
             first = order[0]

@@ -29,12 +29,21 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .._library import argument_names, save_tensors, saved_tensors
 from .._threads import threads_for
-from . import chunked
+from . import chunked, factored
 from .inputs import Direction, ScanInputs
 
 __all__ = ["chunked_scan", "chunked_scan_backward", "chunked_scan_flops", "run_chunked"]
 
 _DIRECTION_FIELDS = ("dt", "A", "B", "C")
+
+
+def _scan(inputs: ScanInputs, *, return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The chunked scan of ``inputs``: with factored decays (:func:`.factored.scan_factored`) where that path
+    applies, else the general path (:func:`.chunked.scan_chunked`). Same result, up to rounding."""
+    result = factored.scan_factored(inputs, return_final_state=return_final_state)
+    if result is None:
+        result = chunked.scan_chunked(inputs, return_final_state=return_final_state)
+    return result
 
 
 @torch.library.custom_op("mixer_plugins::chunked_scan", mutates_args=())
@@ -49,8 +58,8 @@ def chunked_scan(
     inputs = _unflatten(locals())  # the arguments, by name
     with threads_for(chunked.tile_elements(inputs), x.device):
         if inputs.forward is None:
-            return chunked.scan_chunked(inputs).contiguous(), x.new_empty(0)
-        y, final = chunked.scan_chunked(inputs, return_final_state=True)
+            return _scan(inputs).contiguous(), x.new_empty(0)
+        y, final = _scan(inputs, return_final_state=True)
     # outputs own their storage (final is a view of the states) and have the fake kernel's strides
     return y.contiguous(), final.clone(memory_format=torch.contiguous_format)
 
@@ -123,10 +132,10 @@ def chunked_scan_backward(
                   if named[name] is not None}
         inputs = _unflatten({**named, **leaves})
         if want_final:
-            y, final = chunked.scan_chunked(inputs, return_final_state=True)
+            y, final = _scan(inputs, return_final_state=True)
             outputs, grads_out = [y, final], [grad_y, grad_final]
         else:
-            outputs, grads_out = [chunked.scan_chunked(inputs)], [grad_y]
+            outputs, grads_out = [_scan(inputs)], [grad_y]
         grads = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads_out,
                                                      allow_unused=True)))
     return [x.new_empty(0) if name not in grads else torch.zeros_like(named[name]) if grads[name] is None
@@ -191,7 +200,7 @@ class _EagerScan(torch.autograd.Function):
                                  "chunk_size": options["chunk_size"]})
             ctx.elements, ctx.device = chunked.tile_elements(inputs), inputs.x.device
             with threads_for(ctx.elements, ctx.device):
-                result = chunked.scan_chunked(inputs, return_final_state=options["want_final"])
+                result = _scan(inputs, return_final_state=options["want_final"])
         outputs = list(result) if options["want_final"] else [result]
         ctx.inner = (outputs, [(i, t) for i, (t, wants) in enumerate(zip(leaves, need)) if wants and t is not None])
         return tuple(o.detach() for o in outputs)
@@ -228,7 +237,7 @@ def run_chunked(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor
     tensors = [kwargs[name] for name in names]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
         with threads_for(chunked.tile_elements(inputs), inputs.x.device):
-            result = chunked.scan_chunked(inputs, return_final_state=want_final)
+            result = _scan(inputs, return_final_state=want_final)
         return (result[0], result[1]) if want_final else (result, None)
     options = {"names": names, "shift": kwargs["shift"], "chunk_size": kwargs["chunk_size"], "want_final": want_final}
     out = _EagerScan.apply(options, *tensors)
