@@ -3,7 +3,8 @@
 * :mod:`.inputs` — :class:`ScanInputs` (one scan's tensors and options, by name), argument checks,
   :func:`prepare_dt`;
 * :mod:`.reference` — the materialized matrices (:func:`scan_matrix`), the oracle;
-* :mod:`.chunked` — the chunked O(L)-memory algorithm (:func:`scan_chunked`);
+* :mod:`.chunked` — the chunked O(L)-memory algorithm (:func:`scan_chunked`), the general path;
+* :mod:`.factored` — the same algorithm with factored decays (matmuls over a group's heads), where it applies;
 * :mod:`.custom_op` — the chunked scan as a ``torch.library`` custom op (for ``torch.compile``) with its FLOP
   formula (:func:`chunked_scan_flops`), and :func:`run_chunked`, which picks eager autograd or the op.
 """

@@ -1,6 +1,8 @@
 """Chunked scans in pure PyTorch: the SSD algorithm, extended to both directions in one pass.
 
-The ``torch`` backend of the scan ops: O(L) memory (no L x L tensor), any length, CPU or GPU.
+The ``torch`` backend of the scan ops: O(L) memory (no L x L tensor), any length, CPU or GPU. This is the general
+path; where its conditions hold (finite inputs, no ``seq_idx``, a decay range the dtype can carry) the backend runs
+:mod:`.factored` instead, the same algorithm with each chunk's decays factored (see :func:`.custom_op._scan`).
 
 The sequence is cut into chunks of Q tokens (:func:`chunk_length`: at most ``chunk_size``, balanced so that
 little is padded). Within a chunk, the forward (lower), backward (upper) and
