@@ -155,7 +155,7 @@ def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
         """e^m B^T W: (b, c, g, n, r, p)."""
         b, c = W.shape[:2]
         s = torch.matmul(keys.transpose(-1, -2), grouped(W))                             # (b, c, g, n, r*p)
-        return s.view(b, c, groups, nstate, rep, hdim) * state_scale(scale)
+        return s.view(b, c, groups, nstate, rep, hdim) * state_scale(scale).to(s.dtype)
 
     def run_states(states: Tensor, log_carry: Tensor, init: Tensor | None, reverse: bool):
         b, c = states.shape[:2]
