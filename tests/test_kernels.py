@@ -86,9 +86,10 @@ def random_inputs(b=2, l=13, h=4, p=3, g=2, n=5, dtype=F64, seed=0, requires_gra
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("length, chunk", [(1, 4), (8, 4), (13, 4), (13, 16), (37, 8)])
-def test_ssd_matches_the_recurrence(backend, length, chunk):
+@pytest.mark.parametrize("d_shape", [(4, 3), (4,)])   # per head and channel; per head (the torch scan's diagonal)
+def test_ssd_matches_the_recurrence(backend, length, chunk, d_shape):
     x, dt, A, B, C = random_inputs(l=length)
-    D = torch.randn(4, 3, dtype=F64)
+    D = torch.randn(*d_shape, dtype=F64)
     z = torch.randn_like(x)
     init = torch.randn(2, 4, 3, 5, dtype=F64)
     y, final = kernels.ssd(x, dt, A, B, C, chunk, D=D, z=z, initial_states=init, return_final_states=True,
@@ -476,6 +477,26 @@ def test_depthwise_conv_tiles_and_fused_silu(monkeypatch, causal, kernel, silu):
     out.sum().backward()
     torch.testing.assert_close(strided.grad[..., 1:6], torch.autograd.grad(expected.sum(), x)[0])
     assert strided.grad[..., :1].abs().sum() == 0 and strided.grad[..., 6:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 6])
+@pytest.mark.parametrize("causal, kernel", [(False, 7), (True, 4), (False, 3), (True, 7)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_depthwise_conv_of_sequences_shorter_than_the_kernel(length, causal, kernel, silu):
+    # rows whose every tap, or all but a few, fall outside the sequence (zero padding without a padded copy)
+    from mixer_plugins.kernels.conv import depthwise_conv1d
+
+    x = torch.randn(2, length, 3, dtype=F64, requires_grad=True)
+    w = torch.randn(3, kernel, dtype=F64, requires_grad=True)
+    b = torch.randn(3, dtype=F64, requires_grad=True)
+    pad = (kernel - 1, 0) if causal else ((kernel - 1) // 2, (kernel - 1) // 2)
+    expected = F.conv1d(F.pad(x.transpose(1, 2), pad), w[:, None], b, groups=3).transpose(1, 2)
+    if silu:
+        expected = F.silu(expected)
+    out = depthwise_conv1d(x, w, b, causal=causal, silu=silu)
+    torch.testing.assert_close(out, expected)
+    assert torch.autograd.gradcheck(lambda x, w, b: depthwise_conv1d(x, w, b, causal=causal, silu=silu), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: depthwise_conv1d(x, w, None, causal=causal, silu=silu), (x, w))
 
 
 # -- gated RMSNorm ------------------------------------------------------------------------------------------

@@ -43,30 +43,50 @@ def _tile_threads(x: Tensor, tiles: list[tuple[int, int]]):
     return threads_for(section_elements(tiles, x.shape[0] * x.shape[2], TILE_ELEMENTS), x.device)
 
 
-def _window(x: Tensor, lo: int, hi: int) -> Tensor:
-    """Rows ``[lo, hi)`` of x along time, zeros where the range leaves the sequence (a small copy)."""
-    length = x.shape[1]
-    inside = x[:, max(lo, 0):min(hi, length)]
-    before, after = max(0, -lo), max(0, hi - length)
-    return F.pad(inside, (0, 0, before, after)) if before or after else inside
+def _valid(lo: int, hi: int, shift: int, length: int) -> tuple[int, int]:
+    """The rows ``t`` of ``[lo, hi)`` whose source row ``t + shift`` lies in ``[0, length)``, as ``[t0, t1)``
+    (empty when none do, then ``t0 == t1``)."""
+    t0 = min(max(lo, -shift), hi)
+    return t0, max(min(hi, length - shift), t0)
+
+
+def _shifted_sum(src: Tensor, offset: int, length: int, weights: list[Tensor], shifts: list[int], lo: int, hi: int,
+                 out: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``out[:, t - lo] = bias + sum_i weights[i] * row(t + shifts[i])`` for the rows ``t`` of ``[lo, hi)``, where
+    ``row(j) = src[:, j - offset]`` and a row outside the sequence ``[0, length)`` counts as zero.
+
+    Each product covers only the rows whose source exists (no padded copy of the input: a zero-padded window of a
+    long tile is a full fill and copy); the few rows that the first product does not reach start from the bias
+    (or zero)."""
+    t0, t1 = _valid(lo, hi, shifts[0], length)
+    for a, b in ((lo, t0), (t1, hi)):
+        if b > a:
+            edge = out[:, a - lo:b - lo]
+            edge.copy_(bias.expand_as(edge)) if bias is not None else edge.zero_()
+    if t1 > t0:
+        first = src[:, t0 + shifts[0] - offset:t1 + shifts[0] - offset]
+        if bias is not None:  # the bias rides on the first multiply-add (one pass fewer)
+            torch.addcmul(bias, first, weights[0], out=out[:, t0 - lo:t1 - lo])
+        else:
+            torch.mul(first, weights[0], out=out[:, t0 - lo:t1 - lo])
+    for weight, shift in zip(weights[1:], shifts[1:]):
+        t0, t1 = _valid(lo, hi, shift, length)
+        if t1 > t0:
+            out[:, t0 - lo:t1 - lo].addcmul_(src[:, t0 + shift - offset:t1 + shift - offset], weight)
+    return out
 
 
 def _conv_tile(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, lo: int, hi: int, out: Tensor) -> Tensor:
     """The convolution's rows ``[lo, hi)`` (before any activation), written into ``out`` (batch, hi - lo, C);
-    ``weight`` is taps-first (k, C) (see :func:`_taps_first`), ``bias`` contiguous.
+    ``weight`` is taps-first (k, C) (see :func:`_taps_first`), ``bias`` contiguous. Row t reads x's rows
+    ``t - left ... t - left + k - 1`` (zero outside the sequence).
 
     Every product goes into ``out`` in place: a fresh tensor per product would cost more in allocation (and,
     when the allocator gives memory back, page faults) than the arithmetic itself.
     """
     taps = weight.shape[0]
-    xp = _window(x, lo - left, hi - left + taps - 1)
-    if bias is not None:  # the bias rides on the first tap's multiply-add (one pass fewer)
-        torch.addcmul(bias, xp[:, 0:hi - lo], weight[0], out=out)
-    else:
-        torch.mul(xp[:, 0:hi - lo], weight[0], out=out)
-    for tap in range(1, taps):
-        out.addcmul_(xp[:, tap: tap + hi - lo], weight[tap])
-    return out
+    return _shifted_sum(x, 0, x.shape[1], list(weight.unbind(0)), [tap - left for tap in range(taps)], lo, hi,
+                        out, bias)
 
 
 def _taps_first(weight: Tensor) -> Tensor:
@@ -127,9 +147,7 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
         # the k - 1 rows around it (recomputed by neighbouring tiles too: a few rows per tile), in a tile-sized
         # buffer that is still in cache when the input gradient reads it; never a full-size tensor.
         for lo, hi in tiles:
-            rows = batch * (hi - lo)
-            # contiguous tile-sized buffers: each tap's column sums are then one matrix-vector product
-            prod = work[0, :rows * channels].view(batch, hi - lo, channels)
+            # contiguous tile-sized buffers (work[0]: each tap's column sums are then one matrix-vector product)
             if silu:
                 elo, ehi = max(lo - right, 0), min(hi + left, length)   # rows [lo - right, hi + left) in range
                 span = batch * (ehi - elo) * channels
@@ -138,30 +156,29 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
                 torch.sigmoid(pre, out=sig)
                 pre.mul_(sig)                              # silu(v)
                 sig.addcmul_(pre, sig, value=-1.0).add_(pre)   # silu'(v) = sig + silu(v) (1 - sig)
-                g_ext = torch.mul(grad[:, elo:ehi], sig, out=pre)
-                g = g_ext[:, lo - elo:hi - elo]
-                # zeros where the window leaves the sequence (a small copy at the two edges only)
-                before, after = elo - (lo - right), (hi + left) - ehi
-                gp = F.pad(g_ext, (0, 0, before, after)) if before or after else g_ext
+                g_src, g_offset = torch.mul(grad[:, elo:ehi], sig, out=pre), elo   # g's rows [elo, ehi)
             else:
-                g = grad[:, lo:hi]
-                gp = _window(grad, lo - right, hi + left)
-            # the weight and bias gradients (grad_w[tap] = sum_t g_t x_{t + tap - left}, kept taps-first)
-            xp = _window(x, lo - left, hi - left + k - 1)
+                g_src, g_offset = grad, 0
+            g = g_src[:, lo - g_offset:hi - g_offset]
+            # the weight and bias gradients (grad_w[tap] = sum_t g_t x_{t + tap - left}, kept taps-first), over
+            # the rows whose x exists
             for tap in range(k):
-                torch.mul(g, xp[:, tap: tap + hi - lo], out=prod)
+                t0, t1 = _valid(lo, hi, tap - left, length)
+                if t1 == t0:
+                    continue
+                n = batch * (t1 - t0)
+                prod = work[0, :n * channels].view(batch, t1 - t0, channels)
+                torch.mul(g[:, t0 - lo:t1 - lo], x[:, t0 + tap - left:t1 + tap - left], out=prod)
                 if prod.dtype == compute:
-                    grad_w[tap].addmv_(prod.view(rows, channels).t(), ones[:rows])
+                    grad_w[tap].addmv_(prod.view(n, channels).t(), ones[:n])
                 else:
                     grad_w[tap] += prod.sum(dim=(0, 1))
             if with_bias:
                 grad_b += g.sum(dim=(0, 1))
             # y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of g with the
-            # flipped kernel (its rows [lo - right, hi + left) for rows [lo, hi))
-            acc = grad_x[:, lo:hi]
-            torch.mul(gp[:, 0:hi - lo], taps[k - 1], out=acc)
-            for tap in range(1, k):
-                acc.addcmul_(gp[:, tap: tap + hi - lo], taps[k - 1 - tap])
+            # flipped kernel: row s reads g's rows s - right ... s + left (zero outside the sequence)
+            _shifted_sum(g_src, g_offset, length, [taps[k - 1 - tap] for tap in range(k)],
+                         [tap - right for tap in range(k)], lo, hi, grad_x[:, lo:hi])
     grad_w = grad_w.t().contiguous().to(weight.dtype)
     return grad_x, grad_w, grad_b.to(weight.dtype) if with_bias else grad_b
 
