@@ -38,17 +38,24 @@ class SSDArgs:
     dt_limit: tuple[float, float] = (0.0, math.inf)
     return_final_states: bool = False
 
-    def scan_inputs(self) -> ScanInputs:
-        """The scan our own backends run: ``dt`` through :func:`prepare_dt`, half precision in float32."""
+    def scan_inputs(self, *, skip_in_scan: bool = False) -> ScanInputs:
+        """The scan our own backends run: ``dt`` through :func:`prepare_dt`, half precision in float32.
+
+        ``skip_in_scan``: a per-head skip ``D`` (shape (h,)) becomes the scan's diagonal, so the scan adds
+        ``D x`` in place instead of two full-size passes after it (:meth:`finish` then leaves it out)."""
         dt = prepare_dt(self.dt, self.dt_bias, self.dt_softplus, self.dt_limit)
         x, B, C, init = upcast(self.x, self.B, self.C, self.initial_states)
         forward = Direction(dt=dt.to(x.dtype), A=self.A.to(x.dtype), B=B, C=C)
-        return ScanInputs(x=x, forward=forward, seq_idx=self.seq_idx, initial_state=init, chunk_size=self.chunk_size)
+        diag = None
+        if skip_in_scan and self.D is not None and self.D.dim() == 1:
+            diag = self.D.to(x.dtype).expand(*x.shape[:3])                                 # (b, l, h), a view
+        return ScanInputs(x=x, forward=forward, diag=diag, seq_idx=self.seq_idx, initial_state=init,
+                          chunk_size=self.chunk_size)
 
     def finish(self, inputs: ScanInputs, y: Tensor, final: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
-        """``y`` of the scan of ``inputs``, with the skip ``D x`` and the ``silu(z)`` gate, in x's dtype (and the
-        final states when asked for)."""
-        if self.D is not None:
+        """``y`` of the scan of ``inputs``, with the skip ``D x`` (unless the scan added it as its diagonal) and the
+        ``silu(z)`` gate, in x's dtype (and the final states when asked for)."""
+        if self.D is not None and inputs.diag is None:
             y = y + inputs.x * (self.D[:, None] if self.D.dim() == 1 else self.D).to(y.dtype)
         if self.z is not None:
             y = y * F.silu(self.z.to(y.dtype))

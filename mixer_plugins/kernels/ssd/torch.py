@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def impl(args: SSDArgs) -> Tensor | tuple[Tensor, Tensor]:
-    inputs = args.scan_inputs()
+    inputs = args.scan_inputs(skip_in_scan=True)
     y, final = run_chunked(inputs, want_final=args.return_final_states)
     return args.finish(inputs, y, final)
 
