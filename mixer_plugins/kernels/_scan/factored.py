@@ -118,7 +118,9 @@ def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
     diag_c = None if diag is None else _by_chunk(diag, pad, Q)                            # (b, c, Q, h)
 
     def split(t: Tensor | None) -> list[Tensor | None]:
-        return [None] * len(tiles) if t is None else list(t.split(per_tile, dim=1))
+        if t is None:
+            return [None] * len(tiles)
+        return [t] if len(tiles) == 1 else list(t.split(per_tile, dim=1))
 
     def parts(d: _Direction | None) -> list[list[Tensor | None]]:
         if d is None:
@@ -176,9 +178,10 @@ def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
         z = torch.matmul(t, grouped(W))                                                   # (b, c, g, Q, r*p)
         if entering is not None:
             scaled = (entering * state_scale(scale)).view(b, c, groups, nstate, rep * hdim)
-            z = z.view(b * c * groups, Q, rep * hdim).baddbmm_(
-                queries.reshape(b * c * groups, Q, nstate), scaled.view(b * c * groups, nstate, rep * hdim)
-            ).view(b, c, groups, Q, rep * hdim)
+            # out of place: an in-place product on a view of z would make autograd rebuild z's whole storage
+            # in the backward (CopySlices: a fresh z-sized tensor and two copies)
+            z = torch.baddbmm(z.view(b * c * groups, Q, rep * hdim), queries.reshape(b * c * groups, Q, nstate),
+                              scaled.view(b * c * groups, nstate, rep * hdim)).view(b, c, groups, Q, rep * hdim)
         return heads_last(z) * per_head(u)
 
     # ------------------------------------------------ sweep 1, right to left: the backward direction's states
