@@ -62,7 +62,10 @@ def _shifted_sum(src: Tensor, offset: int, length: int, weights: list[Tensor], s
     for a, b in ((lo, t0), (t1, hi)):
         if b > a:
             edge = out[:, a - lo:b - lo]
-            edge.copy_(bias.expand_as(edge)) if bias is not None else edge.zero_()
+            if bias is not None:
+                edge.copy_(bias.expand_as(edge))
+            else:
+                edge.zero_()
     if t1 > t0:
         first = src[:, t0 + shifts[0] - offset:t1 + shifts[0] - offset]
         if bias is not None:  # the bias rides on the first multiply-add (one pass fewer)
@@ -147,7 +150,6 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
         # the k - 1 rows around it (recomputed by neighbouring tiles too: a few rows per tile), in a tile-sized
         # buffer that is still in cache when the input gradient reads it; never a full-size tensor.
         for lo, hi in tiles:
-            # contiguous tile-sized buffers (work[0]: each tap's column sums are then one matrix-vector product)
             if silu:
                 elo, ehi = max(lo - right, 0), min(hi + left, length)   # rows [lo - right, hi + left) in range
                 span = batch * (ehi - elo) * channels
@@ -167,6 +169,7 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
                 if t1 == t0:
                     continue
                 n = batch * (t1 - t0)
+                # a contiguous buffer: the tap's column sums are then one matrix-vector product
                 prod = work[0, :n * channels].view(batch, t1 - t0, channels)
                 torch.mul(g[:, t0 - lo:t1 - lo], x[:, t0 + tap - left:t1 + tap - left], out=prod)
                 if prod.dtype == compute:
