@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mixer_plugins import kernels
 from mixer_plugins.kernels import _threads
 from mixer_plugins.kernels._scan import Direction, ScanInputs, reference_scan
-from mixer_plugins.kernels._scan import chunked as chunked_module
 from mixer_plugins.kernels._scan import custom_op as custom_op_module
 
 F64 = torch.float64
