@@ -453,6 +453,14 @@ def test_depthwise_conv_matches_conv1d(causal, kernel):
     assert counter.get_total_flops() == 2 * 2 * 11 * 5 * kernel
 
 
+def _conv_by_torch(x, w, b, *, causal, silu):
+    """The depthwise convolution (+ SiLU) by PyTorch's own conv1d on an explicitly zero-padded input."""
+    kernel = w.shape[1]
+    pad = (kernel - 1, 0) if causal else ((kernel - 1) // 2, (kernel - 1) // 2)
+    y = F.conv1d(F.pad(x.transpose(1, 2), pad), w[:, None], b, groups=w.shape[0]).transpose(1, 2)
+    return F.silu(y) if silu else y
+
+
 @pytest.mark.parametrize("causal, kernel", [(False, 7), (True, 4)])
 @pytest.mark.parametrize("silu", [False, True])
 def test_depthwise_conv_tiles_and_fused_silu(monkeypatch, causal, kernel, silu):
@@ -464,10 +472,7 @@ def test_depthwise_conv_tiles_and_fused_silu(monkeypatch, causal, kernel, silu):
     x = base[..., 1:6].clone().requires_grad_()
     w = torch.randn(5, kernel, dtype=F64, requires_grad=True)
     b = torch.randn(5, dtype=F64, requires_grad=True)
-    pad = (kernel - 1, 0) if causal else ((kernel - 1) // 2, (kernel - 1) // 2)
-    expected = F.conv1d(F.pad(x.transpose(1, 2), pad), w[:, None], b, groups=5).transpose(1, 2)
-    if silu:
-        expected = F.silu(expected)
+    expected = _conv_by_torch(x, w, b, causal=causal, silu=silu)
     torch.testing.assert_close(conv.depthwise_conv1d(x, w, b, causal=causal, silu=silu), expected)
     assert torch.autograd.gradcheck(lambda x, w, b: conv.depthwise_conv1d(x, w, b, causal=causal, silu=silu),
                                     (x, w, b))
@@ -489,12 +494,8 @@ def test_depthwise_conv_of_sequences_shorter_than_the_kernel(length, causal, ker
     x = torch.randn(2, length, 3, dtype=F64, requires_grad=True)
     w = torch.randn(3, kernel, dtype=F64, requires_grad=True)
     b = torch.randn(3, dtype=F64, requires_grad=True)
-    pad = (kernel - 1, 0) if causal else ((kernel - 1) // 2, (kernel - 1) // 2)
-    expected = F.conv1d(F.pad(x.transpose(1, 2), pad), w[:, None], b, groups=3).transpose(1, 2)
-    if silu:
-        expected = F.silu(expected)
-    out = depthwise_conv1d(x, w, b, causal=causal, silu=silu)
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(depthwise_conv1d(x, w, b, causal=causal, silu=silu),
+                               _conv_by_torch(x, w, b, causal=causal, silu=silu))
     assert torch.autograd.gradcheck(lambda x, w, b: depthwise_conv1d(x, w, b, causal=causal, silu=silu), (x, w, b))
     assert torch.autograd.gradcheck(lambda x, w: depthwise_conv1d(x, w, None, causal=causal, silu=silu), (x, w))
 
