@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,17 +68,30 @@ def vit_step(mixer: str, *, batch: int, **model_options) -> Callable[[], None]:
     return run
 
 
-def interleaved_times(fns: dict[str, Callable[[], None]], rounds: int, *, warmup: int = 1) -> dict[str, list[float]]:
-    """Wall times of each function over ``rounds`` rounds, one call of each per round, in turn."""
+def minor_faults() -> int:
+    """This process's minor page faults so far (each a first touch of a 4 KiB page the kernel had to map)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def interleaved_times(fns: dict[str, Callable[[], None]], rounds: int, *, warmup: int = 1,
+                      faults: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
+    """Wall times of each function over ``rounds`` rounds, one call of each per round, in turn.
+
+    ``faults``: a dict that receives each call's minor page faults, by name. On CPU they are the main source of
+    run-to-run variance of the SSM mixers (glibc hands a step's memory back to the kernel and the next step
+    faults it in again; see docs/performance.md, "What changed in session 6")."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            f0 = minor_faults()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if faults is not None:
+                faults.setdefault(name, []).append(minor_faults() - f0)
     return times
 
 
@@ -138,12 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for length in (int(v) for v in args.lengths.split(",") if v.strip()):
         fns = {name: step(name, length, dim=args.dim) for name in [*names, REFERENCE]}
-        times = interleaved_times(fns, args.rounds)
+        faults: dict[str, list[int]] = {}
+        times = interleaved_times(fns, args.rounds, faults=faults)
         row = {"length": length, "threads": args.threads, "rounds": args.rounds,
                "median_seconds": {n: statistics.median(t) for n, t in times.items()},
+               "median_page_faults": {n: statistics.median(f) for n, f in faults.items()},
                "ratios": {n: ratio_stats(times[REFERENCE], times[n]) for n in names}}
         line = f"L={length:6d}  " + "  ".join(
             f"{REFERENCE}/{n}: {r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" for n, r in row["ratios"].items())
+        line += "  | page faults per call: " + ", ".join(
+            f"{n} {f:.0f}" for n, f in row["median_page_faults"].items())
         if args.competitor:
             row["slowdowns"] = slowdowns(fns, max(1, args.rounds // 2))
             line += "  | slowdown with a competitor: " + ", ".join(

@@ -50,18 +50,26 @@ def test_target_ratio_vs_attention(benchmark, benchmarking_enabled, mixer, lengt
         if (mixer, length) != (MIXERS[0], min(TARGETS)):
             pytest.skip("timing target: runs with benchmarking enabled (one case smoke-tests the code)")
         fns = {n: step(n, 32, dim=32) for n in (mixer, REFERENCE)}
-        times = benchmark.pedantic(lambda: interleaved_times(fns, 1, warmup=0), rounds=1, iterations=1)
+        faults: dict[str, list[int]] = {}
+        times = benchmark.pedantic(lambda: interleaved_times(fns, 1, warmup=0, faults=faults), rounds=1,
+                                   iterations=1)
         assert ratio_stats(times[REFERENCE], times[mixer])["median"] > 0
+        assert {n: len(f) for n, f in faults.items()} == {mixer: 1, REFERENCE: 1}
+        assert all(f[0] >= 0 for f in faults.values())
         return
     rounds = 3 if length >= 16384 else 7
-    times = interleaved_times({n: step(n, length) for n in (mixer, REFERENCE)}, rounds)
+    faults = {}
+    times = interleaved_times({n: step(n, length) for n in (mixer, REFERENCE)}, rounds, faults=faults)
     ratio = ratio_stats(times[REFERENCE], times[mixer])
+    page_faults = {n: statistics.median(f) for n, f in faults.items()}
     _record(benchmark, mixer=mixer, length=length, ratio=ratio, threads=torch.get_num_threads(),
-            seconds={n: statistics.median(t) for n, t in times.items()})
-    print(f"\nL={length} fwd+bwd attention/{mixer}: {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
+            seconds={n: statistics.median(t) for n, t in times.items()}, page_faults=page_faults)
+    print(f"\nL={length} fwd+bwd attention/{mixer}: {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]"
+          f"; page faults per call {page_faults}")
     assert ratio["median"] >= TARGETS[length], (
         f"attention/{mixer} forward+backward time ratio at L={length} is {ratio['median']:.2f} "
-        f"[{ratio['min']:.2f}, {ratio['max']:.2f}] (target >= {TARGETS[length]})")
+        f"[{ratio['min']:.2f}, {ratio['max']:.2f}] (target >= {TARGETS[length]}), with {page_faults[mixer]:.0f} "
+        "page faults per call (see docs/performance.md on the allocator)")
 
 
 @pytest.mark.parametrize("length", [1024, 4096])
