@@ -62,6 +62,8 @@ class _Machine:
         monkeypatch.setattr(_threads, "_runnable_tasks", lambda: self.runnable)
         monkeypatch.setattr(_threads, "_own_runnable_tasks", lambda: self.own)
         monkeypatch.setattr(_threads, "_cores", lambda: cores)
+        self.allowed = cores                                    # the CPU affinity: every core unless pinned
+        monkeypatch.setattr(_threads, "_allowed_cores", lambda: self.allowed)
         monkeypatch.setattr(_threads, "_clock", lambda: self.now)
         monkeypatch.setattr(_threads, "_last_sample", (float("-inf"), None, None))
         monkeypatch.delenv("MIXER_PLUGINS_ADAPTIVE_THREADS", raising=False)
@@ -111,6 +113,20 @@ def test_adaptive_threads_can_be_turned_off_and_are_off_where_proc_is_unreadable
     machine.later()
     assert _threads.free_cores() is None
     assert _threads.section_threads(_threads.PARALLEL_MIN_ELEMENTS, "cpu") == 2
+
+
+def test_adaptive_threads_are_off_for_a_process_pinned_to_some_cores(two_threads_adaptive, monkeypatch):
+    # a container's cpuset on a busy machine: the machine-wide count says nothing about our own cores
+    machine = _Machine(monkeypatch, cores=8)
+    machine.runnable, machine.own = 12, 1
+    machine.later()
+    machine.later()
+    assert _threads.section_threads(_threads.PARALLEL_MIN_ELEMENTS, "cpu") == 1   # every core of the machine busy
+    machine.allowed = 2
+    machine.later()
+    machine.later()
+    assert _threads.free_cores() is None
+    assert _threads.section_threads(_threads.PARALLEL_MIN_ELEMENTS, "cpu") == 2   # the threads torch was given
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="reads Linux's /proc")

@@ -18,7 +18,9 @@ runnable tasks that are not this process's own are read from ``/proc`` (at most 
 :data:`LOAD_SAMPLE_SECONDS`), and while another process keeps cores busy a large section uses only the free ones
 (at least one), as OpenMP's dynamic mode does. A quiet machine keeps all threads. Two readings in a row must agree
 before threads are given up, so a short-lived task (a kernel worker waking for a moment) changes nothing. Set
-``MIXER_PLUGINS_ADAPTIVE_THREADS=0`` to turn this off; elsewhere than Linux it is off.
+``MIXER_PLUGINS_ADAPTIVE_THREADS=0`` to turn this off; elsewhere than Linux it is off, and so it is for a process
+pinned to some of the machine's cores (a container's cpuset, ``taskset``): ``/proc/loadavg`` counts the whole
+machine's tasks, which may run on other cores than ours.
 """
 
 from __future__ import annotations
@@ -98,6 +100,14 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
+def _allowed_cores() -> int:
+    """Cores this process may run on (its CPU affinity; a container's cpuset, ``taskset``), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return _cores()
+
+
 _last_sample: tuple[float, int | None, int | None] = (float("-inf"), None, None)  # (time, free cores, previous)
 
 
@@ -105,6 +115,11 @@ def _sample_free_cores() -> int | None:
     """Cores not kept busy by other processes now: all cores minus the runnable tasks that are not ours. (Our own
     threads are read before and after the machine's count, and the larger count is taken: a worker that stops
     spinning between the two readings must not look like another process.)"""
+    if _allowed_cores() < _cores():
+        # pinned to some of the cores (a container's cpuset): the machine-wide count cannot tell whether the busy
+        # tasks run on ours, and a busy machine would otherwise push this process down to one thread on cores
+        # that may well be idle, so the rule is off
+        return None
     before = _own_runnable_tasks()
     running = _runnable_tasks()
     if running is None:
