@@ -35,7 +35,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -48,10 +47,11 @@ __all__ = ["AUTO_CHUNK_MIN_STATE", "TILE_ELEMENTS", "chunk_length", "scan_chunke
 
 
 def _pad_time(t: Tensor | None, pad: int) -> Tensor | None:
-    """Zeros appended along dim 1 (time)."""
+    """Zeros appended along dim 1 (time). (A concatenation: ``F.pad`` would first fill the whole result with zeros,
+    then copy the input over it.)"""
     if t is None or pad == 0:
         return t
-    return F.pad(t, [0, 0] * (t.dim() - 2) + [0, pad])
+    return torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], dim=1)
 
 
 def _chunks(t: Tensor | None, q: int) -> Tensor | None:
