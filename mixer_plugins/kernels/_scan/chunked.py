@@ -389,19 +389,25 @@ def _scan_chunk_states(states: Tensor, log_carry: Tensor, init: Tensor | None, *
             reached = torch.cat([reached, torch.zeros_like(bad[:, :1])], dim=1)
         else:
             reached = torch.cat([torch.zeros_like(bad[:, :1]), bad.cummax(dim=1).values[:, :-1]], dim=1)
-    if nchunks == 1:  # one chunk (e.g. one per tile at a large batch): no block product, two elementwise ops
-        total = torch.exp(log_carry[:, 0]).to(states.dtype)[..., None, None]                # (b, g, r, 1, 1)
-        if init is None:
-            entering, carry = None, states[:, 0]  # nothing enters: the caller skips the read-out
-        else:
-            entering, carry = init[:, None], states[:, 0] + total * init
-    else:
-        entering, carry = _StatePass.apply(states, log_carry[..., None, None], init, reverse)
+    entering, carry = state_recurrence(states, log_carry[..., None, None], init, reverse)
     if not any_bad:
         return entering, carry
     if entering is not None:
         entering = entering.masked_fill(reached[..., None, None], float("nan"))
     return entering, carry.masked_fill(bad.any(dim=1)[..., None, None], float("nan"))
+
+
+def state_recurrence(states: Tensor, log_carry: Tensor, init: Tensor | None,
+                     reverse: bool) -> tuple[Tensor | None, Tensor]:
+    """``H_c = a_c H_{c-1} + S_c`` over a tile's chunks, in any layout: ``states`` (b, C, ...), ``log_carry``
+    (``log a_c``) broadcastable to them, ``init`` (b, ...) or None. Returns the state entering each chunk (None when
+    nothing enters: one chunk and no ``init``, so the caller skips the read-out) and the state after the last one.
+    One chunk is two elementwise ops; more run :class:`_StatePass`."""
+    if states.shape[1] == 1:  # e.g. one chunk per tile at a large batch
+        if init is None:
+            return None, states[:, 0]
+        return init[:, None], states[:, 0] + torch.exp(log_carry[:, 0]).to(states.dtype) * init
+    return _StatePass.apply(states, log_carry, init, reverse)
 
 
 def _one_thread(device: torch.device):

@@ -11,7 +11,7 @@ side, ``T = mask(C~ B^T)``):
 
 No per-head Q x Q block is ever built: the only Q x Q matrix is ``C~ B^T``, shared by the group's heads, and the
 per-head work is three scalings of x-sized tensors. The states between chunks use the same recurrence as
-:mod:`.chunked` (:class:`.chunked._StatePass`), in the layout the products want.
+:mod:`.chunked` (:func:`.chunked.state_recurrence`), in the layout the products want.
 
 With ``m = p_last / 2`` both factors lie in ``[e^{m}, e^{-m}]``: they are bounded by ``e^{|p_last| / 2}`` (the
 chunk's whole decay, halved). :func:`scan_factored` takes this path only where that bound is safe for the dtype
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .._tiling import tile_bounds, tile_length
-from .chunked import TILE_ELEMENTS, _known_finite, _pad_time, _StatePass, chunk_length
+from .chunked import TILE_ELEMENTS, _known_finite, _pad_time, chunk_length, state_recurrence
 from .inputs import ScanInputs
 
 __all__ = ["MAX_HALF_RANGE", "scan_factored"]
@@ -161,13 +161,7 @@ def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
 
     def run_states(states: Tensor, log_carry: Tensor, init: Tensor | None, reverse: bool):
         b, c = states.shape[:2]
-        log = log_carry.reshape(b, c, groups, 1, rep, 1)
-        if c == 1:
-            total = torch.exp(log[:, 0]).to(states.dtype)
-            if init is None:
-                return None, states[:, 0]
-            return init[:, None], states[:, 0] + total * init
-        return _StatePass.apply(states, log, init, reverse)
+        return state_recurrence(states, log_carry.reshape(b, c, groups, 1, rep, 1), init, reverse)
 
     def product(W: Tensor, keys: Tensor, queries: Tensor, u: Tensor, scale: Tensor,
                 entering: Tensor | None, lower: bool) -> Tensor:
