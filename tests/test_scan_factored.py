@@ -190,3 +190,53 @@ def test_float32_and_bfloat16_follow_the_float64_reference():
         assert got is not None and got.dtype == dtype
         scale = want.abs().max()
         assert (got.double() - want).abs().max() <= tol * scale, dtype
+
+
+@pytest.mark.parametrize("nchunks", [1, 2, 5])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_init", [False, True])
+@pytest.mark.parametrize("steep", [False, True])
+def test_the_scaled_state_recurrence_matches_the_plain_one(nchunks, reverse, with_init, steep):
+    # factored.scaled_state_recurrence (K_c = e^{m_c} H_c, a written-out backward past one chunk) against the
+    # recurrence H_c = e^{2 m_c} H_{c-1} + e^{m_c} S'_c written with plain autograd, float64: values and the
+    # gradients of every input, for the entering states only, the final state only, and both. ``steep``: chunks
+    # whose decay is ~e^-40 (tiny links between chunks), compared relatively, to the last bits: a gradient formed
+    # by a cancelling difference loses them there
+    torch.manual_seed(0)
+    b, g, n, r, p = 2, 1, 3, 2, 4
+    states = torch.randn(b, nchunks, g, n, r, p, dtype=F64, requires_grad=True)
+    half_log = -torch.rand(b, nchunks, g, 1, r, 1, dtype=F64) * 3
+    if steep:
+        half_log = half_log - 18
+    half_log.requires_grad_(True)
+    tol = {"rtol": 1e-10, "atol": 0.0} if steep else {"rtol": 1e-12, "atol": 1e-12}
+    init = torch.randn(b, g, n, r, p, dtype=F64, requires_grad=True) if with_init else None
+
+    def plain():
+        h = torch.zeros_like(states[:, 0]) if init is None else init
+        entering = [None] * nchunks
+        for c in (reversed(range(nchunks)) if reverse else range(nchunks)):
+            entering[c] = torch.exp(half_log[:, c]) * h
+            h = torch.exp(2 * half_log[:, c]) * h + torch.exp(half_log[:, c]) * states[:, c]
+        return torch.stack(entering, dim=1), h
+
+    got, want = factored.scaled_state_recurrence(states, half_log, init, reverse), plain()
+    if got[0] is None:  # nothing enters: the read-out is skipped, and what would enter is zero
+        assert nchunks == 1 and init is None and not want[0].any()
+        got = (torch.zeros_like(want[0]), got[1])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **tol)
+    leaves = [t for t in (states, half_log, init) if t is not None]
+    weights = (torch.randn_like(want[0]), torch.randn_like(want[1]))
+    for use in ((0, 1), (0,), (1,)):
+        if got[0].grad_fn is None and 0 in use and len(use) == 1:
+            continue  # a constant zero: no gradient to compare
+        grads_got = torch.autograd.grad(sum((got[i] * weights[i]).sum() for i in use), leaves, retain_graph=True,
+                                        allow_unused=True)
+        grads_want = torch.autograd.grad(sum((want[i] * weights[i]).sum() for i in use), leaves, retain_graph=True,
+                                         allow_unused=True)
+        for a, e in zip(grads_got, grads_want):
+            if a is None or e is None:  # unused on both sides, or zero on the plain one
+                assert (a is None or not a.any()) and (e is None or not e.any())
+                continue
+            torch.testing.assert_close(a, e, **tol)

@@ -10,8 +10,10 @@ side, ``T = mask(C~ B^T)``):
 * ``S = e^m (B^T W)`` — the chunk's own state (``e^{p_last - m} = e^m`` with ``m = p_last / 2``).
 
 No per-head Q x Q block is ever built: the only Q x Q matrix is ``C~ B^T``, shared by the group's heads, and the
-per-head work is three scalings of x-sized tensors. The states between chunks use the same recurrence as
-:mod:`.chunked` (:func:`.chunked.state_recurrence`), in the layout the products want.
+per-head work is three scalings of x-sized tensors. The states never carry the factor ``e^m`` as a pass of its own:
+with ``S' = B^T W`` and ``K_c = e^{m_c} H_c`` (the read-out's operand), ``H_{c+1} = e^{2 m_c} H_c + e^{m_c} S'_c``
+becomes ``K_{c+1} = e^{m_c + m_{c+1}} (K_c + S'_c)`` (:func:`scaled_state_recurrence`, one fused multiply-add per
+chunk, a written-out backward).
 
 With ``m = p_last / 2`` both factors lie in ``[e^{m}, e^{-m}]``: they are bounded by ``e^{|p_last| / 2}`` (the
 chunk's whole decay, halved). :func:`scan_factored` takes this path only where that bound is safe for the dtype
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .._tiling import tile_bounds, tile_length
-from .chunked import TILE_ELEMENTS, _known_finite, _pad_time, chunk_length, state_recurrence
+from .chunked import TILE_ELEMENTS, _known_finite, _one_thread, _pad_time, chunk_length
 from .inputs import ScanInputs
 
-__all__ = ["MAX_HALF_RANGE", "scan_factored"]
+__all__ = ["MAX_HALF_RANGE", "scan_factored", "scaled_state_recurrence"]
 
 #: Largest ``|m| = |p_last| / 2`` (natural log units) the factored path accepts, per dtype: its factors stay
 #: below ``e^{|m|}``. float32 and bfloat16 keep ``e^40 ~ 2e17`` of their ``3e38`` range for the values, float64
@@ -46,8 +49,9 @@ def _by_chunk(t: Tensor, pad: int, q: int) -> Tensor:
 class _Direction:
     """One direction's per-chunk factors, for the whole sequence (small: (b, c, Q, h) or (b, c, g, Q, n)).
 
-    ``u`` scales the outputs, ``v`` (with dt) the inputs, ``scale = e^m`` the states, ``log_carry = p_last`` is
-    the log decay across a chunk; ``keys`` B and ``queries`` C~ (shifted) are laid out (b, c, g, Q, n)."""
+    ``u`` scales the outputs, ``v`` (with dt) the inputs, ``half_range = m = p_last / 2`` (b, c, 1, h) gives the
+    states' factors (``e^m``, and ``e^{2m}`` across a chunk); ``keys`` B and ``queries`` C~ (shifted) are laid out
+    (b, c, g, Q, n)."""
 
     def __init__(self, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, reverse: bool, shift: bool, pad: int, q: int):
         dt_c = _by_chunk(dt, pad, q)                                                      # (b, c, Q, h)
@@ -65,10 +69,113 @@ class _Direction:
             query = p if shift else e
             self.u = torch.exp(m - query)
             self.v = torch.exp(e - m) * dt_c
-        self.scale = torch.exp(m)                                                         # (b, c, 1, h)
-        self.log_carry = last[:, :, 0]                                                    # (b, c, h)
         self.keys = _by_chunk(B, pad, q).transpose(2, 3)                                  # (b, c, g, Q, n)
         self.queries = _by_chunk(C, pad, q).transpose(2, 3)
+
+
+def scaled_state_recurrence(states: Tensor, half_log: Tensor, init: Tensor | None,
+                            reverse: bool) -> tuple[Tensor | None, Tensor]:
+    """The states between chunks, kept scaled for the read-out: ``K_c = e^{m_c} H_c``.
+
+    ``H`` follows ``H_{c+1} = e^{2 m_c} H_c + e^{m_c} S'_c`` from ``H = init`` (zero when None), right to left when
+    ``reverse``; then ``K_{c+1} = e^{m_c + m_{c+1}} (K_c + S'_c)``. ``states`` S' (b, C, ...) in any layout,
+    ``half_log`` m broadcastable to them ((b, C, g, 1, r, 1) for states (b, C, g, n, r, p)), ``init`` (b, ...).
+    Returns K for every chunk (None when nothing enters: one chunk and no ``init``) and the state H after the
+    last chunk (after the first one when ``reverse``). One chunk is plain autograd; more run
+    :class:`_ScaledStatePass` (one fused multiply-add per chunk, a written-out backward)."""
+    if states.shape[1] == 1:
+        scale = torch.exp(half_log[:, 0]).to(states.dtype)
+        if init is None:
+            return None, states[:, 0] * scale
+        entering = init * scale
+        return entering[:, None], (entering + states[:, 0]) * scale
+    return _ScaledStatePass.apply(states, half_log, init, reverse)
+
+
+class _ScaledStatePass(torch.autograd.Function):
+    """:func:`scaled_state_recurrence` over more than one chunk.
+
+    With ``link_c = e^{m_c + m_{c+1}}`` (between chunks c and c+1), left to right: ``K_0 = e^{m_0} init``,
+    ``K_{c+1} = link_c (K_c + S'_c)``, final ``H = e^{m_last} (K_last + S'_last)``; right to left the same with the
+    indices mirrored. The forward writes ``link_c S'_c`` into K's slots in one batched product, then adds
+    ``link_c K_c`` chunk by chunk (one ``addcmul_`` per chunk, on one thread: a chunk's state is small).
+
+    Backward, with ``G_c`` the whole gradient reaching ``K_c``: ``G_c = dK_c + link_c G_{c+1}`` (and
+    ``e^{m_last} dH`` added to ``G_last``), ``dS'_c = link_c G_{c+1}`` (``e^{m_last} dH`` for the last; formed
+    directly, as ``G_c - dK_c`` would cancel), ``d init = e^{m_0} G_0``; every ``K_c`` and the final state are
+    proportional to the ``e^m`` of the chunks they name, so with ``r_c = <G_c, K_c>``,
+    ``dm_c = r_c + r_{c+1}`` (``+ <dH, H>`` for the last chunk)."""
+
+    @staticmethod
+    def forward(ctx, states: Tensor, half_log: Tensor, init: Tensor | None, reverse: bool):
+        nchunks = states.shape[1]
+        scale = torch.exp(half_log).to(states.dtype)                                      # e^{m_c}
+        link = scale[:, :-1] * scale[:, 1:]                                                 # e^{m_c + m_{c+1}}
+        entering = torch.empty_like(states)
+        first, last = (nchunks - 1, 0) if reverse else (0, nchunks - 1)
+        if reverse:   # K_c = link_c (K_{c+1} + S'_{c+1})
+            torch.mul(states[:, 1:], link, out=entering[:, :-1])
+        else:         # K_{c+1} = link_c (K_c + S'_c)
+            torch.mul(states[:, :-1], link, out=entering[:, 1:])
+        ent, links = entering.unbind(1), link.unbind(1)
+        if init is None:
+            ent[first].zero_()
+        else:
+            torch.mul(init, scale[:, first], out=ent[first])
+        with _one_thread(states.device):
+            if reverse:
+                for c in range(nchunks - 2, -1, -1):
+                    ent[c].addcmul_(links[c], ent[c + 1])
+            else:
+                for c in range(1, nchunks):
+                    ent[c].addcmul_(links[c - 1], ent[c - 1])
+        carry = (ent[last] + states[:, last]).mul_(scale[:, last])
+        ctx.save_for_backward(scale, link, entering, carry)
+        ctx.reverse, ctx.has_init, ctx.log_dtype = reverse, init is not None, half_log.dtype
+        return entering, carry
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_entering: Tensor | None, grad_carry: Tensor | None):
+        scale, link, entering, carry = ctx.saved_tensors
+        nchunks, reverse = entering.shape[1], ctx.reverse
+        first, last = (nchunks - 1, 0) if reverse else (0, nchunks - 1)
+        total = torch.zeros_like(entering) if grad_entering is None else grad_entering.clone()   # G
+        if grad_carry is not None:
+            total[:, last].addcmul_(grad_carry, scale[:, last])
+        acc, links = total.unbind(1), link.unbind(1)
+        with _one_thread(entering.device):
+            if reverse:
+                for c in range(1, nchunks):
+                    acc[c].addcmul_(links[c - 1], acc[c - 1])
+            else:
+                for c in range(nchunks - 2, -1, -1):
+                    acc[c].addcmul_(links[c], acc[c + 1])
+        # dS'_c: what reaches K_c + S'_c, formed directly (G_c - dK_c would cancel where the link is tiny)
+        grad_states = torch.empty_like(entering)
+        if reverse:   # K_{c-1} = link_{c-1} (K_c + S'_c); the final state reads K_0 + S'_0
+            torch.mul(total[:, :-1], link, out=grad_states[:, 1:])
+        else:         # K_{c+1} = link_c (K_c + S'_c); the final state reads the last chunk's
+            torch.mul(total[:, 1:], link, out=grad_states[:, :-1])
+        if grad_carry is None:
+            grad_states[:, last].zero_()
+        else:
+            torch.mul(grad_carry, scale[:, last], out=grad_states[:, last])
+        grad_log = None
+        if ctx.needs_input_grad[1]:
+            shares = (total * entering).sum_to_size(scale.shape)                            # r_c
+            grad_log = shares.clone()
+            if reverse:
+                grad_log[:, 1:] += shares[:, :-1]
+            else:
+                grad_log[:, :-1] += shares[:, 1:]
+            if grad_carry is not None:
+                grad_log[:, last] += (grad_carry * carry).sum_to_size(scale[:, last].shape)
+            grad_log = grad_log.to(ctx.log_dtype)
+        grad_init = None
+        if ctx.has_init and ctx.needs_input_grad[2]:
+            grad_init = acc[first] * scale[:, first]
+        return grad_states, grad_log, grad_init, None
 
 
 def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
@@ -124,8 +231,8 @@ def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
 
     def parts(d: _Direction | None) -> list[list[Tensor | None]]:
         if d is None:
-            return [[None] * len(tiles)] * 6
-        return [split(t) for t in (d.u, d.v, d.scale, d.log_carry, d.keys, d.queries)]
+            return [[None] * len(tiles)] * 5
+        return [split(t) for t in (d.u, d.v, d.half_range, d.keys, d.queries)]
 
     x_s, diag_s = split(x_c), split(diag_c)
     fwd_s, bwd_s = parts(fwd), parts(bwd)
@@ -148,49 +255,44 @@ def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
         """(b, c, Q', h) -> (b, c, Q', h, 1): a factor that scales every head's p columns."""
         return t[..., None]
 
-    def state_scale(scale: Tensor) -> Tensor:
-        """(b, c, 1, h) -> (b, c, g, 1, r, 1): e^m in the states' layout."""
-        b, c = scale.shape[:2]
-        return scale.reshape(b, c, groups, 1, rep, 1)
-
-    def chunk_states(W: Tensor, keys: Tensor, scale: Tensor) -> Tensor:
-        """e^m B^T W: (b, c, g, n, r, p)."""
+    def chunk_states(W: Tensor, keys: Tensor) -> Tensor:
+        """B^T W (the chunk's state without its factor e^m): (b, c, g, n, r, p)."""
         b, c = W.shape[:2]
         s = torch.matmul(keys.transpose(-1, -2), grouped(W))                             # (b, c, g, n, r*p)
-        return s.view(b, c, groups, nstate, rep, hdim) * state_scale(scale).to(s.dtype)
+        return s.view(b, c, groups, nstate, rep, hdim)
 
-    def run_states(states: Tensor, log_carry: Tensor, init: Tensor | None, reverse: bool):
+    def run_states(states: Tensor, half_range: Tensor, init: Tensor | None, reverse: bool):
+        """(e^m H entering each chunk or None, the state H after the tile)."""
         b, c = states.shape[:2]
-        return state_recurrence(states, log_carry.reshape(b, c, groups, 1, rep, 1), init, reverse)
+        return scaled_state_recurrence(states, half_range.reshape(b, c, groups, 1, rep, 1), init, reverse)
 
-    def product(W: Tensor, keys: Tensor, queries: Tensor, u: Tensor, scale: Tensor,
-                entering: Tensor | None, lower: bool) -> Tensor:
-        """u * (mask(C~ B^T) W + C~ (e^m H)) in (b, c, Q, h, p)."""
+    def product(W: Tensor, keys: Tensor, queries: Tensor, u: Tensor, entering: Tensor | None,
+                lower: bool) -> Tensor:
+        """u * (mask(C~ B^T) W + C~ K) in (b, c, Q, h, p), with ``entering`` K = e^m H."""
         b, c = W.shape[:2]
         t = torch.matmul(queries, keys.transpose(-1, -2))                                # (b, c, g, Q, Q)
         t = t.tril_(-1 if shift else 0) if lower else t.triu_(1 if shift else 0)
         z = torch.matmul(t, grouped(W))                                                   # (b, c, g, Q, r*p)
         if entering is not None:
-            scaled = (entering * state_scale(scale)).view(b, c, groups, nstate, rep * hdim)
             # out of place: an in-place product on a view of z would make autograd rebuild z's whole storage
             # in the backward (CopySlices: a fresh z-sized tensor and two copies)
             z = torch.baddbmm(z.view(b * c * groups, Q, rep * hdim), queries.reshape(b * c * groups, Q, nstate),
-                              scaled.view(b * c * groups, nstate, rep * hdim)).view(b, c, groups, Q, rep * hdim)
+                              entering.reshape(b * c * groups, nstate, rep * hdim)).view(b, c, groups, Q, rep * hdim)
         return heads_last(z) * per_head(u)
 
     # ------------------------------------------------ sweep 1, right to left: the backward direction's states
     from_right: list[Tensor | None] = [None] * len(tiles)
     W_b: list[Tensor | None] = [None] * len(tiles)
     if bwd is not None:
-        u_s, v_s, scale_s, log_s, keys_s, _ = bwd_s
+        u_s, v_s, half_s, keys_s, _ = bwd_s
         carry = None
         for s in reversed(range(len(tiles))):
             W = x_s[s] * per_head(v_s[s]).to(dtype)
             W_b[s] = W
             if single:
                 continue
-            states = chunk_states(W, keys_s[s], scale_s[s])
-            entering, carry = run_states(states, log_s[s], carry, True)
+            states = chunk_states(W, keys_s[s])
+            entering, carry = run_states(states, half_s[s], carry, True)
             from_right[s] = entering
 
     # ------------------------------------------------ sweep 2, left to right: everything else
@@ -200,17 +302,16 @@ def scan_factored(inputs: ScanInputs, *, return_final_state: bool = False,
     for s in range(len(tiles)):
         y = None
         if fwd is not None:
-            u_s, v_s, scale_s, log_s, keys_s, queries_s = fwd_s
+            u_s, v_s, half_s, keys_s, queries_s = fwd_s
             W = x_s[s] * per_head(v_s[s]).to(dtype)
             entering = None
             if not (single and init is None and not return_final_state):
-                states = chunk_states(W, keys_s[s], scale_s[s])
-                entering, carry = run_states(states, log_s[s], carry, False)
-            y = product(W, keys_s[s], queries_s[s], u_s[s].to(dtype), scale_s[s].to(dtype), entering, True)
+                states = chunk_states(W, keys_s[s])
+                entering, carry = run_states(states, half_s[s], carry, False)
+            y = product(W, keys_s[s], queries_s[s], u_s[s].to(dtype), entering, True)
         if bwd is not None:
-            u_s, v_s, scale_s, log_s, keys_s, queries_s = bwd_s
-            upper = product(W_b[s], keys_s[s], queries_s[s], u_s[s].to(dtype), scale_s[s].to(dtype),
-                            from_right[s], False)
+            u_s, v_s, half_s, keys_s, queries_s = bwd_s
+            upper = product(W_b[s], keys_s[s], queries_s[s], u_s[s].to(dtype), from_right[s], False)
             W_b[s] = from_right[s] = None
             y = upper if y is None else y.add_(upper)
         if diag_s[s] is not None:
