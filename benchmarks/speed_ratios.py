@@ -68,6 +68,13 @@ def vit_step(mixer: str, *, batch: int, **model_options) -> Callable[[], None]:
     return run
 
 
+#: Training steps each ViT runs before the timed ones. A fresh process needs a few steps before glibc's heap settles
+#: (the quasi ViT's minor page faults per step, measured 2026-12-01: ~1.6M, 0.5-0.75M, then 0.1-0.3M from the third
+#: step on; its time 9.2, 7.4, then ~7.1 s; the attention model's stay near 0 and 4.7 s): the target is the
+#: steady state of a training run, so the first steps are warm-up.
+VIT_WARMUP = 3
+
+
 def minor_faults() -> int:
     """This process's minor page faults so far (each a first touch of a 4 KiB page the kernel had to map)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
     if args.vit:
         times = interleaved_times({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step(REFERENCE, batch=32)},
-                                  args.rounds)
+                                  args.rounds, warmup=VIT_WARMUP)
         ratio = ratio_stats(times["quasi"], times[REFERENCE])
         results.append({"vit_small_step": {"median_seconds": {n: statistics.median(t) for n, t in times.items()},
                                            "quasi_over_attention": ratio}})

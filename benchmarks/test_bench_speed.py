@@ -5,7 +5,7 @@ benchmarking is enabled:
   for quasiseparable and semiseparable, the ratio taken per interleaved round (median over the rounds);
 * with one competing CPU-bound process, a mixer's slowdown is at most 1.5x SDPA's slowdown;
 * a timm ViT-S/16 training step (batch 32, 197 tokens) with ``mixer='quasi'`` takes at most 1.5x the attention
-  model's time.
+  model's time, in the steady state of training (after :data:`speed_ratios.VIT_WARMUP` steps of each model).
 
 With ``--benchmark-disable`` (CI) each test makes one cheap call of the same code on tiny shapes, so it cannot rot.
 The same figures, outside pytest: ``python benchmarks/speed_ratios.py --competitor``.
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speed_ratios import (  # noqa: E402
     REFERENCE,
+    VIT_WARMUP,
     busy_competitor,
     interleaved_times,
     ratio_stats,
@@ -101,7 +102,7 @@ def test_target_vit_small_training_step(benchmark, benchmarking_enabled):
         benchmark.pedantic(vit_step("quasi", batch=2, img_size=32, depth=2), rounds=1, iterations=1)
         return
     times = interleaved_times({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step("attention", batch=32)},
-                              3)
+                              3, warmup=VIT_WARMUP)  # steady state: see VIT_WARMUP
     ratio = ratio_stats(times["quasi"], times[REFERENCE])  # quasi time / attention time
     _record(benchmark, ratio=ratio, seconds={n: statistics.median(t) for n, t in times.items()},
             threads=torch.get_num_threads())
