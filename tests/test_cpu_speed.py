@@ -339,3 +339,99 @@ def test_a_conv_or_norm_pass_of_several_tiles_uses_all_threads(two_threads, monk
     x = torch.randn(1, 16384, width)
     conv_torch._depthwise_conv1d_op(x, torch.randn(width, 4), None, 3, 0, True)
     assert seen and set(seen) == {2}, seen
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 5, 7)])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_linear_is_f_linear_forward_and_backward(shape, with_bias, dtype):
+    # kernels.linear runs F.linear's own products: the same values and gradients, bit for bit, and differentiable twice
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    w = torch.randn(3, 7, dtype=dtype, requires_grad=True)
+    b = torch.randn(3, dtype=dtype, requires_grad=True) if with_bias else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    got, want = kernels.linear(x, w, b), F.linear(x, w, b)
+    assert torch.equal(got, want)
+    g = torch.randn_like(got)
+    for a, e in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g)):
+        assert torch.equal(a, e)
+    only_x = torch.autograd.grad(kernels.linear(x, w.detach(), None if b is None else b.detach()), x, g)[0]
+    assert torch.equal(only_x, torch.autograd.grad(F.linear(x, w.detach(), None if b is None else b.detach()), x,
+                                                   g)[0])
+    if dtype == F64:
+        assert torch.autograd.gradgradcheck(kernels.linear, (x, w, b))
+    with torch.no_grad():
+        assert torch.equal(kernels.linear(x, w, b), want)
+
+
+def test_linear_forward_and_backward_use_only_the_free_cores(two_threads_adaptive, monkeypatch):
+    # with another process keeping one of 2 cores busy, the projection's products run on one thread, forward and
+    # backward (as the scan, conv and norm sections do); the caller's setting is restored after each
+    from mixer_plugins.kernels import _linear
+
+    machine = _Machine(monkeypatch)
+    sections = []
+    monkeypatch.setattr(_linear, "threads_for", _recording(_linear.threads_for, sections))
+    x = torch.randn(512, 1024, requires_grad=True)
+    w = torch.randn(1024, 1024, requires_grad=True)
+    seen_at_output = []
+    y = kernels.linear(x, w)
+    y.register_hook(lambda grad: seen_at_output.append(torch.get_num_threads()))
+    y.sum().backward()
+    assert sections == [2, 2] and seen_at_output == [2]          # quiet machine: all threads
+    machine.runnable, machine.own = 3, 2                          # one other busy process
+    machine.later()
+    _threads.section_threads(1 << 30, "cpu")
+    machine.later()
+    sections.clear()
+    seen_at_output.clear()
+    y = kernels.linear(x, w)
+    y.register_hook(lambda grad: seen_at_output.append(torch.get_num_threads()))
+    y.sum().backward()
+    assert sections == [1, 1] and seen_at_output == [2]           # both sections on the free core, then restored
+    assert torch.get_num_threads() == 2 and x.grad is not None and w.grad is not None
+
+
+def _recording(threads_for, into):
+    import contextlib
+
+    @contextlib.contextmanager
+    def recording(elements, device):
+        with threads_for(elements, device) as n:
+            into.append(n)
+            yield n
+    return recording
+
+
+def test_linear_is_plain_f_linear_under_cpu_autocast():
+    import torch.nn.functional as F
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = kernels.linear(x, w), F.linear(x, w)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert got.grad_fn.name() == want.grad_fn.name()
+
+
+def test_the_block_projects_through_linear_unless_the_projection_is_wrapped_or_hooked(monkeypatch):
+    # a plain out_proj goes through kernels.linear; a hooked one (or any other module) is called as itself
+    import mixer_plugins as mp
+    import mixer_plugins.mixers.block as block
+
+    calls = []
+    original = block.linear
+    monkeypatch.setattr(block, "linear", lambda *args: calls.append(len(args)) or original(*args))
+    mixer = mp.create_mixer("quasiseparable", 32, head_dim=8, d_state=8, chunk_size=8)
+    x = torch.randn(2, 12, 32)
+    want = mixer(x)
+    plain_calls = len(calls)
+    assert plain_calls >= 3   # in_proj's pieces and out_proj
+    fired = []
+    handle = mixer.out_proj.register_forward_hook(lambda module, args, out: fired.append(out.shape))
+    calls.clear()
+    torch.testing.assert_close(mixer(x), want, rtol=0, atol=0)
+    handle.remove()
+    assert fired == [torch.Size([2, 12, 32])] and len(calls) == plain_calls - 1
