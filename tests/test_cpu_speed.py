@@ -375,8 +375,10 @@ def test_linear_forward_and_backward_use_only_the_free_cores(two_threads_adaptiv
     machine = _Machine(monkeypatch)
     sections = []
     monkeypatch.setattr(_linear, "threads_for", _recording(_linear.threads_for, sections))
-    x = torch.randn(512, 1024, requires_grad=True)
+    x = torch.randn(2048, 1024, requires_grad=True)   # a product of MIN_ELEMENTS (2^21) elements
     w = torch.randn(1024, 1024, requires_grad=True)
+    kernels.linear(x[:1024], w).sum().backward()        # smaller products are plain F.linear: no section
+    assert sections == []
     seen_at_output = []
     y = kernels.linear(x, w)
     y.register_hook(lambda grad: seen_at_output.append(torch.get_num_threads()))

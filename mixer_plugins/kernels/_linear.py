@@ -6,7 +6,7 @@ like the scan, conv and norm sections, so that a descheduled thread cannot stall
 busy process, quasiseparable at L = 4096: forward+backward 2.10x its time alone with the projections on both
 threads, 1.63x with everything on one). The math is ``F.linear``'s own, forward and backward: the same products in
 the same order, so results are identical. Off CPU, under ``torch.compile``, under CPU autocast and for tensor
-subclasses (DTensor, ...) it is ``F.linear`` itself.
+subclasses (DTensor, ...) it is ``F.linear`` itself, and so it is for a product smaller than :data:`MIN_ELEMENTS`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from torch import Tensor
 
 from ._threads import threads_for
 
-__all__ = ["linear"]
+__all__ = ["MIN_ELEMENTS", "linear"]
+
+#: Products smaller than this (their largest tensor, in elements) are plain ``F.linear`` on the caller's threads.
+#: Measured on 2 cores with one busy process: at L = 4096 (the projections write 2-3 M elements) following the load
+#: helped in seven runs of seven; at L = 1024 (0.3-0.8 M elements) three runs came out worse and the runs were too
+#: noisy to tell (SDPA's own slowdown ranged from 1.9x to 3.9x between them), so products that small stay as they
+#: were.
+MIN_ELEMENTS = 1 << 21
 
 
 def _elements(x: Tensor, weight: Tensor) -> int:
@@ -36,7 +43,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)``; on CPU its forward and backward run with the threads the machine's load
     leaves free (see the module docstring). Differentiable twice, like ``F.linear``."""
     if (x.device.type != "cpu" or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu")
-            or not _plain(x, weight, bias)):
+            or not _plain(x, weight, bias) or _elements(x, weight) < MIN_ELEMENTS):
         return F.linear(x, weight, bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         with threads_for(_elements(x, weight), x.device):
