@@ -437,3 +437,12 @@ def test_the_block_projects_through_linear_unless_the_projection_is_wrapped_or_h
     torch.testing.assert_close(mixer(x), want, rtol=0, atol=0)
     handle.remove()
     assert fired == [torch.Size([2, 12, 32])] and len(calls) == plain_calls - 1
+    seen = []   # a process-wide module hook must see out_proj called as a module too
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(module) if module is mixer.out_proj else None)
+    calls.clear()
+    try:
+        torch.testing.assert_close(mixer(x), want, rtol=0, atol=0)
+    finally:
+        handle.remove()
+    assert seen == [mixer.out_proj] and len(calls) == plain_calls - 1

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
+from torch.nn.modules import module as _module_lib
 
 from ..kernels import gated_rmsnorm, linear
 from ..layers.conv import ShortConv
@@ -38,14 +39,17 @@ __all__ = [
 ]
 
 
+#: torch.nn's process-wide module hooks (``register_module_forward_hook`` and kin): while any is set, projections are
+#: called as modules (a missing name, in another torch version, counts as set)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
 def _project(module: nn.Module, x: Tensor) -> Tensor:
     """``module(x)``; through :func:`~mixer_plugins.kernels.linear` (threads that follow the machine's load) when
     ``module`` is a plain ``nn.Linear`` that no hook watches, so a wrapped, parametrized or hooked projection
     (LoRA, weight norm, a coordinate check) runs as itself."""
-    from torch.nn.modules import module as module_lib
-
-    hooked = any(getattr(module_lib, name, True) for name in (
-        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+    hooked = any(getattr(_module_lib, name, True) for name in _GLOBAL_HOOKS)
     if type(module) is not nn.Linear or hooked or module._forward_hooks or module._forward_pre_hooks \
             or module._backward_hooks or module._backward_pre_hooks:
         return module(x)
