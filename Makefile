@@ -15,12 +15,17 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# fairseq2n loads libsndfile.so.1 at import time.
+# fairseq2n loads libsndfile.so.1 at import time; the fused CPU MLR kernel is compiled on first use (g++).
 system-deps:
 	@if ! ldconfig -p 2>/dev/null | grep -q 'libsndfile\.so\.1'; then \
 	  echo "installing libsndfile1 (needed by fairseq2)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libsndfile1; \
+	fi
+	@if ! command -v c++ >/dev/null 2>&1; then \
+	  echo "installing g++ (builds the fused CPU MLR attention kernel)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q g++; \
 	fi
 
 $(STAMP): pyproject.toml examples/third_party_plugin/pyproject.toml | system-deps

@@ -59,7 +59,7 @@ def _close(a, b, tol=1e-10):
     assert err <= tol * (1 + b.abs().max().item()), err
 
 
-ENGINES = {"flash": dict(engine="flash"), "matmul": dict(engine="matmul"),
+ENGINES = {"native": dict(engine="native"), "flash": dict(engine="flash"), "matmul": dict(engine="matmul"),
            "flash-leaf": dict(engine="flash", leaf_max=64), "matmul-leaf": dict(engine="matmul", leaf_max=64)}
 
 
@@ -250,7 +250,7 @@ def _paper_count(batch, heads, length, ranks, sizes, value_width):
     return 2 * batch * heads * macs, 2 * batch * heads * length * length * value_width
 
 
-@pytest.mark.parametrize("engine", ["flash", "matmul"])
+@pytest.mark.parametrize("engine", ["native", "flash", "matmul"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("levels", [0, 1, 2])
 def test_flops_match_the_flop_counter(engine, causal, levels):

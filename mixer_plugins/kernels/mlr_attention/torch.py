@@ -21,9 +21,14 @@ each task's gradient is exactly its share of the full softmax's gradient (split-
 (``leaf_max``, off by default, eager only) the levels inside small blocks are computed together, block by block, as
 one *leaf* group.
 
-Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else ``matmul``):
+Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else the next of ``native``, ``flash``,
+``matmul`` that can):
 
-* ``flash`` (the CPU default): PyTorch's fused CPU flash-attention op
+* ``native`` (the CPU default for float32 and float64): our fused C++ kernel (:mod:`.native`, compiled on first
+  use): each (query tile, key range) piece of a group at the group's own width ``R_m``, one BLAS product for its
+  scores and one for its values, online softmax, no Python per task; the backward recomputes the scores. Right
+  padding only (keys beyond each row's length are skipped).
+* ``flash``: PyTorch's fused CPU flash-attention op
   (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp, and its backward). It needs equal
   q/k/v widths, so the group's keys keep their first ``R_m`` features and are zero beyond (queries and values are
   shared by all groups, at width ``max(head_dim, value width)``): it executes attention's FLOPs per pair, more than
@@ -48,16 +53,21 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
+from . import native
 from .chunked import chunked_backward, chunked_forward
 from .plan import LEAF_MAX, Group, MLRPlan, Task, plan_tasks  # noqa: F401  (re-exported)
 
-__all__ = ["AUTO_ENGINE", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops", "plan_tasks"]
+__all__ = ["AUTO_ENGINE", "ENGINES", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops",
+           "plan_tasks"]
 
 _FLASH_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-#: the engine ``engine="auto"`` picks where both can run (measured, see docs/structured_attention.md)
-AUTO_ENGINE = "flash"
+#: the engine ``engine="auto"`` prefers where it can run (measured, see docs/structured_attention.md); the others
+#: follow in the order of :data:`ENGINES`
+AUTO_ENGINE = "native"
+#: every engine, fastest first (on CPU)
+ENGINES = ("native", "flash", "matmul")
 
 # -- engines: one task's (output, log-sum-exp) and its backward given the row's final output and log-sum-exp -------
 
@@ -98,17 +108,40 @@ def _matmul_backward(dout, q, k, v, out, lse, causal, bias, scale):
     return dq, dk, dv
 
 
-def _flash_usable(q: Tensor, engine: str) -> bool:
-    """Run on the flash engine? (``auto``: whenever PyTorch's CPU flash op can take ``q``)."""
-    usable = _FLASH_FWD is not None and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+def _native_usable(q: Tensor) -> bool:
+    """Can the native engine take ``q``? (Under ``torch.compile`` only if already loaded: tracing never builds.)"""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return False
+    if torch.compiler.is_compiling():
+        return native.is_loaded()
+    return native.load()
+
+
+def _flash_possible(q: Tensor) -> bool:
+    return _FLASH_FWD is not None and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES
+
+
+def _engine(q: Tensor, engine: str) -> str:
+    """The engine that runs for ``q``: the one asked for (an error if it cannot run), or for ``"auto"``
+    :data:`AUTO_ENGINE` where it can run, else the first of :data:`ENGINES` after it that can."""
+    if engine not in ("auto", *ENGINES):
+        raise ValueError(f"engine must be 'auto', {', '.join(repr(e) for e in ENGINES)}; got {engine!r}")
+    if engine == "native":
+        if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the native engine takes float32 or float64 CPU tensors; got {q.device.type} {q.dtype}")
+        if not native.load():
+            raise RuntimeError(f"the native MLR engine is unavailable: {native.unavailable_reason()}")
+        return "native"
     if engine == "flash":
-        if not usable:
+        if not _flash_possible(q):
             raise ValueError(f"the flash engine needs PyTorch's CPU flash-attention op and a CPU tensor of dtype "
                              f"{', '.join(map(str, _FLASH_DTYPES))}; got {q.device.type} {q.dtype}")
-        return True
-    if engine not in ("auto", "matmul"):
-        raise ValueError(f"engine must be 'auto', 'flash' or 'matmul', got {engine!r}")
-    return usable and engine == "auto" and AUTO_ENGINE == "flash"
+        return "flash"
+    if engine == "matmul":
+        return "matmul"
+    usable = {"native": _native_usable, "flash": _flash_possible, "matmul": lambda _: True}
+    order = ENGINES[ENGINES.index(AUTO_ENGINE):] if AUTO_ENGINE in ENGINES else ENGINES
+    return next(e for e in order if usable[e](q))
 
 
 # -- the leaf group: every pair inside small blocks, all their levels, with matmuls on each block -----------------
@@ -342,6 +375,16 @@ def _head_major(t: Tensor) -> Tensor:
     return t.transpose(1, 2).contiguous()
 
 
+def _key_lengths(key_real: Tensor | None) -> Tensor | None:
+    """Per row, the number of real keys of a right-padded ``key_real`` (B, L) (the native engine's form)."""
+    if key_real is None:
+        return None
+    lengths = key_real.sum(dim=1)
+    if not torch.equal(key_real, torch.arange(key_real.shape[1], device=key_real.device)[None, :] < lengths[:, None]):
+        raise ValueError("the native MLR engine takes right-padded key masks only (real keys first)")
+    return lengths.to(torch.int64)
+
+
 def _key_bias(key_real: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     if key_real is None:
         return None
@@ -353,8 +396,11 @@ def mlr_attention_tiled(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tens
                         block_sizes: list[int], causal: bool, block_divide: bool, engine: str) -> tuple[Tensor, Tensor]:
     """The tiled op on prepared inputs: q (B, L, H, D) with the level scales applied, k (B, L, H, D), v (B, L, H, P),
     ``key_real`` (B, L) bool or None (pad keys are excluded; their q/k/v must be finite), ``block_sizes`` with 0 for
-    a global level, ``engine`` ``"matmul"`` (:mod:`.chunked`) or ``"flash"``. Returns the output (B, L, H, P) and the
-    log-sum-exp (B, L, H) of every row (float64 for float64 inputs, else float32)."""
+    a global level, ``engine`` ``"native"`` (:mod:`.native`, right-padded ``key_real`` only), ``"matmul"``
+    (:mod:`.chunked`) or ``"flash"``. Returns the output (B, L, H, P) and the log-sum-exp (B, L, H) of every row
+    (float64 for float64 inputs, else float32)."""
+    if engine == "native":
+        return native.forward(q, k, v, _key_lengths(key_real), ranks, block_sizes, causal, block_divide)
     plan = _plan(q.shape[1], ranks, block_sizes, causal, block_divide)
     if engine == "matmul":
         out, lse = chunked_forward(_head_major(q), _head_major(k), _head_major(v), _key_bias(key_real, q.dtype), plan)
@@ -375,6 +421,9 @@ def mlr_attention_tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                                  out: Tensor, lse: Tensor, ranks: list[int], block_sizes: list[int], causal: bool,
                                  block_divide: bool, engine: str) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of :func:`mlr_attention_tiled` given its output and log-sum-exp."""
+    if engine == "native":
+        return native.backward(dout, q, k, v, out, lse, _key_lengths(key_real), ranks, block_sizes, causal,
+                               block_divide)
     plan = _plan(q.shape[1], ranks, block_sizes, causal, block_divide)
     if engine == "matmul":
         grads = chunked_backward(_head_major(dout), _head_major(q), _head_major(k), _head_major(v),
@@ -448,10 +497,11 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
                         leaf_max: int = LEAF_MAX) -> Tensor:
     """The tiled fast path (see the module docstring); arguments as :func:`mixer_plugins.kernels.mlr_attention`.
 
-    ``engine``: ``"auto"`` (:data:`AUTO_ENGINE` where it can run, else ``"matmul"``), ``"matmul"`` (the chunked
-    matmul engine, :mod:`.chunked`: any device and dtype, no padding) or ``"flash"`` (PyTorch's fused CPU kernel,
-    keys zero-padded to the head width). ``leaf_max``: blocks of at most this many tokens are computed with all
-    their finer levels at once (0: never; an eager-only experiment, see :data:`LEAF_MAX`).
+    ``engine``: ``"auto"`` (:data:`AUTO_ENGINE` where it can run, else the next of :data:`ENGINES` that can),
+    ``"native"`` (our fused C++ CPU kernel, :mod:`.native`: float32/float64, compiled on first use), ``"matmul"``
+    (the chunked matmul engine, :mod:`.chunked`: any device and dtype, no padding) or ``"flash"`` (PyTorch's fused
+    CPU kernel, keys zero-padded to the head width). ``leaf_max``: blocks of at most this many tokens are computed
+    with all their finer levels at once (0: never; an eager-only experiment, see :data:`LEAF_MAX`).
     """
     length = q.shape[1]
     key_real = None
@@ -463,14 +513,15 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
     feature_scale = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device)
                                for r, s in zip(ranks, scales)])
     q = q * feature_scale
-    flash = _flash_usable(q, engine)
+    chosen = _engine(q, engine)
     if leaf_max:
+        flash = chosen == "flash" or (chosen == "native" and _flash_possible(q))  # no native leaf
         plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide, dyadic=flash,
                           leaf_max=leaf_max)
         out = _TiledMLR.apply(q, k, v, key_real, plan, (flash,) * len(plan.groups))
     else:
         out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), _sizes_arg(block_sizes), causal, block_divide,
-                                     "flash" if flash else "matmul")
+                                     chosen)
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
