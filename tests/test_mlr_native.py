@@ -193,3 +193,14 @@ def test_argument_checks():
                                                    4, 4)
     with pytest.raises(RuntimeError, match="exceed"):
         torch.ops.mixer_plugins_native.mlr_forward(q, k, v, None, [2, 6], [0, 4], [1.0, 0.5], False, 4, 4)
+
+
+def test_a_failed_build_is_summarized_by_its_cause():
+    """The warning of a failed build quotes the line that says why (the compiler's error), not ninja's epilogue."""
+    message = ("Error building extension 'x': [1/2] c++ -MMD -c mlr_cpu.cpp -o mlr_cpu.o\nFAILED: mlr_cpu.o\n"
+               "mlr_cpu.cpp:12:10: fatal error: omp.h: No such file or directory\ncompilation terminated.\n"
+               "ninja: build stopped: subcommand failed.\n")
+    assert native._summary(message) == "mlr_cpu.cpp:12:10: fatal error: omp.h: No such file or directory"
+    assert native._summary("Error building extension 'x'\nninja: build stopped: subcommand failed.") == (
+        "Error building extension 'x'")
+    assert len(native._summary("error: " + "x" * 1000)) == 300

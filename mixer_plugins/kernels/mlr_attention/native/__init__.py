@@ -79,8 +79,7 @@ def load() -> bool:
             try:
                 _build()
             except Exception as exc:  # noqa: BLE001  (a compiler, linker or loader failure of any kind)
-                detail = " ".join(str(exc).split())
-                error = f"{type(exc).__name__}: {detail[-400:] if len(detail) > 400 else detail}"
+                error = f"{type(exc).__name__}: {_summary(str(exc))}"
                 warnings.warn(f"mixer_plugins: the fused CPU MLR attention kernel could not be built or loaded "
                               f"({error}); MLR attention on CPU uses the slower 'flash' engine. It needs a C++17 "
                               f"compiler with OpenMP and ninja; set {ENV_VAR}=0 to skip the build.",
@@ -90,14 +89,30 @@ def load() -> bool:
         return error is None
 
 
+def _summary(message: str) -> str:
+    """The line of a build failure that says what went wrong (a compiler's ``error:`` line if any), shortened."""
+    lines = [" ".join(line.split()) for line in message.splitlines() if line.strip()]
+    causes = [line for line in lines if re.search(r"error:|not found|no such file|undefined symbol", line, re.I)]
+    wanted = [line for line in lines if "error" in line.lower() and not line.startswith("ninja: build stopped")]
+    line = (causes or wanted or lines or [repr(message)])[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 def _build() -> None:
+    # torch's extension logger warns at import that a CUDA build finds no CUDA runtime, and about compilers it does
+    # not know (its format string is broken in some versions); our warning says what failed
     cpp_logger = logging.getLogger("torch.utils.cpp_extension")
     level = cpp_logger.level
-    cpp_logger.setLevel(logging.ERROR)  # its import warns that a CUDA build of torch finds no CUDA runtime
+    cpp_logger.setLevel(logging.ERROR)
     try:
-        from torch.utils import cpp_extension
+        _compile()
     finally:
         cpp_logger.setLevel(level)
+
+
+def _compile() -> None:
+    from torch.utils import cpp_extension
+
     _log.info("building the fused CPU MLR attention kernel (once per machine and torch version)")
     path = os.environ.get("PATH", "")
     if shutil.which("ninja") is None:  # the PyPI package (the dev extra) puts it beside Python, maybe off PATH
