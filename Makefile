@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# fairseq2n loads libsndfile.so.1 at import time; the fused CPU MLR kernel is compiled on first use (g++).
+# fairseq2n loads libsndfile.so.1 at import time; the native CPU kernels are compiled on first use (g++).
 system-deps:
 	@if ! ldconfig -p 2>/dev/null | grep -q 'libsndfile\.so\.1'; then \
 	  echo "installing libsndfile1 (needed by fairseq2)"; \
@@ -23,7 +23,7 @@ system-deps:
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libsndfile1; \
 	fi
 	@if ! command -v c++ >/dev/null 2>&1; then \
-	  echo "installing g++ (builds the fused CPU MLR attention kernel)"; \
+	  echo "installing g++ (builds the native CPU kernels)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q g++; \
 	fi

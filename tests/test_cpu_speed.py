@@ -321,6 +321,7 @@ def test_a_conv_or_norm_pass_of_several_tiles_uses_all_threads(two_threads, monk
     from mixer_plugins.kernels.conv import torch as conv_torch
 
     monkeypatch.delenv("MIXER_PLUGINS_PARALLEL_MIN_ELEMENTS", raising=False)
+    monkeypatch.setattr(conv_torch, "USE_NATIVE", False)  # the PyTorch passes (the native kernel is one region)
     width = 768
     many = time_tiles(16384, width, conv_torch.TILE_ELEMENTS, torch.device("cpu"))
     short = _threads.PARALLEL_MIN_ELEMENTS // width // 2             # a pass smaller than the threshold

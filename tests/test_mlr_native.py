@@ -1,4 +1,4 @@
-"""The native engine of the MLR op (our fused C++ CPU kernel, ``kernels/mlr_attention/native``): against the
+"""The native engine of the MLR op (our fused C++ CPU kernel, ``kernels/_native/mlr_attention.cpp``): against the
 materialized reference in float64 with tiles smaller than, larger than and misaligned with the blocks; float32
 against float64 (the vectorized ``exp``), extreme logits; right-padded keys; ``torch.compile`` with inductor; the
 automatic choice and its fallback when the kernel cannot be built; argument checks.
@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from mixer_plugins.kernels import _native
 from mixer_plugins.kernels.mlr_attention import mlr_attention, native
 from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
 from mixer_plugins.kernels.mlr_attention.torch import mlr_attention_torch
@@ -55,7 +56,7 @@ def _err(a, b):
 
 @pytest.fixture(scope="module", autouse=True)
 def _built():
-    assert native.load(), native.unavailable_reason()
+    assert native.load(), _native.unavailable_reason()
 
 
 @pytest.fixture
@@ -149,12 +150,12 @@ def test_auto_prefers_native_and_falls_back(monkeypatch):
     assert mlr_torch._engine(q, "auto") == "flash"
     monkeypatch.setattr(mlr_torch, "AUTO_ENGINE", "native")
 
-    monkeypatch.setattr(native, "_STATE", {"tried": False, "error": None})
+    monkeypatch.setattr(_native, "_STATE", {"tried": False, "error": None})
 
     def broken_build():
         raise RuntimeError("Error building extension 'x': c++: not found")
 
-    monkeypatch.setattr(native, "_build", broken_build)
+    monkeypatch.setattr(_native, "_build", broken_build)
     with pytest.warns(RuntimeWarning, match="could not be built"):
         assert mlr_torch._engine(q, "auto") == "flash"
     with warnings.catch_warnings():
@@ -167,13 +168,13 @@ def test_auto_prefers_native_and_falls_back(monkeypatch):
 
 
 def test_environment_variable_disables_the_build(monkeypatch):
-    monkeypatch.setattr(native, "_STATE", {"tried": False, "error": None})
-    monkeypatch.setenv(native.ENV_VAR, "0")
-    monkeypatch.setattr(native, "_build", lambda: pytest.fail("built although disabled"))
+    monkeypatch.setattr(_native, "_STATE", {"tried": False, "error": None})
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    monkeypatch.setattr(_native, "_build", lambda: pytest.fail("built although disabled"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not native.load()
-    assert native.ENV_VAR in native.unavailable_reason()
+    assert _native.ENV_VAR in _native.unavailable_reason()
     assert mlr_torch._engine(torch.zeros(1, 2, 1, 2), "auto") == "flash"
 
 
@@ -200,7 +201,7 @@ def test_a_failed_build_is_summarized_by_its_cause():
     message = ("Error building extension 'x': [1/2] c++ -MMD -c mlr_cpu.cpp -o mlr_cpu.o\nFAILED: mlr_cpu.o\n"
                "mlr_cpu.cpp:12:10: fatal error: omp.h: No such file or directory\ncompilation terminated.\n"
                "ninja: build stopped: subcommand failed.\n")
-    assert native._summary(message) == "mlr_cpu.cpp:12:10: fatal error: omp.h: No such file or directory"
-    assert native._summary("Error building extension 'x'\nninja: build stopped: subcommand failed.") == (
+    assert _native._summary(message) == "mlr_cpu.cpp:12:10: fatal error: omp.h: No such file or directory"
+    assert _native._summary("Error building extension 'x'\nninja: build stopped: subcommand failed.") == (
         "Error building extension 'x'")
-    assert len(native._summary("error: " + "x" * 1000)) == 300
+    assert len(_native._summary("error: " + "x" * 1000)) == 300

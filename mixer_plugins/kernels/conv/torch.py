@@ -8,6 +8,12 @@ whose page faults cost several times the arithmetic. The block's SiLU can be fus
 (PyTorch's CPU depthwise ``conv1d`` backward was ~40x slower than this at L=16384, 1792 channels.)
 It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a
 convolution: 2 * batch * length * channels * kernel.
+
+On CPU, for float32 and float64 with contiguous channels, the op runs our native kernel instead
+(``kernels/_native/conv.cpp``, built on first use, see :mod:`mixer_plugins.kernels._native`): one pass over blocks
+of rows, the SiLU fused, the backward's pre-activation recomputed per block in a thread-local buffer, the weight and
+bias gradients summed per thread. Same op, same results (to rounding); :data:`USE_NATIVE` (or
+``MIXER_PLUGINS_NATIVE=0``) keeps the PyTorch code.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from .. import _native
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
 from .._threads import threads_for
@@ -27,7 +34,10 @@ from .._tiling import section_elements, time_tiles
 if TYPE_CHECKING:
     from . import ConvArgs
 
-__all__ = ["TILE_ELEMENTS", "depthwise_conv1d_flops"]
+__all__ = ["TILE_ELEMENTS", "USE_NATIVE", "depthwise_conv1d_flops"]
+
+#: run the native kernel where it can (CPU, float32/float64, contiguous channels, built); False: PyTorch code only
+USE_NATIVE = True
 
 
 TILE_ELEMENTS = 1 << 20  # elements of one tile's temporaries (4 MiB in float32)
@@ -98,9 +108,20 @@ def _taps_first(weight: Tensor) -> Tensor:
     return weight.t().contiguous()
 
 
+def _native_runs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether the native kernel takes this call (and is built: the first such call builds it)."""
+    return (USE_NATIVE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and x.stride(-1) == 1
+            and x.numel() > 0 and _native.load())
+
+
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d", mutates_args=())
 def _depthwise_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int,
                          silu: bool) -> Tensor:
+    if _native_runs(x, weight, bias):  # one parallel region, with the threads a pass of this size gets
+        with _tile_threads(x, _tiles(x)):
+            return torch.ops.mixer_plugins_native.conv_forward(x, _taps_first(weight),
+                                                               None if bias is None else bias.contiguous(), left, silu)
     # Tile by tile along time, straight into the output: no temporaries beyond the sequence's two edges.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     taps = _taps_first(weight)
@@ -131,6 +152,11 @@ def _setup(ctx, inputs, output):
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d_backward", mutates_args=())
 def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int,
                                   right: int, with_bias: bool, silu: bool) -> tuple[Tensor, Tensor, Tensor]:
+    if _native_runs(x, weight, bias) and grad.dtype == x.dtype:
+        with _tile_threads(x, _tiles(x)):
+            return torch.ops.mixer_plugins_native.conv_backward(grad.contiguous(), x, _taps_first(weight),
+                                                                None if bias is None else bias.contiguous(), left,
+                                                                silu, with_bias)
     k = weight.shape[1]
     compute = torch.promote_types(grad.dtype, x.dtype)
     grad_w = torch.zeros(weight.shape[::-1], dtype=compute, device=x.device)   # taps-first (k, C)

@@ -10,6 +10,11 @@ The backward recomputes the per-tile statistics instead of storing them.
 
 Under ``torch.compile`` the plain formula (:func:`.reference.gated_rmsnorm_reference`) is traced instead:
 the compiler fuses it.
+
+On CPU, for float32 and float64 inputs with contiguous rows, the Function runs our native kernel instead
+(``kernels/_native/norm.cpp``, built on first use, see :mod:`mixer_plugins.kernels._native`): one pass per row,
+forward and backward, the gain gradient summed per thread. :data:`USE_NATIVE` (or ``MIXER_PLUGINS_NATIVE=0``)
+keeps the PyTorch code.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .. import _native
 from .._dispatch import Backend, register
 from .._threads import threads_for
 from .._tiling import section_elements, time_tiles
@@ -29,7 +35,10 @@ from .reference import gated_rmsnorm_reference
 if TYPE_CHECKING:
     from . import NormArgs
 
-__all__ = ["TILE_ELEMENTS"]
+__all__ = ["TILE_ELEMENTS", "USE_NATIVE"]
+
+#: run the native kernel where it can (CPU, float32/float64, contiguous rows, built); False: PyTorch code only
+USE_NATIVE = True
 
 TILE_ELEMENTS = 1 << 20  # elements of one tile's temporaries (4 MiB in float32)
 
@@ -48,9 +57,24 @@ def _tile_threads(tiles: list[tuple[int, int]], width: int, device: torch.device
     return threads_for(section_elements(tiles, width, TILE_ELEMENTS), device)
 
 
+def _native_runs(y2: Tensor, z2: Tensor, weight: Tensor) -> bool:
+    """Whether the native kernel takes these rows (and is built: the first such call builds it)."""
+    return (USE_NATIVE and y2.device.type == "cpu" and y2.dtype in (torch.float32, torch.float64)
+            and z2.dtype == y2.dtype and weight.dtype == y2.dtype and y2.stride(-1) == 1 and z2.stride(-1) == 1
+            and _native.load())
+
+
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+        ctx.save_for_backward(y, z, weight)
+        ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
+        y2, z2 = _rows(y), _rows(z)
+        ctx.native = _native_runs(y2, z2, weight)
+        if ctx.native:  # one parallel region, with the threads a pass of this size gets
+            with _tile_threads(_tiles(*y2.shape, y.device), y2.shape[-1], y.device):
+                out = torch.ops.mixer_plugins_native.norm_forward(y2, z2, weight.contiguous(), eps, norm_before_gate)
+            return out.view(y.shape)
         dtype = y.dtype
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         y2, z2 = _rows(y), _rows(z)
@@ -59,8 +83,6 @@ class _GatedRMSNorm(torch.autograd.Function):
         tiles = _tiles(*y2.shape, y.device)
         with _tile_threads(tiles, y2.shape[-1], y.device):
             _forward_tiles(y2, z2, w, out, tiles, eps, norm_before_gate, compute)
-        ctx.save_for_backward(y, z, weight)
-        ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
         return out.view(y.shape)
 
     @staticmethod
@@ -69,6 +91,13 @@ class _GatedRMSNorm(torch.autograd.Function):
         rows = _rows(grad)
         tiles = _tiles(*rows.shape, grad.device)
         with _tile_threads(tiles, rows.shape[-1], grad.device):
+            if ctx.native and grad.dtype == rows.dtype:
+                y, z, weight = ctx.saved_tensors
+                gy, gz, gw = torch.ops.mixer_plugins_native.norm_backward(
+                    rows.contiguous(), _rows(y), _rows(z), weight.contiguous(), ctx.eps, ctx.norm_before_gate)
+                need_y, need_z, need_w = ctx.needs_input_grad[:3]
+                return (gy.view(y.shape) if need_y else None, gz.view(z.shape) if need_z else None,
+                        gw if need_w else None, None, None)
             return _backward(ctx, grad, tiles)
 
 

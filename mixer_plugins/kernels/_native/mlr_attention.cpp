@@ -1,8 +1,8 @@
 // Fused MLR attention for CPU tensors: flash-style forward and backward, one score width per group of pairs.
 //
-// Compiled on first use by mixer_plugins/kernels/mlr_attention/native/__init__.py (torch.utils.cpp_extension) and
-// registered as torch.ops.mixer_plugins_native.mlr_forward / mlr_backward. Python owns the argument checks; see
-// that module and docs/structured_attention.md for the math.
+// Compiled on first use by mixer_plugins/kernels/_native/__init__.py (torch.utils.cpp_extension) and
+// registered as torch.ops.mixer_plugins_native.mlr_forward / mlr_backward. Python owns the argument checks (see
+// kernels/mlr_attention/native.py); docs/structured_attention.md has the math.
 //
 // Layout: q, k (B, L, H, D) with the level scales applied, v and the output (B, L, H, P), the log-sum-exp
 // (B, L, H); every row is read in place through its leading dimension (H * D or H * P), never transposed.
@@ -19,161 +19,19 @@
 // Products go to the BLAS that libtorch_cpu exports (sgemm_/dgemm_, LP64); inside at::parallel_for they run on
 // the calling thread.
 
-#include <ATen/ATen.h>
+#include "common.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-extern "C" {
-void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
-void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
-            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-            const int* ldc);
-}
-
 namespace {
 
-// Row-major C (M x N, ldc) = alpha * op(A) * op(B) + beta * C, through the column-major BLAS (C^T = op(B)^T op(A)^T).
-inline void blas(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
-                 const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-                 const int* ldc) {
-  sgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-inline void blas(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
-                 const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-                 const int* ldc) {
-  dgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-template <typename T>
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B,
-          int64_t ldb, T beta, T* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  const char ca = trans_a ? 'T' : 'N', cb = trans_b ? 'T' : 'N';
-  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
-  const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
-  blas(&cb, &ca, &m, &n, &k, &alpha, B, &lb, A, &la, &beta, C, &lc);
-}
-
-// s[j] = exp(s[j] - shift) for j < n (every s[j] - shift <= 0: a score minus its row's maximum or log-sum-exp);
-// returns their sum. float32: vector code (AVX-512 or AVX2 + FMA, whichever the compiler targets), Cody-Waite
-// reduction x = n ln2 + r with |r| <= ln2 / 2, a degree-7 Taylor polynomial (relative error < 1e-8 before
-// rounding) times 2^n, and exactly 0 below -87.3 (and for -inf). float64: std::exp.
-#if defined(__AVX512F__)
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  const __m512 xc = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
-
-inline float exp_shift_sum(float* s, int64_t n, float shift) {
-  const __m512 sh = _mm512_set1_ps(shift);
-  __m512 acc = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), sh));
-    _mm512_storeu_ps(s + j, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  if (j < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), sh)));
-    _mm512_mask_storeu_ps(s + j, m, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  const __m256 xc = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
-inline float exp_shift_sum(float* s, int64_t n, float shift) {
-  const __m256 sh = _mm256_set1_ps(shift);
-  __m256 acc = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), sh));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - shift);
-    sum += s[j];
-  }
-  return sum;
-}
-#else
-inline float exp_shift_sum(float* s, int64_t n, float shift) {
-  float sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - shift);
-    sum += s[j];
-  }
-  return sum;
-}
-#endif
-
-inline double exp_shift_sum(double* s, int64_t n, double shift) {
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - shift);
-    sum += s[j];
-  }
-  return sum;
-}
-
-template <typename T>
-T row_max(const T* s, int64_t n) {
-  T mx = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-  return mx;
-}
+using namespace mixer_plugins_native;
 
 // The level structure, indexed by depth d = 0 .. n: depth 0 is the whole sequence shared by no level (width 0),
 // depth d >= 1 is level d - 1 (blocks of size[d] tokens, L for a global level), its pairs' width and scale.
@@ -477,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mlr_backward(
 
 }  // namespace
 
-TORCH_LIBRARY(mixer_plugins_native, m) {
+TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
   m.def("mlr_forward(Tensor q, Tensor k, Tensor v, Tensor? key_len, int[] widths, int[] sizes, float[] scales, "
         "bool causal, int tile_q, int tile_k) -> (Tensor, Tensor)");
   m.def("mlr_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_len, "

@@ -1,0 +1,141 @@
+"""Our native CPU kernels: C++ beside this file (``mlr_attention.cpp``, ``conv.cpp``, ``norm.cpp``, ``common.h``),
+compiled on first use into one library that registers ``torch.ops.mixer_plugins_native``.
+
+* ``mlr_forward`` / ``mlr_backward``: fused MLR attention, each group of levels at its own score width (the
+  ``native`` engine of ``kernels.mlr_attention``'s ``torch`` backend, :mod:`..mlr_attention.native`);
+* ``conv_forward`` / ``conv_backward``: the depthwise short convolution with SiLU fused (what the ``torch`` backend
+  of ``kernels.depthwise_conv1d`` runs on CPU float32/float64 once built, see :mod:`..conv.torch`);
+* ``norm_forward`` / ``norm_backward``: the gated RMSNorm (what the ``torch`` backend of ``kernels.gated_rmsnorm``
+  runs on CPU float32/float64, see :mod:`..norm.torch`).
+
+Each is called from inside our ``torch.library`` custom ops or autograd Functions, so ``torch.compile``,
+``torch.export`` and ``FlopCounterMode`` see the same ops as before, whichever code runs inside.
+
+**Build.** :func:`load` compiles the kernels with :func:`torch.utils.cpp_extension.load` (a C++17 compiler with
+OpenMP and ``ninja`` are needed; about 15 s, once per machine and torch version: the result is cached in torch's
+extension folder, ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The matrix products call the BLAS
+that ``libtorch_cpu`` exports (``sgemm_``/``dgemm_``: MKL in the x86 wheels); the elementwise loops use AVX-512 or
+AVX2 where the compiler targets them (``-march=native``). If the build or the load fails, one ``RuntimeWarning``
+says why and the callers keep their PyTorch code. ``MIXER_PLUGINS_NATIVE=0`` in the environment never builds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["ENV_VAR", "SOURCES", "is_loaded", "load", "unavailable_reason"]
+
+#: set to ``0`` (or ``false``/``no``/``off``) to never build the kernel
+ENV_VAR = "MIXER_PLUGINS_NATIVE"
+#: the C++ sources of the library (``common.h`` is included by each)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp"))
+_LOCK = threading.Lock()
+_STATE: dict[str, Optional[str] | bool] = {"tried": False, "error": None}
+_log = logging.getLogger(__name__)
+
+
+def _disabled() -> bool:
+    return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _module_name() -> str:
+    """One build per torch version and CPU capability (the kernel is compiled for the machine's vector unit)."""
+    tag = f"{torch.__version__}_{torch.backends.cpu.get_cpu_capability()}"
+    return "mixer_plugins_native_" + re.sub(r"[^0-9A-Za-z]+", "_", tag).lower()
+
+
+def is_loaded() -> bool:
+    """Whether the kernels are built and registered in this process (never builds; safe under ``torch.compile``)."""
+    return bool(_STATE["tried"]) and _STATE["error"] is None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`load` failed (None if it succeeded or was not tried)."""
+    return _STATE["error"]  # type: ignore[return-value]
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernels; True when ``torch.ops.mixer_plugins_native`` is ready.
+
+    Thread-safe and tried once per process: a failure warns once and returns False from then on."""
+    if _STATE["tried"]:
+        return _STATE["error"] is None
+    with _LOCK:
+        if _STATE["tried"]:
+            return _STATE["error"] is None
+        error = None
+        if _disabled():
+            error = f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}"
+        else:
+            try:
+                _build()
+            except Exception as exc:  # noqa: BLE001  (a compiler, linker or loader failure of any kind)
+                error = f"{type(exc).__name__}: {_summary(str(exc))}"
+                warnings.warn(f"mixer_plugins: the native CPU kernels (fused MLR attention, the short convolution, "
+                              f"the gated norm) could not be built or loaded ({error}); their PyTorch code runs "
+                              f"instead (MLR attention about 1.4x slower). They need a C++17 compiler with OpenMP "
+                              f"and ninja; set {ENV_VAR}=0 to skip the build.", RuntimeWarning, stacklevel=3)
+        _STATE["error"] = error
+        _STATE["tried"] = True
+        return error is None
+
+
+def _summary(message: str) -> str:
+    """The line of a build failure that says what went wrong (a compiler's ``error:`` line if any), shortened."""
+    lines = [" ".join(line.split()) for line in message.splitlines() if line.strip()]
+    causes = [line for line in lines if re.search(r"error:|not found|no such file|undefined symbol", line, re.I)]
+    wanted = [line for line in lines if "error" in line.lower() and not line.startswith("ninja: build stopped")]
+    line = (causes or wanted or lines or [repr(message)])[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _build() -> None:
+    # torch's extension logger warns at import that a CUDA build finds no CUDA runtime, and about compilers it does
+    # not know (its format string is broken in some versions); our warning says what failed
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        _compile()
+    finally:
+        cpp_logger.setLevel(level)
+
+
+def _header_digest() -> str:
+    """A define carrying the shared header's hash: torch rebuilds when the sources or flags change, and the
+    header is not a source."""
+    digest = hashlib.sha1(Path(__file__).with_name("common.h").read_bytes()).hexdigest()[:12]
+    return f"-DMIXER_PLUGINS_NATIVE_HEADER={digest}"
+
+
+def _compile() -> None:
+    from torch.utils import cpp_extension
+
+    _log.info("building the native CPU kernels (once per machine and torch version)")
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:  # the PyPI package (the dev extra) puts it beside Python, maybe off PATH
+        try:
+            import ninja  # type: ignore[import-not-found]
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+        except ImportError:
+            pass  # torch says that ninja is required
+    try:
+        cpp_extension.load(name=_module_name(), sources=[str(p) for p in SOURCES], is_python_module=False,
+                           verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp", _header_digest()],
+                           extra_ldflags=["-fopenmp"])
+    finally:
+        os.environ["PATH"] = path
+    for op in ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward"):
+        if not hasattr(torch.ops.mixer_plugins_native, op):
+            raise RuntimeError(f"the native library loaded but registered no {op} op")

@@ -1,0 +1,63 @@
+"""The ``native`` engine of the tiled MLR op: our fused C++ CPU kernel (``kernels/_native/mlr_attention.cpp``,
+built on first use by :mod:`mixer_plugins.kernels._native`).
+
+One pass over the (query tile, key range) pieces that share a level, each piece's scores from one BLAS product at
+its own width ``r_0 + ... + r_m`` (no zero padding, unlike the ``flash`` engine; no Python per task, unlike the
+``matmul`` engine), a vectorized ``exp`` and an online softmax; the backward recomputes the scores from the row
+log-sum-exp (flash attention's split-KV backward). Memory is linear in the length; float32 and float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _native
+from .._native import ENV_VAR, is_loaded, load, unavailable_reason
+
+__all__ = ["ENV_VAR", "TILES", "backward", "forward", "is_loaded", "load", "unavailable_reason"]
+
+#: (query rows, keys) per tile of the forward and of the backward (measured at L = 4096 on 2 cores: 256 x 512 and
+#: 128 x 256 within 2% of the best; the score tile stays in the L2 cache)
+TILES = {"forward": (256, 512), "backward": (128, 256)}
+
+
+def _levels(ranks: Sequence[int], block_divide: bool) -> tuple[list[int], list[float]]:
+    """Per level ``m``: the score width of the pairs sharing levels ``0..m``, and their divisor's inverse."""
+    widths, total = [], 0
+    for r in ranks:
+        total += int(r)
+        widths.append(total)
+    return widths, [1.0 / (m + 1) if block_divide else 1.0 for m in range(len(ranks))]
+
+
+def _ready() -> None:
+    if not _native.load():
+        raise RuntimeError(f"the native MLR engine is unavailable: {_native.unavailable_reason()}")
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, key_len: Optional[Tensor], ranks: Sequence[int],
+            block_sizes: Sequence[int], causal: bool, block_divide: bool) -> tuple[Tensor, Tensor]:
+    """Output (B, L, H, P) and row log-sum-exp (B, L, H) of MLR attention on prepared inputs: q, k (B, L, H, D) with
+    the level scales applied, v (B, L, H, P), float32 or float64 CPU tensors; ``key_len`` int64 (B,) (keys at and
+    beyond it are excluded; None: none); ``block_sizes`` with 0 for a global level."""
+    _ready()
+    widths, scales = _levels(ranks, block_divide)
+    tq, tk = TILES["forward"]
+    return torch.ops.mixer_plugins_native.mlr_forward(q.contiguous(), k.contiguous(), v.contiguous(), key_len,
+                                                      widths, [int(s) for s in block_sizes], scales, causal, tq, tk)
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_len: Optional[Tensor],
+             ranks: Sequence[int], block_sizes: Sequence[int], causal: bool,
+             block_divide: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of :func:`forward` given its output and log-sum-exp."""
+    _ready()
+    widths, scales = _levels(ranks, block_divide)
+    tq, tk = TILES["backward"]
+    return torch.ops.mixer_plugins_native.mlr_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+        key_len, widths, [int(s) for s in block_sizes], scales, causal, tq, tk)
