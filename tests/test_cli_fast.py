@@ -231,10 +231,17 @@ def test_env_reports_versions_devices_and_backends(capsys):
 
     assert main(["env"]) == 0
     out = capsys.readouterr().out
-    for word in ("python", "torch", "triton", "timm", "fairseq2", "pydantic", "mamba-ssm", "CUDA available"):
+    for word in ("python", "torch", "triton", "timm", "fairseq2", "pydantic", "mamba-ssm", "CUDA available",
+                 "native CPU kernels"):
         assert word in out, word
     assert main(["env", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    from mixer_plugins.kernels import _native
+
+    assert report["native"]["available"] == _native.is_loaded()
+    assert report["native"]["available"] or report["native"]["reason"]  # a refusal says why
+    if report["native"]["available"]:
+        assert "conv_forward" in report["native"]["ops"] and "built and loaded" in out
     assert report["versions"]["torch"] == torch.__version__.split("+")[0]
     assert report["devices"]["cuda_available"] == torch.cuda.is_available()
     rows = report["kernels"]

@@ -33,10 +33,12 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ENV_VAR", "SOURCES", "is_loaded", "load", "unavailable_reason"]
+__all__ = ["ENV_VAR", "OPS", "SOURCES", "is_loaded", "load", "unavailable_reason"]
 
 #: set to ``0`` (or ``false``/``no``/``off``) to never build the kernel
 ENV_VAR = "MIXER_PLUGINS_NATIVE"
+#: the ops the library registers under ``torch.ops.mixer_plugins_native``
+OPS = ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward")
 #: the C++ sources of the library (``common.h`` is included by each)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp"))
 _LOCK = threading.Lock()
@@ -136,6 +138,6 @@ def _compile() -> None:
                            extra_ldflags=["-fopenmp"])
     finally:
         os.environ["PATH"] = path
-    for op in ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward"):
+    for op in OPS:
         if not hasattr(torch.ops.mixer_plugins_native, op):
             raise RuntimeError(f"the native library loaded but registered no {op} op")

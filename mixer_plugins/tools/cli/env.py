@@ -3,7 +3,8 @@
 What a bug report needs in one paste: the versions of Python and of every library the mixers may use (read from
 the installed metadata, so a missing or broken one is reported, not fatal), the devices torch sees, and per kernel
 op and device every backend with either "yes" (``auto`` when the automatic choice may pick it) or the
-dispatcher's reason why it cannot run.
+dispatcher's reason why it cannot run; and whether our native CPU kernels are built (building them here if they
+were not: the first run can take ~15 s), or why not.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from ..._text import format_table
 from .args import Command
 
-__all__ = ["COMMAND", "EXTRAS", "backend_rows", "device_info", "versions"]
+__all__ = ["COMMAND", "EXTRAS", "backend_rows", "device_info", "native_status", "versions"]
 
 #: Distribution -> the extra of ours that installs it ("" for a core dependency).
 EXTRAS: dict[str, str] = {
@@ -105,6 +106,16 @@ def backend_rows(devices: list[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def native_status() -> dict[str, Any]:
+    """Whether the native CPU kernels (:mod:`mixer_plugins.kernels._native`) are built and loaded here (builds them
+    when they were not), and why not."""
+    from mixer_plugins.kernels import _native
+
+    ok = _native.load()
+    return {"available": ok, "reason": "" if ok else (_native.unavailable_reason() or ""),
+            "ops": sorted(_native.OPS) if ok else []}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -114,12 +125,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         devices: dict[str, Any] | None = device_info()
         kernels: list[dict[str, Any]] | None = backend_rows()
+        native: dict[str, Any] | None = native_status()
         problem = ""
     except ImportError as err:  # torch itself missing or broken: still report the versions
-        devices, kernels, problem = None, None, f"{type(err).__name__}: {err}"
+        devices, kernels, native, problem = None, None, None, f"{type(err).__name__}: {err}"
     if args.json:
-        print(json.dumps({"versions": found, "devices": devices, "kernels": kernels, "problem": problem or None},
-                         indent=2))
+        print(json.dumps({"versions": found, "devices": devices, "kernels": kernels, "native": native,
+                          "problem": problem or None}, indent=2))
         return 0
     print(format_table(("package", "version"),
                        [(name, version or _missing(name)) for name, version in found.items()]))
@@ -138,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
           ("yes, automatic" if r["automatic"] else "yes") if r["available"] else f"no: {r['reason']}")
          for r in kernels or []],
     ))
+    print()
+    if native and native["available"]:
+        print(f"native CPU kernels: built and loaded ({', '.join(native['ops'])})")
+    elif native:
+        print(f"native CPU kernels: unavailable ({native['reason']}); the PyTorch code runs instead")
     return 0
 
 
