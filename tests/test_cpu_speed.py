@@ -13,6 +13,7 @@ from mixer_plugins import kernels
 from mixer_plugins.kernels import _threads
 from mixer_plugins.kernels._scan import Direction, ScanInputs, reference_scan
 from mixer_plugins.kernels._scan import custom_op as custom_op_module
+from mixer_plugins.kernels._scan import native as native_scan
 
 F64 = torch.float64
 
@@ -148,6 +149,7 @@ def _inputs(b=2, length=37, h=4, p=3, g=2, n=5, requires_grad=True):
 
 
 def test_eager_scan_backward_runs_single_threaded_when_small_and_matches_the_reference(two_threads, monkeypatch):
+    monkeypatch.setattr(native_scan, "USE_NATIVE", False)  # the PyTorch path's threads (the native one: below)
     x, dt, A, B, C, dt_b, B_b, C_b, diag = leaves = _inputs()
     seen = []
     original = custom_op_module._scan   # the scan either path runs (factored decays or the general one)
@@ -255,7 +257,8 @@ def test_the_state_pass_steps_run_on_one_thread(monkeypatch):
     assert counter.step_threads and set(counter.step_threads) == {1}, counter.step_threads
 
 
-def test_an_all_finite_scan_makes_no_full_size_selection():
+def test_an_all_finite_scan_makes_no_full_size_selection(monkeypatch):
+    monkeypatch.setattr(native_scan, "USE_NATIVE", False)  # about the PyTorch path's intra-chunk weights
     # The intra-chunk weights' excluded pairs enter as an additive -inf bias and its backward is written out: no
     # masked_fill or where over the (chunk x chunk) blocks, forward or backward, when every value is finite
     from torch.profiler import ProfilerActivity, profile

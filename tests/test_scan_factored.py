@@ -12,6 +12,13 @@ import torch
 from mixer_plugins import kernels
 from mixer_plugins.kernels._scan import Direction, ScanInputs, factored, reference_scan
 from mixer_plugins.kernels._scan import custom_op as custom_op_module
+from mixer_plugins.kernels._scan import native as native_scan
+
+
+@pytest.fixture(autouse=True)
+def _pytorch_path(monkeypatch):
+    """These tests are about the PyTorch scan (factored or general); the native kernel would take their calls."""
+    monkeypatch.setattr(native_scan, "USE_NATIVE", False)
 
 F64 = torch.float64
 

@@ -1,12 +1,13 @@
-"""Our native CPU kernels: C++ beside this file (``mlr_attention.cpp``, ``conv.cpp``, ``norm.cpp``, ``common.h``),
-compiled on first use into one library that registers ``torch.ops.mixer_plugins_native``.
+"""Our native CPU kernels: C++ beside this file (``mlr_attention.cpp``, ``conv.cpp``, ``norm.cpp``, ``scan.cpp``,
+``common.h``), compiled on first use into one library that registers ``torch.ops.mixer_plugins_native``.
 
 * ``mlr_forward`` / ``mlr_backward``: fused MLR attention, each group of levels at its own score width (the
   ``native`` engine of ``kernels.mlr_attention``'s ``torch`` backend, :mod:`..mlr_attention.native`);
 * ``conv_forward`` / ``conv_backward``: the depthwise short convolution with SiLU fused (what the ``torch`` backend
   of ``kernels.depthwise_conv1d`` runs on CPU float32/float64 once built, see :mod:`..conv.torch`);
 * ``norm_forward`` / ``norm_backward``: the gated RMSNorm (what the ``torch`` backend of ``kernels.gated_rmsnorm``
-  runs on CPU float32/float64, see :mod:`..norm.torch`).
+  runs on CPU float32/float64, see :mod:`..norm.torch`);
+* ``scan_forward`` / ``scan_backward``: the chunked (bi)directional scan, opt-in (see :mod:`.._scan.native`).
 
 Each is called from inside our ``torch.library`` custom ops or autograd Functions, so ``torch.compile``,
 ``torch.export`` and ``FlopCounterMode`` see the same ops as before, whichever code runs inside.
@@ -38,9 +39,10 @@ __all__ = ["ENV_VAR", "OPS", "SOURCES", "is_loaded", "load", "unavailable_reason
 #: set to ``0`` (or ``false``/``no``/``off``) to never build the kernel
 ENV_VAR = "MIXER_PLUGINS_NATIVE"
 #: the ops the library registers under ``torch.ops.mixer_plugins_native``
-OPS = ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward")
+OPS = ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward", "scan_forward",
+       "scan_backward")
 #: the C++ sources of the library (``common.h`` is included by each)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp", "scan.cpp"))
 _LOCK = threading.Lock()
 _STATE: dict[str, Optional[str] | bool] = {"tried": False, "error": None}
 _log = logging.getLogger(__name__)
@@ -51,8 +53,12 @@ def _disabled() -> bool:
 
 
 def _module_name() -> str:
-    """One build per torch version and CPU capability (the kernel is compiled for the machine's vector unit)."""
-    tag = f"{torch.__version__}_{torch.backends.cpu.get_cpu_capability()}"
+    """One build per torch version, CPU capability (the kernels are compiled for the machine's vector unit) and
+    version of the sources: two versions of this package on one machine never load each other's build."""
+    digest = hashlib.sha1()
+    for path in (*SOURCES, Path(__file__).with_name("common.h")):
+        digest.update(path.read_bytes())
+    tag = f"{torch.__version__}_{torch.backends.cpu.get_cpu_capability()}_{digest.hexdigest()[:10]}"
     return "mixer_plugins_native_" + re.sub(r"[^0-9A-Za-z]+", "_", tag).lower()
 
 
@@ -113,13 +119,6 @@ def _build() -> None:
         cpp_logger.setLevel(level)
 
 
-def _header_digest() -> str:
-    """A define carrying the shared header's hash: torch rebuilds when the sources or flags change, and the
-    header is not a source."""
-    digest = hashlib.sha1(Path(__file__).with_name("common.h").read_bytes()).hexdigest()[:12]
-    return f"-DMIXER_PLUGINS_NATIVE_HEADER={digest}"
-
-
 def _compile() -> None:
     from torch.utils import cpp_extension
 
@@ -134,7 +133,7 @@ def _compile() -> None:
             pass  # torch says that ninja is required
     try:
         cpp_extension.load(name=_module_name(), sources=[str(p) for p in SOURCES], is_python_module=False,
-                           verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp", _header_digest()],
+                           verbose=False, extra_cflags=["-O3", "-march=native", "-fopenmp"],
                            extra_ldflags=["-fopenmp"])
     finally:
         os.environ["PATH"] = path

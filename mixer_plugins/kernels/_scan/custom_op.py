@@ -29,7 +29,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from .._library import argument_names, save_tensors, saved_tensors
 from .._threads import threads_for
-from . import chunked, factored
+from . import chunked, factored, native
 from .inputs import Direction, ScanInputs
 
 __all__ = ["chunked_scan", "chunked_scan_backward", "chunked_scan_flops", "run_chunked"]
@@ -232,6 +232,8 @@ def run_chunked(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor
     if torch.compiler.is_compiling():
         y, final = chunked_scan(**_op_kwargs(inputs))
         return y, (final if want_final else None)
+    if native.applies(inputs):  # our CPU kernel: no chunk-sized tensor kept or allocated (see .native)
+        return native.run_native(inputs, want_final=want_final)
     kwargs = _op_kwargs(inputs)
     names = tuple(_TENSOR_ARGUMENTS)
     tensors = [kwargs[name] for name in names]

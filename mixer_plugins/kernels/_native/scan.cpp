@@ -1,0 +1,540 @@
+// The chunked (bi)directional scan, forward and backward, for CPU tensors: the SSD algorithm per (batch, head),
+// chunk by chunk, with every intermediate in thread-local buffers (no allocation besides the results).
+//
+// Compiled on first use by mixer_plugins/kernels/_native/__init__.py and registered as
+// torch.ops.mixer_plugins_native.scan_forward / scan_backward; kernels/_scan/native.py owns the checks (it is
+// used only where every step size is >= 0, every A <= 0 and every input is finite, without seq_idx) and adds the
+// diagonal term.
+//
+// One direction, in its own order (the backward direction is the forward algorithm on the time-reversed rows;
+// rows are gathered into contiguous chunk buffers, so reversal costs nothing). Per chunk of n rows, with
+// a_i = dt_i A, p the inclusive cumulative sum of a within the chunk, q_i = p_i - a_i (shift) or p_i, and
+// C~_i = C_{i-1} (shift; zero before the first row) or C_i:
+//   y_i += sum_{j <= i (j < i with shift)} (C~_i . B_j) exp(q_i - p_j) dt_j x_j      (one Q x Q product)
+//   y_i += exp(q_i) C~_i H                                                         (the entering state H, N x P)
+//   H   <- exp(p_last) H + sum_j exp(p_last - p_j) dt_j B_j x_j^T
+// Every exponent is <= 0 (dt >= 0, A <= 0). The backward runs the chunks in reverse with the state gradient,
+// recomputing the entering states first.
+
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using namespace mixer_plugins_native;
+
+template <typename T>
+inline void exp_inplace(T* s, int64_t n) {
+  // exp_shift_sum with shift 0 (every value <= 0 here), its sum unused
+  exp_shift_sum(s, n, T(0));
+}
+
+struct Shape {
+  int64_t B, L, H, P, G, N, Q, rep;
+};
+
+// One direction's inputs for one (batch, head), read in the direction's order.
+template <typename T>
+struct DirIn {
+  const T* dt;  // (B, L, H)
+  T A;
+  const T* Bm;  // (B, L, G, N)
+  const T* Cm;
+  bool reverse;
+};
+
+template <typename T>
+struct Scratch {
+  std::vector<T> X, Bc, Cc, CB, M, E, dM, dY, dX, R, dC, dB, Fx, dFx, a, p, q, dt, dq, dp, ddt, F;
+  void size(const Shape& s) {
+    const size_t Q = s.Q, P = s.P, N = s.N;
+    for (auto* v : {&X, &dY, &dX, &R, &Fx, &dFx}) v->assign(Q * P, T(0));
+    for (auto* v : {&Bc, &Cc, &dC, &dB}) v->assign(Q * N, T(0));
+    for (auto* v : {&CB, &M, &E, &dM}) v->assign(Q * Q, T(0));
+    for (auto* v : {&a, &p, &q, &dt, &dq, &dp, &ddt, &F}) v->assign(Q, T(0));
+  }
+};
+
+// Gathers chunk rows [i0, i0 + n) (direction order) of head h of batch b and computes its decays; fills
+// X (n x P), Bc, Cc (shifted C) (n x N), dt, a, p, q, CB (n x n) and M (n x n): the masked intra-chunk weights,
+// E the masked decays exp(q_i - p_j).
+template <typename T>
+void load_chunk(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64_t b, int64_t h, int64_t i0,
+                int64_t n, Scratch<T>& w) {
+  const int64_t g = h / s.rep;
+  auto row = [&](int64_t i) { return d.reverse ? s.L - 1 - i : i; };
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = row(i0 + r);
+    std::copy_n(x + ((b * s.L + t) * s.H + h) * s.P, s.P, w.X.data() + r * s.P);
+    std::copy_n(d.Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
+    const int64_t ci = shift ? i0 + r - 1 : i0 + r;
+    if (ci < 0) {
+      std::fill_n(w.Cc.data() + r * s.N, s.N, T(0));
+    } else {
+      std::copy_n(d.Cm + ((b * s.L + row(ci)) * s.G + g) * s.N, s.N, w.Cc.data() + r * s.N);
+    }
+    w.dt[r] = d.dt[(b * s.L + t) * s.H + h];
+    w.a[r] = w.dt[r] * d.A;
+  }
+  T acc = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    acc += w.a[r];
+    w.p[r] = acc;
+    w.q[r] = shift ? acc - w.a[r] : acc;
+  }
+  gemm<T>(false, true, n, n, s.N, T(1), w.Cc.data(), s.N, w.Bc.data(), s.N, T(0), w.CB.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    T* e = w.E.data() + i * n;
+    const int64_t allowed = shift ? i : i + 1;  // columns j < allowed
+    for (int64_t j = 0; j < allowed; ++j) e[j] = w.q[i] - w.p[j];
+    exp_inplace(e, allowed);
+    for (int64_t j = allowed; j < n; ++j) e[j] = T(0);
+    const T* cb = w.CB.data() + i * n;
+    T* m = w.M.data() + i * n;
+    for (int64_t j = 0; j < n; ++j) m[j] = cb[j] * e[j] * w.dt[j];
+  }
+}
+
+// Forward of one direction for (b, h): adds into y (B, L, H, P); H0 (N x P) the entering state or null; final
+// (N x P) the state after the last chunk or null.
+template <typename T>
+void direction_forward(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64_t b, int64_t h,
+                       const T* H0, T* y, T* final, Scratch<T>& w, std::vector<T>& Hs) {
+  const int64_t nchunks = (s.L + s.Q - 1) / s.Q;
+  std::vector<T>& Hc = Hs;  // N x P
+  Hc.assign(s.N * s.P, T(0));
+  bool zero = true;
+  if (H0 != nullptr) {
+    std::copy_n(H0, s.N * s.P, Hc.data());
+    zero = false;
+  }
+  auto row = [&](int64_t i) { return d.reverse ? s.L - 1 - i : i; };
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+    load_chunk(s, x, d, shift, b, h, i0, n, w);
+    // Y = M X (+ exp(q) C~ H)
+    gemm<T>(false, false, n, s.P, n, T(1), w.M.data(), n, w.X.data(), s.P, T(0), w.dY.data(), s.P);
+    if (!zero) {
+      gemm<T>(false, false, n, s.P, s.N, T(1), w.Cc.data(), s.N, Hc.data(), s.P, T(0), w.R.data(), s.P);
+      for (int64_t i = 0; i < n; ++i) {
+        const T eq = std::exp(w.q[i]);
+        T* yi = w.dY.data() + i * s.P;
+        const T* ri = w.R.data() + i * s.P;
+        for (int64_t k = 0; k < s.P; ++k) yi[k] += eq * ri[k];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      T* out = y + ((b * s.L + row(i0 + i)) * s.H + h) * s.P;
+      const T* yi = w.dY.data() + i * s.P;
+      for (int64_t k = 0; k < s.P; ++k) out[k] += yi[k];
+    }
+    if (c + 1 < nchunks || final != nullptr) {
+      const T last = w.p[n - 1];
+      const T el = std::exp(last);
+      for (int64_t j = 0; j < n; ++j) {
+        const T f = std::exp(last - w.p[j]) * w.dt[j];
+        T* fx = w.Fx.data() + j * s.P;
+        const T* xj = w.X.data() + j * s.P;
+        for (int64_t k = 0; k < s.P; ++k) fx[k] = f * xj[k];
+      }
+      for (auto& v : Hc) v *= el;
+      gemm<T>(true, false, s.N, s.P, n, T(1), w.Bc.data(), s.N, w.Fx.data(), s.P, T(1), Hc.data(), s.P);
+      zero = false;
+    }
+  }
+  if (final != nullptr) std::copy_n(Hc.data(), s.N * s.P, final);
+}
+
+// Backward of one direction for (b, h). dy (B, L, H, P); dfinal (N x P) or null; adds into dx (B, L, H, P) and
+// ddt (B, L, H); writes dB, dC (B, L, H, N) for this head (added, the caller zeroes them), dA_out (this (b, h)'s
+// share) and dH0 (N x P, the entering state's gradient) when non-null.
+template <typename T>
+void direction_backward(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64_t b, int64_t h,
+                        const T* H0, const T* dy, const T* dfinal, T* dx, T* ddt, T* dB, T* dC, T* dA_out, T* dH0,
+                        Scratch<T>& w, std::vector<T>& states) {
+  const int64_t nchunks = (s.L + s.Q - 1) / s.Q;
+  const int64_t NP = s.N * s.P;
+  auto row = [&](int64_t i) { return d.reverse ? s.L - 1 - i : i; };
+  // the entering state of every chunk
+  states.assign(static_cast<size_t>(nchunks) * NP, T(0));
+  std::vector<char> nonzero(nchunks, 0);
+  if (H0 != nullptr) {
+    std::copy_n(H0, NP, states.data());
+    nonzero[0] = 1;
+  }
+  for (int64_t c = 0; c + 1 < nchunks; ++c) {
+    const int64_t i0 = c * s.Q, n = s.Q;
+    const int64_t g = h / s.rep;
+    T* next = states.data() + (c + 1) * NP;
+    const T* cur = states.data() + c * NP;
+    T acc = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = row(i0 + r);
+      w.dt[r] = d.dt[(b * s.L + t) * s.H + h];
+      acc += w.dt[r] * d.A;
+      w.p[r] = acc;
+      std::copy_n(x + ((b * s.L + t) * s.H + h) * s.P, s.P, w.X.data() + r * s.P);
+      std::copy_n(d.Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
+    }
+    const T last = w.p[n - 1], el = std::exp(last);
+    for (int64_t j = 0; j < n; ++j) {
+      const T f = std::exp(last - w.p[j]) * w.dt[j];
+      for (int64_t k = 0; k < s.P; ++k) w.Fx[j * s.P + k] = f * w.X[j * s.P + k];
+    }
+    for (int64_t k = 0; k < NP; ++k) next[k] = el * cur[k];
+    gemm<T>(true, false, s.N, s.P, n, T(1), w.Bc.data(), s.N, w.Fx.data(), s.P, T(1), next, s.P);
+    nonzero[c + 1] = 1;
+  }
+  std::vector<T> dH(NP, T(0)), dHc(NP, T(0));
+  bool dH_zero = true;
+  if (dfinal != nullptr) {
+    std::copy_n(dfinal, NP, dH.data());
+    dH_zero = false;
+  }
+  T dA = 0;
+  for (int64_t c = nchunks - 1; c >= 0; --c) {
+    const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+    load_chunk(s, x, d, shift, b, h, i0, n, w);
+    const T* Hc = states.data() + c * NP;
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(dy + ((b * s.L + row(i0 + i)) * s.H + h) * s.P, s.P, w.dY.data() + i * s.P);
+      w.dq[i] = w.dp[i] = w.ddt[i] = T(0);
+    }
+    T dlast = 0;
+    // (1) y = M X: dM = dY X^T (masked), dX = M^T dY
+    T* dm = w.dM.data();
+    gemm<T>(false, true, n, n, s.P, T(1), w.dY.data(), s.P, w.X.data(), s.P, T(0), dm, n);
+    gemm<T>(true, false, n, s.P, n, T(1), w.M.data(), n, w.dY.data(), s.P, T(0), w.dX.data(), s.P);
+    // dCB_ij = dM_ij E_ij dt_j (kept in dm); s_ij = dM_ij M_ij: dq_i += sum_j s_ij, dp_j -= sum_i s_ij;
+    // ddt_j += sum_i dM_ij CB_ij E_ij
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t allowed = shift ? i : i + 1;
+      T* dmi = dm + i * n;
+      const T* mi = w.M.data() + i * n;
+      const T* ei = w.E.data() + i * n;
+      const T* cbi = w.CB.data() + i * n;
+      T rowsum = 0;
+      for (int64_t j = 0; j < allowed; ++j) {
+        const T sij = dmi[j] * mi[j];
+        rowsum += sij;
+        w.dp[j] -= sij;
+        w.ddt[j] += dmi[j] * cbi[j] * ei[j];
+        dmi[j] = dmi[j] * ei[j] * w.dt[j];
+      }
+      for (int64_t j = allowed; j < n; ++j) dmi[j] = T(0);
+      w.dq[i] += rowsum;
+    }
+    // dC~ = dCB B, dB = dCB^T C~
+    gemm<T>(false, false, n, s.N, n, T(1), dm, n, w.Bc.data(), s.N, T(0), w.dC.data(), s.N);
+    gemm<T>(true, false, n, s.N, n, T(1), dm, n, w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
+    // (2) y_i += exp(q_i) C~_i H_c
+    std::fill(dHc.begin(), dHc.end(), T(0));
+    if (nonzero[c]) {
+      gemm<T>(false, false, n, s.P, s.N, T(1), w.Cc.data(), s.N, Hc, s.P, T(0), w.R.data(), s.P);
+      for (int64_t i = 0; i < n; ++i) {
+        const T eq = std::exp(w.q[i]);
+        T dot = 0;
+        T* dri = w.Fx.data() + i * s.P;  // dR_i = exp(q_i) dY_i (Fx free until (3))
+        for (int64_t k = 0; k < s.P; ++k) {
+          dot += w.R[i * s.P + k] * w.dY[i * s.P + k];
+          dri[k] = eq * w.dY[i * s.P + k];
+        }
+        w.dq[i] += eq * dot;
+      }
+      // dC~ += dR H_c^T; dH_c = C~^T dR
+      gemm<T>(false, true, n, s.N, s.P, T(1), w.Fx.data(), s.P, Hc, s.P, T(1), w.dC.data(), s.N);
+      gemm<T>(true, false, s.N, s.P, n, T(1), w.Cc.data(), s.N, w.Fx.data(), s.P, T(0), dHc.data(), s.P);
+    }
+    // (3) H_{c+1} = exp(p_last) H_c + B^T (F x), with dH the gradient reaching H_{c+1}
+    const T last = w.p[n - 1], el = std::exp(last);
+    if (!dH_zero) {
+      for (int64_t j = 0; j < n; ++j) {
+        w.F[j] = std::exp(last - w.p[j]) * w.dt[j];
+        for (int64_t k = 0; k < s.P; ++k) w.Fx[j * s.P + k] = w.F[j] * w.X[j * s.P + k];
+      }
+      // d(Fx) = B dH; dB += (Fx) dH^T
+      gemm<T>(false, false, n, s.P, s.N, T(1), w.Bc.data(), s.N, dH.data(), s.P, T(0), w.dFx.data(), s.P);
+      gemm<T>(false, true, n, s.N, s.P, T(1), w.Fx.data(), s.P, dH.data(), s.P, T(1), w.dB.data(), s.N);
+      for (int64_t j = 0; j < n; ++j) {
+        T dF = 0;
+        for (int64_t k = 0; k < s.P; ++k) {
+          dF += w.X[j * s.P + k] * w.dFx[j * s.P + k];
+          w.dX[j * s.P + k] += w.F[j] * w.dFx[j * s.P + k];
+        }
+        // F_j = exp(p_last - p_j) dt_j
+        w.ddt[j] += std::exp(last - w.p[j]) * dF;
+        dlast += w.F[j] * dF;
+        w.dp[j] -= w.F[j] * dF;
+      }
+      if (nonzero[c]) {
+        T dot = 0;
+        for (int64_t k = 0; k < NP; ++k) dot += dH[k] * Hc[k];
+        dlast += el * dot;
+      }
+    }
+    // the gradient reaching H_c: exp(p_last) dH + dH_c
+    for (int64_t k = 0; k < NP; ++k) dH[k] = (dH_zero ? T(0) : el * dH[k]) + dHc[k];
+    dH_zero = false;
+    // cumulative sums: q_i = p_i (- a_i with shift); p_i = sum_{k <= i} a_k
+    w.dp[n - 1] += dlast;
+    T run = 0;
+    for (int64_t i = n - 1; i >= 0; --i) {
+      run += w.dp[i] + w.dq[i];
+      T da = run;
+      if (shift) da -= w.dq[i];
+      w.ddt[i] += da * d.A;
+      dA += da * w.dt[i];
+    }
+    // scatter
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = row(i0 + i);
+      T* dxo = dx + ((b * s.L + t) * s.H + h) * s.P;
+      for (int64_t k = 0; k < s.P; ++k) dxo[k] += w.dX[i * s.P + k];
+      ddt[(b * s.L + t) * s.H + h] += w.ddt[i];
+      T* dbo = dB + ((b * s.L + t) * s.H + h) * s.N;
+      for (int64_t k = 0; k < s.N; ++k) dbo[k] += w.dB[i * s.N + k];
+      const int64_t ci = shift ? i0 + i - 1 : i0 + i;
+      if (ci >= 0) {
+        T* dco = dC + ((b * s.L + row(ci)) * s.H + h) * s.N;
+        for (int64_t k = 0; k < s.N; ++k) dco[k] += w.dC[i * s.N + k];
+      }
+    }
+  }
+  *dA_out += dA;
+  if (dH0 != nullptr) std::copy_n(dH.data(), NP, dH0);
+}
+
+Shape shape_of(const at::Tensor& x, const at::Tensor& Bm, int64_t chunk) {
+  Shape s;
+  s.B = x.size(0);
+  s.L = x.size(1);
+  s.H = x.size(2);
+  s.P = x.size(3);
+  s.G = Bm.size(2);
+  s.N = Bm.size(3);
+  s.Q = chunk;
+  s.rep = s.H / s.G;
+  return s;
+}
+
+void check_direction(const at::Tensor& x, const c10::optional<at::Tensor>& dt, const c10::optional<at::Tensor>& A,
+                     const c10::optional<at::Tensor>& Bm, const c10::optional<at::Tensor>& Cm) {
+  TORCH_CHECK(dt.has_value() == A.has_value() && A.has_value() == Bm.has_value() && Bm.has_value() == Cm.has_value(),
+              "native scan: a direction needs dt, A, B and C");
+  if (!dt.has_value()) return;
+  const auto B = x.size(0), L = x.size(1), H = x.size(2);
+  TORCH_CHECK(dt->sizes() == at::IntArrayRef({B, L, H}) && A->sizes() == at::IntArrayRef({H}) && Bm->dim() == 4 &&
+                  Bm->size(0) == B && Bm->size(1) == L && H % Bm->size(2) == 0 && Cm->sizes() == Bm->sizes(),
+              "native scan: dt (B, L, H), A (H,), B and C (B, L, G, N)");
+  for (const auto* t : {&*dt, &*A, &*Bm, &*Cm})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == x.scalar_type() && t->device().is_cpu(),
+                "native scan: contiguous CPU inputs of x's dtype");
+}
+
+template <typename T>
+DirIn<T> dir_of(const c10::optional<at::Tensor>& dt, const c10::optional<at::Tensor>& A,
+                const c10::optional<at::Tensor>& Bm, const c10::optional<at::Tensor>& Cm, bool reverse, int64_t h) {
+  return DirIn<T>{dt->data_ptr<T>(), A->data_ptr<T>()[h], Bm->data_ptr<T>(), Cm->data_ptr<T>(), reverse};
+}
+
+template <typename T>
+void forward_impl(const at::Tensor& x, const c10::optional<at::Tensor>& dtf, const c10::optional<at::Tensor>& Af,
+                  const c10::optional<at::Tensor>& Bf, const c10::optional<at::Tensor>& Cf,
+                  const c10::optional<at::Tensor>& dtb, const c10::optional<at::Tensor>& Ab,
+                  const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb,
+                  const c10::optional<at::Tensor>& init, bool shift, int64_t chunk, at::Tensor& y,
+                  at::Tensor& final) {
+  const at::Tensor& Bref = Bf.has_value() ? *Bf : *Bb;
+  const Shape s = shape_of(x, Bref, chunk);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t NP = s.N * s.P;
+  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> w;
+    w.size(s);
+    std::vector<T> Hs, H0(NP), fin(NP);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.H, h = bh % s.H;
+      if (dtf.has_value()) {
+        const T* h0 = nullptr;
+        if (init.has_value()) {  // (B, H, P, N) -> N x P
+          const T* src = init->data_ptr<T>() + (b * s.H + h) * NP;
+          for (int64_t pp = 0; pp < s.P; ++pp)
+            for (int64_t nn = 0; nn < s.N; ++nn) H0[nn * s.P + pp] = src[pp * s.N + nn];
+          h0 = H0.data();
+        }
+        const bool want_final = final.numel() > 0;
+        direction_forward(s, xp, dir_of<T>(dtf, Af, Bf, Cf, false, h), shift, b, h, h0, yp,
+                          want_final ? fin.data() : nullptr, w, Hs);
+        if (want_final) {
+          T* dst = final.data_ptr<T>() + (b * s.H + h) * NP;
+          for (int64_t pp = 0; pp < s.P; ++pp)
+            for (int64_t nn = 0; nn < s.N; ++nn) dst[pp * s.N + nn] = fin[nn * s.P + pp];
+        }
+      }
+      if (dtb.has_value())
+        direction_forward(s, xp, dir_of<T>(dtb, Ab, Bb, Cb, true, h), shift, b, h, static_cast<const T*>(nullptr),
+                          yp, static_cast<T*>(nullptr), w, Hs);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+                                                const c10::optional<at::Tensor>& Af,
+                                                const c10::optional<at::Tensor>& Bf,
+                                                const c10::optional<at::Tensor>& Cf,
+                                                const c10::optional<at::Tensor>& dtb,
+                                                const c10::optional<at::Tensor>& Ab,
+                                                const c10::optional<at::Tensor>& Bb,
+                                                const c10::optional<at::Tensor>& Cb,
+                                                const c10::optional<at::Tensor>& init, bool shift, int64_t chunk,
+                                                bool want_final) {
+  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
+  TORCH_CHECK(chunk > 0, "native scan: chunk must be positive");
+  TORCH_CHECK(dtf.has_value() || dtb.has_value(), "native scan: no direction");
+  check_direction(x, dtf, Af, Bf, Cf);
+  check_direction(x, dtb, Ab, Bb, Cb);
+  TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
+  TORCH_CHECK(!init.has_value() || dtf.has_value(), "native scan: the initial state needs the forward direction");
+  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
+  if (init.has_value())
+    TORCH_CHECK(init->sizes() == at::IntArrayRef({x.size(0), x.size(2), x.size(3), N}) && init->is_contiguous() &&
+                    init->scalar_type() == x.scalar_type(),
+                "native scan: initial state (B, H, P, N)");
+  at::Tensor y = at::zeros_like(x);
+  at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
+                                : at::empty({0}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    forward_impl<float>(x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk, y, final);
+  } else {
+    forward_impl<double>(x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk, y, final);
+  }
+  return {y, final};
+}
+
+template <typename T>
+void backward_impl(const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal, const at::Tensor& x,
+                   const c10::optional<at::Tensor>& dtf, const c10::optional<at::Tensor>& Af,
+                   const c10::optional<at::Tensor>& Bf, const c10::optional<at::Tensor>& Cf,
+                   const c10::optional<at::Tensor>& dtb, const c10::optional<at::Tensor>& Ab,
+                   const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb,
+                   const c10::optional<at::Tensor>& init, bool shift, int64_t chunk, std::vector<at::Tensor>& out) {
+  const at::Tensor& Bref = dtf.has_value() ? *Bf : *Bb;
+  const Shape s = shape_of(x, Bref, chunk);
+  const int64_t NP = s.N * s.P;
+  const T* xp = x.data_ptr<T>();
+  const T* gp = dy.data_ptr<T>();
+  T* dxp = out[0].data_ptr<T>();
+  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> w;
+    w.size(s);
+    std::vector<T> states, H0(NP), dfin(NP), dH0(NP);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.H, h = bh % s.H;
+      for (int dir = 0; dir < 2; ++dir) {
+        const auto& dt = dir == 0 ? dtf : dtb;
+        if (!dt.has_value()) continue;
+        const auto& A = dir == 0 ? Af : Ab;
+        const auto& Bm = dir == 0 ? Bf : Bb;
+        const auto& Cm = dir == 0 ? Cf : Cb;
+        const int base = 1 + 4 * dir;  // ddt, dA (B, H), dB, dC (B, L, H, N)
+        const T* h0 = nullptr;
+        if (dir == 0 && init.has_value()) {
+          const T* src = init->data_ptr<T>() + (b * s.H + h) * NP;
+          for (int64_t pp = 0; pp < s.P; ++pp)
+            for (int64_t nn = 0; nn < s.N; ++nn) H0[nn * s.P + pp] = src[pp * s.N + nn];
+          h0 = H0.data();
+        }
+        const T* df = nullptr;
+        if (dir == 0 && dfinal.has_value() && dfinal->numel() > 0) {
+          const T* src = dfinal->data_ptr<T>() + (b * s.H + h) * NP;
+          for (int64_t pp = 0; pp < s.P; ++pp)
+            for (int64_t nn = 0; nn < s.N; ++nn) dfin[nn * s.P + pp] = src[pp * s.N + nn];
+          df = dfin.data();
+        }
+        const bool want_init = dir == 0 && init.has_value();
+        direction_backward(s, xp, dir_of<T>(dt, A, Bm, Cm, dir == 1, h), shift, b, h, h0, gp, df, dxp,
+                           out[base].data_ptr<T>(), out[base + 2].data_ptr<T>(), out[base + 3].data_ptr<T>(),
+                           out[base + 1].data_ptr<T>() + b * s.H + h, want_init ? dH0.data() : nullptr, w, states);
+        if (want_init) {
+          T* dst = out[9].data_ptr<T>() + (b * s.H + h) * NP;
+          for (int64_t pp = 0; pp < s.P; ++pp)
+            for (int64_t nn = 0; nn < s.N; ++nn) dst[pp * s.N + nn] = dH0[nn * s.P + pp];
+        }
+      }
+    }
+  });
+}
+
+// Returns dx, then per direction (forward, backward) ddt (B, L, H), dA (B, H) (summed over the batch by the
+// caller), dB and dC per head (B, L, H, N) (summed over each group's heads by the caller), then d init (B, H, P, N);
+// absent pieces are empty tensors.
+std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal,
+                                      const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+                                      const c10::optional<at::Tensor>& Af, const c10::optional<at::Tensor>& Bf,
+                                      const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
+                                      const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb,
+                                      const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
+                                      bool shift, int64_t chunk) {
+  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == x.scalar_type(),
+              "native scan: dy must be contiguous, of x's shape and dtype");
+  TORCH_CHECK(chunk > 0 && (dtf.has_value() || dtb.has_value()), "native scan: chunk > 0 and a direction");
+  check_direction(x, dtf, Af, Bf, Cf);
+  check_direction(x, dtb, Ab, Bb, Cb);
+  const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
+  std::vector<at::Tensor> out(10);
+  out[0] = at::zeros_like(x);
+  auto empty = at::empty({0}, x.options());
+  for (int dir = 0; dir < 2; ++dir) {
+    const auto& dt = dir == 0 ? dtf : dtb;
+    const auto& Bm = dir == 0 ? Bf : Bb;
+    const int base = 1 + 4 * dir;
+    if (dt.has_value()) {
+      const auto N = Bm->size(3);
+      out[base] = at::zeros({B, L, H}, x.options());
+      out[base + 1] = at::zeros({B, H}, x.options());
+      out[base + 2] = at::zeros({B, L, H, N}, x.options());
+      out[base + 3] = at::zeros({B, L, H, N}, x.options());
+    } else {
+      for (int k = 0; k < 4; ++k) out[base + k] = empty;
+    }
+  }
+  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
+  out[9] = init.has_value() ? at::zeros({B, H, P, N}, x.options()) : empty;
+  if (dfinal.has_value() && dfinal->numel() > 0)
+    TORCH_CHECK(dfinal->sizes() == at::IntArrayRef({B, H, P, N}) && dfinal->is_contiguous() &&
+                    dfinal->scalar_type() == x.scalar_type(),
+                "native scan: the final state's gradient must be contiguous (B, H, P, N)");
+  if (x.scalar_type() == at::kFloat) {
+    backward_impl<float>(dy, dfinal, x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk, out);
+  } else {
+    backward_impl<double>(dy, dfinal, x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
+  m.def("scan_forward(Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, Tensor? dt_b, Tensor? A_b, "
+        "Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk, bool want_final) -> (Tensor, Tensor)");
+  m.def("scan_backward(Tensor dy, Tensor? dfinal, Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, "
+        "Tensor? dt_b, Tensor? A_b, Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk) "
+        "-> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(mixer_plugins_native, CPU, m) {
+  m.impl("scan_forward", &scan_forward);
+  m.impl("scan_backward", &scan_backward);
+}
