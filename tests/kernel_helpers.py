@@ -50,3 +50,15 @@ def assert_passes_fresh(test_file: str, env: dict[str, str], timeout: int, *, al
     assert " passed" in result.stdout and " failed" not in result.stdout, tail
     if not allow_skips:
         assert "skipped" not in result.stdout, tail
+
+
+def spy_native_ops(monkeypatch, *names: str) -> list[str]:
+    """Record every call of the named ``torch.ops.mixer_plugins_native`` ops (in order) while the test runs."""
+    import torch
+
+    calls: list[str] = []
+    for name in names:
+        real = getattr(torch.ops.mixer_plugins_native, name)
+        monkeypatch.setattr(torch.ops.mixer_plugins_native, name,
+                            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    return calls

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from kernel_helpers import spy_native_ops
 
 from mixer_plugins.kernels import _native
 from mixer_plugins.kernels.conv import depthwise_conv1d
@@ -43,12 +44,7 @@ def _run(x, weight, bias, *, causal, silu, backend, seed=1):
 
 
 def _spy_native(monkeypatch):
-    calls = []
-    for name in ("conv_forward", "conv_backward"):
-        real = getattr(torch.ops.mixer_plugins_native, name)
-        monkeypatch.setattr(torch.ops.mixer_plugins_native, name,
-                            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    return calls
+    return spy_native_ops(monkeypatch, "conv_forward", "conv_backward")
 
 
 @pytest.mark.parametrize("k,causal", [(1, True), (4, True), (7, True), (3, False), (7, False)])

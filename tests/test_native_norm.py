@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from kernel_helpers import spy_native_ops
 
 from mixer_plugins.kernels import _native
 from mixer_plugins.kernels.norm import gated_rmsnorm
@@ -41,12 +42,7 @@ def _run(y, z, weight, *, before, backend, eps=1e-5):
 
 
 def _spy_native(monkeypatch):
-    calls = []
-    for name in ("norm_forward", "norm_backward"):
-        real = getattr(torch.ops.mixer_plugins_native, name)
-        monkeypatch.setattr(torch.ops.mixer_plugins_native, name,
-                            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    return calls
+    return spy_native_ops(monkeypatch, "norm_forward", "norm_backward")
 
 
 @pytest.mark.parametrize("before", [True, False])
