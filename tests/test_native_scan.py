@@ -1,7 +1,8 @@
-"""The native CPU scan (``kernels/_native/scan.cpp``, opt-in through ``kernels._scan.native.USE_NATIVE``): values,
-final states and every gradient against the materialized reference in float64, over both directions and each
-alone, shift on and off, the diagonal, groups, initial and final states, lengths shorter than, equal to and not a
-multiple of the chunk; and where it must not run (the PyTorch path then runs)."""
+"""The native CPU scan (``kernels/_native/scan.cpp``, :mod:`mixer_plugins.kernels._scan.native`): values, final
+states and every gradient against the materialized reference in float64, with factored decays and with exact
+ones, over both directions and each alone, shift on and off, the diagonal, groups, initial and final states,
+lengths shorter than, equal to and not a multiple of the chunk; where it must not run (the PyTorch path then
+runs)."""
 
 from __future__ import annotations
 
@@ -83,15 +84,36 @@ CASES = [c for c in itertools.product([(1, 4), (13, 4), (16, 16), (50, 8)], ["f"
          if not ((c[3] or c[5]) and "f" not in c[1])]
 
 
-@pytest.mark.parametrize("case", CASES[::3] + CASES[1::7], ids=str)
-def test_native_scan_matches_the_reference(case):
+@pytest.mark.parametrize("factored", [True, False], ids=["factored", "exact"])
+@pytest.mark.parametrize("case", CASES[::4] + CASES[1::9], ids=str)
+def test_native_scan_matches_the_reference(case, factored, monkeypatch):
+    monkeypatch.setattr(native_scan, "FACTORED", factored)
     (length, chunk), directions, diag, init, shift, final, (heads, groups) = case
     inputs = _case(length, chunk, directions, diag, init, shift, heads, groups, seed=length)
     for got, want in zip(_run(inputs, final, "native"), _run(inputs, final, "reference")):
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
 
 
-def test_the_public_op_runs_it_when_enabled(monkeypatch):
+def test_wide_decays_take_the_exact_form(monkeypatch):
+    """Chunks whose decay range is too wide for the factors (|p_last| / 2 > MAX_HALF_RANGE) run the exact form, and
+    still equal the reference."""
+    from kernel_helpers import spy_native_ops
+
+    calls = spy_native_ops(monkeypatch, "scan_forward", "scan_factored_forward")
+    inputs = _case(24, 8, "fb", True, True, True, 2, 1)
+    wide = ScanInputs(x=inputs.x, forward=Direction(inputs.forward.dt * 200, *_rest(inputs.forward)),
+                      backward=Direction(inputs.backward.dt * 200, *_rest(inputs.backward)), diag=inputs.diag,
+                      initial_state=inputs.initial_state, shift=True, chunk_size=8)
+    for got, want in zip(_run(wide, True, "native"), _run(wide, True, "reference")):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    assert calls == ["scan_forward"]
+
+
+def _rest(d):
+    return d.A, d.B, d.C
+
+
+def test_the_public_op_runs_it(monkeypatch):
     from mixer_plugins import kernels
 
     calls = []
@@ -105,7 +127,7 @@ def test_the_public_op_runs_it_when_enabled(monkeypatch):
     assert calls
 
 
-@pytest.mark.parametrize("case", ["seq_idx", "inf_x", "positive_A", "negative_dt", "float16", "off"])
+@pytest.mark.parametrize("case", ["seq_idx", "inf_x", "positive_A", "negative_dt", "float16", "off", "many_chunks"])
 def test_it_does_not_run_where_it_must_not(case, monkeypatch):
     inputs = _case(12, 4, "f", False, False, False, 2, 1)
     x, d = inputs.x, inputs.forward
@@ -119,6 +141,8 @@ def test_it_does_not_run_where_it_must_not(case, monkeypatch):
         inputs = ScanInputs(x=x, forward=Direction(-d.dt, d.A, d.B, d.C), chunk_size=4)
     elif case == "float16":
         inputs = ScanInputs(x=x.half(), forward=Direction(*(t.half() for t in (d.dt, d.A, d.B, d.C))), chunk_size=4)
+    elif case == "many_chunks":
+        monkeypatch.setattr(native_scan, "MAX_CHUNKS", 2)  # 12 tokens in chunks of 4: 3 chunks
     else:
         monkeypatch.setattr(native_scan, "USE_NATIVE", False)
     assert not native_scan.applies(inputs)

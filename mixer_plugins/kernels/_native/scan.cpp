@@ -524,9 +524,495 @@ std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// Factored decays (as kernels/_scan/factored.py): within a chunk, exp(q_i - p_j) = u_i v_j / dt_j with
+// u_i = exp(q_i - m), v_j = exp(m - p_j) dt_j, m = p_last / 2, so one product per (group, chunk) serves all the
+// group's heads: Z = mask(C~ B^T) W with W = [v_h X_h]_h side by side (n x rep P), and y_h = u_h Z_h. Chunk states
+// S'_c = B^T W; the states between chunks are kept scaled, K_c = e^{m_c} H_c, K_{c+1} = e^{m_c + m_{c+1}}
+// (K_c + S'_c), and read out as Z += C~ K_c. The caller checks |m| against the dtype's range. Three phases per
+// direction: chunk products (parallel over batch, group, chunk), the state pass (parallel over batch, head), the
+// read-out (parallel over batch, group, chunk); the backward likewise, with the workspace reused across calls.
+
+// Per (batch, group, chunk) of one direction: the chunk's rows in direction order, its decays per head.
+template <typename T>
+struct GroupChunk {
+  std::vector<T> X, W, Bc, Cc, Tm, Z, dZ, dW, dT, dC, dB, tmp;
+  std::vector<T> dt, p, q, u, v, m, du, dv, dp, dq, ddt, a;  // (rep, Q) or (rep)
+  void size(int64_t Q, int64_t N, int64_t P, int64_t rep) {
+    const size_t RP = static_cast<size_t>(rep) * P;
+    for (auto* x : {&X, &W, &Z, &dZ, &dW, &tmp}) x->assign(Q * RP, T(0));
+    for (auto* x : {&Bc, &Cc, &dC, &dB}) x->assign(Q * N, T(0));
+    for (auto* x : {&Tm, &dT}) x->assign(Q * Q, T(0));
+    for (auto* x : {&dt, &p, &q, &u, &v, &du, &dv, &dp, &dq, &ddt, &a}) x->assign(rep * Q, T(0));
+    m.assign(rep, T(0));
+  }
+};
+
+// Gathers chunk c of group g (rows [i0, i0 + n) in direction order) and its per-head decays; forms W = v X and
+// the masked T = C~ B^T.
+template <typename T>
+void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
+                      bool shift, int64_t b, int64_t g, int64_t i0, int64_t n, GroupChunk<T>& w) {
+  const int64_t RP = s.rep * s.P;
+  auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = row(i0 + r);
+    std::copy_n(x + ((b * s.L + t) * s.H + g * s.rep) * s.P, RP, w.X.data() + r * RP);  // the group's heads
+    std::copy_n(Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
+    const int64_t ci = shift ? i0 + r - 1 : i0 + r;
+    if (ci < 0) {
+      std::fill_n(w.Cc.data() + r * s.N, s.N, T(0));
+    } else {
+      std::copy_n(Cm + ((b * s.L + row(ci)) * s.G + g) * s.N, s.N, w.Cc.data() + r * s.N);
+    }
+    for (int64_t k = 0; k < s.rep; ++k) w.dt[k * s.Q + r] = dtp[(b * s.L + t) * s.H + g * s.rep + k];
+  }
+  for (int64_t k = 0; k < s.rep; ++k) {
+    const T A = Ap[g * s.rep + k];
+    T* dt = w.dt.data() + k * s.Q;
+    T* p = w.p.data() + k * s.Q;
+    T* q = w.q.data() + k * s.Q;
+    T* a = w.a.data() + k * s.Q;
+    T acc = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      a[r] = dt[r] * A;
+      acc += a[r];
+      p[r] = acc;
+      q[r] = shift ? acc - a[r] : acc;
+    }
+    const T m = p[n - 1] * T(0.5);
+    w.m[k] = m;
+    T* u = w.u.data() + k * s.Q;
+    T* v = w.v.data() + k * s.Q;
+    for (int64_t r = 0; r < n; ++r) {
+      u[r] = std::exp(q[r] - m);
+      v[r] = std::exp(m - p[r]) * dt[r];
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const T* xr = w.X.data() + r * RP + k * s.P;
+      T* wr = w.W.data() + r * RP + k * s.P;
+      for (int64_t c = 0; c < s.P; ++c) wr[c] = v[r] * xr[c];
+    }
+  }
+  gemm<T>(false, true, n, n, s.N, T(1), w.Cc.data(), s.N, w.Bc.data(), s.N, T(0), w.Tm.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t allowed = shift ? i : i + 1;
+    std::fill(w.Tm.data() + i * n + allowed, w.Tm.data() + (i + 1) * n, T(0));
+  }
+}
+
+// Workspace of one call, owned by the calling thread and reused by its later calls (no allocation, no page
+// faults after the first call); the parallel phases write disjoint parts of it.
+template <typename T>
+std::vector<T>& workspace(int slot) {
+  thread_local std::vector<T> spaces[8];
+  return spaces[slot];
+}
+
+template <typename T>
+void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
+                      bool shift, const T* init /* (B, H, P, N) or null */, T* y, T* final /* or null */) {
+  const int64_t nC = (s.L + s.Q - 1) / s.Q, RP = s.rep * s.P, NRP = s.N * RP, NP = s.N * s.P;
+  // S' then K, per (b, g, c): N x rep P; m per (b, g, c, head)
+  std::vector<T>& states = workspace<T>(0);
+  std::vector<T>& half = workspace<T>(1);
+  states.resize(static_cast<size_t>(s.B * s.G * nC) * NRP);
+  half.resize(static_cast<size_t>(s.B * s.G * nC) * s.rep);
+  auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
+  // phase 1: Z = T W into y (scaled later), S'_c = B^T W
+  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
+    GroupChunk<T> w;
+    w.size(s.Q, s.N, s.P, s.rep);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
+      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
+      std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
+      gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
+      gemm<T>(false, false, n, RP, n, T(1), w.Tm.data(), n, w.W.data(), RP, T(0), w.Z.data(), RP);
+      for (int64_t r = 0; r < n; ++r) {  // y += u Z (the read-out is added in phase 3)
+        const int64_t t = row(i0 + r);
+        for (int64_t k = 0; k < s.rep; ++k) {
+          T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+          const T uk = w.u[k * s.Q + r];
+          const T* z = w.Z.data() + r * RP + k * s.P;
+          for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
+        }
+      }
+    }
+  });
+  // phase 2: K_0 = e^{m_0} init, K_{c+1} = e^{m_c + m_{c+1}} (K_c + S'_c), in place over S' (K_c replaces S'_c
+  // once S'_c has been used); per (b, head)
+  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> K(NP), S(NP);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep;
+      auto slot = [&](int64_t c) { return states.data() + ((b * s.G + g) * nC + c) * NRP + k * s.P; };
+      auto mh = [&](int64_t c) { return half[((b * s.G + g) * nC + c) * s.rep + k]; };
+      if (init != nullptr) {
+        const T e0 = std::exp(mh(0));
+        const T* src = init + (b * s.H + h) * NP;  // (P, N)
+        for (int64_t pp = 0; pp < s.P; ++pp)
+          for (int64_t nn = 0; nn < s.N; ++nn) K[nn * s.P + pp] = e0 * src[pp * s.N + nn];
+      } else {
+        std::fill(K.begin(), K.end(), T(0));
+      }
+      for (int64_t c = 0; c < nC; ++c) {
+        T* sc = slot(c);
+        for (int64_t nn = 0; nn < s.N; ++nn) {  // S <- S'_c, slot <- K_c
+          std::copy_n(sc + nn * RP, s.P, S.data() + nn * s.P);
+          std::copy_n(K.data() + nn * s.P, s.P, sc + nn * RP);
+        }
+        if (c + 1 < nC) {
+          const T link = std::exp(mh(c) + mh(c + 1));
+          for (int64_t e = 0; e < NP; ++e) K[e] = link * (K[e] + S[e]);
+        } else if (final != nullptr) {
+          const T el = std::exp(mh(c));
+          T* dst = final + (b * s.H + h) * NP;  // (P, N)
+          for (int64_t pp = 0; pp < s.P; ++pp)
+            for (int64_t nn = 0; nn < s.N; ++nn) dst[pp * s.N + nn] = el * (K[nn * s.P + pp] + S[nn * s.P + pp]);
+        }
+      }
+    }
+  });
+  // phase 3: y += u (C~ K_c)
+  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
+    GroupChunk<T> w;
+    w.size(s.Q, s.N, s.P, s.rep);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
+      if (c == 0 && init == nullptr) continue;  // nothing enters the first chunk
+      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
+      gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, states.data() + item * NRP, RP, T(0), w.Z.data(),
+              RP);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = row(i0 + r);
+        for (int64_t k = 0; k < s.rep; ++k) {
+          T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+          const T uk = w.u[k * s.Q + r];
+          const T* z = w.Z.data() + r * RP + k * s.P;
+          for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
+        }
+      }
+    }
+  });
+}
+
+// The backward of factored_forward for one direction. Adds into dx (B, L, H, P), ddt (B, L, H), dB (B, L, G, N),
+// dCt (the gradient of C~ at each row's own position, B, L, G, N; the caller shifts it onto C), dA_part
+// (B, nC, H); writes dinit (B, H, P, N) when non-null.
+template <typename T>
+void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
+                       bool shift, const T* init, const T* dy, const T* dfinal, T* dx, T* ddt, T* dB, T* dCt,
+                       T* dA_part, T* dinit) {
+  const int64_t nC = (s.L + s.Q - 1) / s.Q, RP = s.rep * s.P, NRP = s.N * RP, NP = s.N * s.P;
+  std::vector<T>& states = workspace<T>(0);  // S'_c, then dS'_c
+  std::vector<T>& half = workspace<T>(1);    // m
+  std::vector<T>& Ks = workspace<T>(2);      // K_c
+  std::vector<T>& dKs = workspace<T>(3);     // dK_c (the read-out's), then unused
+  std::vector<T>& dms = workspace<T>(4);     // dm from the state pass
+  const size_t slots = static_cast<size_t>(s.B * s.G * nC);
+  states.resize(slots * NRP);
+  Ks.resize(slots * NRP);
+  dKs.resize(slots * NRP);
+  half.resize(slots * s.rep);
+  dms.resize(slots * s.rep);
+  auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
+  auto gather_dz = [&](GroupChunk<T>& w, int64_t b, int64_t g, int64_t i0, int64_t n) {  // dZ = u dy
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = row(i0 + r);
+      for (int64_t k = 0; k < s.rep; ++k) {
+        const T* src = dy + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+        T* dst = w.dZ.data() + r * RP + k * s.P;
+        const T uk = w.u[k * s.Q + r];
+        for (int64_t c2 = 0; c2 < s.P; ++c2) dst[c2] = uk * src[c2];
+      }
+    }
+  };
+  // phase A: S'_c = B^T W, m, dK_c = C~^T dZ
+  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
+    GroupChunk<T> w;
+    w.size(s.Q, s.N, s.P, s.rep);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
+      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
+      std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
+      gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
+      gather_dz(w, b, g, i0, n);
+      gemm<T>(true, false, s.N, RP, n, T(1), w.Cc.data(), s.N, w.dZ.data(), RP, T(0), dKs.data() + item * NRP, RP);
+    }
+  });
+  // phase B: the states K_c, then the state gradients G_c backwards; dS'_c into `states`, dm into `dms`
+  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> K(NP), S(NP), G(NP), Hf(NP), dH(NP);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep;
+      const int64_t base = (b * s.G + g) * nC;
+      auto at_ = [&](std::vector<T>& buf, int64_t c) { return buf.data() + (base + c) * NRP + k * s.P; };
+      auto mh = [&](int64_t c) { return half[(base + c) * s.rep + k]; };
+      // forward: K_c into Ks
+      if (init != nullptr) {
+        const T e0 = std::exp(mh(0));
+        const T* src = init + (b * s.H + h) * NP;
+        for (int64_t pp = 0; pp < s.P; ++pp)
+          for (int64_t nn = 0; nn < s.N; ++nn) K[nn * s.P + pp] = e0 * src[pp * s.N + nn];
+      } else {
+        std::fill(K.begin(), K.end(), T(0));
+      }
+      for (int64_t c = 0; c < nC; ++c) {
+        T* kc = at_(Ks, c);
+        const T* sc = at_(states, c);
+        for (int64_t nn = 0; nn < s.N; ++nn) {
+          std::copy_n(K.data() + nn * s.P, s.P, kc + nn * RP);
+          std::copy_n(sc + nn * RP, s.P, S.data() + nn * s.P);
+        }
+        if (c + 1 < nC) {
+          const T link = std::exp(mh(c) + mh(c + 1));
+          for (int64_t e = 0; e < NP; ++e) K[e] = link * (K[e] + S[e]);
+        } else {
+          const T el = std::exp(mh(c));
+          for (int64_t e = 0; e < NP; ++e) Hf[e] = el * (K[e] + S[e]);
+        }
+      }
+      bool has_dH = false;
+      if (dfinal != nullptr) {
+        const T* src = dfinal + (b * s.H + h) * NP;
+        for (int64_t pp = 0; pp < s.P; ++pp)
+          for (int64_t nn = 0; nn < s.N; ++nn) dH[nn * s.P + pp] = src[pp * s.N + nn];
+        has_dH = true;
+      }
+      // G_last = dK_last + e^{m_last} dH; dS'_last = e^{m_last} dH
+      T r_next = 0;
+      for (int64_t c = nC - 1; c >= 0; --c) {
+        const T* dkc = at_(dKs, c);
+        T* dsc = at_(states, c);  // S'_c was read above; now dS'_c
+        const T* kc = at_(Ks, c);
+        if (c == nC - 1) {
+          const T el = std::exp(mh(c));
+          T fin = 0;
+          for (int64_t nn = 0; nn < s.N; ++nn)
+            for (int64_t pp = 0; pp < s.P; ++pp) {
+              const T d = has_dH ? el * dH[nn * s.P + pp] : T(0);
+              G[nn * s.P + pp] = dkc[nn * RP + pp] + d;
+              dsc[nn * RP + pp] = d;
+              if (has_dH) fin += dH[nn * s.P + pp] * Hf[nn * s.P + pp];
+            }
+          T r = 0;
+          for (int64_t nn = 0; nn < s.N; ++nn)
+            for (int64_t pp = 0; pp < s.P; ++pp) r += G[nn * s.P + pp] * kc[nn * RP + pp];
+          dms[(base + c) * s.rep + k] = r + fin;
+          r_next = r;
+        } else {
+          const T link = std::exp(mh(c) + mh(c + 1));
+          T r = 0;
+          for (int64_t nn = 0; nn < s.N; ++nn)
+            for (int64_t pp = 0; pp < s.P; ++pp) {
+              const T dnext = link * G[nn * s.P + pp];  // dS'_c = link_c G_{c+1}
+              dsc[nn * RP + pp] = dnext;
+              const T gc = dkc[nn * RP + pp] + dnext;
+              G[nn * s.P + pp] = gc;
+              r += gc * kc[nn * RP + pp];
+            }
+          dms[(base + c) * s.rep + k] = r + r_next;
+          r_next = r;
+        }
+      }
+      if (dinit != nullptr) {
+        const T e0 = std::exp(mh(0));
+        T* dst = dinit + (b * s.H + h) * NP;
+        for (int64_t pp = 0; pp < s.P; ++pp)
+          for (int64_t nn = 0; nn < s.N; ++nn) dst[pp * s.N + nn] = e0 * G[nn * s.P + pp];
+      }
+    }
+  });
+  // phase C: everything of each chunk
+  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
+    GroupChunk<T> w;
+    w.size(s.Q, s.N, s.P, s.rep);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
+      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
+      gather_dz(w, b, g, i0, n);
+      const T* kc = Ks.data() + item * NRP;
+      const T* dsc = states.data() + item * NRP;
+      // Z = T W + C~ K_c
+      gemm<T>(false, false, n, RP, n, T(1), w.Tm.data(), n, w.W.data(), RP, T(0), w.Z.data(), RP);
+      gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, kc, RP, T(1), w.Z.data(), RP);
+      // dT = dZ W^T (masked); dW = T^T dZ + B dS'; dC~ = dZ K^T + dT B; dB = dT^T C~ + W dS'^T
+      gemm<T>(false, true, n, n, RP, T(1), w.dZ.data(), RP, w.W.data(), RP, T(0), w.dT.data(), n);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t allowed = shift ? i : i + 1;
+        std::fill(w.dT.data() + i * n + allowed, w.dT.data() + (i + 1) * n, T(0));
+      }
+      gemm<T>(true, false, n, RP, n, T(1), w.Tm.data(), n, w.dZ.data(), RP, T(0), w.dW.data(), RP);
+      gemm<T>(false, false, n, RP, s.N, T(1), w.Bc.data(), s.N, dsc, RP, T(1), w.dW.data(), RP);
+      gemm<T>(false, true, n, s.N, RP, T(1), w.dZ.data(), RP, kc, RP, T(0), w.dC.data(), s.N);
+      gemm<T>(false, false, n, s.N, n, T(1), w.dT.data(), n, w.Bc.data(), s.N, T(1), w.dC.data(), s.N);
+      gemm<T>(true, false, n, s.N, n, T(1), w.dT.data(), n, w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
+      gemm<T>(false, true, n, s.N, RP, T(1), w.W.data(), RP, dsc, RP, T(1), w.dB.data(), s.N);
+      for (int64_t k = 0; k < s.rep; ++k) {
+        const T A = Ap[g * s.rep + k];
+        const T* u = w.u.data() + k * s.Q;
+        const T* v = w.v.data() + k * s.Q;
+        const T* p = w.p.data() + k * s.Q;
+        const T* dt = w.dt.data() + k * s.Q;
+        T* dq = w.dq.data() + k * s.Q;
+        T* dp = w.dp.data() + k * s.Q;
+        T* gdt = w.ddt.data() + k * s.Q;
+        const T m = w.m[k];
+        T dm = dms[item * s.rep + k];
+        for (int64_t r = 0; r < n; ++r) {
+          const T* dyr = dy + ((b * s.L + row(i0 + r)) * s.H + g * s.rep + k) * s.P;
+          const T* zr = w.Z.data() + r * RP + k * s.P;
+          const T* dwr = w.dW.data() + r * RP + k * s.P;
+          const T* xr = w.X.data() + r * RP + k * s.P;
+          T du = 0, dv = 0;
+          for (int64_t c2 = 0; c2 < s.P; ++c2) {
+            du += dyr[c2] * zr[c2];
+            dv += dwr[c2] * xr[c2];
+          }
+          // u_r = exp(q_r - m); v_r = exp(m - p_r) dt_r
+          dq[r] = du * u[r];
+          dm -= du * u[r];
+          const T vr = v[r] * dv;
+          dm += vr;
+          dp[r] = -vr;
+          gdt[r] = dv * std::exp(m - p[r]);
+        }
+        dp[n - 1] += dm * T(0.5);
+        T run = 0, dA = 0;
+        for (int64_t r = n - 1; r >= 0; --r) {
+          run += dp[r] + dq[r];
+          const T da = shift ? run - dq[r] : run;
+          gdt[r] += da * A;
+          dA += da * dt[r];
+        }
+        dA_part[(b * nC + c) * s.H + g * s.rep + k] += dA;
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = row(i0 + r);
+        for (int64_t k = 0; k < s.rep; ++k) {
+          T* dxo = dx + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+          const T* dwr = w.dW.data() + r * RP + k * s.P;
+          const T vk = w.v[k * s.Q + r];
+          for (int64_t c2 = 0; c2 < s.P; ++c2) dxo[c2] += vk * dwr[c2];
+          ddt[(b * s.L + t) * s.H + g * s.rep + k] += w.ddt[k * s.Q + r];
+        }
+        T* dbo = dB + ((b * s.L + t) * s.G + g) * s.N;
+        T* dco = dCt + ((b * s.L + t) * s.G + g) * s.N;
+        for (int64_t nn = 0; nn < s.N; ++nn) {
+          dbo[nn] += w.dB[r * s.N + nn];
+          dco[nn] += w.dC[r * s.N + nn];
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->numel() > 0 ? t->data_ptr<T>() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor> scan_factored_forward(
+    const at::Tensor& x, const c10::optional<at::Tensor>& dtf, const c10::optional<at::Tensor>& Af,
+    const c10::optional<at::Tensor>& Bf, const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
+    const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb,
+    const c10::optional<at::Tensor>& init, bool shift, int64_t chunk, bool want_final) {
+  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
+  TORCH_CHECK(chunk > 0 && (dtf.has_value() || dtb.has_value()), "native scan: chunk > 0 and a direction");
+  check_direction(x, dtf, Af, Bf, Cf);
+  check_direction(x, dtb, Ab, Bb, Cb);
+  TORCH_CHECK((!want_final && !init.has_value()) || dtf.has_value(), "native scan: states need the forward direction");
+  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
+  at::Tensor y = at::zeros_like(x);
+  at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
+                                : at::empty({0}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_forward", [&] {
+    const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
+    if (dtf.has_value())
+      factored_forward<scalar_t>(s, x.data_ptr<scalar_t>(), dtf->data_ptr<scalar_t>(), Af->data_ptr<scalar_t>(),
+                                 Bf->data_ptr<scalar_t>(), Cf->data_ptr<scalar_t>(), false, shift,
+                                 ptr_or_null<scalar_t>(init), y.data_ptr<scalar_t>(),
+                                 want_final ? final.data_ptr<scalar_t>() : nullptr);
+    if (dtb.has_value())
+      factored_forward<scalar_t>(s, x.data_ptr<scalar_t>(), dtb->data_ptr<scalar_t>(), Ab->data_ptr<scalar_t>(),
+                                 Bb->data_ptr<scalar_t>(), Cb->data_ptr<scalar_t>(), true, shift, nullptr,
+                                 y.data_ptr<scalar_t>(), nullptr);
+  });
+  return {y, final};
+}
+
+// dx, then per direction: ddt (B, L, H), dA per chunk (B, nC, H), dB (B, L, G, N), dC~ (B, L, G, N, each row's
+// own C~: the caller shifts it); then d init.
+std::vector<at::Tensor> scan_factored_backward(
+    const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal, const at::Tensor& x,
+    const c10::optional<at::Tensor>& dtf, const c10::optional<at::Tensor>& Af, const c10::optional<at::Tensor>& Bf,
+    const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb, const c10::optional<at::Tensor>& Ab,
+    const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
+    bool shift, int64_t chunk) {
+  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == x.scalar_type(),
+              "native scan: dy must be contiguous, of x's shape and dtype");
+  TORCH_CHECK(chunk > 0 && (dtf.has_value() || dtb.has_value()), "native scan: chunk > 0 and a direction");
+  check_direction(x, dtf, Af, Bf, Cf);
+  check_direction(x, dtb, Ab, Bb, Cb);
+  const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
+  const int64_t nC = (L + chunk - 1) / chunk;
+  std::vector<at::Tensor> out(10);
+  out[0] = at::zeros_like(x);
+  auto empty = at::empty({0}, x.options());
+  for (int dir = 0; dir < 2; ++dir) {
+    const auto& dt = dir == 0 ? dtf : dtb;
+    const auto& Bm = dir == 0 ? Bf : Bb;
+    const int base = 1 + 4 * dir;
+    if (dt.has_value()) {
+      out[base] = at::zeros({B, L, H}, x.options());
+      out[base + 1] = at::zeros({B, nC, H}, x.options());
+      out[base + 2] = at::zeros(Bm->sizes(), x.options());
+      out[base + 3] = at::zeros(Bm->sizes(), x.options());
+    } else {
+      for (int k = 0; k < 4; ++k) out[base + k] = empty;
+    }
+  }
+  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
+  out[9] = init.has_value() ? at::zeros({B, H, P, N}, x.options()) : empty;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_backward", [&] {
+    const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
+    for (int dir = 0; dir < 2; ++dir) {
+      const auto& dt = dir == 0 ? dtf : dtb;
+      if (!dt.has_value()) continue;
+      const auto& A = dir == 0 ? Af : Ab;
+      const auto& Bm = dir == 0 ? Bf : Bb;
+      const auto& Cm = dir == 0 ? Cf : Cb;
+      const int base = 1 + 4 * dir;
+      factored_backward<scalar_t>(
+          s, x.data_ptr<scalar_t>(), dt->data_ptr<scalar_t>(), A->data_ptr<scalar_t>(), Bm->data_ptr<scalar_t>(),
+          Cm->data_ptr<scalar_t>(), dir == 1, shift, dir == 0 ? ptr_or_null<scalar_t>(init) : nullptr,
+          dy.data_ptr<scalar_t>(), dir == 0 ? ptr_or_null<scalar_t>(dfinal) : nullptr, out[0].data_ptr<scalar_t>(),
+          out[base].data_ptr<scalar_t>(), out[base + 2].data_ptr<scalar_t>(), out[base + 3].data_ptr<scalar_t>(),
+          out[base + 1].data_ptr<scalar_t>(), dir == 0 && init.has_value() ? out[9].data_ptr<scalar_t>() : nullptr);
+    }
+  });
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
+  m.def("scan_factored_forward(Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, Tensor? dt_b, "
+        "Tensor? A_b, Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk, bool want_final) "
+        "-> (Tensor, Tensor)");
+  m.def("scan_factored_backward(Tensor dy, Tensor? dfinal, Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, "
+        "Tensor? C_f, Tensor? dt_b, Tensor? A_b, Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, "
+        "int chunk) -> Tensor[]");
   m.def("scan_forward(Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, Tensor? dt_b, Tensor? A_b, "
         "Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk, bool want_final) -> (Tensor, Tensor)");
   m.def("scan_backward(Tensor dy, Tensor? dfinal, Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, "
@@ -535,6 +1021,8 @@ TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(mixer_plugins_native, CPU, m) {
+  m.impl("scan_factored_forward", &scan_factored_forward);
+  m.impl("scan_factored_backward", &scan_factored_backward);
   m.impl("scan_forward", &scan_forward);
   m.impl("scan_backward", &scan_backward);
 }

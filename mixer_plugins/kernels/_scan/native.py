@@ -1,18 +1,18 @@
 """The chunked scan on our native CPU kernel (``kernels/_native/scan.cpp``), where it applies.
 
-The kernel runs the SSD algorithm per (batch, head), chunk by chunk, forward and backward, with every intermediate
-in thread-local buffers: the scan allocates its outputs and nothing else (the PyTorch path's autograd graph keeps
-dozens of chunk-sized tensors per call). It applies to eager CPU calls in float32 or float64 (every input of one
-dtype) without ``seq_idx``, where every step size is >= 0, every ``A`` <= 0 (so that every exponent it takes is
-<= 0) and every input is finite (a non-finite token must not reach tokens it cannot see: the PyTorch path selects
-those away). Elsewhere the PyTorch path runs.
+The kernel runs the scan with **factored decays**, as :mod:`.factored` does in PyTorch: per chunk and group, one
+product ``mask(C~ B^T) [v X]`` over all of the group's heads, the chunk states ``B^T [v X]``, a short sequential
+pass over the scaled states ``K_c = e^{m_c} H_c`` per head, and the read-out ``C~ K_c``, each phase parallel over
+(batch, group, chunk) or (batch, head); and a written-out backward in the same three phases. Its intermediates live
+in a workspace the calling thread keeps and reuses, so a call allocates its outputs and nothing else: no page
+faults (the PyTorch path's autograd graph took 5-9k per call at L = 1024). Where a chunk's decay range is too wide
+for the factors (:data:`.factored.MAX_HALF_RANGE`), or with :data:`FACTORED` False, it runs one product per (head,
+chunk) with the exact decays instead.
 
-**Opt-in** (``USE_NATIVE = True``): it equals the reference to float64 rounding, values and every gradient, and it
-allocates nothing per chunk (no page faults at L = 1024, where the PyTorch path takes 5-9k per call), but on the
-2-core development machine it is not faster than the PyTorch path's factored decays: it runs one small product per
-(head, chunk) where that path runs each group's heads, and all chunks, in a few large batched products (quasi at
-L = 16384: 8.9 against 10.7 x attention's time; L = 1024 and the ViT step: within the noise). See
-docs/performance.md ("What changed in session 8") for the measurements and the next steps.
+It applies to eager CPU calls in float32 or float64 (every input of one dtype) without ``seq_idx``, of at most
+:data:`MAX_CHUNKS` chunks, where every step size is >= 0, every ``A`` <= 0 (every exponent the exact form takes is
+<= 0) and every input is finite (a non-finite token must not reach tokens it cannot see: the PyTorch path selects
+those away). Elsewhere, or with :data:`USE_NATIVE` False (or ``MIXER_PLUGINS_NATIVE=0``), the PyTorch path runs.
 """
 
 from __future__ import annotations
@@ -24,12 +24,20 @@ from torch.autograd.function import once_differentiable
 from .. import _native
 from .._threads import threads_for
 from .chunked import _known_finite, chunk_length
+from .factored import MAX_HALF_RANGE
 from .inputs import ScanInputs
 
-__all__ = ["USE_NATIVE", "applies", "run_native"]
+__all__ = ["FACTORED", "MAX_CHUNKS", "USE_NATIVE", "applies", "run_native"]
 
-#: run the native kernel where it applies (opt-in, see the module notes); False (the default): the PyTorch path
-USE_NATIVE = False
+#: run the native kernel where it applies; False: the PyTorch path only
+USE_NATIVE = True
+#: with factored decays (one product per group and chunk) where every chunk's decay range allows it, as
+#: :mod:`.factored`; else (and with False) one product per head and chunk
+FACTORED = True
+#: sequences of more chunks than this take the PyTorch path (quasiseparable fwd+bwd, separate processes: the
+#: kernel took 33 vs 38.5 ms at L = 1024 (16 chunks), 124-129 vs 156-157 ms at 4096, 279 vs 311 ms at 8192 (128
+#: chunks), but 665-674 vs 617-638 ms at 16384 (256 chunks); why it loses there is not analysed yet)
+MAX_CHUNKS = 128
 
 
 def _chunk(inputs: ScanInputs) -> int:
@@ -52,6 +60,8 @@ def applies(inputs: ScanInputs) -> bool:
     tensors += [t for t in (inputs.diag, inputs.initial_state) if t is not None]
     if not dirs or any(t.dtype != x.dtype or t.device != x.device for t in tensors):
         return False
+    if -(-x.shape[1] // _chunk(inputs)) > MAX_CHUNKS:
+        return False
     if not _known_finite(*tensors):
         return False
     if any(bool((d.A > 0).any()) or bool((d.dt < 0).any()) for d in dirs):
@@ -67,20 +77,42 @@ def _direction_args(inputs: ScanInputs) -> list[Tensor | None]:
     return args
 
 
+def _factored_fits(inputs: ScanInputs, chunk: int) -> bool:
+    """Whether every chunk's half decay ``|p_last| / 2`` stays within :data:`.factored.MAX_HALF_RANGE` (in each
+    direction's own chunking: the backward direction's chunks are cut from the end)."""
+    limit = MAX_HALF_RANGE.get(inputs.x.dtype)
+    if limit is None:
+        return False
+    for d, reverse in ((inputs.forward, False), (inputs.backward, True)):
+        if d is None:
+            continue
+        a = d.dt * d.A
+        if reverse:
+            a = a.flip(1)
+        pad = (-a.shape[1]) % chunk
+        if pad:
+            a = torch.nn.functional.pad(a, (0, 0, 0, pad))
+        totals = a.unflatten(1, (a.shape[1] // chunk, chunk)).sum(2)
+        if bool(totals.abs().amax() > 2 * limit):
+            return False
+    return True
+
+
 class _NativeScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shift: bool, chunk: int, want_final: bool, x: Tensor, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b,
-                C_b, diag: Tensor | None, init: Tensor | None):
+    def forward(ctx, shift: bool, chunk: int, want_final: bool, factored: bool, x: Tensor, dt_f, A_f, B_f, C_f,
+                dt_b, A_b, B_b, C_b, diag: Tensor | None, init: Tensor | None):
         x = x.contiguous()
         init = None if init is None else init.contiguous()
         ctx.elements = x.numel() * chunk  # the scan's work, as the PyTorch path sizes its threads
+        op = torch.ops.mixer_plugins_native.scan_factored_forward if factored else \
+            torch.ops.mixer_plugins_native.scan_forward
         with threads_for(ctx.elements, x.device):
-            y, final = torch.ops.mixer_plugins_native.scan_forward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b,
-                                                                  init, shift, chunk, want_final)
+            y, final = op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init, shift, chunk, want_final)
         if diag is not None:
             y.addcmul_(x, diag[..., None])
         ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init)
-        ctx.shift, ctx.chunk = shift, chunk
+        ctx.shift, ctx.chunk, ctx.factored = shift, chunk, factored
         return y, final
 
     @staticmethod
@@ -90,23 +122,40 @@ class _NativeScan(torch.autograd.Function):
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
         if dfinal is not None and dfinal.numel() == 0:
             dfinal = None
+        op = torch.ops.mixer_plugins_native.scan_factored_backward if ctx.factored else \
+            torch.ops.mixer_plugins_native.scan_backward
         with threads_for(ctx.elements, x.device):
-            out = torch.ops.mixer_plugins_native.scan_backward(dy, None if dfinal is None else dfinal.contiguous(),
-                                                               x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init,
-                                                               ctx.shift, ctx.chunk)
+            out = op(dy, None if dfinal is None else dfinal.contiguous(), x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b,
+                     init, ctx.shift, ctx.chunk)
         dx = out[0]
         grads: list[Tensor | None] = []
-        for base, (dt, Bm) in zip((1, 5), ((dt_f, B_f), (dt_b, B_b))):
+        for base, (dt, Bm), reverse in zip((1, 5), ((dt_f, B_f), (dt_b, B_b)), (False, True)):
             if dt is None:
                 grads += [None] * 4
-                continue
-            grads += [out[base], out[base + 1].sum(0), _per_group(out[base + 2], Bm), _per_group(out[base + 3], Bm)]
+            elif ctx.factored:  # dA per chunk, dB and dC~ per group: C~ is C one row back in the direction
+                grads += [out[base], out[base + 1].sum((0, 1)), out[base + 2],
+                          _unshift(out[base + 3], ctx.shift, reverse)]
+            else:
+                grads += [out[base], out[base + 1].sum(0), _per_group(out[base + 2], Bm),
+                          _per_group(out[base + 3], Bm)]
         ddiag = None
         if diag is not None:
             dx.addcmul_(dy, diag[..., None])
             ddiag = (dy * x).sum(-1)
         dinit = out[9] if init is not None else None
-        return (None, None, None, dx, *grads, ddiag, dinit)
+        return (None, None, None, None, dx, *grads, ddiag, dinit)
+
+
+def _unshift(grad_shifted: Tensor, shift: bool, reverse: bool) -> Tensor:
+    """The gradient of C from that of C~ (C~_t = C_{t-1}, or C_{t+1} for the backward direction, with shift)."""
+    if not shift:
+        return grad_shifted
+    grad = torch.zeros_like(grad_shifted)
+    if reverse:
+        grad[:, 1:] = grad_shifted[:, :-1]
+    else:
+        grad[:, :-1] = grad_shifted[:, 1:]
+    return grad
 
 
 def _per_group(per_head: Tensor, like: Tensor) -> Tensor:
@@ -118,6 +167,8 @@ def _per_group(per_head: Tensor, like: Tensor) -> Tensor:
 def run_native(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor | None]:
     """The scan of ``inputs`` on the native kernel (see :func:`applies`): (y, the forward direction's final state
     when ``want_final``, else None). Differentiable once."""
-    y, final = _NativeScan.apply(inputs.shift, _chunk(inputs), want_final, inputs.x, *_direction_args(inputs),
+    chunk = _chunk(inputs)
+    factored = FACTORED and _factored_fits(inputs, chunk)
+    y, final = _NativeScan.apply(inputs.shift, chunk, want_final, factored, inputs.x, *_direction_args(inputs),
                                  inputs.diag, inputs.initial_state)
     return y, (final if want_final else None)
