@@ -7,7 +7,9 @@
   of ``kernels.depthwise_conv1d`` runs on CPU float32/float64 once built, see :mod:`..conv.torch`);
 * ``norm_forward`` / ``norm_backward``: the gated RMSNorm (what the ``torch`` backend of ``kernels.gated_rmsnorm``
   runs on CPU float32/float64, see :mod:`..norm.torch`);
-* ``scan_forward`` / ``scan_backward``: the chunked (bi)directional scan, opt-in (see :mod:`.._scan.native`).
+* ``scan_factored_forward`` / ``scan_factored_backward`` (and ``scan_forward`` / ``scan_backward``, the exact form
+  for wide decay ranges): the chunked (bi)directional scan, for eager CPU float32/float64 scans of up to 128
+  chunks (see :mod:`.._scan.native`).
 
 Each is called from inside our ``torch.library`` custom ops or autograd Functions, so ``torch.compile``,
 ``torch.export`` and ``FlopCounterMode`` see the same ops as before, whichever code runs inside.
@@ -89,10 +91,11 @@ def load() -> bool:
                 _build()
             except Exception as exc:  # noqa: BLE001  (a compiler, linker or loader failure of any kind)
                 error = f"{type(exc).__name__}: {_summary(str(exc))}"
-                warnings.warn(f"mixer_plugins: the native CPU kernels (fused MLR attention, the short convolution, "
-                              f"the gated norm) could not be built or loaded ({error}); their PyTorch code runs "
-                              f"instead (MLR attention about 1.4x slower). They need a C++17 compiler with OpenMP "
-                              f"and ninja; set {ENV_VAR}=0 to skip the build.", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"mixer_plugins: the native CPU kernels (fused MLR attention, the scan, the short "
+                              f"convolution, the gated norm) could not be built or loaded ({error}); their PyTorch "
+                              f"code runs instead (MLR attention about 1.4x slower, the SSM blocks 10-20%). They "
+                              f"need a C++17 compiler with OpenMP and ninja; set {ENV_VAR}=0 to skip the build.",
+                              RuntimeWarning, stacklevel=3)
         _STATE["error"] = error
         _STATE["tried"] = True
         return error is None

@@ -22,12 +22,25 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
 namespace {
 
 using namespace mixer_plugins_native;
+
+// fn(i, i + 1) for every i < total, the items taken one at a time from a shared counter by each thread: when
+// another process deschedules one of our threads, the others take its share instead of waiting for it.
+template <typename F>
+void parallel_dynamic(int64_t total, const F& fn) {
+  if (total <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), total);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) fn(i, i + 1);
+  });
+}
 
 template <typename T>
 inline void exp_inplace(T* s, int64_t n) {
@@ -52,12 +65,12 @@ struct DirIn {
 template <typename T>
 struct Scratch {
   std::vector<T> X, Bc, Cc, CB, M, E, dM, dY, dX, R, dC, dB, Fx, dFx, a, p, q, dt, dq, dp, ddt, F;
-  void size(const Shape& s) {
+  void size(const Shape& s) {  // every entry read is written first: no zeroing
     const size_t Q = s.Q, P = s.P, N = s.N;
-    for (auto* v : {&X, &dY, &dX, &R, &Fx, &dFx}) v->assign(Q * P, T(0));
-    for (auto* v : {&Bc, &Cc, &dC, &dB}) v->assign(Q * N, T(0));
-    for (auto* v : {&CB, &M, &E, &dM}) v->assign(Q * Q, T(0));
-    for (auto* v : {&a, &p, &q, &dt, &dq, &dp, &ddt, &F}) v->assign(Q, T(0));
+    for (auto* v : {&X, &dY, &dX, &R, &Fx, &dFx}) v->resize(Q * P);
+    for (auto* v : {&Bc, &Cc, &dC, &dB}) v->resize(Q * N);
+    for (auto* v : {&CB, &M, &E, &dM}) v->resize(Q * Q);
+    for (auto* v : {&a, &p, &q, &dt, &dq, &dp, &ddt, &F}) v->resize(Q);
   }
 };
 
@@ -355,8 +368,8 @@ void forward_impl(const at::Tensor& x, const c10::optional<at::Tensor>& dtf, con
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t NP = s.N * s.P;
-  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> w;
+  parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
+    thread_local Scratch<T> w;  // per thread, reused across items and calls
     w.size(s);
     std::vector<T> Hs, H0(NP), fin(NP);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -433,8 +446,8 @@ void backward_impl(const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal
   const T* xp = x.data_ptr<T>();
   const T* gp = dy.data_ptr<T>();
   T* dxp = out[0].data_ptr<T>();
-  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> w;
+  parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
+    thread_local Scratch<T> w;  // per thread, reused across items and calls
     w.size(s);
     std::vector<T> states, H0(NP), dfin(NP), dH0(NP);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -539,13 +552,13 @@ template <typename T>
 struct GroupChunk {
   std::vector<T> X, W, Bc, Cc, Tm, Z, dZ, dW, dT, dC, dB, tmp;
   std::vector<T> dt, p, q, u, v, m, du, dv, dp, dq, ddt, a;  // (rep, Q) or (rep)
-  void size(int64_t Q, int64_t N, int64_t P, int64_t rep) {
+  void size(int64_t Q, int64_t N, int64_t P, int64_t rep) {  // every entry read is written first: no zeroing
     const size_t RP = static_cast<size_t>(rep) * P;
-    for (auto* x : {&X, &W, &Z, &dZ, &dW, &tmp}) x->assign(Q * RP, T(0));
-    for (auto* x : {&Bc, &Cc, &dC, &dB}) x->assign(Q * N, T(0));
-    for (auto* x : {&Tm, &dT}) x->assign(Q * Q, T(0));
-    for (auto* x : {&dt, &p, &q, &u, &v, &du, &dv, &dp, &dq, &ddt, &a}) x->assign(rep * Q, T(0));
-    m.assign(rep, T(0));
+    for (auto* x : {&X, &W, &Z, &dZ, &dW, &tmp}) x->resize(Q * RP);
+    for (auto* x : {&Bc, &Cc, &dC, &dB}) x->resize(Q * N);
+    for (auto* x : {&Tm, &dT}) x->resize(Q * Q);
+    for (auto* x : {&dt, &p, &q, &u, &v, &du, &dv, &dp, &dq, &ddt, &a}) x->resize(rep * Q);
+    m.resize(rep);
   }
 };
 
@@ -621,8 +634,8 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   half.resize(static_cast<size_t>(s.B * s.G * nC) * s.rep);
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   // phase 1: Z = T W into y (scaled later), S'_c = B^T W
-  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
-    GroupChunk<T> w;
+  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
+    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
     w.size(s.Q, s.N, s.P, s.rep);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
@@ -644,7 +657,7 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   });
   // phase 2: K_0 = e^{m_0} init, K_{c+1} = e^{m_c + m_{c+1}} (K_c + S'_c), in place over S' (K_c replaces S'_c
   // once S'_c has been used); per (b, head)
-  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
     std::vector<T> K(NP), S(NP);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep;
@@ -677,8 +690,8 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
     }
   });
   // phase 3: y += u (C~ K_c)
-  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
-    GroupChunk<T> w;
+  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
+    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
     w.size(s.Q, s.N, s.P, s.rep);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
@@ -732,8 +745,8 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     }
   };
   // phase A: S'_c = B^T W, m, dK_c = C~^T dZ
-  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
-    GroupChunk<T> w;
+  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
+    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
     w.size(s.Q, s.N, s.P, s.rep);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
@@ -746,7 +759,7 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     }
   });
   // phase B: the states K_c, then the state gradients G_c backwards; dS'_c into `states`, dm into `dms`
-  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+  parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
     std::vector<T> K(NP), S(NP), G(NP), Hf(NP), dH(NP);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep;
@@ -829,8 +842,8 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     }
   });
   // phase C: everything of each chunk
-  at::parallel_for(0, s.B * s.G * nC, 1, [&](int64_t begin, int64_t end) {
-    GroupChunk<T> w;
+  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
+    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
     w.size(s.Q, s.N, s.P, s.rep);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
