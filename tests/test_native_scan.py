@@ -146,3 +146,21 @@ def test_it_does_not_run_where_it_must_not(case, monkeypatch):
     else:
         monkeypatch.setattr(native_scan, "USE_NATIVE", False)
     assert not native_scan.applies(inputs)
+
+
+def test_argument_checks_of_the_native_ops():
+    inputs = _case(8, 4, "f", False, False, False, 2, 1)
+    d = inputs.forward
+    ops = torch.ops.mixer_plugins_native
+    args = (d.dt, d.A, d.B, d.C, None, None, None, None)
+    with pytest.raises(RuntimeError, match="contiguous float32/float64"):
+        ops.scan_factored_forward(inputs.x.transpose(1, 2), *args, None, False, 4, False)
+    with pytest.raises(RuntimeError, match="initial state needs the forward direction"):
+        ops.scan_forward(inputs.x, None, None, None, None, *args[:4], torch.zeros(2, 2, 3, 5, dtype=F64), False, 4,
+                         False)
+    with pytest.raises(RuntimeError, match="initial state \\(B, H, P, N\\)"):
+        ops.scan_factored_forward(inputs.x, *args, torch.zeros(2, 2, 5, 3, dtype=F64), False, 4, False)
+    with pytest.raises(RuntimeError, match="dy must be contiguous"):
+        ops.scan_factored_backward(inputs.x[:, :4], None, inputs.x, *args, None, False, 4)
+    with pytest.raises(RuntimeError, match="chunk > 0"):
+        ops.scan_backward(inputs.x, None, inputs.x, *args, None, False, 0)

@@ -350,6 +350,30 @@ void check_direction(const at::Tensor& x, const c10::optional<at::Tensor>& dt, c
                 "native scan: contiguous CPU inputs of x's dtype");
 }
 
+// The checks every scan entry point shares (dy: the backward's incoming gradient, or null).
+void check_scan(const at::Tensor& x, const at::Tensor* dy, const c10::optional<at::Tensor>& dtf,
+                const c10::optional<at::Tensor>& Af, const c10::optional<at::Tensor>& Bf,
+                const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
+                const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb,
+                const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init, int64_t chunk) {
+  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
+  if (dy != nullptr)
+    TORCH_CHECK(dy->sizes() == x.sizes() && dy->is_contiguous() && dy->scalar_type() == x.scalar_type(),
+                "native scan: dy must be contiguous, of x's shape and dtype");
+  TORCH_CHECK(chunk > 0 && (dtf.has_value() || dtb.has_value()), "native scan: chunk > 0 and a direction");
+  check_direction(x, dtf, Af, Bf, Cf);
+  check_direction(x, dtb, Ab, Bb, Cb);
+  TORCH_CHECK(!init.has_value() || dtf.has_value(), "native scan: the initial state needs the forward direction");
+  if (init.has_value()) {
+    const int64_t N = Bf->size(3);
+    TORCH_CHECK(init->sizes() == at::IntArrayRef({x.size(0), x.size(2), x.size(3), N}) && init->is_contiguous() &&
+                    init->scalar_type() == x.scalar_type(),
+                "native scan: initial state (B, H, P, N)");
+  }
+}
+
 template <typename T>
 DirIn<T> dir_of(const c10::optional<at::Tensor>& dt, const c10::optional<at::Tensor>& A,
                 const c10::optional<at::Tensor>& Bm, const c10::optional<at::Tensor>& Cm, bool reverse, int64_t h) {
@@ -408,20 +432,9 @@ std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::
                                                 const c10::optional<at::Tensor>& Cb,
                                                 const c10::optional<at::Tensor>& init, bool shift, int64_t chunk,
                                                 bool want_final) {
-  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
-              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
-  TORCH_CHECK(chunk > 0, "native scan: chunk must be positive");
-  TORCH_CHECK(dtf.has_value() || dtb.has_value(), "native scan: no direction");
-  check_direction(x, dtf, Af, Bf, Cf);
-  check_direction(x, dtb, Ab, Bb, Cb);
+  check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
-  TORCH_CHECK(!init.has_value() || dtf.has_value(), "native scan: the initial state needs the forward direction");
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  if (init.has_value())
-    TORCH_CHECK(init->sizes() == at::IntArrayRef({x.size(0), x.size(2), x.size(3), N}) && init->is_contiguous() &&
-                    init->scalar_type() == x.scalar_type(),
-                "native scan: initial state (B, H, P, N)");
   at::Tensor y = at::zeros_like(x);
   at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
                                 : at::empty({0}, x.options());
@@ -497,14 +510,7 @@ std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<
                                       const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb,
                                       const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
                                       bool shift, int64_t chunk) {
-  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
-              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == x.scalar_type(),
-              "native scan: dy must be contiguous, of x's shape and dtype");
-  TORCH_CHECK(chunk > 0 && (dtf.has_value() || dtb.has_value()), "native scan: chunk > 0 and a direction");
-  check_direction(x, dtf, Af, Bf, Cf);
-  check_direction(x, dtb, Ab, Bb, Cb);
+  check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
   std::vector<at::Tensor> out(10);
   out[0] = at::zeros_like(x);
@@ -936,13 +942,8 @@ std::tuple<at::Tensor, at::Tensor> scan_factored_forward(
     const c10::optional<at::Tensor>& Bf, const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
     const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb,
     const c10::optional<at::Tensor>& init, bool shift, int64_t chunk, bool want_final) {
-  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
-              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
-  TORCH_CHECK(chunk > 0 && (dtf.has_value() || dtb.has_value()), "native scan: chunk > 0 and a direction");
-  check_direction(x, dtf, Af, Bf, Cf);
-  check_direction(x, dtb, Ab, Bb, Cb);
-  TORCH_CHECK((!want_final && !init.has_value()) || dtf.has_value(), "native scan: states need the forward direction");
+  check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
+  TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
   at::Tensor y = at::zeros_like(x);
   at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
@@ -970,14 +971,7 @@ std::vector<at::Tensor> scan_factored_backward(
     const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb, const c10::optional<at::Tensor>& Ab,
     const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
     bool shift, int64_t chunk) {
-  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
-              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == x.scalar_type(),
-              "native scan: dy must be contiguous, of x's shape and dtype");
-  TORCH_CHECK(chunk > 0 && (dtf.has_value() || dtb.has_value()), "native scan: chunk > 0 and a direction");
-  check_direction(x, dtf, Af, Bf, Cf);
-  check_direction(x, dtb, Ab, Bb, Cb);
+  check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
   const int64_t nC = (L + chunk - 1) / chunk;
   std::vector<at::Tensor> out(10);
