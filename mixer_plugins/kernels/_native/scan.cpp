@@ -621,6 +621,24 @@ void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   }
 }
 
+// fn(item, b, g, c, i0, n, w) for every (batch, group, chunk) of one direction, with the chunk loaded into w (a
+// per-thread buffer reused across items and calls); the first chunk of each sequence is skipped when `skip_first`.
+template <typename T, typename F>
+void for_each_group_chunk(const Shape& s, int64_t nC, const T* x, const T* dtp, const T* Ap, const T* Bm,
+                          const T* Cm, bool reverse, bool shift, bool skip_first, const F& fn) {
+  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
+    thread_local GroupChunk<T> w;
+    w.size(s.Q, s.N, s.P, s.rep);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
+      if (skip_first && c == 0) continue;
+      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
+      fn(item, b, g, c, i0, n, w);
+    }
+  });
+}
+
 // Workspace of one call, owned by the calling thread and reused by its later calls (no allocation, no page
 // faults after the first call); the parallel phases write disjoint parts of it.
 template <typename T>
@@ -640,24 +658,18 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   half.resize(static_cast<size_t>(s.B * s.G * nC) * s.rep);
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   // phase 1: Z = T W into y (scaled later), S'_c = B^T W
-  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
-    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
-    w.size(s.Q, s.N, s.P, s.rep);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
-      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
-      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
-      std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
-      gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
-      gemm<T>(false, false, n, RP, n, T(1), w.Tm.data(), n, w.W.data(), RP, T(0), w.Z.data(), RP);
-      for (int64_t r = 0; r < n; ++r) {  // y += u Z (the read-out is added in phase 3)
-        const int64_t t = row(i0 + r);
-        for (int64_t k = 0; k < s.rep; ++k) {
-          T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
-          const T uk = w.u[k * s.Q + r];
-          const T* z = w.Z.data() + r * RP + k * s.P;
-          for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
-        }
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false,
+                       [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
+    std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
+    gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
+    gemm<T>(false, false, n, RP, n, T(1), w.Tm.data(), n, w.W.data(), RP, T(0), w.Z.data(), RP);
+    for (int64_t r = 0; r < n; ++r) {  // y += u Z (the read-out is added in phase 3)
+      const int64_t t = row(i0 + r);
+      for (int64_t k = 0; k < s.rep; ++k) {
+        T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+        const T uk = w.u[k * s.Q + r];
+        const T* z = w.Z.data() + r * RP + k * s.P;
+        for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
       }
     }
   });
@@ -696,24 +708,17 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
     }
   });
   // phase 3: y += u (C~ K_c)
-  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
-    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
-    w.size(s.Q, s.N, s.P, s.rep);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
-      if (c == 0 && init == nullptr) continue;  // nothing enters the first chunk
-      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
-      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
-      gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, states.data() + item * NRP, RP, T(0), w.Z.data(),
-              RP);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t t = row(i0 + r);
-        for (int64_t k = 0; k < s.rep; ++k) {
-          T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
-          const T uk = w.u[k * s.Q + r];
-          const T* z = w.Z.data() + r * RP + k * s.P;
-          for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
-        }
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, init == nullptr,
+                       [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
+    gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, states.data() + item * NRP, RP, T(0), w.Z.data(),
+            RP);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = row(i0 + r);
+      for (int64_t k = 0; k < s.rep; ++k) {
+        T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+        const T uk = w.u[k * s.Q + r];
+        const T* z = w.Z.data() + r * RP + k * s.P;
+        for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
       }
     }
   });
@@ -751,18 +756,12 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     }
   };
   // phase A: S'_c = B^T W, m, dK_c = C~^T dZ
-  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
-    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
-    w.size(s.Q, s.N, s.P, s.rep);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
-      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
-      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
-      std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
-      gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
-      gather_dz(w, b, g, i0, n);
-      gemm<T>(true, false, s.N, RP, n, T(1), w.Cc.data(), s.N, w.dZ.data(), RP, T(0), dKs.data() + item * NRP, RP);
-    }
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false,
+                       [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
+    std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
+    gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
+    gather_dz(w, b, g, i0, n);
+    gemm<T>(true, false, s.N, RP, n, T(1), w.Cc.data(), s.N, w.dZ.data(), RP, T(0), dKs.data() + item * NRP, RP);
   });
   // phase B: the states K_c, then the state gradients G_c backwards; dS'_c into `states`, dm into `dms`
   parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
@@ -848,85 +847,79 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     }
   });
   // phase C: everything of each chunk
-  parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
-    thread_local GroupChunk<T> w;  // per thread, reused across items and calls
-    w.size(s.Q, s.N, s.P, s.rep);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
-      const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
-      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
-      gather_dz(w, b, g, i0, n);
-      const T* kc = Ks.data() + item * NRP;
-      const T* dsc = states.data() + item * NRP;
-      // Z = T W + C~ K_c
-      gemm<T>(false, false, n, RP, n, T(1), w.Tm.data(), n, w.W.data(), RP, T(0), w.Z.data(), RP);
-      gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, kc, RP, T(1), w.Z.data(), RP);
-      // dT = dZ W^T (masked); dW = T^T dZ + B dS'; dC~ = dZ K^T + dT B; dB = dT^T C~ + W dS'^T
-      gemm<T>(false, true, n, n, RP, T(1), w.dZ.data(), RP, w.W.data(), RP, T(0), w.dT.data(), n);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t allowed = shift ? i : i + 1;
-        std::fill(w.dT.data() + i * n + allowed, w.dT.data() + (i + 1) * n, T(0));
-      }
-      gemm<T>(true, false, n, RP, n, T(1), w.Tm.data(), n, w.dZ.data(), RP, T(0), w.dW.data(), RP);
-      gemm<T>(false, false, n, RP, s.N, T(1), w.Bc.data(), s.N, dsc, RP, T(1), w.dW.data(), RP);
-      gemm<T>(false, true, n, s.N, RP, T(1), w.dZ.data(), RP, kc, RP, T(0), w.dC.data(), s.N);
-      gemm<T>(false, false, n, s.N, n, T(1), w.dT.data(), n, w.Bc.data(), s.N, T(1), w.dC.data(), s.N);
-      gemm<T>(true, false, n, s.N, n, T(1), w.dT.data(), n, w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
-      gemm<T>(false, true, n, s.N, RP, T(1), w.W.data(), RP, dsc, RP, T(1), w.dB.data(), s.N);
-      for (int64_t k = 0; k < s.rep; ++k) {
-        const T A = Ap[g * s.rep + k];
-        const T* u = w.u.data() + k * s.Q;
-        const T* v = w.v.data() + k * s.Q;
-        const T* p = w.p.data() + k * s.Q;
-        const T* dt = w.dt.data() + k * s.Q;
-        T* dq = w.dq.data() + k * s.Q;
-        T* dp = w.dp.data() + k * s.Q;
-        T* gdt = w.ddt.data() + k * s.Q;
-        const T m = w.m[k];
-        T dm = dms[item * s.rep + k];
-        for (int64_t r = 0; r < n; ++r) {
-          const T* dyr = dy + ((b * s.L + row(i0 + r)) * s.H + g * s.rep + k) * s.P;
-          const T* zr = w.Z.data() + r * RP + k * s.P;
-          const T* dwr = w.dW.data() + r * RP + k * s.P;
-          const T* xr = w.X.data() + r * RP + k * s.P;
-          T du = 0, dv = 0;
-          for (int64_t c2 = 0; c2 < s.P; ++c2) {
-            du += dyr[c2] * zr[c2];
-            dv += dwr[c2] * xr[c2];
-          }
-          // u_r = exp(q_r - m); v_r = exp(m - p_r) dt_r
-          dq[r] = du * u[r];
-          dm -= du * u[r];
-          const T vr = v[r] * dv;
-          dm += vr;
-          dp[r] = -vr;
-          gdt[r] = dv * std::exp(m - p[r]);
-        }
-        dp[n - 1] += dm * T(0.5);
-        T run = 0, dA = 0;
-        for (int64_t r = n - 1; r >= 0; --r) {
-          run += dp[r] + dq[r];
-          const T da = shift ? run - dq[r] : run;
-          gdt[r] += da * A;
-          dA += da * dt[r];
-        }
-        dA_part[(b * nC + c) * s.H + g * s.rep + k] += dA;
-      }
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false,
+                       [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
+    gather_dz(w, b, g, i0, n);
+    const T* kc = Ks.data() + item * NRP;
+    const T* dsc = states.data() + item * NRP;
+    // Z = T W + C~ K_c
+    gemm<T>(false, false, n, RP, n, T(1), w.Tm.data(), n, w.W.data(), RP, T(0), w.Z.data(), RP);
+    gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, kc, RP, T(1), w.Z.data(), RP);
+    // dT = dZ W^T (masked); dW = T^T dZ + B dS'; dC~ = dZ K^T + dT B; dB = dT^T C~ + W dS'^T
+    gemm<T>(false, true, n, n, RP, T(1), w.dZ.data(), RP, w.W.data(), RP, T(0), w.dT.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t allowed = shift ? i : i + 1;
+      std::fill(w.dT.data() + i * n + allowed, w.dT.data() + (i + 1) * n, T(0));
+    }
+    gemm<T>(true, false, n, RP, n, T(1), w.Tm.data(), n, w.dZ.data(), RP, T(0), w.dW.data(), RP);
+    gemm<T>(false, false, n, RP, s.N, T(1), w.Bc.data(), s.N, dsc, RP, T(1), w.dW.data(), RP);
+    gemm<T>(false, true, n, s.N, RP, T(1), w.dZ.data(), RP, kc, RP, T(0), w.dC.data(), s.N);
+    gemm<T>(false, false, n, s.N, n, T(1), w.dT.data(), n, w.Bc.data(), s.N, T(1), w.dC.data(), s.N);
+    gemm<T>(true, false, n, s.N, n, T(1), w.dT.data(), n, w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
+    gemm<T>(false, true, n, s.N, RP, T(1), w.W.data(), RP, dsc, RP, T(1), w.dB.data(), s.N);
+    for (int64_t k = 0; k < s.rep; ++k) {
+      const T A = Ap[g * s.rep + k];
+      const T* u = w.u.data() + k * s.Q;
+      const T* v = w.v.data() + k * s.Q;
+      const T* p = w.p.data() + k * s.Q;
+      const T* dt = w.dt.data() + k * s.Q;
+      T* dq = w.dq.data() + k * s.Q;
+      T* dp = w.dp.data() + k * s.Q;
+      T* gdt = w.ddt.data() + k * s.Q;
+      const T m = w.m[k];
+      T dm = dms[item * s.rep + k];
       for (int64_t r = 0; r < n; ++r) {
-        const int64_t t = row(i0 + r);
-        for (int64_t k = 0; k < s.rep; ++k) {
-          T* dxo = dx + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
-          const T* dwr = w.dW.data() + r * RP + k * s.P;
-          const T vk = w.v[k * s.Q + r];
-          for (int64_t c2 = 0; c2 < s.P; ++c2) dxo[c2] += vk * dwr[c2];
-          ddt[(b * s.L + t) * s.H + g * s.rep + k] += w.ddt[k * s.Q + r];
+        const T* dyr = dy + ((b * s.L + row(i0 + r)) * s.H + g * s.rep + k) * s.P;
+        const T* zr = w.Z.data() + r * RP + k * s.P;
+        const T* dwr = w.dW.data() + r * RP + k * s.P;
+        const T* xr = w.X.data() + r * RP + k * s.P;
+        T du = 0, dv = 0;
+        for (int64_t c2 = 0; c2 < s.P; ++c2) {
+          du += dyr[c2] * zr[c2];
+          dv += dwr[c2] * xr[c2];
         }
-        T* dbo = dB + ((b * s.L + t) * s.G + g) * s.N;
-        T* dco = dCt + ((b * s.L + t) * s.G + g) * s.N;
-        for (int64_t nn = 0; nn < s.N; ++nn) {
-          dbo[nn] += w.dB[r * s.N + nn];
-          dco[nn] += w.dC[r * s.N + nn];
-        }
+        // u_r = exp(q_r - m); v_r = exp(m - p_r) dt_r
+        dq[r] = du * u[r];
+        dm -= du * u[r];
+        const T vr = v[r] * dv;
+        dm += vr;
+        dp[r] = -vr;
+        gdt[r] = dv * std::exp(m - p[r]);
+      }
+      dp[n - 1] += dm * T(0.5);
+      T run = 0, dA = 0;
+      for (int64_t r = n - 1; r >= 0; --r) {
+        run += dp[r] + dq[r];
+        const T da = shift ? run - dq[r] : run;
+        gdt[r] += da * A;
+        dA += da * dt[r];
+      }
+      dA_part[(b * nC + c) * s.H + g * s.rep + k] += dA;
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = row(i0 + r);
+      for (int64_t k = 0; k < s.rep; ++k) {
+        T* dxo = dx + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+        const T* dwr = w.dW.data() + r * RP + k * s.P;
+        const T vk = w.v[k * s.Q + r];
+        for (int64_t c2 = 0; c2 < s.P; ++c2) dxo[c2] += vk * dwr[c2];
+        ddt[(b * s.L + t) * s.H + g * s.rep + k] += w.ddt[k * s.Q + r];
+      }
+      T* dbo = dB + ((b * s.L + t) * s.G + g) * s.N;
+      T* dco = dCt + ((b * s.L + t) * s.G + g) * s.N;
+      for (int64_t nn = 0; nn < s.N; ++nn) {
+        dbo[nn] += w.dB[r * s.N + nn];
+        dco[nn] += w.dC[r * s.N + nn];
       }
     }
   });
