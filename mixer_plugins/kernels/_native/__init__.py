@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ENV_VAR", "OPS", "SOURCES", "is_loaded", "load", "unavailable_reason"]
+__all__ = ["ENV_VAR", "OPS", "SOURCES", "is_loaded", "load", "takes", "unavailable_reason"]
 
 #: set to ``0`` (or ``false``/``no``/``off``) to never build the kernel
 ENV_VAR = "MIXER_PLUGINS_NATIVE"
@@ -99,6 +99,14 @@ def load() -> bool:
         _STATE["error"] = error
         _STATE["tried"] = True
         return error is None
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether a native kernel may run on ``tensors``: all CPU tensors of one dtype, float32 or float64, and the
+    library built (the first such call builds it). The gate every caller shares; each adds its own layout checks."""
+    first = tensors[0]
+    return (first.device.type == "cpu" and first.dtype in (torch.float32, torch.float64)
+            and all(t.device == first.device and t.dtype == first.dtype for t in tensors[1:]) and load())
 
 
 def _summary(message: str) -> str:

@@ -572,7 +572,7 @@ struct GroupChunk {
 // the masked T = C~ B^T.
 template <typename T>
 void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
-                      bool shift, int64_t b, int64_t g, int64_t i0, int64_t n, GroupChunk<T>& w) {
+                      bool shift, int64_t b, int64_t g, int64_t i0, int64_t n, GroupChunk<T>& w, bool with_T) {
   const int64_t RP = s.rep * s.P;
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   for (int64_t r = 0; r < n; ++r) {
@@ -614,6 +614,7 @@ void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, con
       for (int64_t c = 0; c < s.P; ++c) wr[c] = v[r] * xr[c];
     }
   }
+  if (!with_T) return;
   gemm<T>(false, true, n, n, s.N, T(1), w.Cc.data(), s.N, w.Bc.data(), s.N, T(0), w.Tm.data(), n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t allowed = shift ? i : i + 1;
@@ -622,10 +623,11 @@ void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, con
 }
 
 // fn(item, b, g, c, i0, n, w) for every (batch, group, chunk) of one direction, with the chunk loaded into w (a
-// per-thread buffer reused across items and calls); the first chunk of each sequence is skipped when `skip_first`.
+// per-thread buffer reused across items and calls; the masked C~ B^T only when `with_T`: the state and read-out
+// phases never read it); the first chunk of each sequence is skipped when `skip_first`.
 template <typename T, typename F>
 void for_each_group_chunk(const Shape& s, int64_t nC, const T* x, const T* dtp, const T* Ap, const T* Bm,
-                          const T* Cm, bool reverse, bool shift, bool skip_first, const F& fn) {
+                          const T* Cm, bool reverse, bool shift, bool skip_first, bool with_T, const F& fn) {
   parallel_dynamic(s.B * s.G * nC, [&](int64_t begin, int64_t end) {
     thread_local GroupChunk<T> w;
     w.size(s.Q, s.N, s.P, s.rep);
@@ -633,7 +635,7 @@ void for_each_group_chunk(const Shape& s, int64_t nC, const T* x, const T* dtp, 
       const int64_t bg = item / nC, c = item % nC, b = bg / s.G, g = bg % s.G;
       if (skip_first && c == 0) continue;
       const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
-      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w);
+      load_group_chunk(s, x, dtp, Ap, Bm, Cm, reverse, shift, b, g, i0, n, w, with_T);
       fn(item, b, g, c, i0, n, w);
     }
   });
@@ -658,7 +660,7 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   half.resize(static_cast<size_t>(s.B * s.G * nC) * s.rep);
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   // phase 1: Z = T W into y (scaled later), S'_c = B^T W
-  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false,
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, true,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
     std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
     gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
@@ -708,7 +710,7 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
     }
   });
   // phase 3: y += u (C~ K_c)
-  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, init == nullptr,
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, init == nullptr, false,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
     gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, states.data() + item * NRP, RP, T(0), w.Z.data(),
             RP);
@@ -756,7 +758,7 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     }
   };
   // phase A: S'_c = B^T W, m, dK_c = C~^T dZ
-  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false,
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, false,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
     std::copy_n(w.m.data(), s.rep, half.data() + item * s.rep);
     gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP, RP);
@@ -847,7 +849,7 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     }
   });
   // phase C: everything of each chunk
-  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false,
+  for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, true,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
     gather_dz(w, b, g, i0, n);
     const T* kc = Ks.data() + item * NRP;

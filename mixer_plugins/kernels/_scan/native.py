@@ -53,20 +53,16 @@ def applies(inputs: ScanInputs) -> bool:
     x = inputs.x
     if not USE_NATIVE or torch.compiler.is_compiling() or x.device.type != "cpu" or inputs.seq_idx is not None:
         return False
-    if x.dtype not in (torch.float32, torch.float64) or x.numel() == 0:
-        return False
     dirs = [d for d in (inputs.forward, inputs.backward) if d is not None]
+    if not dirs or x.numel() == 0 or -(-x.shape[1] // _chunk(inputs)) > MAX_CHUNKS:
+        return False
     tensors = [x] + [t for d in dirs for t in (d.dt, d.A, d.B, d.C)]
     tensors += [t for t in (inputs.diag, inputs.initial_state) if t is not None]
-    if not dirs or any(t.dtype != x.dtype or t.device != x.device for t in tensors):
+    if x.dtype not in (torch.float32, torch.float64) or any(t.dtype != x.dtype for t in tensors):
+        return False  # (checked before the value passes below; _native.takes checks it again, cheaply)
+    if not _known_finite(*tensors) or any(bool((d.A > 0).any()) or bool((d.dt < 0).any()) for d in dirs):
         return False
-    if -(-x.shape[1] // _chunk(inputs)) > MAX_CHUNKS:
-        return False
-    if not _known_finite(*tensors):
-        return False
-    if any(bool((d.A > 0).any()) or bool((d.dt < 0).any()) for d in dirs):
-        return False
-    return _native.load()
+    return _native.takes(*tensors)
 
 
 def _direction_args(inputs: ScanInputs) -> list[Tensor | None]:

@@ -110,9 +110,8 @@ def _taps_first(weight: Tensor) -> Tensor:
 
 def _native_runs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether the native kernel takes this call (and is built: the first such call builds it)."""
-    return (USE_NATIVE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype) and x.stride(-1) == 1
-            and x.numel() > 0 and _native.load())
+    return (USE_NATIVE and x.stride(-1) == 1 and x.numel() > 0
+            and _native.takes(x, weight, *(() if bias is None else (bias,))))
 
 
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d", mutates_args=())

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from .. import _native as _native_lib
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
 from . import native
@@ -110,11 +111,9 @@ def _matmul_backward(dout, q, k, v, out, lse, causal, bias, scale):
 
 def _native_usable(q: Tensor) -> bool:
     """Can the native engine take ``q``? (Under ``torch.compile`` only if already loaded: tracing never builds.)"""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
-        return False
     if torch.compiler.is_compiling():
-        return native.is_loaded()
-    return native.load()
+        return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and native.is_loaded()
+    return _native_lib.takes(q)
 
 
 def _flash_possible(q: Tensor) -> bool:
