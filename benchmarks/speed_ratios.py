@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -34,15 +35,35 @@ if __package__ in (None, ""):  # run as a script from the repository root
 from mixer_plugins.tools.benchmarking import build_mixer, mixer_step  # noqa: E402
 
 REFERENCE = "attention"
+ADAPTIVE_ENV = "MIXER_PLUGINS_ADAPTIVE_THREADS"
 
 
 def step(name: str, length: int, *, dim: int = 256, batch: int = 1) -> Callable[[], None]:
-    """One forward+backward of a freshly built mixer (seeded) as a zero-argument function."""
+    """One forward+backward of a freshly built mixer (seeded) as a zero-argument function.
+
+    The reference (:data:`REFERENCE`, SDPA attention) runs as plain PyTorch would run it: with the library's
+    load-following threads off (``MIXER_PLUGINS_ADAPTIVE_THREADS=0`` for the call), so that its slowdown under a
+    competing process is SDPA's own."""
     torch.manual_seed(0)
     mixer = build_mixer(name, dim, length)
     mixer.train()
     x = torch.randn(batch, length, dim, requires_grad=True)
-    return mixer_step(mixer, x, "forward_backward")
+    run = mixer_step(mixer, x, "forward_backward")
+    if name != REFERENCE:
+        return run
+
+    def plain() -> None:
+        before = os.environ.get(ADAPTIVE_ENV)
+        os.environ[ADAPTIVE_ENV] = "0"
+        try:
+            run()
+        finally:
+            if before is None:
+                del os.environ[ADAPTIVE_ENV]
+            else:
+                os.environ[ADAPTIVE_ENV] = before
+
+    return plain
 
 
 def vit_step(mixer: str, *, batch: int, **model_options) -> Callable[[], None]:
@@ -124,16 +145,21 @@ def busy_competitor() -> Iterator[None]:
 
 def slowdowns(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, dict[str, float]]:
     """Each function's median time alone and with :func:`busy_competitor` running, in alternating blocks
-    (alone, competing, alone, ...) so that a drift in the machine's load touches both; and their ratio."""
+    (alone, competing, alone, ...) so that a drift in the machine's load touches both; and their ratio.
+
+    Each block first calls every function once untimed: the timed calls see the steady state of the block (a
+    competitor that has been running for a while, or gone for a while), whichever function comes first. (The
+    library's threads follow the machine's load from readings at least ``LOAD_SAMPLE_SECONDS`` apart; without the
+    untimed calls the first function of each block would pay for the change alone.)"""
     alone: dict[str, list[float]] = {name: [] for name in fns}
     competing: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     for _ in range(rounds):
-        for name, value in interleaved_times(fns, 1, warmup=0).items():
+        for name, value in interleaved_times(fns, 1, warmup=1).items():
             alone[name] += value
         with busy_competitor():
-            for name, value in interleaved_times(fns, 1, warmup=0).items():
+            for name, value in interleaved_times(fns, 1, warmup=1).items():
                 competing[name] += value
     out = {}
     for name in fns:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import mixer_plugins as mp
 from mixer_plugins import kernels
 from mixer_plugins.kernels import _threads
 from mixer_plugins.kernels._scan import Direction, ScanInputs, reference_scan
@@ -128,6 +129,169 @@ def test_adaptive_threads_are_off_for_a_process_pinned_to_some_cores(two_threads
     machine.later()
     assert _threads.free_cores() is None
     assert _threads.section_threads(_threads.PARALLEL_MIN_ELEMENTS, "cpu") == 2   # the threads torch was given
+
+
+def _loaded(machine):
+    """One other process keeps one of the two cores busy, in two readings in a row."""
+    machine.runnable, machine.own = 2, 1
+    machine.later()
+    _threads.free_cores()
+    machine.later()
+    assert _threads.free_cores() == 1
+
+
+def _spied_mixer(name, monkeypatch, seen, dim=16, dtype=F64):
+    """A mixer whose ``mix`` records the threads it runs with, forward ("fwd") and backward ("bwd")."""
+    torch.manual_seed(0)
+    mixer = mp.create_mixer(name, dim, **mp.default_registry.get_spec(name).test_options).to(dtype)
+    real_mix = mixer.mix
+
+    def mix(ctx):
+        seen.append(("fwd", torch.get_num_threads()))
+        y = real_mix(ctx)
+        if y.requires_grad:
+            y.register_hook(lambda grad: seen.append(("bwd", torch.get_num_threads())))
+        return y
+
+    monkeypatch.setattr(mixer, "mix", mix)
+    return mixer
+
+
+def _loss_and_grads(mixer, x):
+    out = mixer(x)
+    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+    leaves = [x, *mixer.parameters()]
+    return out.detach(), torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("name", ["quasiseparable", "semiseparable", "attention", "toeplitz"])
+def test_a_whole_mixer_call_runs_on_the_cores_other_processes_leave_free(name, two_threads_adaptive, monkeypatch):
+    # the ops between the sections (copies, gates, the engine's gradient sums) follow the load too, forward and
+    # backward; the results are those of the quiet machine's call, and the setting is restored after the backward
+    machine = _Machine(monkeypatch)
+    seen: list[tuple[str, int]] = []
+    mixer = _spied_mixer(name, monkeypatch, seen)
+    x = torch.randn(2, 24, 16, dtype=F64, requires_grad=True)
+    quiet_out, quiet_grads = _loss_and_grads(mixer, x)
+    assert seen == [("fwd", 2), ("bwd", 2)] and torch.get_num_threads() == 2
+    seen.clear()
+    _loaded(machine)
+    out, grads = _loss_and_grads(mixer, x)
+    assert seen == [("fwd", 1), ("bwd", 1)], seen
+    seen.clear()
+    h = x * 1.0                                              # the ops before the mixer keep the caller's threads
+    h.register_hook(lambda grad: seen.append(("before the mixer", torch.get_num_threads())))
+    mixer(h).sum().backward()
+    assert seen == [("fwd", 1), ("bwd", 1), ("before the mixer", 2)], seen
+    assert torch.get_num_threads() == 2                      # restored after the forward and after the backward
+    torch.testing.assert_close(out, quiet_out, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, quiet_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not x._backward_hooks                             # nothing is left on the caller's tensor
+
+
+def test_the_backward_follows_the_load_when_it_runs_not_when_the_forward_ran(two_threads_adaptive, monkeypatch):
+    machine = _Machine(monkeypatch)
+    seen: list[tuple[str, int]] = []
+    mixer = _spied_mixer("quasiseparable", monkeypatch, seen)
+    x = torch.randn(1, 20, 16, dtype=F64, requires_grad=True)
+    out = mixer(x)                                           # quiet forward
+    _loaded(machine)
+    out.sum().backward()                                     # loaded backward
+    assert seen == [("fwd", 2), ("bwd", 1)] and torch.get_num_threads() == 2
+    seen.clear()
+    out = mixer(x)                                           # loaded forward
+    machine.runnable = 1
+    machine.later()
+    machine.later()
+    out.sum().backward()                                     # quiet backward
+    assert seen == [("fwd", 1), ("bwd", 2)] and torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("case", ["input_needs_no_grad", "parameters_only", "no_grad", "raises"])
+def test_the_threads_are_restored_however_the_backward_ends(case, two_threads_adaptive, monkeypatch):
+    machine = _Machine(monkeypatch)
+    seen: list[tuple[str, int]] = []
+    mixer = _spied_mixer("semiseparable", monkeypatch, seen)
+    x = torch.randn(1, 20, 16, dtype=F64, requires_grad=case != "input_needs_no_grad")
+    _loaded(machine)
+    if case == "no_grad":
+        with torch.no_grad():
+            mixer(x)
+        assert seen == [("fwd", 1)] and torch.get_num_threads() == 2
+        return
+    out = mixer(x)
+    if case == "raises":                                     # a hook after ours fails half-way through the backward
+        def fail(grad):
+            raise RuntimeError("half-way")
+
+        out.register_hook(fail)
+        with pytest.raises(RuntimeError, match="half-way"):
+            out.sum().backward()
+        mixer(torch.randn(1, 20, 16, dtype=F64))             # the next call restores what the failed one left
+        assert torch.get_num_threads() == 2 and not _threads._PENDING
+        return
+    if case == "parameters_only":                            # the input's gradient is never computed
+        torch.autograd.grad(out.sum(), list(mixer.parameters()))
+    else:
+        out.sum().backward()
+    assert ("bwd", 1) in seen and torch.get_num_threads() == 2 and not _threads._PENDING
+
+
+def test_a_checkpointed_mixer_keeps_the_backward_threads_through_its_recomputation(two_threads_adaptive, monkeypatch):
+    from torch.utils.checkpoint import checkpoint
+
+    machine = _Machine(monkeypatch)
+    seen: list[tuple[str, int]] = []
+    mixer = _spied_mixer("quasiseparable", monkeypatch, seen)
+    x = torch.randn(1, 20, 16, dtype=F64, requires_grad=True)
+    want = torch.autograd.grad(mixer(x).sum(), x)[0]
+    seen.clear()
+    _loaded(machine)
+    for reentrant in (False, True):
+        x.grad = None
+        checkpoint(mixer, x, use_reentrant=reentrant).sum().backward()
+        got = x.grad
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert seen and all(threads == 1 for _, threads in seen), (reentrant, seen)
+        assert torch.get_num_threads() == 2 and not _threads._PENDING
+        seen.clear()
+
+
+def test_mixer_threads_leaves_other_calls_alone(two_threads_adaptive, monkeypatch):
+    machine = _Machine(monkeypatch)
+    _loaded(machine)
+    x = torch.randn(1, 4, 8)
+    assert _threads.mixer_threads(x.to("meta")) is None      # other devices
+    assert _threads.mixer_threads([1.0]) is None             # not a tensor: the mixer's own check reports it
+    monkeypatch.setenv("MIXER_PLUGINS_ADAPTIVE_THREADS", "0")
+    assert _threads.mixer_threads(x) is None                 # turned off
+    monkeypatch.delenv("MIXER_PLUGINS_ADAPTIVE_THREADS")
+    torch.set_num_threads(1)
+    assert _threads.mixer_threads(x) is None                 # one thread: nothing to give up
+    torch.set_num_threads(2)
+    scope = _threads.mixer_threads(x)
+    assert scope is not None and scope.x is x                # no gradient wanted: the input itself
+    with scope:
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+
+
+def test_a_compiled_mixer_under_load_matches_eager(two_threads_adaptive, monkeypatch):
+    # under torch.compile the call is traced as it is (no hooks, no thread changes inside the graph)
+    from compile_helpers import inductor_settings
+
+    machine = _Machine(monkeypatch)
+    _loaded(machine)
+    torch.manual_seed(0)
+    mixer = mp.create_mixer("attention", 16, num_heads=2)
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    want = _loss_and_grads(mixer, x)
+    with inductor_settings():
+        compiled = torch.compile(mixer, backend="inductor", fullgraph=True)
+        got = _loss_and_grads(compiled, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.get_num_threads() == 2
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="reads Linux's /proc")

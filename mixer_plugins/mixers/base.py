@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import MixerInputError, SequenceLengthError
+from ..kernels._threads import mixer_threads
 from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_after, zero_pads
 from ..registry.spec import MixerConfig
 
@@ -186,6 +187,13 @@ class MatrixMixer(nn.Module):
         return x, mask, poisoned
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        scope = mixer_threads(x)  # while other processes keep cores busy: the call on the free ones (CPU)
+        if scope is None:
+            return self._forward(x, mask)
+        with scope:
+            return scope.track(self._forward(scope.x, mask))
+
+    def _forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         x, mask, poisoned = self._begin(x, mask)
         ctx = self.prepare(x, mask)
         return zero_pads(poison_after(self.finish(ctx, self.mix(ctx)), poisoned), mask)
