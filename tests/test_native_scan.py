@@ -1,8 +1,8 @@
 """The native CPU scan (``kernels/_native/scan.cpp``, :mod:`mixer_plugins.kernels._scan.native`): values, final
-states and every gradient against the materialized reference in float64, with factored decays and with exact
-ones, over both directions and each alone, shift on and off, the diagonal, groups, initial and final states,
-lengths shorter than, equal to and not a multiple of the chunk; where it must not run (the PyTorch path then
-runs)."""
+states and every gradient against the materialized reference in float64, with factored decays, with exact ones and
+as one chunk, over both directions and each alone, shift on and off, the diagonal, groups, initial and final
+states, lengths shorter than, equal to and not a multiple of the chunk, chunks of several triangular row blocks;
+where it must not run (the PyTorch path then runs)."""
 
 from __future__ import annotations
 
@@ -79,15 +79,19 @@ def _run(inputs, final, which):
     return [y.detach()] + ([state.detach()] if final else []) + list(grads)
 
 
-CASES = [c for c in itertools.product([(1, 4), (13, 4), (16, 16), (50, 8)], ["f", "b", "fb"], [False, True],
+# (length, chunk): chunks of 70 and 97 rows span several of the kernel's triangular row blocks (32 rows)
+CASES = [c for c in itertools.product([(1, 4), (13, 4), (16, 16), (50, 8), (75, 70), (97, 128)], ["f", "b", "fb"],
+                                      [False, True],
                                       [False, True], [False, True], [False, True], [(2, 1), (4, 2)])
          if not ((c[3] or c[5]) and "f" not in c[1])]
 
 
-@pytest.mark.parametrize("factored", [True, False], ids=["factored", "exact"])
+@pytest.mark.parametrize("form", ["factored", "exact", "one_chunk"])
 @pytest.mark.parametrize("case", CASES[::4] + CASES[1::9], ids=str)
-def test_native_scan_matches_the_reference(case, factored, monkeypatch):
-    monkeypatch.setattr(native_scan, "FACTORED", factored)
+def test_native_scan_matches_the_reference(case, form, monkeypatch):
+    # one_chunk: sequences of up to chunk + 4 x state tokens as one chunk (the default); elsewhere the given chunks
+    monkeypatch.setattr(native_scan, "FACTORED", form != "exact")
+    monkeypatch.setattr(native_scan, "ONE_CHUNK_STATES", 4 if form == "one_chunk" else 0)
     (length, chunk), directions, diag, init, shift, final, (heads, groups) = case
     inputs = _case(length, chunk, directions, diag, init, shift, heads, groups, seed=length)
     for got, want in zip(_run(inputs, final, "native"), _run(inputs, final, "reference")):
@@ -111,6 +115,29 @@ def test_wide_decays_take_the_exact_form(monkeypatch):
 
 def _rest(d):
     return d.A, d.B, d.C
+
+
+def test_a_short_sequence_runs_as_one_chunk_where_its_whole_decay_fits(monkeypatch):
+    """Up to chunk + 4 x state tokens run as one chunk (factored); a sequence whose whole decay is too wide for the
+    factors keeps its chunks (factored where each chunk fits); longer sequences keep theirs."""
+    from kernel_helpers import spy_native_ops
+
+    calls = spy_native_ops(monkeypatch, "scan_factored_forward")
+    chunks = []
+    real = native_scan._NativeScan.apply
+    monkeypatch.setattr(native_scan._NativeScan, "apply", lambda *a: chunks.append(a[1]) or real(*a))
+    short = _case(28, 8, "fb", True, False, True, 2, 1)        # 28 <= 8 + 4 x 5 tokens
+    assert native_scan._chunk_and_form(short) == (28, True)
+    for got, want in zip(_run(short, False, "native"), _run(short, False, "reference")):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    assert chunks == [28] and calls == ["scan_factored_forward"]
+    assert native_scan._chunk_and_form(_case(29, 8, "fb", True, False, True, 2, 1)) == (8, True)   # one token more
+    # dt 2 and A -1.5: the whole sequence's half decay, 42, is too wide for float32's factors (40), a chunk's, 12, not
+    f, b = short.forward, short.backward
+    steep = [torch.full_like(f.dt, 2.0).float(), torch.full_like(f.A, -1.5).float()]
+    wide = ScanInputs(x=short.x.float(), forward=Direction(*steep, f.B.float(), f.C.float()),
+                      backward=Direction(*steep, b.B.float(), b.C.float()), shift=True, chunk_size=8)
+    assert native_scan._chunk_and_form(wide) == (8, True)
 
 
 def test_the_public_op_runs_it(monkeypatch):

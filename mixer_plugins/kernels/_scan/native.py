@@ -7,7 +7,10 @@ pass over the scaled states ``K_c = e^{m_c} H_c`` per head, and the read-out ``C
 in a workspace the calling thread keeps and reuses, so a call allocates its outputs and nothing else: no page
 faults (the PyTorch path's autograd graph took 5-9k per call at L = 1024). Where a chunk's decay range is too wide
 for the factors (:data:`.factored.MAX_HALF_RANGE`), or with :data:`FACTORED` False, it runs one product per (head,
-chunk) with the exact decays instead.
+chunk) with the exact decays instead. The kernel skips what is zero: the upper triangles of the masked
+intra-chunk matrices (in row blocks), the entering state's products of the first chunk without an initial state, and
+the last chunk's state without a final state; so a short sequence (:data:`ONE_CHUNK_STATES`) runs as one chunk,
+with no state work at all (a ViT's 197 tokens).
 
 It applies to eager CPU calls in float32 or float64 (every input of one dtype) without ``seq_idx``, of at most
 :data:`MAX_CHUNKS` chunks, where every step size is >= 0, every ``A`` <= 0 (every exponent the exact form takes is
@@ -27,13 +30,21 @@ from .chunked import _known_finite, chunk_length
 from .factored import MAX_HALF_RANGE
 from .inputs import ScanInputs
 
-__all__ = ["FACTORED", "MAX_CHUNKS", "USE_NATIVE", "applies", "run_native"]
+__all__ = ["FACTORED", "MAX_CHUNKS", "ONE_CHUNK_STATES", "USE_NATIVE", "applies", "run_native"]
 
 #: run the native kernel where it applies; False: the PyTorch path only
 USE_NATIVE = True
 #: with factored decays (one product per group and chunk) where every chunk's decay range allows it, as
 #: :mod:`.factored`; else (and with False) one product per head and chunk
 FACTORED = True
+#: a sequence of at most ``chunk_size + ONE_CHUNK_STATES * state`` tokens runs as **one chunk** with factored
+#: decays, where its whole decay range allows it (0: never). Per token, chunks of Q tokens cost about
+#: ``(2 Q + 8 N) R`` multiply-adds forward+backward (the masked intra-chunk products, half of each skipped by the
+#: kernel's triangular row blocks, and six state products of N x R), one chunk of L tokens ``2 L R``, with no state
+#: work at all: the two meet at L = Q + 4 N. Measured (quasiseparable scan, 12 heads of 64, state 64, fwd+bwd, 2
+#: threads): 197 tokens x 32 as one chunk 85-88 ms against 114-133 ms in chunks of 50; 256 tokens 117 vs 145 ms;
+#: 384 tokens 268 vs 245 ms.
+ONE_CHUNK_STATES = 4
 #: sequences of more chunks than this take the PyTorch path (quasiseparable fwd+bwd, separate processes: the
 #: kernel took 33 vs 38.5 ms at L = 1024 (16 chunks), 124-129 vs 156-157 ms at 4096, 279 vs 311 ms at 8192 (128
 #: chunks), but 665-674 vs 617-638 ms at 16384 (256 chunks); why it loses there is not analysed yet)
@@ -160,11 +171,22 @@ def _per_group(per_head: Tensor, like: Tensor) -> Tensor:
     return per_head.view(b, length, groups, per_head.shape[2] // groups, state).sum(3)
 
 
+def _chunk_and_form(inputs: ScanInputs) -> tuple[int, bool]:
+    """The kernel's chunk length and whether it runs with factored decays: one chunk for a short enough sequence
+    (:data:`ONE_CHUNK_STATES`) whose whole decay range fits the factors, else the chunked scan's own chunks,
+    factored where every chunk's range fits."""
+    chunk = _chunk(inputs)
+    length = inputs.x.shape[1]
+    state = (inputs.forward or inputs.backward).B.shape[-1]
+    if FACTORED and chunk < length <= inputs.chunk_size + ONE_CHUNK_STATES * state and _factored_fits(inputs, length):
+        return length, True
+    return chunk, FACTORED and _factored_fits(inputs, chunk)
+
+
 def run_native(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor | None]:
     """The scan of ``inputs`` on the native kernel (see :func:`applies`): (y, the forward direction's final state
     when ``want_final``, else None). Differentiable once."""
-    chunk = _chunk(inputs)
-    factored = FACTORED and _factored_fits(inputs, chunk)
+    chunk, factored = _chunk_and_form(inputs)
     y, final = _NativeScan.apply(inputs.shift, chunk, want_final, factored, inputs.x, *_direction_args(inputs),
                                  inputs.diag, inputs.initial_state)
     return y, (final if want_final else None)
