@@ -205,3 +205,12 @@ def test_a_failed_build_is_summarized_by_its_cause():
     assert _native._summary("Error building extension 'x'\nninja: build stopped: subcommand failed.") == (
         "Error building extension 'x'")
     assert len(_native._summary("error: " + "x" * 1000)) == 300
+
+
+def test_the_build_is_named_by_the_exact_cpu(monkeypatch):
+    # -march=native code must never be loaded on another CPU from a shared extension cache (a network home)
+    name = _native._module_name()
+    assert _native._cpu_identity()
+    monkeypatch.setattr(_native, "_cpu_identity", lambda: "vendor_id : OtherVendor\nflags : sse2 avx2")
+    other = _native._module_name()
+    assert other != name and other.startswith("mixer_plugins_native_")

@@ -25,12 +25,12 @@ machine's tasks, which may run on other cores than ours.
 **Whole mixer calls under load.** Sections cover the scan, conv, norm and projections, but a mixer's forward and
 backward also run dozens of other PyTorch ops (copies, concatenations, elementwise gates, the autograd engine's
 gradient sums), each a parallel region of its own. While other processes keep cores busy, :func:`mixer_threads`
-runs a whole mixer call, forward and backward, on the free cores only (the :class:`~mixer_plugins.mixers.base.
-MatrixMixer` base class does it for every mixer): measured on 2 cores with one busy process, quasiseparable
-forward+backward at L = 1024 took 3.1x its time alone with those ops on both threads and 1.7x with everything on
-one (SDPA: 2.1x). The backward is covered by two tensor hooks: one on the mixer's output (its gradient arrives
-first: threads go down) and one on a view of its input (its gradient is complete last: threads are restored), and
-the end of the backward pass restores them in any case. On a quiet machine nothing changes.
+runs a whole mixer call, forward and backward, on the free cores only (``MatrixMixer.forward`` does it for every
+mixer): measured on 2 cores with one busy process, quasiseparable forward+backward at L = 1024 took 3.1x its time
+alone with those ops on both threads and 1.7x with everything on one (SDPA: 2.1x). The backward is covered by two
+tensor hooks: one on the mixer's output (its gradient arrives first: threads go down) and one on a view of its
+input (its gradient is complete last: threads are restored), and the end of the backward pass restores them in any
+case. On a quiet machine nothing changes.
 """
 
 from __future__ import annotations

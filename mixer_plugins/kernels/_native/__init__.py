@@ -15,11 +15,13 @@ Each is called from inside our ``torch.library`` custom ops or autograd Function
 ``torch.export`` and ``FlopCounterMode`` see the same ops as before, whichever code runs inside.
 
 **Build.** :func:`load` compiles the kernels with :func:`torch.utils.cpp_extension.load` (a C++17 compiler with
-OpenMP and ``ninja`` are needed; about 15 s, once per machine and torch version: the result is cached in torch's
-extension folder, ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The matrix products call the BLAS
-that ``libtorch_cpu`` exports (``sgemm_``/``dgemm_``: MKL in the x86 wheels); the elementwise loops use AVX-512 or
-AVX2 where the compiler targets them (``-march=native``). If the build or the load fails, one ``RuntimeWarning``
-says why and the callers keep their PyTorch code. ``MIXER_PLUGINS_NATIVE=0`` in the environment never builds it.
+OpenMP and ``ninja`` are needed; about 15 s, once per CPU model and torch version: the result is cached in torch's
+extension folder, ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, under a name that carries the CPU's
+instruction-set flags, so a cache shared by different machines never loads a build made for another CPU). The
+matrix products call the BLAS that ``libtorch_cpu`` exports (``sgemm_``/``dgemm_``: MKL in the x86 wheels); the
+elementwise loops use AVX-512 or AVX2 where the compiler targets them (``-march=native``). If the build or the load
+fails, one ``RuntimeWarning`` says why and the callers keep their PyTorch code. ``MIXER_PLUGINS_NATIVE=0`` in the
+environment never builds it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import threading
@@ -54,12 +57,27 @@ def _disabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's vendor, family, model and instruction-set flags (Linux's
+    ``/proc/cpuinfo``; elsewhere what :mod:`platform` says)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]  # the first processor's entry
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    keys = ("vendor_id", "cpu family", "model", "flags", "Features", "CPU implementer", "CPU part")
+    return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in keys)
+
+
 def _module_name() -> str:
-    """One build per torch version, CPU capability (the kernels are compiled for the machine's vector unit) and
-    version of the sources: two versions of this package on one machine never load each other's build."""
+    """One build per torch version, CPU capability, exact CPU (the kernels are compiled with ``-march=native``: a
+    build cache shared by machines with different CPUs, such as a network home directory, must never hand one of them
+    code with instructions it lacks) and version of the sources (two versions of this package on one machine never
+    load each other's build)."""
     digest = hashlib.sha1()
     for path in (*SOURCES, Path(__file__).with_name("common.h")):
         digest.update(path.read_bytes())
+    digest.update(_cpu_identity().encode())
     tag = f"{torch.__version__}_{torch.backends.cpu.get_cpu_capability()}_{digest.hexdigest()[:10]}"
     return "mixer_plugins_native_" + re.sub(r"[^0-9A-Za-z]+", "_", tag).lower()
 
