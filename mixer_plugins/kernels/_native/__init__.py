@@ -45,9 +45,10 @@ __all__ = ["ENV_VAR", "OPS", "SOURCES", "is_loaded", "load", "takes", "unavailab
 ENV_VAR = "MIXER_PLUGINS_NATIVE"
 #: the ops the library registers under ``torch.ops.mixer_plugins_native``
 OPS = ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward", "scan_forward",
-       "scan_backward", "scan_factored_forward", "scan_factored_backward")
+       "scan_backward", "scan_factored_forward", "scan_factored_backward", "pool_stats", "pool_release")
 #: the C++ sources of the library (``common.h`` is included by each)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp", "scan.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp", "scan.cpp",
+                                                                 "pool.cpp"))
 _LOCK = threading.Lock()
 _STATE: dict[str, Optional[str] | bool] = {"tried": False, "error": None}
 _log = logging.getLogger(__name__)

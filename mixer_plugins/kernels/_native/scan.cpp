@@ -435,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::
   check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  at::Tensor y = at::zeros_like(x);
+  at::Tensor y = output_zeros(x.sizes(), x.options());
   at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
                                 : at::empty({0}, x.options());
   if (x.scalar_type() == at::kFloat) {
@@ -513,7 +513,7 @@ std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<
   check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
   std::vector<at::Tensor> out(10);
-  out[0] = at::zeros_like(x);
+  out[0] = output_zeros(x.sizes(), x.options());
   auto empty = at::empty({0}, x.options());
   for (int dir = 0; dir < 2; ++dir) {
     const auto& dt = dir == 0 ? dtf : dtb;
@@ -521,10 +521,10 @@ std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<
     const int base = 1 + 4 * dir;
     if (dt.has_value()) {
       const auto N = Bm->size(3);
-      out[base] = at::zeros({B, L, H}, x.options());
+      out[base] = output_zeros({B, L, H}, x.options());
       out[base + 1] = at::zeros({B, H}, x.options());
-      out[base + 2] = at::zeros({B, L, H, N}, x.options());
-      out[base + 3] = at::zeros({B, L, H, N}, x.options());
+      out[base + 2] = output_zeros({B, L, H, N}, x.options());
+      out[base + 3] = output_zeros({B, L, H, N}, x.options());
     } else {
       for (int k = 0; k < 4; ++k) out[base + k] = empty;
     }
@@ -985,7 +985,7 @@ std::tuple<at::Tensor, at::Tensor> scan_factored_forward(
   check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  at::Tensor y = at::zeros_like(x);
+  at::Tensor y = output_zeros(x.sizes(), x.options());
   at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
                                 : at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_forward", [&] {
@@ -1015,17 +1015,17 @@ std::vector<at::Tensor> scan_factored_backward(
   const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
   const int64_t nC = (L + chunk - 1) / chunk;
   std::vector<at::Tensor> out(10);
-  out[0] = at::zeros_like(x);
+  out[0] = output_zeros(x.sizes(), x.options());
   auto empty = at::empty({0}, x.options());
   for (int dir = 0; dir < 2; ++dir) {
     const auto& dt = dir == 0 ? dtf : dtb;
     const auto& Bm = dir == 0 ? Bf : Bb;
     const int base = 1 + 4 * dir;
     if (dt.has_value()) {
-      out[base] = at::zeros({B, L, H}, x.options());
+      out[base] = output_zeros({B, L, H}, x.options());
       out[base + 1] = at::zeros({B, nC, H}, x.options());
-      out[base + 2] = at::zeros(Bm->sizes(), x.options());
-      out[base + 3] = at::zeros(Bm->sizes(), x.options());
+      out[base + 2] = output_zeros(Bm->sizes(), x.options());
+      out[base + 3] = output_zeros(Bm->sizes(), x.options());
     } else {
       for (int k = 0; k < 4; ++k) out[base + k] = empty;
     }
