@@ -535,6 +535,32 @@ def test_linear_is_f_linear_forward_and_backward(shape, with_bias, dtype):
         assert torch.equal(kernels.linear(x, w, b), want)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "2d", "4d"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_large_projections_are_f_linear_bit_for_bit(layout, with_bias):
+    # above MIN_ELEMENTS kernels.linear runs its own autograd Function (threads that follow the load): still
+    # F.linear's products, values and gradients, for every input layout F.linear treats its own way
+    import torch.nn.functional as F
+
+    from mixer_plugins.kernels import _linear
+
+    torch.manual_seed(0)
+    shapes = {"contiguous": (1, 16384, 256), "strided": (1, 16384, 300), "2d": (16384, 256), "4d": (2, 2, 4096, 256)}
+    leaf = x = torch.randn(*shapes[layout], requires_grad=True)
+    if layout == "strided":
+        x = leaf[..., :256]                                    # a slice of a wider tensor, as the blocks' pieces
+    w = torch.randn(512, 256, requires_grad=True)
+    b = torch.randn(512, requires_grad=True) if with_bias else None
+    leaves = [t for t in (leaf, w, b) if t is not None]
+    assert _linear._elements(x, w) >= _linear.MIN_ELEMENTS
+    got, want = kernels.linear(x, w, b), F.linear(x, w, b)
+    assert got.grad_fn is not None and "_Linear" in type(got.grad_fn).__name__
+    assert torch.equal(got, want)
+    g = torch.randn_like(got)
+    for a, e in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g)):
+        assert torch.equal(a, e)
+
+
 def test_linear_forward_and_backward_use_only_the_free_cores(two_threads_adaptive, monkeypatch):
     # with another process keeping one of 2 cores busy, the projection's products run on one thread, forward and
     # backward (as the scan, conv and norm sections do); the caller's setting is restored after each
