@@ -10,7 +10,8 @@ L x L matrix to its (projected) values. Every mixer is written as four small ste
 
 and the base class assembles the public API from them:
 
-* ``forward(x, *, mask=None)``: ``finish(prepare(x), mix(...))``;
+* ``forward(x, *, mask=None)``: ``finish(prepare(x), mix(...))`` (on CPU, while other processes keep cores busy,
+  the whole call, forward and backward, runs on the cores they leave free: :func:`..kernels._threads.mixer_threads`);
 * ``materialize(x, *, mask=None)``: ``matrix(prepare(x))``, the framework's defining object;
 * ``forward_via_matrix(x, *, mask=None)``: ``finish(M @ values)``, the oracle every fast path is tested
   against (the conformance kit checks ``forward == forward_via_matrix``);
@@ -189,11 +190,12 @@ class MatrixMixer(nn.Module):
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         scope = mixer_threads(x)  # while other processes keep cores busy: the call on the free ones (CPU)
         if scope is None:
-            return self._forward(x, mask)
+            return self._run_steps(x, mask)
         with scope:
-            return scope.track(self._forward(scope.x, mask))
+            return scope.track(self._run_steps(scope.x, mask))
 
-    def _forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def _run_steps(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """``finish(prepare(x), mix(...))`` on a checked input, pads zeroed (what :meth:`forward` runs)."""
         x, mask, poisoned = self._begin(x, mask)
         ctx = self.prepare(x, mask)
         return zero_pads(poison_after(self.finish(ctx, self.mix(ctx)), poisoned), mask)
