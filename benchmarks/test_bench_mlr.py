@@ -6,7 +6,8 @@ overrides), on CPU. Targets (issue 14, item 4):
 * time follows FLOPs: at L=4096, the median over interleaved rounds of the time ratio (mlr / attention) is at most
   1.2 x their total-FLOP ratio (both counted as ``FlopCounterMode`` counts them: the paper's count for MLR, full
   ``L x L`` for attention);
-* peak memory linear in L: forward+backward peak grows at most 4.5x from 2048 to 8192 tokens.
+* peak memory linear in L: forward+backward peak (the median of 3 steps' resident-set growth) grows at most 4.5x from
+  2048 to 8192 tokens.
 
 The targets are measured only when benchmarking is enabled (``make bench``), never in timed unit tests. Every engine
 of the op's ``torch`` backend is timed (``native``: our fused C++ kernel, each group at its own width; ``matmul``:
@@ -30,6 +31,7 @@ from mixer_plugins.tools.benchmarking import build_mixer, peak_memory
 DIM, HEADS = 256, 4
 RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
 THREADS = int(os.environ.get("MIXER_BENCH_THREADS", "2"))  # the target is set at 2
+MEMORY_ROUNDS = 3  # steps measured per length for the memory target (their median)
 
 
 @contextlib.contextmanager
@@ -128,19 +130,26 @@ def test_target_time_follows_flops(benchmark, benchmarking_enabled):
 def test_target_linear_memory(benchmark, benchmarking_enabled):
     if not benchmarking_enabled:
         pytest.skip("memory target: runs with benchmarking enabled")
-    peaks = {}
+    # The peak is the resident set's growth during one step: glibc's heap state moves it by 10-25% from one step to
+    # the next (one step at L = 2048 measured 35, 42 and 44 MiB in a row), so each length is measured in MEMORY_ROUNDS
+    # steps and the median taken (an L x L buffer per head would still add 256 MiB at L = 8192: a 16x growth).
+    samples: dict[int, list[int]] = {}
     with _threads(THREADS):
         for length in (2048, 8192):
             run_mlr, _, _, _ = _steps(length)
             run_mlr()  # warm-up: allocator and lazy state outside the measured block
-            with peak_memory("cpu") as mem:
-                run_mlr()
-            peaks[length] = mem["peak_bytes"]
-    if peaks[2048] is None:
+            samples[length] = []
+            for _ in range(MEMORY_ROUNDS):
+                with peak_memory("cpu") as mem:
+                    run_mlr()
+                samples[length].append(mem["peak_bytes"])
+    if any(v is None for v in samples[2048]):
         pytest.skip("peak memory cannot be measured here")
+    peaks = {length: statistics.median(values) for length, values in samples.items()}
     growth = peaks[8192] / peaks[2048]
-    benchmark.extra_info.update(peak_2048=peaks[2048], peak_8192=peaks[8192], growth=growth)
+    benchmark.extra_info.update(peak_2048=peaks[2048], peak_8192=peaks[8192], growth=growth, samples=samples)
     benchmark.pedantic(lambda: None, rounds=1)
-    print(f"\nmlr fwd+bwd peak memory: 2048 -> {peaks[2048] / 2**20:.0f} MiB, 8192 -> {peaks[8192] / 2**20:.0f} MiB "
-          f"({growth:.2f}x for 4x the length)")
+    print(f"\nmlr fwd+bwd peak memory (median of {MEMORY_ROUNDS} steps): 2048 -> {peaks[2048] / 2**20:.0f} MiB, "
+          f"8192 -> {peaks[8192] / 2**20:.0f} MiB ({growth:.2f}x for 4x the length); steps (MiB): "
+          + "; ".join(f"{n}: {', '.join(f'{v / 2**20:.0f}' for v in vs)}" for n, vs in samples.items()))
     assert growth <= 4.5, f"peak memory grew {growth:.2f}x for 4x the length (target <= 4.5x)"
