@@ -15,6 +15,7 @@
 #include <list>
 #include <mutex>
 #include <new>
+#include <pthread.h>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -67,10 +68,7 @@ class OutputPool {
   static constexpr size_t MIN_BYTES = size_t(8) << 20;
   static constexpr size_t STEP = size_t(2) << 20;
 
-  static OutputPool& get() {
-    static OutputPool* pool = new OutputPool();
-    return *pool;
-  }
+  static OutputPool& get() { return *instance(); }
 
   size_t cap() const { return cap_; }
 
@@ -128,6 +126,16 @@ class OutputPool {
   }
 
  private:
+  // A child process made by fork() gets a pool of its own: another thread may have held the lock at the fork, and
+  // the parent's idle buffers are the parent's (the child's tensors return their buffers to the new pool).
+  static OutputPool*& instance() {
+    static OutputPool* pool = [] {
+      pthread_atfork(nullptr, nullptr, [] { instance() = new OutputPool(); });
+      return new OutputPool();
+    }();
+    return pool;
+  }
+
   OutputPool() {
     const char* env = std::getenv("MIXER_PLUGINS_NATIVE_POOL_MB");
     long long mb = 1024;
