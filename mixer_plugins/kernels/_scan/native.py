@@ -48,8 +48,9 @@ ONE_CHUNK_STATES = 4
 #: sequences of more chunks than this take the PyTorch path (quasiseparable fwd+bwd, separate processes: the
 #: kernel took 33 vs 38.5 ms at L = 1024 (16 chunks), 124-129 vs 156-157 ms at 4096, 279 vs 311 ms at 8192 (128
 #: chunks), but 665-674 vs 617-638 ms at 16384 (256 chunks). Session 9, with the row blocks and the output pool: the
-#: scan alone at 16384 250 vs 228-257 ms, no clear win; its per-token time grows from 8192 on (its chunk states
-#: outgrow the caches), not analysed further)
+#: scan alone at 16384 250 vs 228-257 ms, no clear win. Its time per token is flat (1 x 8192: 127 ms; 2 x 8192:
+#: 237; 1 x 16384: 244; 4 x 4096: 234), the PyTorch path's falls with length (its batched products grow), and
+#: they meet near 256 chunks; the kernel runs at about 85 GFLOP/s there, 80% of its FLOPs in the state products)
 MAX_CHUNKS = 128
 
 
