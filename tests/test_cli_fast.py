@@ -242,6 +242,12 @@ def test_env_reports_versions_devices_and_backends(capsys):
     assert report["native"]["available"] or report["native"]["reason"]  # a refusal says why
     if report["native"]["available"]:
         assert "conv_forward" in report["native"]["ops"] and "built and loaded" in out
+        assert report["native"]["output_pool"]["cap_bytes"] >= 0 and "output pool" in out
+    from mixer_plugins.kernels import _threads
+
+    assert report["threads"]["torch_threads"] == torch.get_num_threads()
+    assert report["threads"]["adaptive"] == _threads.adaptive() and "CPU threads" in out
+    assert report["threads"]["free_cores"] is None or 0 <= report["threads"]["free_cores"] <= os.cpu_count()
     assert report["versions"]["torch"] == torch.__version__.split("+")[0]
     assert report["devices"]["cuda_available"] == torch.cuda.is_available()
     rows = report["kernels"]

@@ -12,14 +12,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
+import time
 from typing import Any
 
 from ..._text import format_table
 from .args import Command
 
-__all__ = ["COMMAND", "EXTRAS", "backend_rows", "device_info", "native_status", "versions"]
+__all__ = ["COMMAND", "EXTRAS", "backend_rows", "device_info", "native_status", "threads_status", "versions"]
 
 #: Distribution -> the extra of ours that installs it ("" for a core dependency).
 EXTRAS: dict[str, str] = {
@@ -112,8 +114,28 @@ def native_status() -> dict[str, Any]:
     from mixer_plugins.kernels import _native
 
     ok = _native.load()
-    return {"available": ok, "reason": "" if ok else (_native.unavailable_reason() or ""),
-            "ops": sorted(_native.OPS) if ok else []}
+    status: dict[str, Any] = {"available": ok, "reason": "" if ok else (_native.unavailable_reason() or ""),
+                              "ops": sorted(_native.OPS) if ok else []}
+    if ok:
+        import torch
+
+        idle, reused, allocated, cap = torch.ops.mixer_plugins_native.pool_stats()
+        status["output_pool"] = {"cap_bytes": cap, "idle_bytes": idle, "reused": reused, "allocated": allocated}
+    return status
+
+
+def threads_status() -> dict[str, Any]:
+    """How the CPU paths choose their threads here (:mod:`mixer_plugins.kernels._threads`): torch's intra-op
+    threads, the one-thread threshold, whether mixer calls follow the machine's load, and the cores other processes
+    leave free now (None where that is not read: off, not Linux, or pinned to some cores)."""
+    import torch
+
+    from mixer_plugins.kernels import _threads
+
+    _threads.free_cores()  # two readings: the rule needs two in a row
+    time.sleep(_threads.LOAD_SAMPLE_SECONDS)
+    return {"torch_threads": torch.get_num_threads(), "parallel_min_elements": _threads.parallel_min_elements(),
+            "adaptive": _threads.adaptive(), "free_cores": _threads.free_cores(), "cores": os.cpu_count()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,12 +148,13 @@ def run(args: argparse.Namespace) -> int:
         devices: dict[str, Any] | None = device_info()
         kernels: list[dict[str, Any]] | None = backend_rows()
         native: dict[str, Any] | None = native_status()
+        threads: dict[str, Any] | None = threads_status()
         problem = ""
     except ImportError as err:  # torch itself missing or broken: still report the versions
-        devices, kernels, native, problem = None, None, None, f"{type(err).__name__}: {err}"
+        devices, kernels, native, threads, problem = None, None, None, None, f"{type(err).__name__}: {err}"
     if args.json:
         print(json.dumps({"versions": found, "devices": devices, "kernels": kernels, "native": native,
-                          "problem": problem or None}, indent=2))
+                          "threads": threads, "problem": problem or None}, indent=2))
         return 0
     print(format_table(("package", "version"),
                        [(name, version or _missing(name)) for name, version in found.items()]))
@@ -152,9 +175,19 @@ def run(args: argparse.Namespace) -> int:
     ))
     print()
     if native and native["available"]:
-        print(f"native CPU kernels: built and loaded ({', '.join(native['ops'])})")
+        print(f"native CPU kernels: built and loaded ({', '.join(native['ops'])}); output pool: at most "
+              f"{native['output_pool']['cap_bytes'] >> 20} MiB idle (MIXER_PLUGINS_NATIVE_POOL_MB)")
     elif native:
         print(f"native CPU kernels: unavailable ({native['reason']}); the PyTorch code runs instead")
+    if threads:
+        if not threads["adaptive"]:
+            load = "off (MIXER_PLUGINS_ADAPTIVE_THREADS)"
+        elif threads["free_cores"] is None:
+            load = "not read here (not Linux, or pinned to some cores)"
+        else:
+            load = f"on: {threads['free_cores']} of {threads['cores']} cores free now"
+        print(f"CPU threads: torch {threads['torch_threads']}; sections under {threads['parallel_min_elements']} "
+              f"elements on one thread; mixer calls follow the machine's load: {load}")
     return 0
 
 
