@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -422,6 +423,19 @@ void forward_impl(const at::Tensor& x, const c10::optional<at::Tensor>& dtf, con
   });
 }
 
+// Both forwards' outputs: y (zero-filled, accumulated into) and the final state (B, H, P, N) when wanted (else
+// empty).
+std::tuple<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+                                                   const c10::optional<at::Tensor>& Bf,
+                                                   const c10::optional<at::Tensor>& Bb, bool want_final) {
+  TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
+  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
+  at::Tensor y = output_zeros(x.sizes(), x.options());
+  at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
+                                : at::empty({0}, x.options());
+  return {y, final};
+}
+
 std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
                                                 const c10::optional<at::Tensor>& Af,
                                                 const c10::optional<at::Tensor>& Bf,
@@ -433,11 +447,8 @@ std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::
                                                 const c10::optional<at::Tensor>& init, bool shift, int64_t chunk,
                                                 bool want_final) {
   check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
-  TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
-  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  at::Tensor y = output_zeros(x.sizes(), x.options());
-  at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
-                                : at::empty({0}, x.options());
+  at::Tensor y, final;  // (not a structured binding: lambdas below capture them, which C++17 does not allow)
+  std::tie(y, final) = forward_outputs(x, dtf, Bf, Bb, want_final);
   if (x.scalar_type() == at::kFloat) {
     forward_impl<float>(x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk, y, final);
   } else {
@@ -500,6 +511,36 @@ void backward_impl(const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal
   });
 }
 
+// The zero-filled gradients both backwards return: dx, then per direction (forward, backward) ddt (B, L, H), dA
+// (shape dA_shape), dB and dC (per head, (B, L, H, N), when per_head; else per group, B's own shape), then d init
+// (B, H, P, N); absent pieces are empty tensors.
+std::vector<at::Tensor> backward_outputs(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+                                         const c10::optional<at::Tensor>& Bf, const c10::optional<at::Tensor>& dtb,
+                                         const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& init,
+                                         at::IntArrayRef dA_shape, bool per_head) {
+  const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
+  std::vector<at::Tensor> out(10);
+  out[0] = output_zeros(x.sizes(), x.options());
+  const auto empty = at::empty({0}, x.options());
+  for (int dir = 0; dir < 2; ++dir) {
+    const auto& dt = dir == 0 ? dtf : dtb;
+    const auto& Bm = dir == 0 ? Bf : Bb;
+    const int base = 1 + 4 * dir;
+    if (!dt.has_value()) {
+      for (int k = 0; k < 4; ++k) out[base + k] = empty;
+      continue;
+    }
+    const std::vector<int64_t> bc = per_head ? std::vector<int64_t>{B, L, H, Bm->size(3)} : Bm->sizes().vec();
+    out[base] = output_zeros({B, L, H}, x.options());
+    out[base + 1] = at::zeros(dA_shape, x.options());
+    out[base + 2] = output_zeros(bc, x.options());
+    out[base + 3] = output_zeros(bc, x.options());
+  }
+  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
+  out[9] = init.has_value() ? at::zeros({B, H, P, N}, x.options()) : empty;
+  return out;
+}
+
 // Returns dx, then per direction (forward, backward) ddt (B, L, H), dA (B, H) (summed over the batch by the
 // caller), dB and dC per head (B, L, H, N) (summed over each group's heads by the caller), then d init (B, H, P, N);
 // absent pieces are empty tensors.
@@ -511,26 +552,9 @@ std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<
                                       const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
                                       bool shift, int64_t chunk) {
   check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
-  const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
-  std::vector<at::Tensor> out(10);
-  out[0] = output_zeros(x.sizes(), x.options());
-  auto empty = at::empty({0}, x.options());
-  for (int dir = 0; dir < 2; ++dir) {
-    const auto& dt = dir == 0 ? dtf : dtb;
-    const auto& Bm = dir == 0 ? Bf : Bb;
-    const int base = 1 + 4 * dir;
-    if (dt.has_value()) {
-      const auto N = Bm->size(3);
-      out[base] = output_zeros({B, L, H}, x.options());
-      out[base + 1] = at::zeros({B, H}, x.options());
-      out[base + 2] = output_zeros({B, L, H, N}, x.options());
-      out[base + 3] = output_zeros({B, L, H, N}, x.options());
-    } else {
-      for (int k = 0; k < 4; ++k) out[base + k] = empty;
-    }
-  }
+  const auto B = x.size(0), H = x.size(2), P = x.size(3);
+  std::vector<at::Tensor> out = backward_outputs(x, dtf, Bf, dtb, Bb, init, {B, H}, true);
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  out[9] = init.has_value() ? at::zeros({B, H, P, N}, x.options()) : empty;
   if (dfinal.has_value() && dfinal->numel() > 0)
     TORCH_CHECK(dfinal->sizes() == at::IntArrayRef({B, H, P, N}) && dfinal->is_contiguous() &&
                     dfinal->scalar_type() == x.scalar_type(),
@@ -983,11 +1007,8 @@ std::tuple<at::Tensor, at::Tensor> scan_factored_forward(
     const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb,
     const c10::optional<at::Tensor>& init, bool shift, int64_t chunk, bool want_final) {
   check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
-  TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
-  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  at::Tensor y = output_zeros(x.sizes(), x.options());
-  at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
-                                : at::empty({0}, x.options());
+  at::Tensor y, final;  // (not a structured binding: lambdas below capture them, which C++17 does not allow)
+  std::tie(y, final) = forward_outputs(x, dtf, Bf, Bb, want_final);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_forward", [&] {
     const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
     if (dtf.has_value())
@@ -1012,26 +1033,8 @@ std::vector<at::Tensor> scan_factored_backward(
     const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
     bool shift, int64_t chunk) {
   check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
-  const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
-  const int64_t nC = (L + chunk - 1) / chunk;
-  std::vector<at::Tensor> out(10);
-  out[0] = output_zeros(x.sizes(), x.options());
-  auto empty = at::empty({0}, x.options());
-  for (int dir = 0; dir < 2; ++dir) {
-    const auto& dt = dir == 0 ? dtf : dtb;
-    const auto& Bm = dir == 0 ? Bf : Bb;
-    const int base = 1 + 4 * dir;
-    if (dt.has_value()) {
-      out[base] = output_zeros({B, L, H}, x.options());
-      out[base + 1] = at::zeros({B, nC, H}, x.options());
-      out[base + 2] = output_zeros(Bm->sizes(), x.options());
-      out[base + 3] = output_zeros(Bm->sizes(), x.options());
-    } else {
-      for (int k = 0; k < 4; ++k) out[base + k] = empty;
-    }
-  }
-  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  out[9] = init.has_value() ? at::zeros({B, H, P, N}, x.options()) : empty;
+  const int64_t nC = (x.size(1) + chunk - 1) / chunk;
+  std::vector<at::Tensor> out = backward_outputs(x, dtf, Bf, dtb, Bb, init, {x.size(0), nC, x.size(2)}, false);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_backward", [&] {
     const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
     for (int dir = 0; dir < 2; ++dir) {
