@@ -7,8 +7,6 @@
 * :func:`toeplitz_mix` — Toeplitz (long convolution) product by FFT; :func:`toeplitz_matrix` its matrix;
 * :func:`depthwise_conv1d` — the blocks' short convolution (optionally with SiLU fused), tiled along time;
 * :func:`gated_rmsnorm` — the blocks' output norm, tiled, with a hand-written backward;
-* :func:`linear` — ``F.linear`` whose CPU forward and backward use only the cores other processes leave free (the
-  blocks' projections; the same products, bit for bit);
 * :func:`mlr_attention` — MLR softmax attention (Kuang et al. 2025), tiled by shared level, O(L) memory;
 * :func:`local_attention` — sliding-window softmax attention (+ optional global tokens), blocked, O(L * window);
   on CUDA the MLR Triton kernel with the tiles outside the band skipped.
@@ -33,7 +31,6 @@ from ._dispatch import (
     resolve_backend,
     use_backend,
 )
-from ._linear import linear
 from ._scan import chunked_scan_flops, prepare_dt, scan_matrix, scan_reference
 from .conv import depthwise_conv1d, depthwise_conv1d_flops
 from .directional_scan import directional_scan
@@ -71,5 +68,4 @@ __all__ = [
     "LocalPlan",
     "local_attention",
     "local_attention_flops",
-    "linear",
 ]

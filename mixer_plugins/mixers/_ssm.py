@@ -21,11 +21,12 @@ import math
 from typing import Annotated, ClassVar, Literal, Optional
 
 import torch
+import torch.nn.functional as F
 from pydantic import AllowInfNan, Field, model_validator
 from torch import Tensor, nn
 
 from ..errors import NotMaterializableError
-from ..kernels import chunked_scan_flops, directional_scan, linear, quasiseparable, scan_matrix
+from ..kernels import chunked_scan_flops, directional_scan, quasiseparable, scan_matrix
 from .block import BlockConfig, BlockContext, ChannelGroup, MatrixMixerBlock
 
 __all__ = [
@@ -215,7 +216,7 @@ class BidirectionalSSMBlock(MatrixMixerBlock):
         diag = None
         if self.use_diag:
             # diag = W_D x + D as one fused multiply-add (D is the bias of the product)
-            diag = linear(parts["x"], self.fc_D.weight, self.ssm.D.to(x.dtype))   # (threads: kernels.linear)
+            diag = F.linear(parts["x"], self.fc_D.weight, self.ssm.D.to(x.dtype))
         values = torch.cat([x, x], dim=2) if self.combine == "concat" else x
         return ScanContext(values=values, mask=mask, x=x, A=self.ssm.A(x.dtype), dt_f=dt_f, dt_b=dt_b,
                            B_f=B_f, C_f=C_f, B_b=B_b, C_b=C_b, diag=diag)

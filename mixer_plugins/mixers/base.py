@@ -10,8 +10,7 @@ L x L matrix to its (projected) values. Every mixer is written as four small ste
 
 and the base class assembles the public API from them:
 
-* ``forward(x, *, mask=None)``: ``finish(prepare(x), mix(...))`` (on CPU, while other processes keep cores busy,
-  the whole call, forward and backward, runs on the cores they leave free: :func:`..kernels._threads.mixer_threads`);
+* ``forward(x, *, mask=None)``: ``finish(prepare(x), mix(...))``;
 * ``materialize(x, *, mask=None)``: ``matrix(prepare(x))``, the framework's defining object;
 * ``forward_via_matrix(x, *, mask=None)``: ``finish(M @ values)``, the oracle every fast path is tested
   against (the conformance kit checks ``forward == forward_via_matrix``);
@@ -37,7 +36,6 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import MixerInputError, SequenceLengthError
-from ..kernels._threads import mixer_threads
 from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_after, zero_pads
 from ..registry.spec import MixerConfig
 
@@ -188,14 +186,7 @@ class MatrixMixer(nn.Module):
         return x, mask, poisoned
 
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
-        scope = mixer_threads(x)  # while other processes keep cores busy: the call on the free ones (CPU)
-        if scope is None:
-            return self._run_steps(x, mask)
-        with scope:
-            return scope.track(self._run_steps(scope.x, mask))
-
-    def _run_steps(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """``finish(prepare(x), mix(...))`` on a checked input, pads zeroed (what :meth:`forward` runs)."""
+        """``finish(prepare(x), mix(...))`` on the checked input, pads zeroed; outputs at pads are zero."""
         x, mask, poisoned = self._begin(x, mask)
         ctx = self.prepare(x, mask)
         return zero_pads(poison_after(self.finish(ctx, self.mix(ctx)), poisoned), mask)

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
-from torch.nn.modules import module as _module_lib
 
-from ..kernels import gated_rmsnorm, linear
+from ..kernels import gated_rmsnorm
 from ..layers.conv import ShortConv
 from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
@@ -37,23 +36,6 @@ __all__ = [
     "ChannelGroup",
     "MatrixMixerBlock",
 ]
-
-
-#: torch.nn's process-wide module hooks (``register_module_forward_hook`` and kin): while any is set, projections are
-#: called as modules (a missing name, in another torch version, counts as set)
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
-
-
-def _project(module: nn.Module, x: Tensor) -> Tensor:
-    """``module(x)``; through :func:`~mixer_plugins.kernels.linear` (threads that follow the machine's load) when
-    ``module`` is a plain ``nn.Linear`` that no hook watches, so a wrapped, parametrized or hooked projection
-    (LoRA, weight norm, a coordinate check) runs as itself."""
-    hooked = any(getattr(_module_lib, name, True) for name in _GLOBAL_HOOKS)
-    if type(module) is not nn.Linear or hooked or module._forward_hooks or module._forward_pre_hooks \
-            or module._backward_hooks or module._backward_pre_hooks:
-        return module(x)
-    return linear(x, module.weight, module.bias)
 
 
 class BlockConfig(MixerConfig):
@@ -221,7 +203,7 @@ class MatrixMixerBlock(MatrixMixer):
         widths = [self.out_width, conv_width] + [g.width for g in other]
         weights = self.in_proj.weight.split(widths, dim=0)
         biases = [None] * len(widths) if self.in_proj.bias is None else self.in_proj.bias.split(widths)
-        z, u, *rest = (linear(x, w, b) for w, b in zip(weights, biases))
+        z, u, *rest = (F.linear(x, w, b) for w, b in zip(weights, biases))
         keep = mask[..., None].to(x.dtype) if mask is not None else None
         pieces: dict[str, Tensor] = {}
         if self._conv_groups:
@@ -244,7 +226,7 @@ class MatrixMixerBlock(MatrixMixer):
         return ctx
 
     def finish(self, ctx: BlockContext, y: Tensor) -> Tensor:
-        return _project(self.out_proj, self.gated_norm(y.flatten(2), ctx.z))
+        return self.out_proj(self.gated_norm(y.flatten(2), ctx.z))
 
     def gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """The gated RMSNorm of (batch, length, out_width) ``y`` gated by ``z``: over the whole width, or per group
