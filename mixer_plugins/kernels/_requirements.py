@@ -49,9 +49,17 @@ def mamba_ssm_unavailable(device: torch.device, args: Any = None) -> str | None:
 
 
 def triton_unavailable(device: torch.device, args: Any = None) -> str | None:
-    """Our Triton kernels: Triton installed, and CUDA tensors (CPU ones only under ``TRITON_INTERPRET=1``)."""
+    """Our Triton kernels: Triton installed, CUDA tensors (CPU ones only under ``TRITON_INTERPRET=1``), and not
+    float64.
+
+    The float64 policy is the same for every Triton backend: they compute in float32 at most, so they refuse float64
+    inputs (``args.dtype``, the dtype of the call's main input) and the dispatcher runs the ``torch`` backend, which
+    computes in float64. Asked for by name, a Triton backend raises :class:`BackendUnavailableError` for float64.
+    """
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return "Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU testing)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU testing)"
+    if args is not None and getattr(args, "dtype", None) == torch.float64:
+        return "the Triton kernels compute in float32 at most; float64 inputs run on the torch backend"
+    return None
