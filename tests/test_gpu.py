@@ -84,7 +84,7 @@ def _gpu_backends(op: str) -> list[str]:
 
 @pytest.mark.parametrize("op", ["quasiseparable", "ssd"])
 def test_kernel_backends_on_cuda_match_reference(op):
-    backends = _gpu_backends(op)
+    backends = _gpu_backends("scan")
     if not backends:
         pytest.skip(f"no CUDA backend of {op} can run here")
     inputs = _scan_inputs()
@@ -131,12 +131,12 @@ def test_mlr_attention_backends_on_cuda_match_reference(causal, dtype):
             assert _relative_error(got.float(), want) < TOLERANCE[dtype], (backend, name)
 
 
-def test_mamba_ssm_backends_run_where_mamba_ssm_is_installed():
-    """A wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE (no CUDA extensions) is enough: the loader finds its files."""
-    from mixer_plugins.kernels import _mamba_loader
+def test_mamba_ssm_backend_runs_where_mamba_ssm_is_installed():
+    """A wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE (no CUDA extensions) is imported through the test shim
+    (``tests/mamba_files.py``); the library's backend then imports its SSD the ordinary way."""
+    import mamba_files
 
-    if _mamba_loader.distribution_folder() is None:
+    if mamba_files.install() is None:
         pytest.skip("mamba-ssm is not installed here (benchmarks/gpu/run.sh installs the carried wheel)")
-    for op in ("ssd", "quasiseparable", "directional_scan"):
-        assert "mamba_ssm" in kernels.available_backends(op, "cuda"), [
-            (r.op, r.reason) for r in kernels.backend_report(["cuda"]) if r.backend == "mamba_ssm"]
+    assert "mamba_ssm" in kernels.available_backends("scan", "cuda"), [
+        (r.op, r.reason) for r in kernels.backend_report(["cuda"]) if r.backend == "mamba_ssm"]

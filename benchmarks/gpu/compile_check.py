@@ -78,7 +78,7 @@ def compile_only(arch: int, record: Callable[[str, float, object], None]) -> Ite
 def _scan_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     import torch
 
-    from mixer_plugins.kernels._triton import scan
+    from mixer_plugins.kernels.scan import triton_kernels as scan
 
     def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, length=200):
         def go():

@@ -45,7 +45,7 @@ __all__ = ["ENV_VAR", "OPS", "SOURCES", "is_loaded", "load", "takes", "unavailab
 ENV_VAR = "MIXER_PLUGINS_NATIVE"
 #: the ops the library registers under ``torch.ops.mixer_plugins_native``
 OPS = ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward", "scan_forward",
-       "scan_backward", "scan_factored_forward", "scan_factored_backward", "pool_stats", "pool_release")
+       "scan_backward", "pool_stats", "pool_release")
 #: the C++ sources of the library (``common.h`` is included by each)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp", "scan.cpp",
                                                                  "pool.cpp"))

@@ -1,12 +1,12 @@
-"""Fused quasiseparable (bidirectional SSM) chunked scan in Triton: forward and backward.
+"""The fused chunked scan in Triton, forward and backward (the kernels of the ``triton`` backend, :mod:`.triton`).
 
-Computes exactly what ``mixer_plugins.kernels.quasiseparable`` computes (see ``scan_reference`` for the
+Computes exactly what ``mixer_plugins.kernels.quasiseparable`` computes (see :mod:`.reference` for the
 matrix entries), for both directions in **one** chunked pass: per chunk of Q tokens, one Q x Q block holds
 the lower (forward direction), upper (backward direction) and diagonal parts and is applied with one
 matmul; between chunks two light state passes run, the forward state left to right and the backward state
 right to left. No flipped copy of the input and no doubled batch.
 
-Per head, with ``a = A * dt`` and chunk-local cumsums ``p`` (inclusive), ``e = p - a`` (exclusive):
+Per head, with ``a = A * dt`` and chunk-local cumsums ``p`` (inclusive) and ``e`` (exclusive, selected from ``p``):
 
 * forward (lower) entries inside a chunk: ``C~_i.B_j exp(q_i - p_j) dt_j`` (``j < i`` shifted, ``j <= i``
   not; ``q = e`` shifted, ``p`` not; ``C~_i = C_{i-1}`` shifted);
@@ -39,25 +39,16 @@ Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this modul
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._scan.inputs import prepare_dt
-from ._common import available, dot_precision, tl, triton
-from ._common import mm as _mm
+from .._triton._common import available, dot_precision, tl, triton
+from .._triton._common import mm as _mm
 
-__all__ = ["available", "quasiseparable_triton", "ssd_triton", "directional_scan_triton", "scan_triton",
-           "scan_triton_flops"]
-
-# Private debugging switch for the test-suite's planted-bug checks: 1 flips the sign of the backward
-# direction's intra-chunk decay in the forward output kernel; 2 drops the inter-chunk carry's term of the
-# decay gradient in the backward kernel (forward unchanged). Never set it outside tests.
-_DEBUG_BUG = 0
+__all__ = ["available", "scan_triton", "scan_triton_flops"]
 
 #: Triton launch options (``num_warps``, ``num_stages``) of each kernel; empty = Triton's defaults.
 #: ``benchmarks/gpu/tune.py`` times alternatives on a GPU.
@@ -70,6 +61,19 @@ def _block(n: int) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _prefix(a, ok):
+        """A chunk's inclusive sums ``p = cumsum(a)``, exclusive sums ``e`` and total ``plast`` (``p`` at the last valid
+        row). ``e`` and ``plast`` are selected from ``p``, so ``e_i`` is ``p_{i-1}`` bit for bit (``p - a`` would carry
+        one more rounding, of the size of ``p``'s last bit): the decay between neighbours is exactly 1 however
+        large ``|p|`` grows within the chunk."""
+        p = tl.cumsum(a, 0)
+        idx = tl.cumsum(tl.full(a.shape, 1, tl.int32), 0) - 1
+        last = tl.sum(ok.to(tl.int32), 0) - 1
+        e = tl.sum(tl.where(idx[:, None] - 1 == idx[None, :], p[None, :], 0.0), 1)
+        plast = tl.sum(tl.where(idx == last, p, 0.0), 0)
+        return p, e, plast
 
     @triton.jit
     def _chunk_states_kernel(
@@ -101,8 +105,7 @@ if triton is not None:
         if HAS_F:
             dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Af_ptr + h).to(tl.float32)
-            p = tl.cumsum(a, 0)
-            plast = tl.sum(a, 0)
+            p, e, plast = _prefix(a, ok)
             w = tl.exp(plast - p) * dt
             lg = plast
             if HAS_SEG:
@@ -117,9 +120,7 @@ if triton is not None:
         if HAS_B:
             dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
-            p = tl.cumsum(a, 0)
-            e = p - a
-            plast = tl.sum(a, 0)
+            p, e, plast = _prefix(a, ok)
             w = tl.exp(e) * dt
             lg = plast
             if HAS_SEG:
@@ -169,7 +170,7 @@ if triton is not None:
         x_ptr, dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, diag_ptr, seg_ptr, hs_ptr,
         y_ptr, BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr,
+        SHIFT: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         c = tl.program_id(0)
@@ -199,9 +200,9 @@ if triton is not None:
         if HAS_F:
             dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Af_ptr + h).to(tl.float32)
-            p = tl.cumsum(a, 0)
+            p, e, plast = _prefix(a, ok)
             if SHIFT:
-                q = p - a
+                q = e
                 Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :],
                              mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
                 allowed = valid & (jj < ii)
@@ -223,9 +224,7 @@ if triton is not None:
         if HAS_B:
             dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
-            p = tl.cumsum(a, 0)
-            e = p - a
-            plast = tl.sum(a, 0)
+            p, e, plast = _prefix(a, ok)
             if SHIFT:
                 q = p
                 Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :],
@@ -239,10 +238,7 @@ if triton is not None:
             Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                          mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             CB = _mm(Ct, tl.trans(Bt), DOT)
-            if DEBUG_BUG == 1:
-                decay = tl.exp(tl.where(allowed, q[:, None] - e[None, :], float("-inf")))
-            else:
-                decay = tl.exp(tl.where(allowed, e[None, :] - q[:, None], float("-inf")))
+            decay = tl.exp(tl.where(allowed, e[None, :] - q[:, None], float("-inf")))
             M += CB * decay * dt[None, :]
             Gc = tl.load(hs_ptr + (((BATCH + b) * NC + c) * H + h) * P * N + st_off, mask=st_mask, other=0.0)
             wq = tl.exp(plast - q)
@@ -285,9 +281,9 @@ if triton is not None:
         if HAS_F:
             dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Af_ptr + h).to(tl.float32)
-            p = tl.cumsum(a, 0)
+            p, e, plast = _prefix(a, ok)
             if SHIFT:
-                q = p - a
+                q = e
                 Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :],
                              mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             else:
@@ -302,14 +298,13 @@ if triton is not None:
         if HAS_B:
             dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
             a = dt * tl.load(Ab_ptr + h).to(tl.float32)
-            p = tl.cumsum(a, 0)
-            plast = tl.sum(a, 0)
+            p, e, plast = _prefix(a, ok)
             if SHIFT:
                 q = p
                 Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :],
                              mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             else:
-                q = p - a
+                q = e
                 Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                              mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
             wq = tl.exp(plast - q)
@@ -323,7 +318,7 @@ if triton is not None:
         x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_read, seg_own,
         dt_ptr, A_ptr, B_ptr, C_ptr, hs_ptr, ds_ptr, lg_ptr, dB_ptr, dC_ptr, ddt_ptr, dA_ptr,
         BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask, DIR: tl.constexpr,
-        HAS_SEG: tl.constexpr, SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr, DOT: tl.constexpr,
+        HAS_SEG: tl.constexpr, SHIFT: tl.constexpr, DOT: tl.constexpr,
     ):
         """All gradients of one direction inside one chunk; returns dx with this direction's part added.
 
@@ -333,9 +328,7 @@ if triton is not None:
         dt = tl.load(dt_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
         A = tl.load(A_ptr + h).to(tl.float32)
         a = dt * A
-        p = tl.cumsum(a, 0)
-        e = p - a
-        plast = tl.sum(a, 0)
+        p, e, plast = _prefix(a, ok)
         Bt = tl.load(B_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
                      mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
         if DIR == 0:
@@ -403,8 +396,6 @@ if triton is not None:
         dBt += ws[:, None] * xdS
         dx += ws[:, None] * _mm(Bt, tl.trans(dS), DOT)
         dplast = tl.exp(lg) * tl.sum(tl.sum(dS * Hc, 1), 0)
-        if DEBUG_BUG == 2:
-            dplast = 0.0 * dplast
         if DIR == 0:
             # log weights: q_i - p_j (intra), q_i (read-out), p_last - p_j (own state)
             dq = d_query + Rr
@@ -439,7 +430,7 @@ if triton is not None:
         dx_ptr, dBf_ptr, dCf_ptr, ddtf_ptr, dAf_ptr, dBb_ptr, dCb_ptr, ddtb_ptr, dAb_ptr, ddiag_ptr,
         BATCH, L, H, G, P, N, NC, Q,
         HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        SHIFT: tl.constexpr, DEBUG_BUG: tl.constexpr, ACC_DX: tl.constexpr,
+        SHIFT: tl.constexpr, ACC_DX: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
     ):
         c = tl.program_id(0)
@@ -483,12 +474,12 @@ if triton is not None:
             dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_before, seg_last,
                                 dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, hs_ptr, ds_ptr, lg_ptr, dBf_ptr, dCf_ptr,
                                 ddtf_ptr, dAf_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                0, HAS_SEG, SHIFT, DEBUG_BUG, DOT)
+                                0, HAS_SEG, SHIFT, DOT)
         if HAS_B:
             dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_after, seg_first,
                                 dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, hs_ptr, ds_ptr, lg_ptr, dBb_ptr, dCb_ptr,
                                 ddtb_ptr, dAb_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                1, HAS_SEG, SHIFT, DEBUG_BUG, DOT)
+                                1, HAS_SEG, SHIFT, DOT)
         dx_ptrs = dx_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
         dx_mask = ok[:, None] & (offs_p < P)[None, :]
         if ACC_DX:  # the other direction's launch (earlier on the same stream) wrote its part
@@ -565,7 +556,7 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shif
         x, *args_f[:2], args_f[2], Cf_arg, *args_b[:2], args_b[2], Cb_arg,
         diag if diag is not None else dummy, seg_arg, hs, y, *geo.dims,
         HAS_F=has_f, HAS_B=has_b, HAS_DIAG=diag is not None, HAS_SEG=seg is not None, SHIFT=bool(shift),
-        DEBUG_BUG=int(_DEBUG_BUG), **geo.blocks, **LAUNCH["out"])
+        **geo.blocks, **LAUNCH["out"])
     return y, hs, lg, final[0]
 
 
@@ -620,7 +611,7 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
             C_b if d == 1 else dummy, diag if diag is not None else dummy, seg_arg, hs, ds, lg,
             dx, dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
             HAS_F=d == 0, HAS_B=d == 1, HAS_DIAG=diag is not None and slot == 0, HAS_SEG=seg is not None,
-            SHIFT=bool(shift), DEBUG_BUG=int(_DEBUG_BUG), ACC_DX=slot > 0, **geo.blocks, **LAUNCH["bwd"])
+            SHIFT=bool(shift), ACC_DX=slot > 0, **geo.blocks, **LAUNCH["bwd"])
 
     def group_sum(t: Tensor) -> Tensor:
         return t if G == H else t.view(bsz, L, G, H // G, N).sum(3)
@@ -768,59 +759,3 @@ def scan_triton(
         None if initial_state is None else initial_state.contiguous(), _segments(seq_idx), bool(shift),
         int(chunk_size))
     return (y, final) if return_final_state else y
-
-
-def quasiseparable_triton(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *,
-    dt_bwd: Tensor | None = None, A_bwd: Tensor | None = None, B_bwd: Tensor | None = None,
-    C_bwd: Tensor | None = None, diag: Tensor | None = None, shift: bool = True, chunk_size: int = 64,
-    dt_bias: Tensor | None = None, dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
-    seq_idx: Tensor | None = None,
-) -> Tensor:
-    """Bidirectional (Hydra) scan ``lower(x) + upper(x) + diag * x`` with fused Triton kernels.
-
-    Same arguments and result as ``mixer_plugins.kernels.quasiseparable`` (without ``backend``); the
-    backward direction defaults to the forward generators. x (b, l, h, p); dt, dt_bwd, diag (b, l, h);
-    A, A_bwd, dt_bias (h,); B, C, B_bwd, C_bwd (b, l, g, n); seq_idx (b, l) integer.
-    """
-    dt_bwd = dt if dt_bwd is None else dt_bwd
-    B_bwd = B if B_bwd is None else B_bwd
-    C_bwd = C if C_bwd is None else C_bwd
-    A_bwd = A if A_bwd is None else A_bwd
-    dt_f = prepare_dt(dt, dt_bias, dt_softplus, dt_limit).float()
-    dt_b = prepare_dt(dt_bwd, dt_bias, dt_softplus, dt_limit).float()
-    return scan_triton(x, dt_f, A, B, C, dt_b, A_bwd, B_bwd, C_bwd, diag, seq_idx, shift=shift,
-                       chunk_size=chunk_size)
-
-
-def directional_scan_triton(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, reverse: bool = False, shift: bool = False,
-    chunk_size: int = 64, dt_bias: Tensor | None = None, dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, math.inf), seq_idx: Tensor | None = None,
-) -> Tensor:
-    """One scan direction (``mixer_plugins.kernels.directional_scan``): the same kernels, the other off."""
-    dtp = prepare_dt(dt, dt_bias, dt_softplus, dt_limit).float()
-    gens = (dtp, A, B, C)
-    fwd, bwd = (gens, (None,) * 4) if not reverse else ((None,) * 4, gens)
-    return scan_triton(x, *fwd, *bwd, None, seq_idx, shift=shift, chunk_size=chunk_size)
-
-
-def ssd_triton(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int = 64,
-    D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
-    initial_states: Tensor | None = None, seq_idx: Tensor | None = None, dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, math.inf), return_final_states: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Causal SSD (``mixer_plugins.kernels.ssd``): the forward direction alone, unshifted; D and the
-    SiLU(z) gate are applied in PyTorch after the kernel. The final states are float32."""
-    dtp = prepare_dt(dt, dt_bias, dt_softplus, dt_limit).float()
-    y, final = scan_triton(x, dtp, A, B, C, None, None, None, None, None, seq_idx, initial_states,
-                           shift=False, chunk_size=chunk_size, return_final_state=True)
-    if D is not None or z is not None:
-        y = y.float()
-        if D is not None:
-            y = y + x.float() * (D[:, None] if D.dim() == 1 else D).float()
-        if z is not None:
-            y = y * F.silu(z.float())
-        y = y.to(x.dtype)
-    return (y, final) if return_final_states else y
