@@ -44,14 +44,15 @@ def _unavailable(device: torch.device, args: Any = None) -> str | None:
     return native_unavailable(device, tensors)
 
 
-def _contiguous(inputs: ScanInputs) -> list[Tensor | None]:
+def _generators(inputs: ScanInputs) -> list[Tensor | None]:
     out: list[Tensor | None] = []
     for d in (inputs.forward, inputs.backward):
-        out += [None] * 4 if d is None else [d.dt.contiguous(), d.A.contiguous(), d.B.contiguous(), d.C.contiguous()]
+        out += [None] * 4 if d is None else [d.dt, d.A, d.B, d.C]
     return out
 
 
-_GRADIENT_INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "init")
+def _dense(*tensors: Tensor | None) -> list[Tensor | None]:
+    return [None if t is None else t.contiguous() for t in tensors]
 
 
 @torch.library.custom_op("mixer_plugins::native_scan", mutates_args=())
@@ -59,10 +60,12 @@ def native_scan(x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: O
                 C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor],
                 C_b: Optional[Tensor], diag: Optional[Tensor], init: Optional[Tensor], shift: bool, chunk: int,
                 want_final: bool, form: int) -> tuple[Tensor, Tensor]:
-    """The engine's forward (contiguous inputs of one dtype): y and the final state (empty unless ``want_final``)."""
+    """The engine's forward (inputs of one dtype, any strides): y and the final state (empty unless
+    ``want_final``). Contiguous copies are made here, for the call only: autograd keeps the inputs as given (views
+    of a projection share its storage), and the backward makes its own copies."""
     require_native()
-    y, final = torch.ops.mixer_plugins_native.scan_forward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init, shift,
-                                                           chunk, want_final, form)
+    y, final = torch.ops.mixer_plugins_native.scan_forward(*_dense(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init),
+                                                           shift, chunk, want_final, form)
     if diag is not None:
         y.addcmul_(x, diag[..., None])
     return y, final
@@ -82,12 +85,12 @@ def native_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: 
                          init: Optional[Tensor], shift: bool, chunk: int, form: int) -> list[Tensor]:
     """The gradients of :func:`native_scan` with respect to ``x, dt_f, ..., C_b, diag, init`` (an empty tensor for
     an input that is None)."""
-    out = torch.ops.mixer_plugins_native.scan_backward(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init,
-                                                       shift, chunk, form)
+    out = torch.ops.mixer_plugins_native.scan_backward(*_dense(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b,
+                                                              init), shift, chunk, form)
     dx, ddiag = out[0], x.new_empty(0)
     if diag is not None:
         dx.addcmul_(dy, diag[..., None])
-        ddiag = (dy * x).sum(-1)
+        ddiag = (dy * x).sum(-1).contiguous()
     # an absent input's gradient is an empty tensor of its own (outputs of a custom op never alias each other)
     return [g if g.numel() else x.new_empty(0) for g in (dx, *out[1:9], ddiag, out[9])]
 
@@ -96,7 +99,7 @@ def native_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: 
 def _native_scan_backward_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk,
                                form):
     def like(t):
-        return x.new_empty(0) if t is None else torch.empty_like(t)
+        return x.new_empty(0) if t is None else t.new_empty(t.shape)   # contiguous, as the real kernel's
     return [like(x), like(dt_f), like(A_f), like(B_f), like(C_f), like(dt_b), like(A_b), like(B_b), like(C_b),
             like(diag), like(init)]
 
@@ -110,11 +113,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy: Tensor | None, dfinal: Tensor | None):
     saved = ctx.saved_tensors
     x = saved[0]
-    dy = torch.zeros_like(x) if dy is None else dy.contiguous()
+    dy = torch.zeros_like(x) if dy is None else dy
     if dfinal is not None and dfinal.numel() == 0:
         dfinal = None
-    grads = native_scan_backward(dy, None if dfinal is None else dfinal.contiguous(), *saved, ctx.shift, ctx.chunk,
-                                 ctx.form)
+    grads = native_scan_backward(dy, dfinal, *saved, ctx.shift, ctx.chunk, ctx.form)
     return (*[None if t is None else g for g, t in zip(grads, saved)], None, None, None, None)
 
 
@@ -148,8 +150,7 @@ def run_native(inputs: ScanInputs, *, want_final: bool, form: str = "auto") -> t
     else None). Differentiable once. ``form``: one of :data:`FORMS` (tests compare both forms with the reference)."""
     _, length, heads, head_dim = inputs.x.shape
     chunk = chunk_length(length, inputs.chunk_size, heads, head_dim, inputs.state_size)
-    init = None if inputs.initial_state is None else inputs.initial_state.contiguous()
-    y, final = native_scan(inputs.x.contiguous(), *_contiguous(inputs), inputs.diag, init, inputs.shift, chunk,
+    y, final = native_scan(inputs.x, *_generators(inputs), inputs.diag, inputs.initial_state, inputs.shift, chunk,
                            want_final, FORMS[form])
     return y, (final if want_final else None)
 
