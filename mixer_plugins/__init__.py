@@ -110,7 +110,8 @@ def plugin_problems() -> list[PluginProblem]:
 
 
 def get_spec(name: str) -> MixerSpec:
-    """The :class:`MixerSpec` of a mixer, by name or alias."""
+    """The :class:`MixerSpec` of a mixer, by name or alias. A built-in's name or alias imports no plugin, and a
+    plugin mixer's name imports that plugin alone."""
     return _registry().get_spec(name)
 
 
