@@ -54,40 +54,13 @@ def test_help_and_version_answer_fast():
         assert elapsed < 3.0, f"mixer-plugins {' '.join(argv)} took {elapsed:.1f} s"
 
 
-# -- `mixer-plugins list` (the table) from the metadata cache: no torch, no mixer module ----------------------------
+# -- `mixer-plugins list` (the table) ---------------------------------------------------------------------------
 
-_LIST_CODE = ("import sys, json, time\nt = time.perf_counter()\nfrom mixer_plugins.tools.cli import main\n"
-              "rc = main(['list', *sys.argv[1:]])\nelapsed = time.perf_counter() - t\n"
-              "loaded = [m for m in sys.modules if m in {heavy!r} or m.startswith('mixer_plugins.mixers')\n"
-              "          or m.startswith('mixer_plugins_example') or m == 'mixer_plugins.registry.spec']\n"
-              "print(json.dumps([rc, loaded, elapsed]))")
-
-
-def _list(cache: Path, *argv: str) -> tuple[list[str], list[str], float, float]:
-    """Run ``mixer-plugins list`` in a fresh interpreter: (table lines, heavy modules it imported, seconds in
-    ``main``, wall seconds of the whole process)."""
-    start = time.perf_counter()
-    out = _run(["-c", _LIST_CODE.format(heavy=HEAVY), *argv], MIXER_PLUGINS_CACHE_DIR=str(cache))
-    wall = time.perf_counter() - start
-    assert out.returncode == 0, out.stderr
-    *table, last = out.stdout.strip().splitlines()
-    rc, loaded, elapsed = json.loads(last)
-    assert rc == 0
-    return table, loaded, elapsed, wall
-
-
-def test_list_table_after_the_first_imports_neither_torch_nor_any_mixer(tmp_path):
-    cache = tmp_path / "cache"
-    first, loaded_first, _, _ = _list(cache)
-    assert "torch" in loaded_first            # the first listing loads every spec (and fills the cache)
-    table, loaded, elapsed, wall = _list(cache)
-    assert loaded == [], f"mixer-plugins list imported {loaded}"
-    assert table == first                     # the same table, plugin (ema) included
+def test_list_table_shows_every_mixer_with_its_aliases_and_distribution(capsys):
+    assert main(["list"]) == 0
+    table = capsys.readouterr().out.splitlines()
     assert any(line.startswith("ema ") and "mixer-plugins-example" in line for line in table)
     assert any(line.startswith("attention ") and "softmax_attention, mha" in line for line in table)
-    # Bounds generous for a loaded machine (unloaded: ~0.1 s in main, ~0.4 s in all; importing torch alone: 3+ s).
-    assert elapsed < 2.0, f"mixer-plugins list took {elapsed:.2f} s in main()"
-    assert wall < 3.0, f"mixer-plugins list took {wall:.2f} s in all"
 
 
 def test_list_reports_a_broken_plugin_every_time(tmp_path):
@@ -95,99 +68,20 @@ def test_list_reports_a_broken_plugin_every_time(tmp_path):
 
     site = make_fake_distribution(tmp_path / "site", "broken-mixers", {"broken": "fake_mixer_cli_broken:SPEC"},
                                   {"fake_mixer_cli_broken": "raise ImportError('needs a GPU library')"})
-    cache = tmp_path / "cache"
-    for _ in range(2):  # a broken plugin is never cached: it is imported, and reported, each time
-        out = _run(["-m", "mixer_plugins", "list"], MIXER_PLUGINS_CACHE_DIR=str(cache), PREPEND=str(site))
+    for _ in range(2):  # reported each time
+        out = _run(["-m", "mixer_plugins", "list"], PREPEND=str(site))
         assert out.returncode == 0, out.stderr
         assert "attention" in out.stdout and "ema" in out.stdout and "broken " not in out.stdout
         assert "broken-mixers" in out.stderr and "needs a GPU library" in out.stderr
 
 
-SPEC_SOURCE = """
-from mixer_plugins import MixerSpec
-from mixer_plugins.mixers.attention import AttentionConfig, SoftmaxAttention
-
-SPEC = MixerSpec(name="cached_one", config=AttentionConfig, builder=SoftmaxAttention, aliases={aliases!r},
-                 matrix_class="{matrix_class}")
-"""
-
-
-@pytest.fixture
-def cached_site(tmp_path, monkeypatch):
-    from plugin_helpers import make_fake_distribution
-
-    site = make_fake_distribution(tmp_path / "site", "cached-mixers", {"cached_one": "fake_mixer_cached:SPEC"},
-                                  {"fake_mixer_cached": SPEC_SOURCE.format(aliases=("c1",), matrix_class="one")})
-    monkeypatch.syspath_prepend(str(site))
-    yield site / "fake_mixer_cached.py"
-    sys.modules.pop("fake_mixer_cached", None)
-
-
-def _info(infos, name):
-    return next(i for i in infos if i.name == name)
-
-
-def test_catalog_equals_the_specs_metadata():
-    from mixer_plugins.registry import MixerInfo, MixerRegistry
+def test_catalog_is_the_specs_and_the_problems():
+    from mixer_plugins.registry import MixerRegistry
 
     registry = MixerRegistry()
-    infos, problems = registry.catalog(cache=False)
-    assert infos == [MixerInfo.from_spec(s) for s in registry.specs()]
+    specs, problems = registry.catalog()
+    assert specs == registry.specs() and [s.name for s in specs] == sorted(s.name for s in specs)
     assert problems == registry.problems()
-
-
-def test_catalog_reads_the_cache_without_importing_the_plugin(cached_site, tmp_path):
-    from mixer_plugins.registry import MetadataCache, MixerRegistry
-
-    store = MetadataCache(tmp_path / "c.json")
-    infos, _ = MixerRegistry().catalog(cache=store)
-    assert _info(infos, "cached_one").aliases == ("c1",) and "fake_mixer_cached" in sys.modules
-    del sys.modules["fake_mixer_cached"]
-    infos, _ = MixerRegistry().catalog(cache=MetadataCache(tmp_path / "c.json"))
-    assert _info(infos, "cached_one").matrix_class == "one"
-    assert "fake_mixer_cached" not in sys.modules          # served from the cache
-
-
-def test_catalog_refresh_imports_again(cached_site, tmp_path):
-    from mixer_plugins.registry import MetadataCache, MixerRegistry
-
-    MixerRegistry().catalog(cache=MetadataCache(tmp_path / "c.json"))
-    del sys.modules["fake_mixer_cached"]
-    infos, _ = MixerRegistry().catalog(cache=MetadataCache(tmp_path / "c.json"), refresh=True)
-    assert "fake_mixer_cached" in sys.modules and _info(infos, "cached_one").aliases == ("c1",)
-
-
-def test_catalog_reloads_a_plugin_whose_module_changed(cached_site, tmp_path):
-    from mixer_plugins.registry import MetadataCache, MixerRegistry
-
-    MixerRegistry().catalog(cache=MetadataCache(tmp_path / "c.json"))
-    del sys.modules["fake_mixer_cached"]
-    cached_site.write_text(SPEC_SOURCE.format(aliases=("c1", "c2"), matrix_class="two, longer"))
-    infos, _ = MixerRegistry().catalog(cache=MetadataCache(tmp_path / "c.json"))
-    assert _info(infos, "cached_one").aliases == ("c1", "c2") and _info(infos, "cached_one").matrix_class == \
-        "two, longer"
-
-
-def test_catalog_drops_the_cache_when_the_environment_changes(cached_site, tmp_path):
-    from mixer_plugins.registry import MetadataCache, MixerRegistry
-
-    folder = tmp_path / "fake_site_packages"
-    folder.mkdir()
-    MixerRegistry().catalog(cache=MetadataCache(tmp_path / "c.json", sys_path=[str(folder)]))
-    assert MetadataCache(tmp_path / "c.json", sys_path=[str(folder)]).read()
-    (folder / "new_distribution-1.0.dist-info").mkdir()   # something installed
-    os.utime(folder, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
-    assert MetadataCache(tmp_path / "c.json", sys_path=[str(folder)]).read() == {}
-
-
-def test_catalog_ignores_an_unreadable_cache(tmp_path):
-    from mixer_plugins.registry import MetadataCache, MixerRegistry
-
-    path = tmp_path / "c.json"
-    path.write_text("{not json")
-    infos, _ = MixerRegistry().catalog(cache=MetadataCache(path))
-    assert "attention" in {i.name for i in infos}
-    assert json.loads(path.read_text())["entries"]  # rewritten
 
 
 def test_python_dash_m_mixer_plugins():

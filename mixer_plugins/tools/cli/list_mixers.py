@@ -1,10 +1,8 @@
 """``mixer-plugins list``: a table of every registered mixer (and any broken plugin).
 
 ``list --names`` prints the names alone, from the installed entry points' metadata: it imports no mixer code (nor
-torch), so it answers at once. The table needs every spec's metadata: it comes from the registry's metadata cache
-(:class:`mixer_plugins.registry.MetadataCache`) for every plugin unchanged since it last loaded, so a listing
-after the first imports neither torch nor any mixer module. A plugin that is new, changed or broken is imported (a
-broken one is reported every time: it is never cached); ``--refresh`` imports them all.
+torch), so it answers at once. The table needs every spec, so it imports every plugin (and torch); a broken plugin
+is reported on stderr.
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ def entry_point_names(group: str = ENTRY_POINT_GROUP) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--names", action="store_true",
                         help="print the names only, one a line (fast: reads metadata, imports no mixer code)")
-    parser.add_argument("--refresh", action="store_true",
-                        help="import every plugin instead of trusting the metadata cache (and rewrite the cache)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MixerPluginWarning)  # reported below instead
-        specs, problems = default_registry.catalog(refresh=getattr(args, "refresh", False))
+        specs, problems = default_registry.catalog()
     rows = [
         (
             s.name,
