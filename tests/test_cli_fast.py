@@ -242,12 +242,8 @@ def test_env_reports_versions_devices_and_backends(capsys):
     assert report["native"]["available"] or report["native"]["reason"]  # a refusal says why
     if report["native"]["available"]:
         assert "conv_forward" in report["native"]["ops"] and "built and loaded" in out
-        assert report["native"]["output_pool"]["cap_bytes"] >= 0 and "output pool" in out
-    from mixer_plugins.kernels import _threads
-
-    assert report["threads"]["torch_threads"] == torch.get_num_threads()
-    assert report["threads"]["adaptive"] == _threads.adaptive() and "CPU threads" in out
-    assert report["threads"]["free_cores"] is None or 0 <= report["threads"]["free_cores"] <= os.cpu_count()
+        assert report["native"]["folder"] == str(_native.build_folder()) and report["native"]["folder"] in out
+    assert "threads" not in report and "output pool" not in out
     assert report["versions"]["torch"] == torch.__version__.split("+")[0]
     assert report["devices"]["cuda_available"] == torch.cuda.is_available()
     rows = report["kernels"]
@@ -263,6 +259,18 @@ def test_env_reports_versions_devices_and_backends(capsys):
         assert "not installed (pip install 'mixer-plugins[cuda]')" in out  # the table names the extra
         mamba = [r for r in rows if r["backend"] == "mamba_ssm"]
         assert all(not r["available"] and "mamba" in r["reason"] for r in mamba)
+
+
+def test_env_build_builds_the_native_kernels_ahead_and_says_only_that(capsys):
+    from mixer_plugins.kernels import _native
+
+    rc = main(["env", "--build"])
+    out = capsys.readouterr().out
+    assert rc == (0 if _native.is_loaded() else 1)
+    assert out.count("\n") == 1 and out.startswith("native CPU kernels: ")
+    assert main(["env", "--build", "--json"]) == rc
+    report = json.loads(capsys.readouterr().out)
+    assert report["available"] == _native.is_loaded() and report["folder"] == str(_native.build_folder())
 
 
 def test_env_uses_the_kernels_backend_report_when_there_is_one(capsys, monkeypatch):
