@@ -1,4 +1,5 @@
-"""``mixer-plugins list``: a table of every registered mixer (and any broken plugin).
+"""``mixer-plugins list``: a table of every registered mixer, at most 120 columns wide (long cells wrap; the details
+are in ``info``), the mixers of other distributions named under it, and any broken plugin.
 
 ``list --names`` prints the names alone, from the installed entry points' metadata: it imports no mixer code (nor
 torch), so it answers at once. The table needs every spec's metadata: it comes from the registry's metadata cache
