@@ -236,9 +236,9 @@ def test_a_killed_build_never_hangs_a_later_process_nor_leaves_a_broken_library(
     seconds = built[2]
     rng = random.Random(0)
     killed = 0
-    for sig, group, delay in [(signal.SIGKILL, False, 0.0), (signal.SIGTERM, True, None), (signal.SIGKILL, True, None),
-                              (signal.SIGTERM, False, None), (signal.SIGKILL, False, None),
-                              (signal.SIGTERM, True, None), (signal.SIGKILL, True, None), (signal.SIGTERM, False, 0.0)]:
+    kills = [(signal.SIGKILL, False, 0.0), (signal.SIGTERM, True, None), (signal.SIGKILL, True, None),
+             (signal.SIGTERM, False, None), (signal.SIGKILL, False, None), (signal.SIGTERM, True, 0.0)]
+    for sig, group, delay in kills:  # (signal, to the process group, seconds after the build's first line)
         proc = _start(script, stub, tmp_path)
         assert _wait_for_line(proc, BUILDING, timeout=120)
         time.sleep(rng.uniform(0.0, 1.1 * seconds) if delay is None else delay)
@@ -253,11 +253,11 @@ def test_a_killed_build_never_hangs_a_later_process_nor_leaves_a_broken_library(
         if folder.exists():           # the build was complete when the signal came: it must be whole; start again
             assert _valid(folder), "a folder under the final name holds a broken library"
             shutil.rmtree(folder)
-    assert killed >= 6
+    assert killed >= 4
     procs = [_start(script, stub, tmp_path) for _ in range(2)]
     results = [_finish(p, timeout=120) for p in procs]
     assert all(report["ok"] and report["correct"] for report, _ in results), results
-    assert _builds(*(err for _, err in results)) <= 1
+    assert _builds(*(err for _, err in results)) == 1  # (a complete build was removed after each kill)
 
 
 def _copy(built: tuple[Path, Path, float], to: Path) -> Path:
