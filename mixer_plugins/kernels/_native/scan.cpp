@@ -443,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& x, const c1
                                                    const c10::optional<at::Tensor>& Bb, bool want_final) {
   TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  at::Tensor y = output_zeros(x.sizes(), x.options());
+  at::Tensor y = at::zeros(x.sizes(), x.options());
   at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
                                 : at::empty({0}, x.options());
   return {y, final};
@@ -532,7 +532,7 @@ std::vector<at::Tensor> backward_outputs(const at::Tensor& x, const c10::optiona
                                          at::IntArrayRef dA_shape, bool per_head) {
   const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
   std::vector<at::Tensor> out(10);
-  out[0] = output_zeros(x.sizes(), x.options());
+  out[0] = at::zeros(x.sizes(), x.options());
   const auto empty = at::empty({0}, x.options());
   for (int dir = 0; dir < 2; ++dir) {
     const auto& dt = dir == 0 ? dtf : dtb;
@@ -543,10 +543,10 @@ std::vector<at::Tensor> backward_outputs(const at::Tensor& x, const c10::optiona
       continue;
     }
     const std::vector<int64_t> bc = per_head ? std::vector<int64_t>{B, L, H, Bm->size(3)} : Bm->sizes().vec();
-    out[base] = output_zeros({B, L, H}, x.options());
+    out[base] = at::zeros({B, L, H}, x.options());
     out[base + 1] = at::zeros(dA_shape, x.options());
-    out[base + 2] = output_zeros(bc, x.options());
-    out[base + 3] = output_zeros(bc, x.options());
+    out[base + 2] = at::zeros(bc, x.options());
+    out[base + 3] = at::zeros(bc, x.options());
   }
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
   out[9] = init.has_value() ? at::zeros({B, H, P, N}, x.options()) : empty;

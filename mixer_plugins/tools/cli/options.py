@@ -6,12 +6,15 @@ import ast
 import json
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._text import did_you_mean
 from ...errors import MixerError
-from ...registry import MixerSpec, default_registry
+from ...registry import default_registry  # cheap: the specs (and torch) load when a mixer is looked up
 from .args import CliError
+
+if TYPE_CHECKING:
+    from ...registry import MixerSpec
 
 __all__ = ["parse_option_assignments", "resolve_mixers", "typed_option_value"]
 
