@@ -9,7 +9,9 @@ sequence (``k - 1`` causal, ``(k - 1) // 2`` centred) and ``right = k - 1 - left
 
 Forward: one program computes a (``BLOCK_T`` times, ``BLOCK_C`` channels) tile of one sequence: k shifted, masked
 loads of x (the neighbouring rows come from cache), multiply-adds in float32, the SiLU, one store in x's dtype. x may
-be any strided view (the block passes a slice of its input projection); the output is contiguous.
+be a strided view (the block passes a slice of its input projection; one whose channels are not adjacent is copied
+first); the output is contiguous. The weight goes in taps first ((k, channels), one small copy per call), so that
+each tap's channel vector is one vectorized load.
 
 Backward, with ``g`` the output gradient and ``g' = g silu'(pre)`` (or ``g``): ``dx[s] = sum_j weight[:, j]
 g'[s + left - j]``, ``dweight[:, tap] = sum_{b,t} g'[t] x[t + tap - left]``, ``dbias = sum_{b,t} g'[t]``. With the
@@ -37,11 +39,11 @@ from torch.utils.flop_counter import register_flop_formula
 
 from ..conv.torch import depthwise_conv1d_flops
 from ._common import available, tl, triton
-from .norm import check_grid, persistent_programs
+from .norm import check_grid, on_device, persistent_programs
 
 __all__ = ["MAX_TAPS", "available", "backward_layout", "depthwise_conv1d_triton", "forward_layout"]
 
-#: most taps the kernels take (the backward unrolls k x k multiply-adds with the SiLU); longer kernels run on torch
+#: most taps the kernels take (with the SiLU the backward's work grows as k x k); longer kernels run on torch
 MAX_TAPS = 16
 #: time and channel tile of the forward kernel, and its warps
 FORWARD_TILE = (32, 64, 4)
@@ -236,11 +238,13 @@ def _conv_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, righ
         return out
     batch, length, channels = x.shape
     grid, blocks = forward_layout(batch, length, channels)
+    nt, ncb = blocks.pop("NT"), blocks.pop("NCB")
     x, taps = _channels_last(x), _taps_first(weight)
-    _conv_fwd_kernel[grid](
-        x, taps, taps if bias is None else bias, out, length, channels, blocks.pop("NT"), blocks.pop("NCB"),
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), k, left,
-        HAS_BIAS=bias is not None, SILU=bool(silu), **blocks)
+    with on_device(x.device):
+        _conv_fwd_kernel[grid](
+            x, taps, taps if bias is None else bias, out, length, channels, nt, ncb,
+            x.stride(0), x.stride(1), out.stride(0), out.stride(1), k, left,
+            HAS_BIAS=bias is not None, SILU=bool(silu), **blocks)
     return out
 
 
@@ -255,18 +259,19 @@ def _conv_bwd(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], l
     if dx.numel() == 0:
         return dx, dw.zero_(), db.zero_()
     grid, blocks = backward_layout(batch, length, channels, persistent_programs(x.device))
-    splits = blocks.pop("splits")
+    splits, nt, ncb = blocks.pop("splits"), blocks.pop("NT"), blocks.pop("NCB")
+    items, per = blocks.pop("ITEMS"), blocks.pop("items_per_program")
     block_k = _pow2(k + 1)
     part = torch.empty(splits, k + 1, channels, dtype=torch.float32, device=x.device)
     grad, x, taps = _channels_last(grad), _channels_last(x), _taps_first(weight)
-    _conv_bwd_kernel[grid](
-        grad, x, taps, taps if bias is None else bias, dx, part, length, channels, blocks.pop("NT"), blocks.pop("NCB"),
-        blocks.pop("ITEMS"), blocks.pop("items_per_program"), grad.stride(0), grad.stride(1), x.stride(0),
-        x.stride(1), dx.stride(0), dx.stride(1), k, left,
-        HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_K=block_k, **blocks)
-    _sum_partials_kernel[(_cdiv(channels, blocks["BLOCK_C"]),)](
-        part, dw, dw if bias is None else db, splits, channels, K=k, HAS_BIAS=bias is not None,
-        BLOCK_C=blocks["BLOCK_C"], BLOCK_K=block_k)
+    with on_device(x.device):
+        _conv_bwd_kernel[grid](
+            grad, x, taps, taps if bias is None else bias, dx, part, length, channels, nt, ncb, items, per,
+            grad.stride(0), grad.stride(1), x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), k, left,
+            HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_K=block_k, **blocks)
+        _sum_partials_kernel[(_cdiv(channels, blocks["BLOCK_C"]),)](
+            part, dw, dw if bias is None else db, splits, channels, K=k, HAS_BIAS=bias is not None,
+            BLOCK_C=blocks["BLOCK_C"], BLOCK_K=block_k)
     return dx, dw, db
 
 

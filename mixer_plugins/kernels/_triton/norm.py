@@ -28,18 +28,22 @@ Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this modul
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from ._common import available, tl, triton
 
-__all__ = ["MAX_GRID", "MAX_WIDTH", "available", "backward_programs", "forward_layout", "gated_rmsnorm_triton",
-           "persistent_programs"]
+__all__ = ["MAX_GRID", "MAX_WIDTH", "available", "backward_programs", "check_grid", "forward_grid", "forward_layout",
+           "gated_rmsnorm_triton", "on_device", "persistent_programs"]
 
 #: widest row the kernels take (a row is one register tile); wider rows run on the ``torch`` backend
 MAX_WIDTH = 4096
-#: elements of one program's tile (rows x padded width): a few per thread at the chosen warp count
+#: elements of one program's tile (rows x padded width; one row if wider)
 TILE_ELEMENTS = 2048
+#: elements of a tile per thread (the warps follow, 1 to 16): 4 keeps the backward near 64 registers
+ELEMENTS_PER_THREAD = 4
 #: programs per SM of the backward's persistent grid (each keeps one row of partial gain sums)
 PROGRAMS_PER_SM = 4
 #: programs of a persistent grid off CUDA (the interpreter, or the compile check on CPU tensors)
@@ -58,12 +62,12 @@ def _pow2(n: int) -> int:
 
 def forward_layout(width: int) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_W, num_warps)`` for rows of ``width``: the width padded to a power of two, as many rows as
-    fill :data:`TILE_ELEMENTS`, and one warp per 256 elements of the tile (1 to 16)."""
+    fill :data:`TILE_ELEMENTS`, and the warps that give each thread :data:`ELEMENTS_PER_THREAD` of them (1 to 16)."""
     if width > MAX_WIDTH:
         raise ValueError(f"gated_rmsnorm (triton): width {width} is over the kernels' limit {MAX_WIDTH}")
     block_w = max(16, _pow2(width))
     block_r = max(1, TILE_ELEMENTS // block_w)
-    warps = min(16, max(1, block_r * block_w // 256))
+    warps = min(16, max(1, block_r * block_w // (32 * ELEMENTS_PER_THREAD)))
     return block_r, block_w, warps
 
 
@@ -84,6 +88,11 @@ def persistent_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return PROGRAMS_OFF_CUDA
+
+
+def on_device(device: torch.device):
+    """The context in which to launch kernels on ``device``'s tensors: Triton launches on the current CUDA device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def backward_programs(rows: int, block_r: int, programs: int) -> tuple[int, int]:
@@ -190,9 +199,10 @@ def _norm_fwd(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate
         return out
     y2, z2, o2 = _rows(y, width), _rows(z, width), out.view(-1, width)
     block_r, block_w, warps = forward_layout(width)
-    _norm_fwd_kernel[forward_grid(y2.shape[0], block_r)](
-        y2, z2, weight.contiguous(), o2, y2.shape[0], width, y2.stride(0), z2.stride(0), o2.stride(0), float(eps),
-        BEFORE=bool(norm_before_gate), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
+    with on_device(y.device):
+        _norm_fwd_kernel[forward_grid(y2.shape[0], block_r)](
+            y2, z2, weight.contiguous(), o2, y2.shape[0], width, y2.stride(0), z2.stride(0), o2.stride(0), float(eps),
+            BEFORE=bool(norm_before_gate), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
     return out
 
 
@@ -209,10 +219,11 @@ def _norm_bwd(grad: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float,
     block_r, block_w, warps = forward_layout(width)
     programs, per = backward_programs(rows, block_r, persistent_programs(y.device))
     partial = torch.empty(programs, width, dtype=torch.float32, device=y.device)
-    _norm_bwd_kernel[check_grid(programs, "gated_rmsnorm backward (triton)")](
-        g2, y2, z2, weight.contiguous(), dy2, dz2, partial, rows, width, per,
-        g2.stride(0), y2.stride(0), z2.stride(0), dy2.stride(0), dz2.stride(0), float(eps),
-        BEFORE=bool(norm_before_gate), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
+    with on_device(y.device):
+        _norm_bwd_kernel[check_grid(programs, "gated_rmsnorm backward (triton)")](
+            g2, y2, z2, weight.contiguous(), dy2, dz2, partial, rows, width, per,
+            g2.stride(0), y2.stride(0), z2.stride(0), dy2.stride(0), dz2.stride(0), float(eps),
+            BEFORE=bool(norm_before_gate), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
     return dy, dz, partial.sum(0).to(weight.dtype)
 
 
