@@ -247,6 +247,23 @@ def test_conv_empty_and_refusals():
                                  None, causal=True, backend="triton")
 
 
+# -- dispatch --------------------------------------------------------------------------------------------------
+
+@needs_kernels
+@pytest.mark.parametrize("op", ["norm", "conv"])
+def test_dispatcher_picks_triton_first_on_cuda_only(op):
+    import importlib
+
+    from mixer_plugins.kernels import _dispatch
+
+    rows = {(r.op, r.backend, r.device): r for r in kernels.backend_report(devices=["cuda", "cpu"])}
+    assert rows[op, "triton", "cuda"].automatic and not rows[op, "triton", "cpu"].automatic
+    priorities = {name: b.priority for name, b in _dispatch._backends_of(op).items()}
+    assert priorities["triton"] > max(p for name, p in priorities.items() if name != "triton" and p is not None)
+    # CPU tensors (even under the interpreter): the automatic choice is the torch backend
+    assert kernels.resolve_backend(op, None, "cpu") is importlib.import_module(f"mixer_plugins.kernels.{op}.torch").impl
+
+
 # -- torch.compile ---------------------------------------------------------------------------------------------
 
 @needs_kernels
