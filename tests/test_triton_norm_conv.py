@@ -260,8 +260,9 @@ def test_dispatcher_picks_triton_first_on_cuda_only(op):
     assert rows[op, "triton", "cuda"].automatic and not rows[op, "triton", "cpu"].automatic
     priorities = {name: b.priority for name, b in _dispatch._backends_of(op).items()}
     assert priorities["triton"] > max(p for name, p in priorities.items() if name != "triton" and p is not None)
-    # CPU tensors (even under the interpreter): the automatic choice is the torch backend
-    assert kernels.resolve_backend(op, None, "cpu") is importlib.import_module(f"mixer_plugins.kernels.{op}.torch").impl
+    # CPU tensors (even under the interpreter): never the Triton backend
+    assert kernels.resolve_backend(op, None, "cpu") is not importlib.import_module(
+        f"mixer_plugins.kernels.{op}.triton").impl
 
 
 # -- torch.compile ---------------------------------------------------------------------------------------------
