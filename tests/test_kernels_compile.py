@@ -92,6 +92,11 @@ OP_CHECKS = {
     # the Triton scan (CUDA, or CPU under TRITON_INTERPRET=1 in a fresh interpreter)
     "mixer_plugins::quasiseparable_triton": "test_opcheck_triton_scan_ops_under_the_interpreter",
     "mixer_plugins::quasiseparable_triton_backward": "test_opcheck_triton_scan_ops_under_the_interpreter",
+    # the Triton norm and convolution (likewise)
+    "mixer_plugins::gated_rmsnorm_triton": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
+    "mixer_plugins::gated_rmsnorm_triton_backward": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
+    "mixer_plugins::depthwise_conv1d_triton": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
+    "mixer_plugins::depthwise_conv1d_triton_backward": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
 }
 
 
@@ -127,8 +132,9 @@ def test_every_custom_op_is_opchecked():
 
     for name in mp.list_mixers():  # every mixer's module, and the kernels they import
         mp.get_spec(name)
-    with __import__("contextlib").suppress(ImportError):
-        importlib.import_module("mixer_plugins.kernels.scan.triton_kernels")
+    for module in ("scan.triton_kernels", "_triton.norm", "_triton.conv"):
+        with __import__("contextlib").suppress(ImportError):
+            importlib.import_module(f"mixer_plugins.kernels.{module}")
     ops = {op for op in torch._C._dispatch_get_all_op_names() if op.startswith("mixer_plugins::")}
     assert ops - set(OP_CHECKS) == set(), f"custom ops without an opcheck test: {sorted(ops - set(OP_CHECKS))}"
     assert {op for op in OP_CHECKS if "triton" not in op} <= ops
@@ -170,6 +176,73 @@ same_layout(bwd, bargs)
 torch.library.opcheck(bwd, bargs, test_utils=("test_schema", "test_faketensor"))
 print("ok")
 """
+
+
+def _run_script_under_the_interpreter(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (Triton reads it when its kernels are
+    defined); it must print ``ok`` last."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+
+
+_TRITON_NORM_CONV_OPCHECK = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+import mixer_plugins.kernels._triton.conv  # registers the ops (kernels defined in interpreter mode)
+import mixer_plugins.kernels._triton.norm
+
+def same_layout(op, args):
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
+    for r, f in zip(tree_leaves(real), tree_leaves(fake), strict=True):
+        assert (r.shape, r.dtype, r.stride(), r.storage_offset()) == (f.shape, f.dtype, f.stride(),
+                                                                       f.storage_offset()), (op, r.shape, f.shape)
+
+g = torch.Generator().manual_seed(0)
+ops = torch.ops.mixer_plugins
+# the norm on strided rows (a slice of wider ones), in bfloat16 with a float32 gain
+y = torch.randn(3, 4, 12, generator=g)[..., :9].to(torch.bfloat16)
+z, w = torch.randn(3, 4, 9, generator=g).to(torch.bfloat16), torch.randn(9, generator=g)
+for before in (True, False):
+    args = (y.requires_grad_(), z.requires_grad_(), w.requires_grad_(), 1e-5, before)
+    same_layout(ops.gated_rmsnorm_triton.default, args)
+    torch.library.opcheck(ops.gated_rmsnorm_triton.default, args)
+    bargs = (torch.randn(3, 4, 9, generator=g).to(torch.bfloat16), y.detach(), z.detach(), w.detach(), 1e-5, before)
+    same_layout(ops.gated_rmsnorm_triton_backward.default, bargs)
+    torch.library.opcheck(ops.gated_rmsnorm_triton_backward.default, bargs)
+# the convolution on a channel slice, centred with a bias and causal without
+x = torch.randn(2, 11, 8, generator=g)[..., 1:6]
+for k, left, bias in ((3, 1, torch.randn(5, generator=g)), (4, 3, None)):
+    wk = torch.randn(5, k, generator=g)
+    args = (x.requires_grad_(), wk.requires_grad_(), None if bias is None else bias.requires_grad_(), left,
+            k - 1 - left, True)
+    same_layout(ops.depthwise_conv1d_triton.default, args)
+    torch.library.opcheck(ops.depthwise_conv1d_triton.default, args)
+    bargs = (torch.randn(2, 11, 5, generator=g), x.detach(), wk.detach(), None if bias is None else bias.detach(),
+             left, k - 1 - left, True)
+    same_layout(ops.depthwise_conv1d_triton_backward.default, bargs)
+    torch.library.opcheck(ops.depthwise_conv1d_triton_backward.default, bargs)
+print("ok")
+"""
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_opcheck_triton_norm_conv_ops_under_the_interpreter():
+    """The Triton norm's and convolution's forward and backward ops under opcheck (schema, fake kernels, autograd
+    registration, AOT dispatch), their fake kernels with the real kernels' strides."""
+    _run_script_under_the_interpreter(_TRITON_NORM_CONV_OPCHECK)
 
 
 @pytest.mark.triton
