@@ -199,7 +199,7 @@ def test_env_reports_versions_devices_and_backends(capsys):
     assert report["versions"]["torch"] == torch.__version__.split("+")[0]
     assert report["devices"]["cuda_available"] == torch.cuda.is_available()
     rows = report["kernels"]
-    assert {"ssd", "quasiseparable", "toeplitz"} <= {r["op"] for r in rows}
+    assert {"scan", "toeplitz", "conv", "norm"} <= {r["op"] for r in rows}
     for row in rows:
         assert row["available"] or row["reason"], row          # every refusal says why
     cpu_ops = {r["op"] for r in rows if r["device"] == "cpu"}
