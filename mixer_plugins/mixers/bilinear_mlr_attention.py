@@ -217,5 +217,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2 sum_l r_l p_l)",
     data_dependent="yes",
-    test_options={"num_heads": 2, "ranks": [8, 4, 4]},
+    # Ranks left to their default (the head dim split over 4 levels), so the options fit any dim divisible by 8.
+    test_options={"num_heads": 2},
 )
