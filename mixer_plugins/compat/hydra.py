@@ -42,8 +42,13 @@ class Hydra(QuasiseparableMixer):
 
     Arguments are the released ones (``headdim``, ``bias`` etc. keep its names); ``activation`` must be ``"silu"``
     or ``"swish"`` (the released code asserts the same). ``forward(u)`` maps (batch, length, d_model) to the same
-    shape; ``mask=`` (bool (batch, length), right-padded) is our addition.
+    shape; ``mask=`` (bool (batch, length), right-padded) is our addition. Its ``state_dict`` has exactly the released
+    keys: unlike our mixers it records no name and options (so it does not check them on load either).
     """
+
+    # The released key set: no extra-state record.
+    get_extra_state = torch.nn.Module.get_extra_state
+    set_extra_state = torch.nn.Module.set_extra_state
 
     def __init__(self, d_model: int, d_state: int = 64, d_conv: int = 7, conv_init: Optional[float] = None,
                  expand: int = 2, headdim: int = 64, ngroups: int = 1, dt_min: float = 0.001, dt_max: float = 0.1,
