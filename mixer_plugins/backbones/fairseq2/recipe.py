@@ -180,12 +180,17 @@ def resumable_steps(checkpoint_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def step_metadata(resolver, checkpoint_dir: Path, step_nr: int) -> tuple[dict | None, Path | None]:
+def step_metadata(resolver, checkpoint_dir: Path, step_nr: int, *,
+                  fields: set[str] | None = None) -> tuple[dict | None, Path | None]:
     """The model metadata step ``step_nr`` was trained with, and the file it came from: the step's own copy, else the
-    folder's ``model.yaml`` (runs saved before steps kept a copy); (None, None) when neither can be read."""
+    folder's ``model.yaml`` (runs saved before steps kept a copy); (None, None) when neither can be read.
+
+    With ``fields`` (the fields of the model config being compared), a file whose config has other fields is taken
+    for cut (YAML cut between two lines still parses, with the last fields missing) and skipped.
+    """
     for path in (Path(checkpoint_dir) / f"step_{step_nr}" / MODEL_METADATA, Path(checkpoint_dir) / MODEL_METADATA):
         saved = read_model_metadata(resolver, path)
-        if saved is not None:
+        if saved is not None and (fields is None or set(saved["model_config"]) == fields):
             return saved, path
     return None, None
 
@@ -233,12 +238,12 @@ def check_checkpoint_dir(resolver) -> None:
         "model", model_config, section.config_overrides)
     wanted = {"name": "checkpoint", "model_family": family.name,
               "model_config": resolver.resolve(ValueConverter).unstructure(model_config)}
-    saved, source = step_metadata(resolver, ckpt_dir, steps[-1])
+    [wanted] = _yaml_round_trip(resolver, wanted)
+    saved, source = step_metadata(resolver, ckpt_dir, steps[-1], fields=set(wanted["model_config"]))
     if saved is None:
         log.warning("The model config of step {} in {} cannot be read (no intact model.yaml); resuming from it, and "
                     "fairseq2's strict load will refuse weights that do not fit the model.", steps[-1], ckpt_dir)
         return
-    [wanted] = _yaml_round_trip(resolver, wanted)
     if (saved.get("model_family"), saved.get("model_config")) == (wanted["model_family"], wanted["model_config"]):
         return  # the same model: fairseq2 resumes from the last step
     old, new = saved["model_config"], wanted["model_config"]
