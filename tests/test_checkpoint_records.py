@@ -101,6 +101,8 @@ def test_same_mixer_and_options_load_and_old_checkpoints_without_the_record_too(
 def test_options_that_do_not_change_the_weights_meaning_may_differ():
     state = build("quasiseparable", chunk_size=8).state_dict()
     build("quasiseparable", chunk_size=32).load_state_dict(state)
+    state = build("quasiseparable", conv_init=0.01, dt_min=0.01, A_init_range=(1.0, 4.0)).state_dict()
+    build("quasiseparable").load_state_dict(state)  # initialisation only: the loaded weights replace the draws
     state = build("mlr_attention", attn_dropout=0.1).state_dict()
     build("mlr_attention").load_state_dict(state)
     # max_seq_len does not matter to a mixer that runs at any length (hosts set it from their own size) ...
@@ -156,3 +158,19 @@ def test_the_hydra_drop_in_keeps_the_released_key_set():
     from mixer_plugins.compat import Hydra
 
     assert not any(k.endswith("_extra_state") for k in Hydra(16, d_state=4, headdim=8).state_dict())
+
+
+def test_timm_models_refuse_a_checkpoint_of_another_mixer():
+    timm = pytest.importorskip("timm")
+    import mixer_plugins.backbones.timm  # noqa: F401  (registers the mixer ViTs)
+
+    small = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+    options = dict(head_dim=16, d_state=8)
+    source = timm.create_model("vit_tiny", mixer="quasiseparable", mixer_options=options, **small)
+    state = source.state_dict()
+    assert "blocks.0.attn.mixer._extra_state" in state
+    same = timm.create_model("vit_tiny", mixer="quasi", mixer_options=options, **small)
+    same.load_state_dict(state)
+    other = timm.create_model("vit_tiny", mixer="quasiseparable_no_shift", mixer_options=options, **small)
+    with pytest.raises(MixerCheckpointMismatchError, match=r"^blocks\.0\.attn\.mixer: .*'quasiseparable_no_shift'"):
+        other.load_state_dict(state)

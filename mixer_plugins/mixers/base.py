@@ -36,8 +36,9 @@ tensor of UTF-8 JSON naming the mixer (its registry name, or its class when it w
 its options. A tensor, so every checkpoint path that expects tensors only (fairseq2's,
 ``torch.load(weights_only=True)``, ``torch.distributed.checkpoint``) carries it unchanged. ``load_state_dict``
 compares it with the mixer being loaded and raises :class:`MixerCheckpointMismatchError`, naming both, when the
-checkpoint holds another mixer or other options (``chunk_size`` and dropout rates excepted: they do not change what
-trained weights compute, and neither does ``max_seq_len`` for a mixer that runs at any length).
+checkpoint holds another mixer or other options (``chunk_size``, dropout rates and initialisation-only options
+excepted, see :data:`CHECKPOINT_FREE_OPTIONS`: they do not change what trained weights compute, and neither does
+``max_seq_len`` for a mixer that runs at any length).
 
 A checkpoint without the entry (saved before mixers recorded themselves, or converted from other code) loads as
 before, without the check. To load weights into another mixer on purpose, drop the records first:
@@ -73,8 +74,11 @@ __all__ = [
 #: The state_dict key (after the module's prefix) of a mixer's record: PyTorch's extra-state entry.
 RECORD_KEY = "_extra_state"
 _RECORD_FORMAT = "mixer-plugins/1"
-#: Options that never change what trained weights compute, so checkpoints may differ in them.
-CHECKPOINT_FREE_OPTIONS = frozenset({"chunk_size", "dropout", "attn_dropout"})
+#: Options that never change what trained weights compute, so checkpoints may differ in them: how the result is
+#: computed (``chunk_size``), training-time noise (dropout rates) and initialisation only (the loaded weights replace
+#: what they drew).
+CHECKPOINT_FREE_OPTIONS = frozenset({"chunk_size", "dropout", "attn_dropout", "dt_min", "dt_max", "dt_init_floor",
+                                     "A_init_range", "conv_init"})
 
 
 class MixerCheckpointMismatchError(MixerError):
