@@ -170,12 +170,13 @@ def save_step_metadata(checkpoint_dir: Path, step_nr: int) -> None:
     os.replace(tmp, target)
 
 
-def resumable_steps(checkpoint_dir: Path) -> list[int]:
-    """The steps fairseq2 can resume from (full checkpoints: a ``trainer`` folder), in order."""
+def saved_steps(checkpoint_dir: Path) -> list[int]:
+    """The steps saved in ``checkpoint_dir`` (``step_N`` folders; a step still being written is ``step_N.tmp``), in
+    order. fairseq2 resumes from the last full one and overwrites a step it saves again, so each of them is at stake."""
     steps = []
     for path in Path(checkpoint_dir).glob("step_*"):
         suffix = path.name[len("step_"):]
-        if path.is_dir() and suffix.isdigit() and (path / "trainer").is_dir():
+        if path.is_dir() and suffix.isdigit():
             steps.append(int(suffix))
     return sorted(steps)
 
@@ -208,8 +209,8 @@ def _yaml_round_trip(resolver, obj: object) -> list[object]:
 def check_checkpoint_dir(resolver) -> None:
     """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
 
-    The config compared is the one the step fairseq2 would resume was trained with (``step_N/model.yaml``; for runs
-    saved before steps kept a copy, the folder's ``model.yaml``), never a file fairseq2 rewrites at start: an empty
+    The config compared is the one the last saved step was trained with (``step_N/model.yaml``; for runs saved before
+    steps kept a copy, the folder's ``model.yaml``), never a file fairseq2 rewrites at start: an empty
     or cut ``checkpoints/model.yaml`` (a start killed while writing it) does not make a resumable folder look foreign.
     With ``overwrite_checkpoints=true`` checkpoints of another config are deleted instead.
     """
@@ -225,7 +226,7 @@ def check_checkpoint_dir(resolver) -> None:
     if section.path is not None or section.name is not None or section.family is None:
         return  # not a new model of ours: fairseq2's own checks apply
     ckpt_dir = Path(resolver.resolve(CheckpointDir).path or context.output_dir.joinpath("checkpoints"))
-    steps = resumable_steps(ckpt_dir)
+    steps = saved_steps(ckpt_dir)
     if not steps:
         return  # no saved step to lose
     family = DependencyLookup(resolver, ModelFamily).maybe_get(section.family)
