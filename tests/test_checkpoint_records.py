@@ -174,3 +174,38 @@ def test_timm_models_refuse_a_checkpoint_of_another_mixer():
     other = timm.create_model("vit_tiny", mixer="quasiseparable_no_shift", mixer_options=options, **small)
     with pytest.raises(MixerCheckpointMismatchError, match=r"^blocks\.0\.attn\.mixer: .*'quasiseparable_no_shift'"):
         other.load_state_dict(state)
+
+
+def test_records_of_other_library_versions_compare_by_defaults_and_new_names():
+    """A checkpoint saved before an option existed loads while the mixer keeps that option's default (what the
+    library did then), and an option saved under a name since deprecated is read under its new name."""
+    from mixer_plugins.mixers.base import _encode
+
+    source = build("mlr_attention")
+    state = source.state_dict()
+    record = read_mixer_record(state["_extra_state"])
+    older = {**record, "options": {k: v for k, v in record["options"].items() if k != "ln_bias"}}
+    state["_extra_state"] = _encode(older)
+    build("mlr_attention").load_state_dict(state)
+    with pytest.raises(MixerCheckpointMismatchError, match=r"ln_bias: \(not in the checkpoint: its default False\)"):
+        build("mlr_attention", ln_bias=True).load_state_dict(strip_mixer_records(state) | {
+            "_extra_state": state["_extra_state"], "q_norm.bias": torch.zeros(16, dtype=torch.float64),
+            "k_norm.bias": torch.zeros(16, dtype=torch.float64)})
+    # a renamed option (a config's deprecated_aliases: old name -> new name) is read under its new name
+    from typing import ClassVar
+
+    from mixer_plugins.mixers.base import record_differences
+
+    class Renamed(mp.MixerConfig):
+        deprecated_aliases: ClassVar[dict[str, str]] = {"old_width": "width"}
+        width: int = 4
+
+    own = {"mixer": "m", "class": "M", "options": {"dim": 8, "width": 6}}
+    saved = {"mixer": "m", "class": "M", "options": {"dim": 8, "old_width": 6}}
+    assert record_differences(saved, own, length_free=True, config_class=Renamed) == []
+
+    class NotRenamed(mp.MixerConfig):
+        width: int = 4
+
+    assert record_differences(saved, own, length_free=True, config_class=NotRenamed) == [
+        "width: (not in the checkpoint: its default 4) -> 6"]

@@ -61,6 +61,8 @@ from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_
 from ..registry.spec import MixerConfig
 
 __all__ = [
+    "CHECKPOINT_FREE_OPTIONS",
+    "RECORD_KEY",
     "MatrixMixer",
     "MixerCheckpointMismatchError",
     "MixerContext",
@@ -68,6 +70,7 @@ __all__ = [
     "check_mixer_input",
     "mixer_record",
     "read_mixer_record",
+    "record_differences",
     "strip_mixer_records",
 ]
 
@@ -138,22 +141,37 @@ def _describe(record: Mapping[str, Any]) -> str:
     return repr(record.get("mixer") or record.get("class"))
 
 
-def record_differences(saved: Mapping[str, Any], own: Mapping[str, Any], *, length_free: bool) -> list[str]:
-    """What differs between a saved record and a mixer's own (empty: compatible). ``length_free``: the mixer runs at
-    any length, so ``max_seq_len`` does not matter."""
-    problems = []
+def record_differences(saved: Mapping[str, Any], own: Mapping[str, Any], *, length_free: bool,
+                       config_class: type | None = None) -> list[str]:
+    """What differs between a saved record and a mixer's own (empty: compatible).
+
+    ``length_free``: the mixer runs at any length, so ``max_seq_len`` does not matter. ``config_class`` (the mixer's
+    config model) lets records of other library versions compare: a renamed option is read under its new name, and
+    an option the checkpoint does not know (added later) matches when the mixer has its default, which is what
+    the library did before the option existed. An option the mixer no longer has is not compared.
+    """
     if saved.get("mixer") and own.get("mixer"):
         if saved["mixer"] != own["mixer"]:
-            problems.append(f"mixer {saved['mixer']!r} -> {own['mixer']!r}")
+            return [f"mixer {saved['mixer']!r} -> {own['mixer']!r}"]
     elif saved.get("class") != own.get("class"):
-        problems.append(f"class {saved.get('class')!r} -> {own.get('class')!r}")
+        return [f"class {saved.get('class')!r} -> {own.get('class')!r}"]
+    aliases = config_class.all_deprecated_aliases() if hasattr(config_class, "all_deprecated_aliases") else {}
+    fields = getattr(config_class, "model_fields", {})
+    old = {aliases.get(k, k): v for k, v in saved.get("options", {}).items()}
+    new = own.get("options", {})
     free = CHECKPOINT_FREE_OPTIONS | ({"max_seq_len"} if length_free else set())
-    old, new = saved.get("options", {}), own.get("options", {})
-    for key in sorted(set(old) | set(new)):
-        if key not in free and old.get(key, "<absent>") != new.get(key, "<absent>"):
-            problems.append(f"{key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
+    problems = []
+    for key in sorted(new):
+        if key in free:
+            continue
+        if key in old:
+            if old[key] != new[key]:
+                problems.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        elif key in fields and not fields[key].is_required():
+            default = _plain(fields[key].get_default(call_default_factory=True))
+            if new[key] != default:
+                problems.append(f"{key}: (not in the checkpoint: its default {default!r}) -> {new[key]!r}")
     return problems
-
 
 
 @dataclasses.dataclass(eq=False)
@@ -365,7 +383,8 @@ def _check_record_on_load(module: nn.Module, state_dict: dict[str, Any], prefix:
             "checkpoint was altered. Drop it to load the weights without the check"
         )
     own = mixer_record(module)
-    problems = record_differences(saved, own, length_free=getattr(module, "max_seq_len", None) is None)
+    problems = record_differences(saved, own, length_free=getattr(module, "max_seq_len", None) is None,
+                                  config_class=type(getattr(module, "config", None)))
     if problems:
         where = prefix[:-1] or "the mixer"
         raise MixerCheckpointMismatchError(

@@ -111,7 +111,8 @@ def with_mixer_records(factory: Callable[[Any], Module],
             if saved is None:
                 raise MixerCheckpointMismatchError(f"{key!r} in the checkpoint is not a mixer-plugins record")
             module = model.get_submodule(key.rsplit(".", 1)[0])
-            problems = record_differences(saved, own, length_free=getattr(module, "max_seq_len", None) is None)
+            problems = record_differences(saved, own, length_free=getattr(module, "max_seq_len", None) is None,
+                                          config_class=type(getattr(module, "config", None)))
             if problems:
                 raise MixerCheckpointMismatchError(
                     f"{key.rsplit('.', 1)[0]}: the checkpoint holds mixer {saved.get('mixer') or saved.get('class')!r}"
