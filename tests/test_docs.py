@@ -6,6 +6,7 @@
 * Every ```pycon block is a transcript: each ``>>>`` statement runs and what it prints, or the exception it raises
   (``TypeName: message``), must match the lines below it (``...`` matches anything).
 * The README's quick start and the plugin example do what the text says; facts the text states about them hold.
+  The plugin guide's package, taken file by file from the page, installs and passes the conformance kit.
 * Links between pages resolve, no paragraph or heading is written twice, and ``mkdocs build --strict`` passes.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
+import os
 import re
 import shlex
 import subprocess
@@ -266,6 +269,64 @@ def test_plugin_example_passes_the_kit(doc_env):
         assert all(r.passed for r in check_mixer("causal_mean"))
     finally:
         mp.unregister_mixer("causal_mean")
+
+
+def plugin_package_files() -> dict[str, str]:
+    """The plugin guide's package: every code block of docs/plugins.md whose first line is ``# <file path>``."""
+    files = {}
+    for block in blocks(DOCS / "plugins.md"):
+        named = re.fullmatch(r"# ([\w.-]+(?:/[\w.-]+)*\.(?:py|toml))", block.first_line.strip())
+        if named:
+            assert named.group(1) not in files, f"{block.where}: {named.group(1)} is given twice"
+            files[named.group(1)] = block.source
+    return files
+
+
+_PLUGIN_CHECK = """
+import json, sys, warnings
+import torch, timm
+import mixer_plugins as mp
+from mixer_plugins.testing import check_mixer
+
+spec = mp.get_spec("running_mean")
+results = check_mixer("causal_mean", raise_on_failure=False)
+with warnings.catch_warnings():
+    warnings.simplefilter("error")   # average pooling: no warning about a class token a causal mixer hides
+    model = timm.create_model("vit_tiny", mixer="causal_mean", class_token=False, global_pool="avg",
+                              img_size=32, patch_size=8, depth=2, num_classes=3)
+out = model(torch.randn(2, 3, 32, 32))
+print(json.dumps({"name": spec.name, "distribution": spec.distribution,
+                  "module": type(model.blocks[0].attn.mixer).__module__,
+                  "failed": [f"{r.check}: {r.message}" for r in results if not r.passed], "checks": len(results),
+                  "shape": list(out.shape), "finite": bool(torch.isfinite(out).all())}))
+"""
+
+
+@pytest.mark.slow  # pip builds and installs the package, then a fresh interpreter imports torch and timm
+def test_plugin_guide_package_installs_passes_the_kit_and_goes_into_timm(tmp_path):
+    """The package of docs/plugins.md, exactly as the page gives it, installed offline (no build isolation, so the
+    build backend must be installed: the dev extra has hatchling) into a folder put on ``PYTHONPATH``: its entry
+    point is found from the installed metadata, the kit passes and timm builds a ViT with it."""
+    pytest.importorskip("hatchling", reason="the guide's package builds with hatchling (the dev extra installs it)")
+    files = plugin_package_files()
+    assert set(files) == {"pyproject.toml", "my_mixers/__init__.py"}, sorted(files)
+    project, site = tmp_path / "my-mixers", tmp_path / "site"
+    for name, text in files.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text, encoding="utf-8")
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                              "--disable-pip-version-check", "--target", str(site), str(project)],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(REPO),
+                                                                     os.environ.get("PYTHONPATH", "")]))}
+    out = subprocess.run([sys.executable, "-c", _PLUGIN_CHECK], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (report["name"], report["distribution"], report["module"]) == ("causal_mean", "my-mixers", "my_mixers")
+    assert report["failed"] == [] and report["checks"] >= 10
+    assert report["shape"] == [2, 3] and report["finite"]
 
 
 def test_mlbtc_cost_claim_holds(doc_env):

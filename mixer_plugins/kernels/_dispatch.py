@@ -2,7 +2,7 @@
 
 An op is a folder, ``kernels/<op>/``, whose ``__init__.py`` holds the public function and ends with
 ``discover_backends(<op>, __name__)``. Every module of that folder named after a backend in :data:`BACKENDS`
-(``reference.py``, ``torch.py``, ``triton.py``, ``mamba_ssm.py``) is imported then and registers one
+(``reference.py``, ``torch.py``, ``native.py``, ``triton.py``, ``mamba_ssm.py``) is imported then and registers one
 :class:`Backend`: its name, its ``impl`` (called with the op's typed argument bundle), its priority for the
 automatic choice and a ``check`` that says why it cannot run here (or ``None`` when it can). Adding a backend
 is adding one such module; nothing else names it. A backend module imports its third-party package (mamba-ssm,
@@ -15,11 +15,15 @@ Choosing, in order:
   variable: that backend for every op that has one (an op that has none makes its automatic choice);
   :class:`BackendUnavailableError` where the op has it but it cannot run here;
 * otherwise the automatic choice: the available backend of highest ``priority`` (``triton`` 40, ``mamba_ssm``
-  30, ``torch`` 10, so on CUDA: triton, then mamba_ssm, then torch; ``reference`` has none and is never chosen
-  automatically; the Triton interpreter is for tests and is never chosen automatically off CUDA).
+  30, ``native`` 20, ``torch`` 10, so on CUDA: triton, then mamba_ssm, then torch; on CPU: native, then torch;
+  ``reference`` has none and is never chosen automatically; the Triton interpreter is for tests and is never
+  chosen automatically off CUDA).
 
-Under ``torch.compile`` the choice is ``backend`` or ``torch`` (our custom ops), without probing: imports
-cannot be traced. :func:`backend_report` lists, per op and device, which backends can run and why not.
+Every check looks at the device, the dtypes, the shapes and which options are given, never at tensor values (a
+value probe would be a device sync on a GPU). Under ``torch.compile`` and ``torch.export`` the choice is made the
+same way while tracing: a compiled model on CUDA runs our Triton custom ops, on CPU the ``torch`` backend (the
+``native`` engine runs eagerly only). :func:`backend_report` lists, per op and device, which backends can run and
+why not.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("reference", "torch", "triton", "mamba_ssm")
+BACKENDS = ("reference", "torch", "native", "triton", "mamba_ssm")
 """Every backend name an op may have (a backend module's file name is one of these)."""
 
 ENV_VAR = "MIXER_PLUGINS_BACKEND"
@@ -196,11 +200,6 @@ def resolve_backend(op: str, backend: str | None, device: torch.device | str, ar
     """The implementation of ``op`` to run: ``backend``, the preferred one, or the automatic choice (see the
     module notes). ``args``, the call's argument bundle, lets a backend refuse inputs it cannot handle."""
     impls = _backends_of(op)
-    if torch.compiler.is_compiling():
-        chosen = backend or "torch"
-        if chosen not in impls:
-            raise BackendUnavailableError(f"op {op!r} has no {chosen!r} implementation")
-        return impls[chosen].impl
     device = torch.device(device)
     if backend is None:
         preferred = getattr(_local, "backend", None) or os.environ.get(ENV_VAR) or None

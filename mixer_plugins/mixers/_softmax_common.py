@@ -9,7 +9,7 @@ projections. The masks live in :mod:`mixer_plugins.layers.masks`.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,6 @@ __all__ = [
 
 class SoftmaxMixerConfig(MixerConfig):
     """Options every structured softmax mixer has."""
-
-    deprecated_aliases: ClassVar[dict[str, str]] = {"bias": "proj_bias"}
 
     num_heads: int = Field(8, gt=0, description="number of heads (value heads of width dim // num_heads)")
     causal: bool = Field(False, description="mask future positions (decoder-style attention)")
