@@ -13,10 +13,6 @@ import torch
 
 import mixer_plugins as mp
 
-# The chunked scan's dispatch reads its inputs' values (a finiteness probe choosing the factored path).
-_SCAN_PROBE = pytest.mark.xfail(strict=True, reason="value probe in the scan dispatch; removed by the scan rewrite")
-_SCAN_MIXERS = {"bidirectional_add", "bidirectional_concat", "bidirectional_mult", "quasiseparable",
-                "quasiseparable_no_diag", "quasiseparable_no_shift", "semiseparable"}
 # The local-attention and MLR ops check that a mask is right-padded by reading it (kernels/_checks.py).
 _MASK_CHECK = pytest.mark.xfail(
     strict=True, reason="the kernels' right-padding check of the mask (kernels/_checks.py) reads the mask's values")
@@ -26,11 +22,7 @@ _MASK_CHECK_MIXERS = {"sliding_window_attention", "global_local_attention", "mlr
 def _cases():
     for name in mp.list_mixers():
         for masked in (False, True):
-            marks = []
-            if name in _SCAN_MIXERS:
-                marks.append(_SCAN_PROBE)
-            elif masked and name in _MASK_CHECK_MIXERS:
-                marks.append(_MASK_CHECK)
+            marks = [_MASK_CHECK] if masked and name in _MASK_CHECK_MIXERS else []
             yield pytest.param(name, masked, marks=marks, id=f"{name}-{'mask' if masked else 'nomask'}")
 
 

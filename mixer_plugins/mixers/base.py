@@ -146,18 +146,17 @@ def record_differences(saved: Mapping[str, Any], own: Mapping[str, Any], *, leng
     """What differs between a saved record and a mixer's own (empty: compatible).
 
     ``length_free``: the mixer runs at any length, so ``max_seq_len`` does not matter. ``config_class`` (the mixer's
-    config model) lets records of other library versions compare: a renamed option is read under its new name, and
-    an option the checkpoint does not know (added later) matches when the mixer has its default, which is what
-    the library did before the option existed. An option the mixer no longer has is not compared.
+    config model) lets records of other library versions compare: an option the checkpoint does not know (added
+    later) matches when the mixer has its default, which is what the library did before the option existed. An
+    option the mixer no longer has is not compared.
     """
     if saved.get("mixer") and own.get("mixer"):
         if saved["mixer"] != own["mixer"]:
             return [f"mixer {saved['mixer']!r} -> {own['mixer']!r}"]
     elif saved.get("class") != own.get("class"):
         return [f"class {saved.get('class')!r} -> {own.get('class')!r}"]
-    aliases = config_class.all_deprecated_aliases() if hasattr(config_class, "all_deprecated_aliases") else {}
     fields = getattr(config_class, "model_fields", {})
-    old = {aliases.get(k, k): v for k, v in saved.get("options", {}).items()}
+    old = saved.get("options", {})
     new = own.get("options", {})
     free = CHECKPOINT_FREE_OPTIONS | ({"max_seq_len"} if length_free else set())
     problems = []
