@@ -100,7 +100,7 @@ def mixer_record(mixer: nn.Module) -> dict[str, Any]:
     ``options`` its validated config (``dim`` included).
     """
     config = getattr(mixer, "config", None)
-    options = config.model_dump() if hasattr(config, "model_dump") else {}
+    options = config.model_dump() if isinstance(config, MixerConfig) else {}
     return {"format": _RECORD_FORMAT, "mixer": getattr(mixer, "mixer_name", None),
             "class": type(mixer).__qualname__, "options": _plain(options)}
 

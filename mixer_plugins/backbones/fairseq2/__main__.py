@@ -68,12 +68,13 @@ def config_error_line(error: BaseException) -> str:
     without the generic wrappers fairseq2 adds around them."""
     messages = []
     seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        text = re.sub(r"<class '(?:[\w]+\.)*(\w+)'>", r"\1", " ".join(str(error).split()))
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = re.sub(r"<class '(?:[\w]+\.)*(\w+)'>", r"\1", " ".join(str(current).split()))
         if text and not text.startswith(("Recipe configuration cannot be", "Value cannot be structured to")):
             messages.append(text.rstrip("."))
-        error = error.__cause__ or error.__context__
+        current = current.__cause__ or current.__context__
     return "the recipe configuration is not valid: " + (": ".join(messages) or "it cannot be parsed")
 
 

@@ -237,9 +237,11 @@ def check_checkpoint_dir(resolver) -> None:
         return  # fairseq2 reports the unknown arch
     model_config = resolver.resolve(_AssetConfigOverrider).apply_overrides(
         "model", model_config, section.config_overrides)
-    wanted = {"name": "checkpoint", "model_family": family.name,
-              "model_config": resolver.resolve(ValueConverter).unstructure(model_config)}
-    [wanted] = _yaml_round_trip(resolver, wanted)
+    # in the form model.yaml is read back in (through fairseq2's YAML dumper and loader)
+    [round_tripped] = _yaml_round_trip(resolver, {
+        "name": "checkpoint", "model_family": family.name,
+        "model_config": resolver.resolve(ValueConverter).unstructure(model_config)})
+    wanted: dict = round_tripped if isinstance(round_tripped, dict) else {}
     saved, source = step_metadata(resolver, ckpt_dir, steps[-1], fields=set(wanted["model_config"]))
     if saved is None:
         log.warning("The model config of step {} in {} cannot be read (no intact model.yaml); resuming from it, and "
