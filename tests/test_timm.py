@@ -329,7 +329,8 @@ def test_pretrained_loads_every_compatible_tensor_and_reports_the_rest(mixer, ti
     loaded = {m for m, s in transferable.items() if m in dst and dst[m].shape == src[s].shape}
     for key in loaded:
         assert torch.equal(dst[key], src[transferable[key]])
-    assert set(report.missing) == {k for k in dst if ".attn.mixer." in k} - loaded
+    # every mixer weight not loaded is reported (the mixer's record of its name and options is not a weight)
+    assert set(report.missing) == {k for k in dst if ".attn.mixer." in k and not k.endswith("_extra_state")} - loaded
     assert set(report.unused) == {s for m, s in transferable.items() if m not in loaded}
     assert report.complete == (not report.missing and not report.unused)
     assert bool(warned) == (not report.complete), "partial loads must warn, complete ones must not"
