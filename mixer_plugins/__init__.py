@@ -46,6 +46,8 @@ _LAZY: dict[str, str] = {
     "MixerPluginWarning": "mixer_plugins.errors",
     "BackendUnavailableError": "mixer_plugins.errors",
     "MissingExtraError": "mixer_plugins.errors",
+    "MixerCheckpointMismatchError": "mixer_plugins.errors",
+    "strip_mixer_records": "mixer_plugins.mixers.base",
     "swap_mixer": "mixer_plugins.backbones.timm",
 }
 
@@ -56,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         DuplicateMixerError,
         InvalidMixerOptions,
         MissingExtraError,
+        MixerCheckpointMismatchError,
         MixerError,
         MixerInputError,
         MixerPluginWarning,
@@ -64,7 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         SequenceLengthError,
         UnknownMixerError,
     )
-    from .mixers.base import MatrixMixer, MixerContext
+    from .mixers.base import MatrixMixer, MixerContext, strip_mixer_records
     from .registry import (
         ENTRY_POINT_GROUP,
         MixerConfig,
@@ -170,6 +173,8 @@ __all__ = [
     "MixerPluginWarning",
     "BackendUnavailableError",
     "MissingExtraError",
+    "MixerCheckpointMismatchError",
+    "strip_mixer_records",
     "swap_mixer",
 ]
 

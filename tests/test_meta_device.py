@@ -13,17 +13,10 @@ import torch
 
 import mixer_plugins as mp
 
-# The local-attention and MLR ops check that a mask is right-padded by reading it (kernels/_checks.py).
-_MASK_CHECK = pytest.mark.xfail(
-    strict=True, reason="the kernels' right-padding check of the mask (kernels/_checks.py) reads the mask's values")
-_MASK_CHECK_MIXERS = {"sliding_window_attention", "global_local_attention", "mlr_attention"}
-
-
 def _cases():
     for name in mp.list_mixers():
         for masked in (False, True):
-            marks = [_MASK_CHECK] if masked and name in _MASK_CHECK_MIXERS else []
-            yield pytest.param(name, masked, marks=marks, id=f"{name}-{'mask' if masked else 'nomask'}")
+            yield pytest.param(name, masked, id=f"{name}-{'mask' if masked else 'nomask'}")
 
 
 @pytest.mark.parametrize("name, masked", _cases())

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import MixerError, MixerInputError, SequenceLengthError
+from ..errors import MixerCheckpointMismatchError, MixerInputError, SequenceLengthError
 from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_after, zero_pads
 from ..registry.spec import MixerConfig
 
@@ -82,10 +82,6 @@ _RECORD_FORMAT = "mixer-plugins/1"
 #: what they drew).
 CHECKPOINT_FREE_OPTIONS = frozenset({"chunk_size", "dropout", "attn_dropout", "dt_min", "dt_max", "dt_init_floor",
                                      "A_init_range", "conv_init"})
-
-
-class MixerCheckpointMismatchError(MixerError):
-    """``load_state_dict`` was given the checkpoint of another mixer, or of the same mixer with other options."""
 
 
 def _plain(value: Any) -> Any:
