@@ -16,6 +16,7 @@ import torch
 import mixer_plugins as mp
 from mixer_plugins import BackendUnavailableError
 from mixer_plugins.kernels import _dispatch
+from mixer_plugins.testing import MixerHarness
 
 pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript (the dev extra installs it)")
 ort = pytest.importorskip("onnxruntime", reason="the ONNX round trip needs onnxruntime (the dev extra installs it)")
@@ -87,6 +88,32 @@ def test_dynamic_batch():
         with torch.no_grad():
             expected = model(images)
         assert _max_err(_run(program, images), expected) <= ATOL
+
+
+BUILT_IN = [name for name in mp.list_mixers() if mp.get_spec(name).distribution == "mixer-plugins"]
+
+
+@pytest.mark.slow  # one export per built-in mixer, about a second each
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_every_built_in_mixer_exports_with_a_padding_mask(name):
+    """Each built-in mixer, with its test options and a right-padded mask whose pads hold NaN, past one chunk."""
+    harness = MixerHarness(spec=mp.get_spec(name))
+    module = harness.build(dtype=torch.float32)
+    length = harness.lengths(module)["past_chunk"]
+    x = harness.inputs(length, dtype=torch.float32)
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, length - 3:] = False
+    x[1, length - 3:] = float("nan")
+    with torch.no_grad():
+        expected = module(x, mask=mask)
+    assert torch.isfinite(expected).all()
+    program = _export(module, x, kwargs={"mask": mask})
+    _standard_ops_only(program)
+    assert _max_err(_run(program, x, mask), expected) <= ATOL
+
+
+def test_built_in_mixers_are_found():
+    assert {"quasiseparable", "semiseparable", "mlr_attention", "toeplitz", "attention"} <= set(BUILT_IN)
 
 
 # Mixer-level round trips for the other paths the export takes: causal forms and the blocked local attention.
