@@ -8,6 +8,8 @@ refused with an error that says what to use. Needs the dev extra's ``onnx``, ``o
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -158,6 +160,30 @@ def test_onnx_export_takes_the_torch_backend_on_every_device(monkeypatch):
     assert calls == [False]  # the exporter never called it
     _standard_ops_only(program)
     assert _max_err(_run(program, x), expected) <= ATOL
+
+
+_LOAD_AND_RUN = """
+import sys, torch
+program = torch.export.load(sys.argv[1])
+x, expected = torch.load(sys.argv[2])
+assert "mixer_plugins" not in sys.modules
+print((program.module()(x) - expected).abs().max().item())
+"""
+
+
+def test_saved_export_runs_where_the_library_is_not_imported(tmp_path):
+    """A ``torch.export`` program of a mixer, saved, loads and runs in a fresh process that never imports us."""
+    torch.manual_seed(0)
+    module = mp.create_mixer("quasi", 32, chunk_size=8).eval()
+    x = torch.randn(2, 24, 32)
+    with torch.no_grad():
+        expected = module(x)
+    torch.export.save(torch.export.export(module, (x,)), tmp_path / "quasi.pt2")
+    torch.save((x, expected), tmp_path / "io.pt")
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "quasi.pt2"), str(tmp_path / "io.pt")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) <= 1e-5
 
 
 def test_torchscript_exporter_is_refused_with_a_clear_error(tmp_path):
