@@ -1,6 +1,7 @@
 """mkdocs hooks: the home page is README.md, and the API reference's mixer page is written from the registry.
 
 * ``docs/index.md``'s text is replaced by README.md's, so the README is written once and links to docs/ work in both.
+* A page titled with a module's name is that module's cross-reference target (docstrings link to it).
 * On ``docs/api/mixers.md`` the line :data:`MIXERS_MARKER` is replaced by one section per built-in mixer, in
   alphabetical order: its summary and facts, its options (the config's fields: type, default, meaning, as
   ``mixer-plugins info`` prints them) and its class and config from the docstrings, so the page never lags the code.
@@ -26,8 +27,17 @@ def on_page_markdown(markdown: str, *, page, config, files) -> str:
     if page.file.src_uri == "api/mixers.md":
         if MIXERS_MARKER not in markdown:
             raise ValueError(f"docs/api/mixers.md lost its marker line {MIXERS_MARKER!r}")
-        return markdown.replace(MIXERS_MARKER, mixer_sections())
-    return markdown
+        markdown = markdown.replace(MIXERS_MARKER, mixer_sections())
+    return _module_anchor(markdown)
+
+
+def _module_anchor(markdown: str) -> str:
+    """A page titled with a module (``# `mixer_plugins.x` ``) becomes that module's cross-reference target (the
+    title's id is the module's name): its docstrings' links to the module land on the page."""
+    title = re.match(r"# `(mixer_plugins(?:\.\w+)*)`(?=\n)", markdown)
+    if title is None:
+        return markdown
+    return markdown[:title.end()] + f" {{#{title.group(1)}}}" + markdown[title.end():]
 
 
 def built_in_mixers() -> list[str]:
