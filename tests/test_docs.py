@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import html
 import importlib.util
 import io
 import json
@@ -124,7 +125,8 @@ def run_example(example: list[Block]) -> dict:
         try:
             exec(_compiled(block), namespace)
         except ModuleNotFoundError as err:
-            if err.name and err.name.split(".")[0] in {"fairseq2", "matplotlib", "sklearn", "tqdm", "mamba_ssm"}:
+            if err.name and err.name.split(".")[0] in {"fairseq2", "matplotlib", "sklearn", "tqdm", "mamba_ssm",
+                                                       "onnx", "onnxscript", "onnxruntime"}:
                 pytest.skip(f"{block.where} needs {err.name}, which is not installed")
             raise
     return namespace
@@ -407,17 +409,113 @@ def test_readme_keeps_the_exact_test_command():
 
 # -- the site ------------------------------------------------------------------------------------------------
 
-def test_mkdocs_build_strict(tmp_path):
-    for module in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python"):
+SITE_MODULES = ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python", "material")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built once with ``mkdocs build --strict`` (every test of the built pages reads this build)."""
+    for module in SITE_MODULES:
         if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install mkdocs 'mkdocstrings[python]')")
-    site = tmp_path / "site"
+            pytest.skip(f"{module} is not installed (the docs extra: pip install -e '.[docs]')")
+    site = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"), "-d", str(site)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return site
+
+
+def _page(site: Path, name: str) -> str:
+    return (site / name / "index.html").read_text(encoding="utf-8")
+
+
+def test_mkdocs_build_strict(site):
     home = (site / "index.html").read_text(encoding="utf-8")
     assert "Quick start" in home and 'href="install/"' in home    # the README, with its links made relative
-    assert 'id="mixer_plugins.kernels.ssd.ssd"' in (site / "api" / "kernels" / "index.html").read_text(encoding="utf-8")
-    assert 'id="mixer_plugins.create_mixer"' in (site / "api" / "package" / "index.html").read_text(encoding="utf-8")
+    assert 'id="mixer_plugins.kernels.scan.ssd"' in _page(site, "api/kernels")
+    assert 'id="mixer_plugins.create_mixer"' in _page(site, "api/package")
+
+
+# -- the API reference ---------------------------------------------------------------------------------------
+
+RAW_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj|const):`?")
+LITERAL_MARK = re.compile(r"\S::(?=\s|$)|(?<!\S)::(?=\s|$)|^\s*:::", re.M)  # reST's "text::", a lone "::", ":::"
+
+
+def rest_artefacts(page_html: str) -> list[str]:
+    """reST that reached the reader: a role (``:class:``...), a literal-block marker (``text::``) or an unprocessed
+    mkdocstrings directive, in a page's text outside code (where ``a::b`` is C++ or an op name)."""
+    text = re.sub(r"<(pre|code|script|style)\b.*?</\1>", " ", page_html, flags=re.S)
+    text = html.unescape(re.sub(r"<[^>]+>", " ", text))
+    return [text[max(0, m.start() - 50):m.end() + 30].replace("\n", " ")
+            for pattern in (RAW_ROLE, LITERAL_MARK) for m in pattern.finditer(text)]
+
+
+def test_no_rest_markup_in_the_built_site(site):
+    pages = sorted(site.rglob("*.html"))
+    assert len([p for p in pages if "/api/" in p.as_posix()]) >= 10
+    found = {str(p.relative_to(site)): hits for p in pages if (hits := rest_artefacts(p.read_text(encoding="utf-8")))}
+    assert not found, found
+
+
+def test_rest_artefact_check_can_fail():
+    assert rest_artefacts("<p>Raises :class:<code>~mixer_plugins.MixerError</code> when</p>")
+    assert rest_artefacts("<p>Quick start::</p><pre>import x</pre>")
+    assert rest_artefacts("<p>::: mixer_plugins.kernels</p>")
+    assert not rest_artefacts("<p>the op <code>mixer_plugins::toeplitz_fft</code> and <code>:class:</code></p>")
+
+
+def test_api_reference_puts_the_entry_points_before_the_errors(site):
+    package = _page(site, "api/package")
+    first_error = package.index('id="mixer_plugins.errors.MixerError"')
+    for name in ("create_mixer", "list_mixers", "get_spec", "register_mixer", "MatrixMixer", "MixerSpec",
+                 "MixerConfig"):
+        assert package.index(f'id="mixer_plugins.{name}"') < first_error, name
+
+
+def test_api_reference_has_a_page_per_area(site):
+    expected = {
+        "api/parallel": "mixer_plugins.parallel.context_parallel",
+        "api/timm": "mixer_plugins.backbones.timm.swap_mixer",
+        "api/fairseq2": "mixer_plugins.backbones.fairseq2.setup_fairseq2_extension",
+        "api/mup": "mixer_plugins.layers.mup.mup_init",
+        "api/layers": "mixer_plugins.layers.MLBTC",
+        "api/testing": "mixer_plugins.testing.check_mixer",
+        "api/registry": "mixer_plugins.registry.MixerRegistry",
+    }
+    for page, anchor in expected.items():
+        assert f'id="{anchor}"' in _page(site, page), (page, anchor)
+
+
+def test_api_reference_documents_every_built_in_mixer_and_its_options(site):
+    """docs/api/mixers.md is written from the registry (docs/hooks.py): every mixer of ours has its section, its class
+    and config from the docstrings, and a row per option."""
+    page = _page(site, "api/mixers")
+    built_in = [name for name in mp.list_mixers() if mp.get_spec(name).distribution == "mixer-plugins"]
+    assert len(built_in) >= 19
+    for name in built_in:
+        spec = mp.get_spec(name)
+        section = page[page.index(f'<h2 id="{name}">'):]
+        section = section[:section.index("<h2 ", 1)] if "<h2 " in section[1:] else section
+        builder = f"{spec.builder.__module__}.{spec.builder.__qualname__}"
+        assert f'id="{builder}"' in section, (name, builder)
+        assert f'id="{spec.config.__module__}.{spec.config.__qualname__}"' in page, name
+        for option in spec.option_names():
+            assert f"<code>{option}</code>" in section, (name, option)
+
+
+def test_every_page_opens_with_prose():
+    """A page's first block after its title is a paragraph or a list (a summary), never a table, code or a
+    reference directive."""
+    bad = []
+    for path in PAGES:
+        if path == DOCS / "index.md":  # the README's text replaces it (docs/hooks.py)
+            continue
+        text = path.read_text(encoding="utf-8")
+        blocks_ = [b.strip() for b in re.split(r"\n\s*\n", text) if b.strip()]
+        first = next((b for b in blocks_ if not b.startswith("#")), "")
+        if first.startswith(("```", "|", ":::", "<!--", "!!!")) or not first:
+            bad.append(f"{path.relative_to(REPO)}: {first[:60]!r}")
+    assert not bad, bad

@@ -73,7 +73,7 @@ def causal_nonfinite_guard(x: Tensor) -> tuple[Tensor, Tensor]:
     what the non-finite input makes them.
     """
     bad = ~torch.isfinite(x).flatten(2).all(dim=-1)
-    poisoned = bad.cummax(dim=1).values if bad.shape[1] else bad
+    poisoned = bad.cumsum(dim=1) > 0  # a count, not ``cummax``: ONNX has no cumulative maximum
     return x.masked_fill(bad.reshape(*bad.shape, *([1] * (x.dim() - 2))), 0.0), poisoned
 
 

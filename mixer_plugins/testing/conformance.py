@@ -65,6 +65,8 @@ class ConformanceError(AssertionError):
 
 @dataclasses.dataclass
 class CheckResult:
+    """The outcome of one check on one mixer: the check's name, whether it passed, and why not (``message``)."""
+
     check: str
     passed: bool
     message: str = ""
