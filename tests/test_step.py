@@ -266,3 +266,9 @@ def test_cache_repr_and_positions():
                        state={"k": torch.zeros(2, 9, 1)})
     assert cache.positions(2).tolist() == [[3, 4], [1, 2]]
     assert "max_len=9" in repr(cache) and "k=(2, 9, 1)" in repr(cache)
+
+
+def test_the_conv_tail_of_a_short_prompt_starts_from_zeros():
+    """With in_proj biases, the convolution's inputs before a row's start are zeros (its padding), not the bias."""
+    spec = default_registry.get_spec("semiseparable")
+    check_step(MixerHarness(spec=spec, options={"proj_bias": True, "d_conv": 6}))
