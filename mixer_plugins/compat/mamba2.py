@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -239,7 +239,7 @@ class Mamba2(MatrixMixer):
         return scan_matrix(ctx.dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
 
     def mix(self, ctx: Mamba2Context) -> Tensor:
-        return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip())
+        return cast(Tensor, ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip()))
 
     def finish(self, ctx: Mamba2Context, y: Tensor) -> Tensor:
         y = y.flatten(2)
@@ -274,7 +274,7 @@ class Mamba2(MatrixMixer):
                 "mask= instead"
             )
         flat = seqlen is not None
-        if flat:
+        if seqlen is not None:
             if u.dim() != 2 or u.shape[0] % seqlen:
                 raise MixerInputError(f"Mamba2: with seqlen={seqlen}, u must be (batch * seqlen, d_model), got shape "
                                       f"{tuple(u.shape)}")

@@ -57,6 +57,7 @@ def generate_text(model, prompts: Sequence[str], settings: GenerationSettings = 
                   ) -> list[list[str]]:
     """Continuations of each prompt (``num_gens`` with sampling, ``beam_size`` with beam search, best first)."""
     from fairseq2.data.tokenizers import VocabularyInfo
+    from fairseq2.generation import SequenceGenerator
     from fairseq2.generation.beam_search import BeamSearchSequenceGenerator, StandardBeamSearchAlgorithm
     from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler, TopPSampler
     from fairseq2.nn import BatchLayout
@@ -78,6 +79,7 @@ def generate_text(model, prompts: Sequence[str], settings: GenerationSettings = 
     tokens = tokens.to(device)
     layout = BatchLayout.of(tokens, [len(e) for e in encoded])
     processors = [_BytesOnly(tokenizer)]
+    generator: SequenceGenerator
     if settings.mode == "beam":
         generator = BeamSearchSequenceGenerator(
             model, vocab, StandardBeamSearchAlgorithm(), beam_size=settings.beam_size,
