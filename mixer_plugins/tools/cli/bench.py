@@ -390,5 +390,5 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed or not rows else 0
 
 
-COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot "
-                  "(--decode: time per generated token against the context)", run, add_arguments)
+COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot", run,
+                  add_arguments)
