@@ -142,8 +142,9 @@ def test_setup_is_idempotent(fs2):
     container = DependencyContainer()
     fs2.setup_fairseq2_extension(container)
     fs2.setup_fairseq2_extension(container)  # e.g. entry point + init_fairseq2(extras=setup): no duplicate error
-    assert sorted(container.iter_keys(ModelFamily)) == ["mixer_encoder", "nllb_mixer"]
+    assert sorted(container.iter_keys(ModelFamily)) == ["mixer_decoder", "mixer_encoder", "nllb_mixer"]
     assert sorted(container.iter_keys(fs2.MixerEncoderConfig)) == ["base", "base_hydra", "small", "tiny"]
+    assert sorted(container.iter_keys(fs2.MixerDecoderConfig)) == ["base", "small", "tiny"]
     assert list(container.iter_keys(NllbConfig)) == []  # nothing of upstream is touched
 
 
