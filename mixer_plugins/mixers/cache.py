@@ -24,14 +24,9 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..errors import MixerError
+from ..errors import StepNotSupportedError
 
 __all__ = ["MixerCache", "StepNotSupportedError", "kv_positions", "kv_write", "ring_write"]
-
-
-class StepNotSupportedError(MixerError, NotImplementedError):
-    """The mixer cannot decode token by token: it is bidirectional, or its kind has no step (its spec says
-    ``stepping=False``)."""
 
 
 @dataclasses.dataclass(eq=False)
