@@ -30,7 +30,7 @@ from mixer_plugins.registry import default_registry  # noqa: E402
 
 pytestmark = [pytest.mark.fairseq2, pytest.mark.xdist_group("fairseq2")]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 F64 = torch.float64
 STEPPING = [n for n in default_registry.names() if default_registry.get_spec(n).stepping]
 

@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.fairseq2, pytest.mark.xdist_group("fairseq2")]
 # Collected now, so a mixer registered later (ours or a plugin's) is covered without editing this file.
 REGISTERED_MIXERS = mp.list_mixers()
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
@@ -927,7 +927,7 @@ def test_recipe_mixer_section_agrees_with_the_model_overrides(fs2):
 def test_mixer_encoder_compiles_with_inductor(fs2, hub):
     """A training step (loss, every gradient) and eval of ``torch.compile(model)`` equal eager, with padding. The
     mixer is ``toeplitz``: the FFT Toeplitz custom op and its backward (the timm tests compile quasi and attention)."""
-    from compile_helpers import assert_train_and_eval_match, inductor_settings
+    from helpers import assert_train_and_eval_match, inductor_settings
 
     torch.manual_seed(0)
     config = _tiny(fs2, mixer="toeplitz", mixer_options={"toeplitz": {"head_dim": 16}}, num_layers=1,

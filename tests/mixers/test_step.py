@@ -1,7 +1,7 @@
 """Decoding: the step ops against independent references, the cache's bookkeeping (reorder, errors, non-finite
 tokens, fixed-size states), the absence of value-dependent control flow, and that the kit's ``step`` check catches
 broken steppers. (prefill + steps == forward for every registered mixer is the kit's ``step`` check, run by
-``tests/test_conformance.py``.)"""
+``tests/mixers/test_conformance.py``.)"""
 
 from __future__ import annotations
 
