@@ -16,7 +16,7 @@ import pytest
 import mixer_plugins
 
 PACKAGE = Path(mixer_plugins.__file__).parent
-SHARED_MIXER_MODULES = {"__init__", "base", "block", "qk_block", "_ssm", "_softmax_common"}
+SHARED_MIXER_MODULES = {"__init__", "base", "block", "cache", "qk_block", "_ssm", "_softmax_common"}
 
 
 def _imports(path: Path) -> set[str]:
