@@ -332,3 +332,24 @@ def test_custom_op_exports_as_one_node():
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
     assert sum("mlr_attention_tiled" in t for t in targets) == 1, targets
     torch.testing.assert_close(program.module()(q, k, v, mask), fn(q, k, v, mask))
+
+
+def test_triton_backend_refuses_float64(monkeypatch):
+    """One float64 policy for the Triton backends: asked for by name, the triton backend refuses float64 inputs
+    with a clear error (before any kernel is loaded); chosen automatically on CUDA, the dispatcher passes it over for
+    the torch backend, and takes it for float32."""
+    from types import SimpleNamespace
+
+    from mixer_plugins.kernels import BackendUnavailableError
+    from mixer_plugins.kernels._dispatch import resolve_backend
+    from mixer_plugins.kernels.mlr_attention import torch as torch_backend
+    from mixer_plugins.kernels.mlr_attention import triton as triton_backend
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check; dtype is what is refused
+    q, k, v = _inputs(1, 8, 1, [2, 2], 3)
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        mlr_attention(q, k, v, ranks=[2, 2], block_sizes=[None, 4], backend="triton")
+    cuda = torch.device("cuda")
+    assert resolve_backend("mlr_attention", None, cuda, SimpleNamespace(dtype=F64)) is torch_backend.impl
+    assert resolve_backend("mlr_attention", None, cuda, SimpleNamespace(dtype=torch.float32)) is triton_backend.impl
