@@ -11,8 +11,9 @@ Usage (from the repository root)::
 
     python benchmarks/gpu/compile_check.py [--arch 90] [--json OUT.json]
 
-Prints one line per compiled kernel (compile seconds, shared memory) and exits non-zero if a kernel
-fails to compile or needs more shared memory than the target has. ``tests/test_triton_compile.py`` runs it in CI.
+Prints one line per compiled kernel (compile seconds, shared memory, and the registers and spill bytes ``ptxas -v``
+reports for the kernel's PTX) and exits non-zero if a kernel fails to compile or needs more shared memory than the
+target has. ``tests/test_triton_compile.py`` runs it in CI.
 Must run in a fresh process without ``TRITON_INTERPRET`` (the kernels must be compiled, not interpreted).
 """
 
@@ -38,6 +39,30 @@ class Compiled:
     case: str
     seconds: float
     shared_bytes: int
+    registers: int = -1     # per thread (-1: not read)
+    spill_stores: int = -1  # bytes
+    spill_loads: int = -1
+
+
+def resources(kernel, arch: int) -> tuple[int, int, int]:
+    """(registers per thread, spill store bytes, spill load bytes) of a compiled kernel, from ``ptxas -v`` on its
+    PTX (the assembler Triton ships); (-1, -1, -1) if they cannot be read."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(kernel.asm["ptx"])
+        log = subprocess.run([get_ptxas().path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o",
+                              str(Path(tmp) / "kernel.o")], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or spills is None:
+        return -1, -1, -1
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
 
 
 @contextmanager
@@ -113,29 +138,32 @@ def _mlr_cases() -> Iterator[tuple[str, Callable[[], None]]]:
 
     from mixer_plugins.kernels._triton import mlr
 
-    def case(dtype, causal, masked, ranks, block_sizes, length=300, heads=2, p=64):
+    def case(dtype, causal, masked, ranks, block_sizes, length=300, heads=2, p=64, window=None, num_global=0):
         def go():
             g = torch.Generator().manual_seed(0)
             e = sum(ranks)
-            q = torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
-            k = torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
+            q, k = (torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True) for _ in range(2))
             v = torch.randn(1, length, heads, p, generator=g).to(dtype).requires_grad_(True)
-            mask = torch.ones(1, length, dtype=torch.bool) if masked else None
-            levels = mlr._Levels(q, v, ranks, block_sizes, 64)
-            tau = torch.ones(e)
-            qs = (q.float() * tau).contiguous()
-            keyok = mask.to(torch.int8) if masked else None
-            y = mlr._MLRFunction.apply(qs, k.contiguous(), v.contiguous(), keyok, levels, causal, True)
+            key_len = torch.full((1,), length, dtype=torch.int32) if masked else None
+            spec = mlr.MLRSpec(tuple(ranks), tuple(0 if s is None else s for s in block_sizes),
+                               tuple(1.0 / r for r in ranks), window is None, causal, window, num_global)
+            # as mlr_triton launches them (its device check would refuse CPU tensors here)
+            y = mlr._MLRFunction.apply(q, k, v, key_len, spec, mlr.Tiles.default(dtype, max(e, p)))
             y.float().sum().backward()
-        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} ranks={ranks}"
+        name = (f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} ranks={ranks} "
+                f"blocks={block_sizes}" + ("" if window is None else f" window={window} globals={num_global}"))
         return name, go
 
-    yield case(torch.bfloat16, False, True, (32, 16, 16), (None, 128, 32))
+    # the paper's levels (causal) and the mixer's defaults (head dim 32, bidirectional, padded)
+    yield case(torch.bfloat16, True, False, (32, 8, 6, 4, 4, 4, 4, 2), (None, 512, 256, 128, 64, 32, 16, 8))
+    yield case(torch.bfloat16, False, True, (8, 8, 8, 8), (None, 32, 16, 8), p=32)
+    # no global level (pairs sharing none score 0); float32 operands; float16
+    yield case(torch.float16, False, True, (16, 8, 4, 4), (96, 48, 12, 3))
     yield case(torch.float32, True, False, (16, 16, 16, 16), (None, 256, 64, 16))
 
 
 def _local_cases() -> Iterator[tuple[str, Callable[[], None]]]:
-    """``kernels.local_attention``'s Triton backend: the MLR kernels' banded specializations (BANDED=True)."""
+    """``kernels.local_attention``'s Triton backend: the MLR kernels with a band (one global level)."""
     import torch
 
     from mixer_plugins.kernels._triton import mlr
@@ -145,17 +173,16 @@ def _local_cases() -> Iterator[tuple[str, Callable[[], None]]]:
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
                        for _ in range(3))
-            keyok = torch.ones(1, length, dtype=torch.int8) if masked else None
-            # as local_attention_triton launches them (its device check would refuse CPU tensors here)
-            levels = mlr._Levels(q, v, [e], [None], 64)
-            y = mlr._MLRFunction.apply((q.float() * e ** -0.5).contiguous(), k, v, keyok, levels, causal, False,
-                                       window, num_global)
+            key_len = torch.full((1,), length, dtype=torch.int32) if masked else None
+            spec = mlr.MLRSpec((e,), (0,), (e ** -0.5,), False, causal, window, num_global)
+            y = mlr._MLRFunction.apply(q, k, v, key_len, spec, mlr.Tiles.default(dtype, e))
             y.float().sum().backward()
-        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} globals={num_global}"
+        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} globals={num_global} e={e}"
         return name, go
 
     yield case(torch.bfloat16, True, False, 0)
-    yield case(torch.float32, False, True, 3, e=128)   # the widest tiles: float32 operands at head dim 128
+    yield case(torch.bfloat16, False, True, 3, e=128)   # head dim 128: other tiles
+    yield case(torch.float32, False, True, 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(name: str, seconds: float, kernel) -> None:
         meta = kernel.metadata
-        item = Compiled(name, current[0], round(seconds, 2), int(meta.shared))
+        item = Compiled(name, current[0], round(seconds, 2), int(meta.shared), *resources(kernel, args.arch))
         results.append(item)
-        print(f"  {name:24s} {seconds:6.1f} s  shared {item.shared_bytes // 1024:4d} KiB", flush=True)
+        print(f"  {name:24s} {seconds:6.1f} s  shared {item.shared_bytes // 1024:4d} KiB  registers "
+              f"{item.registers:3d}  spills {item.spill_stores}/{item.spill_loads} B", flush=True)
 
     failures: list[str] = []
     families = {"scan": _scan_cases, "mlr": _mlr_cases, "local": _local_cases}
