@@ -7,14 +7,14 @@
 // Layout: q, k (B, L, H, D) with the level scales applied, v and the output (B, L, H, P), the log-sum-exp
 // (B, L, H); every row is read in place through its leading dimension (H * D or H * P), never transposed.
 //
-// Traversal. Levels nest, so the levels a pair (i, j) shares are a prefix 0..m. For a set of query rows inside one
-// level-d block, the keys in that block but outside the level-(d+1) block (the "child") holding the rows share
-// exactly levels 0..d with every one of the rows: one score width W_d = r_0 + ... + r_d and one scale. `walk`
-// visits, for each query tile, these (rows, key range, width, scale) pieces from the coarsest level down to the
-// finest block, where the causal mask applies. Each piece is cut into key chunks; a chunk's scores come from one
-// BLAS product at the piece's own width, its probabilities from a vectorized exp, its values from a second product
-// (online softmax across pieces, as in flash attention). The backward walks the same pieces with the row
-// log-sum-exp: five products per chunk (scores, dV, dP, dQ, dK).
+// Traversal. Levels nest, so the levels a pair (i, j) shares are a prefix 0..m: one score width
+// W_m = r_0 + ... + r_m and one scale. For each query tile, `tile_ranges` lists key ranges that every row of the tile
+// shares the same levels with (plain ranges: one BLAS product at their own width, all rows of the tile at once) and
+// the tile's neighbourhood, its *leaf*, where finer blocks cut the tile (a product per finer level, added entry by
+// entry over each row's block, and the causal mask). Each range is cut into key chunks; a chunk's probabilities come
+// from a vectorized exp, its values from a second product (online softmax across chunks, as in flash attention). The
+// backward visits the same ranges with the row log-sum-exp: five products per chunk (scores, dV, dP, dQ, dK), two
+// more per finer level in a leaf. Every buffer is a thread's scratch, allocated once per call.
 //
 // Products go to the BLAS that libtorch_cpu exports (sgemm_/dgemm_, LP64); inside at::parallel_for they run on
 // the calling thread.
@@ -64,55 +64,205 @@ Levels make_levels(int64_t length, const std::vector<int64_t>& widths, const std
   return lv;
 }
 
-// Visit every (rows, keys) piece of uniform width for query rows [r0, r1), which lie inside one depth-d block and
-// have seen every key outside it. f(r0, r1, k0, k1, width, scale, diagonal): `diagonal` pieces (finest level)
-// need the causal mask per entry.
-template <typename F>
-void walk(const Levels& lv, int64_t r0, int64_t r1, int d, int64_t valid, bool causal, F& f) {
-  const int64_t L = lv.length;
-  const int64_t ps = lv.size[d];
-  const int64_t p0 = (r0 / ps) * ps, p1 = std::min(p0 + ps, L);
-  if (d == lv.depth()) {
-    int64_t end = std::min(p1, valid);
-    if (causal) end = std::min(end, r1);
-    if (p0 < end) f(r0, r1, p0, end, lv.width[d], lv.scale[d], causal);
-    return;
-  }
-  const int64_t cs = lv.size[d + 1];
-  for (int64_t c0 = (r0 / cs) * cs; c0 < r1; c0 += cs) {
-    const int64_t c1 = std::min(c0 + cs, L);
-    const int64_t a = std::max(r0, c0), b = std::min(r1, c1);
-    const int64_t before = std::min(c0, valid);
-    if (p0 < before) f(a, b, p0, before, lv.width[d], lv.scale[d], false);
-    if (!causal) {
-      const int64_t after = std::min(p1, valid);
-      if (c1 < after) f(a, b, c1, after, lv.width[d], lv.scale[d], false);
-    }
-    walk(lv, a, b, d + 1, valid, causal, f);
+// Products with a narrow output: dQ and dK of the coarse levels' score width (often 8 or 16 features). BLAS packs
+// panels for such shapes at a cost several times the arithmetic, so up to NARROW features they are loops vectorized
+// along the chunk's keys (dQ on a transposed copy kt (w x kn) of the chunk's key features).
+constexpr int64_t NARROW = 16;
+
+template <typename T>
+void transpose_rows(T* kt, const T* K, int64_t ldk, int64_t kn, int64_t w) {
+  for (int64_t j = 0; j < kn; ++j) {
+    const T* kj = K + j * ldk;
+    for (int64_t c = 0; c < w; ++c) kt[c * kn + j] = kj[c];
   }
 }
 
-// Scores of rows [r0, r0 + rn) against keys [k0, k0 + kn) into s (rn x kn): scale * q[:, :w] k[:, :w]^T, and
-// -inf above the diagonal when `diagonal`.
+// dq (rn x w, rows ldq apart) += ds (rn x kn) kt^T
 template <typename T>
-void scores(T* s, const T* q, int64_t ldq, const T* k, int64_t ldk, int64_t r0, int64_t rn, int64_t k0, int64_t kn,
-            int64_t w, T scale, bool diagonal) {
-  if (w > 0) {
-    gemm<T>(false, true, rn, kn, w, scale, q + r0 * ldq, ldq, k + k0 * ldk, ldk, T(0), s, kn);
+void narrow_dq(T* dq, int64_t ldq, const T* ds, const T* kt, int64_t rn, int64_t kn, int64_t w) {
+  for (int64_t i = 0; i < rn; ++i) {
+    const T* di = ds + i * kn;
+    for (int64_t c = 0; c < w; ++c) {
+      const T* kc = kt + c * kn;
+      T acc = T(0);
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = 0; j < kn; ++j) acc += di[j] * kc[j];
+      dq[i * ldq + c] += acc;
+    }
+  }
+}
+
+// dk (kn x w, rows ldk apart) += ds^T q (q: rn x w, rows ldq apart), through dkt (w x kn) scratch
+template <typename T>
+void narrow_dk(T* dk, int64_t ldk, const T* ds, const T* q, int64_t ldq, T* dkt, int64_t rn, int64_t kn,
+               int64_t w) {
+  std::fill(dkt, dkt + w * kn, T(0));
+  for (int64_t i = 0; i < rn; ++i) {
+    const T* di = ds + i * kn;
+    for (int64_t c = 0; c < w; ++c) {
+      const T qc = q[i * ldq + c];
+      T* dc = dkt + c * kn;
+#pragma omp simd
+      for (int64_t j = 0; j < kn; ++j) dc[j] += qc * di[j];
+    }
+  }
+  for (int64_t j = 0; j < kn; ++j) {
+    T* dkj = dk + j * ldk;
+    for (int64_t c = 0; c < w; ++c) dkj[c] += dkt[c * kn + j];
+  }
+}
+
+// The key ranges of query tile [t0, t1) (its rows all take part in every range): f(k0, k1, d, leaf).
+//
+// Let d* be the deepest depth whose one block B holds the whole tile. For every depth e < d*, the keys of the tile's
+// depth-e block outside its depth-(e + 1) block share exactly depths 0..e with every row: plain ranges at width
+// W_e. Inside B, the keys outside the span of the depth-(d* + 1) blocks that meet the tile share exactly depths
+// 0..d*: plain ranges at width W_d*. What remains, the span itself (the tile's neighbourhood), is the tile's *leaf*:
+// every pair shares depths 0..d* and, entry by entry, the finer levels whose block holds it (and the causal mask).
+// Keys at and beyond `valid` (right padding), and after the tile when causal, are never visited.
+template <typename F>
+void tile_ranges(const Levels& lv, int64_t t0, int64_t t1, int64_t valid, bool causal, F& f) {
+  const int64_t L = lv.length;
+  const int D = lv.depth();
+  const int64_t kend = causal ? std::min(valid, t1) : valid;
+  auto emit = [&](int64_t k0, int64_t k1, int d, bool leaf) {
+    k1 = std::min(k1, kend);
+    if (k0 < k1) f(k0, k1, d, leaf);
+  };
+  int d = 0;
+  while (d < D && t0 / lv.size[d + 1] == (t1 - 1) / lv.size[d + 1]) ++d;
+  for (int e = 0; e < d; ++e) {
+    const int64_t p0 = t0 / lv.size[e] * lv.size[e], p1 = std::min(p0 + lv.size[e], L);
+    const int64_t c0 = t0 / lv.size[e + 1] * lv.size[e + 1], c1 = std::min(c0 + lv.size[e + 1], L);
+    emit(p0, c0, e, false);
+    emit(c1, p1, e, false);
+  }
+  const int64_t p0 = t0 / lv.size[d] * lv.size[d], p1 = std::min(p0 + lv.size[d], L);
+  if (d == D) {  // the tile lies in one finest block: every pair shares every depth
+    emit(p0, p1, d, causal);
+    return;
+  }
+  const int64_t cs = lv.size[d + 1];
+  const int64_t s0 = t0 / cs * cs, s1 = std::min(((t1 - 1) / cs + 1) * cs, p1);
+  emit(p0, s0, d, false);
+  emit(s1, p1, d, false);
+  emit(s0, s1, d, true);
+}
+
+// s (rn x kn, a leaf chunk) *= the scale of each entry's number of shared depths; -inf above the diagonal when
+// `causal` (after the scaling, so that gradients can reuse it on dS without the mask).
+template <typename T>
+void leaf_scale(T* s, int64_t r0, int64_t rn, int64_t k0, int64_t kn, int d, const Levels& lv, bool causal) {
+  const int D = lv.depth();
+  for (int64_t i = 0; i < rn; ++i) {
+    T* si = s + i * kn;
+    // nested ranges [a_e, b_e) of the row's depth-e blocks (e = d .. D) within the chunk; entries in range e but
+    // not in range e + 1 share exactly depths 0..e
+    int64_t a = 0, b = kn;
+    for (int e = d; e <= D; ++e) {
+      int64_t na = b, nb = b;  // the next range (empty past the finest level)
+      if (e < D) {
+        const int64_t b0 = (r0 + i) / lv.size[e + 1] * lv.size[e + 1];
+        na = std::min(std::max(b0, k0) - k0, b);
+        nb = std::max(std::min(b0 + lv.size[e + 1], k0 + kn) - k0, na);
+        na = std::max(na, a);
+      }
+      const T sc = static_cast<T>(lv.scale[e]);
+      if (sc != T(1)) {
+        for (int64_t j = a; j < na; ++j) si[j] *= sc;
+        for (int64_t j = nb; j < b; ++j) si[j] *= sc;
+      }
+      if (na >= nb) break;
+      a = na;
+      b = nb;
+    }
+    if (causal) {
+      const int64_t first = std::max<int64_t>(r0 + i + 1 - k0, 0);
+      for (int64_t j = first; j < kn; ++j) si[j] = -std::numeric_limits<T>::infinity();
+    }
+  }
+}
+
+// Per-entry scores of a leaf chunk: rows [r0, r0 + rn) against keys [k0, k0 + kn), every pair sharing depths 0..d
+// and the finer depths whose block holds it. s (rn x kn) = scale(i, j) * sum of the shared levels' products, -inf
+// above the diagonal when `causal`; g is scratch of the same size.
+template <typename T>
+void leaf_scores(T* s, T* g, const T* q, int64_t ldq, const T* k, int64_t ldk, int64_t r0, int64_t rn, int64_t k0,
+                 int64_t kn, int d, const Levels& lv, bool causal) {
+  const int D = lv.depth();
+  if (lv.width[d] > 0) {
+    gemm<T>(false, true, rn, kn, lv.width[d], T(1), q + r0 * ldq, ldq, k + k0 * ldk, ldk, T(0), s, kn);
   } else {
     std::fill(s, s + rn * kn, T(0));
   }
-  if (diagonal && k0 + kn - 1 > r0) {
-    const T neg = -std::numeric_limits<T>::infinity();
+  for (int e = d + 1; e <= D; ++e) {
+    const int64_t size = lv.size[e], c0 = lv.width[e - 1], r = lv.width[e] - c0;
+    // the keys of the chunk inside some row's depth-e block: skip the level where there are none
+    const int64_t lo = std::max(r0 / size * size, k0), hi = std::min(((r0 + rn - 1) / size + 1) * size, k0 + kn);
+    if (lo >= hi) break;  // (finer blocks nest inside: none either)
+    gemm<T>(false, true, rn, kn, r, T(1), q + r0 * ldq + c0, ldq, k + k0 * ldk + c0, ldk, T(0), g, kn);
     for (int64_t i = 0; i < rn; ++i) {
-      const int64_t first = std::max<int64_t>(r0 + i + 1 - k0, 0);
-      for (int64_t j = first; j < kn; ++j) s[i * kn + j] = neg;
+      const int64_t b0 = (r0 + i) / size * size;
+      const int64_t a = std::max(b0, k0) - k0, b = std::min(b0 + size, k0 + kn) - k0;
+      T* si = s + i * kn;
+      const T* gi = g + i * kn;
+#pragma omp simd
+      for (int64_t j = a; j < b; ++j) si[j] += gi[j];
     }
+  }
+  leaf_scale(s, r0, rn, k0, kn, d, lv, causal);
+}
+
+// The leaf's gradients of the finer levels: for each depth e > d, dQ[rows, level cols] += dS_e K[keys, level cols]
+// and dK[keys, level cols] += dS_e^T Q[rows, level cols], with dS_e the entries of ds inside the rows' depth-e
+// blocks (copied into g, zeros elsewhere).
+template <typename T>
+void leaf_level_grads(const T* ds, T* g, const T* Q, const T* K, T* dQ, T* dK, int64_t ldq, int64_t r0, int64_t rn,
+                      int64_t k0, int64_t kn, int d, const Levels& lv) {
+  const int D = lv.depth();
+  for (int e = d + 1; e <= D; ++e) {
+    const int64_t size = lv.size[e], c0 = lv.width[e - 1], r = lv.width[e] - c0;
+    const int64_t lo = std::max(r0 / size * size, k0), hi = std::min(((r0 + rn - 1) / size + 1) * size, k0 + kn);
+    if (lo >= hi) break;
+    for (int64_t i = 0; i < rn; ++i) {
+      const int64_t b0 = (r0 + i) / size * size;
+      const int64_t a = std::min(std::max(b0, k0) - k0, kn), b = std::max(std::min(b0 + size, k0 + kn) - k0, a);
+      T* gi = g + i * kn;
+      const T* di = ds + i * kn;
+      std::fill(gi, gi + a, T(0));
+      std::copy(di + a, di + b, gi + a);
+      std::fill(gi + b, gi + kn, T(0));
+    }
+    gemm<T>(false, false, rn, r, kn, T(1), g, kn, K + k0 * ldq + c0, ldq, T(1), dQ + r0 * ldq + c0, ldq);
+    gemm<T>(true, false, kn, r, rn, T(1), g, kn, Q + r0 * ldq + c0, ldq, T(1), dK + k0 * ldq + c0, ldq);
+  }
+}
+
+// Scores of rows [r0, r0 + rn) against keys [k0, k0 + kn) sharing exactly depths 0..d: scale_d q[:, :W_d] k^T.
+// Scores of rows [r0, r0 + rn) against keys [k0, k0 + kn) sharing exactly depths 0..d: scale_d q[:, :W_d] k^T.
+template <typename T>
+void plain_scores(T* s, const T* q, int64_t ldq, const T* k, int64_t ldk, int64_t r0, int64_t rn, int64_t k0,
+                  int64_t kn, int d, const Levels& lv) {
+  if (lv.width[d] > 0) {
+    gemm<T>(false, true, rn, kn, lv.width[d], static_cast<T>(lv.scale[d]), q + r0 * ldq, ldq, k + k0 * ldk, ldk, T(0),
+            s, kn);
+  } else {
+    std::fill(s, s + rn * kn, T(0));
   }
 }
 
 struct Tiles {
   int64_t q, k;
+};
+
+// Scratch of one thread for a whole call (reused by every tile): scores, the leaf's level products, the score
+// gradients (backward) and two row statistics.
+template <typename T>
+struct Scratch {
+  std::vector<T> s, g, p, kt, dkt, r1, r2;
+  Scratch(Tiles tiles, bool backward)
+      : s(tiles.q * tiles.k), g(tiles.q * tiles.k), p(backward ? tiles.q * tiles.k : 0),
+        kt(backward ? NARROW * tiles.k : 0), dkt(backward ? NARROW * tiles.k : 0), r1(tiles.q), r2(tiles.q) {}
 };
 
 template <typename T>
@@ -127,54 +277,55 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   T* op = out.data_ptr<T>();
   T* lp = lse.data_ptr<T>();
   at::parallel_for(0, B * H * ntiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> sbuf(tiles.q * tiles.k), mrow(tiles.q), lrow(tiles.q);
+    Scratch<T> buf(tiles, false);
+    T* mrow = buf.r1.data();
+    T* lrow = buf.r2.data();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / ntiles, t = item % ntiles, b = bh / H, h = bh % H;
       const T* Q = qp + b * L * ldq + h * D;
       const T* K = kp + b * L * ldq + h * D;
       const T* V = vp + b * L * ldv + h * P;
       T* O = op + b * L * ldv + h * P;
-      const int64_t t0 = t * tiles.q, t1 = std::min(t0 + tiles.q, L);
-      std::fill(mrow.begin(), mrow.end(), -std::numeric_limits<T>::infinity());
-      std::fill(lrow.begin(), lrow.end(), T(0));
+      const int64_t t0 = t * tiles.q, t1 = std::min(t0 + tiles.q, L), rn = t1 - t0;
+      std::fill(mrow, mrow + rn, -std::numeric_limits<T>::infinity());
+      std::fill(lrow, lrow + rn, T(0));
       for (int64_t i = t0; i < t1; ++i) std::fill(O + i * ldv, O + i * ldv + P, T(0));
-      auto piece = [&](int64_t r0, int64_t r1, int64_t k0, int64_t k1, int64_t w, double sc, bool diagonal) {
-        const int64_t rn = r1 - r0;
+      auto range = [&](int64_t k0, int64_t k1, int d, bool leaf) {
         for (int64_t kc = k0; kc < k1; kc += tiles.k) {
           const int64_t kn = std::min(tiles.k, k1 - kc);
-          if (diagonal && kc > r1 - 1) break;  // every entry above the diagonal
-          T* s = sbuf.data();
-          scores<T>(s, Q, ldq, K, ldq, r0, rn, kc, kn, w, static_cast<T>(sc), diagonal);
-          for (int64_t i = 0; i < rn; ++i) {
+          T* s = buf.s.data();
+          if (leaf) {
+            leaf_scores<T>(s, buf.g.data(), Q, ldq, K, ldq, t0, rn, kc, kn, d, lv, causal);
+          } else {
+            plain_scores<T>(s, Q, ldq, K, ldq, t0, rn, kc, kn, d, lv);
+          }
+          for (int64_t i = 0; i < rn; ++i) {  // online softmax
             T* si = s + i * kn;
-            const int64_t row = r0 + i - t0;
-            const T mx = row_max(si, kn);
-            const T m_new = std::max(mrow[row], mx);
+            const T m_new = std::max(mrow[i], row_max(si, kn));
             if (m_new == -std::numeric_limits<T>::infinity()) {  // no allowed key yet: nothing to add
               std::fill(si, si + kn, T(0));
               continue;
             }
-            const T alpha = mrow[row] == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(mrow[row] - m_new);
-            const T sum = exp_shift_sum(si, kn, m_new);
-            lrow[row] = lrow[row] * alpha + sum;
-            mrow[row] = m_new;
+            const T alpha = mrow[i] == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(mrow[i] - m_new);
+            lrow[i] = lrow[i] * alpha + exp_shift_sum(si, kn, m_new);
+            mrow[i] = m_new;
             if (alpha != T(1)) {
-              T* oi = O + (r0 + i) * ldv;
+              T* oi = O + (t0 + i) * ldv;
 #pragma omp simd
               for (int64_t p = 0; p < P; ++p) oi[p] *= alpha;
             }
           }
-          gemm<T>(false, false, rn, P, kn, T(1), s, kn, V + kc * ldv, ldv, T(1), O + r0 * ldv, ldv);
+          gemm<T>(false, false, rn, P, kn, T(1), s, kn, V + kc * ldv, ldv, T(1), O + t0 * ldv, ldv);
         }
       };
-      walk(lv, t0, t1, 0, valid[b], causal, piece);
-      for (int64_t i = t0; i < t1; ++i) {
-        const T l = lrow[i - t0];
+      tile_ranges(lv, t0, t1, valid[b], causal, range);
+      for (int64_t i = 0; i < rn; ++i) {
+        const T l = lrow[i];
         const T inv = l > T(0) ? T(1) / l : T(0);
-        T* oi = O + i * ldv;
+        T* oi = O + (t0 + i) * ldv;
 #pragma omp simd
         for (int64_t p = 0; p < P; ++p) oi[p] *= inv;
-        lp[(b * L + i) * H + h] = l > T(0) ? mrow[i - t0] + std::log(l) : -std::numeric_limits<T>::infinity();
+        lp[(b * L + t0 + i) * H + h] = l > T(0) ? mrow[i] + std::log(l) : -std::numeric_limits<T>::infinity();
       }
     }
   });
@@ -186,7 +337,6 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                    bool causal, Tiles tiles, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3), P = v.size(3);
   const int64_t ldq = H * D, ldv = H * P;
-  const int64_t ntiles = (L + tiles.q - 1) / tiles.q;
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -197,7 +347,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   T* dkp = dk.data_ptr<T>();
   T* dvp = dv.data_ptr<T>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> sbuf(tiles.q * tiles.k), pbuf(tiles.q * tiles.k), delta(tiles.q), lrow(tiles.q);
+    Scratch<T> buf(tiles, true);
+    T* delta = buf.r1.data();
+    T* lrow = buf.r2.data();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const T* Q = qp + b * L * ldq + h * D;
@@ -214,7 +366,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         std::fill(dV + i * ldv, dV + i * ldv + P, T(0));
       }
       for (int64_t t0 = 0; t0 < L; t0 += tiles.q) {
-        const int64_t t1 = std::min(t0 + tiles.q, L);
+        const int64_t t1 = std::min(t0 + tiles.q, L), rn = t1 - t0;
         for (int64_t i = t0; i < t1; ++i) {
           T acc = 0;
           const T* gi = G + i * ldv;
@@ -224,40 +376,49 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           delta[i - t0] = acc;
           lrow[i - t0] = lp[(b * L + i) * H + h];
         }
-        auto piece = [&](int64_t r0, int64_t r1, int64_t k0, int64_t k1, int64_t w, double sc, bool diagonal) {
-          const int64_t rn = r1 - r0;
-          const T scale = static_cast<T>(sc);
+        auto range = [&](int64_t k0, int64_t k1, int d, bool leaf) {
+          const T scale = static_cast<T>(lv.scale[d]);
           for (int64_t kc = k0; kc < k1; kc += tiles.k) {
             const int64_t kn = std::min(tiles.k, k1 - kc);
-            if (diagonal && kc > r1 - 1) break;
-            T* s = sbuf.data();
-            T* ds = pbuf.data();
-            scores<T>(s, Q, ldq, K, ldq, r0, rn, kc, kn, w, scale, diagonal);
+            T* s = buf.s.data();
+            T* ds = buf.p.data();
+            if (leaf) {
+              leaf_scores<T>(s, buf.g.data(), Q, ldq, K, ldq, t0, rn, kc, kn, d, lv, causal);
+            } else {
+              plain_scores<T>(s, Q, ldq, K, ldq, t0, rn, kc, kn, d, lv);
+            }
             for (int64_t i = 0; i < rn; ++i) {
-              const T l = lrow[r0 + i - t0];
-              if (l == -std::numeric_limits<T>::infinity()) {
+              if (lrow[i] == -std::numeric_limits<T>::infinity()) {
                 std::fill(s + i * kn, s + (i + 1) * kn, T(0));
               } else {
-                exp_shift_sum(s + i * kn, kn, l);
+                exp_shift_sum(s + i * kn, kn, lrow[i]);
               }
             }
             // dV[keys] += P^T dO[rows];  dP = dO[rows] V[keys]^T
-            gemm<T>(true, false, kn, P, rn, T(1), s, kn, G + r0 * ldv, ldv, T(1), dV + kc * ldv, ldv);
-            gemm<T>(false, true, rn, kn, P, T(1), G + r0 * ldv, ldv, V + kc * ldv, ldv, T(0), ds, kn);
+            gemm<T>(true, false, kn, P, rn, T(1), s, kn, G + t0 * ldv, ldv, T(1), dV + kc * ldv, ldv);
+            gemm<T>(false, true, rn, kn, P, T(1), G + t0 * ldv, ldv, V + kc * ldv, ldv, T(0), ds, kn);
+            const T plain = leaf ? T(1) : scale;  // a leaf's scale is per entry (below)
             for (int64_t i = 0; i < rn; ++i) {
-              const T di = delta[r0 + i - t0];
+              const T di = delta[i];
               T* dsi = ds + i * kn;
               const T* pi = s + i * kn;
 #pragma omp simd
-              for (int64_t j = 0; j < kn; ++j) dsi[j] = pi[j] * (dsi[j] - di) * scale;
+              for (int64_t j = 0; j < kn; ++j) dsi[j] = pi[j] * (dsi[j] - di) * plain;
             }
-            if (w > 0) {  // dQ[rows, :w] += dS K[keys, :w];  dK[keys, :w] += dS^T Q[rows, :w]
-              gemm<T>(false, false, rn, w, kn, T(1), ds, kn, K + kc * ldq, ldq, T(1), dQ + r0 * ldq, ldq);
-              gemm<T>(true, false, kn, w, rn, T(1), ds, kn, Q + r0 * ldq, ldq, T(1), dK + kc * ldq, ldq);
+            if (leaf) leaf_scale<T>(ds, t0, rn, kc, kn, d, lv, false);
+            const int64_t w = lv.width[d];
+            if (w > 0 && w <= NARROW) {  // dQ[rows, :W] += dS K[keys, :W];  dK[keys, :W] += dS^T Q[rows, :W]
+              transpose_rows(buf.kt.data(), K + kc * ldq, ldq, kn, w);
+              narrow_dq(dQ + t0 * ldq, ldq, ds, buf.kt.data(), rn, kn, w);
+              narrow_dk(dK + kc * ldq, ldq, ds, Q + t0 * ldq, ldq, buf.dkt.data(), rn, kn, w);
+            } else if (w > 0) {
+              gemm<T>(false, false, rn, w, kn, T(1), ds, kn, K + kc * ldq, ldq, T(1), dQ + t0 * ldq, ldq);
+              gemm<T>(true, false, kn, w, rn, T(1), ds, kn, Q + t0 * ldq, ldq, T(1), dK + kc * ldq, ldq);
             }
+            if (leaf) leaf_level_grads<T>(ds, buf.g.data(), Q, K, dQ, dK, ldq, t0, rn, kc, kn, d, lv);
           }
         };
-        walk(lv, t0, t1, 0, valid[b], causal, piece);
+        tile_ranges(lv, t0, t1, valid[b], causal, range);
       }
     }
   });
