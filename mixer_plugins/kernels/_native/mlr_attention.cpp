@@ -4,8 +4,9 @@
 // registered as torch.ops.mixer_plugins_native.mlr_forward / mlr_backward. Python owns the argument checks (see
 // kernels/mlr_attention/native.py); docs/structured_attention.md has the math.
 //
-// Layout: q, k (B, L, H, D) with the level scales applied, v and the output (B, L, H, P), the log-sum-exp
-// (B, L, H); every row is read in place through its leading dimension (H * D or H * P), never transposed.
+// Layout: q, k (B, L, H, D) and v (B, L, H, P) with any strides but a unit feature stride (read in place: the
+// mixer's views need no copy), the output (B, L, H, P) and the log-sum-exp (B, L, H) contiguous. The level scales
+// are applied to each query tile as it is read (a thread's scratch copy), and to dQ as each tile's rows complete.
 //
 // Traversal. Levels nest, so the levels a pair (i, j) shares are a prefix 0..m: one score width
 // W_m = r_0 + ... + r_m and one scale. For each query tile, `tile_ranges` lists key ranges that every row of the tile
@@ -35,19 +36,25 @@ using namespace mixer_plugins_native;
 
 // The level structure, indexed by depth d = 0 .. n: depth 0 is the whole sequence shared by no level (width 0),
 // depth d >= 1 is level d - 1 (blocks of size[d] tokens, L for a global level), its pairs' width and scale.
+// `feature` holds each feature's level scale tau_l.
 struct Levels {
   int64_t length;
   std::vector<int64_t> size, width;
-  std::vector<double> scale;
+  std::vector<double> scale, feature;
   int depth() const { return static_cast<int>(size.size()) - 1; }
 };
 
 Levels make_levels(int64_t length, const std::vector<int64_t>& widths, const std::vector<int64_t>& sizes,
-                   const std::vector<double>& scales) {
-  TORCH_CHECK(widths.size() == sizes.size() && sizes.size() == scales.size() && !sizes.empty(),
-              "mlr native: one width, size and scale per level");
+                   const std::vector<double>& scales, const std::vector<double>& taus) {
+  TORCH_CHECK(widths.size() == sizes.size() && sizes.size() == scales.size() && taus.size() == sizes.size() &&
+                  !sizes.empty(),
+              "mlr native: one width, size, scale and tau per level");
   Levels lv;
   lv.length = length;
+  for (size_t l = 0; l < widths.size(); ++l) {
+    TORCH_CHECK(widths[l] > (l ? widths[l - 1] : 0), "mlr native: the widths must increase");
+    lv.feature.resize(widths[l], taus[l]);
+  }
   lv.size.push_back(length);
   lv.width.push_back(0);
   lv.scale.push_back(0.0);
@@ -149,23 +156,36 @@ void tile_ranges(const Levels& lv, int64_t t0, int64_t t1, int64_t valid, bool c
   emit(s0, s1, d, true);
 }
 
+// Below, qt (rn rows, ldq apart) are the tile's scaled query rows, r0 the first one's position; K (keys from k0,
+// ldk apart) the head's key rows.
+
+// Scores of the tile against keys [k0, k0 + kn) sharing exactly depths 0..d: s = scale_d qt[:, :W_d] k^T.
+template <typename T>
+void plain_scores(T* s, const T* qt, int64_t ldq, const T* K, int64_t ldk, int64_t rn, int64_t k0, int64_t kn, int d,
+                  const Levels& lv) {
+  if (lv.width[d] > 0) {
+    gemm<T>(false, true, rn, kn, lv.width[d], static_cast<T>(lv.scale[d]), qt, ldq, K + k0 * ldk, ldk, T(0), s, kn);
+  } else {
+    std::fill(s, s + rn * kn, T(0));
+  }
+}
+
 // s (rn x kn, a leaf chunk) *= the scale of each entry's number of shared depths; -inf above the diagonal when
-// `causal` (after the scaling, so that gradients can reuse it on dS without the mask).
+// `causal`.
 template <typename T>
 void leaf_scale(T* s, int64_t r0, int64_t rn, int64_t k0, int64_t kn, int d, const Levels& lv, bool causal) {
   const int D = lv.depth();
   for (int64_t i = 0; i < rn; ++i) {
     T* si = s + i * kn;
-    // nested ranges [a_e, b_e) of the row's depth-e blocks (e = d .. D) within the chunk; entries in range e but
-    // not in range e + 1 share exactly depths 0..e
+    // nested ranges [a, b) of the row's depth-e blocks (e = d .. D) within the chunk; entries in range e but not in
+    // range e + 1 share exactly depths 0..e
     int64_t a = 0, b = kn;
     for (int e = d; e <= D; ++e) {
       int64_t na = b, nb = b;  // the next range (empty past the finest level)
       if (e < D) {
         const int64_t b0 = (r0 + i) / lv.size[e + 1] * lv.size[e + 1];
-        na = std::min(std::max(b0, k0) - k0, b);
+        na = std::max(std::min(std::max(b0, k0) - k0, b), a);
         nb = std::max(std::min(b0 + lv.size[e + 1], k0 + kn) - k0, na);
-        na = std::max(na, a);
       }
       const T sc = static_cast<T>(lv.scale[e]);
       if (sc != T(1)) {
@@ -183,24 +203,23 @@ void leaf_scale(T* s, int64_t r0, int64_t rn, int64_t k0, int64_t kn, int d, con
   }
 }
 
-// Per-entry scores of a leaf chunk: rows [r0, r0 + rn) against keys [k0, k0 + kn), every pair sharing depths 0..d
-// and the finer depths whose block holds it. s (rn x kn) = scale(i, j) * sum of the shared levels' products, -inf
-// above the diagonal when `causal`; g is scratch of the same size.
+// Scores of a leaf chunk, every pair sharing depths 0..d and, entry by entry, the finer depths whose block holds it:
+// s = scale(i, j) * sum of the shared levels' products, -inf above the diagonal when `causal`; g is scratch.
 template <typename T>
-void leaf_scores(T* s, T* g, const T* q, int64_t ldq, const T* k, int64_t ldk, int64_t r0, int64_t rn, int64_t k0,
+void leaf_scores(T* s, T* g, const T* qt, int64_t ldq, const T* K, int64_t ldk, int64_t r0, int64_t rn, int64_t k0,
                  int64_t kn, int d, const Levels& lv, bool causal) {
   const int D = lv.depth();
   if (lv.width[d] > 0) {
-    gemm<T>(false, true, rn, kn, lv.width[d], T(1), q + r0 * ldq, ldq, k + k0 * ldk, ldk, T(0), s, kn);
+    gemm<T>(false, true, rn, kn, lv.width[d], T(1), qt, ldq, K + k0 * ldk, ldk, T(0), s, kn);
   } else {
     std::fill(s, s + rn * kn, T(0));
   }
   for (int e = d + 1; e <= D; ++e) {
     const int64_t size = lv.size[e], c0 = lv.width[e - 1], r = lv.width[e] - c0;
-    // the keys of the chunk inside some row's depth-e block: skip the level where there are none
+    // the keys of the chunk inside some row's depth-e block: none, none at the finer levels either
     const int64_t lo = std::max(r0 / size * size, k0), hi = std::min(((r0 + rn - 1) / size + 1) * size, k0 + kn);
-    if (lo >= hi) break;  // (finer blocks nest inside: none either)
-    gemm<T>(false, true, rn, kn, r, T(1), q + r0 * ldq + c0, ldq, k + k0 * ldk + c0, ldk, T(0), g, kn);
+    if (lo >= hi) break;
+    gemm<T>(false, true, rn, kn, r, T(1), qt + c0, ldq, K + k0 * ldk + c0, ldk, T(0), g, kn);
     for (int64_t i = 0; i < rn; ++i) {
       const int64_t b0 = (r0 + i) / size * size;
       const int64_t a = std::max(b0, k0) - k0, b = std::min(b0 + size, k0 + kn) - k0;
@@ -214,11 +233,11 @@ void leaf_scores(T* s, T* g, const T* q, int64_t ldq, const T* k, int64_t ldk, i
 }
 
 // The leaf's gradients of the finer levels: for each depth e > d, dQ[rows, level cols] += dS_e K[keys, level cols]
-// and dK[keys, level cols] += dS_e^T Q[rows, level cols], with dS_e the entries of ds inside the rows' depth-e
-// blocks (copied into g, zeros elsewhere).
+// and dK[keys, level cols] += dS_e^T qt[:, level cols], with dS_e the entries of ds inside the rows' depth-e blocks
+// (copied into g, zeros elsewhere).
 template <typename T>
-void leaf_level_grads(const T* ds, T* g, const T* Q, const T* K, T* dQ, T* dK, int64_t ldq, int64_t r0, int64_t rn,
-                      int64_t k0, int64_t kn, int d, const Levels& lv) {
+void leaf_level_grads(const T* ds, T* g, const T* qt, int64_t ldq, const T* K, int64_t ldk, T* dQt, int64_t lddq,
+                      T* dK, int64_t lddk, int64_t r0, int64_t rn, int64_t k0, int64_t kn, int d, const Levels& lv) {
   const int D = lv.depth();
   for (int e = d + 1; e <= D; ++e) {
     const int64_t size = lv.size[e], c0 = lv.width[e - 1], r = lv.width[e] - c0;
@@ -233,21 +252,8 @@ void leaf_level_grads(const T* ds, T* g, const T* Q, const T* K, T* dQ, T* dK, i
       std::copy(di + a, di + b, gi + a);
       std::fill(gi + b, gi + kn, T(0));
     }
-    gemm<T>(false, false, rn, r, kn, T(1), g, kn, K + k0 * ldq + c0, ldq, T(1), dQ + r0 * ldq + c0, ldq);
-    gemm<T>(true, false, kn, r, rn, T(1), g, kn, Q + r0 * ldq + c0, ldq, T(1), dK + k0 * ldq + c0, ldq);
-  }
-}
-
-// Scores of rows [r0, r0 + rn) against keys [k0, k0 + kn) sharing exactly depths 0..d: scale_d q[:, :W_d] k^T.
-// Scores of rows [r0, r0 + rn) against keys [k0, k0 + kn) sharing exactly depths 0..d: scale_d q[:, :W_d] k^T.
-template <typename T>
-void plain_scores(T* s, const T* q, int64_t ldq, const T* k, int64_t ldk, int64_t r0, int64_t rn, int64_t k0,
-                  int64_t kn, int d, const Levels& lv) {
-  if (lv.width[d] > 0) {
-    gemm<T>(false, true, rn, kn, lv.width[d], static_cast<T>(lv.scale[d]), q + r0 * ldq, ldq, k + k0 * ldk, ldk, T(0),
-            s, kn);
-  } else {
-    std::fill(s, s + rn * kn, T(0));
+    gemm<T>(false, false, rn, r, kn, T(1), g, kn, K + k0 * ldk + c0, ldk, T(1), dQt + c0, lddq);
+    gemm<T>(true, false, kn, r, rn, T(1), g, kn, qt + c0, ldq, T(1), dK + k0 * lddk + c0, lddk);
   }
 }
 
@@ -256,48 +262,70 @@ struct Tiles {
 };
 
 // Scratch of one thread for a whole call (reused by every tile): scores, the leaf's level products, the score
-// gradients (backward) and two row statistics.
+// gradients (backward), the tile's scaled queries and transposed narrow keys, and two row statistics.
 template <typename T>
 struct Scratch {
-  std::vector<T> s, g, p, kt, dkt, r1, r2;
-  Scratch(Tiles tiles, bool backward)
-      : s(tiles.q * tiles.k), g(tiles.q * tiles.k), p(backward ? tiles.q * tiles.k : 0),
+  std::vector<T> s, g, p, qs, kt, dkt, r1, r2;
+  Scratch(Tiles tiles, int64_t width, bool backward)
+      : s(tiles.q * tiles.k), g(tiles.q * tiles.k), p(backward ? tiles.q * tiles.k : 0), qs(tiles.q * width),
         kt(backward ? NARROW * tiles.k : 0), dkt(backward ? NARROW * tiles.k : 0), r1(tiles.q), r2(tiles.q) {}
 };
+
+// qs (rn x D, contiguous) = the rows of Q from t0 times each feature's level scale
+template <typename T>
+void scaled_rows(T* qs, const T* Q, int64_t ldq, int64_t t0, int64_t rn, int64_t D, const Levels& lv) {
+  for (int64_t i = 0; i < rn; ++i) {
+    const T* qi = Q + (t0 + i) * ldq;
+    T* si = qs + i * D;
+    for (int64_t c = 0; c < D; ++c) si[c] = qi[c] * static_cast<T>(c < int64_t(lv.feature.size()) ? lv.feature[c] : 0);
+  }
+}
+
+// A strided (B, L, H, X) tensor: the rows of (b, h) start at p + b * sb + h * sh and lie ld apart.
+template <typename T>
+struct Strided {
+  T* p;
+  int64_t sb, ld, sh;
+  T* head(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
+
+template <typename T>
+Strided<T> strided(const at::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)};
+}
 
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& valid,
                   const Levels& lv, bool causal, Tiles tiles, at::Tensor& out, at::Tensor& lse) {
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3), P = v.size(3);
-  const int64_t ldq = H * D, ldv = H * P;
+  const int64_t ldo = H * P;
   const int64_t ntiles = (L + tiles.q - 1) / tiles.q;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const auto Qs = strided<T>(q), Ks = strided<T>(k), Vs = strided<T>(v);
   T* op = out.data_ptr<T>();
   T* lp = lse.data_ptr<T>();
   at::parallel_for(0, B * H * ntiles, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> buf(tiles, false);
+    Scratch<T> buf(tiles, D, false);
     T* mrow = buf.r1.data();
     T* lrow = buf.r2.data();
+    T* qs = buf.qs.data();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / ntiles, t = item % ntiles, b = bh / H, h = bh % H;
-      const T* Q = qp + b * L * ldq + h * D;
-      const T* K = kp + b * L * ldq + h * D;
-      const T* V = vp + b * L * ldv + h * P;
-      T* O = op + b * L * ldv + h * P;
+      const T* K = Ks.head(b, h);
+      const T* V = Vs.head(b, h);
+      T* O = op + b * L * ldo + h * P;
       const int64_t t0 = t * tiles.q, t1 = std::min(t0 + tiles.q, L), rn = t1 - t0;
+      scaled_rows(qs, Qs.head(b, h), Qs.ld, t0, rn, D, lv);
       std::fill(mrow, mrow + rn, -std::numeric_limits<T>::infinity());
       std::fill(lrow, lrow + rn, T(0));
-      for (int64_t i = t0; i < t1; ++i) std::fill(O + i * ldv, O + i * ldv + P, T(0));
+      for (int64_t i = t0; i < t1; ++i) std::fill(O + i * ldo, O + i * ldo + P, T(0));
       auto range = [&](int64_t k0, int64_t k1, int d, bool leaf) {
         for (int64_t kc = k0; kc < k1; kc += tiles.k) {
           const int64_t kn = std::min(tiles.k, k1 - kc);
           T* s = buf.s.data();
           if (leaf) {
-            leaf_scores<T>(s, buf.g.data(), Q, ldq, K, ldq, t0, rn, kc, kn, d, lv, causal);
+            leaf_scores<T>(s, buf.g.data(), qs, D, K, Ks.ld, t0, rn, kc, kn, d, lv, causal);
           } else {
-            plain_scores<T>(s, Q, ldq, K, ldq, t0, rn, kc, kn, d, lv);
+            plain_scores<T>(s, qs, D, K, Ks.ld, rn, kc, kn, d, lv);
           }
           for (int64_t i = 0; i < rn; ++i) {  // online softmax
             T* si = s + i * kn;
@@ -310,19 +338,19 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             lrow[i] = lrow[i] * alpha + exp_shift_sum(si, kn, m_new);
             mrow[i] = m_new;
             if (alpha != T(1)) {
-              T* oi = O + (t0 + i) * ldv;
+              T* oi = O + (t0 + i) * ldo;
 #pragma omp simd
               for (int64_t p = 0; p < P; ++p) oi[p] *= alpha;
             }
           }
-          gemm<T>(false, false, rn, P, kn, T(1), s, kn, V + kc * ldv, ldv, T(1), O + t0 * ldv, ldv);
+          gemm<T>(false, false, rn, P, kn, T(1), s, kn, V + kc * Vs.ld, Vs.ld, T(1), O + t0 * ldo, ldo);
         }
       };
       tile_ranges(lv, t0, t1, valid[b], causal, range);
       for (int64_t i = 0; i < rn; ++i) {
         const T l = lrow[i];
         const T inv = l > T(0) ? T(1) / l : T(0);
-        T* oi = O + (t0 + i) * ldv;
+        T* oi = O + (t0 + i) * ldo;
 #pragma omp simd
         for (int64_t p = 0; p < P; ++p) oi[p] *= inv;
         lp[(b * L + t0 + i) * H + h] = l > T(0) ? mrow[i] + std::log(l) : -std::numeric_limits<T>::infinity();
@@ -336,46 +364,45 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                    const at::Tensor& out, const at::Tensor& lse, const std::vector<int64_t>& valid, const Levels& lv,
                    bool causal, Tiles tiles, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3), P = v.size(3);
-  const int64_t ldq = H * D, ldv = H * P;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  const T* gp = dout.data_ptr<T>();
+  const int64_t ldg = H * D, ldo = H * P;  // the contiguous outputs' row strides (dq, dk; out, dv)
+  const auto Qs = strided<T>(q), Ks = strided<T>(k), Vs = strided<T>(v), Gs = strided<T>(dout);
   const T* op = out.data_ptr<T>();
   const T* lp = lse.data_ptr<T>();
   T* dqp = dq.data_ptr<T>();
   T* dkp = dk.data_ptr<T>();
   T* dvp = dv.data_ptr<T>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> buf(tiles, true);
+    Scratch<T> buf(tiles, D, true);
     T* delta = buf.r1.data();
     T* lrow = buf.r2.data();
+    T* qs = buf.qs.data();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      const T* Q = qp + b * L * ldq + h * D;
-      const T* K = kp + b * L * ldq + h * D;
-      const T* V = vp + b * L * ldv + h * P;
-      const T* G = gp + b * L * ldv + h * P;
-      const T* O = op + b * L * ldv + h * P;
-      T* dQ = dqp + b * L * ldq + h * D;
-      T* dK = dkp + b * L * ldq + h * D;
-      T* dV = dvp + b * L * ldv + h * P;
+      const T* K = Ks.head(b, h);
+      const T* V = Vs.head(b, h);
+      const T* G = Gs.head(b, h);
+      const T* O = op + b * L * ldo + h * P;
+      T* dQ = dqp + b * L * ldg + h * D;
+      T* dK = dkp + b * L * ldg + h * D;
+      T* dV = dvp + b * L * ldo + h * P;
       for (int64_t i = 0; i < L; ++i) {
-        std::fill(dQ + i * ldq, dQ + i * ldq + D, T(0));
-        std::fill(dK + i * ldq, dK + i * ldq + D, T(0));
-        std::fill(dV + i * ldv, dV + i * ldv + P, T(0));
+        std::fill(dQ + i * ldg, dQ + i * ldg + D, T(0));
+        std::fill(dK + i * ldg, dK + i * ldg + D, T(0));
+        std::fill(dV + i * ldo, dV + i * ldo + P, T(0));
       }
       for (int64_t t0 = 0; t0 < L; t0 += tiles.q) {
         const int64_t t1 = std::min(t0 + tiles.q, L), rn = t1 - t0;
+        scaled_rows(qs, Qs.head(b, h), Qs.ld, t0, rn, D, lv);
         for (int64_t i = t0; i < t1; ++i) {
           T acc = 0;
-          const T* gi = G + i * ldv;
-          const T* oi = O + i * ldv;
+          const T* gi = G + i * Gs.ld;
+          const T* oi = O + i * ldo;
 #pragma omp simd reduction(+ : acc)
           for (int64_t p = 0; p < P; ++p) acc += gi[p] * oi[p];
           delta[i - t0] = acc;
           lrow[i - t0] = lp[(b * L + i) * H + h];
         }
+        T* dQt = dQ + t0 * ldg;
         auto range = [&](int64_t k0, int64_t k1, int d, bool leaf) {
           const T scale = static_cast<T>(lv.scale[d]);
           for (int64_t kc = k0; kc < k1; kc += tiles.k) {
@@ -383,9 +410,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             T* s = buf.s.data();
             T* ds = buf.p.data();
             if (leaf) {
-              leaf_scores<T>(s, buf.g.data(), Q, ldq, K, ldq, t0, rn, kc, kn, d, lv, causal);
+              leaf_scores<T>(s, buf.g.data(), qs, D, K, Ks.ld, t0, rn, kc, kn, d, lv, causal);
             } else {
-              plain_scores<T>(s, Q, ldq, K, ldq, t0, rn, kc, kn, d, lv);
+              plain_scores<T>(s, qs, D, K, Ks.ld, rn, kc, kn, d, lv);
             }
             for (int64_t i = 0; i < rn; ++i) {
               if (lrow[i] == -std::numeric_limits<T>::infinity()) {
@@ -395,8 +422,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               }
             }
             // dV[keys] += P^T dO[rows];  dP = dO[rows] V[keys]^T
-            gemm<T>(true, false, kn, P, rn, T(1), s, kn, G + t0 * ldv, ldv, T(1), dV + kc * ldv, ldv);
-            gemm<T>(false, true, rn, kn, P, T(1), G + t0 * ldv, ldv, V + kc * ldv, ldv, T(0), ds, kn);
+            gemm<T>(true, false, kn, P, rn, T(1), s, kn, G + t0 * Gs.ld, Gs.ld, T(1), dV + kc * ldo, ldo);
+            gemm<T>(false, true, rn, kn, P, T(1), G + t0 * Gs.ld, Gs.ld, V + kc * Vs.ld, Vs.ld, T(0), ds, kn);
             const T plain = leaf ? T(1) : scale;  // a leaf's scale is per entry (below)
             for (int64_t i = 0; i < rn; ++i) {
               const T di = delta[i];
@@ -406,19 +433,26 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               for (int64_t j = 0; j < kn; ++j) dsi[j] = pi[j] * (dsi[j] - di) * plain;
             }
             if (leaf) leaf_scale<T>(ds, t0, rn, kc, kn, d, lv, false);
+            // dQ[rows, :W] += dS K[keys, :W];  dK[keys, :W] += dS^T qs[:, :W]
             const int64_t w = lv.width[d];
-            if (w > 0 && w <= NARROW) {  // dQ[rows, :W] += dS K[keys, :W];  dK[keys, :W] += dS^T Q[rows, :W]
-              transpose_rows(buf.kt.data(), K + kc * ldq, ldq, kn, w);
-              narrow_dq(dQ + t0 * ldq, ldq, ds, buf.kt.data(), rn, kn, w);
-              narrow_dk(dK + kc * ldq, ldq, ds, Q + t0 * ldq, ldq, buf.dkt.data(), rn, kn, w);
+            if (w > 0 && w <= NARROW) {
+              transpose_rows(buf.kt.data(), K + kc * Ks.ld, Ks.ld, kn, w);
+              narrow_dq(dQt, ldg, ds, buf.kt.data(), rn, kn, w);
+              narrow_dk(dK + kc * ldg, ldg, ds, qs, D, buf.dkt.data(), rn, kn, w);
             } else if (w > 0) {
-              gemm<T>(false, false, rn, w, kn, T(1), ds, kn, K + kc * ldq, ldq, T(1), dQ + t0 * ldq, ldq);
-              gemm<T>(true, false, kn, w, rn, T(1), ds, kn, Q + t0 * ldq, ldq, T(1), dK + kc * ldq, ldq);
+              gemm<T>(false, false, rn, w, kn, T(1), ds, kn, K + kc * Ks.ld, Ks.ld, T(1), dQt, ldg);
+              gemm<T>(true, false, kn, w, rn, T(1), ds, kn, qs, D, T(1), dK + kc * ldg, ldg);
             }
-            if (leaf) leaf_level_grads<T>(ds, buf.g.data(), Q, K, dQ, dK, ldq, t0, rn, kc, kn, d, lv);
+            if (leaf) {
+              leaf_level_grads<T>(ds, buf.g.data(), qs, D, K, Ks.ld, dQt, ldg, dK, ldg, t0, rn, kc, kn, d, lv);
+            }
           }
         };
         tile_ranges(lv, t0, t1, valid[b], causal, range);
+        for (int64_t i = 0; i < rn; ++i) {  // the tile's dQ is complete: the gradient of the unscaled queries
+          T* dqi = dQt + i * ldg;
+          for (int64_t c = 0; c < D; ++c) dqi[c] *= static_cast<T>(c < int64_t(lv.feature.size()) ? lv.feature[c] : 0);
+        }
       }
     }
   });
@@ -447,17 +481,17 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
               "mlr native: float32 or float64 inputs of one dtype");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "mlr native: contiguous inputs");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "mlr native: inputs with unit feature stride");
 }
 
 std::tuple<at::Tensor, at::Tensor> mlr_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const c10::optional<at::Tensor>& key_len, at::IntArrayRef widths,
-                                               at::IntArrayRef sizes, at::ArrayRef<double> scales, bool causal,
-                                               int64_t tile_q, int64_t tile_k) {
+                                               at::IntArrayRef sizes, at::ArrayRef<double> scales,
+                                               at::ArrayRef<double> taus, bool causal, int64_t tile_q, int64_t tile_k) {
   check_inputs(q, k, v);
   TORCH_CHECK(tile_q > 0 && tile_k > 0, "mlr native: tiles must be positive");
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), P = v.size(3);
-  const Levels lv = make_levels(L, widths.vec(), sizes.vec(), scales.vec());
+  const Levels lv = make_levels(L, widths.vec(), sizes.vec(), scales.vec(), taus.vec());
   TORCH_CHECK(lv.width.back() <= q.size(3), "mlr native: the widths exceed the head width");
   const auto valid = valid_lengths(key_len.has_value() ? *key_len : at::Tensor(), B, L);
   at::Tensor out = at::empty({B, L, H, P}, q.options());
@@ -473,19 +507,20 @@ std::tuple<at::Tensor, at::Tensor> mlr_forward(const at::Tensor& q, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mlr_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const c10::optional<at::Tensor>& key_len, at::IntArrayRef widths, at::IntArrayRef sizes,
-    at::ArrayRef<double> scales, bool causal, int64_t tile_q, int64_t tile_k) {
+    at::ArrayRef<double> scales, at::ArrayRef<double> taus, bool causal, int64_t tile_q, int64_t tile_k) {
   check_inputs(q, k, v);
   TORCH_CHECK(tile_q > 0 && tile_k > 0, "mlr native: tiles must be positive");
-  TORCH_CHECK(dout.sizes() == v.sizes() && out.sizes() == v.sizes() && dout.is_contiguous() && out.is_contiguous() &&
+  TORCH_CHECK(dout.sizes() == v.sizes() && out.sizes() == v.sizes() && dout.stride(3) == 1 && out.is_contiguous() &&
                   dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "mlr native: dout and out must be contiguous (B, L, H, P) of q's dtype");
+              "mlr native: dout (B, L, H, P) with unit feature stride and contiguous out, of q's dtype");
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2) &&
                   lse.is_contiguous() && lse.scalar_type() == q.scalar_type(),
               "mlr native: lse must be contiguous (B, L, H) of q's dtype");
-  const int64_t B = q.size(0), L = q.size(1);
-  const Levels lv = make_levels(L, widths.vec(), sizes.vec(), scales.vec());
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3), P = v.size(3);
+  const Levels lv = make_levels(L, widths.vec(), sizes.vec(), scales.vec(), taus.vec());
   const auto valid = valid_lengths(key_len.has_value() ? *key_len : at::Tensor(), B, L);
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor dq = at::empty({B, L, H, D}, q.options()), dk = at::empty({B, L, H, D}, q.options());
+  at::Tensor dv = at::empty({B, L, H, P}, q.options());
   if (q.scalar_type() == at::kFloat) {
     backward_impl<float>(dout, q, k, v, out, lse, valid, lv, causal, {tile_q, tile_k}, dq, dk, dv);
   } else {
@@ -498,9 +533,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mlr_backward(
 
 TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
   m.def("mlr_forward(Tensor q, Tensor k, Tensor v, Tensor? key_len, int[] widths, int[] sizes, float[] scales, "
-        "bool causal, int tile_q, int tile_k) -> (Tensor, Tensor)");
+        "float[] taus, bool causal, int tile_q, int tile_k) -> (Tensor, Tensor)");
   m.def("mlr_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_len, "
-        "int[] widths, int[] sizes, float[] scales, bool causal, int tile_q, int tile_k) -> (Tensor, Tensor, Tensor)");
+        "int[] widths, int[] sizes, float[] scales, float[] taus, bool causal, int tile_q, int tile_k) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mixer_plugins_native, CPU, m) {
