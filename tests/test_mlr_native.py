@@ -87,6 +87,25 @@ def test_native_matches_reference_at_any_tiling(tiles, tile, causal, levels):
         assert _err(g, rg) < 1e-12
 
 
+@pytest.mark.parametrize("tile", [(128, 64), (256, 100), (96, 32)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_native_splits_leaves_of_large_blocks(tiles, tile, causal):
+    """Blocks of 64 tokens and more near the diagonal: each tile's neighbourhood is split by the finer blocks (plain
+    ranges of part of the tile's rows, then smaller leaves); float64 values and gradients equal the reference, with
+    right padding, tiles aligned with the blocks or not."""
+    tiles(tile, tile)
+    ranks, sizes = [4, 2, 2, 1, 1], [None, 128, 64, 16, 4]
+    length = 300
+    mask = torch.arange(length)[None, :] < torch.tensor([length, 211])[:, None]
+    q, k, v = _inputs(2, length, 2, ranks, 5, seed=7)
+    kw = dict(ranks=ranks, block_sizes=sizes, scales=[0.6 / r for r in ranks], causal=causal, mask=mask)
+    ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, engine="native", **kw), (q, k, v))
+    assert _err(out, ref) < 1e-12
+    for g, rg in zip(grads, ref_grads):
+        assert _err(g, rg) < 1e-12
+
+
 @pytest.mark.parametrize("length", [1, 2, 9])
 @pytest.mark.parametrize("block_divide", [True, False])
 def test_native_without_block_divide_and_short_sequences(block_divide, length):

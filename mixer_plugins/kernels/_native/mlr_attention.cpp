@@ -9,10 +9,10 @@
 // are applied to each query tile as it is read (a thread's scratch copy), and to dQ as each tile's rows complete.
 //
 // Traversal. Levels nest, so the levels a pair (i, j) shares are a prefix 0..m: one score width
-// W_m = r_0 + ... + r_m and one scale. For each query tile, `tile_ranges` lists key ranges that every row of the tile
-// shares the same levels with (plain ranges: one BLAS product at their own width, all rows of the tile at once) and
-// the tile's neighbourhood, its *leaf*, where finer blocks cut the tile (a product per finer level, added entry by
-// entry over each row's block, and the causal mask). Each range is cut into key chunks; a chunk's probabilities come
+// W_m = r_0 + ... + r_m and one scale. For each query tile, `tile_ranges` lists key ranges that a set of the tile's
+// rows all share the same levels with (plain ranges: one BLAS product at their own width; the coarse levels' ranges
+// take all the tile's rows at once) and, near the diagonal, leaves where finer blocks cut the rows (a product per
+// finer level, added entry by entry over each row's block, and the causal mask). Each range is cut into key chunks; a chunk's probabilities come
 // from a vectorized exp, its values from a second product (online softmax across chunks, as in flash attention). The
 // backward visits the same ranges with the row log-sum-exp: five products per chunk (scores, dV, dP, dQ, dK), two
 // more per finer level in a leaf. Every buffer is a thread's scratch, allocated once per call.
@@ -119,45 +119,62 @@ void narrow_dk(T* dk, int64_t ldk, const T* ds, const T* q, int64_t ldq, T* dkt,
   }
 }
 
-// The key ranges of query tile [t0, t1) (its rows all take part in every range): f(k0, k1, d, leaf).
+// Leaves are split while the finer blocks that cut them hold at least this many rows (below it, one masked leaf).
+constexpr int64_t LEAF_SPLIT = 64;
+
+// The (rows, keys) ranges of query tile [t0, t1): f(r0, r1, k0, k1, d, leaf) with [r0, r1) a subrange of the tile.
 //
-// Let d* be the deepest depth whose one block B holds the whole tile. For every depth e < d*, the keys of the tile's
-// depth-e block outside its depth-(e + 1) block share exactly depths 0..e with every row: plain ranges at width
-// W_e. Inside B, the keys outside the span of the depth-(d* + 1) blocks that meet the tile share exactly depths
-// 0..d*: plain ranges at width W_d*. What remains, the span itself (the tile's neighbourhood), is the tile's *leaf*:
-// every pair shares depths 0..d* and, entry by entry, the finer levels whose block holds it (and the causal mask).
-// Keys at and beyond `valid` (right padding), and after the tile when causal, are never visited.
+// Let d* be the deepest depth whose one block holds the whole tile. For every depth e < d*, the keys of the tile's
+// depth-e block outside its depth-(e + 1) block share exactly depths 0..e with every row: plain ranges (all the
+// tile's rows, width W_e). Inside a depth-d block B holding rows [r0, r1), the keys outside the span of the
+// depth-(d + 1) blocks that meet the rows share exactly depths 0..d with them: plain ranges again. The span, the
+// rows' neighbourhood, is split by the finer blocks while they hold at least LEAF_SPLIT rows (each block's rows
+// against its siblings' keys plain, against its own keys one level deeper); below that it is one *leaf*: every pair
+// shares depths 0..d and, entry by entry, the finer levels whose block holds it (and the causal mask). Keys at and
+// beyond `valid` (right padding), and after the rows when causal, are never visited.
 template <typename F>
 void tile_ranges(const Levels& lv, int64_t t0, int64_t t1, int64_t valid, bool causal, F& f) {
   const int64_t L = lv.length;
   const int D = lv.depth();
-  const int64_t kend = causal ? std::min(valid, t1) : valid;
-  auto emit = [&](int64_t k0, int64_t k1, int d, bool leaf) {
-    k1 = std::min(k1, kend);
-    if (k0 < k1) f(k0, k1, d, leaf);
+  auto emit = [&](int64_t r0, int64_t r1, int64_t k0, int64_t k1, int d, bool leaf) {
+    k1 = std::min(k1, causal ? std::min(valid, r1) : valid);
+    if (k0 < k1) f(r0, r1, k0, k1, d, leaf);
   };
   int d = 0;
   while (d < D && t0 / lv.size[d + 1] == (t1 - 1) / lv.size[d + 1]) ++d;
   for (int e = 0; e < d; ++e) {
     const int64_t p0 = t0 / lv.size[e] * lv.size[e], p1 = std::min(p0 + lv.size[e], L);
     const int64_t c0 = t0 / lv.size[e + 1] * lv.size[e + 1], c1 = std::min(c0 + lv.size[e + 1], L);
-    emit(p0, c0, e, false);
-    emit(c1, p1, e, false);
+    emit(t0, t1, p0, c0, e, false);
+    emit(t0, t1, c1, p1, e, false);
   }
-  const int64_t p0 = t0 / lv.size[d] * lv.size[d], p1 = std::min(p0 + lv.size[d], L);
-  if (d == D) {  // the tile lies in one finest block: every pair shares every depth
-    emit(p0, p1, d, causal);
-    return;
-  }
-  const int64_t cs = lv.size[d + 1];
-  const int64_t s0 = t0 / cs * cs, s1 = std::min(((t1 - 1) / cs + 1) * cs, p1);
-  emit(p0, s0, d, false);
-  emit(s1, p1, d, false);
-  emit(s0, s1, d, true);
+  // rows [r0, r1) inside one depth-e block: every key of the block
+  auto block = [&](auto& self, int64_t r0, int64_t r1, int e) -> void {
+    const int64_t p0 = r0 / lv.size[e] * lv.size[e], p1 = std::min(p0 + lv.size[e], L);
+    if (e == D) {  // the rows lie in one finest block: every pair shares every depth
+      emit(r0, r1, p0, p1, e, causal);
+      return;
+    }
+    const int64_t cs = lv.size[e + 1];
+    const int64_t s0 = r0 / cs * cs, s1 = std::min(((r1 - 1) / cs + 1) * cs, p1);
+    emit(r0, r1, p0, s0, e, false);
+    emit(r0, r1, s1, p1, e, false);
+    if (cs < LEAF_SPLIT) {
+      emit(r0, r1, s0, s1, e, true);
+      return;
+    }
+    for (int64_t c0 = s0; c0 < s1; c0 += cs) {
+      const int64_t c1 = std::min(c0 + cs, p1), a = std::max(r0, c0), b = std::min(r1, c1);
+      emit(a, b, s0, c0, e, false);
+      emit(a, b, c1, s1, e, false);
+      self(self, a, b, e + 1);
+    }
+  };
+  block(block, t0, t1, d);
 }
 
-// Below, qt (rn rows, ldq apart) are the tile's scaled query rows, r0 the first one's position; K (keys from k0,
-// ldk apart) the head's key rows.
+// Below, qt (rn rows, ldq apart) are scaled query rows, r0 the first one's position; K (keys from k0, ldk apart) the
+// head's key rows.
 
 // Scores of the tile against keys [k0, k0 + kn) sharing exactly depths 0..d: s = scale_d qt[:, :W_d] k^T.
 template <typename T>
@@ -318,32 +335,36 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       std::fill(mrow, mrow + rn, -std::numeric_limits<T>::infinity());
       std::fill(lrow, lrow + rn, T(0));
       for (int64_t i = t0; i < t1; ++i) std::fill(O + i * ldo, O + i * ldo + P, T(0));
-      auto range = [&](int64_t k0, int64_t k1, int d, bool leaf) {
+      auto range = [&](int64_t r0, int64_t r1, int64_t k0, int64_t k1, int d, bool leaf) {
+        const int64_t off = r0 - t0, n = r1 - r0;
+        const T* qr = qs + off * D;
+        T* m = mrow + off;
+        T* l = lrow + off;
         for (int64_t kc = k0; kc < k1; kc += tiles.k) {
           const int64_t kn = std::min(tiles.k, k1 - kc);
           T* s = buf.s.data();
           if (leaf) {
-            leaf_scores<T>(s, buf.g.data(), qs, D, K, Ks.ld, t0, rn, kc, kn, d, lv, causal);
+            leaf_scores<T>(s, buf.g.data(), qr, D, K, Ks.ld, r0, n, kc, kn, d, lv, causal);
           } else {
-            plain_scores<T>(s, qs, D, K, Ks.ld, rn, kc, kn, d, lv);
+            plain_scores<T>(s, qr, D, K, Ks.ld, n, kc, kn, d, lv);
           }
-          for (int64_t i = 0; i < rn; ++i) {  // online softmax
+          for (int64_t i = 0; i < n; ++i) {  // online softmax
             T* si = s + i * kn;
-            const T m_new = std::max(mrow[i], row_max(si, kn));
+            const T m_new = std::max(m[i], row_max(si, kn));
             if (m_new == -std::numeric_limits<T>::infinity()) {  // no allowed key yet: nothing to add
               std::fill(si, si + kn, T(0));
               continue;
             }
-            const T alpha = mrow[i] == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(mrow[i] - m_new);
-            lrow[i] = lrow[i] * alpha + exp_shift_sum(si, kn, m_new);
-            mrow[i] = m_new;
+            const T alpha = m[i] == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(m[i] - m_new);
+            l[i] = l[i] * alpha + exp_shift_sum(si, kn, m_new);
+            m[i] = m_new;
             if (alpha != T(1)) {
-              T* oi = O + (t0 + i) * ldo;
+              T* oi = O + (r0 + i) * ldo;
 #pragma omp simd
               for (int64_t p = 0; p < P; ++p) oi[p] *= alpha;
             }
           }
-          gemm<T>(false, false, rn, P, kn, T(1), s, kn, V + kc * Vs.ld, Vs.ld, T(1), O + t0 * ldo, ldo);
+          gemm<T>(false, false, n, P, kn, T(1), s, kn, V + kc * Vs.ld, Vs.ld, T(1), O + r0 * ldo, ldo);
         }
       };
       tile_ranges(lv, t0, t1, valid[b], causal, range);
@@ -403,48 +424,52 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           lrow[i - t0] = lp[(b * L + i) * H + h];
         }
         T* dQt = dQ + t0 * ldg;
-        auto range = [&](int64_t k0, int64_t k1, int d, bool leaf) {
+        auto range = [&](int64_t r0, int64_t r1, int64_t k0, int64_t k1, int d, bool leaf) {
+          const int64_t off = r0 - t0, n = r1 - r0;
+          const T* qr = qs + off * D;
+          T* dQr = dQt + off * ldg;
+          const T* Gr = G + r0 * Gs.ld;
           const T scale = static_cast<T>(lv.scale[d]);
           for (int64_t kc = k0; kc < k1; kc += tiles.k) {
             const int64_t kn = std::min(tiles.k, k1 - kc);
             T* s = buf.s.data();
             T* ds = buf.p.data();
             if (leaf) {
-              leaf_scores<T>(s, buf.g.data(), qs, D, K, Ks.ld, t0, rn, kc, kn, d, lv, causal);
+              leaf_scores<T>(s, buf.g.data(), qr, D, K, Ks.ld, r0, n, kc, kn, d, lv, causal);
             } else {
-              plain_scores<T>(s, qs, D, K, Ks.ld, rn, kc, kn, d, lv);
+              plain_scores<T>(s, qr, D, K, Ks.ld, n, kc, kn, d, lv);
             }
-            for (int64_t i = 0; i < rn; ++i) {
-              if (lrow[i] == -std::numeric_limits<T>::infinity()) {
+            for (int64_t i = 0; i < n; ++i) {
+              if (lrow[off + i] == -std::numeric_limits<T>::infinity()) {
                 std::fill(s + i * kn, s + (i + 1) * kn, T(0));
               } else {
-                exp_shift_sum(s + i * kn, kn, lrow[i]);
+                exp_shift_sum(s + i * kn, kn, lrow[off + i]);
               }
             }
             // dV[keys] += P^T dO[rows];  dP = dO[rows] V[keys]^T
-            gemm<T>(true, false, kn, P, rn, T(1), s, kn, G + t0 * Gs.ld, Gs.ld, T(1), dV + kc * ldo, ldo);
-            gemm<T>(false, true, rn, kn, P, T(1), G + t0 * Gs.ld, Gs.ld, V + kc * Vs.ld, Vs.ld, T(0), ds, kn);
+            gemm<T>(true, false, kn, P, n, T(1), s, kn, Gr, Gs.ld, T(1), dV + kc * ldo, ldo);
+            gemm<T>(false, true, n, kn, P, T(1), Gr, Gs.ld, V + kc * Vs.ld, Vs.ld, T(0), ds, kn);
             const T plain = leaf ? T(1) : scale;  // a leaf's scale is per entry (below)
-            for (int64_t i = 0; i < rn; ++i) {
-              const T di = delta[i];
+            for (int64_t i = 0; i < n; ++i) {
+              const T di = delta[off + i];
               T* dsi = ds + i * kn;
               const T* pi = s + i * kn;
 #pragma omp simd
               for (int64_t j = 0; j < kn; ++j) dsi[j] = pi[j] * (dsi[j] - di) * plain;
             }
-            if (leaf) leaf_scale<T>(ds, t0, rn, kc, kn, d, lv, false);
-            // dQ[rows, :W] += dS K[keys, :W];  dK[keys, :W] += dS^T qs[:, :W]
+            if (leaf) leaf_scale<T>(ds, r0, n, kc, kn, d, lv, false);
+            // dQ[rows, :W] += dS K[keys, :W];  dK[keys, :W] += dS^T qs[rows, :W]
             const int64_t w = lv.width[d];
             if (w > 0 && w <= NARROW) {
               transpose_rows(buf.kt.data(), K + kc * Ks.ld, Ks.ld, kn, w);
-              narrow_dq(dQt, ldg, ds, buf.kt.data(), rn, kn, w);
-              narrow_dk(dK + kc * ldg, ldg, ds, qs, D, buf.dkt.data(), rn, kn, w);
+              narrow_dq(dQr, ldg, ds, buf.kt.data(), n, kn, w);
+              narrow_dk(dK + kc * ldg, ldg, ds, qr, D, buf.dkt.data(), n, kn, w);
             } else if (w > 0) {
-              gemm<T>(false, false, rn, w, kn, T(1), ds, kn, K + kc * Ks.ld, Ks.ld, T(1), dQt, ldg);
-              gemm<T>(true, false, kn, w, rn, T(1), ds, kn, qs, D, T(1), dK + kc * ldg, ldg);
+              gemm<T>(false, false, n, w, kn, T(1), ds, kn, K + kc * Ks.ld, Ks.ld, T(1), dQr, ldg);
+              gemm<T>(true, false, kn, w, n, T(1), ds, kn, qr, D, T(1), dK + kc * ldg, ldg);
             }
             if (leaf) {
-              leaf_level_grads<T>(ds, buf.g.data(), qs, D, K, Ks.ld, dQt, ldg, dK, ldg, t0, rn, kc, kn, d, lv);
+              leaf_level_grads<T>(ds, buf.g.data(), qr, D, K, Ks.ld, dQr, ldg, dK, ldg, r0, n, kc, kn, d, lv);
             }
           }
         };
