@@ -25,9 +25,10 @@ Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else the
 ``matmul`` that can):
 
 * ``native`` (the CPU default for float32 and float64): our fused C++ kernel (:mod:`.native`, compiled on first
-  use): each (query tile, key range) piece of a group at the group's own width ``R_m``, one BLAS product for its
-  scores and one for its values, online softmax, no Python per task; the backward recomputes the scores. Right
-  padding only (keys beyond each row's length are skipped).
+  use): for each query tile, key ranges whose pairs share the same levels, each at its own width ``R_m`` with one
+  BLAS product for its scores and one for its values, online softmax, no Python per range; near the diagonal the
+  finer levels per entry; the backward recomputes the scores. q, k, v read in place (no copies), the level scales
+  applied inside. Right padding only (keys beyond each row's length are skipped).
 * ``flash``: PyTorch's fused CPU flash-attention op
   (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp, and its backward). It needs equal
   q/k/v widths, so the group's keys keep their first ``R_m`` features and are zero beyond (queries and values are
@@ -36,7 +37,7 @@ Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else the
 * ``matmul``: :mod:`.chunked`, batched matmuls per task at the group's own width ``R_m`` (any device, any dtype), rows
   in chunks whose scores fit one reused scratch buffer; no padding.
 
-Both run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
+All three run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
 ``torch.compile`` and ``torch.export`` see one node and ``FlopCounterMode`` counts it by its registered formula (the
 paper's count, :func:`paper_flops`). It saves only q, k, v, the output and the log-sum-exp.
 """
