@@ -1,46 +1,66 @@
 # One command sets up a fresh machine and runs the main job; one sets it up and runs the tests.
 #   make run    create .venv (torch 2.9.1, every extra CI uses) and run the main job
-#   make test   create .venv and run the whole test suite (this is what CI runs)
-# Both are idempotent: the environment is rebuilt only when pyproject.toml changes.
+#   make test   create .venv, then ruff, lint-imports and the whole test suite (this is what CI runs)
+# Both are idempotent: the environment is reinstalled only when pyproject.toml or the example plugin's change
+# (the stamp is a hash of the two files, so a fresh clone beside a matching .venv reinstalls nothing).
 
 PYTHON  ?= python3
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed
 # fairseq2 0.8.1 pins torch 2.9.1 (through fairseq2n); install it first so pip never picks another.
 TORCH   := torch==2.9.1
 PYTEST_ARGS ?=
+REQUIREMENTS := pyproject.toml examples/third_party_plugin/pyproject.toml
+HASH    := $(shell $(PYTHON) -c "import hashlib, sys; h = hashlib.sha256(); [h.update(open(p, 'rb').read()) for p in sys.argv[1:]]; print(h.hexdigest()[:16])" $(REQUIREMENTS))
+STAMP   := $(VENV)/.installed-$(HASH)
 
-.PHONY: setup run test test-fast bench lint docs clean system-deps
+.PHONY: setup native run test test-fast bench lint docs clean system-deps
 
-setup: $(STAMP)
+setup: $(STAMP) native
 
-# fairseq2n loads libsndfile.so.1 at import time; the native CPU kernels are compiled on first use (g++).
+# Installs nothing without saying first what, why and how: fairseq2n loads libsndfile.so.1 at import time, and the
+# native CPU kernels are compiled with the C++ compiler.
 system-deps:
-	@if ! ldconfig -p 2>/dev/null | grep -q 'libsndfile\.so\.1'; then \
-	  echo "installing libsndfile1 (needed by fairseq2)"; \
+	@missing=""; \
+	if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q 'libsndfile\.so\.1'; then \
+	  echo "system package libsndfile1 is missing: fairseq2 loads libsndfile.so.1 when it is imported"; \
+	  missing="$$missing libsndfile1"; \
+	fi; \
+	if ! command -v "$${CXX:-c++}" >/dev/null 2>&1; then \
+	  echo "system package g++ is missing: it compiles the native CPU kernels"; \
+	  missing="$$missing g++"; \
+	fi; \
+	if [ -n "$$missing" ]; then \
+	  if ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "no apt-get here: install$$missing with your system's package manager, then run make again"; exit 1; \
+	  fi; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libsndfile1; \
-	fi
-	@if ! command -v c++ >/dev/null 2>&1; then \
-	  echo "installing g++ (builds the native CPU kernels)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q g++; \
+	  echo "installing$$missing with: $${SUDO:+$$SUDO }apt-get update && $${SUDO:+$$SUDO }apt-get install -y$$missing"; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$missing; \
 	fi
 
-$(STAMP): pyproject.toml examples/third_party_plugin/pyproject.toml | system-deps
+$(STAMP):
+	@$(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[all]' -e examples/third_party_plugin
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
+
+# The native CPU kernels, built once per machine, torch and compiler (a minute or two; later a quick check), so
+# that no command pays the build. Without them the PyTorch code runs: not a reason to stop.
+native: $(STAMP)
+	@$(VENV)/bin/mixer-plugins env --build || echo "continuing without the native CPU kernels (see above)"
 
 run: setup
 	$(VENV)/bin/mixer-plugins demo
 
-# The unit tests and, once each with timing disabled, the benchmark suites (so they cannot rot).
-# --dist loadfile keeps each test module on one worker (fairseq2 is initialised once per process).
+# Lint and the layer contracts, then the unit tests and, once each with timing disabled, the benchmark suites (so
+# they cannot rot). --dist loadfile keeps each test module on one worker (fairseq2 is initialised once per process).
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -n 2 --dist loadfile tests benchmarks --benchmark-disable $(PYTEST_ARGS)
 
 # Timed benchmark runs, saved as JSON under .benchmarks/ (render them with: mixer-plugins bench-table .benchmarks)
@@ -53,6 +73,7 @@ docs: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks site

@@ -8,16 +8,20 @@ Quick start::
     y = mixer(x)                                   # x: (batch, length, 64)
     M = mixer.materialize(x)                       # (batch, heads, length, length)
 
-Importing the package is cheap: the public names below are loaded on first use, and the timm adapter is imported
-when (and only if) timm is, after which ``timm.create_model('vit_base', mixer='quasi')`` works.
+Importing the package is cheap (it imports neither torch nor timm): the public names below are loaded on first use.
+It registers a post-import hook for timm (``wrapt.register_post_import_hook``): when timm is imported, or at once if
+it already is, the timm adapter (:mod:`mixer_plugins.backbones.timm`) is imported, which registers our model names
+and ``attn_layer`` keys with timm, after which ``timm.create_model('vit_base', mixer='quasi')`` works.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from .backbones import _timm_hook
+import wrapt
 
 __version__ = "0.1.0"
 
@@ -42,6 +46,8 @@ _LAZY: dict[str, str] = {
     "MixerPluginWarning": "mixer_plugins.errors",
     "BackendUnavailableError": "mixer_plugins.errors",
     "MissingExtraError": "mixer_plugins.errors",
+    "MixerCheckpointMismatchError": "mixer_plugins.errors",
+    "strip_mixer_records": "mixer_plugins.mixers.base",
     "swap_mixer": "mixer_plugins.backbones.timm",
 }
 
@@ -52,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         DuplicateMixerError,
         InvalidMixerOptions,
         MissingExtraError,
+        MixerCheckpointMismatchError,
         MixerError,
         MixerInputError,
         MixerPluginWarning,
@@ -60,7 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         SequenceLengthError,
         UnknownMixerError,
     )
-    from .mixers.base import MatrixMixer, MixerContext
+    from .mixers.base import MatrixMixer, MixerContext, strip_mixer_records
     from .registry import (
         ENTRY_POINT_GROUP,
         MixerConfig,
@@ -106,7 +113,8 @@ def plugin_problems() -> list[PluginProblem]:
 
 
 def get_spec(name: str) -> MixerSpec:
-    """The :class:`MixerSpec` of a mixer, by name or alias."""
+    """The :class:`MixerSpec` of a mixer, by name or alias. A built-in's name or alias imports no plugin, and a
+    plugin mixer's name imports that plugin alone."""
     return _registry().get_spec(name)
 
 
@@ -165,7 +173,20 @@ __all__ = [
     "MixerPluginWarning",
     "BackendUnavailableError",
     "MissingExtraError",
+    "MixerCheckpointMismatchError",
+    "strip_mixer_records",
     "swap_mixer",
 ]
 
-_timm_hook.install()
+
+def _register_with_timm(timm: ModuleType) -> None:
+    """Called by wrapt once timm is imported: import our timm adapter, which registers our names with timm. A
+    failure is a warning, never an error of the user's ``import timm``."""
+    try:
+        importlib.import_module("mixer_plugins.backbones.timm")
+    except Exception as err:  # noqa: BLE001 - never break the user's `import timm`
+        warnings.warn(f"mixer-plugins could not register its timm models: {type(err).__name__}: {err}",
+                      RuntimeWarning, stacklevel=2)
+
+
+wrapt.register_post_import_hook(_register_with_timm, "timm")

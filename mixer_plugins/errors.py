@@ -7,6 +7,7 @@ Every error the library raises on bad input derives from :class:`MixerError` (it
 from __future__ import annotations
 
 __all__ = [
+    "MixerCheckpointMismatchError",
     "MixerError",
     "UnknownMixerError",
     "InvalidMixerOptions",
@@ -97,6 +98,11 @@ class MixerPluginWarning(UserWarning):
 
 class BackendUnavailableError(MixerError):
     """The requested kernel backend cannot run this op on these tensors (missing package, wrong device, ...)."""
+
+
+class MixerCheckpointMismatchError(MixerError):
+    """``load_state_dict`` was given the checkpoint of another mixer, or of the same mixer with other options
+    (strip the records with :func:`mixer_plugins.strip_mixer_records` to load it anyway)."""
 
 
 class MissingExtraError(MixerError):

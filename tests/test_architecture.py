@@ -159,4 +159,37 @@ def test_timm_names_registered_whatever_the_import_order(order):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()
+    assert out.stdout.strip() == "TimmMixerAttention"
+
+
+def test_importing_the_package_imports_neither_torch_nor_timm_and_adds_no_finder_of_its_own():
+    """``import mixer_plugins`` stays cheap (the command line's --help and argument errors rely on it): the timm
+    registration waits, in wrapt's post-import hook, for timm to be imported. No import finder of ours is added."""
+    code = textwrap.dedent("""
+        import sys
+        import mixer_plugins
+        ours = [type(f).__module__ for f in sys.meta_path if type(f).__module__.startswith("mixer_plugins")]
+        print(" ".join(m for m in ("torch", "timm", "pydantic") if m in sys.modules), "|", " ".join(ours))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["|"], out.stdout
+
+
+def test_a_failing_timm_adapter_warns_and_never_breaks_import_timm():
+    code = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["mixer_plugins.backbones.timm"] = None   # the adapter cannot be imported
+        import mixer_plugins
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import timm
+        print(timm.is_model("vit_tiny_patch16_224"), timm.is_model("vit_base"))
+        print([str(w.message) for w in caught if "could not register its timm models" in str(w.message)])
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.strip().splitlines()
+    assert first == "True False" and "mixer_plugins.backbones.timm" in second, out.stdout

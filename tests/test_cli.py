@@ -8,20 +8,40 @@ from pathlib import Path
 
 import pytest
 
+import mixer_plugins as mp
 from mixer_plugins._text import format_table
 from mixer_plugins.tools.cli import main
 
 
-def test_list_prints_a_table_of_every_mixer(capsys):
+def _rows(table: str) -> dict[str, str]:
+    """The table's rows by their first cell, each with its continuation lines (wrapped cells) joined."""
+    rows: dict[str, str] = {}
+    last = None
+    for line in table.splitlines()[2:]:
+        if not line.strip():
+            break
+        if line.startswith(" "):
+            rows[last] += " " + " ".join(line.split())
+        else:
+            last = line.split()[0]
+            rows[last] = " ".join(line.split())
+    return rows
+
+
+def test_list_prints_a_table_of_every_mixer_in_120_columns(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    header = out.splitlines()[0].split()
-    assert header[:2] == ["name", "aliases"] and "distribution" in header
-    assert any(line.startswith("attention ") and "softmax_attention, mha" in line for line in out.splitlines())
-    assert any(line.startswith("ema ") and "mixer-plugins-example" in line for line in out.splitlines())
+    assert out.splitlines()[0].split()[:2] == ["name", "aliases"]
+    assert max(len(line) for line in out.splitlines()) <= 120
+    rows = _rows(out)
+    assert sorted(rows) == mp.default_registry.names()
+    assert "softmax_attention, mha" in rows["attention"] and "dense (softmax)" in rows["attention"]
+    assert "from other distributions: ema (mixer-plugins-example)" in out
 
 
-def test_info_shows_options_with_types_defaults_and_help(capsys):
+def test_info_shows_options_with_types_defaults_and_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
     assert main(["info", "mha"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("attention: ")
@@ -29,11 +49,57 @@ def test_info_shows_options_with_types_defaults_and_help(capsys):
     assert "int" in row and "8" in row and "number of attention heads" in row
 
 
+@pytest.mark.parametrize("columns", [60, 80, 100, 140])
+def test_info_wraps_to_the_terminal_and_writes_types_as_a_user_does(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["info", "quasi"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= columns
+    assert "Annotated" not in out and "typing." not in out and "<class" not in out
+    if columns >= 80:  # a table: option, type, default, help
+        lines = out.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("option "))
+        assert lines[header].split() == ["option", "type", "default", "help"]
+        rows = _rows("\n".join(lines[header:]))
+        assert rows["A_init_range"].startswith("A_init_range (float, float) (1.0, 1.0)")
+        assert rows["dt_limit"].startswith("dt_limit (float, float) (0.0, inf)")
+        assert rows["max_seq_len"].startswith("max_seq_len int | None None")
+        assert "channels per head" in rows["head_dim"]
+    else:  # one paragraph per option
+        assert "A_init_range: (float, float) = (1.0, 1.0)" in out and "max_seq_len: int | None = None" in out
+
+
+def test_user_types():
+    from typing import Annotated, Literal, Optional
+
+    import annotated_types
+
+    from mixer_plugins.tools.cli.layout import user_type
+
+    assert user_type(Annotated[float, annotated_types.Gt(0)]) == "float"
+    assert user_type(tuple[float, Annotated[float, annotated_types.Ge(0)]]) == "(float, float)"
+    assert user_type(Optional[int]) == "int | None" and user_type(int | None) == "int | None"
+    assert user_type(list[int]) == "list[int]" and user_type(list[Optional[int]]) == "list[int | None]"
+    assert user_type(tuple[int, ...]) == "(int, ...)" and user_type(Literal["a", "b"]) == "'a' | 'b'"
+
+
+def test_fit_table_wraps_the_wrapping_columns_within_the_width():
+    from mixer_plugins.tools.cli.layout import fit_table
+
+    rows = [("alpha", "one two three four five six", "x"), ("beta", "seven", "yy")]
+    text = fit_table(("name", "words", "c"), rows, 24, wrapping=(1,), minimum=5)
+    assert text is not None and max(len(line) for line in text.splitlines()) <= 24
+    expected = "name words c ----- ------------- -- alpha one two three x four five six beta seven yy"
+    assert " ".join(text.split()) == expected
+    assert fit_table(("name", "words", "c"), rows, 10, wrapping=(1,), minimum=5) is None  # cannot fit
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["info", "attentoin"], "did you mean 'attention'"),
     (["frobnicate"], "invalid choice"),
     (["info"], "required"),
     (["list", "--bogus"], "unrecognized arguments"),
+    (["bench", "--lengths", "12x"], "expected a positive integer, got '12x'"),
 ])
 def test_bad_arguments_exit_non_zero_with_one_line(capsys, argv, fragment):
     assert main(argv) == 2

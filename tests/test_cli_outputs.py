@@ -1,11 +1,15 @@
-"""Issue 17: the command line never prints a traceback for output paths or sizes, never loses measurements, and
-reports the files it really wrote; bench and flops agree on exit statuses."""
+"""The command line never prints a traceback for output paths or sizes, never loses measurements, and reports the
+files it really wrote; bench and flops agree on exit statuses; the numbers ``docs/cli.md`` states that do not depend
+on the machine are what the code computes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +135,71 @@ def test_show_size_that_cannot_be_allocated_is_one_line(tmp_path, capsys):
 def test_huge_mixer_size_is_one_line(tmp_path, capsys):
     assert main(["show", "attention", "--length", "4", "--dim", str(2**40), "--out", str(tmp_path / "m.png")]) == 2
     assert "cannot be allocated" in _error(capsys)
+
+
+# -- docs/cli.md: its machine-independent numbers come from the code ---------------------------------------------
+
+CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+
+
+def _benchmark_module(name: str):
+    path = CLI_DOC.parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_doc_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_table_states_the_parameters_and_flops_the_code_counts():
+    """Parameters and FLOPs per image of the documented demo run: what ``demo`` counts for each default mixer."""
+    import torch
+
+    from mixer_plugins.tools.benchmarking import count_flops, format_flops
+    from mixer_plugins.tools.demo import DEFAULT_MIXERS, DemoConfig, build_model, load_digits_data
+
+    text = CLI_DOC.read_text()
+    table = text[text.index("| mixer | test accuracy | parameters | FLOPs / image |"):]
+    documented = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        documented[cells[0]] = (cells[2], cells[3])
+    assert list(documented) == list(DEFAULT_MIXERS)
+    config = DemoConfig()
+    image = load_digits_data(config.seed, config.test_fraction).test_x[:1]
+    for name in DEFAULT_MIXERS:
+        model = build_model(name, config).eval()
+        with torch.no_grad():
+            flops = count_flops(lambda model=model: model(image))
+        counted = (f"{sum(p.numel() for p in model.parameters()):,}", format_flops(flops))
+        assert documented[name] == counted, f"docs/cli.md says {documented[name]} for {name}; the code: {counted}"
+
+
+def test_the_settings_docs_cli_states_are_the_codes():
+    from mixer_plugins.tools.cli import bench as bench_cli
+    from mixer_plugins.tools.cli import build_parser
+    from mixer_plugins.tools.cli import demo as demo_cli
+    from mixer_plugins.tools.demo import DemoConfig
+
+    text = " ".join(CLI_DOC.read_text().split())
+    mixers = _benchmark_module("test_bench_mixers")
+    assert (f"times every registered mixer × length ({', '.join(map(str, mixers.LENGTHS))}) × batch "
+            f"({', '.join(map(str, mixers.BATCHES))}) × forward / forward+backward at dim 128") in text
+    assert "dim=128" in (CLI_DOC.parents[1] / "benchmarks" / "test_bench_mixers.py").read_text()
+    scaling = _benchmark_module("test_bench_scaling")
+    assert f"L ∈ {{{', '.join(map(str, scaling.LENGTHS))}}}" in text
+    quick = f"--quick # smoke run (what CI runs): {demo_cli.QUICK_EPOCHS} epochs on {demo_cli.QUICK_TRAIN_LIMIT} "
+    assert quick in text and not re.search(r"--quick[^.]*\d+ s\b", text)  # no stated duration
+    d = DemoConfig()
+    assert (f"width {d.embed_dim}, {d.depth} blocks, {d.num_heads} heads, MLP ratio {d.mlp_ratio:g}, "
+            f"{d.patch_size}×{d.patch_size} patches ({(8 // d.patch_size) ** 2} tokens)") in text
+    lr = f"{d.lr:.0e}".replace("e-0", "e-")  # 3e-3, as the page writes it
+    assert (f"AdamW (lr {lr}, weight decay {d.weight_decay:g}, one-cycle schedule), batch {d.batch_size}, "
+            f"{d.epochs} epochs") in text
+    parser = build_parser("bench")
+    bench = parser._subparsers._group_actions[0].choices["bench"].parse_args([])
+    assert bench.lengths == [256, 1024, 4096] and "at 256, 1024, 4096" in text
+    assert tuple(bench.mixers) == bench_cli.DEFAULT_MIXERS
+    flops = build_parser("flops")._subparsers._group_actions[0].choices["flops"].parse_args([])
+    assert f"batch {flops.batch}, dim {flops.dim}, L {flops.length}, default options" in text

@@ -228,13 +228,61 @@ def test_ordering_verdicts():
     assert two.check_orderings()[0]["verdict"] == "held (within noise)"
 
 
-def test_a_failing_mixer_is_reported_and_the_others_run():
-    config = _tiny(mixers="attention,broken=toeplitz(data_dependent=False,head_dim=7)", seeds=(0,))
+def test_a_failing_mixer_is_reported_and_the_others_run(monkeypatch):
+    real = mp.create_mixer
+
+    def create_mixer(name, *args, **kwargs):  # a mixer whose options are valid but which fails when built
+        if name == "toeplitz":
+            raise RuntimeError("cannot be built here")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(mp, "create_mixer", create_mixer)
+    config = _tiny(mixers="attention,broken=toeplitz(data_dependent=False)", seeds=(0,))
     result = compare(config, log=_quiet)
     by_label = {s.label: s for s in result.summaries()}
     assert by_label["attention"].mean is not None
-    assert by_label["broken"].mean is None and "InvalidMixerOptions" in by_label["broken"].error
+    assert by_label["broken"].mean is None and "RuntimeError: cannot be built here" in by_label["broken"].error
     assert "FAILED" in result.table()
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ("quasi(d_state=abc)", "d_state"),
+    ("quasi(d_sate=8)", "did you mean 'd_state'"),
+    ("toeplitz(data_dependent=False,head_dim=7)", "head_dim"),
+    ("attentoin", "did you mean 'attention'"),
+    ("attention(num_heads=0)", "num_heads"),
+    ("quasi(d_state=8", "parentheses"),
+])
+def test_every_mixer_entry_is_checked_before_any_training(monkeypatch, capsys, tmp_path, entry, fragment):
+    from mixer_plugins.tools.compare import runner
+
+    monkeypatch.setattr(runner, "train_run", lambda *a, **k: pytest.fail("trained before the entries were checked"))
+    with pytest.raises(MixerError, match=fragment.replace("(", "\\(")):
+        _tiny(mixers=f"attention,{entry}")
+    args = _parse(["--mixers", f"attention,{entry}", "--out", str(tmp_path / "out"), "--no-progress"])
+    assert run_compare(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mixer-plugins compare: error: ") and fragment in err
+    assert not (tmp_path / "out").exists()                  # nothing written
+    from mixer_plugins.tools.cli import main
+
+    assert main(["compare", "--mixers", entry, "--quick", "--no-plots"]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_quick_runs_are_not_judged():
+    assert preset_config("hydra-classes", quick=True).quick and not preset_config("hydra-classes").quick
+    assert config_from_args(_parse(["--quick", "--no-plots"])).quick
+    result = compare(_tiny(seeds=(0,), quick=True, orderings=(Ordering("attention", "long_conv", "claim"),)),
+                     log=_quiet)
+    assert [c["verdict"] for c in result.check_orderings()] == ["not judged (quick run)"]
+    assert "not judged (quick run)" in result.orderings_table()
+
+
+def test_no_preset_speaks_of_how_the_project_is_run():
+    for preset in PRESETS.values():
+        texts = [preset.paper, preset.reports, *(o.claim for o in preset.orderings)]
+        assert not any(word in text.lower() for text in texts for word in ("issue", "session", "asked for")), preset
 
 
 def test_regression_reports_the_least_squares_reference():
@@ -279,6 +327,7 @@ def test_cli_quick_preset_run(tmp_path, capsys):
     assert run_compare(args) == 0
     out = capsys.readouterr().out
     assert "btt_attention(num_heads=2)" in out and "normalized MSE" in out
+    assert "not judged (quick run)" in out and "held" not in out and "issue" not in out
     for name in ("results.json", "results.md", "curves.png", "final.png"):
         assert (tmp_path / name).stat().st_size > 0
     # a saved result loads back (to redraw its plots or tables)

@@ -57,7 +57,8 @@ def test_torch_export_of_a_mixer_vit():
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     exported = torch.export.export(model, (images,))
     names = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
-    assert any("mixer_plugins.chunked_scan" in n for n in names), "the scan is one custom op in the exported graph"
+    # exported graphs hold standard ops only (the ops trace their plain formulas while exporting; see docs/onnx.md)
+    assert not [n for n in names if "mixer_plugins" in n], names
     other = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         for x in (images, other):

@@ -161,3 +161,27 @@ def test_registry_build_equals_reset_under_the_same_seed():
     for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
         assert torch.equal(a, b), name
     assert not torch.equal(first.in_proj.weight, other.in_proj.weight)
+
+
+# -- the kit at other widths ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dim", [16, 48, 64])
+@pytest.mark.parametrize("name", mp.list_mixers())
+def test_kit_runs_every_mixer_at_other_dims(name, dim):
+    """A spec's test options fit any width divisible by 8 (sizes as divisors or defaults, not widths that add up at
+    one dim only): the forward and the matrix checks pass at these widths."""
+    for check in ("output", "materialize"):
+        run_check(name, check, dim=dim)
+
+
+@pytest.mark.parametrize("name", ["mlr_attention", "bilinear_mlr_attention"])
+def test_kit_passes_every_check_of_the_multi_level_mixers_at_dim_64(name):
+    results = check_mixer(name, dim=64, raise_on_failure=False)
+    assert [r for r in results if not r.passed] == []
+
+
+def test_kit_says_when_options_do_not_fit_the_dim():
+    with pytest.raises(ValueError, match=r"mixer 'attention' do not fit dim=30 .*not divisible by num_heads"):
+        run_check("attention", "output", dim=30)
+    with pytest.raises(ValueError, match="do not fit dim=64"):
+        check_mixer("mlr_attention", dim=64, options={"ranks": [8, 4, 2, 2]})

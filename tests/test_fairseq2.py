@@ -687,7 +687,9 @@ def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, tmp_pat
     proc = _run_recipe(tmp_path, f"model.config_overrides.mixer={other}", *_SMALL_RUN)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output[-3000:]
-    assert "holds checkpoints of another model config" in output and "overwrite_checkpoints=true" in output
+    assert "holds checkpoints of another model config" in output and "Use another output folder" in output
+    assert "overwrite_checkpoints" not in output  # never suggest deleting intact checkpoints
+    assert "stay loadable with load_mixer_checkpoint" in output  # true: checked just below
     assert f"'attention' -> '{other}'" in output
     assert "Traceback" not in output
     assert _tree(tmp_path) == tree  # nothing written: not model.yaml, not config.yaml, not the logs
@@ -703,6 +705,110 @@ def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, tmp_pat
     assert yaml.safe_load((ckpt / "model.yaml").read_text())["model_config"]["mixer"] == other
     reloaded = fs2.load_mixer_checkpoint(ckpt)
     assert all(layer.self_attn.mixer_name == mp.get_spec(other).name for layer in reloaded.encoder.layers)
+
+
+@pytest.mark.slow  # five fresh fairseq2 processes: ~2 min
+def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, tmp_path):
+    """fairseq2 rewrites checkpoints/model.yaml at every start, not atomically: a start killed while writing it leaves
+    it empty or cut. The steps keep their own copy, so resume, refusal and reload do not depend on that file."""
+    first = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    ckpt = tmp_path / "checkpoints"
+    intact = (ckpt / "model.yaml").read_bytes()
+    assert (ckpt / "step_2" / "model.yaml").read_bytes() == intact  # the step's own copy of its config
+    tokens = _padded_tokens([20, 11, 3], seed=8, vocab=120)
+    layout = BatchLayout.of(tokens, [20, 11, 3])
+    with torch.no_grad():
+        before = fs2.load_mixer_checkpoint(ckpt).eval()(tokens, layout)
+
+    # an empty model.yaml: the step still loads, and a rerun with the same config resumes (it used to be refused)
+    (ckpt / "model.yaml").write_bytes(b"")
+    with torch.no_grad():
+        torch.testing.assert_close(fs2.load_mixer_checkpoint(ckpt).eval()(tokens, layout), before, rtol=0, atol=0)
+    again = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN[1:], "regime.num_steps=3")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (ckpt / "step_3" / "model.yaml").read_bytes() == intact
+
+    # a cut model.yaml and another mixer: refused from the step's own config, without suggesting to delete anything
+    (ckpt / "model.yaml").write_bytes(intact[: len(intact) // 2])
+    tree = _tree(tmp_path)
+    other = _example_mixer()
+    proc = _run_recipe(tmp_path, f"model.config_overrides.mixer={other}", *_SMALL_RUN)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert f"'attention' -> '{other}'" in output and "step_3" in output and "Traceback" not in output
+    assert "overwrite_checkpoints" not in output and "stay loadable" in output
+    assert _tree(tmp_path) == tree
+    assert all(layer.self_attn.mixer_name == "attention" for layer in fs2.load_mixer_checkpoint(ckpt).encoder.layers)
+
+    # a run saved before steps kept a copy, its model.yaml cut: nothing to compare with, so it resumes (fairseq2's
+    # strict load guards the weights) instead of refusing
+    for step in (2, 3):
+        (ckpt / f"step_{step}" / "model.yaml").unlink()
+    proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN[1:], "regime.num_steps=4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cannot be read" in proc.stdout + proc.stderr and (ckpt / "step_4").is_dir()
+
+
+@pytest.mark.slow  # three fresh fairseq2 processes: ~1 min
+@pytest.mark.parametrize("override, message", [
+    ("data.text_file=/no/such/file.txt", "`text_file` '/no/such/file.txt' does not exist"),
+    ("data.mask_prob=abc", "`mask_prob` field cannot be structured"),
+    ("bogus_key=3", "extra key(s) bogus_key"),
+])
+def test_recipe_bad_config_values_are_one_line_and_exit_2(tmp_path, override, message):
+    proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN, override)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and message in errors[0], output[-3000:]
+    assert "Traceback" not in output and len(proc.stderr.splitlines()) < 10
+
+
+def _write_recipe_checkpoint(folder: Path, model, config, state: dict, *, step: int = 1) -> None:
+    """A recipe checkpoint folder by hand: model.yaml, step_N/model.yaml and the model file, as the recipe writes."""
+    from fairseq2.runtime.dependency import get_dependency_resolver
+    from fairseq2.utils.structured import ValueConverter
+
+    metadata = {"name": "checkpoint", "model_family": "mixer_encoder",
+                "model_config": get_dependency_resolver().resolve(ValueConverter).unstructure(config)}
+    text = yaml.safe_dump(metadata)
+    (folder / f"step_{step}" / "model" / "pp_00" / "tp_00").mkdir(parents=True)
+    (folder / "model.yaml").write_text(text)
+    (folder / f"step_{step}" / "model.yaml").write_text(text)
+    torch.save(state, folder / f"step_{step}" / "model" / "pp_00" / "tp_00" / "sdp_00.pt")
+
+
+def test_load_model_checks_the_mixer_records_and_loads_checkpoints_without_them(fs2, hub, tmp_path):
+    """fairseq2's load_model copies tensors into the model's state (not through load_state_dict): the family's
+    state-dict converter checks the mixers' records against the config and supplies them for older checkpoints."""
+    from mixer_plugins.mixers.base import MixerCheckpointMismatchError
+
+    config = _tiny(fs2, mixer="quasi", mixer_options={"quasi": {"head_dim": 16, "d_state": 8}})
+    torch.manual_seed(0)
+    model = hub.create_new_model(config, device=CPU).eval()
+    state = model.state_dict()
+    records = [k for k in state if k.endswith("_extra_state")]
+    assert records == [f"encoder.layers.{i}.self_attn.mixer._extra_state" for i in range(config.num_layers)]
+    tokens = _padded_tokens([12, 5], seed=3)
+    layout = BatchLayout.of(tokens, [12, 5])
+    old = tmp_path / "old"
+    _write_recipe_checkpoint(old, model, config, {k: v for k, v in state.items() if k not in records})
+    with torch.no_grad():
+        torch.testing.assert_close(fs2.load_mixer_checkpoint(old).eval()(tokens, layout), model(tokens, layout))
+    # weights of quasi under a config that says quasiseparable_no_shift: the same tensor names, another function
+    other = replace(config, mixer="quasiseparable_no_shift",
+                    mixer_options={"quasiseparable_no_shift": {"head_dim": 16, "d_state": 8}})
+    wrong = tmp_path / "wrong"
+    _write_recipe_checkpoint(wrong, model, other, state)
+    with pytest.raises(Exception) as info:
+        fs2.load_mixer_checkpoint(wrong)
+    chain, error = [], info.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    mismatch = [e for e in chain if isinstance(e, MixerCheckpointMismatchError)]
+    assert mismatch and "'quasiseparable'" in str(mismatch[0]) and "'quasiseparable_no_shift'" in str(mismatch[0])
 
 
 @pytest.mark.slow  # a fresh fairseq2 process: ~20 s

@@ -28,7 +28,7 @@ class _HeadsConfig(mp.MixerConfig):
 
 class _HeadWidthConfig(mp.MixerConfig):
     expand: int = Field(2, gt=0)
-    headdim: int = Field(64, gt=0)
+    head_dim: int = Field(64, gt=0)
 
 
 class _PlainConfig(mp.MixerConfig):
@@ -63,8 +63,8 @@ def test_switch_facts_only_when_on_and_warned_when_the_mixer_cannot():
 def test_head_width_is_derived_only_when_asked():
     host = HostModel(dim=64, num_heads=4)
     assert host_options(HEAD_WIDTH, host).options == {}
-    assert host_options(HEAD_WIDTH, host, derive_head_dim=True).options == {"headdim": 2 * 64 // 4}
-    assert host_options(HEAD_WIDTH, host, {"expand": 1}, derive_head_dim=True).options == {"expand": 1, "headdim": 16}
+    assert host_options(HEAD_WIDTH, host, derive_head_dim=True).options == {"head_dim": 2 * 64 // 4}
+    assert host_options(HEAD_WIDTH, host, {"expand": 1}, derive_head_dim=True).options == {"expand": 1, "head_dim": 16}
     assert head_dim_for(HEAD_WIDTH, 64, 3) is None  # 128 is not a multiple of 3
     assert head_dim_for(HEADS, 64, 4) is None  # it has num_heads itself
 

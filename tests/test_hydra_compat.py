@@ -262,3 +262,125 @@ def test_released_quasiseparable_matrix_mixer_checkpoint_converts():
         convert_matrix_mixer_state_dict({**released, "matrix_mixer.bogus": torch.zeros(1)}, "quasiseparable")
     with pytest.raises(ValueError, match="supported"):
         convert_matrix_mixer_state_dict(released, "butterfly")
+
+
+# -- every other released matrix-mixer checkpoint kind -----------------------------------------------------------------
+
+def released_matrix_mixer_state_dict(kind, dd, d_model, qk, headdim, lmax, seed=0, d_conv=7, expand=2):
+    """Random weights with the released ``MatrixMixer`` key set and shapes (``hydra/modules/matrix_mixer.py``)."""
+    g = gen(seed)
+    rnd = lambda *s, scale=0.3: scale * torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    d_inner = expand * d_model
+    H = d_inner // headdim
+    N = H * qk
+    extra = 2 * N if dd else 0
+    sd = {
+        "in_proj.weight": rnd(2 * d_inner + extra, d_model),
+        "conv1d.weight": rnd(d_inner + extra, 1, d_conv),
+        "conv1d.bias": rnd(d_inner + extra, scale=0.1),
+        "norm.weight": 1.0 + rnd(d_inner, scale=0.1),
+        "out_proj.weight": rnd(d_model, d_inner),
+    }
+    if kind == "dense":
+        sd["matrix_mixer.M"] = rnd(H, lmax, lmax, scale=1.0)
+    elif kind == "vandermonde" and not dd:
+        t = torch.arange(lmax, dtype=F64)
+        sd["matrix_mixer.dft_matrix"] = torch.cos(2 * torch.pi * t[:, None] * t[None, :] / lmax)
+    elif kind == "cauchy" and dd:
+        sd["matrix_mixer.bias"] = torch.tensor(0.3, dtype=F64)
+    elif kind in ("cauchy", "low_rank", "attention") and not dd:
+        sd["matrix_mixer.q_matrix"] = rnd(lmax, H, qk, scale=0.5)
+        sd["matrix_mixer.k_matrix"] = rnd(lmax, H, qk, scale=0.5)
+    return sd
+
+
+def released_matrix_mixer(sd, u, kind, dd, *, qk, headdim, d_conv=7, expand=2, lmax):
+    """The released ``MatrixMixer`` forward (in_proj, conv, activations, ``y = s M v + v``, gated RMSNorm, out_proj)
+    written from the released formulas; DI attention is the intended softmax(Q K^T / sqrt(qk)) (the released einsum
+    cannot run it)."""
+    batch, L, d_model = u.shape
+    d_inner = expand * d_model
+    H = d_inner // headdim
+    N = H * qk
+    proj = u @ sd["in_proj.weight"].T
+
+    def conv(t):
+        return F.conv1d(t.transpose(1, 2), sd["conv1d.weight"], sd["conv1d.bias"], padding=d_conv // 2,
+                        groups=t.shape[-1]).transpose(1, 2)
+
+    if dd:
+        z, vqk = proj.split([d_inner, d_inner + 2 * N], -1)
+        vqk = conv(vqk)
+        if kind == "low_rank":
+            vqk = F.silu(vqk)
+        v, q, k = vqk.split([d_inner, N, N], -1)
+        if kind != "low_rank":
+            v = F.silu(v)
+        q, k = q.unflatten(-1, (H, qk)), k.unflatten(-1, (H, qk))  # (b, L, n, d)
+    else:
+        z, x = proj.split([d_inner, d_inner], -1)
+        v = F.silu(conv(x))
+        if "matrix_mixer.q_matrix" in sd:
+            q, k = sd["matrix_mixer.q_matrix"][None], sd["matrix_mixer.k_matrix"][None]
+    t = torch.arange(L, dtype=F64)
+    if kind == "dense":
+        M, s = sd["matrix_mixer.M"][None], 1 / math.sqrt(lmax)
+    elif kind == "vandermonde" and dd:
+        eps = 1e-3
+        # m_ij = sum_d cos(2 pi eps q_{i,d} j) - cos(2 pi eps k_{j,d} i)
+        Mq = torch.cos(2 * math.pi * eps * q[..., None] * t).sum(3).permute(0, 2, 1, 3)   # (b, n, i, j)
+        Mk = torch.cos(2 * math.pi * eps * k[..., None] * t).sum(3).permute(0, 2, 3, 1)   # (b, n, i, j)
+        M = Mq - Mk
+        s = 1 / math.sqrt(2 * lmax * qk)
+    elif kind == "vandermonde":
+        M, s = torch.cos(2 * math.pi * t[:, None] * t[None, :] / lmax)[None, None], 1 / math.sqrt(lmax)
+    elif kind == "cauchy":
+        beta = sd.get("matrix_mixer.bias", 0.0)
+        M = (1 / (torch.exp(q)[:, :, None] + beta + torch.exp(k)[:, None] + beta + 1e-8)).sum(-1).permute(0, 3, 1, 2)
+        s = 1 / math.sqrt(lmax * qk)
+    elif kind == "low_rank":
+        M, s = torch.einsum("bind,bjnd->bnij", q, k), 1 / math.sqrt(lmax * qk)
+    else:  # attention
+        M, s = torch.softmax(torch.einsum("bind,bjnd->bnij", q, k) / math.sqrt(qk), -1), 1.0
+    vh = v.unflatten(-1, (H, headdim))
+    y = (s * torch.einsum("bnij,bjnp->binp", M.expand(batch, -1, -1, -1), vh) + vh).flatten(2)
+    y = y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * sd["norm.weight"] * F.silu(z)
+    return y @ sd["out_proj.weight"].T
+
+
+RELEASED_KINDS = [("dense", False), ("vandermonde", True), ("vandermonde", False), ("cauchy", True),
+                  ("cauchy", False), ("low_rank", True), ("low_rank", False), ("attention", True),
+                  ("attention", False)]
+
+
+@pytest.mark.parametrize("kind, dd", RELEASED_KINDS)
+def test_every_released_matrix_mixer_checkpoint_converts_and_gives_the_released_output(kind, dd):
+    from mixer_plugins.compat import matrix_mixer_options
+
+    d_model, qk, headdim, lmax = 16, 2, 8, 10
+    released = released_matrix_mixer_state_dict(kind, dd, d_model, qk, headdim, lmax, seed=13)
+    name, options = matrix_mixer_options(kind, dd, d_model, qk, max_seq_len=lmax, headdim=headdim)
+    mixer = mp.create_mixer(name, d_model, **options).to(F64).eval()
+    converted = convert_matrix_mixer_state_dict(released, kind, is_data_dependent=dd)
+    result = mixer.load_state_dict(converted)                        # strict: every key, no more
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    u = torch.randn(2, lmax, d_model, generator=gen(14), dtype=F64)
+    expected = released_matrix_mixer(released, u, kind, dd, qk=qk, headdim=headdim, lmax=lmax)
+    with torch.no_grad():
+        torch.testing.assert_close(mixer(u), expected, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(mixer.forward_via_matrix(u), expected, rtol=1e-9, atol=1e-11)
+
+
+def test_released_matrix_mixer_checkpoints_without_an_image_are_refused():
+    released = released_matrix_mixer_state_dict("cauchy", True, 16, 2, 8, 10)
+    released["matrix_mixer.bias"] = torch.tensor(-0.2, dtype=F64)
+    with pytest.raises(ValueError, match="not positive"):
+        convert_matrix_mixer_state_dict(released, "cauchy")
+    released = released_matrix_mixer_state_dict("vandermonde", False, 16, 2, 8, 10)
+    released["matrix_mixer.dft_matrix"] = released["matrix_mixer.dft_matrix"] * 2
+    with pytest.raises(ValueError, match="not the real DFT"):
+        convert_matrix_mixer_state_dict(released, "vandermonde", is_data_dependent=False)
+    released = released_matrix_mixer_state_dict("vandermonde", True, 16, 2, 8, 10)
+    released["matrix_mixer.q_bias"] = torch.zeros(4, 2, 10, dtype=F64)
+    with pytest.raises(ValueError, match="diagonal"):
+        convert_matrix_mixer_state_dict(released, "vandermonde", is_data_dependent=False)

@@ -23,17 +23,15 @@ def _scan_inputs(dtype=torch.float32, requires_grad=True, b=2, l=10, h=4, p=3, g
     return [t.requires_grad_(requires_grad) for t in (x, dt, A, B, C)]
 
 
-def _chunked_scan_cases():
+def _native_scan_cases():
     x, dt, A, B, C = _scan_inputs()
     diag = torch.randn(2, 10, 4, requires_grad=True)
     init = torch.randn(2, 4, 3, 5, requires_grad=True)
-    seq_idx = torch.zeros(2, 10, dtype=torch.long)
-    seq_idx[:, 6:] = 1
     return {
-        # length 10 in chunks of 4: the padded output's strides differ from a contiguous tensor's
-        "both_directions": (x, dt, A, B, C, dt, A, B, C, diag, None, None, True, 4),
-        "forward_with_states": (x, dt, A, B, C, None, None, None, None, None, seq_idx, init, False, 4),
-        "backward_only": (x, None, None, None, None, dt, A, B, C, None, None, None, True, 3),
+        # length 10 in chunks of 4: a partial last chunk
+        "both_directions": (x, dt, A, B, C, dt, A, B, C, diag, None, True, 4, False, 0),
+        "forward_with_states": (x, dt, A, B, C, None, None, None, None, None, init, False, 4, True, 0),
+        "backward_only_exact": (x, None, None, None, None, dt, A, B, C, None, None, True, 3, False, 2),
     }
 
 
@@ -47,64 +45,43 @@ def _assert_fake_kernel_matches_real(op, args):
         assert (r.shape, r.dtype, r.stride(), r.storage_offset()) == (f.shape, f.dtype, f.stride(), f.storage_offset())
 
 
-@pytest.mark.parametrize("case", sorted(_chunked_scan_cases()))
-def test_opcheck_chunked_scan(case):
-    from mixer_plugins.kernels._scan import chunked_scan
+@pytest.mark.parametrize("case", sorted(_native_scan_cases()))
+def test_opcheck_native_scan(case):
+    """The native engine's ops: fake kernels with the real kernels' layouts, schema, autograd registration and AOT
+    dispatch; the gradients through them are checked numerically (float64)."""
+    from mixer_plugins.kernels.scan.native import native_scan, native_scan_backward
 
-    args = _chunked_scan_cases()[case]
-    _assert_fake_kernel_matches_real(chunked_scan, tree_map_only(torch.Tensor, torch.Tensor.detach, args))
-    # every check, test_aot_dispatch_dynamic included: the backward is an opaque op of its own, so AOT dispatch no
-    # longer traces the chunk loop with symbolic lengths
-    torch.library.opcheck(chunked_scan, args)
-
-
-def _chunked_scan_backward_args(case):
-    from mixer_plugins.kernels._scan import chunked_scan
-
-    args = tree_map_only(torch.Tensor, torch.Tensor.detach, _chunked_scan_cases()[case])
-    y, final = chunked_scan(*args)
+    args = _native_scan_cases()[case]
+    detached = tree_map_only(torch.Tensor, torch.Tensor.detach, args)
+    y, final = native_scan(*detached)
+    _assert_fake_kernel_matches_real(native_scan, detached)
+    torch.library.opcheck(native_scan, args)
     gen = torch.Generator().manual_seed(3)
-    grad_y = torch.randn(y.shape, generator=gen)
-    grad_final = torch.randn(final.shape, generator=gen) if final.numel() else None
-    return (grad_y, grad_final, *args)
+    backward_args = (torch.randn(y.shape, generator=gen), torch.randn(final.shape, generator=gen) if final.numel()
+                     else None, *detached[:11], *detached[11:13], detached[14])
+    _assert_fake_kernel_matches_real(native_scan_backward, backward_args)
+    torch.library.opcheck(native_scan_backward, backward_args)
+    in64 = tree_map_only(torch.Tensor, lambda t: t.detach().double().requires_grad_(t.is_floating_point()), args)
+    tensors = [i for i, a in enumerate(in64) if isinstance(a, torch.Tensor)]
 
+    def run(*t):
+        full = list(in64)
+        for i, v in zip(tensors, t):
+            full[i] = v
+        y, final = native_scan(*full)
+        return (y, final) if final.numel() else y
 
-@pytest.mark.parametrize("case", sorted(_chunked_scan_cases()))
-def test_opcheck_chunked_scan_backward(case):
-    """The scan's backward is an opaque op of its own (the compiler never traces the chunk loop): fake kernel,
-    strides and schema checked like the forward's, and its gradients equal autograd through the eager scan."""
-    from mixer_plugins.kernels._scan import chunked
-    from mixer_plugins.kernels._scan.custom_op import _DIFFERENTIABLE, _unflatten, chunked_scan_backward
-
-    args = _chunked_scan_backward_args(case)
-    _assert_fake_kernel_matches_real(chunked_scan_backward, args)
-    torch.library.opcheck(chunked_scan_backward, args)  # schema, fake kernel, AOT dispatch (static and dynamic)
-    # an independent reference: autograd through the eager (non-op) chunked scan
-    grad_y, grad_final, *inputs = args
-    names = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "seq_idx", "initial_state",
-             "shift", "chunk_size")
-    named = dict(zip(names, inputs))
-    leaves = {n: named[n].clone().requires_grad_(True) for n in _DIFFERENTIABLE if named[n] is not None}
-    scan_inputs = _unflatten({**named, **leaves})
-    if named["dt_f"] is not None:
-        y, final = chunked.scan_chunked(scan_inputs, return_final_state=True)
-        loss = (y * grad_y).sum() + (final * grad_final).sum()
-    else:
-        loss = (chunked.scan_chunked(scan_inputs) * grad_y).sum()
-    expected = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-    for name, grad in zip(_DIFFERENTIABLE, chunked_scan_backward(*args)):
-        if name in expected:
-            torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-5, msg=name)
-        else:
-            assert grad.numel() == 0, name
+    assert torch.autograd.gradcheck(run, [in64[i] for i in tensors])
 
 
 #: Every custom op of ours -> the test that puts it under opcheck and the fake-vs-real stride check.
 OP_CHECKS = {
-    "mixer_plugins::chunked_scan": "test_opcheck_chunked_scan",
-    "mixer_plugins::chunked_scan_backward": "test_opcheck_chunked_scan_backward",
+    "mixer_plugins::native_scan": "test_opcheck_native_scan",
+    "mixer_plugins::native_scan_backward": "test_opcheck_native_scan",
     "mixer_plugins::depthwise_conv1d": "test_opcheck_depthwise_conv1d",
     "mixer_plugins::depthwise_conv1d_backward": "test_opcheck_depthwise_conv1d",
+    "mixer_plugins::depthwise_conv1d_native": "test_opcheck_depthwise_conv1d",
+    "mixer_plugins::depthwise_conv1d_native_backward": "test_opcheck_depthwise_conv1d",
     "mixer_plugins::toeplitz_fft": "test_opcheck_toeplitz_fft",
     "mixer_plugins::toeplitz_fft_backward": "test_opcheck_toeplitz_fft",
     "mixer_plugins::toeplitz_causal": "test_opcheck_toeplitz_causal",
@@ -115,6 +92,11 @@ OP_CHECKS = {
     # the Triton scan (CUDA, or CPU under TRITON_INTERPRET=1 in a fresh interpreter)
     "mixer_plugins::quasiseparable_triton": "test_opcheck_triton_scan_ops_under_the_interpreter",
     "mixer_plugins::quasiseparable_triton_backward": "test_opcheck_triton_scan_ops_under_the_interpreter",
+    # the Triton norm and convolution (likewise)
+    "mixer_plugins::gated_rmsnorm_triton": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
+    "mixer_plugins::gated_rmsnorm_triton_backward": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
+    "mixer_plugins::depthwise_conv1d_triton": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
+    "mixer_plugins::depthwise_conv1d_triton_backward": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
 }
 
 
@@ -150,8 +132,9 @@ def test_every_custom_op_is_opchecked():
 
     for name in mp.list_mixers():  # every mixer's module, and the kernels they import
         mp.get_spec(name)
-    with __import__("contextlib").suppress(ImportError):
-        importlib.import_module("mixer_plugins.kernels._triton.scan")
+    for module in ("scan.triton_kernels", "_triton.norm", "_triton.conv"):
+        with __import__("contextlib").suppress(ImportError):
+            importlib.import_module(f"mixer_plugins.kernels.{module}")
     ops = {op for op in torch._C._dispatch_get_all_op_names() if op.startswith("mixer_plugins::")}
     assert ops - set(OP_CHECKS) == set(), f"custom ops without an opcheck test: {sorted(ops - set(OP_CHECKS))}"
     assert {op for op in OP_CHECKS if "triton" not in op} <= ops
@@ -163,7 +146,7 @@ _TRITON_OPCHECK = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
-import mixer_plugins.kernels._triton.scan  # registers the ops (kernels defined in interpreter mode)
+import mixer_plugins.kernels.scan.triton_kernels  # registers the ops (kernels defined in interpreter mode)
 
 g = torch.Generator().manual_seed(0)
 b, l, h, p, n = 1, 9, 2, 2, 3
@@ -193,6 +176,73 @@ same_layout(bwd, bargs)
 torch.library.opcheck(bwd, bargs, test_utils=("test_schema", "test_faketensor"))
 print("ok")
 """
+
+
+def _run_script_under_the_interpreter(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (Triton reads it when its kernels are
+    defined); it must print ``ok`` last."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+
+
+_TRITON_NORM_CONV_OPCHECK = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+import mixer_plugins.kernels._triton.conv  # registers the ops (kernels defined in interpreter mode)
+import mixer_plugins.kernels._triton.norm
+
+def same_layout(op, args):
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
+    for r, f in zip(tree_leaves(real), tree_leaves(fake), strict=True):
+        assert (r.shape, r.dtype, r.stride(), r.storage_offset()) == (f.shape, f.dtype, f.stride(),
+                                                                       f.storage_offset()), (op, r.shape, f.shape)
+
+g = torch.Generator().manual_seed(0)
+ops = torch.ops.mixer_plugins
+# the norm on strided rows (a slice of wider ones), in bfloat16 with a float32 gain
+y = torch.randn(3, 4, 12, generator=g)[..., :9].to(torch.bfloat16)
+z, w = torch.randn(3, 4, 9, generator=g).to(torch.bfloat16), torch.randn(9, generator=g)
+for before in (True, False):
+    args = (y.requires_grad_(), z.requires_grad_(), w.requires_grad_(), 1e-5, before)
+    same_layout(ops.gated_rmsnorm_triton.default, args)
+    torch.library.opcheck(ops.gated_rmsnorm_triton.default, args)
+    bargs = (torch.randn(3, 4, 9, generator=g).to(torch.bfloat16), y.detach(), z.detach(), w.detach(), 1e-5, before)
+    same_layout(ops.gated_rmsnorm_triton_backward.default, bargs)
+    torch.library.opcheck(ops.gated_rmsnorm_triton_backward.default, bargs)
+# the convolution on a channel slice, centred with a bias and causal without
+x = torch.randn(2, 11, 8, generator=g)[..., 1:6]
+for k, left, bias in ((3, 1, torch.randn(5, generator=g)), (4, 3, None)):
+    wk = torch.randn(5, k, generator=g)
+    args = (x.requires_grad_(), wk.requires_grad_(), None if bias is None else bias.requires_grad_(), left,
+            k - 1 - left, True)
+    same_layout(ops.depthwise_conv1d_triton.default, args)
+    torch.library.opcheck(ops.depthwise_conv1d_triton.default, args)
+    bargs = (torch.randn(2, 11, 5, generator=g), x.detach(), wk.detach(), None if bias is None else bias.detach(),
+             left, k - 1 - left, True)
+    same_layout(ops.depthwise_conv1d_triton_backward.default, bargs)
+    torch.library.opcheck(ops.depthwise_conv1d_triton_backward.default, bargs)
+print("ok")
+"""
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_opcheck_triton_norm_conv_ops_under_the_interpreter():
+    """The Triton norm's and convolution's forward and backward ops under opcheck (schema, fake kernels, autograd
+    registration, AOT dispatch), their fake kernels with the real kernels' strides."""
+    _run_script_under_the_interpreter(_TRITON_NORM_CONV_OPCHECK)
 
 
 @pytest.mark.triton
@@ -227,6 +277,13 @@ def test_opcheck_depthwise_conv1d(silu, with_bias):
     args = (g, x.detach(), w.detach(), b.detach() if b is not None else None, 1, 1, with_bias, silu)
     _assert_fake_kernel_matches_real(torch.ops.mixer_plugins.depthwise_conv1d_backward, args)
     torch.library.opcheck(torch.ops.mixer_plugins.depthwise_conv1d_backward, args)
+    # the native kernel's ops (CPU, float32/float64)
+    native = (x, w, b, 1, silu)
+    _assert_fake_kernel_matches_real(torch.ops.mixer_plugins.depthwise_conv1d_native, native)
+    torch.library.opcheck(torch.ops.mixer_plugins.depthwise_conv1d_native, native)
+    native_backward = (g, x.detach(), w.detach(), b.detach() if b is not None else None, 1, silu, with_bias)
+    _assert_fake_kernel_matches_real(torch.ops.mixer_plugins.depthwise_conv1d_native_backward, native_backward)
+    torch.library.opcheck(torch.ops.mixer_plugins.depthwise_conv1d_native_backward, native_backward)
 
 
 @pytest.mark.parametrize("tap_batch", [1, 2])
@@ -240,20 +297,8 @@ def test_opcheck_toeplitz_fft(tap_batch):
     torch.library.opcheck(torch.ops.mixer_plugins.toeplitz_fft_backward, backward_args)
 
 
-def test_custom_op_gradients_read_their_saved_tensors_by_name():
-    from mixer_plugins.kernels._scan import chunked_scan
-
-    x, dt, A, B, C = _scan_inputs(dtype=F64, b=1, l=5, h=2, p=2, g=1, n=3)
-    diag = torch.randn(1, 5, 2, dtype=F64, requires_grad=True)
-    init = torch.randn(1, 2, 2, 3, dtype=F64, requires_grad=True)
-    assert torch.autograd.gradcheck(
-        lambda *t: chunked_scan(*t[:5], *t[1:5], t[5], None, t[6], True, 3), (x, dt, A, B, C, diag, init))
-
-
 def test_quasiseparable_compiles_with_inductor():
-    # length 10 in chunks of 4: the case whose strides the fake kernel once got wrong. Forward only: compiling
-    # the recomputing backward traces the whole chunked scan (minutes on a small CPU); its gradients are
-    # checked by the gradcheck above.
+    # length 10 in chunks of 4: a partial last chunk (the torch backend is traced)
     x, dt, A, B, C = _scan_inputs(l=10, requires_grad=False)
 
     def f(x, dt, A, B, C):

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 import mixer_plugins.errors as errors
 from mixer_plugins import kernels
 from mixer_plugins.kernels import _dispatch
-from mixer_plugins.kernels._requirements import mamba_ssm_unavailable, triton_unavailable
+from mixer_plugins.kernels._requirements import triton_unavailable
 
 KERNELS = Path(kernels.__file__).parent
-OPS = ("ssd", "quasiseparable", "directional_scan", "toeplitz", "conv", "norm", "mlr_attention",
-       "local_attention")
+OPS = ("scan", "toeplitz", "conv", "norm", "mlr_attention", "local_attention")
+#: the ops with a native (C++) backend, the CPU default where it applies
+NATIVE = {"scan", "conv", "norm"}
 
 
 def _module(name: str):
@@ -37,8 +38,8 @@ def test_every_op_is_a_folder_with_a_reference_and_a_torch_backend(op, monkeypat
     assert (folder / "torch.py").is_file()
     for name in ("reference", "torch"):
         module = _module(f"mixer_plugins.kernels.{op}.{name}")
-        assert module.BACKEND.op == op and module.BACKEND.name == name and module.BACKEND.impl is module.impl
-    assert set(kernels.available_backends(op)) == {"reference", "torch"}
+        assert module.BACKEND.op == op and module.BACKEND.name == name
+    assert set(kernels.available_backends(op)) == {"reference", "torch"} | ({"native"} if op in NATIVE else set())
 
 
 def test_kernels_import_nothing_of_ours_outside_kernels_and_the_leaves():
@@ -77,23 +78,27 @@ def test_backend_report_lists_every_op_and_backend_with_reasons():
         assert row.available == (row.reason == ""), row
         assert row.available == (row.backend in kernels.available_backends(row.op, "cpu")), row
     by_key = {(r.op, r.backend): r for r in rows}
-    assert "mamba-ssm" in by_key["ssd", "mamba_ssm"].reason
-    assert by_key["ssd", "mamba_ssm"].automatic and not by_key["ssd", "reference"].automatic
-    assert "no 'triton' implementation" in by_key["norm", "triton"].reason
+    assert "mamba-ssm" in by_key["scan", "mamba_ssm"].reason
+    assert not by_key["scan", "mamba_ssm"].automatic and not by_key["scan", "reference"].automatic   # (on CPU)
+    assert by_key["scan", "native"].automatic and by_key["scan", "torch"].automatic
+    assert "no 'triton' implementation" in by_key["toeplitz", "triton"].reason
+    cuda = {(r.op, r.backend): r for r in kernels.backend_report(["cuda"])}
+    assert cuda["scan", "triton"].automatic and cuda["scan", "mamba_ssm"].automatic
+    assert not cuda["scan", "native"].available and "CPU" in cuda["scan", "native"].reason
 
 
 def test_the_automatic_choice_and_named_backends():
     x = torch.randn(2, 5, 3)
     w = torch.randn(3, 3)
-    assert kernels.resolve_backend("conv", None, "cpu") is _module("mixer_plugins.kernels.conv.torch").impl
+    assert kernels.resolve_backend("conv", None, "cpu") is _module("mixer_plugins.kernels.conv.native").impl
     assert kernels.resolve_backend("conv", "reference", "cpu") is _module("mixer_plugins.kernels.conv.reference").impl
     with kernels.use_backend("reference"):
-        impl = kernels.resolve_backend("ssd", None, x.device)
-        assert impl is _module("mixer_plugins.kernels.ssd.reference").impl
+        impl = kernels.resolve_backend("scan", None, x.device)
+        assert impl is _module("mixer_plugins.kernels.scan.reference").BACKEND.impl
         torch.testing.assert_close(kernels.depthwise_conv1d(x, w, None, causal=False),
                                    kernels.depthwise_conv1d(x, w, None, causal=False, backend="torch"))
     with pytest.raises(kernels.BackendUnavailableError, match="did you mean 'reference'"):
-        kernels.resolve_backend("ssd", "referense", "cpu")
+        kernels.resolve_backend("scan", "referense", "cpu")
     with pytest.raises(kernels.BackendUnavailableError, match="unknown op"):
         kernels.resolve_backend("no_such_op", None, "cpu")
     with pytest.raises(ValueError, match="unknown backend"):
@@ -109,7 +114,7 @@ def test_a_preferred_backend_applies_to_the_ops_that_have_it(monkeypatch):
     def check_preference():
         # toeplitz has no mamba_ssm backend: its automatic choice runs ...
         torch.testing.assert_close(kernels.toeplitz_mix(taps, v), kernels.toeplitz_mix(taps, v, backend="reference"))
-        # ... while ssd has one, which cannot run here: that is an error, never a silent fallback
+        # ... while the scan has one, which cannot run here: that is an error, never a silent fallback
         with pytest.raises(kernels.BackendUnavailableError, match="mamba-ssm"):
             kernels.ssd(x, dt, A, B, C, 4)
 
@@ -174,7 +179,6 @@ def test_adding_a_backend_is_adding_one_module(tmp_path, monkeypatch):
 
 
 def test_requirements_say_why(monkeypatch):
-    assert "not installed" in mamba_ssm_unavailable(torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if importlib.util.find_spec("triton") is None:  # pragma: no cover
         assert "not installed" in triton_unavailable(torch.device("cpu"))
@@ -185,34 +189,38 @@ def test_requirements_say_why(monkeypatch):
     assert triton_unavailable(torch.device("cpu")) is None
 
 
-def test_mamba_ssm_quasiseparable_takes_packed_sequences():
-    """It used to refuse ``seq_idx``; each direction now runs with the segment labels (values and gradients checked
-    in tests/test_mamba_ssm_backend.py and, with mamba-ssm's own kernels, tests/test_mamba_ssm_kernels.py), so the
-    only reasons it can give are mamba-ssm's own, the same with or without packed sequences."""
-    import dataclasses
+def test_every_check_reads_no_tensor_value():
+    """The dispatcher chooses from devices, dtypes, shapes and options: no check may run an op that reads values
+    (on a GPU each such read would be a device sync)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    backend = _module("mixer_plugins.kernels.quasiseparable.mamba_ssm")
-    from mixer_plugins.kernels.quasiseparable import QuasiseparableArgs
+    from mixer_plugins.kernels.scan import Direction, ScanArgs
+
+    class NoOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            raise AssertionError(f"a check ran {func}")
 
     x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
-    args = QuasiseparableArgs(x, dt, A, B, C, dt, A, B, C, seq_idx=torch.zeros(1, 4, dtype=torch.long))
-    for device in ("cuda", "cpu"):
-        packed = backend.BACKEND.unavailable_reason(device, args)
-        assert packed == backend.BACKEND.unavailable_reason(device, dataclasses.replace(args, seq_idx=None))
-        assert packed is None or "seq_idx" not in packed
+    args = ScanArgs(x=x, forward=Direction(dt, A, B, C), backward=Direction(dt, A, B, C), shift=True)
+    kernels.resolve_backend("scan", None, "cpu", args)  # the native library is loaded before the mode is entered
+    with NoOps():
+        for device in ("cpu", "cuda", "meta"):
+            for backend in _dispatch._backends_of("scan").values():
+                backend.unavailable_reason(device, args)
 
 
 # -- arguments by name --------------------------------------------------------------------------------------
 
 def test_argument_bundles_are_frozen_and_named():
-    from mixer_plugins.kernels.ssd import SSDArgs
+    from mixer_plugins.kernels.scan import Direction, ScanArgs
 
     x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
-    args = SSDArgs(x=x, dt=dt, A=A, B=B, C=C, chunk_size=2)
+    args = ScanArgs(x=x, forward=Direction(dt=dt, A=A, B=B, C=C), chunk_size=2)
     with pytest.raises(AttributeError):
         args.chunk_size = 3  # type: ignore[misc]
-    inputs = args.scan_inputs()
+    inputs = args.prepare()
     assert inputs.forward is not None and inputs.backward is None and inputs.chunk_size == 2
+    assert args.dtype == x.dtype
 
 
 def test_conv_and_norm_check_their_arguments_and_match_their_references():

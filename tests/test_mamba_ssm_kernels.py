@@ -1,9 +1,9 @@
-"""mamba-ssm's own Triton SSD kernels, through our ``mamba_ssm`` backends, on CPU under ``TRITON_INTERPRET=1``.
+"""mamba-ssm's own Triton SSD kernels through our ``mamba_ssm`` backend, on CPU under ``TRITON_INTERPRET=1``.
 
-Run in a fresh interpreter by ``tests/test_mamba_ssm_backend.py`` (``MIXER_PLUGINS_MAMBA_FRESH=1`` marks that run)
-when mamba-ssm's files, Triton and einops are importable; collected in any other process it is skipped. mamba-ssm
-is loaded by :mod:`mixer_plugins.kernels._mamba_loader`, so a wheel built with ``MAMBA_SKIP_CUDA_BUILD=TRUE``
-(no CUDA extensions) is enough.
+Run in a fresh interpreter by ``tests/test_mamba_ssm_suite.py`` (``MIXER_PLUGINS_MAMBA_FRESH=1`` marks that run) when
+mamba-ssm's files, Triton and einops are importable; collected in any other process it is skipped. mamba-ssm is
+imported through ``tests/mamba_files.py`` (test-only), so a wheel built with ``MAMBA_SKIP_CUDA_BUILD=TRUE`` (no CUDA
+extensions) is enough.
 
 mamba-ssm's kernels need three things the CPU does not give them, which this module supplies (test-only, in this
 process): ``MAMBA_DETERMINISTIC=1`` before loading (each autotuned kernel keeps one config: the autotuner would
@@ -12,7 +12,7 @@ otherwise time the configs with the GPU driver); ``torch.cuda.device(None)`` and
 SM count; without a CUDA driver both raise); and, for triton 3.5's interpreter with NumPy >= 2.4, ``__index__`` of a
 scalar tensor taken from its single element (the interpreter stores scalars as 1-element arrays, which NumPy 2.4
 no longer converts with ``int()``; mamba-ssm's kernels loop ``range(0, scalar_tensor, ...)``). Kernel semantics are
-unchanged. Our backends' CPU check is opened for the run: they refuse CPU tensors otherwise, saying why.
+unchanged. Our backend's CPU check is opened for the run: it refuses CPU tensors otherwise, saying why.
 """
 
 from __future__ import annotations
@@ -26,14 +26,19 @@ import torch
 
 FRESH = os.environ.get("MIXER_PLUGINS_MAMBA_FRESH") == "1"
 if not FRESH:
-    pytest.skip("mamba-ssm's kernels' CPU checks run in a fresh interpreter (tests/test_mamba_ssm_backend.py)",
+    pytest.skip("mamba-ssm's kernels' CPU checks run in a fresh interpreter (tests/test_mamba_ssm_suite.py)",
                 allow_module_level=True)
 
-from mixer_plugins import kernels  # noqa: E402
-from mixer_plugins.kernels import _dispatch, _mamba_loader  # noqa: E402
+os.environ["MAMBA_DETERMINISTIC"] = "1"
+import mamba_files  # noqa: E402
 
-if _mamba_loader.unavailable_reason() is not None:
-    pytest.skip(_mamba_loader.unavailable_reason(), allow_module_level=True)
+MODULE = mamba_files.install()
+if MODULE is None:
+    pytest.skip("mamba-ssm is not installed", allow_module_level=True)
+
+from mixer_plugins import kernels  # noqa: E402
+from mixer_plugins.kernels import _dispatch  # noqa: E402
+from mixer_plugins.kernels.scan import mamba_ssm as mamba_backend  # noqa: E402
 
 
 def _cpu_shims() -> None:
@@ -77,42 +82,18 @@ def _cpu_shims() -> None:
 
 pytestmark = pytest.mark.filterwarnings("ignore:Deterministic mode")
 
-os.environ["MAMBA_DETERMINISTIC"] = "1"
 _cpu_shims()
-MODULE = _mamba_loader.load()
-
-
-def _no_cpu_refusal(device, args=None):
-    return _mamba_loader.unavailable_reason()
 
 
 @pytest.fixture(autouse=True)
 def _open_the_cpu_check(monkeypatch):
-    ssd_backend = __import__("mixer_plugins.kernels.ssd.mamba_ssm", fromlist=["BACKEND"])
-    qs_backend = __import__("mixer_plugins.kernels.quasiseparable.mamba_ssm", fromlist=["BACKEND"])
-    ds_backend = __import__("mixer_plugins.kernels.directional_scan.mamba_ssm", fromlist=["BACKEND"])
-    registry = _dispatch._REGISTRY
-    monkeypatch.setitem(registry["ssd"], "mamba_ssm", dataclasses.replace(ssd_backend.BACKEND, check=_no_cpu_refusal))
-    monkeypatch.setitem(registry["directional_scan"], "mamba_ssm",
-                        dataclasses.replace(ds_backend.BACKEND, check=_no_cpu_refusal))
-    monkeypatch.setitem(registry["quasiseparable"], "mamba_ssm",
-                        dataclasses.replace(qs_backend.BACKEND, check=_no_cpu_refusal))
+    backend = _dispatch._REGISTRY["scan"]["mamba_ssm"]
+    monkeypatch.setitem(_dispatch._REGISTRY["scan"], "mamba_ssm",
+                        dataclasses.replace(backend, check=lambda device, args=None: None))
 
 
-def test_the_kernels_were_loaded_from_the_files():
-    assert MODULE.__name__ == "mamba_ssm.ops.triton.ssd_combined"
-    import importlib.util
-    import sys
-
-    try:
-        import mamba_ssm  # noqa: F401
-        ordinary = True
-    except ImportError:
-        ordinary = False
-    assert _mamba_loader.loaded_without_init("ops.triton.ssd_combined") == (not ordinary)
-    assert importlib.util.find_spec("mamba_ssm") is not None
-    if not ordinary:
-        assert "mamba_ssm" not in sys.modules
+def test_the_backend_imports_the_ssd_module_the_ordinary_way():
+    assert mamba_backend.load() is MODULE.mamba_chunk_scan_combined
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

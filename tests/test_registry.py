@@ -264,50 +264,6 @@ def test_cli_list_with_a_broken_plugin_lists_the_others(fake_site):
     assert "broken-mixers" in out.stderr and "does_not_exist_anywhere" in out.stderr
 
 
-# -- renamed options: the old name works for one release, with a DeprecationWarning ----------------------------------
-
-@pytest.mark.parametrize("name, old, new, value", [
-    ("quasiseparable", "headdim", "head_dim", 16),
-    ("toeplitz", "headdim", "head_dim", 16),
-    ("mlr_attention", "bias", "proj_bias", True),
-    ("btt_attention", "bias", "proj_bias", True),
-])
-def test_deprecated_option_names_still_work(name, old, new, value):
-    with pytest.warns(DeprecationWarning, match=f"{old!r} is deprecated, use {new!r}"):
-        mixer = mp.create_mixer(name, 32, **{old: value})
-    assert getattr(mixer.config, new) == value
-    assert old not in type(mixer.config).model_fields
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new name is silent
-        assert getattr(mp.create_mixer(name, 32, **{new: value}).config, new) == value
-
-
-def test_deprecated_alias_changes_the_module():
-    with pytest.warns(DeprecationWarning):
-        mixer = mp.create_mixer("sliding_window_attention", 32, num_heads=2, bias=True)
-    assert mixer.qkv.bias is not None and mixer.proj.bias is not None
-    with pytest.warns(DeprecationWarning):
-        block = mp.create_mixer("dense", 32, max_seq_len=8, headdim=8)
-    assert block.num_heads == 2 * 32 // 8
-
-
-def test_deprecated_and_new_name_together_are_an_error():
-    with pytest.raises(mp.InvalidMixerOptions, match="pass only 'head_dim'"):
-        mp.create_mixer("quasi", 32, headdim=16, head_dim=16)
-
-
-def test_deprecated_alias_on_the_config_class_and_the_spec():
-    from mixer_plugins.mixers.quasiseparable import QuasiseparableConfig
-
-    with pytest.warns(DeprecationWarning):
-        assert QuasiseparableConfig(dim=32, headdim=16).head_dim == 16
-    spec = mp.get_spec("quasi")
-    with pytest.warns(DeprecationWarning):
-        assert spec.canonical_option("headdim") == "head_dim"
-    assert spec.canonical_option("d_state") == "d_state"
-    assert "headdim" not in spec.option_names()
-
-
 def test_misspelt_option_suggests_the_current_name():
     with pytest.raises(mp.InvalidMixerOptions, match="did you mean 'head_dim'"):
         mp.create_mixer("quasi", 32, head_dm=16)
@@ -322,9 +278,9 @@ def test_plugin_cannot_take_over_a_builtin_alias(fake_site):
                            {"fake_mixer_take1": spec_module("attention"),
                             "fake_mixer_take2": spec_module("my_attention", ("mha",))})
     registry = MixerRegistry()
-    with pytest.raises(mp.DuplicateMixerError) as info:
-        registry.get_spec("mha")
-    assert "mixer-plugins" in str(info.value) and "takeover" in str(info.value)
+    spec = registry.get_spec("mha")  # the built-in's alias stays the built-in's, and no plugin is imported for it
+    assert spec.name == "attention" and spec.distribution == "mixer-plugins"
+    assert "fake_mixer_take2" not in sys.modules
     problems = {(p.name, p.kind) for p in registry.problems()}
     assert ("attention", "duplicate") in problems and ("mha", "alias-conflict") in problems
     [mha] = [p for p in registry.problems() if p.name == "mha"]
@@ -345,21 +301,28 @@ def test_builtin_alias_resolves_to_its_declaring_distribution(fake_site):
         registry.get_spec("attention")
 
 
-@pytest.mark.parametrize("claim", ["name", "alias"])
-def test_plugin_claiming_a_builtin_alias_or_name_is_ambiguous_and_reported(fake_site, claim):
-    if claim == "name":  # a plugin mixer named like the built-in's alias
-        make_fake_distribution(fake_site, "shadow", {"mha": "fake_mixer_shadow:SPEC"},
-                               {"fake_mixer_shadow": spec_module("mha")})
-        key = "mha"
-    else:  # a plugin alias equal to the built-in's name
-        make_fake_distribution(fake_site, "shadow", {"shadow_mixer": "fake_mixer_shadow:SPEC"},
-                               {"fake_mixer_shadow": spec_module("shadow_mixer", ("attention",))})
-        key = "attention"
+def test_plugin_mixer_named_like_a_builtin_alias_is_ambiguous_and_reported(fake_site):
+    make_fake_distribution(fake_site, "shadow", {"mha": "fake_mixer_shadow:SPEC"},
+                           {"fake_mixer_shadow": spec_module("mha")})
     registry = MixerRegistry()
     with pytest.raises(mp.DuplicateMixerError) as info:
-        registry.get_spec(key)
+        registry.get_spec("mha")
     assert "mixer-plugins" in str(info.value) and "shadow" in str(info.value)
-    assert any(p.name == key and p.kind == "alias-conflict" for p in registry.problems())
+    assert any(p.name == "mha" and p.kind == "alias-conflict" for p in registry.problems())
+
+
+def test_plugin_alias_equal_to_a_builtin_name_never_takes_it_and_is_reported(fake_site):
+    """A plugin's alias is only known once the plugin is imported, and looking up a built-in imports no plugin: the
+    built-in keeps its name, and the clash is reported."""
+    make_fake_distribution(fake_site, "shadow", {"shadow_mixer": "fake_mixer_shadow:SPEC"},
+                           {"fake_mixer_shadow": spec_module("shadow_mixer", ("attention",))})
+    registry = MixerRegistry()
+    spec = registry.get_spec("attention")
+    assert spec.distribution == "mixer-plugins" and "fake_mixer_shadow" not in sys.modules
+    [problem] = [p for p in registry.problems() if p.name == "attention"]
+    assert problem.kind == "alias-conflict" and set(problem.distributions) == {"mixer-plugins", "shadow"}
+    assert registry.get_spec("attention").distribution == "mixer-plugins"  # still, with the plugin imported
+    assert registry.get_spec("shadow_mixer").distribution == "shadow"
 
 
 def test_plugin_raising_system_exit_at_import_is_a_reported_problem(fake_site):
@@ -367,7 +330,7 @@ def test_plugin_raising_system_exit_at_import_is_a_reported_problem(fake_site):
                            {"fake_mixer_exit": "raise SystemExit('plugin gave up')"})
     registry = MixerRegistry()
     with pytest.warns(mp.MixerPluginWarning, match="exiting-mixers"):
-        assert registry.get_spec("mha").name == "attention"  # an alias lookup imports every plugin
+        assert "attention" in {s.name for s in registry.specs()}  # imports every plugin
     [problem] = [p for p in registry.problems() if p.name == "exiting"]
     assert problem.kind == "broken" and "SystemExit" in problem.message and "plugin gave up" in problem.message
     with pytest.raises(mp.PluginLoadError, match="plugin gave up"):
@@ -387,36 +350,79 @@ def test_cli_list_survives_a_plugin_raising_base_exceptions(fake_site, exc):
     assert "attention" in out.stdout and "exiting-mixers" in out.stderr
 
 
-def test_a_source_checkout_that_is_not_installed_still_has_the_builtin_mixers(monkeypatch):
-    """Run from a checkout on PYTHONPATH without `pip install` (as the GPU check does on a bare machine), our own
-    distribution has no metadata and so no entry points: the registry reads the built-in table from the checkout's
-    pyproject.toml. (Before, `list_mixers()` was empty there and every mixer was 'unknown'.)"""
-    from importlib import metadata
+# -- plugins are isolated: a lookup imports only what it needs, and a plugin's import leaves torch's settings alone ---
 
-    import tomllib
+SLOW_PLUGIN = "import time\ntime.sleep(3)\n" + spec_module("slow_one")
 
-    from mixer_plugins.registry import registry as registry_module
 
-    real_distribution, real_entry_points = metadata.distribution, metadata.entry_points
+def test_a_builtin_lookup_imports_no_plugin(fake_site):
+    """Neither a built-in's name nor its alias imports a plugin, so a plugin that is slow to import (here 3 s of
+    sleep) does not slow creating a built-in mixer."""
+    make_fake_distribution(fake_site, "slow-mixers", {"slow_one": "fake_mixer_slow:SPEC"},
+                           {"fake_mixer_slow": SLOW_PLUGIN})
+    registry = MixerRegistry()
+    assert registry.get_spec("attention").distribution == "mixer-plugins"
+    assert registry.get_spec("mha").name == "attention"
+    assert registry.create("quasi", 16, head_dim=8, d_state=4) is not None
+    assert "fake_mixer_slow" not in sys.modules
+    assert "slow_one" in registry.names()  # listed all the same, from the metadata
 
-    def no_own_distribution(name):
-        if registry_module.normalize_name(name) == "mixer_plugins":
-            raise metadata.PackageNotFoundError(name)
-        return real_distribution(name)
 
-    def entry_points_of_others(**kwargs):
-        return [ep for ep in real_entry_points(**kwargs)
-                if registry_module.normalize_name(ep.dist.name) != "mixer_plugins"]
+def test_creating_a_plugin_mixer_imports_only_its_distribution(fake_site):
+    make_fake_distribution(fake_site, "iso-one", {"iso_one": "fake_mixer_iso_one:SPEC"},
+                           {"fake_mixer_iso_one": spec_module("iso_one", ("first_iso",))})
+    make_fake_distribution(fake_site, "iso-two", {"iso_two": "fake_mixer_iso_two:SPEC"},
+                           {"fake_mixer_iso_two": spec_module("iso_two")})
+    registry = MixerRegistry()
+    mixer = registry.create("iso_one", 16, num_heads=2)
+    assert mixer.mixer_name == "iso_one"
+    assert "fake_mixer_iso_one" in sys.modules and "fake_mixer_iso_two" not in sys.modules
+    # An alias only a plugin declares is found by importing the plugins (aliases are not in the metadata).
+    assert registry.get_spec("first_iso").name == "iso_one"
 
-    monkeypatch.setattr(metadata, "distribution", no_own_distribution)
-    monkeypatch.setattr(metadata, "entry_points", entry_points_of_others)
-    declared = tomllib.loads((registry_module.Path(registry_module.__file__).parents[2] / "pyproject.toml")
-                             .read_text())["project"]["entry-points"]["mixer_plugins.mixers"]
-    reg = MixerRegistry()
-    assert set(declared) <= set(reg.names())
-    spec = reg.get_spec("quasiseparable")
-    assert spec.distribution == registry_module.SOURCE_CHECKOUT
-    assert reg.problems() == []
-    # installed (the normal case): nothing is read from the checkout, so nothing is listed twice
-    monkeypatch.setattr(metadata, "distribution", real_distribution)
-    assert registry_module._source_checkout_entry_points("mixer_plugins.mixers") == []
+
+def _torch_settings():
+    import torch
+
+    return (torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled(),
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+
+
+def _set_torch_settings(settings):
+    import torch
+
+    dtype, threads, grad, deterministic, warn_only = settings
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+@pytest.mark.parametrize("change, described", [
+    ("torch.set_default_dtype(torch.float64)", "default dtype torch.float64"),
+    ("torch.set_num_threads(torch.get_num_threads() + 1)", "thread count"),
+    ("torch.set_grad_enabled(False)", "grad mode False"),
+    ("torch.use_deterministic_algorithms(True)", "deterministic algorithms"),
+    ("torch.use_deterministic_algorithms(True, warn_only=True)", "deterministic algorithms"),
+])
+@pytest.mark.parametrize("then", ["spec", "raise"])
+def test_a_plugin_changing_torch_settings_at_import_is_undone_and_named(fake_site, change, described, then):
+    tail = spec_module("meddler") if then == "spec" else "raise ImportError('and then it broke')"
+    make_fake_distribution(fake_site, "meddling-mixers", {"meddler": "fake_mixer_meddler:SPEC"},
+                           {"fake_mixer_meddler": f"import torch\n{change}\n{tail}"})
+    registry = MixerRegistry()
+    before = _torch_settings()
+    try:
+        with pytest.warns(mp.MixerPluginWarning, match=f"meddling-mixers.*{described}") as record:
+            if then == "spec":
+                registry.get_spec("meddler")
+            else:
+                with pytest.raises(mp.PluginLoadError, match="and then it broke"):
+                    registry.get_spec("meddler")
+        assert _torch_settings() == before
+        assert len([w for w in record if issubclass(w.category, mp.MixerPluginWarning)]) == 1
+        # the host's own mixers are built with the host's settings
+        mixer = mp.create_mixer("attention", 16, num_heads=2)
+        assert all(p.dtype == before[0] for p in mixer.parameters())
+    finally:
+        _set_torch_settings(before)

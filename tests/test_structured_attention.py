@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mixer_plugins as mp
 from mixer_plugins.layers.mlbtc import MLBTC
+from mixer_plugins.mixers.base import strip_mixer_records
 from mixer_plugins.mixers.mlr_attention import mlr_level_counts
 from mixer_plugins.testing import check_mixer
 
@@ -101,7 +102,7 @@ def test_t1_mha_is_a_low_rank_bilinear_form_and_btt_is_full_rank():
 def test_t2_one_level_mlr_equals_attention_at_scale_one_over_head_dim(block_sizes):
     att = make("attention", 32, num_heads=2, scale=1 / 16, qkv_bias=False, out_bias=False)
     mlr = make("mlr_attention", 32, num_heads=2, ranks=[16], block_sizes=block_sizes, qk_norm=False)
-    mlr.load_state_dict(att.state_dict())
+    mlr.load_state_dict(strip_mixer_records(att.state_dict()))  # another mixer's weights, on purpose
     x, mask = randn(3, 11, 32), right_padded([11, 7, 1], 11)
     torch.testing.assert_close(mlr(x, mask=mask), att(x, mask=mask), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(mlr.materialize(x, mask=mask), att.materialize(x, mask=mask), rtol=1e-10, atol=1e-12)
@@ -113,7 +114,7 @@ def test_t2_all_global_levels_with_equal_scales_equal_attention(block_divide, sc
     att = make("attention", 32, num_heads=2, scale=scale, qkv_bias=False, out_bias=False, causal=True)
     mlr = make("mlr_attention", 32, num_heads=2, ranks=[4, 4, 4, 4], block_sizes=[None] * 4, qk_norm=False,
                block_divide=block_divide, causal=True)
-    mlr.load_state_dict(att.state_dict())
+    mlr.load_state_dict(strip_mixer_records(att.state_dict()))  # another mixer's weights, on purpose
     x = randn(2, 10, 32)
     torch.testing.assert_close(mlr(x), att(x), rtol=1e-10, atol=1e-12)
 
@@ -482,7 +483,7 @@ def test_t9_sliding_window_equals_the_reference(causal, length):
 def test_t9_a_window_covering_the_sequence_is_attention():
     att = make("attention", 32, num_heads=2, qkv_bias=False, out_bias=False, causal=True)
     swa = make("sliding_window_attention", 32, num_heads=2, window=50, qk_norm=False, causal=True)
-    swa.load_state_dict(att.state_dict())
+    swa.load_state_dict(strip_mixer_records(att.state_dict()))  # another mixer's weights, on purpose
     x = randn(2, 30, 32)
     torch.testing.assert_close(swa(x), att(x), rtol=1e-10, atol=1e-12)
 
@@ -627,7 +628,7 @@ def test_attention_dropout_drops_the_weights_in_training_only(name):
     weights = mixer.state_dict()
     mixer = make(name, 32, **{**mixer.config.model_dump(exclude={"dim"}), "link_function": "softmax",
                               "attn_dropout": 0.3})
-    mixer.load_state_dict(weights)
+    mixer.load_state_dict(strip_mixer_records(weights))  # the same weights under another link function, on purpose
     probs = mixer.materialize(x)  # eval: no dropout
     torch.testing.assert_close(mixer(x), output_from_probs(mixer, probs, v), rtol=1e-10, atol=1e-12)
     mixer.train()

@@ -37,13 +37,15 @@ def test_every_triton_kernel_compiles_for_sm90(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     kernels = {item["kernel"] for item in report["compiled"]}
     assert {"_chunk_states_kernel", "_state_pass_kernel", "_chunk_out_kernel", "_chunk_dread_kernel",
-            "_chunk_bwd_kernel", "_mlr_fwd_kernel", "_mlr_bwd_dq_kernel", "_mlr_bwd_dkdv_kernel"} <= kernels
+            "_chunk_bwd_kernel", "_mlr_fwd_kernel", "_mlr_bwd_dq_kernel", "_mlr_bwd_dkdv_kernel", "_norm_fwd_kernel",
+            "_norm_bwd_kernel", "_conv_fwd_kernel", "_conv_bwd_kernel", "_sum_partials_kernel"} <= kernels
     assert report["failures"] == []
     assert max(item["shared_bytes"] for item in report["compiled"]) <= 227 * 1024
-    # the MLR attention kernels (and local attention on them) spill no registers at sm_90
-    mlr = [item for item in report["compiled"] if item["case"].startswith(("mlr:", "local:"))]
-    assert mlr and all(item["registers"] > 0 for item in mlr)
-    assert [item for item in mlr if item["spill_stores"] or item["spill_loads"]] == []
+    assert all(item["registers"] > 0 for item in report["compiled"])   # read from every cubin
+    # the norm, convolution and MLR attention kernels never spill (the script fails a case that does; asserted here
+    # as well)
+    spill_free = [item for item in report["compiled"] if item["case"].startswith(("norm:", "conv:", "mlr:", "local:"))]
+    assert spill_free and all(item["stack_bytes"] == 0 == item["local_bytes"] for item in spill_free)
 
 
 def test_the_compile_check_catches_a_kernel_over_the_shared_memory_limit(tmp_path):

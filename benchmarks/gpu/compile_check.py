@@ -11,9 +11,10 @@ Usage (from the repository root)::
 
     python benchmarks/gpu/compile_check.py [--arch 90] [--json OUT.json]
 
-Prints one line per compiled kernel (compile seconds, shared memory, and the registers and spill bytes ``ptxas -v``
-reports for the kernel's PTX) and exits non-zero if a kernel fails to compile or needs more shared memory than the
-target has. ``tests/test_triton_compile.py`` runs it in CI.
+Prints one line per compiled kernel (compile seconds, shared memory, registers and stack/local bytes per thread,
+read from the cubin with ``cuobjdump``, which also ships with Triton) and exits non-zero if a kernel fails to compile,
+needs more shared memory than the target has, or, in a family listed in :data:`SPILL_FREE`, spills registers.
+``tests/test_triton_compile.py`` runs it in CI.
 Must run in a fresh process without ``TRITON_INTERPRET`` (the kernels must be compiled, not interpreted).
 """
 
@@ -22,7 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +36,9 @@ from pathlib import Path
 #: shared memory per block, in bytes, by compute capability (the opt-in maximum a kernel may use)
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
+#: kernel families that must not spill: no stack frame and no local memory per thread
+SPILL_FREE = ("norm", "conv", "mlr", "local")
+
 
 @dataclass
 class Compiled:
@@ -39,30 +46,27 @@ class Compiled:
     case: str
     seconds: float
     shared_bytes: int
-    registers: int = -1     # per thread (-1: not read)
-    spill_stores: int = -1  # bytes
-    spill_loads: int = -1
+    registers: int = -1     # per thread; -1: not read (no cuobjdump)
+    stack_bytes: int = -1   # per thread: the stack frame ptxas gives spilled registers
+    local_bytes: int = -1   # per thread
 
 
-def resources(kernel, arch: int) -> tuple[int, int, int]:
-    """(registers per thread, spill store bytes, spill load bytes) of a compiled kernel, from ``ptxas -v`` on its
-    PTX (the assembler Triton ships); (-1, -1, -1) if they cannot be read."""
-    import re
-    import subprocess
-    import tempfile
+def resources(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, stack bytes, local bytes) per thread of the one kernel in ``cubin``, read with the
+    ``cuobjdump`` that ships with Triton; ``(-1, -1, -1)`` if it cannot be run."""
+    import triton
 
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernel.ptx"
-        src.write_text(kernel.asm["ptx"])
-        log = subprocess.run([get_ptxas().path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o",
-                              str(Path(tmp) / "kernel.o")], capture_output=True, text=True).stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if regs is None or spills is None:
-        return -1, -1, -1
-    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        try:
+            text = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                                  check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return -1, -1, -1
+    found = {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
+    return found.get("REG", -1), found.get("STACK", -1), found.get("LOCAL", -1)
 
 
 @contextmanager
@@ -103,7 +107,7 @@ def compile_only(arch: int, record: Callable[[str, float, object], None]) -> Ite
 def _scan_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     import torch
 
-    from mixer_plugins.kernels._triton import scan
+    from mixer_plugins.kernels.scan import triton_kernels as scan
 
     def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, length=200):
         def go():
@@ -185,11 +189,54 @@ def _local_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     yield case(torch.float32, False, True, 3)
 
 
+def _norm_cases() -> Iterator[tuple[str, Callable[[], None]]]:
+    """``kernels.gated_rmsnorm``'s Triton kernels, at the block's widths and the widest row they take."""
+    import torch
+
+    from mixer_plugins.kernels._triton import norm
+
+    def case(dtype, width, before, rows=64):
+        def go():
+            g = torch.Generator().manual_seed(0)
+            y, z, grad = (torch.randn(rows, width, generator=g).to(dtype) for _ in range(3))
+            w = torch.ones(width)
+            norm._norm_fwd(y, z, w, 1e-5, before)
+            norm._norm_bwd(grad, y, z, w, 1e-5, before)
+        return f"{str(dtype).removeprefix('torch.')} width={width} before={before}", go
+
+    yield case(torch.bfloat16, 1536, True)       # ViT-B's Hydra (d_inner 1536)
+    yield case(torch.float32, 64, False)         # per-group norms of a head's width
+    yield case(torch.bfloat16, norm.MAX_WIDTH, False)
+
+
+def _conv_cases() -> Iterator[tuple[str, Callable[[], None]]]:
+    """``kernels.depthwise_conv1d``'s Triton kernels: the block's centred kernel 7 and Mamba's causal 4."""
+    import torch
+
+    from mixer_plugins.kernels._triton import conv
+
+    def case(dtype, k, causal, silu, bias, length=197, channels=1664):
+        def go():
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(2, length, channels, generator=g).to(dtype)
+            w = torch.randn(channels, k, generator=g)
+            b = torch.randn(channels, generator=g) if bias else None
+            left = k - 1 if causal else (k - 1) // 2
+            conv._conv_fwd(x, w, b, left, k - 1 - left, silu)
+            conv._conv_bwd(torch.randn_like(x), x, w, b, left, k - 1 - left, silu)
+        return f"{str(dtype).removeprefix('torch.')} k={k} causal={causal} silu={silu} bias={bias}", go
+
+    yield case(torch.bfloat16, 7, False, True, True)     # ViT-B's Hydra: 1536 + 2 x 64 channels
+    yield case(torch.bfloat16, 4, True, True, False)
+    yield case(torch.float32, 3, False, False, True, channels=200)   # channels not a multiple of 16
+    yield case(torch.bfloat16, conv.MAX_TAPS, True, True, True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90)")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--only", choices=("scan", "mlr", "local"), help="compile one kernel family")
+    parser.add_argument("--only", choices=("scan", "mlr", "local", "norm", "conv"), help="compile one kernel family")
     parser.add_argument("--case", default="", help="compile only the cases whose name holds this text")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -201,13 +248,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(name: str, seconds: float, kernel) -> None:
         meta = kernel.metadata
-        item = Compiled(name, current[0], round(seconds, 2), int(meta.shared), *resources(kernel, args.arch))
+        item = Compiled(name, current[0], round(seconds, 2), int(meta.shared), *resources(kernel.asm["cubin"]))
         results.append(item)
-        print(f"  {name:24s} {seconds:6.1f} s  shared {item.shared_bytes // 1024:4d} KiB  registers "
-              f"{item.registers:3d}  spills {item.spill_stores}/{item.spill_loads} B", flush=True)
+        print(f"  {name:24s} {seconds:6.1f} s  shared {item.shared_bytes // 1024:4d} KiB  regs {item.registers:4d}  "
+              f"stack {item.stack_bytes:4d} B  local {item.local_bytes:4d} B", flush=True)
 
     failures: list[str] = []
-    families = {"scan": _scan_cases, "mlr": _mlr_cases, "local": _local_cases}
+    families = {"scan": _scan_cases, "mlr": _mlr_cases, "local": _local_cases, "norm": _norm_cases,
+                "conv": _conv_cases}
     with compile_only(args.arch, record):
         for family, cases in families.items():
             if args.only and family != args.only:
@@ -226,6 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     if limit is not None:
         failures += [f"{r.case}: {r.kernel} needs {r.shared_bytes} bytes of shared memory, sm_{args.arch} has {limit}"
                      for r in results if r.shared_bytes > limit]
+    for r in results:
+        if r.case.split(":")[0] not in SPILL_FREE:
+            continue
+        if r.registers < 0:
+            failures.append(f"{r.case}: {r.kernel}: its registers and spills could not be read (cuobjdump)")
+        elif r.stack_bytes or r.local_bytes:
+            failures.append(f"{r.case}: {r.kernel} spills: {r.stack_bytes} bytes of stack, {r.local_bytes} bytes of "
+                            f"local memory per thread ({r.registers} registers)")
     if args.json:
         args.json.write_text(json.dumps({"arch": args.arch, "compiled": [asdict(r) for r in results],
                                          "failures": failures}, indent=2))

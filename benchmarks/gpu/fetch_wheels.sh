@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Fills DIR with the wheels benchmarks/gpu/run.sh installs offline on the GPU machine (Python 3.12, x86_64, no
 # network; it lacks pydantic and mamba-ssm):
-#   * pydantic, pydantic-core, typing-extensions, annotated-types, typing-inspection and einops, cp312 manylinux
-#     x86_64 (pure-Python ones as py3-none-any), at the versions installed here when they are (what CI tests), else
-#     the newest;
+#   * pydantic, pydantic-core, typing-extensions, annotated-types, typing-inspection, einops and wrapt, cp312
+#     manylinux x86_64 (pure-Python ones as py3-none-any), at the versions installed here when they are (what CI
+#     tests), else the newest;
 #   * the mamba-ssm wheel built without its CUDA extensions (MAMBA_SKIP_CUDA_BUILD=TRUE: pure Python, py3-none-any),
-#     copied from $MAMBA_WHEEL_DIR (default /work/wheels), or built here when there is none.
+#     copied from $MAMBA_WHEEL_DIR (default /work/wheels), or built here when there is none;
+#   * mixer-plugins' own wheel: run.sh imports the checkout itself, but the built-in mixers are found through the
+#     entry points of installed metadata, which the wheel provides (build it again after changing them).
 # Usage, from the repository root (DIR is usually .whl, which git ignores and the device tool carries):
 #     PYTHON=/path/to/venv/bin/python bash benchmarks/gpu/fetch_wheels.sh .whl
 set -euo pipefail
@@ -21,7 +23,7 @@ pinned() {  # NAME==VERSION when NAME is installed here, else NAME
     && echo "$1==$version" || echo "$1"
 }
 
-for name in pydantic pydantic-core typing-extensions annotated-types typing-inspection einops; do
+for name in pydantic pydantic-core typing-extensions annotated-types typing-inspection einops wrapt; do
   "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --abi cp312 --abi abi3 --abi none "${PLATFORMS[@]}" -d "$DIR" "$(pinned "$name")"
 done
@@ -36,6 +38,9 @@ fi
 newest="$(ls -t "$MAMBA_WHEEL_DIR"/mamba_ssm-*-py3-none-any.whl | head -n 1)"
 rm -f "$DIR"/mamba_ssm-*.whl
 cp "$newest" "$DIR/"
+
+rm -f "$DIR"/mixer_plugins-*.whl
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$DIR" .
 
 # one version of each distribution (two would stop the install), and what came
 dups="$(ls "$DIR"/*.whl | xargs -n 1 basename | cut -d- -f1 | tr 'A-Z-' 'a-z_' | sort | uniq -d)"

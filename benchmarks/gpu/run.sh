@@ -6,11 +6,12 @@
 # MIXER_PLUGINS_GPU_TUNE=1 adds benchmarks/gpu/tune.py (launch options of the fused scan, and its profile);
 # MIXER_PLUGINS_GPU_TEST_S / MIXER_PLUGINS_GPU_TABLES_S: time limits of the tests (170) and the tables (230).
 # First it installs the wheels carried in $MIXER_PLUGINS_WHEELS (default .whl/, filled by
-# benchmarks/gpu/fetch_wheels.sh: pydantic and its needs, einops, a mamba-ssm wheel built with
-# MAMBA_SKIP_CUDA_BUILD=TRUE), offline, each only where the machine lacks that distribution, into a site folder
-# put first on PYTHONPATH (the machine's own environment is left alone). Then it runs the CUDA correctness tests
-# (pytest -m gpu) and the throughput tables. Results: OUT_DIR/install.log, OUT_DIR/gpu_tests.xml, OUT_DIR/log.txt,
-# OUT_DIR/throughput.json, OUT_DIR/throughput.md (rewritten after each table). See docs/kernels.md.
+# benchmarks/gpu/fetch_wheels.sh: pydantic and its needs, einops, wrapt, a mamba-ssm wheel built with
+# MAMBA_SKIP_CUDA_BUILD=TRUE, and mixer-plugins' own wheel for its entry points), offline, each only where the
+# machine lacks that distribution, into a site folder put first on PYTHONPATH (the machine's own environment is
+# left alone). Then it runs the CUDA correctness tests (pytest -m gpu) and the throughput tables. Results:
+# OUT_DIR/install.log, OUT_DIR/gpu_tests.xml, OUT_DIR/log.txt, OUT_DIR/throughput.json, OUT_DIR/throughput.md
+# (rewritten after each table). See docs/kernels.md.
 set -uo pipefail
 OUT="${1:?usage: run.sh OUT_DIR [--dry]}"
 DRY="${2:-}"

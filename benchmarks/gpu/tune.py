@@ -2,7 +2,7 @@
 
 Times the fused scan (``kernels.quasiseparable(..., backend="triton")``, shift on, bf16, d_model 768 = 24 heads of
 64, state 64, 65,536 tokens as 4 x 16,384) forward and forward+backward under alternative ``num_warps`` /
-``num_stages`` per kernel (``mixer_plugins.kernels._triton.scan.LAUNCH``) and chunk sizes, next to causal Mamba-2
+``num_stages`` per kernel (``mixer_plugins.kernels.scan.triton_kernels.LAUNCH``) and chunk sizes, next to causal Mamba-2
 SSD through mamba-ssm at the same shape; then profiles the default configuration (CUDA time per kernel and per
 PyTorch op). Writes ``OUT/tune.json`` and ``OUT/tune.md``. Run by ``benchmarks/gpu/run.sh`` when
 ``MIXER_PLUGINS_GPU_TUNE=1``; ``--dry`` runs a tiny shape on the CPU (Triton interpreter) so the script cannot rot.
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     from mixer_plugins import kernels
     from mixer_plugins._text import markdown_table
-    from mixer_plugins.kernels._triton import scan
+    from mixer_plugins.kernels.scan import triton_kernels as scan
 
     if args.dry:
         device, dtype, shape, warmup, iters = "cpu", torch.float32, (1, 40, 2, 16, 16), 0, 1

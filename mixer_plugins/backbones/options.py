@@ -9,9 +9,9 @@ Every decision is made from the mixer's spec and its config fields, never from i
 
 * ``dim`` is always the host's width (a ``dim`` among the user's options is refused).
 * ``num_heads`` goes to a ``num_heads`` field. With ``derive_head_dim=True`` a mixer that has no ``num_heads``
-  field but sizes its heads by a head-size field (``head_dim``, or ``headdim`` where a mixer mirrors mamba-ssm)
-  gets the head size that gives it the host's head count: inner width (``expand * dim`` where the mixer has
-  ``expand``, else ``dim``) over the head count, when that divides (see :func:`head_dim_for`).
+  field but sizes its heads by a ``head_dim`` field gets the head size that gives it the host's head count: inner
+  width (``expand * dim`` where the mixer has ``expand``, else ``dim``) over the head count, when that divides (see
+  :func:`head_dim_for`).
 * ``max_seq_len`` goes to a ``max_seq_len`` field (data-independent mixers need it; data-dependent ones ignore it).
 * ``causal`` is a direction the host *requires*: it goes to a ``causal`` field, and a mixer without that field
   that runs only the other way is refused (:func:`direction_problem`). ``prefer_causal`` is a direction the host
@@ -46,9 +46,8 @@ __all__ = [
     "resolve_config",
 ]
 
-#: Config fields that size a mixer's heads by their width, in order of preference (``headdim`` is the
-#: mamba-ssm spelling, kept where a mixer mirrors its signature).
-HEAD_DIM_FIELDS: tuple[str, ...] = ("head_dim", "headdim")
+#: Config fields that size a mixer's heads by their width, in order of preference.
+HEAD_DIM_FIELDS: tuple[str, ...] = ("head_dim",)
 
 # Host fact -> the config fields that receive it (the first one the mixer has). Insertion order is the order
 # facts are filled in, and so the order they are named in messages.

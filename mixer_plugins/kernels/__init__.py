@@ -11,12 +11,13 @@
 * :func:`local_attention` — sliding-window softmax attention (+ optional global tokens), blocked, O(L * window);
   on CUDA the MLR Triton kernel with the tiles outside the band skipped.
 
-Layout: ``kernels/<op>/__init__.py`` holds the public function, its argument checks and its typed argument
-bundle (e.g. :class:`~.ssd.SSDArgs`); each backend is one module beside it (``reference.py``, ``torch.py``,
-``mamba_ssm.py``, ``triton.py``) that registers itself with :mod:`._dispatch`. The three scans share
-:mod:`._scan` (the chunked algorithm, its custom op and the materialized oracle).
+Layout: ``kernels/<op>/__init__.py`` holds the public function(s), the argument checks and the typed argument
+bundle (e.g. :class:`~.scan.ScanArgs`); each backend is one module beside it (``reference.py``, ``torch.py``,
+``native.py``, ``triton.py``, ``mamba_ssm.py``) that registers itself with :mod:`._dispatch`. The three scans are
+one op, ``scan``, in :mod:`.scan`.
 
-Backends: ``reference`` (materialized, float64-capable), ``torch`` (chunked, O(L) memory; the CPU
+Backends: ``reference`` (materialized, float64-capable; the oracle), ``torch`` (plain PyTorch, O(L) memory; any
+device), ``native`` (our C++ CPU engine; the CPU default where it applies), ``triton`` (our kernels; the CUDA
 default), ``mamba_ssm`` (CUDA, when installed). Pick one with ``backend=...``, :func:`use_backend` or the
 ``MIXER_PLUGINS_BACKEND`` environment variable; :func:`backend_report` says which can run here and why not.
 """
@@ -31,14 +32,19 @@ from ._dispatch import (
     resolve_backend,
     use_backend,
 )
-from ._scan import chunked_scan_flops, prepare_dt, scan_matrix, scan_reference
 from .conv import depthwise_conv1d, depthwise_conv1d_flops
-from .directional_scan import directional_scan
 from .local_attention import LocalPlan, local_attention, local_attention_flops
 from .mlr_attention import mlr_attention, mlr_attention_flops
 from .norm import gated_rmsnorm
-from .quasiseparable import quasiseparable
-from .ssd import ssd
+from .scan import (
+    chunked_scan_flops,
+    directional_scan,
+    prepare_dt,
+    quasiseparable,
+    scan_matrix,
+    scan_reference,
+    ssd,
+)
 from .toeplitz import toeplitz_causal_flops, toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 An op is a folder, ``kernels/<op>/``, whose ``__init__.py`` holds the public function and ends with
 ``discover_backends(<op>, __name__)``. Every module of that folder named after a backend in :data:`BACKENDS`
-(``reference.py``, ``torch.py``, ``triton.py``, ``mamba_ssm.py``) is imported then and registers one
+(``reference.py``, ``torch.py``, ``native.py``, ``triton.py``, ``mamba_ssm.py``) is imported then and registers one
 :class:`Backend`: its name, its ``impl`` (called with the op's typed argument bundle), its priority for the
 automatic choice and a ``check`` that says why it cannot run here (or ``None`` when it can). Adding a backend
 is adding one such module; nothing else names it. A backend module imports its third-party package (mamba-ssm,
@@ -15,11 +15,19 @@ Choosing, in order:
   variable: that backend for every op that has one (an op that has none makes its automatic choice);
   :class:`BackendUnavailableError` where the op has it but it cannot run here;
 * otherwise the automatic choice: the available backend of highest ``priority`` (``triton`` 40, ``mamba_ssm``
-  30, ``torch`` 10, so on CUDA: triton, then mamba_ssm, then torch; ``reference`` has none and is never chosen
-  automatically; the Triton interpreter is for tests and is never chosen automatically off CUDA).
+  30, ``native`` 20, ``torch`` 10, so on CUDA: triton, then mamba_ssm, then torch; on CPU: native, then torch;
+  ``reference`` has none and is never chosen automatically; the Triton interpreter is for tests and is never
+  chosen automatically off CUDA).
 
-Under ``torch.compile`` the choice is ``backend`` or ``torch`` (our custom ops), without probing: imports
-cannot be traced. :func:`backend_report` lists, per op and device, which backends can run and why not.
+Every check looks at the device, the dtypes, the shapes and which options are given, never at tensor values (a
+value probe would be a device sync on a GPU). Under ``torch.compile`` and ``torch.export`` the choice is made the
+same way while tracing: a compiled model on CUDA runs our Triton custom ops, on CPU the ``torch`` backend (the
+``native`` engine runs eagerly only). :func:`backend_report` lists, per op and device, which backends can run and
+why not.
+
+ONNX: while ``torch.onnx.export(..., dynamo=True)`` traces, the automatic choice is the ``torch`` backend on every
+device, as only its exported form is made of standard ops (ONNX translates no custom op; see ``docs/onnx.md``); the
+TorchScript-based exporter (``dynamo=False``) gets a :class:`BackendUnavailableError` that says to use the other.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -53,7 +62,7 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("reference", "torch", "triton", "mamba_ssm")
+BACKENDS = ("reference", "torch", "native", "triton", "mamba_ssm")
 """Every backend name an op may have (a backend module's file name is one of these)."""
 
 ENV_VAR = "MIXER_PLUGINS_BACKEND"
@@ -192,15 +201,25 @@ def use_backend(backend: str | None) -> Iterator[None]:
         _local.backend = previous
 
 
+def _onnx_exporter() -> str | None:
+    """Which ONNX exporter is tracing this call: ``"dynamo"`` (``torch.onnx.export(..., dynamo=True)``, which runs
+    ``torch.export``), ``"torchscript"`` (``dynamo=False``) or ``None``. Under ``torch.compile`` always ``None``."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        return None
+    if "torch.onnx" not in sys.modules or not torch.onnx.is_in_onnx_export():
+        return None
+    return "dynamo" if torch.compiler.is_exporting() else "torchscript"
+
+
 def resolve_backend(op: str, backend: str | None, device: torch.device | str, args: Any = None) -> Callable:
     """The implementation of ``op`` to run: ``backend``, the preferred one, or the automatic choice (see the
     module notes). ``args``, the call's argument bundle, lets a backend refuse inputs it cannot handle."""
     impls = _backends_of(op)
-    if torch.compiler.is_compiling():
-        chosen = backend or "torch"
-        if chosen not in impls:
-            raise BackendUnavailableError(f"op {op!r} has no {chosen!r} implementation")
-        return impls[chosen].impl
+    onnx = _onnx_exporter()
+    if onnx == "torchscript":
+        raise BackendUnavailableError(
+            f"op {op!r} cannot be exported by torch.onnx.export(..., dynamo=False), the TorchScript-based exporter; "
+            "export with dynamo=True (the default), which traces standard ops only (see docs/onnx.md)")
     device = torch.device(device)
     if backend is None:
         preferred = getattr(_local, "backend", None) or os.environ.get(ENV_VAR) or None
@@ -214,6 +233,8 @@ def resolve_backend(op: str, backend: str | None, device: torch.device | str, ar
             raise BackendUnavailableError(f"backend {backend!r} cannot run {op!r} on {device}: {reason}")
         return impls[backend].impl
     candidates = sorted((b for b in impls.values() if b.automatic_on(device)), key=lambda b: -b.priority)
+    if onnx is not None and "torch" in impls:  # only the torch backends export as standard ops
+        candidates = [impls["torch"]]
     for candidate in candidates:
         if candidate.unavailable_reason(device, args) is None:
             return candidate.impl

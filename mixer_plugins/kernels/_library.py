@@ -1,4 +1,4 @@
-"""Helpers for our ``torch.library`` custom ops: arguments and saved tensors by name, never by position."""
+"""Helpers for our autograd functions and custom ops: saved tensors by name, never by position."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["argument_names", "save_tensors", "saved_tensors"]
-
-
-def argument_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
-    """The names of a custom op's arguments (``torch.ops.<ns>.<name>.default``), in schema order: the order
-    ``setup_context`` receives its ``inputs`` in, and the backward returns its gradients in."""
-    return tuple(arg.name for arg in op._schema.arguments)
+__all__ = ["save_tensors", "saved_tensors"]
 
 
 def save_tensors(ctx: Any, **tensors: torch.Tensor | None) -> None:

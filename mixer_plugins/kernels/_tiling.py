@@ -1,7 +1,7 @@
 """Tiles: the pieces along time that the CPU paths work through one at a time.
 
 On CPU every full-size temporary is a fresh allocation (glibc serves large ones with ``mmap``), whose page
-faults can cost more than the arithmetic. So the chunked scan, the depthwise conv and the gated norm cut the
+faults can cost more than the arithmetic. So the depthwise conv and the gated norm cut the
 sequence into tiles whose temporaries stay near an element budget: small, in cache, and reused by the
 allocator. The tile size changes speed only, never the result.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["section_elements", "tile_bounds", "tile_length", "time_tiles"]
+__all__ = ["tile_bounds", "tile_length", "time_tiles"]
 
 
 def tile_length(budget: int, item_elements: int) -> int:
@@ -32,11 +32,3 @@ def time_tiles(total: int, item_elements: int, budget: int, device: torch.device
         return [(0, total)]
     return tile_bounds(total, tile_length(budget, item_elements))
 
-
-def section_elements(tiles: list[tuple[int, int]], item_elements: int, budget: int) -> int:
-    """The size a pass over ``tiles`` is threaded by (:mod:`._threads`): its widest tile's elements, or the whole
-    ``budget`` when the pass is cut into several tiles. (A tile holds the budget rounded down to whole items, so
-    just under it: sized by its exact elements, a pass of full tiles would never reach a threshold equal to
-    the budget.)"""
-    widest = max((hi - lo for lo, hi in tiles), default=0) * item_elements
-    return max(widest, budget) if len(tiles) > 1 else widest

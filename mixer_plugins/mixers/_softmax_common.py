@@ -9,7 +9,7 @@ projections. The masks live in :mod:`mixer_plugins.layers.masks`.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,6 @@ __all__ = [
 
 class SoftmaxMixerConfig(MixerConfig):
     """Options every structured softmax mixer has."""
-
-    deprecated_aliases: ClassVar[dict[str, str]] = {"bias": "proj_bias"}
 
     num_heads: int = Field(8, gt=0, description="number of heads (value heads of width dim // num_heads)")
     causal: bool = Field(False, description="mask future positions (decoder-style attention)")
@@ -147,6 +145,16 @@ class QKVSoftmaxConfig(SoftmaxMixerConfig):
     qk_norm: bool = Field(
         True, description="LayerNorm on queries and keys over the head dim, shared by heads (the paper's QK-LN)"
     )
+    ln_bias: bool = Field(
+        False, description="a learned bias in the QK LayerNorms: the paper's experiments ran without (their "
+        "scripts set bias=False); the released code's model configs default to bias=True, so set it to load those"
+    )
+
+    @model_validator(mode="after")
+    def _check_ln_bias(self) -> QKVSoftmaxConfig:
+        if self.ln_bias and not self.qk_norm:
+            raise ValueError("ln_bias=True needs qk_norm=True: the bias belongs to the query/key LayerNorms")
+        return self
 
 
 # -- scores and the fused path ----------------------------------------------------------------------------------------
@@ -234,8 +242,8 @@ class QKVSoftmaxMixer(MatrixMixer):
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.proj_bias)
         if config.qk_norm:
-            self.q_norm = nn.LayerNorm(self.head_dim, bias=False)
-            self.k_norm = nn.LayerNorm(self.head_dim, bias=False)
+            self.q_norm = nn.LayerNorm(self.head_dim, bias=config.ln_bias)
+            self.k_norm = nn.LayerNorm(self.head_dim, bias=config.ln_bias)
             # muP zero-initialises the query (Yang et al., Tensor Programs V): logits are then exactly 0 at init
             # at every width. Behind QK-LN that is the query LN's gain (zero W_q would put LN at its singular point).
             self.mup_zero_init = ("q_norm.weight",)

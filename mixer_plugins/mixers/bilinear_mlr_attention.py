@@ -55,6 +55,16 @@ class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
         None, description="feature chunks p_l of each level (each must divide dim); default 2^l"
     )
     qk_norm: bool = Field(True, description="LayerNorm on each level's per-head query and key (width r_l * p_l)")
+    ln_bias: bool = Field(
+        False, description="a learned bias in the level LayerNorms: the paper's experiments ran without (their "
+        "scripts set bias=False); the released code's model configs default to bias=True, so set it to load those"
+    )
+
+    @model_validator(mode="after")
+    def _check_ln_bias(self) -> BilinearMLRAttentionConfig:
+        if self.ln_bias and not self.qk_norm:
+            raise ValueError("ln_bias=True needs qk_norm=True: the bias belongs to the query/key LayerNorms")
+        return self
     divide_by_levels: bool = Field(False, description="divide every score by the number of levels")
     rms_cap: bool = Field(True, description="cap the RMS of the level weights in the forward pass (see muP docs)")
 
@@ -105,8 +115,8 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
                 self.register_parameter(f"{side}_weight_{level}", weight)
                 self.mup_fan_in[f"{side}_weight_{level}"] = fan_in
             if config.qk_norm:
-                self.q_norms.append(nn.LayerNorm(r * p, bias=False))
-                self.k_norms.append(nn.LayerNorm(r * p, bias=False))
+                self.q_norms.append(nn.LayerNorm(r * p, bias=config.ln_bias))
+                self.k_norms.append(nn.LayerNorm(r * p, bias=config.ln_bias))
         self.value = nn.Linear(dim, dim, bias=config.proj_bias)
         self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         # muP zero-initialises the query (logits exactly 0 at init); behind the LNs, that is their gains.
@@ -217,5 +227,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2 sum_l r_l p_l)",
     data_dependent="yes",
-    test_options={"num_heads": 2, "ranks": [8, 4, 4]},
+    # Ranks left to their default (the head dim split over 4 levels), so the options fit any dim divisible by 8.
+    test_options={"num_heads": 2},
 )

@@ -44,8 +44,6 @@ class BlockConfig(MixerConfig):
     #: Causal-only mixers (semiseparable) set this: their short convolution is causal, any kernel size.
     always_causal: ClassVar[bool] = False
 
-    deprecated_aliases: ClassVar[dict[str, str]] = {"headdim": "head_dim"}
-
     expand: int = Field(2, gt=0, description="inner width = expand * dim")
     head_dim: int = Field(64, gt=0, description="channels per head (P); heads = expand * dim / head_dim")
     d_conv: int = Field(7, gt=0, description="kernel size of the depthwise short convolution")

@@ -61,6 +61,11 @@ class BTTAttentionConfig(SoftmaxMixerConfig, AttentionLinkOptions):
         "code (bilinearBTT_use_extra_LN_on_X, set by its ViT) does"
     )
     rms_cap: bool = Field(True, description="cap the RMS of the BTT cores in the forward pass (see muP docs)")
+    ln_bias: bool = Field(
+        False, description="a learned bias in the key LayerNorm (and the input one): the paper's experiments ran "
+        "without (their scripts set bias=False); the released code's model configs and ViT default to bias=True, so "
+        "set it to load those"
+    )
 
     @model_validator(mode="after")
     def _check_factors(self) -> BTTAttentionConfig:
@@ -92,11 +97,11 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer):
         level = BTCLevel(out_factors=(self.c, self.num_heads * self.d), in_factors=(self.c, self.d),
                          rank=config.btt_rank)
         self.key_transform = MLBTC([level], rms_cap=config.rms_cap)
-        self.key_norm = nn.LayerNorm(dim, bias=False)
+        self.key_norm = nn.LayerNorm(dim, bias=config.ln_bias)
         # muP zero-initialises the query side so that logits are 0 at init at every width; BTT's query is the raw
         # input, so the gain of the key LN takes that role.
         self.mup_zero_init = ("key_norm.weight",)
-        self.input_norm = nn.LayerNorm(dim, bias=False) if config.input_norm else None
+        self.input_norm = nn.LayerNorm(dim, bias=config.ln_bias) if config.input_norm else None
         self.value = nn.Linear(dim, dim, bias=config.proj_bias)
         self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         self.scale = config.logit_scale(dim)

@@ -31,6 +31,7 @@ Exchanged per call: one all-gather of ``2 * (k+1)/2`` rows of the input per rank
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -122,10 +123,27 @@ def gather_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 
 # -- per-segment algebra ------------------------------------------------------------------------------
 
 def _decays(dt: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Segment-local inclusive ``p`` and exclusive ``e`` cumulative log-decays (b, l, h), and the total (b, h)."""
-    a = dt * A.to(dt.dtype)
-    p = a.cumsum(1)
-    return p, p - a, p[:, -1]
+    """Segment-local inclusive ``p`` and exclusive ``e`` cumulative log-decays (b, l, h), and the total (b, h).
+    ``e`` is ``p`` moved by one token (not ``p - a``, which would carry one more rounding)."""
+    p = (dt * A.to(dt.dtype)).cumsum(1)
+    return p, torch.cat([torch.zeros_like(p[:, :1]), p[:, :-1]], dim=1), p[:, -1]
+
+
+def _outgoing(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, *, reverse: bool) -> Tensor:
+    """The state a segment sends on: its tokens decayed to its end (to its start, ``reverse``)."""
+    p, e, total = _decays(dt, A)
+    weight = torch.exp(total[:, None] - p) * dt if not reverse else torch.exp(e) * dt
+    return _outgoing_state(x, weight, B)
+
+
+def _incoming(C: Tensor, state: Tensor, dt: Tensor, A: Tensor, *, shift: bool, reverse: bool) -> Tensor:
+    """This segment's outputs from the state entering it (from the left, or the right when ``reverse``)."""
+    p, e, total = _decays(dt, A)
+    if not reverse:
+        log_decay = e if shift else p
+    else:
+        log_decay = total[:, None] - (p if shift else e)
+    return _read_state(C, state, log_decay)
 
 
 def _outgoing_state(x: Tensor, weight: Tensor, B: Tensor) -> Tensor:
@@ -145,12 +163,13 @@ def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
     return y * torch.exp(log_decay)[..., None]
 
 
-def _recomputed(fn, *args: Tensor) -> Tensor:
-    """``fn(*args)`` whose backward recomputes it instead of keeping its intermediates.
+def _recomputed(fn, *args: Tensor, **options) -> Tensor:
+    """``fn(*args, **options)`` whose backward recomputes it instead of keeping its intermediates.
 
-    The boundary terms' einsums would otherwise save a (batch, length, heads, head_dim) operand or product per
-    direction (four tensors the size of the scan's input, ~10% of the mixer's activations); their inputs are
-    kept alive by the scan anyway, so recomputing costs one einsum each in the backward and no memory."""
+    The boundary terms (decays, weights, einsums) would otherwise save tensors the size of the scan's inputs per
+    direction; their inputs are kept alive by the scan anyway, so recomputing costs a few passes in the backward and
+    no memory."""
+    fn = functools.partial(fn, **options)
     if not torch.is_grad_enabled() or not any(a.requires_grad for a in args):
         return fn(*args)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
@@ -185,12 +204,9 @@ class _Direction:
     def __init__(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, reverse: bool, shift: bool,
                  neighbour_C: Tensor | None):
         self.reverse, self.shift = reverse, shift
-        self.p, self.e, self.total = _decays(dt, A)
-        if not reverse:
-            weight = torch.exp(self.total[:, None] - self.p) * dt
-        else:
-            weight = torch.exp(self.e) * dt
-        self.state = _recomputed(_outgoing_state, x, weight, B)    # (b, h, p, n)
+        self.dt, self.A = dt, A
+        self.total = (dt * A.to(dt.dtype)).sum(1)                               # (b, h)
+        self.state = _recomputed(_outgoing, x, dt, A, B, reverse=reverse)      # (b, h, p, n)
         self.C = C
         self.neighbour_C = neighbour_C                        # (b, g, n): C across the border (shift only)
 
@@ -203,11 +219,7 @@ class _Direction:
         if self.shift:
             edge = self.neighbour_C[:, None] if self.neighbour_C is not None else torch.zeros_like(C[:, :1])
             C = torch.cat([edge, C[:, :-1]], dim=1) if not self.reverse else torch.cat([C[:, 1:], edge], dim=1)
-        if not self.reverse:
-            log_decay = self.e if self.shift else self.p
-        else:
-            log_decay = self.total[:, None] - (self.p if self.shift else self.e)
-        return _recomputed(_read_state, C, incoming, log_decay)
+        return _recomputed(_incoming, C, incoming, self.dt, self.A, shift=self.shift, reverse=self.reverse)
 
 
 def _unpack(packed: Tensor, p: int, n: int) -> tuple[Tensor, Tensor]:

@@ -1,7 +1,7 @@
 """Mixer registry: entry-point discovery, specs and configs, and the registry's errors.
 
 Importing this package imports neither torch nor pydantic: :class:`MixerSpec` and :class:`MixerConfig` (whose module
-needs both) are loaded on first access, so listing names and cached metadata stays cheap.
+needs both) are loaded on first access, so listing names stays cheap.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from ..errors import (
     SequenceLengthError,
     UnknownMixerError,
 )
-from .metadata import MetadataCache, MixerInfo
 from .registry import ENTRY_POINT_GROUP, IN_PROCESS, MixerRegistry, PluginProblem, make_register_function
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,8 +39,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "IN_PROCESS",
-    "MetadataCache",
-    "MixerInfo",
     "MixerRegistry",
     "PluginProblem",
     "MixerConfig",

@@ -4,18 +4,22 @@ Rules (see the design notes):
 
 * One entry-point group, :data:`ENTRY_POINT_GROUP`. An entry point's name is the mixer's name and its
   object is a :class:`~mixer_plugins.registry.spec.MixerSpec`. Our own built-in mixers are declared the
-  same way in our ``pyproject.toml``: one discovery path for everybody. A source checkout put on ``sys.path``
-  without being installed (no distribution metadata, so no entry points) reads that table from the checkout's own
-  ``pyproject.toml`` instead, so the built-in mixers are there either way.
+  same way in our ``pyproject.toml``: one discovery path for everybody.
 * Listing names reads entry-point metadata only; a plugin's module is imported the first time its spec
-  is needed.
+  is needed, and a lookup imports only what it must: a built-in's name or alias imports no plugin, and a plugin
+  mixer's name imports that plugin alone. Only an alias declared by a plugin (aliases live in the specs, not in
+  the metadata) or an unknown name imports every plugin.
+* Importing a plugin must leave torch's process-wide state alone: a change of the default dtype, the thread
+  count, the grad mode or the deterministic-algorithms flags made while a plugin's module is imported is undone,
+  with a :class:`~mixer_plugins.MixerPluginWarning` naming the plugin's distribution.
 * A plugin that fails to import (or yields something that is not a valid spec) is reported with its
   distribution and error and never breaks the others.
 * A name claimed by two distributions is an error naming both; the other names keep working.
-* An alias resolves only to the spec that declares it. A key (name or alias) claimed by more than one
-  spec -- two aliases, or an alias and another mixer's name -- is ambiguous: looking it up raises
-  :class:`~mixer_plugins.DuplicateMixerError` naming every claimant, and :meth:`MixerRegistry.problems`
-  reports it. A plugin can therefore never take over a built-in name or alias silently.
+* An alias resolves only to the spec that declares it. A key claimed by more than one spec is ambiguous: looking
+  it up raises :class:`~mixer_plugins.DuplicateMixerError` naming every claimant, and
+  :meth:`MixerRegistry.problems` reports it. The built-ins' names and aliases, and every entry point's name, are
+  known without importing plugins, so they take precedence over an alias a plugin declares: such an alias is never
+  used (it is reported as an ``alias-conflict``). A plugin therefore never takes over a built-in name or alias.
 * A plugin whose import raises anything (``SystemExit`` included; only ``KeyboardInterrupt`` and
   ``GeneratorExit`` propagate) is reported as broken; it never ends the host process.
 """
@@ -27,7 +31,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from importlib import metadata
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._text import closest
@@ -37,7 +40,6 @@ from ..errors import (
     PluginLoadError,
     UnknownMixerError,
 )
-from .metadata import MetadataCache, MixerInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from .spec import MixerSpec
@@ -90,31 +92,39 @@ class PluginProblem:
     distributions: tuple[str, ...]
 
 
+#: The distribution of the built-in mixers.
 OWN_DISTRIBUTION = "mixer-plugins"
-SOURCE_CHECKOUT = "mixer-plugins (source checkout)"
 
 
-def _source_checkout_entry_points(group: str) -> list[metadata.EntryPoint]:
-    """The entry points of ``group`` declared by our own ``pyproject.toml`` when this package runs from a source
-    checkout that is not installed (our distribution has no metadata); empty otherwise."""
-    try:
-        metadata.distribution(OWN_DISTRIBUTION)
-        return []  # installed (editable or not): its metadata already lists them
-    except metadata.PackageNotFoundError:
-        pass
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    try:
-        import tomllib
-    except ImportError:  # pragma: no cover - Python 3.10 has no TOML reader
-        return []
-    try:
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
-    except (OSError, ValueError):
-        return []
-    if project.get("name") != OWN_DISTRIBUTION:
-        return []
-    table = project.get("entry-points", {}).get(group, {})
-    return [metadata.EntryPoint(name=name, value=value, group=group) for name, value in table.items()]
+def _is_home(entry: _Entry) -> bool:
+    """Whether ``entry`` is a built-in mixer or an in-process registration (known without importing a plugin)."""
+    return entry.target == IN_PROCESS or normalize_name(entry.distribution) == normalize_name(OWN_DISTRIBUTION)
+
+
+# torch's process-wide settings a plugin's import must not change: (what it is called, getter, setter).
+def _torch_settings() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
+    import torch
+
+    return [
+        ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+        ("thread count", torch.get_num_threads, torch.set_num_threads),
+        ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+        ("deterministic algorithms (enabled, warn_only)",
+         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+         lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
+    ]
+
+
+def _restore_torch_settings(before: list[Any]) -> list[str]:
+    """Put back every torch setting that differs from ``before`` (as read by :func:`_torch_settings`); describe
+    each one that changed."""
+    changed = []
+    for (what, get, set_), old in zip(_torch_settings(), before):
+        new = get()
+        if new != old:
+            set_(old)
+            changed.append(f"{what} {new} (restored to {old})")
+    return changed
 
 
 def _distribution_name(ep: metadata.EntryPoint) -> str:
@@ -173,9 +183,8 @@ class MixerRegistry:
             if self._entries is None:
                 entries: dict[str, list[_Entry]] = {}
                 seen: set[tuple[str, str, str]] = set()
-                found = [(ep, _distribution_name(ep)) for ep in metadata.entry_points(group=self.group)]
-                found += [(ep, SOURCE_CHECKOUT) for ep in _source_checkout_entry_points(self.group)]
-                for ep, dist in found:
+                for ep in metadata.entry_points(group=self.group):
+                    dist = _distribution_name(ep)
                     key = (ep.name, normalize_name(dist), ep.value)
                     if key in seen:  # the same distribution seen twice on sys.path
                         continue
@@ -195,6 +204,8 @@ class MixerRegistry:
             return entry.spec
         if entry.error is not None:
             raise entry.error
+        spec_class = _spec_class()  # imports torch, so torch's settings are read before the plugin runs
+        before = [get() for _, get, _ in _torch_settings()]
         try:
             obj = entry.load()
         except (KeyboardInterrupt, GeneratorExit):
@@ -202,7 +213,14 @@ class MixerRegistry:
         except BaseException as exc:  # noqa: BLE001 - any import failure (SystemExit too) is the plugin's, not ours
             entry.error = PluginLoadError(entry.name, entry.distribution, entry.target, exc)
             raise entry.error from None
-        if not isinstance(obj, _spec_class()):
+        finally:
+            changed = _restore_torch_settings(before)
+            if changed:
+                warnings.warn(f"importing mixer plugin {entry.name!r} ({entry.target}) of distribution "
+                              f"{entry.distribution!r} changed torch's process-wide settings: {'; '.join(changed)}. "
+                              "A plugin must not change them when imported; report it to its authors.",
+                              MixerPluginWarning, stacklevel=4)
+        if not isinstance(obj, spec_class):
             entry.error = PluginLoadError(
                 entry.name, entry.distribution, entry.target,
                 f"the entry point must point to a mixer_plugins.MixerSpec, got {type(obj).__name__}",
@@ -293,43 +311,21 @@ class MixerRegistry:
         with self._lock:
             return self._all_specs(warn=False)[1]
 
-    def catalog(self, *, cache: MetadataCache | bool = True,
-                refresh: bool = False) -> tuple[list[MixerInfo], list[PluginProblem]]:
-        """The printable metadata of every loadable mixer (sorted by name) and every problem, as
-        :meth:`specs` and :meth:`problems` would give them, for listing.
-
-        With a cache (``True``: the default :class:`~mixer_plugins.registry.metadata.MetadataCache`), the metadata
-        of a plugin whose module and environment are unchanged since it last loaded is read from the cache: no
-        plugin module (nor torch) is imported. Anything else is loaded, which reports broken plugins as
-        :meth:`problems` does; the cache is then rewritten. ``refresh=True`` loads everything (and rewrites the
-        cache). Never warns: the problems are returned.
-        """
-        store = MetadataCache() if cache is True else (cache or None)
-        cached = {} if store is None or refresh else store.read()
-        fresh: dict[str, MixerInfo] = {}
-
-        def load(entry: _Entry) -> MixerInfo:
-            key = None if entry.target == IN_PROCESS else \
-                MetadataCache.key(entry.name, entry.target, entry.distribution)
-            info = None if key is None or entry.spec is not None else cached.get(key)
-            if info is None:
-                info = MixerInfo.from_spec(self._load(entry))
-            if key is not None:
-                fresh[key] = info
-            return info
-
+    def catalog(self) -> tuple[list[MixerSpec], list[PluginProblem]]:
+        """Every loadable spec (sorted by name) and every problem, in one pass and without warning, as
+        :meth:`specs` and :meth:`problems` give them (imports all plugins); for listing them."""
         with self._lock:
-            infos, problems = self._all_specs(warn=False, load=load)
-        if store is not None and fresh != cached:
-            store.write(fresh)
-        return infos, problems
+            return self._all_specs(warn=False)
 
     def get_spec(self, name: str) -> MixerSpec:
         """The spec of a mixer, by name or alias (case-insensitive, ``-`` == ``_``).
 
-        A key claimed by more than one spec (a name twice, or an alias together with another name or alias)
-        raises :class:`DuplicateMixerError` naming every claimant; an alias only ever resolves to the spec that
-        declares it.
+        Imports only what the lookup needs: a built-in's name or alias imports no plugin, a plugin mixer's name
+        imports that plugin alone; an alias that only a plugin declares imports every plugin (aliases live in the
+        specs). A key claimed by more than one spec (a name twice, or an alias together with another name or
+        alias) raises :class:`DuplicateMixerError` naming every claimant, except that a plugin's alias never
+        competes with a built-in's name or alias or with an entry point's name: those win, and the alias is
+        reported by :meth:`problems`. An alias only ever resolves to the spec that declares it.
         """
         if isinstance(name, _spec_class()):
             return name
@@ -338,18 +334,30 @@ class MixerRegistry:
         key = normalize_name(name)
         with self._lock:
             entries = self._discover()
+            named = entries.get(key, [])
+            if len(named) > 1:  # the same name from two distributions: known from the metadata alone
+                raise DuplicateMixerError(named[0].name, [f"{e.distribution} ({e.target})" for e in named])
+            # The built-ins' and in-process names and aliases: our own modules, no plugin.
+            home = {k: [e for e in v if _is_home(e)] for k, v in entries.items()}
+            home_claims, _ = self._claims({k: v for k, v in home.items() if v})
+            owning = home_claims.get(key, [])
+            if named and not _is_home(named[0]) and owning:  # a plugin mixer named like a built-in's alias
+                raise DuplicateMixerError(name, [self._describe(c) for c in owning]
+                                          + [f"{named[0].distribution} (mixer {named[0].name!r})"])
+            if len(owning) > 1:
+                raise DuplicateMixerError(name, [self._describe(c) for c in owning])
+            if owning:
+                return self._load(owning[0].entry)
+            if named:  # a plugin's own name: only its distribution is imported
+                return self._load(named[0])
+            # An alias declared by a plugin, or an unknown name: every plugin is imported.
             claims, _ = self._claims(entries)
             owning = claims.get(key, [])
             if len(owning) > 1:
-                if all(c.kind == "mixer" for c in owning):  # the same name from two distributions
-                    raise DuplicateMixerError(owning[0].spec_name,
-                                              [f"{c.distribution} ({c.target})" for c in entries[key]])
                 raise DuplicateMixerError(name, [self._describe(c) for c in owning])
             if owning:
-                [claim] = owning
-                if claim.kind == "alias":  # warn about other problems once, as listing does
-                    self._all_specs(warn=True)
-                return self._load(claim.entry)
+                self._all_specs(warn=True)  # warn about other problems once, as listing does
+                return self._load(owning[0].entry)
             specs, _ = self._all_specs(warn=True)
             vocabulary = {normalize_name(e[0].name): e[0].name for e in entries.values()}
             for spec in specs:

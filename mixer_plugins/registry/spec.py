@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -36,26 +35,11 @@ class MixerConfig(BaseModel):
     Numbers are checked for what a size or a rate can be: float options must be finite (``inf`` and ``nan``
     are refused, whatever the field's own bounds say) and ``True``/``False`` is not accepted for a number
     (``num_heads=True`` is an error, not 1).
-
-    A renamed option keeps its old name working for one release: list it in the class's ``deprecated_aliases``
-    (old name -> new name; merged over the base classes). The old name is then accepted, with a
-    ``DeprecationWarning``, and stored under the new one.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
-    #: Old option name -> current name, accepted for one release with a DeprecationWarning.
-    deprecated_aliases: ClassVar[dict[str, str]] = {}
-
     dim: int = Field(gt=0, description="model width: the mixer maps (batch, length, dim) to (batch, length, dim)")
-
-    @classmethod
-    def all_deprecated_aliases(cls) -> dict[str, str]:
-        """``deprecated_aliases`` of this class and its bases (the most derived wins)."""
-        merged: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            merged.update(vars(klass).get("deprecated_aliases", {}))
-        return {old: new for old, new in merged.items() if new in cls.model_fields}
 
     @model_validator(mode="before")
     @classmethod
@@ -70,25 +54,6 @@ class MixerConfig(BaseModel):
                 problems.append(f"{key}={value!r}: expected a number, not a bool")
         if problems:
             raise ValueError("; ".join(problems))
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _rename_deprecated(cls, data: Any) -> Any:
-        aliases = cls.all_deprecated_aliases()
-        if not isinstance(data, Mapping) or not aliases.keys() & data.keys():
-            return data
-        data = dict(data)
-        for old, new in aliases.items():
-            if old not in data:
-                continue
-            if new in data:
-                raise ValueError(f"{old!r} is the deprecated name of {new!r}; pass only {new!r}")
-            warnings.warn(
-                f"{cls.__name__}: option {old!r} is deprecated, use {new!r} (the old name will be removed in the "
-                "next release)", DeprecationWarning, stacklevel=2,
-            )
-            data[new] = data.pop(old)
         return data
 
 
@@ -182,18 +147,8 @@ class MixerSpec:
 
     # -- options ---------------------------------------------------------------------------------
     def option_names(self) -> list[str]:
-        """The current option names (deprecated aliases are accepted but not listed)."""
+        """The option names, in the config's field order."""
         return list(self.config.model_fields)
-
-    def canonical_option(self, key: str) -> str:
-        """The current name of option ``key``: itself, or the new name of a deprecated alias (with a
-        ``DeprecationWarning``). For tools that look options up by name (command lines, host adapters)."""
-        new = self.config.all_deprecated_aliases().get(key)
-        if new is None:
-            return key
-        warnings.warn(f"mixer {self.name!r}: option {key!r} is deprecated, use {new!r} (the old name will be removed "
-                      "in the next release)", DeprecationWarning, stacklevel=2)
-        return new
 
     def make_config(self, dim: int | None = None, /, **options: Any) -> MixerConfig:
         """Validate ``options`` with the spec's config model, with "did you mean" for misspelt names."""
@@ -202,10 +157,9 @@ class MixerSpec:
                 raise InvalidMixerOptions(self.name, ["dim given twice (positionally and as an option)"])
             options["dim"] = dim
         known = self.option_names()
-        accepted = set(known) | set(self.config.all_deprecated_aliases())
         problems = []
         for key in options:
-            if key not in accepted:
+            if key not in known:
                 problems.append(f"unknown option {key!r}{did_you_mean(key, known)} (options: {', '.join(known)})")
         if problems:
             raise InvalidMixerOptions(self.name, problems)

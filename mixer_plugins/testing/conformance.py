@@ -65,6 +65,8 @@ class ConformanceError(AssertionError):
 
 @dataclasses.dataclass
 class CheckResult:
+    """The outcome of one check on one mixer: the check's name, whether it passed, and why not (``message``)."""
+
     check: str
     passed: bool
     message: str = ""
@@ -447,13 +449,29 @@ CHECKS: dict[str, Callable[[MixerHarness], None]] = {
 
 
 def _harness(mixer: str | MixerSpec, dim: int | None, options: Mapping[str, Any] | None, seed: int) -> MixerHarness:
+    """The harness of one mixer at ``dim`` (default 32), after checking that its options fit that dim.
+
+    The options are the spec's ``test_options`` with ``options`` over them. A spec's test options should fit any
+    reasonable dim (sizes as divisors or defaults, not widths that only add up at one dim); when they do not fit,
+    this says so once, with the mixer's own message, instead of every check failing on it.
+    """
     spec = mixer if isinstance(mixer, MixerSpec) else default_registry.get_spec(mixer)
-    return MixerHarness(spec=spec, dim=dim or 32, options=dict(options or {}), seed=seed)
+    harness = MixerHarness(spec=spec, dim=dim or 32, options=dict(options or {}), seed=seed)
+    opts = {**spec.test_options, **harness.options}
+    try:
+        spec.make_config(harness.dim, **opts)
+    except InvalidMixerOptions as err:
+        raise ValueError(
+            f"conformance kit: the options {opts} of mixer {spec.name!r} do not fit dim={harness.dim} ({err}); "
+            "pass options= that do, or another dim"
+        ) from None
+    return harness
 
 
 def run_check(mixer: str | MixerSpec, check: str, *, dim: int | None = None,
               options: Mapping[str, Any] | None = None, seed: int = 0) -> None:
-    """Run one check; raises AssertionError with a clear message when it fails."""
+    """Run one check at width ``dim`` (default 32); raises AssertionError with a clear message when it fails, and
+    ValueError when the mixer's options (its spec's ``test_options`` and ``options``) do not fit ``dim``."""
     if check not in CHECKS:
         raise KeyError(f"unknown check {check!r}; checks: {', '.join(CHECKS)}")
     CHECKS[check](_harness(mixer, dim, options, seed))
@@ -461,7 +479,10 @@ def run_check(mixer: str | MixerSpec, check: str, *, dim: int | None = None,
 
 def check_mixer(mixer: str | MixerSpec, *, dim: int | None = None, options: Mapping[str, Any] | None = None,
                 checks: Iterable[str] | None = None, seed: int = 0, raise_on_failure: bool = True) -> list[CheckResult]:
-    """Run the conformance checks on one mixer (by name, alias or spec)."""
+    """Run the conformance checks on one mixer (by name, alias or spec) at width ``dim`` (default 32).
+
+    Raises ValueError when the mixer's options (its spec's ``test_options`` and ``options``) do not fit ``dim``.
+    """
     harness = _harness(mixer, dim, options, seed)
     results = []
     for name in checks or CHECKS:

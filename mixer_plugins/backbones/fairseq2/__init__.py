@@ -36,7 +36,7 @@ from fairseq2.models import ModelFamily
 from fairseq2.runtime.dependency import DependencyContainer
 
 from .attention import MixerAttention, padding_mask, unpack_layout
-from .checkpoint import load_mixer_checkpoint
+from .checkpoint import load_mixer_checkpoint, with_mixer_records
 from .config import (
     BERT_VOCAB_SIZE,
     BYTE_VOCAB_SIZE,
@@ -100,6 +100,7 @@ def setup_fairseq2_extension(container: DependencyContainer) -> None:
             kls=MixerEncoderModel,
             config_kls=MixerEncoderConfig,
             factory=create_mixer_encoder_model,
+            state_dict_converter=with_mixer_records(create_mixer_encoder_model),
             fsdp_applier=apply_fsdp_to_mixer_encoder,
             layerwise_ac_applier=apply_ac_to_mixer_encoder,
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
+import re
 from collections.abc import Iterator
 
 PROG = "python -m mixer_plugins.backbones.fairseq2"
@@ -61,13 +63,54 @@ def described_parser() -> Iterator[None]:
         cli.ArgumentParser = original  # type: ignore[attr-defined]
 
 
+def config_error_line(error: BaseException) -> str:
+    """One line for a recipe config that cannot be read: the messages of the error's causes, most specific last,
+    without the generic wrappers fairseq2 adds around them."""
+    messages = []
+    seen = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = re.sub(r"<class '(?:[\w]+\.)*(\w+)'>", r"\1", " ".join(str(current).split()))
+        if text and not text.startswith(("Recipe configuration cannot be", "Value cannot be structured to")):
+            messages.append(text.rstrip("."))
+        current = current.__cause__ or current.__context__
+    return "the recipe configuration is not valid: " + (": ".join(messages) or "it cannot be parsed")
+
+
+class _OneLineConfigErrors(logging.Filter):
+    """fairseq2 logs a config that cannot be structured (unknown keys, values of the wrong type) with its stack trace;
+    a user's typo deserves one line. Rewrites that one record (the exit status stays fairseq2's, 2)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from fairseq2.recipe.error import RecipeConfigParseError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, RecipeConfigParseError):
+            record.msg, record.args = config_error_line(error), ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextlib.contextmanager
+def one_line_config_errors() -> Iterator[None]:
+    """Install :class:`_OneLineConfigErrors` on fairseq2's logger for the duration of a run."""
+    logger = logging.getLogger("fairseq2")
+    one_line = _OneLineConfigErrors()
+    logger.addFilter(one_line)
+    try:
+        yield
+    finally:
+        logger.removeFilter(one_line)
+
+
 def main() -> None:
     """Run the recipe on ``sys.argv`` (fairseq2's recipe command line, with this recipe's help)."""
     from fairseq2.recipe import main as recipe_main
 
     from .recipe import MixerMlmRecipe
 
-    with described_parser():
+    with described_parser(), one_line_config_errors():
         recipe_main(MixerMlmRecipe())
 
 

@@ -32,6 +32,7 @@ from fairseq2.utils.validation import ValidationResult
 from mixer_plugins.registry import InvalidMixerOptions, MixerError, default_registry
 
 from .attention import MixerAttention
+from .checkpoint import with_mixer_records
 from .options import ResolvedMixer, namespaced_options, resolve_mixer
 
 __all__ = ["NLLB_MIXER_FAMILY", "NllbMixerConfig", "NllbMixerFactory", "create_nllb_mixer_model",
@@ -129,7 +130,7 @@ def register_nllb_mixer_family(container: DependencyContainer) -> None:
         kls=TransformerModel,
         config_kls=NllbMixerConfig,
         factory=create_nllb_mixer_model,
-        state_dict_converter=convert_nllb_state_dict,
+        state_dict_converter=with_mixer_records(create_nllb_mixer_model, convert_nllb_state_dict),
         fsdp_applier=apply_fsdp_to_transformer,
         layerwise_ac_applier=apply_ac_to_transformer,
     )

@@ -1,6 +1,7 @@
 """timm adapter: any registered mixer in timm's Vision Transformers.
 
-``import mixer_plugins`` imports this package, which
+After ``import mixer_plugins``, importing timm imports this package (wrapt's post-import hook; at once if timm is
+already imported), which
 
 * registers our model names in timm: ``vit_tiny``, ``vit_small``, ``vit_base``, ``vit_large`` (taking ``mixer=``,
   ``mixer_options=``, ``mixer_blocks=``) and the Hydra presets ``hydra_vit_tiny|small|base`` — never a name timm

@@ -9,15 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
-#include <list>
-#include <mutex>
-#include <new>
-#include <pthread.h>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -55,125 +47,6 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
   const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
   blas(&cb, &ca, &m, &n, &k, &alpha, B, &lb, A, &la, &beta, C, &lc);
-}
-
-// Large outputs (at least OutputPool::MIN_BYTES) come from a cache of buffers that outlive their tensors: a freed
-// output's buffer is kept and handed to the next output of its size class (2 MiB steps), so that a training loop's
-// outputs reuse memory that is already mapped. Fresh large buffers cost a page fault per 4 KiB page each call: glibc
-// maps every allocation of 32 MiB and more anew and unmaps it when freed, whatever its settings' defaults. At most
-// MIXER_PLUGINS_NATIVE_POOL_MB MiB (default 1024; 0 turns the cache off) are kept idle, the least recently freed
-// buffers released first. The pool is never destroyed (a tensor may be freed after static destructors ran).
-class OutputPool {
- public:
-  static constexpr size_t MIN_BYTES = size_t(8) << 20;
-  static constexpr size_t STEP = size_t(2) << 20;
-
-  static OutputPool& get() { return *instance(); }
-
-  size_t cap() const { return cap_; }
-
-  void* take(size_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(bytes);
-      if (it != free_.end() && !it->second.empty()) {
-        auto node = it->second.back();  // an iterator into lru_
-        it->second.pop_back();
-        void* p = node->first;
-        lru_.erase(node);
-        cached_ -= bytes;
-        ++hits_;
-        return p;
-      }
-      ++misses_;
-    }
-    void* p = nullptr;
-    if (posix_memalign(&p, 64, bytes) != 0) throw std::bad_alloc();
-    return p;
-  }
-
-  void give(void* p, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (bytes > cap_) {
-      std::free(p);
-      return;
-    }
-    while (cached_ + bytes > cap_ && !lru_.empty()) {  // release the least recently freed
-      auto oldest = std::prev(lru_.end());
-      auto& bucket = free_[oldest->second];
-      bucket.erase(std::find(bucket.begin(), bucket.end(), oldest));
-      cached_ -= oldest->second;
-      std::free(oldest->first);
-      lru_.erase(oldest);
-    }
-    lru_.emplace_front(p, bytes);
-    free_[bytes].push_back(lru_.begin());
-    cached_ += bytes;
-  }
-
-  // (cached bytes, buffers reused, buffers allocated, cap in bytes)
-  std::vector<int64_t> stats() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return {static_cast<int64_t>(cached_), hits_, misses_, static_cast<int64_t>(cap_)};
-  }
-
-  void release() {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& entry : lru_) std::free(entry.first);
-    lru_.clear();
-    free_.clear();
-    cached_ = 0;
-  }
-
- private:
-  // A child process made by fork() gets a pool of its own: another thread may have held the lock at the fork, and
-  // the parent's idle buffers are the parent's (the child's tensors return their buffers to the new pool).
-  static OutputPool*& instance() {
-    static OutputPool* pool = [] {
-      pthread_atfork(nullptr, nullptr, [] { instance() = new OutputPool(); });
-      return new OutputPool();
-    }();
-    return pool;
-  }
-
-  OutputPool() {
-    const char* env = std::getenv("MIXER_PLUGINS_NATIVE_POOL_MB");
-    long long mb = 1024;
-    if (env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      const long long value = std::strtoll(env, &end, 10);
-      if (end != env && *end == '\0' && value >= 0) mb = value;
-    }
-    cap_ = static_cast<size_t>(mb) << 20;
-  }
-
-  using Entry = std::pair<void*, size_t>;
-  std::mutex mu_;
-  std::list<Entry> lru_;  // most recently freed first
-  std::unordered_map<size_t, std::vector<std::list<Entry>::iterator>> free_;
-  size_t cached_ = 0;
-  size_t cap_ = 0;
-  int64_t hits_ = 0, misses_ = 0;
-};
-
-// at::empty(sizes, options) for CPU outputs; large ones from the OutputPool (see above).
-inline at::Tensor output_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  const int64_t numel = c10::multiply_integers(sizes);
-  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  OutputPool& pool = OutputPool::get();
-  if (bytes < OutputPool::MIN_BYTES || pool.cap() == 0) return at::empty(sizes, options);
-  const size_t size_class = (bytes + OutputPool::STEP - 1) / OutputPool::STEP * OutputPool::STEP;
-  void* data = pool.take(size_class);
-  return at::from_blob(
-      data, sizes, [size_class](void* p) { OutputPool::get().give(p, size_class); },
-      options.memory_format(c10::nullopt));
-}
-
-// at::zeros(sizes, options) for CPU outputs; large ones from the OutputPool.
-inline at::Tensor output_zeros(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor out = output_empty(sizes, options);
-  out.zero_();
-  return out;
 }
 
 // s[j] = exp(s[j] - shift) for j < n (every s[j] - shift <= 0: a score minus its row's maximum or log-sum-exp);

@@ -163,7 +163,7 @@ void check(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Ten
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                         int64_t left, bool silu) {
   check(x, w, bias, left);
-  at::Tensor y = output_empty(x.sizes(), x.options());
+  at::Tensor y = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat) {
     forward_impl<float>(x, w, bias.has_value() ? bias->data_ptr<float>() : nullptr, left, silu, y);
   } else {
@@ -180,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_backward(const at::Tensor& g
   TORCH_CHECK(grad.sizes() == x.sizes() && grad.is_contiguous() && grad.scalar_type() == x.scalar_type(),
               "native conv: grad must be contiguous, of x's shape and dtype");
   TORCH_CHECK(!silu || !with_bias || bias.has_value(), "native conv: the SiLU backward needs the bias it used");
-  at::Tensor gx = output_empty(x.sizes(), x.options());
+  at::Tensor gx = at::empty(x.sizes(), x.options());
   at::Tensor gw = at::empty({x.size(2), w.size(0)}, w.options());
   at::Tensor gb = with_bias ? at::empty({x.size(2)}, x.options()) : at::empty({0}, x.options());
   if (x.scalar_type() == at::kFloat) {

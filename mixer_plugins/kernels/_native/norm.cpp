@@ -172,7 +172,7 @@ void check(const at::Tensor& y, const at::Tensor& z, const at::Tensor& w) {
 
 at::Tensor norm_forward(const at::Tensor& y, const at::Tensor& z, const at::Tensor& w, double eps, bool before) {
   check(y, z, w);
-  at::Tensor out = output_empty(y.sizes(), y.options());
+  at::Tensor out = at::empty(y.sizes(), y.options());
   if (y.scalar_type() == at::kFloat) {
     forward_impl<float>(y, z, w, eps, before, out);
   } else {
@@ -187,8 +187,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(const at::Tensor& g
   check(y, z, w);
   TORCH_CHECK(grad.sizes() == y.sizes() && grad.is_contiguous() && grad.scalar_type() == y.scalar_type(),
               "native norm: grad must be contiguous, of y's shape and dtype");
-  at::Tensor gy = output_empty(y.sizes(), y.options());
-  at::Tensor gz = output_empty(z.sizes(), z.options());
+  at::Tensor gy = at::empty(y.sizes(), y.options());
+  at::Tensor gz = at::empty(z.sizes(), z.options());
   at::Tensor gw = at::empty({y.size(1)}, w.options());
   if (y.scalar_type() == at::kFloat) {
     backward_impl<float>(grad, y, z, w, eps, before, gy, gz, gw);

@@ -1,20 +1,23 @@
-// The chunked (bi)directional scan, forward and backward, for CPU tensors: the SSD algorithm per (batch, head),
-// chunk by chunk, with every intermediate in thread-local buffers (no allocation besides the results).
+// The chunked (bi)directional scan, forward and backward, for CPU tensors: the SSD algorithm chunk by chunk, with
+// the per-chunk work in small thread-local buffers and the states in per-call workspaces.
 //
-// Compiled on first use by mixer_plugins/kernels/_native/__init__.py and registered as
-// torch.ops.mixer_plugins_native.scan_forward / scan_backward; kernels/_scan/native.py owns the checks (it is
-// used only where every step size is >= 0, every A <= 0 and every input is finite, without seq_idx) and adds the
-// diagonal term.
+// Compiled by mixer_plugins/kernels/_native/__init__.py and registered as torch.ops.mixer_plugins_native.scan_forward
+// and scan_backward; kernels/scan/native.py calls them and adds the diagonal term.
 //
 // One direction, in its own order (the backward direction is the forward algorithm on the time-reversed rows;
 // rows are gathered into contiguous chunk buffers, so reversal costs nothing). Per chunk of n rows, with
-// a_i = dt_i A, p the inclusive cumulative sum of a within the chunk, q_i = p_i - a_i (shift) or p_i, and
+// a_i = dt_i A, p the inclusive cumulative sum of a within the chunk, q_i = p_{i-1} (the exclusive sum, with shift;
+// taken from p by a shift, never as p_i - a_i, so the nearest pair keeps decay 1 exactly) or p_i, and
 // C~_i = C_{i-1} (shift; zero before the first row) or C_i:
 //   y_i += sum_{j <= i (j < i with shift)} (C~_i . B_j) exp(q_i - p_j) dt_j x_j      (one Q x Q product)
 //   y_i += exp(q_i) C~_i H                                                         (the entering state H, N x P)
 //   H   <- exp(p_last) H + sum_j exp(p_last - p_j) dt_j B_j x_j^T
-// Every exponent is <= 0 (dt >= 0, A <= 0). The backward runs the chunks in reverse with the state gradient,
-// recomputing the entering states first.
+//
+// Two forms compute this. The exact form forms every decay exp(q_i - p_j) itself, per (batch, head). The factored
+// form (below) shares one product per (batch, group, chunk) between the group's heads, with decays split into
+// factors that stay within the dtype's range only while each chunk's decays do (FACTORED_HALF_RANGE): each call
+// checks that first and takes the factored form where every chunk allows it, else the exact one. Excluded pairs are
+// zero by selection, never a product with zero, so a non-finite dt, B or C reaches only the rows that see its token.
 
 #include "common.h"
 
@@ -25,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -43,10 +47,15 @@ void parallel_dynamic(int64_t total, const F& fn) {
   });
 }
 
+// s[j] = exp(s[j]) for j < n. `nonpositive`: every s[j] is known to be <= 0 and finite, so the vector exp (made for
+// that range) runs; otherwise std::exp, which gives inf, 0 and NaN where they belong.
 template <typename T>
-inline void exp_inplace(T* s, int64_t n) {
-  // exp_shift_sum with shift 0 (every value <= 0 here), its sum unused
-  exp_shift_sum(s, n, T(0));
+inline void exp_inplace(T* s, int64_t n, bool nonpositive) {
+  if (nonpositive) {
+    exp_shift_sum(s, n, T(0));  // its sum unused
+  } else {
+    for (int64_t j = 0; j < n; ++j) s[j] = std::exp(s[j]);
+  }
 }
 
 struct Shape {
@@ -97,21 +106,25 @@ void load_chunk(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64
     w.a[r] = w.dt[r] * d.A;
   }
   T acc = 0;
+  bool decaying = true;  // every a_r <= 0 and finite: every exponent below is <= 0
   for (int64_t r = 0; r < n; ++r) {
+    decaying = decaying && std::isfinite(w.a[r]) && w.a[r] <= T(0);
+    w.q[r] = acc;  // the exclusive sum, used with shift
     acc += w.a[r];
     w.p[r] = acc;
-    w.q[r] = shift ? acc - w.a[r] : acc;
+    if (!shift) w.q[r] = acc;
   }
   gemm<T>(false, true, n, n, s.N, T(1), w.Cc.data(), s.N, w.Bc.data(), s.N, T(0), w.CB.data(), n);
   for (int64_t i = 0; i < n; ++i) {
     T* e = w.E.data() + i * n;
     const int64_t allowed = shift ? i : i + 1;  // columns j < allowed
     for (int64_t j = 0; j < allowed; ++j) e[j] = w.q[i] - w.p[j];
-    exp_inplace(e, allowed);
+    exp_inplace(e, allowed, decaying);
     for (int64_t j = allowed; j < n; ++j) e[j] = T(0);
     const T* cb = w.CB.data() + i * n;
     T* m = w.M.data() + i * n;
-    for (int64_t j = 0; j < n; ++j) m[j] = cb[j] * e[j] * w.dt[j];
+    for (int64_t j = 0; j < allowed; ++j) m[j] = cb[j] * e[j] * w.dt[j];
+    for (int64_t j = allowed; j < n; ++j) m[j] = T(0);  // by selection: a non-finite C.B or dt stays out
   }
 }
 
@@ -430,13 +443,13 @@ std::tuple<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& x, const c1
                                                    const c10::optional<at::Tensor>& Bb, bool want_final) {
   TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  at::Tensor y = output_zeros(x.sizes(), x.options());
+  at::Tensor y = at::zeros(x.sizes(), x.options());
   at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
                                 : at::empty({0}, x.options());
   return {y, final};
 }
 
-std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+std::tuple<at::Tensor, at::Tensor> exact_forward(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
                                                 const c10::optional<at::Tensor>& Af,
                                                 const c10::optional<at::Tensor>& Bf,
                                                 const c10::optional<at::Tensor>& Cf,
@@ -446,7 +459,6 @@ std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::
                                                 const c10::optional<at::Tensor>& Cb,
                                                 const c10::optional<at::Tensor>& init, bool shift, int64_t chunk,
                                                 bool want_final) {
-  check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   at::Tensor y, final;  // (not a structured binding: lambdas below capture them, which C++17 does not allow)
   std::tie(y, final) = forward_outputs(x, dtf, Bf, Bb, want_final);
   if (x.scalar_type() == at::kFloat) {
@@ -520,7 +532,7 @@ std::vector<at::Tensor> backward_outputs(const at::Tensor& x, const c10::optiona
                                          at::IntArrayRef dA_shape, bool per_head) {
   const auto B = x.size(0), L = x.size(1), H = x.size(2), P = x.size(3);
   std::vector<at::Tensor> out(10);
-  out[0] = output_zeros(x.sizes(), x.options());
+  out[0] = at::zeros(x.sizes(), x.options());
   const auto empty = at::empty({0}, x.options());
   for (int dir = 0; dir < 2; ++dir) {
     const auto& dt = dir == 0 ? dtf : dtb;
@@ -531,10 +543,10 @@ std::vector<at::Tensor> backward_outputs(const at::Tensor& x, const c10::optiona
       continue;
     }
     const std::vector<int64_t> bc = per_head ? std::vector<int64_t>{B, L, H, Bm->size(3)} : Bm->sizes().vec();
-    out[base] = output_zeros({B, L, H}, x.options());
+    out[base] = at::zeros({B, L, H}, x.options());
     out[base + 1] = at::zeros(dA_shape, x.options());
-    out[base + 2] = output_zeros(bc, x.options());
-    out[base + 3] = output_zeros(bc, x.options());
+    out[base + 2] = at::zeros(bc, x.options());
+    out[base + 3] = at::zeros(bc, x.options());
   }
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
   out[9] = init.has_value() ? at::zeros({B, H, P, N}, x.options()) : empty;
@@ -544,14 +556,13 @@ std::vector<at::Tensor> backward_outputs(const at::Tensor& x, const c10::optiona
 // Returns dx, then per direction (forward, backward) ddt (B, L, H), dA (B, H) (summed over the batch by the
 // caller), dB and dC per head (B, L, H, N) (summed over each group's heads by the caller), then d init (B, H, P, N);
 // absent pieces are empty tensors.
-std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal,
+std::vector<at::Tensor> exact_backward(const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal,
                                       const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
                                       const c10::optional<at::Tensor>& Af, const c10::optional<at::Tensor>& Bf,
                                       const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
                                       const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb,
                                       const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
                                       bool shift, int64_t chunk) {
-  check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   const auto B = x.size(0), H = x.size(2), P = x.size(3);
   std::vector<at::Tensor> out = backward_outputs(x, dtf, Bf, dtb, Bb, init, {B, H}, true);
   const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
@@ -569,13 +580,13 @@ std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<
 
 
 // ---------------------------------------------------------------------------------------------------------------
-// Factored decays (as kernels/_scan/factored.py): within a chunk, exp(q_i - p_j) = u_i v_j / dt_j with
+// Factored decays: within a chunk, exp(q_i - p_j) = u_i v_j / dt_j with
 // u_i = exp(q_i - m), v_j = exp(m - p_j) dt_j, m = p_last / 2, so one product per (group, chunk) serves all the
 // group's heads: Z = mask(C~ B^T) W with W = [v_h X_h]_h side by side (n x rep P), and y_h = u_h Z_h. Chunk states
 // S'_c = B^T W; the states between chunks are kept scaled, K_c = e^{m_c} H_c, K_{c+1} = e^{m_c + m_{c+1}}
-// (K_c + S'_c), and read out as Z += C~ K_c. The caller checks |m| against the dtype's range. Three phases per
+// (K_c + S'_c), and read out as Z += C~ K_c. Taken only where factored_fits says so. Three phases per
 // direction: chunk products (parallel over batch, group, chunk), the state pass (parallel over batch, head), the
-// read-out (parallel over batch, group, chunk); the backward likewise, with the workspace reused across calls.
+// read-out (parallel over batch, group, chunk); the backward likewise.
 
 // Products with a chunk's masked n x n matrices (T = mask(C~ B^T) and its gradient), which are lower triangular
 // (strictly so with shift): row-major, leading dimension n, zero above the diagonal. They run in row blocks of
@@ -659,9 +670,10 @@ void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, con
     T acc = 0;
     for (int64_t r = 0; r < n; ++r) {
       a[r] = dt[r] * A;
+      q[r] = acc;  // the exclusive sum, used with shift
       acc += a[r];
       p[r] = acc;
-      q[r] = shift ? acc - a[r] : acc;
+      if (!shift) q[r] = acc;
     }
     const T m = p[n - 1] * T(0.5);
     w.m[k] = m;
@@ -700,23 +712,25 @@ void for_each_group_chunk(const Shape& s, int64_t nC, const T* x, const T* dtp, 
   });
 }
 
-// Workspace of one call, owned by the calling thread and reused by its later calls (no allocation, no page
-// faults after the first call); the parallel phases write disjoint parts of it.
+// A buffer of n elements (uninitialised) for the duration of one call.
 template <typename T>
-std::vector<T>& workspace(int slot) {
-  thread_local std::vector<T> spaces[8];
-  return spaces[slot];
-}
+struct Buffer {
+  at::Tensor storage;
+  T* ptr;
+  explicit Buffer(size_t n)
+      : storage(at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value))),
+        ptr(storage.data_ptr<T>()) {}
+  T* data() { return ptr; }
+  T& operator[](size_t i) { return ptr[i]; }
+};
 
 template <typename T>
 void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
                       bool shift, const T* init /* (B, H, P, N) or null */, T* y, T* final /* or null */) {
   const int64_t nC = (s.L + s.Q - 1) / s.Q, RP = s.rep * s.P, NRP = s.N * RP, NP = s.N * s.P;
   // S' then K, per (b, g, c): N x rep P; m per (b, g, c, head)
-  std::vector<T>& states = workspace<T>(0);
-  std::vector<T>& half = workspace<T>(1);
-  states.resize(static_cast<size_t>(s.B * s.G * nC) * NRP);
-  half.resize(static_cast<size_t>(s.B * s.G * nC) * s.rep);
+  Buffer<T> states(static_cast<size_t>(s.B * s.G * nC) * NRP);
+  Buffer<T> half(static_cast<size_t>(s.B * s.G * nC) * s.rep);
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   // phase 1: Z = T W into y (scaled later), S'_c = B^T W
   for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, true,
@@ -795,17 +809,12 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
                        bool shift, const T* init, const T* dy, const T* dfinal, T* dx, T* ddt, T* dB, T* dCt,
                        T* dA_part, T* dinit) {
   const int64_t nC = (s.L + s.Q - 1) / s.Q, RP = s.rep * s.P, NRP = s.N * RP, NP = s.N * s.P;
-  std::vector<T>& states = workspace<T>(0);  // S'_c, then dS'_c
-  std::vector<T>& half = workspace<T>(1);    // m
-  std::vector<T>& Ks = workspace<T>(2);      // K_c
-  std::vector<T>& dKs = workspace<T>(3);     // dK_c (the read-out's), then unused
-  std::vector<T>& dms = workspace<T>(4);     // dm from the state pass
   const size_t slots = static_cast<size_t>(s.B * s.G * nC);
-  states.resize(slots * NRP);
-  Ks.resize(slots * NRP);
-  dKs.resize(slots * NRP);
-  half.resize(slots * s.rep);
-  dms.resize(slots * s.rep);
+  Buffer<T> states(slots * NRP);  // S'_c, then dS'_c
+  Buffer<T> half(slots * s.rep);  // m
+  Buffer<T> Ks(slots * NRP);      // K_c
+  Buffer<T> dKs(slots * NRP);     // dK_c (the read-out's), then unused
+  Buffer<T> dms(slots * s.rep);   // dm from the state pass
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   auto gather_dz = [&](GroupChunk<T>& w, int64_t b, int64_t g, int64_t i0, int64_t n) {  // dZ = u dy
     for (int64_t r = 0; r < n; ++r) {
@@ -838,7 +847,7 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep;
       const int64_t base = (b * s.G + g) * nC;
-      auto at_ = [&](std::vector<T>& buf, int64_t c) { return buf.data() + (base + c) * NRP + k * s.P; };
+      auto at_ = [&](Buffer<T>& buf, int64_t c) { return buf.data() + (base + c) * NRP + k * s.P; };
       auto mh = [&](int64_t c) { return half[(base + c) * s.rep + k]; };
       // forward: K_c into Ks
       if (init != nullptr) {
@@ -1001,12 +1010,11 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->numel() > 0 ? t->data_ptr<T>() : nullptr;
 }
 
-std::tuple<at::Tensor, at::Tensor> scan_factored_forward(
+std::tuple<at::Tensor, at::Tensor> factored_forward_op(
     const at::Tensor& x, const c10::optional<at::Tensor>& dtf, const c10::optional<at::Tensor>& Af,
     const c10::optional<at::Tensor>& Bf, const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
     const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb,
     const c10::optional<at::Tensor>& init, bool shift, int64_t chunk, bool want_final) {
-  check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   at::Tensor y, final;  // (not a structured binding: lambdas below capture them, which C++17 does not allow)
   std::tie(y, final) = forward_outputs(x, dtf, Bf, Bb, want_final);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_forward", [&] {
@@ -1026,13 +1034,12 @@ std::tuple<at::Tensor, at::Tensor> scan_factored_forward(
 
 // dx, then per direction: ddt (B, L, H), dA per chunk (B, nC, H), dB (B, L, G, N), dC~ (B, L, G, N, each row's
 // own C~: the caller shifts it); then d init.
-std::vector<at::Tensor> scan_factored_backward(
+std::vector<at::Tensor> factored_backward_op(
     const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal, const at::Tensor& x,
     const c10::optional<at::Tensor>& dtf, const c10::optional<at::Tensor>& Af, const c10::optional<at::Tensor>& Bf,
     const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb, const c10::optional<at::Tensor>& Ab,
     const c10::optional<at::Tensor>& Bb, const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
     bool shift, int64_t chunk) {
-  check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
   const int64_t nC = (x.size(1) + chunk - 1) / chunk;
   std::vector<at::Tensor> out = backward_outputs(x, dtf, Bf, dtb, Bb, init, {x.size(0), nC, x.size(2)}, false);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_backward", [&] {
@@ -1054,25 +1061,143 @@ std::vector<at::Tensor> scan_factored_backward(
   });
   return out;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The entry points: one forward and one backward; each chooses its form (the backward the same one as the forward,
+// from the same inputs) and returns the gradients in one layout whichever form ran.
+
+// The largest |exponent| of the factored form's factors, per dtype: they stay below e^limit, which leaves float32
+// (and its 3e38) e^40 ~ 2e17 of room below its range for the values, float64 e^300 of its 1e308.
+template <typename T>
+constexpr T factored_limit() {
+  return std::is_same<T, float>::value ? T(40) : T(300);
+}
+
+// Whether the factored form's factors u = exp(q - m) and v = exp(m - p) stay within factored_limit for every chunk
+// and head of one direction (m = p_last / 2); a non-finite decay fails.
+template <typename T>
+bool factored_fits(const Shape& s, const T* dtp, const T* Ap, bool reverse, bool shift) {
+  const int64_t nC = (s.L + s.Q - 1) / s.Q;
+  const T limit = factored_limit<T>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+    auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
+    for (int64_t bh = begin; bh < end && ok.load(std::memory_order_relaxed); ++bh) {
+      const int64_t b = bh / s.H, h = bh % s.H;
+      const T A = Ap[h];
+      for (int64_t c = 0; c < nC; ++c) {
+        const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
+        T last = 0;
+        for (int64_t r = 0; r < n; ++r) last += dtp[(b * s.L + row(i0 + r)) * s.H + h] * A;
+        const T m = last * T(0.5);
+        T acc = 0;
+        for (int64_t r = 0; r < n; ++r) {
+          const T before = acc;
+          acc += dtp[(b * s.L + row(i0 + r)) * s.H + h] * A;
+          const T q = shift ? before : acc;
+          if (!(std::abs(q - m) <= limit && std::abs(m - acc) <= limit)) {
+            ok.store(false, std::memory_order_relaxed);
+            return;
+          }
+        }
+      }
+    }
+  });
+  return ok.load();
+}
+
+// form: 0 = factored where every chunk of every direction allows it, else exact; 1 = factored (an error where a chunk
+// does not allow it); 2 = exact.
+bool choose_factored(int64_t form, const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+                     const c10::optional<at::Tensor>& Af, const c10::optional<at::Tensor>& Bf,
+                     const c10::optional<at::Tensor>& dtb, const c10::optional<at::Tensor>& Ab,
+                     const c10::optional<at::Tensor>& Bb, bool shift, int64_t chunk) {
+  TORCH_CHECK(form >= 0 && form <= 2, "native scan: form must be 0 (choose), 1 (factored) or 2 (exact)");
+  if (form == 2) return false;
+  bool fits = true;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_fits", [&] {
+    const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
+    if (dtf.has_value())
+      fits = factored_fits<scalar_t>(s, dtf->data_ptr<scalar_t>(), Af->data_ptr<scalar_t>(), false, shift);
+    if (fits && dtb.has_value())
+      fits = factored_fits<scalar_t>(s, dtb->data_ptr<scalar_t>(), Ab->data_ptr<scalar_t>(), true, shift);
+  });
+  TORCH_CHECK(fits || form == 0, "native scan: the factored form was asked for, but a chunk's decays exceed its range");
+  return fits;
+}
+
+std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+                                                const c10::optional<at::Tensor>& Af,
+                                                const c10::optional<at::Tensor>& Bf,
+                                                const c10::optional<at::Tensor>& Cf,
+                                                const c10::optional<at::Tensor>& dtb,
+                                                const c10::optional<at::Tensor>& Ab,
+                                                const c10::optional<at::Tensor>& Bb,
+                                                const c10::optional<at::Tensor>& Cb,
+                                                const c10::optional<at::Tensor>& init, bool shift, int64_t chunk,
+                                                bool want_final, int64_t form) {
+  check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
+  if (choose_factored(form, x, dtf, Af, Bf, dtb, Ab, Bb, shift, chunk))
+    return factored_forward_op(x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk, want_final);
+  return exact_forward(x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk, want_final);
+}
+
+// The gradient of C from that of C~ (C~_t = C_{t-1}, or C_{t+1} in the backward direction, with shift).
+at::Tensor unshift(const at::Tensor& grad_shifted, bool shift, bool reverse) {
+  if (!shift) return grad_shifted;
+  const int64_t L = grad_shifted.size(1);
+  at::Tensor grad = at::zeros_like(grad_shifted);
+  if (L > 1) {
+    if (reverse) {
+      grad.narrow(1, 1, L - 1).copy_(grad_shifted.narrow(1, 0, L - 1));
+    } else {
+      grad.narrow(1, 0, L - 1).copy_(grad_shifted.narrow(1, 1, L - 1));
+    }
+  }
+  return grad;
+}
+
+// dx, then per direction (forward, backward) ddt (B, L, H), dA (H,), dB and dC (B, L, G, N), then d init
+// (B, H, P, N); absent pieces are empty tensors.
+std::vector<at::Tensor> scan_backward(const at::Tensor& dy, const c10::optional<at::Tensor>& dfinal,
+                                      const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
+                                      const c10::optional<at::Tensor>& Af, const c10::optional<at::Tensor>& Bf,
+                                      const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
+                                      const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb,
+                                      const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init,
+                                      bool shift, int64_t chunk, int64_t form) {
+  check_scan(x, &dy, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
+  const bool factored = choose_factored(form, x, dtf, Af, Bf, dtb, Ab, Bb, shift, chunk);
+  std::vector<at::Tensor> out = factored
+      ? factored_backward_op(dy, dfinal, x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk)
+      : exact_backward(dy, dfinal, x, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, shift, chunk);
+  for (int dir = 0; dir < 2; ++dir) {
+    const auto& Bm = dir == 0 ? Bf : Bb;
+    if (!(dir == 0 ? dtf : dtb).has_value()) continue;
+    const int base = 1 + 4 * dir;
+    if (factored) {  // dA per (batch, chunk, head); dB per group; dC~ at each row's own position
+      out[base + 1] = out[base + 1].sum(at::IntArrayRef{0, 1});
+      out[base + 3] = unshift(out[base + 3], shift, dir == 1);
+    } else {  // dA per (batch, head); dB and dC per head
+      out[base + 1] = out[base + 1].sum(0);
+      const auto G = Bm->size(2), N = Bm->size(3), B = x.size(0), L = x.size(1), H = x.size(2);
+      for (int k = 2; k < 4; ++k) out[base + k] = out[base + k].view({B, L, G, H / G, N}).sum(3);
+    }
+  }
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
-  m.def("scan_factored_forward(Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, Tensor? dt_b, "
-        "Tensor? A_b, Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk, bool want_final) "
-        "-> (Tensor, Tensor)");
-  m.def("scan_factored_backward(Tensor dy, Tensor? dfinal, Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, "
-        "Tensor? C_f, Tensor? dt_b, Tensor? A_b, Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, "
-        "int chunk) -> Tensor[]");
   m.def("scan_forward(Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, Tensor? dt_b, Tensor? A_b, "
-        "Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk, bool want_final) -> (Tensor, Tensor)");
+        "Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk, bool want_final, int form) "
+        "-> (Tensor, Tensor)");
   m.def("scan_backward(Tensor dy, Tensor? dfinal, Tensor x, Tensor? dt_f, Tensor? A_f, Tensor? B_f, Tensor? C_f, "
-        "Tensor? dt_b, Tensor? A_b, Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk) "
-        "-> Tensor[]");
+        "Tensor? dt_b, Tensor? A_b, Tensor? B_b, Tensor? C_b, Tensor? initial_state, bool shift, int chunk, "
+        "int form) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(mixer_plugins_native, CPU, m) {
-  m.impl("scan_factored_forward", &scan_factored_forward);
-  m.impl("scan_factored_backward", &scan_factored_backward);
   m.impl("scan_forward", &scan_forward);
   m.impl("scan_backward", &scan_backward);
 }

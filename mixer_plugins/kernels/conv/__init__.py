@@ -1,7 +1,8 @@
 """Depthwise short convolution over time on (batch, length, channels), optionally with SiLU fused.
 
-Backends: ``reference`` (PyTorch's grouped ``conv1d``), ``torch`` (shifted multiply-adds tile by tile, a
-custom op with a FLOP formula; the default). Each is a module of this folder that registers itself.
+Backends: ``reference`` (PyTorch's grouped ``conv1d``: cuDNN on CUDA), ``torch`` (shifted multiply-adds tile by
+tile, a custom op with a FLOP formula; the default off CUDA), ``triton`` (one fused kernel each way, the SiLU fused
+in; the default on CUDA). Each is a module of this folder that registers itself.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor
+from torch import dtype as DType
 
 from .._checks import check
 from .._dispatch import discover_backends, resolve_backend
@@ -28,6 +30,11 @@ class ConvArgs:
     left: int
     right: int
     silu: bool = False
+
+    @property
+    def dtype(self) -> DType:
+        """x's dtype: what a backend's dtype policy reads."""
+        return self.x.dtype
 
 
 def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: bool, silu: bool = False,

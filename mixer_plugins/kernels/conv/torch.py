@@ -7,13 +7,10 @@ and backward are a few vectorized passes, with no transposes. They run tile by t
 whose page faults cost several times the arithmetic. The block's SiLU can be fused in (``silu=True``).
 (PyTorch's CPU depthwise ``conv1d`` backward was ~40x slower than this at L=16384, 1792 channels.)
 It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a
-convolution: 2 * batch * length * channels * kernel.
+convolution: 2 * batch * length * channels * kernel. (On CPU the ``native`` backend, :mod:`.native`, runs first.)
 
-On CPU, for float32 and float64 with contiguous channels, the op runs our native kernel instead
-(``kernels/_native/conv.cpp``, built on first use, see :mod:`mixer_plugins.kernels._native`): one pass over blocks
-of rows, the SiLU fused, the backward's pre-activation recomputed per block in a thread-local buffer, the weight and
-bias gradients summed per thread. Same op, same results (to rounding); :data:`USE_NATIVE` (or
-``MIXER_PLUGINS_NATIVE=0``) keeps the PyTorch code.
+Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the plain grouped ``conv1d`` of
+:mod:`.reference` is traced instead of the custom op, so an exported graph holds standard ops only.
 """
 
 from __future__ import annotations
@@ -25,20 +22,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .. import _native
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
-from .._threads import threads_for
-from .._tiling import section_elements, time_tiles
+from .._tiling import time_tiles
+from .reference import impl as _reference
 
 if TYPE_CHECKING:
     from . import ConvArgs
 
-__all__ = ["TILE_ELEMENTS", "USE_NATIVE", "depthwise_conv1d_flops"]
-
-#: run the native kernel where it can (CPU, float32/float64, contiguous channels, built); False: PyTorch code only
-USE_NATIVE = True
-
+__all__ = ["TILE_ELEMENTS", "depthwise_conv1d_flops"]
 
 TILE_ELEMENTS = 1 << 20  # elements of one tile's temporaries (4 MiB in float32)
 
@@ -46,11 +38,6 @@ TILE_ELEMENTS = 1 << 20  # elements of one tile's temporaries (4 MiB in float32)
 def _tiles(x: Tensor) -> list[tuple[int, int]]:
     """Time ranges of the tiles of x (batch, length, channels) (one tile off CPU, see :mod:`.._tiling`)."""
     return time_tiles(x.shape[1], x.shape[0] * x.shape[2], TILE_ELEMENTS, x.device)
-
-
-def _tile_threads(x: Tensor, tiles: list[tuple[int, int]]):
-    """The thread setting of a pass over ``tiles`` (see :mod:`.._threads`): sized by its tiles."""
-    return threads_for(section_elements(tiles, x.shape[0] * x.shape[2], TILE_ELEMENTS), x.device)
 
 
 def _valid(lo: int, hi: int, shift: int, length: int) -> tuple[int, int]:
@@ -108,29 +95,17 @@ def _taps_first(weight: Tensor) -> Tensor:
     return weight.t().contiguous()
 
 
-def _native_runs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether the native kernel takes this call (and is built: the first such call builds it)."""
-    return (USE_NATIVE and x.stride(-1) == 1 and x.numel() > 0
-            and _native.takes(x, weight, *(() if bias is None else (bias,))))
-
-
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d", mutates_args=())
 def _depthwise_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int,
                          silu: bool) -> Tensor:
-    if _native_runs(x, weight, bias):  # one parallel region, with the threads a pass of this size gets
-        with _tile_threads(x, _tiles(x)):
-            return torch.ops.mixer_plugins_native.conv_forward(x, _taps_first(weight),
-                                                               None if bias is None else bias.contiguous(), left, silu)
     # Tile by tile along time, straight into the output: no temporaries beyond the sequence's two edges.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     taps = _taps_first(weight)
     bias = None if bias is None else bias.contiguous()
-    tiles = _tiles(x)
-    with _tile_threads(x, tiles):
-        for lo, hi in tiles:
-            tile = _conv_tile(x, taps, bias, left, lo, hi, out[:, lo:hi])
-            if silu:
-                F.silu(tile, inplace=True)
+    for lo, hi in _tiles(x):
+        tile = _conv_tile(x, taps, bias, left, lo, hi, out[:, lo:hi])
+        if silu:
+            F.silu(tile, inplace=True)
     return out
 
 
@@ -151,65 +126,59 @@ def _setup(ctx, inputs, output):
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d_backward", mutates_args=())
 def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int,
                                   right: int, with_bias: bool, silu: bool) -> tuple[Tensor, Tensor, Tensor]:
-    if _native_runs(x, weight, bias) and grad.dtype == x.dtype:
-        with _tile_threads(x, _tiles(x)):
-            return torch.ops.mixer_plugins_native.conv_backward(grad.contiguous(), x, _taps_first(weight),
-                                                                None if bias is None else bias.contiguous(), left,
-                                                                silu, with_bias)
     k = weight.shape[1]
     compute = torch.promote_types(grad.dtype, x.dtype)
     grad_w = torch.zeros(weight.shape[::-1], dtype=compute, device=x.device)   # taps-first (k, C)
     grad_b = torch.zeros(x.shape[-1], dtype=compute, device=x.device) if with_bias else grad.new_empty(0)
     tiles = _tiles(x)
     length = x.shape[1]
-    with _tile_threads(x, tiles):
-        taps = _taps_first(weight)
-        bias = None if bias is None else bias.contiguous()
-        widest = max(hi - lo for lo, hi in tiles)
-        batch, channels = x.shape[0], x.shape[2]
-        halo = widest + k - 1  # a tile's rows and the k - 1 rows around it that its input gradient reads
-        work = torch.empty(3 if silu else 1, batch * halo * channels, dtype=grad.dtype, device=grad.device)
-        ones = torch.ones(batch * widest, dtype=grad.dtype, device=grad.device)
-        grad_x = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
-        # One pass, tile by tile. With the activation, the gradient before it (g) is formed for the tile's rows and
-        # the k - 1 rows around it (recomputed by neighbouring tiles too: a few rows per tile), in a tile-sized
-        # buffer that is still in cache when the input gradient reads it; never a full-size tensor.
-        for lo, hi in tiles:
-            if silu:
-                elo, ehi = max(lo - right, 0), min(hi + left, length)   # rows [lo - right, hi + left) in range
-                span = batch * (ehi - elo) * channels
-                pre, sig = (work[i, :span].view(batch, ehi - elo, channels) for i in (1, 2))
-                _conv_tile(x, taps, bias, left, elo, ehi, pre)
-                torch.sigmoid(pre, out=sig)
-                pre.mul_(sig)                              # silu(v)
-                sig.addcmul_(pre, sig, value=-1.0).add_(pre)   # silu'(v) = sig + silu(v) (1 - sig)
-                g_src, g_offset = torch.mul(grad[:, elo:ehi], sig, out=pre), elo   # g's rows [elo, ehi)
+    taps = _taps_first(weight)
+    bias = None if bias is None else bias.contiguous()
+    widest = max(hi - lo for lo, hi in tiles)
+    batch, channels = x.shape[0], x.shape[2]
+    halo = widest + k - 1  # a tile's rows and the k - 1 rows around it that its input gradient reads
+    work = torch.empty(3 if silu else 1, batch * halo * channels, dtype=grad.dtype, device=grad.device)
+    ones = torch.ones(batch * widest, dtype=grad.dtype, device=grad.device)
+    grad_x = torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
+    # One pass, tile by tile. With the activation, the gradient before it (g) is formed for the tile's rows and
+    # the k - 1 rows around it (recomputed by neighbouring tiles too: a few rows per tile), in a tile-sized
+    # buffer that is still in cache when the input gradient reads it; never a full-size tensor.
+    for lo, hi in tiles:
+        if silu:
+            elo, ehi = max(lo - right, 0), min(hi + left, length)   # rows [lo - right, hi + left) in range
+            span = batch * (ehi - elo) * channels
+            pre, sig = (work[i, :span].view(batch, ehi - elo, channels) for i in (1, 2))
+            _conv_tile(x, taps, bias, left, elo, ehi, pre)
+            torch.sigmoid(pre, out=sig)
+            pre.mul_(sig)                              # silu(v)
+            sig.addcmul_(pre, sig, value=-1.0).add_(pre)   # silu'(v) = sig + silu(v) (1 - sig)
+            g_src, g_offset = torch.mul(grad[:, elo:ehi], sig, out=pre), elo   # g's rows [elo, ehi)
+        else:
+            g_src, g_offset = grad, 0
+        g = g_src[:, lo - g_offset:hi - g_offset]
+        # the weight and bias gradients (grad_w[tap] = sum_t g_t x_{t + tap - left}, kept taps-first), over
+        # the rows whose x exists
+        for tap in range(k):
+            t0, t1 = _valid(lo, hi, tap - left, length)
+            if t1 == t0:
+                continue
+            n = batch * (t1 - t0)
+            # a contiguous buffer: the tap's column sums are then one matrix-vector product
+            prod = work[0, :n * channels].view(batch, t1 - t0, channels)
+            torch.mul(g[:, t0 - lo:t1 - lo], x[:, t0 + tap - left:t1 + tap - left], out=prod)
+            if prod.dtype == compute:
+                grad_w[tap].addmv_(prod.view(n, channels).t(), ones[:n])
             else:
-                g_src, g_offset = grad, 0
-            g = g_src[:, lo - g_offset:hi - g_offset]
-            # the weight and bias gradients (grad_w[tap] = sum_t g_t x_{t + tap - left}, kept taps-first), over
-            # the rows whose x exists
-            for tap in range(k):
-                t0, t1 = _valid(lo, hi, tap - left, length)
-                if t1 == t0:
-                    continue
-                n = batch * (t1 - t0)
-                # a contiguous buffer: the tap's column sums are then one matrix-vector product
-                prod = work[0, :n * channels].view(batch, t1 - t0, channels)
-                torch.mul(g[:, t0 - lo:t1 - lo], x[:, t0 + tap - left:t1 + tap - left], out=prod)
-                if prod.dtype == compute:
-                    grad_w[tap].addmv_(prod.view(n, channels).t(), ones[:n])
-                else:
-                    grad_w[tap] += prod.sum(dim=(0, 1))
-            if with_bias:
-                # rows first, then the batch: g is strided across the batch (a slice of the halo buffer), and
-                # PyTorch's CPU reduction over both leading dims at once takes a slow path there (~35x slower at
-                # 32 x 32 x 1024)
-                grad_b += g.sum(dim=1).sum(dim=0)
-            # y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of g with the
-            # flipped kernel: row s reads g's rows s - right ... s + left (zero outside the sequence)
-            _shifted_sum(g_src, g_offset, length, [taps[k - 1 - tap] for tap in range(k)],
-                         [tap - right for tap in range(k)], lo, hi, grad_x[:, lo:hi])
+                grad_w[tap] += prod.sum(dim=(0, 1))
+        if with_bias:
+            # rows first, then the batch: g is strided across the batch (a slice of the halo buffer), and
+            # PyTorch's CPU reduction over both leading dims at once takes a slow path there (~35x slower at
+            # 32 x 32 x 1024)
+            grad_b += g.sum(dim=1).sum(dim=0)
+        # y_t = sum_tap w_tap x_{t + tap - left}, so the input gradient is the correlation of g with the
+        # flipped kernel: row s reads g's rows s - right ... s + left (zero outside the sequence)
+        _shifted_sum(g_src, g_offset, length, [taps[k - 1 - tap] for tap in range(k)],
+                     [tap - right for tap in range(k)], lo, hi, grad_x[:, lo:hi])
     grad_w = grad_w.t().contiguous().to(weight.dtype)
     return grad_x, grad_w, grad_b.to(weight.dtype) if with_bias else grad_b
 
@@ -249,6 +218,8 @@ def _backward_flop_formula(grad_shape, x_shape, w_shape, bias_shape, left, right
 
 
 def impl(args: ConvArgs) -> Tensor:
+    if torch.compiler.is_exporting():
+        return _reference(args)
     return _depthwise_conv1d_op(args.x, args.weight, args.bias, args.left, args.right, args.silu)
 
 

@@ -4,14 +4,16 @@
 ``norm_before_gate=False``: ``out = w * u / rms(u)`` with ``u = y * silu(z)`` (Mamba-2's order)
 
 Backends: ``reference`` (the formula as plain ops), ``torch`` (tile by tile with a hand-written backward; the
-formula under ``torch.compile``; the default). Each is a module of this folder that registers itself.
+formula under ``torch.compile``; the default off CUDA), ``triton`` (one fused kernel each way; the default on CUDA).
+Each is a module of this folder that registers itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
+from torch import Tensor, promote_types
+from torch import dtype as DType
 
 from .._checks import check
 from .._dispatch import discover_backends, resolve_backend
@@ -29,6 +31,11 @@ class NormArgs:
     weight: Tensor
     eps: float = 1e-5
     norm_before_gate: bool = True
+
+    @property
+    def dtype(self) -> DType:
+        """The dtype the call computes in (y's and z's promoted): what a backend's dtype policy reads."""
+        return promote_types(self.y.dtype, self.z.dtype)
 
 
 def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_before_gate: bool = True, *,

@@ -9,12 +9,7 @@ and are reused by the allocator, and only the output (and, backward, the input g
 The backward recomputes the per-tile statistics instead of storing them.
 
 Under ``torch.compile`` the plain formula (:func:`.reference.gated_rmsnorm_reference`) is traced instead:
-the compiler fuses it.
-
-On CPU, for float32 and float64 inputs with contiguous rows, the Function runs our native kernel instead
-(``kernels/_native/norm.cpp``, built on first use, see :mod:`mixer_plugins.kernels._native`): one pass per row,
-forward and backward, the gain gradient summed per thread. :data:`USE_NATIVE` (or ``MIXER_PLUGINS_NATIVE=0``)
-keeps the PyTorch code.
+the compiler fuses it. (On CPU the ``native`` backend, :mod:`.native`, runs first.)
 """
 
 from __future__ import annotations
@@ -26,19 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _native
 from .._dispatch import Backend, register
-from .._threads import threads_for
-from .._tiling import section_elements, time_tiles
+from .._tiling import time_tiles
 from .reference import gated_rmsnorm_reference
 
 if TYPE_CHECKING:
     from . import NormArgs
 
-__all__ = ["TILE_ELEMENTS", "USE_NATIVE"]
-
-#: run the native kernel where it can (CPU, float32/float64, contiguous rows, built); False: PyTorch code only
-USE_NATIVE = True
+__all__ = ["TILE_ELEMENTS"]
 
 TILE_ELEMENTS = 1 << 20  # elements of one tile's temporaries (4 MiB in float32)
 
@@ -52,51 +42,23 @@ def _tiles(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]
     return time_tiles(rows, width, TILE_ELEMENTS, device)
 
 
-def _tile_threads(tiles: list[tuple[int, int]], width: int, device: torch.device):
-    """The thread setting of a pass over ``tiles`` (see :mod:`.._threads`): sized by its tiles."""
-    return threads_for(section_elements(tiles, width, TILE_ELEMENTS), device)
-
-
-def _native_runs(y2: Tensor, z2: Tensor, weight: Tensor) -> bool:
-    """Whether the native kernel takes these rows (and is built: the first such call builds it)."""
-    return USE_NATIVE and y2.stride(-1) == 1 and z2.stride(-1) == 1 and _native.takes(y2, z2, weight)
-
-
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
         ctx.save_for_backward(y, z, weight)
         ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
-        y2, z2 = _rows(y), _rows(z)
-        ctx.native = _native_runs(y2, z2, weight)
-        if ctx.native:  # one parallel region, with the threads a pass of this size gets
-            with _tile_threads(_tiles(*y2.shape, y.device), y2.shape[-1], y.device):
-                out = torch.ops.mixer_plugins_native.norm_forward(y2, z2, weight.contiguous(), eps, norm_before_gate)
-            return out.view(y.shape)
         dtype = y.dtype
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         y2, z2 = _rows(y), _rows(z)
-        w = weight.to(compute)
         out = torch.empty(y2.shape, dtype=dtype, device=y.device)
-        tiles = _tiles(*y2.shape, y.device)
-        with _tile_threads(tiles, y2.shape[-1], y.device):
-            _forward_tiles(y2, z2, w, out, tiles, eps, norm_before_gate, compute)
+        _forward_tiles(y2, z2, weight.to(compute), out, _tiles(*y2.shape, y.device), eps, norm_before_gate, compute)
         return out.view(y.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
         rows = _rows(grad)
-        tiles = _tiles(*rows.shape, grad.device)
-        with _tile_threads(tiles, rows.shape[-1], grad.device):
-            if ctx.native and grad.dtype == rows.dtype:
-                y, z, weight = ctx.saved_tensors
-                gy, gz, gw = torch.ops.mixer_plugins_native.norm_backward(
-                    rows.contiguous(), _rows(y), _rows(z), weight.contiguous(), ctx.eps, ctx.norm_before_gate)
-                need_y, need_z, need_w = ctx.needs_input_grad[:3]
-                return (gy.view(y.shape) if need_y else None, gz.view(z.shape) if need_z else None,
-                        gw if need_w else None, None, None)
-            return _backward(ctx, grad, tiles)
+        return _backward(ctx, grad, _tiles(*rows.shape, grad.device))
 
 
 def _forward_tiles(y2: Tensor, z2: Tensor, w: Tensor, out: Tensor, tiles: list[tuple[int, int]], eps: float,

@@ -25,11 +25,13 @@ from .options import parse_option_assignments, resolve_mixers
 __all__ = ["COMMAND", "DEFAULT_MIXERS"]
 
 DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
+#: ``mixer_plugins.tools.benchmarking``'s ``DIRECTIONS`` and ``MODES``, repeated here so that parsing the arguments
+#: imports no torch (a test keeps them equal)
+DIRECTIONS = ("default", "causal", "bidirectional")
+MODES = ("forward", "forward_backward")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..benchmarking import DIRECTIONS, MODES
-
     parser.add_argument("--mixers", type=name_list, default=list(DEFAULT_MIXERS), metavar="A,B,...",
                         help=f"comma-separated mixers, or 'all' (default: {','.join(DEFAULT_MIXERS)})")
     parser.add_argument("--lengths", type=length_list, default=[256, 1024, 4096], metavar="L1,L2,...",

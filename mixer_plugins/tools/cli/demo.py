@@ -26,15 +26,19 @@ __all__ = ["COMMAND"]
 #: ``--quick``: epochs and training images, unless --epochs / --train-limit say otherwise.
 QUICK_EPOCHS, QUICK_TRAIN_LIMIT = 3, 640
 
+#: ``mixer_plugins.tools.demo.DEFAULT_MIXERS`` and the defaults of its ``DemoConfig`` that the arguments show,
+#: repeated here so that parsing the arguments imports no torch (a test keeps them equal)
+DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
+DEFAULTS = {"epochs": 15, "batch_size": 64, "lr": 3e-3, "embed_dim": 64, "depth": 2, "num_heads": 4, "patch_size": 2,
+            "seed": 0, "sample": 0, "out": Path("demo_output")}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..demo import DEFAULT_MIXERS, DemoConfig
-
-    d = DemoConfig()
+    d = argparse.Namespace(**DEFAULTS)
     parser.add_argument("--mixers", type=name_list, default=list(DEFAULT_MIXERS), metavar="A,B,...",
                         help=f"comma-separated mixers to compare, or 'all' (default: {','.join(DEFAULT_MIXERS)})")
     parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run in seconds: {QUICK_EPOCHS} epochs on {QUICK_TRAIN_LIMIT} training images "
+                        help=f"smoke run: {QUICK_EPOCHS} epochs on {QUICK_TRAIN_LIMIT} training images "
                              "(unless --epochs/--train-limit)")
     parser.add_argument("--epochs", type=positive_int, default=None, help=f"training epochs (default {d.epochs})")
     parser.add_argument("--train-limit", type=positive_int, default=None, metavar="N",
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     mixers = resolve_mixers(args.mixers)
     options = parse_option_assignments(args.option, mixers)
-    epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else DemoConfig.epochs)
+    epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else DEFAULTS["epochs"])
     train_limit = args.train_limit if args.train_limit is not None else (QUICK_TRAIN_LIMIT if args.quick else None)
     try:
         config = DemoConfig(

@@ -3,8 +3,9 @@
 What a bug report needs in one paste: the versions of Python and of every library the mixers may use (read from
 the installed metadata, so a missing or broken one is reported, not fatal), the devices torch sees, and per kernel
 op and device every backend with either "yes" (``auto`` when the automatic choice may pick it) or the
-dispatcher's reason why it cannot run; and whether our native CPU kernels are built (building them here if they
-were not: the first run can take ~15 s), or why not.
+dispatcher's reason why it cannot run; and whether our native CPU kernels are loaded (building them here if this
+machine has no build yet: a minute or two, once), or why not. ``env --build`` builds them ahead of time and says
+only that (``make`` runs it after installing).
 """
 
 from __future__ import annotations
@@ -12,16 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import sys
-import time
 from typing import Any
 
 from ..._text import format_table
 from .args import Command
 
-__all__ = ["COMMAND", "EXTRAS", "backend_rows", "device_info", "native_status", "threads_status", "versions"]
+__all__ = ["COMMAND", "EXTRAS", "backend_rows", "device_info", "native_status", "versions"]
 
 #: Distribution -> the extra of ours that installs it ("" for a core dependency).
 EXTRAS: dict[str, str] = {
@@ -109,52 +108,49 @@ def backend_rows(devices: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def native_status() -> dict[str, Any]:
-    """Whether the native CPU kernels (:mod:`mixer_plugins.kernels._native`) are built and loaded here (builds them
-    when they were not), and why not."""
+    """Whether the native CPU kernels (:mod:`mixer_plugins.kernels._native`) are loaded here (building them when
+    this machine has no build yet), where their build is, and why not."""
     from mixer_plugins.kernels import _native
 
     ok = _native.load()
     status: dict[str, Any] = {"available": ok, "reason": "" if ok else (_native.unavailable_reason() or ""),
                               "ops": sorted(_native.OPS) if ok else []}
-    if ok:
-        import torch
-
-        idle, reused, allocated, cap = torch.ops.mixer_plugins_native.pool_stats()
-        status["output_pool"] = {"cap_bytes": cap, "idle_bytes": idle, "reused": reused, "allocated": allocated}
+    try:
+        status["folder"] = str(_native.build_folder())
+    except Exception:  # noqa: BLE001  (no compiler: the reason above says so)
+        status["folder"] = None
     return status
 
 
-def threads_status() -> dict[str, Any]:
-    """How the CPU paths choose their threads here (:mod:`mixer_plugins.kernels._threads`): torch's intra-op
-    threads, the one-thread threshold, whether mixer calls follow the machine's load, and the cores other processes
-    leave free now (None where that is not read: off, not Linux, or pinned to some cores)."""
-    import torch
-
-    from mixer_plugins.kernels import _threads
-
-    _threads.free_cores()  # two readings: the rule needs two in a row
-    time.sleep(_threads.LOAD_SAMPLE_SECONDS)
-    return {"torch_threads": torch.get_num_threads(), "parallel_min_elements": _threads.parallel_min_elements(),
-            "adaptive": _threads.adaptive(), "free_cores": _threads.free_cores(), "cores": os.cpu_count()}
+def _native_line(native: dict[str, Any]) -> str:
+    if native["available"]:
+        return f"native CPU kernels: built and loaded ({', '.join(native['ops'])}) from {native['folder']}"
+    return f"native CPU kernels: unavailable ({native['reason']}); the PyTorch code runs instead"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--build", action="store_true",
+                        help="only build the native CPU kernels now if this machine has no build yet (once: a "
+                             "minute or two) and say whether they load; exit status 1 when they cannot be built")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.build:
+        native = native_status()
+        print(json.dumps(native, indent=2) if args.json else _native_line(native))
+        return 0 if native["available"] else 1
     found = versions()
     try:
         devices: dict[str, Any] | None = device_info()
         kernels: list[dict[str, Any]] | None = backend_rows()
         native: dict[str, Any] | None = native_status()
-        threads: dict[str, Any] | None = threads_status()
         problem = ""
     except ImportError as err:  # torch itself missing or broken: still report the versions
-        devices, kernels, native, threads, problem = None, None, None, None, f"{type(err).__name__}: {err}"
+        devices, kernels, native, problem = None, None, None, f"{type(err).__name__}: {err}"
     if args.json:
         print(json.dumps({"versions": found, "devices": devices, "kernels": kernels, "native": native,
-                          "threads": threads, "problem": problem or None}, indent=2))
+                          "problem": problem or None}, indent=2))
         return 0
     print(format_table(("package", "version"),
                        [(name, version or _missing(name)) for name, version in found.items()]))
@@ -174,20 +170,8 @@ def run(args: argparse.Namespace) -> int:
          for r in kernels or []],
     ))
     print()
-    if native and native["available"]:
-        print(f"native CPU kernels: built and loaded ({', '.join(native['ops'])}); output pool: at most "
-              f"{native['output_pool']['cap_bytes'] >> 20} MiB idle (MIXER_PLUGINS_NATIVE_POOL_MB)")
-    elif native:
-        print(f"native CPU kernels: unavailable ({native['reason']}); the PyTorch code runs instead")
-    if threads:
-        if not threads["adaptive"]:
-            load = "off (MIXER_PLUGINS_ADAPTIVE_THREADS)"
-        elif threads["free_cores"] is None:
-            load = "not read here (not Linux, or pinned to some cores)"
-        else:
-            load = f"on: {threads['free_cores']} of {threads['cores']} cores free now"
-        print(f"CPU threads: torch {threads['torch_threads']}; sections under {threads['parallel_min_elements']} "
-              f"elements on one thread; mixer calls follow the machine's load: {load}")
+    if native:
+        print(_native_line(native))
     return 0
 
 

@@ -1,18 +1,54 @@
-"""``mixer-plugins info NAME``: a mixer's options, with type, default and help."""
+"""``mixer-plugins info NAME``: a mixer's description and options (type, default and help), fitted to the terminal."""
 
 from __future__ import annotations
 
 import argparse
 
-from ..._text import format_table
 from ...errors import MixerError
 from .args import CliError, Command
+from .layout import fit_table, terminal_width, user_type, wrap
 
-__all__ = ["COMMAND"]
+__all__ = ["COMMAND", "option_rows"]
+
+#: the help column is never narrower: below it each option is printed as a paragraph instead of a table row
+MIN_HELP_WIDTH = 24
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="mixer name or alias")
+
+
+def option_rows(spec) -> list[tuple[str, str, str, str]]:
+    """(option, type as a user writes it, default, help) for each option of ``spec``'s config."""
+    fields = spec.config.model_fields
+    return [(name, user_type(fields[name].annotation), default, help_text)
+            for name, _, default, help_text in spec.options_table()]
+
+
+def render(spec, width: int) -> str:
+    """What ``info`` prints for ``spec`` in ``width`` columns."""
+    lines = [wrap(f"{spec.name}: {spec.summary}", width, "  ")]
+    if spec.aliases:
+        lines.append(wrap(f"aliases: {', '.join(spec.aliases)}", width, "  "))
+    facts = [f"matrix class: {spec.matrix_class or '-'}", f"direction: {spec.direction}",
+             f"complexity: {spec.complexity or '-'}", f"data-dependent: {spec.data_dependent}",
+             f"distribution: {spec.distribution or '-'}"]
+    lines.append(wrap(" | ".join(facts), width, "  "))
+    lines.append("")
+    rows = option_rows(spec)
+    # types and defaults stay whole up to a point; the help column wraps first
+    whole_type = min(24, max((len(r[1]) for r in rows), default=0))
+    whole_default = min(12, max((len(r[2]) for r in rows), default=0))
+    table = fit_table(("option", "type", "default", "help"), rows, width, wrapping=(1, 2, 3),
+                      minimum={1: whole_type, 2: whole_default, 3: MIN_HELP_WIDTH})
+    if table is not None:
+        lines.append(table)
+    else:  # too narrow for four columns: one paragraph per option
+        for name, type_name, default, help_text in rows:
+            lines.append(wrap(f"{name}: {type_name} = {default}", width, "    "))
+            if help_text:
+                lines.append(wrap("    " + help_text, width, "    "))
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,16 +58,7 @@ def run(args: argparse.Namespace) -> int:
         spec = default_registry.get_spec(args.name)
     except MixerError as err:
         raise CliError(str(err)) from None
-    print(f"{spec.name}: {spec.summary}")
-    if spec.aliases:
-        print(f"aliases: {', '.join(spec.aliases)}")
-    print(
-        f"matrix class: {spec.matrix_class or '-'} | direction: {spec.direction} | "
-        f"complexity: {spec.complexity or '-'} | data-dependent: {spec.data_dependent} | "
-        f"distribution: {spec.distribution or '-'}"
-    )
-    print()
-    print(format_table(("option", "type", "default", "help"), spec.options_table()))
+    print(render(spec, terminal_width(100)))
     return 0
 
 

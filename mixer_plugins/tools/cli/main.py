@@ -2,15 +2,16 @@
 
 Bad arguments exit with status 2 and a one-line reason on stderr.
 
-Start-up is cheap: this module imports none of the subcommand modules. ``mixer-plugins --help``, ``--version`` and
-``list --names`` import neither torch, pydantic nor timm; a subcommand's module (and what it needs) is imported only
-when that subcommand runs or its own ``--help`` is asked for.
+Start-up is cheap, and arguments are checked before torch is imported: this module imports none of the subcommand
+modules, and a subcommand's module imports neither torch, pydantic nor timm until it runs. ``mixer-plugins --help``,
+``--version``, ``list --names``, every subcommand's ``--help`` and every argument error answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Iterator, MutableMapping, Sequence
 
@@ -142,3 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # pragma: no cover
         return 130
+    except BrokenPipeError:  # the reader went away (``mixer-plugins list | head``): nothing left to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that Python's own flush at exit does not complain again
+        return 0

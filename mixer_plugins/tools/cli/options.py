@@ -6,12 +6,15 @@ import ast
 import json
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._text import did_you_mean
 from ...errors import MixerError
-from ...registry import MixerSpec, default_registry
+from ...registry import default_registry  # cheap: the specs (and torch) load when a mixer is looked up
 from .args import CliError
+
+if TYPE_CHECKING:
+    from ...registry import MixerSpec
 
 __all__ = ["parse_option_assignments", "resolve_mixers", "typed_option_value"]
 
@@ -51,7 +54,6 @@ def typed_option_value(spec: MixerSpec, key: str, raw: str) -> Any:
     from pydantic import TypeAdapter, ValidationError
 
     fields = spec.config.model_fields
-    key = spec.canonical_option(key)
     if key not in fields:
         raise CliError(f"mixer {spec.name!r} has no option {key!r}{did_you_mean(key, list(fields))} "
                        f"(options: {', '.join(fields)})")
@@ -95,16 +97,14 @@ def parse_option_assignments(assignments: Sequence[str], mixers: Sequence[str]) 
             if name not in out:
                 raise CliError(f"--option {text!r} names mixer {name!r}, which is not among {', '.join(mixers)}")
             spec = default_registry.get_spec(name)
-            out[name][spec.canonical_option(key)] = typed_option_value(spec, key, raw)
+            out[name][key] = typed_option_value(spec, key, raw)
         else:
-            having = [name for name in mixers
-                      if default_registry.get_spec(name).config.all_deprecated_aliases().get(target, target)
-                      in default_registry.get_spec(name).config.model_fields]
+            having = [name for name in mixers if target in default_registry.get_spec(name).config.model_fields]
             if not having:
                 if len(mixers) == 1:
                     typed_option_value(default_registry.get_spec(mixers[0]), target, raw)  # "did you mean"
                 raise CliError(f"--option {text!r}: none of {', '.join(mixers)} has an option {target!r}")
             for name in having:
                 spec = default_registry.get_spec(name)
-                out[name][spec.canonical_option(target)] = typed_option_value(spec, target, raw)
+                out[name][target] = typed_option_value(spec, target, raw)
     return out

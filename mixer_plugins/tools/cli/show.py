@@ -21,11 +21,13 @@ from .options import parse_option_assignments, resolve_mixers
 
 __all__ = ["COMMAND"]
 
+#: ``mixer_plugins.tools.benchmarking.DIRECTIONS`` and ``mixer_plugins.tools.plotting.SCALES``, repeated here so that
+#: parsing the arguments imports no torch (a test keeps them equal)
+DIRECTIONS = ("default", "causal", "bidirectional")
+SCALES = ("linear", "log")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..benchmarking import DIRECTIONS
-    from ..plotting import SCALES
-
     parser.add_argument("name", help="mixer name or alias")
     parser.add_argument("--length", type=positive_int, default=None,
                         help="sequence length L of the random input (default 64; taken from --input if given)")

@@ -47,13 +47,12 @@ def _seeds(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"seeds are a count (3) or a list (0,5,7), got {text!r}") from None
 
 
-def _knob(text: str) -> tuple[str, Any]:
-    from .models import _value
-
-    if "=" not in text:
+def _knob(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` -> (key, raw value); the value is typed later (:func:`config_from_args`)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    key, raw = text.split("=", 1)
-    return key.strip(), _value(raw)
+    return key.strip(), raw
 
 
 def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,7 +90,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "mixers are refused)")
     parser.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=None,
                         help="add the previous token's embedding at every position (the recall presets do)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run of a few steps and one seed (CI)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run of a few steps and one seed (CI): it checks that everything runs; the "
+                        "orderings are not judged")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for results.json, results.md, curves.png, final.png (default: "
                         "outputs/compare/<preset or task>)")
@@ -135,7 +136,9 @@ def config_from_args(args: argparse.Namespace):
         if value is not None:
             overrides[flag] = value
     if args.task_option:
-        overrides["task_options"] = dict(args.task_option)
+        from .models import _value
+
+        overrides["task_options"] = {key: _value(raw) for key, raw in args.task_option}
     overrides["progress"] = not args.no_progress
     if args.preset is not None:
         if "task" in overrides and "task_options" not in overrides:
@@ -145,7 +148,7 @@ def config_from_args(args: argparse.Namespace):
         if args.quick:
             from .presets import QUICK
 
-            overrides = {**QUICK, **overrides}
+            overrides = {**QUICK, "quick": True, **overrides}
         config = CompareConfig(**overrides)
     if not args.no_plots:
         config.out = Path(args.out) if args.out is not None else Path("outputs/compare") / (args.preset or config.task)
@@ -167,8 +170,10 @@ def run_compare(args: argparse.Namespace) -> int:
         from .runner import compare
 
         result = compare(config)
-    except MixerError as err:
-        print(f"mixer-plugins compare: error: {err}", file=sys.stderr)
+    except MixerError as err:  # bad entries, options, knobs or settings: found before any training
+        from ..cli.args import one_line
+
+        print(f"mixer-plugins compare: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     return 0 if any(r.error is None for r in result.runs) else 1
 

@@ -21,7 +21,7 @@ import mixer_plugins
 from ...errors import MixerError
 from .tasks import Task
 
-__all__ = ["MixerEntry", "SequenceModel", "adapted_options", "parse_mixers", "model_flops"]
+__all__ = ["MixerEntry", "SequenceModel", "adapted_options", "check_entry", "parse_mixers", "model_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +162,17 @@ def adapted_options(entry: MixerEntry, *, width: int, heads: int, seq_len: int, 
             raise MixerError(f"{entry.label}: mixer {spec.name!r} is {spec.direction} only; it cannot run in a "
                              "causal comparison")
     return {**filled, **user}
+
+
+def check_entry(entry: MixerEntry, *, width: int, heads: int, seq_len: int, causal: bool) -> None:
+    """Raise :class:`MixerError` naming ``entry`` when its options, as :func:`adapted_options` fills them in, are
+    not valid for the mixer's config (misspelt or mistyped options, bad values, a direction it cannot run):
+    what :class:`SequenceModel` would refuse, found before any training."""
+    spec = mixer_plugins.get_spec(entry.name)
+    try:
+        spec.make_config(width, **adapted_options(entry, width=width, heads=heads, seq_len=seq_len, causal=causal))
+    except MixerError as err:
+        raise MixerError(f"--mixers entry {entry.label!r}: {err}") from None
 
 
 class _Block(nn.Module):

@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 from ...errors import MixerError
-from .models import MixerEntry, SequenceModel, format_count, model_flops, parameter_count, parse_mixers
+from .models import (
+    MixerEntry,
+    SequenceModel,
+    check_entry,
+    format_count,
+    model_flops,
+    parameter_count,
+    parse_mixers,
+)
 from .tasks import Batch, Task, make_task
 
 __all__ = ["CompareConfig", "CompareResult", "EntrySummary", "Ordering", "RunResult", "compare", "train_run"]
@@ -72,6 +80,8 @@ class CompareConfig:
     #: preset name and the orderings to check (filled by presets; empty for ad-hoc comparisons).
     preset: str | None = None
     orderings: Sequence[Ordering] = ()
+    #: a smoke run (``--quick``): too short to judge the orderings, so their verdicts say so
+    quick: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads", "jobs"):
@@ -85,7 +95,9 @@ class CompareConfig:
             raise MixerError(f"seeds must be distinct and at least one, got {self.seeds}")
         self.mixers = parse_mixers(self.mixers)
         self.task_options = dict(self.task_options)
-        make_task(self.task, **self.task_options)  # bad task names and knobs fail before training
+        task = make_task(self.task, **self.task_options)  # bad task names and knobs fail before training
+        for entry in self.mixers:  # and so do bad options (or a mixer that cannot run in this comparison)
+            check_entry(entry, width=self.width, heads=self.heads, seq_len=task.seq_len, causal=self.causal)
         labels = {e.label for e in self.mixers}
         for ordering in self.orderings:
             for label in (ordering.better, ordering.worse):
@@ -192,14 +204,17 @@ class CompareResult:
 
         ``held`` when the better entry's mean beats the worse one's by more than the sum of their stds;
         ``held (within noise)`` when it beats it by less; ``did not hold`` otherwise. With a single seed there is
-        no spread and the verdict says so; when an entry failed, it is ``not measured``.
+        no spread and the verdict says so; when an entry failed, it is ``not measured``; a quick run (a few steps)
+        is ``not judged (quick run)``.
         """
         by_label = {s.label: s for s in self.summaries()}
         sign = 1.0 if self.task.higher_is_better else -1.0
         checks = []
         for ordering in self.config.orderings:
             a, b = by_label[ordering.better], by_label[ordering.worse]
-            if a.mean is None or b.mean is None:
+            if self.config.quick:
+                verdict = "not judged (quick run)"
+            elif a.mean is None or b.mean is None:
                 verdict = "not measured (a run failed)"
             else:
                 margin = sign * (a.mean - b.mean)

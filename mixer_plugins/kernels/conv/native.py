@@ -1,0 +1,90 @@
+"""``native`` backend of :func:`..depthwise_conv1d`: our C++ kernel (``kernels/_native/conv.cpp``), the CPU default.
+
+One pass over blocks of rows with the SiLU fused; the backward recomputes the pre-activation per block and sums the
+weight and bias gradients per thread. CPU tensors in float32 or float64 with contiguous channels, eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from .._dispatch import Backend, register
+from .._native_check import native_unavailable, require_native
+from .torch import depthwise_conv1d_flops
+
+if TYPE_CHECKING:
+    from . import ConvArgs
+
+
+def _unavailable(device: torch.device, args: Any = None) -> str | None:
+    if args is None:
+        return native_unavailable(device)
+    if args.x.numel() == 0:
+        return "empty input"
+    if args.x.stride(-1) != 1:
+        return "the native kernel reads contiguous channels"
+    return native_unavailable(device, [t for t in (args.x, args.weight, args.bias) if t is not None])
+
+
+@torch.library.custom_op("mixer_plugins::depthwise_conv1d_native", mutates_args=())
+def conv_native(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, silu: bool) -> Tensor:
+    """The kernel's forward; ``weight`` (channels, k)."""
+    require_native()
+    return torch.ops.mixer_plugins_native.conv_forward(x, weight.t().contiguous(),
+                                                       None if bias is None else bias.contiguous(), left, silu)
+
+
+@conv_native.register_fake
+def _conv_native_fake(x, weight, bias, left, silu):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mixer_plugins::depthwise_conv1d_native_backward", mutates_args=())
+def conv_native_backward(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, silu: bool,
+                         with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's backward: the gradients of x, weight (channels, k) and bias (empty without one)."""
+    return torch.ops.mixer_plugins_native.conv_backward(grad.contiguous().to(x.dtype), x, weight.t().contiguous(),
+                                                        None if bias is None else bias.contiguous(), left, silu,
+                                                        with_bias)
+
+
+@conv_native_backward.register_fake
+def _conv_native_backward_fake(grad, x, weight, bias, left, silu, with_bias):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(x.shape[-1] if with_bias else 0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, left, silu = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.left, ctx.silu = left, silu
+
+
+def _backward(ctx, grad: Tensor):
+    x, weight, bias = ctx.saved_tensors
+    grad_x, grad_w, grad_b = conv_native_backward(grad, x, weight, bias, ctx.left, ctx.silu, bias is not None)
+    return grad_x, grad_w, (grad_b if bias is not None else None), None, None
+
+
+conv_native.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_native)
+def _forward_flops(x, weight, bias, left, silu, *args, out_shape=None, **kwargs) -> int:
+    return depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])
+
+
+@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_native_backward)
+def _backward_flops(grad, x, weight, bias, left, silu, with_bias, *args, out_shape=None, **kwargs) -> int:
+    return 2 * depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])  # the input and the weight gradients
+
+
+def impl(args: ConvArgs) -> Tensor:
+    return conv_native(args.x, args.weight, args.bias, args.left, args.silu)
+
+
+BACKEND = register(Backend(op="conv", name="native", impl=impl, priority=20, check=_unavailable,
+                           automatic_devices=("cpu",)))

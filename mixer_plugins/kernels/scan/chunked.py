@@ -1,0 +1,171 @@
+"""The chunked scan in plain PyTorch (the SSD algorithm of Mamba-2), in named phases (the ``torch`` backend).
+
+O(L) memory (no L x L tensor), any device, any floating dtype, differentiable by autograd, traceable by
+``torch.compile`` and ``torch.export``. One direction runs left to right in chunks of Q tokens (:func:`chunk_length`),
+with ``a = A dt`` and chunk-local cumulative sums:
+
+1. :func:`chunk_cumsum` — ``p`` (inclusive) and the query-side sums ``q`` (``p``, or the exclusive sums when
+   shifted: each formed by a shift of ``p``, never as ``p - a``, so the nearest pair keeps decay 1 exactly);
+2. :func:`chunk_states` — what each chunk leaves behind: ``S_c = sum_j exp(p_last - p_j) dt_j B_j x_j^T``;
+3. :func:`state_passing` — the state entering each chunk: ``H_{c+1} = exp(p_last,c) H_c + S_c`` from the initial
+   state (a short loop over chunks);
+4. :func:`chunk_output` — ``y_i = sum_{j<=i} (C~_i . B_j) exp(q_i - p_j) dt_j x_j + exp(q_i) C~_i . H_c``
+   (``j < i`` and ``C~_i = C_{i-1}`` when shifted).
+
+The backward (upper) direction is the forward one on the time-reversed sequence, read back in original order. With
+``seq_idx`` (packed sequences) pairs across segments are excluded inside a chunk and the states are cut between
+chunks, so no direction, and no shift, crosses a segment start. Every exclusion is a selection (``torch.where``),
+never a multiplication by zero, so a non-finite ``dt``, ``B`` or ``C`` of a token reaches only the tokens that see it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .inputs import Direction, ScanInputs, chunk_length
+
+__all__ = ["chunk_cumsum", "chunk_output", "chunk_states", "scan_chunked", "state_passing"]
+
+
+def _zero(t: Tensor) -> Tensor:
+    return torch.zeros((), dtype=t.dtype, device=t.device)
+
+
+def _chunks(t: Tensor, q: int) -> Tensor:
+    """(b, l, ...) -> (b, c, q, ...), zero-padded along time to whole chunks."""
+    pad = -t.shape[1] % q
+    if pad:
+        t = torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], dim=1)
+    return t.unflatten(1, (t.shape[1] // q, q))
+
+
+def _shift_right(t: Tensor, dim: int) -> Tensor:
+    """``t`` moved one step along ``dim``, a zero entering first."""
+    first = torch.zeros_like(t.narrow(dim, 0, 1))
+    return torch.cat([first, t.narrow(dim, 0, t.shape[dim] - 1)], dim=dim)
+
+
+def chunk_cumsum(dt: Tensor, A: Tensor, q: int, shift: bool) -> tuple[Tensor, Tensor]:
+    """Chunk-local cumulative log decays of one direction: ``p`` (inclusive) and ``q`` (what query rows read: the
+    exclusive sums when ``shift``), both (b, c, Q, h). ``dt`` (b, l, h) prepared, ``A`` (h,)."""
+    a = _chunks(dt * A.to(dt.dtype), q)
+    p = a.cumsum(2)
+    return p, (_shift_right(p, 2) if shift else p)
+
+
+def chunk_states(x: Tensor, B: Tensor, dt: Tensor, p: Tensor, same_as_last: Tensor | None) -> Tensor:
+    """Each chunk's own state ``S_c = sum_j exp(p_last - p_j) dt_j B_j x_j^T``: x (b, c, Q, h, P), B (b, c, Q, g, N),
+    dt and p (b, c, Q, h) -> (b, c, h, P, N). ``same_as_last`` (b, c, Q): tokens in the segment of the chunk's last
+    token (the others leave nothing)."""
+    weight = torch.exp(p[:, :, -1:] - p) * dt
+    if same_as_last is not None:
+        weight = torch.where(same_as_last[..., None], weight, _zero(weight))
+    g = B.shape[3]
+    xw = (x * weight[..., None]).unflatten(3, (g, -1))                                # (b, c, Q, g, r, P)
+    return torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xw).flatten(2, 3)
+
+
+def state_passing(states: Tensor, log_carry: Tensor, carries: Tensor | None, initial: Tensor | None
+                  ) -> tuple[Tensor, Tensor]:
+    """The state entering each chunk and the state after the last one, of ``H_{c+1} = exp(log_carry_c) H_c + S_c``
+    from ``H_0 = initial`` (zero when None). ``states`` (b, c, h, P, N); ``log_carry`` (b, c, h); ``carries``
+    (b, c) bool or None: False where chunk c does not continue the segment of the state entering it (the state
+    is then dropped, by selection). Returns (entering (b, c, h, P, N), final (b, h, P, N))."""
+    decay = torch.exp(log_carry)[..., None, None]                                    # (b, c, h, 1, 1)
+    h = torch.zeros_like(states[:, 0]) if initial is None else initial.to(states.dtype)
+    entering = []
+    for c in range(states.shape[1]):
+        entering.append(h)
+        kept = decay[:, c] * h
+        if carries is not None:
+            kept = torch.where(carries[:, c, None, None, None], kept, _zero(kept))
+        h = kept + states[:, c]
+    return torch.stack(entering, dim=1), h
+
+
+def chunk_output(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, p: Tensor, q: Tensor, shift: bool,
+                 entering: Tensor | None, same: Tensor | None, reads_entering: Tensor | None) -> Tensor:
+    """``y_i = sum_{j<=i} (C~_i . B_j) exp(q_i - p_j) dt_j x_j + exp(q_i) C~_i . H_c`` per chunk (``j < i`` when
+    ``shift``): x (b, c, Q, h, P), B and C~ (b, c, Q, g, N), dt, p, q (b, c, Q, h); ``entering`` (b, c, h, P, N) or
+    None (nothing enters); ``same`` (b, c, Q, Q) pairs in one segment, ``reads_entering`` (b, c, Q) rows in the
+    segment of the entering state (None: all)."""
+    Q, g = x.shape[2], B.shape[3]
+    idx = torch.arange(Q, device=x.device)
+    allowed = idx[:, None] > idx[None, :] if shift else idx[:, None] >= idx[None, :]      # (Q_i, Q_j)
+    if same is not None:
+        allowed = allowed & same
+    allowed = allowed[..., None]                                                      # (…, Q_i, Q_j, 1)
+    log_decay = q[:, :, :, None, :] - p[:, :, None, :, :]                             # (b, c, Q_i, Q_j, h)
+    decay = torch.exp(torch.where(allowed, log_decay, torch.full((), float("-inf"), dtype=p.dtype,
+                                                                  device=p.device)))
+    cb = torch.einsum("bcign,bcjgn->bcijg", C, B)                                     # (b, c, Q, Q, g)
+    weights = cb.repeat_interleave(x.shape[3] // g, dim=-1) * decay * dt[:, :, None, :, :]
+    weights = torch.where(allowed, weights, _zero(weights))
+    y = torch.einsum("bcijh,bcjhp->bcihp", weights, x)
+    if entering is None:
+        return y
+    read = torch.einsum("bcign,bcgrpn->bcigrp", C, entering.unflatten(2, (g, -1))).flatten(3, 4)
+    scale = torch.exp(q)
+    if reads_entering is not None:
+        scale = torch.where(reads_entering[..., None], scale, _zero(scale))
+    return y + read * scale[..., None]
+
+
+def _one_direction(x: Tensor, d: Direction, seq_idx: Tensor | None, initial: Tensor | None, shift: bool, Q: int,
+                   want_final: bool) -> tuple[Tensor, Tensor | None]:
+    """The forward (left to right) direction: y (b, l, h, P) and, when ``want_final``, the last state."""
+    b, length, heads, _ = x.shape
+    C = _shift_right(d.C, 1) if shift else d.C
+    xc, Bc, Cc, dtc = (_chunks(t, Q) for t in (x, d.B, C, d.dt))
+    p, q = chunk_cumsum(d.dt, d.A, Q, shift)
+    nchunks = xc.shape[1]
+    same = same_as_last = carries = reads_entering = None
+    if seq_idx is not None:
+        seq = _chunks(seq_idx, Q)
+        if seq.shape[1] * Q > length:  # pads continue the last segment
+            seq = seq.flatten(1, 2)
+            seq[:, length:] = seq_idx[:, -1:]
+            seq = seq.unflatten(1, (nchunks, Q))
+        before = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], dim=1)                  # the token before each chunk
+        same = seq[:, :, :, None] == seq[:, :, None, :]
+        same_as_last = seq == seq[:, :, -1:]
+        carries = seq[:, :, -1] == before
+        reads_entering = seq == before[..., None]
+    entering = final = None
+    if nchunks > 1 or want_final:
+        states = chunk_states(xc, Bc, dtc, p, same_as_last)
+        entering, final = state_passing(states, p[:, :, -1], carries, initial)
+    if nchunks == 1:  # one chunk: nothing enters it but the initial state
+        entering = None if initial is None else initial[:, None].to(x.dtype)
+    y = chunk_output(xc, Bc, Cc, dtc, p, q, shift, entering, same, reads_entering)
+    return y.flatten(1, 2)[:, :length], final
+
+
+def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The chunked scan of ``inputs``; the same result as :func:`.reference.reference_scan` up to rounding.
+
+    Returns y (b, l, h, p), and the forward direction's state after the last token (b, h, p, n) when
+    ``return_final_state``."""
+    x = inputs.x
+    _, length, heads, head_dim = x.shape
+    Q = chunk_length(length, inputs.chunk_size, heads, head_dim, inputs.state_size)
+    y = final = None
+    if inputs.forward is not None:
+        y, final = _one_direction(x, inputs.forward, inputs.seq_idx, inputs.initial_state, inputs.shift, Q,
+                                  return_final_state)
+    if inputs.backward is not None:
+        d = inputs.backward
+        flipped = Direction(dt=d.dt.flip(1), A=d.A, B=d.B.flip(1), C=d.C.flip(1))
+        seq = None if inputs.seq_idx is None else inputs.seq_idx.flip(1)
+        y_b = _one_direction(x.flip(1), flipped, seq, None, inputs.shift, Q, False)[0].flip(1)
+        y = y_b if y is None else y + y_b
+    assert y is not None
+    if inputs.diag is not None:
+        y = y + inputs.diag[..., None].to(y.dtype) * x
+    if not return_final_state:
+        return y
+    if final is None:
+        raise ValueError("the final state belongs to the forward direction, which is absent")
+    return y, final
+

@@ -1,0 +1,165 @@
+"""``native`` backend of the scan: our C++ CPU engine (``kernels/_native/scan.cpp``), chosen first on CPU.
+
+The engine runs the chunked algorithm of :mod:`.chunked` with its per-chunk work in small thread-local buffers and
+a written-out backward (it stores only its inputs: training memory is linear in the length with a small constant).
+Within a chunk it shares one product per (batch, group, chunk) between the group's heads by factoring the decays,
+wherever every chunk's decays fit the dtype's range, and computes every decay itself otherwise; the engine decides
+that from its inputs on each call (no Python-side probe of values), and either way the result is the reference's
+up to rounding. A short sequence runs as one chunk with no state work at all (:func:`.inputs.chunk_length`).
+
+It takes eager CPU calls in float32 or float64 (every tensor of ``x``'s dtype) without ``seq_idx``; elsewhere (and
+under ``torch.compile``, which traces the ``torch`` backend) it says why not and the dispatcher moves on
+(:func:`.._native_check.native_unavailable`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from .._dispatch import Backend, register
+from .._native_check import native_unavailable, require_native
+from .flops import chunked_scan_flops
+from .inputs import ScanArgs, ScanInputs, chunk_length
+
+__all__ = ["FORMS", "native_scan", "native_scan_backward", "run_native"]
+
+#: The engine's forms: ``auto`` (factored where every chunk's decays allow it, else exact), ``factored`` (an error
+#: where they do not) and ``exact``.
+FORMS = {"auto": 0, "factored": 1, "exact": 2}
+
+
+def _unavailable(device: torch.device, args: Any = None) -> str | None:
+    if args is None:
+        return native_unavailable(device)
+    if args.seq_idx is not None:
+        return "the native engine does not take seq_idx (packed sequences run on the torch backend)"
+    if args.x.numel() == 0:
+        return "empty input"
+    tensors = [args.x] + [t for d in args.directions for t in (d.dt, d.A, d.B, d.C)]
+    tensors += [t for t in (args.diag, args.initial_state, args.dt_bias, args.D, args.z) if t is not None]
+    return native_unavailable(device, tensors)
+
+
+def _generators(inputs: ScanInputs) -> list[Tensor | None]:
+    out: list[Tensor | None] = []
+    for d in (inputs.forward, inputs.backward):
+        out += [None] * 4 if d is None else [d.dt, d.A, d.B, d.C]
+    return out
+
+
+def _dense(*tensors: Tensor | None) -> list[Tensor | None]:
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+@torch.library.custom_op("mixer_plugins::native_scan", mutates_args=())
+def native_scan(x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor],
+                C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor],
+                C_b: Optional[Tensor], diag: Optional[Tensor], init: Optional[Tensor], shift: bool, chunk: int,
+                want_final: bool, form: int) -> tuple[Tensor, Tensor]:
+    """The engine's forward (inputs of one dtype, any strides): y and the final state (empty unless
+    ``want_final``). Contiguous copies are made here, for the call only: autograd keeps the inputs as given (views
+    of a projection share its storage), and the backward makes its own copies."""
+    require_native()
+    y, final = torch.ops.mixer_plugins_native.scan_forward(*_dense(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init),
+                                                           shift, chunk, want_final, form)
+    if diag is not None:
+        y.addcmul_(x, diag[..., None])
+    return y, final
+
+
+@native_scan.register_fake
+def _native_scan_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form):
+    state = (B_f if B_f is not None else B_b).shape[-1]
+    final = x.new_empty(x.shape[0], x.shape[2], x.shape[3], state) if want_final else x.new_empty(0)
+    return x.new_empty(x.shape), final
+
+
+@torch.library.custom_op("mixer_plugins::native_scan_backward", mutates_args=())
+def native_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: Optional[Tensor],
+                         A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor], dt_b: Optional[Tensor],
+                         A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor], diag: Optional[Tensor],
+                         init: Optional[Tensor], shift: bool, chunk: int, form: int) -> list[Tensor]:
+    """The gradients of :func:`native_scan` with respect to ``x, dt_f, ..., C_b, diag, init`` (an empty tensor for
+    an input that is None)."""
+    out = torch.ops.mixer_plugins_native.scan_backward(*_dense(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b,
+                                                              init), shift, chunk, form)
+    dx, ddiag = out[0], x.new_empty(0)
+    if diag is not None:
+        dx.addcmul_(dy, diag[..., None])
+        ddiag = (dy * x).sum(-1).contiguous()
+    # an absent input's gradient is an empty tensor of its own (outputs of a custom op never alias each other)
+    return [g if g.numel() else x.new_empty(0) for g in (dx, *out[1:9], ddiag, out[9])]
+
+
+@native_scan_backward.register_fake
+def _native_scan_backward_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk,
+                               form):
+    def like(t):
+        return x.new_empty(0) if t is None else t.new_empty(t.shape)   # contiguous, as the real kernel's
+    return [like(x), like(dt_f), like(A_f), like(B_f), like(C_f), like(dt_b), like(A_b), like(B_b), like(C_b),
+            like(diag), like(init)]
+
+
+def _setup_context(ctx, inputs, output):
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form = inputs
+    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init)
+    ctx.shift, ctx.chunk, ctx.form = shift, chunk, form
+
+
+def _backward(ctx, dy: Tensor | None, dfinal: Tensor | None):
+    saved = ctx.saved_tensors
+    x = saved[0]
+    dy = torch.zeros_like(x) if dy is None else dy
+    if dfinal is not None and dfinal.numel() == 0:
+        dfinal = None
+    grads = native_scan_backward(dy, dfinal, *saved, ctx.shift, ctx.chunk, ctx.form)
+    return (*[None if t is None else g for g, t in zip(grads, saved)], None, None, None, None)
+
+
+native_scan.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _scan_flops(x_shape, dt_f_shape, B_f_shape, dt_b_shape, B_b_shape, init_shape, chunk: int,
+                want_final: bool) -> int:
+    b, length, heads, head_dim = x_shape
+    groups, state = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
+    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
+    return chunked_scan_flops(b, length, heads, head_dim, groups, state, directions, chunk, chunk_is_final=True,
+                              initial_state=init_shape is not None, final_state=want_final)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.native_scan)
+def _forward_flops(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form, *args,
+                   out_shape=None, **kwargs) -> int:
+    return _scan_flops(x, dt_f, B_f, dt_b, B_b, init, chunk, want_final)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.native_scan_backward)
+def _backward_flops(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, form, *args,
+                    out_shape=None, **kwargs) -> int:
+    # the engine's backward does about twice the forward's products
+    return 2 * _scan_flops(x, dt_f, B_f, dt_b, B_b, init, chunk, dfinal is not None)
+
+
+def run_native(inputs: ScanInputs, *, want_final: bool, form: str = "auto") -> tuple[Tensor, Tensor | None]:
+    """The scan of ``inputs`` on the native engine: (y, the forward direction's final state when ``want_final``,
+    else None). Differentiable once. ``form``: one of :data:`FORMS` (tests compare both forms with the reference)."""
+    _, length, heads, head_dim = inputs.x.shape
+    chunk = chunk_length(length, inputs.chunk_size, heads, head_dim, inputs.state_size)
+    y, final = native_scan(inputs.x, *_generators(inputs), inputs.diag, inputs.initial_state, inputs.shift, chunk,
+                           want_final, FORMS[form])
+    return y, (final if want_final else None)
+
+
+def impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
+    inputs = args.prepare()
+    y, final = run_native(inputs, want_final=args.return_final_state)
+    return args.finish(y, final)
+
+
+BACKEND = register(Backend(op="scan", name="native", impl=impl, priority=20, check=_unavailable,
+                           automatic_devices=("cpu",)))
