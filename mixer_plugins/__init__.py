@@ -47,6 +47,8 @@ _LAZY: dict[str, str] = {
     "BackendUnavailableError": "mixer_plugins.errors",
     "MissingExtraError": "mixer_plugins.errors",
     "MixerCheckpointMismatchError": "mixer_plugins.errors",
+    "StepNotSupportedError": "mixer_plugins.errors",
+    "MixerCache": "mixer_plugins.mixers.cache",
     "strip_mixer_records": "mixer_plugins.mixers.base",
     "swap_mixer": "mixer_plugins.backbones.timm",
 }
@@ -65,9 +67,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         NotMaterializableError,
         PluginLoadError,
         SequenceLengthError,
+        StepNotSupportedError,
         UnknownMixerError,
     )
     from .mixers.base import MatrixMixer, MixerContext, strip_mixer_records
+    from .mixers.cache import MixerCache
     from .registry import (
         ENTRY_POINT_GROUP,
         MixerConfig,
@@ -174,6 +178,8 @@ __all__ = [
     "BackendUnavailableError",
     "MissingExtraError",
     "MixerCheckpointMismatchError",
+    "StepNotSupportedError",
+    "MixerCache",
     "strip_mixer_records",
     "swap_mixer",
 ]

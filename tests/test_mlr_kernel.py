@@ -315,8 +315,8 @@ def test_matmul_engine_in_small_chunks(monkeypatch, causal, levels):
 
 def test_export_traces_the_reference_formula():
     """Under ``torch.export`` the backend traces the materialized formula, not the custom op: the exported program
-    holds standard ops only (so it translates to ONNX, tests/test_onnx.py) and gives the eager values.
-    (``torch.compile(fullgraph=True)`` of the mixer, which keeps the op whole, is tests/test_compile.py.)"""
+    holds standard ops only (so it translates to ONNX, tests/backbones/test_onnx.py) and gives the eager values.
+    (``torch.compile(fullgraph=True)`` of the mixer, which keeps the op whole, is tests/mixers/test_compile.py.)"""
     ranks, sizes = LEVELS[0]
     mask = _right_mask(2, 19, [19, 11])
     q, k, v = (t.float() for t in _inputs(2, 19, 2, ranks, 4, seed=4))

@@ -3,6 +3,9 @@ backed by our mixers, and converters for their checkpoints.
 
 * :class:`Hydra` (:mod:`.hydra`): the released Hydra module (``goombalab/hydra``, ``hydra/modules/hydra.py``);
   its checkpoints load unchanged.
+* :class:`Mamba2` (:mod:`.mamba2`): the released Mamba-2 module (``state-spaces/mamba``,
+  ``mamba_ssm/modules/mamba2.py``), with its inference API (``allocate_inference_cache``, ``step``); its checkpoints
+  load unchanged.
 * :func:`convert_matrix_mixer_state_dict`: a released ``MatrixMixer`` checkpoint (``hydra/modules/matrix_mixer.py``),
   of any type, in our mixers' layout; :func:`matrix_mixer_options` names the mixer and options to load it into.
 * :func:`convert_structured_attention_state_dict` (:mod:`.structured_attention`): a released structured-attention
@@ -13,7 +16,8 @@ This package sits above :mod:`mixer_plugins.mixers` (it imports concrete mixers)
 """
 
 from .hydra import Hydra, convert_matrix_mixer_state_dict, matrix_mixer_options
+from .mamba2 import Mamba2
 from .structured_attention import RELEASED_ATTENTION_KINDS, convert_structured_attention_state_dict
 
-__all__ = ["Hydra", "RELEASED_ATTENTION_KINDS", "convert_matrix_mixer_state_dict",
+__all__ = ["Hydra", "Mamba2", "RELEASED_ATTENTION_KINDS", "convert_matrix_mixer_state_dict",
            "convert_structured_attention_state_dict", "matrix_mixer_options"]

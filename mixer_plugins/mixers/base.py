@@ -17,7 +17,8 @@ and the base class assembles the public API from them:
 * ``flops(batch, length)``: analytic FLOPs (2 per multiply-add) of the mixer's own work;
 * ``reset_parameters()``: re-draw every parameter as a fresh build would;
 * ``state_dict()`` records the mixer's name and options (see *Checkpoint records* below), and ``load_state_dict``
-  refuses a checkpoint of another mixer or of other options.
+  refuses a checkpoint of another mixer or of other options;
+* ``allocate_cache`` / ``prefill`` / ``step``: decoding, for causal mixers that can step (see *Decoding* below).
 
 The constructor builds everything from the config and calls no overridable method; the context passed between the
 steps is a typed dataclass (:class:`MixerContext` or a subclass), so a whole mixer compiles with
@@ -28,6 +29,22 @@ real positions equal what the mixer gives on the unpadded row; outputs at pads a
 class replaces pad inputs with zeros by selection before ``prepare`` (so a NaN, an Inf or a 1e30 at a pad is never
 multiplied into anything) and sets pad outputs to zero by selection after ``finish``. A causal mixer's outputs at
 positions before a non-finite input token are those of the clean input (see :func:`causal_nonfinite_guard`).
+
+Decoding
+--------
+A causal mixer whose class implements the step hooks (``steppable = True``; its spec says ``stepping=True``)
+generates token by token::
+
+    cache = mixer.allocate_cache(batch, max_len)        # a MixerCache: lengths, the mixer's state tensors
+    y = mixer.prefill(prompt, cache, mask=mask)         # the prompt's outputs (one parallel pass); fills the cache
+    y_t = mixer.step(x_t, cache)                        # (batch, t, dim) new tokens -> their outputs
+
+``prefill`` + ``step`` equal ``forward`` over the whole sequence (the conformance kit checks it, float64 and float32,
+rows of different lengths included). Right-padded prompt rows each continue from their own length. Steps are for
+inference (``torch.no_grad()``): the cache keeps no autograd history. They run no value-dependent control flow and
+update the cache in place, so a CUDA graph can capture ``step``. Subclasses implement :meth:`~MatrixMixer.init_cache`,
+:meth:`~MatrixMixer.fill_cache` and :meth:`~MatrixMixer.mix_step` (and :meth:`~MatrixMixer.prepare_step` where their
+``prepare`` is not per token).
 
 Checkpoint records
 ------------------
@@ -59,14 +76,17 @@ from torch import Tensor, nn
 from ..errors import MixerCheckpointMismatchError, MixerInputError, SequenceLengthError
 from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_after, zero_pads
 from ..registry.spec import MixerConfig
+from .cache import MixerCache, StepNotSupportedError
 
 __all__ = [
     "CHECKPOINT_FREE_OPTIONS",
     "RECORD_KEY",
     "MatrixMixer",
     "MixerCheckpointMismatchError",
+    "MixerCache",
     "MixerContext",
     "QKContext",
+    "StepNotSupportedError",
     "check_mixer_input",
     "mixer_record",
     "read_mixer_record",
@@ -247,6 +267,8 @@ class MatrixMixer(nn.Module):
     #: False for mixers that are not linear in their values; their ``matrix`` raises
     #: :class:`NotMaterializableError` (e.g. the ``mult`` bidirectional ablation).
     materializable: bool = True
+    #: True for classes that implement the decoding hooks (their causal form steps; see :attr:`can_step`).
+    steppable: bool = False
 
     def __init__(self, config: MixerConfig):
         super().__init__()
@@ -350,6 +372,124 @@ class MatrixMixer(nn.Module):
         matrix = self.matrix(ctx)
         y = torch.einsum("bhij,bjhp->bihp", matrix, ctx.values)
         return zero_pads(poison_after(self.finish(ctx, y), poisoned), mask)
+
+    # -- decoding (causal mixers that can step) ----------------------------------------------------
+    def step_problem(self) -> str | None:
+        """Why this mixer cannot step (a message), or None when it can. Subclasses add their own reasons."""
+        name = getattr(self, "mixer_name", None) or type(self).__name__
+        if not self.causal:
+            return (f"mixer {name!r} is bidirectional (causal=False): only a causal mixer decodes token by token; "
+                    "build it with causal=True where it has that option")
+        if not self.steppable:
+            return (f"mixer {name!r} has no decoding step (its spec says stepping=False); run forward over the whole "
+                    "prefix instead")
+        return None
+
+    @property
+    def can_step(self) -> bool:
+        """Whether :meth:`allocate_cache`, :meth:`prefill` and :meth:`step` work on this mixer."""
+        return self.step_problem() is None
+
+    def _require_step(self) -> None:
+        problem = self.step_problem()
+        if problem is not None:
+            raise StepNotSupportedError(problem)
+
+    def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> MixerCache:
+        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens each (prompt and steps).
+
+        ``dtype`` and ``device`` default to the mixer's parameters'. Raises :class:`StepNotSupportedError` for a
+        mixer that cannot step and :class:`SequenceLengthError` past a data-independent mixer's ``max_seq_len``.
+        """
+        self._require_step()
+        for label, value, low in (("batch", batch, 0), ("max_len", max_len, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise MixerInputError(f"allocate_cache: {label} must be an integer >= {low}, got {value!r}")
+        self.check_length(max_len)
+        param = next(iter(self.parameters()), None)
+        if dtype is None:
+            dtype = param.dtype if param is not None and param.dtype.is_floating_point else torch.get_default_dtype()
+        if device is None:
+            device = param.device if param is not None else torch.get_default_device()
+        device = torch.device(device)
+        cache = MixerCache(lengths=torch.zeros(batch, dtype=torch.long, device=device),
+                           poisoned=torch.zeros(batch, dtype=torch.bool, device=device), max_len=max_len)
+        self.init_cache(cache, batch, max_len, dtype, device)
+        return cache
+
+    def _check_cache(self, cache: MixerCache, x: Tensor) -> None:
+        if not isinstance(cache, MixerCache):
+            raise MixerInputError(f"cache must be a MixerCache (from allocate_cache), got {type(cache).__name__}")
+        if cache.batch != x.shape[0]:
+            raise MixerInputError(f"the cache has {cache.batch} rows but the input has batch {x.shape[0]}")
+        if cache.lengths.device != x.device:
+            raise MixerInputError(f"the cache is on {cache.lengths.device} but the input is on {x.device}")
+        if cache.offset + x.shape[1] > cache.max_len:
+            raise SequenceLengthError(
+                f"the cache holds up to max_len={cache.max_len} tokens per row; {cache.offset} were given and "
+                f"{x.shape[1]} more do not fit. Allocate a longer cache"
+            )
+
+    def prefill(self, x: Tensor, cache: MixerCache, *, mask: Tensor | None = None) -> Tensor:
+        """Run a prompt ``x`` (batch, length, dim) in one parallel pass: returns its outputs (what :meth:`forward`
+        gives) and fills the empty ``cache``. With a right-padded ``mask``, each row continues from its own length.
+        """
+        self._require_step()
+        x, mask, poisoned = self._begin(x, mask)
+        self._check_cache(cache, x)
+        if cache.offset:
+            raise MixerInputError(f"prefill needs an empty cache; this one holds {cache.offset} tokens (use step to "
+                                  "continue it, or allocate a new one)")
+        b, length = x.shape[:2]
+        lengths = (mask.sum(dim=1) if mask is not None
+                   else torch.full((b,), length, dtype=torch.long, device=x.device))
+        ctx = self.prepare(x, mask)
+        y = self.fill_cache(cache, ctx, x, lengths)
+        out = self.finish(ctx, y)
+        cache.lengths.copy_(lengths)
+        if poisoned is not None:
+            cache.poisoned.copy_(poisoned.any(dim=1))
+        cache.offset = length
+        return zero_pads(poison_after(out, poisoned), mask)
+
+    def step(self, x: Tensor, cache: MixerCache) -> Tensor:
+        """Outputs of ``t`` new tokens ``x`` (batch, t, dim) of every row, each row continuing from its own length
+        in ``cache`` (updated in place). ``prefill`` + ``step`` equal :meth:`forward` over the whole sequence."""
+        self._require_step()
+        x, _ = check_mixer_input(self, x, None, self.dim)
+        self._check_cache(cache, x)
+        t = x.shape[1]
+        x, bad = causal_nonfinite_guard(x)
+        ctx = self.prepare_step(x, cache)
+        y = self.mix_step(ctx, cache)
+        out = self.finish(ctx, y)
+        poisoned = (bad | cache.poisoned[:, None]).cummax(dim=1).values
+        cache.poisoned.copy_(poisoned[:, -1])
+        cache.lengths.add_(t)
+        cache.offset += t
+        return poison_after(out, poisoned)
+
+    # -- decoding hooks ------------------------------------------------------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        """Put the mixer's zero-initialised state tensors into ``cache.state``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement init_cache")
+
+    def fill_cache(self, cache: MixerCache, ctx: MixerContext, x: Tensor, lengths: Tensor) -> Tensor:
+        """Prefill: fill ``cache.state`` from the prompt's context (and its checked input ``x``; row ``b`` has
+        ``lengths[b]`` real tokens) and return the mixed values :meth:`mix` gives."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement fill_cache")
+
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> MixerContext:
+        """The context of new tokens (batch, t, dim). The default is :meth:`prepare` (right for per-token
+        projections); mixers whose ``prepare`` looks across tokens (a short convolution) override it."""
+        return self.prepare(x, None)
+
+    def mix_step(self, ctx: MixerContext, cache: MixerCache) -> Tensor:
+        """Mixed values of the new tokens (at positions ``cache.positions(t)``), updating ``cache.state`` in place
+        (``cache.lengths`` is advanced by the caller)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement mix_step")
 
     def extra_repr(self) -> str:
         opts = ", ".join(

@@ -12,6 +12,8 @@ Without the LN, the per-head bilinear matrix is ``W_h = sum_l tau_l blockdiag_k(
 MLR matrix of rank up to ``sum_l r_l p_l``, more than the head dim, for the parameters (``2 D^2``) and projection
 FLOPs of dense ``W_Q, W_K``; only the score width grows, to ``sum_l r_l p_l``. The sequence axis is untouched:
 ordinary (optionally causal) softmax over keys, dense values, output projection.
+
+Decoding (causal) keeps every token's keys (all levels side by side, width ``sum_l r_l p_l``) and values.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from ._softmax_common import (
     AttentionLogitsMixin,
     LevelRanksConfig,
     attention_weights,
+    cached_attention,
     dot_scores,
     fused_attention,
 )
 from .base import MatrixMixer, MixerContext
+from .cache import MixerCache, kv_positions, kv_write
 
 __all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "LevelsContext", "SPEC"]
 
@@ -92,6 +96,8 @@ class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
 class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
     """Bilinear-MLR attention: per-level block-diagonal q/k maps ``q_weight_<l>``/``k_weight_<l>`` of shape
     ``(p_l, D/p_l, H r_l)``, per-level LNs, softmax, dense ``value`` and ``proj``."""
+
+    steppable = True
 
     def __init__(self, config: BilinearMLRAttentionConfig):
         super().__init__(config)
@@ -204,6 +210,27 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
     def finish(self, ctx: LevelsContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
 
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
+        cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, width, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: LevelsContext, x: Tensor, lengths: Tensor) -> Tensor:
+        length = ctx.values.shape[1]
+        cache.state["k"][:, :length] = self._fused_qk(ctx)[1].detach()
+        cache.state["v"][:, :length] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: LevelsContext, cache: MixerCache) -> Tensor:
+        q, k = self._fused_qk(ctx)
+        positions = cache.positions(q.shape[1])
+        kv_write(cache.state["k"], k.detach(), positions)
+        kv_write(cache.state["v"], ctx.values.detach(), positions)
+        return cached_attention(q, cache.state["k"], cache.state["v"], kv_positions(positions, cache.max_len), 1.0,
+                                self.link_function)
+
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length
         score_width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
@@ -227,6 +254,7 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2 sum_l r_l p_l)",
     data_dependent="yes",
+    stepping=True,
     # Ranks left to their default (the head dim split over 4 levels), so the options fit any dim divisible by 8.
     test_options={"num_heads": 2},
 )

@@ -44,10 +44,10 @@ common.no_sweep_dir=true (outputs directly in OUT_DIR), trainer.max_grad_norm=1.
 
 
 @contextlib.contextmanager
-def described_parser() -> Iterator[None]:
+def described_parser(prog: str = PROG, description: str = DESCRIPTION, epilog: str = EPILOG) -> Iterator[None]:
     """Make fairseq2's recipe command line (``fairseq2.recipe.cli``, which builds a bare ``ArgumentParser``) print
-    this recipe's name, description and examples in ``--help``. A fairseq2 without that module attribute keeps its
-    own parser (a test notices)."""
+    a recipe's name, description and examples in ``--help`` (by default this one's). A fairseq2 without that module
+    attribute keeps its own parser (a test notices)."""
     from fairseq2.recipe import cli
 
     original = getattr(cli, "ArgumentParser", None)
@@ -55,7 +55,7 @@ def described_parser() -> Iterator[None]:
         yield
         return
     cli.ArgumentParser = functools.partial(  # type: ignore[attr-defined]
-        argparse.ArgumentParser, prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+        argparse.ArgumentParser, prog=prog, description=description, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
         yield

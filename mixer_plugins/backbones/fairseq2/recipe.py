@@ -206,13 +206,14 @@ def _yaml_round_trip(resolver, obj: object) -> list[object]:
     return resolver.resolve(YamlLoader).load(stream)
 
 
-def check_checkpoint_dir(resolver) -> None:
+def check_checkpoint_dir(resolver, config_kls: type | None = None) -> None:
     """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
 
     The config compared is the one the last saved step was trained with (``step_N/model.yaml``; for runs saved before
     steps kept a copy, the folder's ``model.yaml``), never a file fairseq2 rewrites at start: an empty
     or cut ``checkpoints/model.yaml`` (a start killed while writing it) does not make a resumable folder look foreign.
-    With ``overwrite_checkpoints=true`` checkpoints of another config are deleted instead.
+    With ``overwrite_checkpoints=true`` checkpoints of another config are deleted instead. ``config_kls`` is the
+    recipe's config class (default: the MLM recipe's); it has ``model`` and ``overwrite_checkpoints`` fields.
     """
     from fairseq2.checkpoint import CheckpointDir
     from fairseq2.models import ModelFamily
@@ -221,7 +222,7 @@ def check_checkpoint_dir(resolver) -> None:
     from fairseq2.utils.structured import ValueConverter
 
     context = RecipeContext(resolver)
-    config = context.get_config_as(MixerMlmConfig)
+    config = context.get_config_as(config_kls or MixerMlmConfig)
     section = config.model
     if section.path is not None or section.name is not None or section.family is None:
         return  # not a new model of ours: fairseq2's own checks apply

@@ -1,6 +1,6 @@
 """mamba-ssm's own Triton SSD kernels through our ``mamba_ssm`` backend, on CPU under ``TRITON_INTERPRET=1``.
 
-Run in a fresh interpreter by ``tests/test_mamba_ssm_suite.py`` (``MIXER_PLUGINS_MAMBA_FRESH=1`` marks that run) when
+Run in a fresh interpreter by ``tests/ops/test_scan_mamba_ssm_suite.py`` (``MIXER_PLUGINS_MAMBA_FRESH=1`` marks that run) when
 mamba-ssm's files, Triton and einops are importable; collected in any other process it is skipped. mamba-ssm is
 imported through ``tests/mamba_files.py`` (test-only), so a wheel built with ``MAMBA_SKIP_CUDA_BUILD=TRUE`` (no CUDA
 extensions) is enough.
@@ -26,7 +26,7 @@ import torch
 
 FRESH = os.environ.get("MIXER_PLUGINS_MAMBA_FRESH") == "1"
 if not FRESH:
-    pytest.skip("mamba-ssm's kernels' CPU checks run in a fresh interpreter (tests/test_mamba_ssm_suite.py)",
+    pytest.skip("mamba-ssm's kernels' CPU checks run in a fresh interpreter (tests/ops/test_scan_mamba_ssm_suite.py)",
                 allow_module_level=True)
 
 os.environ["MAMBA_DETERMINISTIC"] = "1"

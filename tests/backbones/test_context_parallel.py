@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_spawned
+from helpers import run_spawned
 
 import mixer_plugins
 from mixer_plugins.parallel import (

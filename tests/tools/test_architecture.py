@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mixer_plugins"
 
 pytest.importorskip("importlinter", reason="needs import-linter (the dev extra)")

@@ -29,7 +29,7 @@ def test_norm_conv_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     from kernel_helpers import assert_passes_fresh
 
-    assert_passes_fresh("test_triton_norm_conv.py",
+    assert_passes_fresh("ops/test_norm_conv_triton.py",
                         {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=900)
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_helpers import run_spawned
+from helpers import run_spawned
 
 import mixer_plugins  # noqa: F401  (registers our timm names)
 from mixer_plugins.registry import default_registry
@@ -225,7 +225,7 @@ def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int, data_paralleli
     import subprocess
     import sys
 
-    from dist_helpers import free_port
+    from helpers import free_port
 
     # the LR schedule must not depend on num_steps: the run is stopped at step 3, then resumed to step 6
     config = ["--no-rich", "--config", f"regime.num_steps={num_steps}", "regime.checkpoint_every_n_steps=3",

@@ -139,7 +139,7 @@ def test_huge_mixer_size_is_one_line(tmp_path, capsys):
 
 # -- docs/cli.md: its machine-independent numbers come from the code ---------------------------------------------
 
-CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+CLI_DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def _benchmark_module(name: str):

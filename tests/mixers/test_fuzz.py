@@ -1,7 +1,7 @@
 """Property-based fuzzing of the mixer contract over random registered mixers, options, shapes, masks and dtypes.
 
 Brief by default (a few examples, so CI stays fast); set ``MIXER_PLUGINS_FUZZ_EXAMPLES`` for a longer run, e.g.
-``MIXER_PLUGINS_FUZZ_EXAMPLES=500 pytest tests/test_fuzz.py`` (see docs/contract.md).
+``MIXER_PLUGINS_FUZZ_EXAMPLES=500 pytest tests/mixers/test_fuzz.py`` (see docs/contract.md).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 
 import mixer_plugins as mp
 
+
 def _cases():
     for name in mp.list_mixers():
         for masked in (False, True):

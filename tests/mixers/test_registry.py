@@ -7,7 +7,7 @@ import sys
 import warnings
 
 import pytest
-from plugin_helpers import make_fake_distribution
+from helpers import make_fake_distribution
 from pydantic import Field, ValidationError
 
 import mixer_plugins as mp

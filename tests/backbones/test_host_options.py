@@ -15,7 +15,7 @@ import mixer_plugins as mp
 from mixer_plugins.backbones.options import HostModel, direction_problem, head_dim_for, host_options, resolve_config
 from mixer_plugins.backbones.reinit import reinitialize_mixer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "mixer_plugins"
 
 

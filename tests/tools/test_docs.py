@@ -31,7 +31,7 @@ import torch
 import mixer_plugins as mp
 from mixer_plugins.testing import check_mixer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 PAGES = [README, *sorted(DOCS.rglob("*.md"))]

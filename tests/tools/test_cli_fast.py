@@ -17,7 +17,7 @@ import pytest
 import mixer_plugins as mp
 from mixer_plugins.tools.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "pydantic", "timm", "numpy", "matplotlib", "fairseq2")
 
 
@@ -121,7 +121,7 @@ def test_list_table_shows_every_mixer_with_its_aliases_and_names_other_distribut
 
 
 def test_list_reports_a_broken_plugin_every_time(tmp_path):
-    from plugin_helpers import make_fake_distribution
+    from helpers import make_fake_distribution
 
     site = make_fake_distribution(tmp_path / "site", "broken-mixers", {"broken": "fake_mixer_cli_broken:SPEC"},
                                   {"fake_mixer_cli_broken": "raise ImportError('needs a GPU library')"})

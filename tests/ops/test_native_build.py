@@ -28,7 +28,7 @@ from mixer_plugins.kernels import _native
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "c++") is None,
                                 reason="no C++ compiler: the native kernels cannot be built here")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILDING = "mixer_plugins: building the native CPU kernels"
 
 STUB_SOURCES = {

@@ -187,7 +187,7 @@ def _run_script_under_the_interpreter(script: str) -> None:
     from pathlib import Path
 
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
                          timeout=600)
@@ -257,7 +257,7 @@ def test_opcheck_triton_scan_ops_under_the_interpreter():
     from pathlib import Path
 
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", _TRITON_OPCHECK], capture_output=True, text=True, env=env,
                          cwd=root, timeout=600)

@@ -16,7 +16,7 @@ from mixer_plugins.tools.benchmarking import build_mixer, format_seconds, sweep
 from mixer_plugins.tools.cli import main
 from mixer_plugins.tools.tables import load_benchmark_rows, results_table
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -238,7 +238,7 @@ def test_benchmark_suite_records_flops_and_memory(saved_benchmark_json):
     for name, (info, median) in infos.items():
         assert (info["length"], info["batch"], info["dim"], info["mode"]) == (128, 1, 128, "forward")
         mixer = build_mixer(name, 128, 128)
-        # forward: FlopCounterMode counts exactly the analytic matmul-like FLOPs (see tests/test_flops.py)
+        # forward: FlopCounterMode counts exactly the analytic matmul-like FLOPs (see tests/mixers/test_flops.py)
         assert info["flops"] == info["analytic_flops"] == mixer.flops(1, 128)
         assert info["flops_per_second"] == pytest.approx(info["flops"] / median)
         assert info["tokens_per_second"] == pytest.approx(128 / median)

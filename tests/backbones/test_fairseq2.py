@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.fairseq2, pytest.mark.xdist_group("fairseq2")]
 # Collected now, so a mixer registered later (ours or a plugin's) is covered without editing this file.
 REGISTERED_MIXERS = mp.list_mixers()
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
@@ -142,8 +142,9 @@ def test_setup_is_idempotent(fs2):
     container = DependencyContainer()
     fs2.setup_fairseq2_extension(container)
     fs2.setup_fairseq2_extension(container)  # e.g. entry point + init_fairseq2(extras=setup): no duplicate error
-    assert sorted(container.iter_keys(ModelFamily)) == ["mixer_encoder", "nllb_mixer"]
+    assert sorted(container.iter_keys(ModelFamily)) == ["mixer_decoder", "mixer_encoder", "nllb_mixer"]
     assert sorted(container.iter_keys(fs2.MixerEncoderConfig)) == ["base", "base_hydra", "small", "tiny"]
+    assert sorted(container.iter_keys(fs2.MixerDecoderConfig)) == ["base", "small", "tiny"]
     assert list(container.iter_keys(NllbConfig)) == []  # nothing of upstream is touched
 
 
@@ -926,7 +927,7 @@ def test_recipe_mixer_section_agrees_with_the_model_overrides(fs2):
 def test_mixer_encoder_compiles_with_inductor(fs2, hub):
     """A training step (loss, every gradient) and eval of ``torch.compile(model)`` equal eager, with padding. The
     mixer is ``toeplitz``: the FFT Toeplitz custom op and its backward (the timm tests compile quasi and attention)."""
-    from compile_helpers import assert_train_and_eval_match, inductor_settings
+    from helpers import assert_train_and_eval_match, inductor_settings
 
     torch.manual_seed(0)
     config = _tiny(fs2, mixer="toeplitz", mixer_options={"toeplitz": {"head_dim": 16}}, num_layers=1,

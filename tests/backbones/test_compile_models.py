@@ -5,7 +5,7 @@ parameter's gradient, in training (a step) and in eval (dropout off).
 Inductor generates and compiles C++ for every graph: on a small CPU runner that is ~10-60 s per graph, so CI runs a
 representative set: one ViT whose blocks use ``quasi`` (the Hydra block's custom ops: chunked scan and its backward,
 short conv, gated norm) and softmax ``attention`` with dropout; the FFT Toeplitz op runs in the fairseq2 encoder
-(``tests/test_fairseq2.py``, which has the fairseq2 set-up). ``MIXER_PLUGINS_INDUCTOR_ALL=1`` compiles every
+(``tests/backbones/test_fairseq2.py``, which has the fairseq2 set-up). ``MIXER_PLUGINS_INDUCTOR_ALL=1`` compiles every
 registered mixer as well (``test_every_mixer_compiles_with_inductor``).
 """
 
@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from compile_helpers import TOL, assert_train_and_eval_match, inductor_settings
+from helpers import TOL, assert_train_and_eval_match, inductor_settings
 from torch import nn
 
 import mixer_plugins as mp
