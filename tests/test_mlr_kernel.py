@@ -332,3 +332,81 @@ def test_export_traces_the_reference_formula():
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
     assert not [t for t in targets if "mixer_plugins" in t], targets
     torch.testing.assert_close(program.module()(q, k, v, mask), fn(q, k, v, mask))
+
+
+def test_triton_backend_refuses_float64(monkeypatch):
+    """One float64 policy for the Triton backends: asked for by name, the triton backend refuses float64 inputs
+    with a clear error (before any kernel is loaded); chosen automatically on CUDA, the dispatcher passes it over for
+    the torch backend, and takes it for float32."""
+    from types import SimpleNamespace
+
+    from mixer_plugins.kernels import BackendUnavailableError
+    from mixer_plugins.kernels._dispatch import resolve_backend
+    from mixer_plugins.kernels.mlr_attention import torch as torch_backend
+    from mixer_plugins.kernels.mlr_attention import triton as triton_backend
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check; dtype is what is refused
+    q, k, v = _inputs(1, 8, 1, [2, 2], 3)
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        mlr_attention(q, k, v, ranks=[2, 2], block_sizes=[None, 4], backend="triton")
+    cuda = torch.device("cuda")
+    assert resolve_backend("mlr_attention", None, cuda, SimpleNamespace(dtype=F64)) is torch_backend.impl
+    assert resolve_backend("mlr_attention", None, cuda, SimpleNamespace(dtype=torch.float32)) is triton_backend.impl
+
+
+def _dense_tile_check(length, rows, cols, sizes, causal, keys_are_rows, window=None, num_global=0):
+    """Expand a tile plan to the L x L pairs: every allowed pair visited once, no disallowed pair inside a uniform
+    tile pair, and every pair of a uniform tile pair shares exactly its class's levels."""
+    from mixer_plugins.kernels.local_attention.reference import allowed_pairs
+    from mixer_plugins.kernels.mlr_attention.plan import tile_plan
+    from mixer_plugins.kernels.mlr_attention.reference import same_block_mask
+
+    plan = tile_plan(length, rows, cols, sizes, causal=causal, keys_are_rows=keys_are_rows, window=window,
+                     num_global=num_global)
+    shared = sum(same_block_mask(length, s).long() for s in sizes)  # levels shared by (query, key)
+    if window is None:
+        allowed = torch.ones(length, length, dtype=torch.bool)
+        allowed = allowed.tril() if causal else allowed
+    else:
+        allowed = allowed_pairs(length, window, causal, num_global)
+    if keys_are_rows:  # index [row token, column token]
+        shared, allowed = shared.T, allowed.T
+    seen = torch.zeros(length, length, dtype=torch.long)
+    n_classes = len(plan.classes)
+    for r in range(plan.n_rows):
+        rs = slice(r * rows, (r + 1) * rows)
+        for c, cls in enumerate(plan.classes):
+            for first, end in plan.segs[plan.seg_ptr[r * n_classes + c]: plan.seg_ptr[r * n_classes + c + 1]].tolist():
+                block = slice(first * cols, end * cols)
+                assert end * cols <= length  # never the partial tile
+                assert allowed[rs, block].all()
+                assert (shared[rs, block] == cls).all()
+                seen[rs, block] += 1
+        for t in plan.mixed[plan.mixed_ptr[r]: plan.mixed_ptr[r + 1]].tolist():
+            seen[rs, t * cols: (t + 1) * cols] += 1
+    assert (seen[allowed] == 1).all()
+    assert (seen <= 1).all()
+    return plan
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+@pytest.mark.parametrize("keys_are_rows", [False, True], ids=["query-rows", "key-rows"])
+@pytest.mark.parametrize("length,rows,cols", [(37, 4, 8), (64, 8, 8), (50, 16, 4), (5, 8, 8)])
+def test_tile_plan_covers_every_pair_once(causal, keys_are_rows, length, rows, cols):
+    for _, sizes in LEVELS:
+        _dense_tile_check(length, rows, cols, sizes, causal, keys_are_rows)
+    for window, num_global in [(3, 0), (5, 2), (0, 1), (40, 0), (6, 9)]:
+        _dense_tile_check(length, rows, cols, [None], causal, keys_are_rows, window, num_global)
+
+
+def test_tile_plan_is_mostly_uniform_at_the_papers_levels():
+    """At 4k with the paper's levels and 64-token tiles, only the diagonal tiles need per-entry masks, and the tiles
+    outside a window are skipped."""
+    from mixer_plugins.kernels.mlr_attention.plan import tile_plan
+
+    plan = tile_plan(4096, 64, 64, [None, 512, 256, 128, 64, 32, 16, 8], causal=True)
+    assert plan.pair_counts() == {"uniform": 64 * 63 // 2, "mixed": 64}
+    assert plan.classes == (1, 2, 3, 4, 5, 6, 7, 8)
+    local = tile_plan(4096, 64, 64, [None], causal=False, window=128)
+    assert sum(local.pair_counts().values()) == 64 * 5 - 6  # tiles r - 2 .. r + 2 of each row r

@@ -87,6 +87,25 @@ def test_native_matches_reference_at_any_tiling(tiles, tile, causal, levels):
         assert _err(g, rg) < 1e-12
 
 
+@pytest.mark.parametrize("tile", [(128, 64), (256, 100), (96, 32)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_native_splits_leaves_of_large_blocks(tiles, tile, causal):
+    """Blocks of 64 tokens and more near the diagonal: each tile's neighbourhood is split by the finer blocks (plain
+    ranges of part of the tile's rows, then smaller leaves); float64 values and gradients equal the reference, with
+    right padding, tiles aligned with the blocks or not."""
+    tiles(tile, tile)
+    ranks, sizes = [4, 2, 2, 1, 1], [None, 128, 64, 16, 4]
+    length = 300
+    mask = torch.arange(length)[None, :] < torch.tensor([length, 211])[:, None]
+    q, k, v = _inputs(2, length, 2, ranks, 5, seed=7)
+    kw = dict(ranks=ranks, block_sizes=sizes, scales=[0.6 / r for r in ranks], causal=causal, mask=mask)
+    ref, ref_grads = _value_and_grads(lambda *t: mlr_attention(*t, backend="reference", **kw), (q, k, v))
+    out, grads = _value_and_grads(lambda *t: mlr_attention_torch(*t, engine="native", **kw), (q, k, v))
+    assert _err(out, ref) < 1e-12
+    for g, rg in zip(grads, ref_grads):
+        assert _err(g, rg) < 1e-12
+
+
 @pytest.mark.parametrize("length", [1, 2, 9])
 @pytest.mark.parametrize("block_divide", [True, False])
 def test_native_without_block_divide_and_short_sequences(block_divide, length):
@@ -185,15 +204,39 @@ def test_argument_checks():
                             engine="native")
     key_real = torch.tensor([[True] * 8, [True, False] * 4])
     with pytest.raises(ValueError, match="right-padded"):
-        mlr_torch.mlr_attention_tiled(q, k, v, key_real, [2, 2], [0, 4], False, True, "native")
-    with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.mixer_plugins_native.mlr_forward(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None,
-                                                   [2, 4], [0, 4], [1.0, 0.5], False, 4, 4)
+        mlr_torch.mlr_attention_tiled(q, k, v, key_real, [2, 2], [0, 4], [1.0, 1.0], False, True, "native")
+    op = torch.ops.mixer_plugins_native.mlr_forward
+    levels = ([2, 4], [0, 4], [1.0, 0.5], [1.0, 1.0])
+    with pytest.raises(RuntimeError, match="unit feature stride"):
+        op(torch.cat([q, q], -1)[..., ::2], k, v, None, *levels, False, 4, 4)
     with pytest.raises(RuntimeError, match="key lengths"):
-        torch.ops.mixer_plugins_native.mlr_forward(q, k, v, torch.tensor([8, 0]), [2, 4], [0, 4], [1.0, 0.5], False,
-                                                   4, 4)
+        op(q, k, v, torch.tensor([8, 0]), *levels, False, 4, 4)
     with pytest.raises(RuntimeError, match="exceed"):
-        torch.ops.mixer_plugins_native.mlr_forward(q, k, v, None, [2, 6], [0, 4], [1.0, 0.5], False, 4, 4)
+        op(q, k, v, None, [2, 6], [0, 4], [1.0, 0.5], [1.0, 1.0], False, 4, 4)
+    with pytest.raises(RuntimeError, match="one width, size, scale and tau"):
+        op(q, k, v, None, [2, 4], [0, 4], [1.0, 0.5], [1.0], False, 4, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
+def test_strided_inputs_are_read_in_place(causal):
+    """q, k, v as views of one packed projection (the mixer's layout: no copy is made) and a transposed batch give
+    the values and gradients of contiguous copies."""
+    gen = torch.Generator().manual_seed(5)
+    ranks, sizes = [4, 2, 1, 1], [None, 8, 4, 2]
+    packed = torch.randn(3, 21, 2, 8 + 8 + 5, generator=gen, dtype=F64)
+    kw = dict(ranks=ranks, block_sizes=sizes, scales=[0.7 / r for r in ranks], causal=causal, engine="native")
+
+    def views(t):
+        return t[..., :8], t[..., 8:16], t[..., 16:]
+
+    out, grads = _value_and_grads(lambda t: mlr_attention_torch(*views(t), **kw), (packed,))
+    assert not views(packed)[2].is_contiguous()
+    ref, ref_grads = _value_and_grads(lambda t: mlr_attention_torch(*(x.contiguous() for x in views(t)), **kw),
+                                      (packed,))
+    assert _err(out, ref) < 1e-14 and _err(grads[0], ref_grads[0]) < 1e-14
+    batch_major = packed.transpose(0, 1).contiguous().transpose(0, 1)  # batch stride < length stride
+    out2 = mlr_attention_torch(*views(batch_major), **kw)
+    assert _err(out2, ref) < 1e-14
 
 
 def test_a_failed_build_is_summarized_by_its_cause():

@@ -37,7 +37,7 @@ from pathlib import Path
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 #: kernel families that must not spill: no stack frame and no local memory per thread
-SPILL_FREE = ("norm", "conv")
+SPILL_FREE = ("norm", "conv", "mlr", "local")
 
 
 @dataclass
@@ -142,29 +142,32 @@ def _mlr_cases() -> Iterator[tuple[str, Callable[[], None]]]:
 
     from mixer_plugins.kernels._triton import mlr
 
-    def case(dtype, causal, masked, ranks, block_sizes, length=300, heads=2, p=64):
+    def case(dtype, causal, masked, ranks, block_sizes, length=300, heads=2, p=64, window=None, num_global=0):
         def go():
             g = torch.Generator().manual_seed(0)
             e = sum(ranks)
-            q = torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
-            k = torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
+            q, k = (torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True) for _ in range(2))
             v = torch.randn(1, length, heads, p, generator=g).to(dtype).requires_grad_(True)
-            mask = torch.ones(1, length, dtype=torch.bool) if masked else None
-            levels = mlr._Levels(q, v, ranks, block_sizes, 64)
-            tau = torch.ones(e)
-            qs = (q.float() * tau).contiguous()
-            keyok = mask.to(torch.int8) if masked else None
-            y = mlr._MLRFunction.apply(qs, k.contiguous(), v.contiguous(), keyok, levels, causal, True)
+            key_len = torch.full((1,), length, dtype=torch.int32) if masked else None
+            spec = mlr.MLRSpec(tuple(ranks), tuple(0 if s is None else s for s in block_sizes),
+                               tuple(1.0 / r for r in ranks), window is None, causal, window, num_global)
+            # as mlr_triton launches them (its device check would refuse CPU tensors here)
+            y = mlr._MLRFunction.apply(q, k, v, key_len, spec, mlr.Tiles.default(dtype, max(e, p)))
             y.float().sum().backward()
-        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} ranks={ranks}"
+        name = (f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} ranks={ranks} "
+                f"blocks={block_sizes}" + ("" if window is None else f" window={window} globals={num_global}"))
         return name, go
 
-    yield case(torch.bfloat16, False, True, (32, 16, 16), (None, 128, 32))
+    # the paper's levels (causal) and the mixer's defaults (head dim 32, bidirectional, padded)
+    yield case(torch.bfloat16, True, False, (32, 8, 6, 4, 4, 4, 4, 2), (None, 512, 256, 128, 64, 32, 16, 8))
+    yield case(torch.bfloat16, False, True, (8, 8, 8, 8), (None, 32, 16, 8), p=32)
+    # no global level (pairs sharing none score 0); float32 operands; float16
+    yield case(torch.float16, False, True, (16, 8, 4, 4), (96, 48, 12, 3))
     yield case(torch.float32, True, False, (16, 16, 16, 16), (None, 256, 64, 16))
 
 
 def _local_cases() -> Iterator[tuple[str, Callable[[], None]]]:
-    """``kernels.local_attention``'s Triton backend: the MLR kernels' banded specializations (BANDED=True)."""
+    """``kernels.local_attention``'s Triton backend: the MLR kernels with a band (one global level)."""
     import torch
 
     from mixer_plugins.kernels._triton import mlr
@@ -174,17 +177,16 @@ def _local_cases() -> Iterator[tuple[str, Callable[[], None]]]:
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(1, length, heads, e, generator=g).to(dtype).requires_grad_(True)
                        for _ in range(3))
-            keyok = torch.ones(1, length, dtype=torch.int8) if masked else None
-            # as local_attention_triton launches them (its device check would refuse CPU tensors here)
-            levels = mlr._Levels(q, v, [e], [None], 64)
-            y = mlr._MLRFunction.apply((q.float() * e ** -0.5).contiguous(), k, v, keyok, levels, causal, False,
-                                       window, num_global)
+            key_len = torch.full((1,), length, dtype=torch.int32) if masked else None
+            spec = mlr.MLRSpec((e,), (0,), (e ** -0.5,), False, causal, window, num_global)
+            y = mlr._MLRFunction.apply(q, k, v, key_len, spec, mlr.Tiles.default(dtype, e))
             y.float().sum().backward()
-        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} globals={num_global}"
+        name = f"{str(dtype).removeprefix('torch.')} causal={causal} mask={masked} globals={num_global} e={e}"
         return name, go
 
     yield case(torch.bfloat16, True, False, 0)
-    yield case(torch.float32, False, True, 3, e=128)   # the widest tiles: float32 operands at head dim 128
+    yield case(torch.bfloat16, False, True, 3, e=128)   # head dim 128: other tiles
+    yield case(torch.float32, False, True, 3)
 
 
 def _norm_cases() -> Iterator[tuple[str, Callable[[], None]]]:
