@@ -105,35 +105,42 @@ def compile_only(arch: int, record: Callable[[str, float, object], None]) -> Ite
 
 
 def _scan_cases() -> Iterator[tuple[str, Callable[[], None]]]:
+    """The chunked scan's kernels (``kernels.scan.triton_kernels``), forward and backward, as the backend launches
+    them: raw step sizes prepared in the kernels, inputs read through their strides."""
+    import math
+
     import torch
 
     from mixer_plugins.kernels.scan import triton_kernels as scan
 
-    def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, length=200):
+    def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, heads=4, length=200, softplus=True):
         def go():
             g = torch.Generator().manual_seed(0)
-            b, h = 1, 4
+            b, h = 1, heads
             x = torch.randn(b, length, h, head_dim, generator=g).to(dtype)
-            dt = torch.rand(b, length, h, generator=g)
+            dt = torch.rand(b, length, h, generator=g).to(dtype)
             A = -torch.rand(h, generator=g)
             B = torch.randn(b, length, groups, state, generator=g).to(dtype)
             C = torch.randn(b, length, groups, state, generator=g).to(dtype)
+            bias = torch.zeros(h) if softplus else None
             fwd = (dt, A, B, C) if "f" in directions else (None,) * 4
             bwd = (dt, A, B, C) if "b" in directions else (None,) * 4
             d = torch.randn(b, length, h, generator=g).to(dtype) if diag else None
             s = torch.zeros(b, length, dtype=torch.int32) if seg else None
             st = torch.zeros(b, h, head_dim, state) if init else None
-            y, hs, lg, _ = scan._scan_fwd(x, *fwd, *bwd, d, s, st, shift, 64)
-            scan._scan_bwd(torch.randn_like(x), st, x, *fwd, *bwd, d, s, hs, lg, shift, 64)
+            prep = (bias, 0.0, math.inf, softplus, shift, 64)
+            y, states, lg, cb, dtc, final = scan._scan_fwd(x, *fwd, *bwd, d, st, s, *prep, init)
+            scan._scan_bwd(torch.randn_like(x), final if init else None, x, *fwd, *bwd, d, s, *prep, states, lg, cb,
+                           dtc, init)
         name = (f"{str(dtype).removeprefix('torch.')} dirs={directions} shift={shift} seg={seg} diag={diag} "
-                f"init={init} g={groups} n={state} p={head_dim}")
+                f"init={init} g={groups} n={state} p={head_dim} heads={heads}")
         return name, go
 
     # Hydra (both directions, shift, free diagonal, shared B/C) in both input dtypes, with and without segments
     yield case(torch.bfloat16, True, False, True, "fb", False, 1, 64, 64)
     yield case(torch.float32, True, True, True, "fb", False, 1, 64, 64)
     # causal SSD (forward alone, initial state), and the reversed single direction; odd sizes padded to blocks
-    yield case(torch.bfloat16, False, True, False, "f", True, 2, 128, 64)
+    yield case(torch.bfloat16, False, True, False, "f", True, 2, 128, 64, softplus=False)
     yield case(torch.float16, False, False, False, "b", False, 2, 16, 24)
 
 
