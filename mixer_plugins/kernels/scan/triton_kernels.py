@@ -177,10 +177,16 @@ if triton is not None:
             return backward
 
     @triton.jit
+    def _offset(b, t0, k, sb, sl, sk):
+        """The element offset of row ``t0`` of sequence ``b``, slice ``k``, in 64 bits (``b``, ``t0``, ``k`` come from
+        a 64-bit program id)."""
+        return b.to(tl.int64) * sb + t0.to(tl.int64) * sl + k.to(tl.int64) * sk
+
+    @triton.jit
     def _at(ptr, b, t0, k, sb, sl, sk):
-        """``ptr`` moved to row ``t0`` of sequence ``b``, slice ``k`` (a 64-bit offset: ``b``, ``t0``, ``k`` are 64-bit
-        scalars); rows of the chunk are then addressed by their 32-bit offsets from there."""
-        return ptr + (b * sb + t0 * sl + k * sk)
+        """``ptr`` moved to row ``t0`` of sequence ``b``, slice ``k`` (a 64-bit offset); rows of the chunk are then
+        addressed by their 32-bit offsets from there."""
+        return ptr + _offset(b, t0, k, sb, sl, sk)
 
     @triton.jit
     def _tile(ptr, r, ok, offs, W, sl, EVEN: tl.constexpr):
@@ -516,6 +522,7 @@ if triton is not None:
         BATCH, L, H, G, P, N, NC, Q, NBLK, lo, hi,
         HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
         HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        SHARED_A: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_P: tl.constexpr, EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
@@ -549,6 +556,7 @@ if triton is not None:
                      tl.sum(dy.to(tl.float32) * x.to(tl.float32), 1).to(ddiag_ptr.dtype.element_ty), mask=ok)
         part = part_ptr + (b * NC + c) * 3 * H + h
         dbias = 0.0
+        dA_both = 0.0
         for d in tl.static_range(D0, D1):
             slot = d - D0
             dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
@@ -580,8 +588,13 @@ if triton is not None:
             ddt, dA = _dt_grads(d, dt, gdt, A, p, e, plast, kd, qd, rr, val, ws_raw, dlg, ok, SHIFT)
             ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
             tl.store(ddt_ptr + (b * L + t0) * H + h + offs_q * H, ddt.to(ddt_ptr.dtype.element_ty), mask=ok)
-            tl.store(part + d * H, dA)
+            if SHARED_A:   # one A for both directions: one gradient
+                dA_both += dA
+            else:
+                tl.store(part + d * H, dA)
             dbias += tl.sum(ddt, 0)
+        if SHARED_A:
+            tl.store(part, dA_both)
         if HAS_BIAS:
             tl.store(part + 2 * H, dbias)
         _store_tile(dx_ptr + ((b * L + t0) * H + h) * P, offs_q, ok, offs_p, P, H * P, dx, EVEN_P)
@@ -727,6 +740,8 @@ class _Call:
         dt_f, dt_b = _one_layout(dt_f, dt_b)
         B_f, C_f, B_b, C_b = _one_layout(B_f, C_f, B_b, C_b)
         self.dt, self.A = _fill(dt_f, dt_b), _fill(_param(A_f), _param(A_b))
+        #: both directions read the forward's A (the caller passed one tensor for both): its gradient is one sum
+        self.shared_A = self.has_f and self.has_b and A_b is None
         self.B, self.C = _fill(B_f, B_b), _fill(C_f, C_b)
         rows = [t.stride(1) for t in (self.x, *self.dt, *self.B, diag) if t is not None]
         rows.append(H * P)
@@ -851,7 +866,8 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
             x, *_s3(x), dy, *_s3(dy), k.dt[0], k.A[0], k.B[0], k.dt[1], k.A[1], k.B[1], *_s3(k.dt[0]),
             *_s3(k.B[0]), k.ptr(diag), *_s3(diag), k.ptr(k.bias), k.ptr(seg), cb, ds, dtc, rr, dlg, dx,
             k.ptr(ddiag if diag is not None else None), *_fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None),
-            part, *k.dims, nblk, *k.lo_hi, **k.flags, HAS_DIAG=diag is not None, **k.prep, **blocks,
+            part, *k.dims, nblk, *k.lo_hi, **k.flags, HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A,
+            **blocks,
             BLOCK_K=max(2, pow2(nblk)), **LAUNCH["dx"])
         _dbc_kernel[geo.group_grid()](
             x, *_s3(x), dy, *_s3(dy), k.B[0], k.C[0], k.B[1], k.C[1], *_s3(k.B[0]), k.ptr(seg), ds, dtc, tacc,
@@ -1011,6 +1027,18 @@ def _seg_arg(seq_idx: Tensor | None) -> Tensor | None:
         seq_idx.to(torch.int32).contiguous()
 
 
+def _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b) -> tuple:
+    """The backward direction's generators as the kernels take them: in the forward's dtypes (one dtype per
+    generator), and ``A_b`` None when it is the forward's tensor itself (then its gradient is one sum, not two
+    added)."""
+    if dt_f is None or dt_b is None:
+        return dt_b, A_b, B_b, C_b
+    if A_b is A_f:
+        A_b = None
+    return tuple(t if t is None or t.dtype == f.dtype else t.to(f.dtype)
+                 for t, f in zip((dt_b, A_b, B_b, C_b), (dt_f, A_f, B_f, C_f)))
+
+
 def scan_triton(
     x: Tensor,
     dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
@@ -1034,9 +1062,7 @@ def scan_triton(
         raise ValueError("initial and final states belong to the forward direction, which is absent")
     init = None if initial_state is None else initial_state.contiguous()
     lo, hi = dt_limit
-    if dt_f is not None and dt_b is not None:   # the kernels take one dtype per generator for both directions
-        dt_b, A_b, B_b, C_b = (t if t.dtype == f.dtype else t.to(f.dtype)
-                               for t, f in zip((dt_b, A_b, B_b, C_b), (dt_f, A_f, B_f, C_f)))
+    dt_b, A_b, B_b, C_b = _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
     y, _, _, _, _, final = _qs_op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, _seg_arg(seq_idx), dt_bias,
                                float(lo), float(hi), bool(dt_softplus), bool(shift), int(chunk_size),
                                bool(return_final_state))
