@@ -189,7 +189,8 @@ def hydra_block(dim: int, **options) -> torch.nn.Module:
 def block_step(mixer: torch.nn.Module, x: torch.Tensor, autocast: torch.dtype | None = None) -> Callable[[], None]:
     """One forward and backward of ``mixer`` on ``x`` (autocast to ``autocast`` when given), with a fixed output
     gradient (so the step launches nothing but the mixer's own kernels)."""
-    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.device, autocast or x.dtype)
+    gen = torch.Generator().manual_seed(1)
+    probe = torch.randn(x.shape, generator=gen, device="cpu").to(x.device, autocast or x.dtype)
 
     def step() -> None:
         mixer.zero_grad(set_to_none=True)

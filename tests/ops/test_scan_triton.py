@@ -1,5 +1,5 @@
-"""The scan's ``triton`` backend (our fused kernels), run on CPU under ``TRITON_INTERPRET=1``, against the
-``reference`` backend.
+"""The scan's ``triton`` backend (our fused kernels), run on CPU under ``TRITON_INTERPRET=1`` (or on CUDA, where the
+GPU script runs this file), against the ``reference`` backend.
 
 Values and every gradient are compared (``torch.autograd.grad``) with the materialized oracle in float64.
 Shapes are tiny: the interpreter runs each kernel program in Python.
@@ -35,11 +35,29 @@ if not FRESH and not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 qs_triton = pytest.importorskip("mixer_plugins.kernels.scan.triton_kernels")
 
+#: where the kernels run: CPU tensors under the interpreter, CUDA ones otherwise (every tensor of a test is made there)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+
 pytestmark = [
     pytest.mark.triton,
-    pytest.mark.skipif(qs_triton.available("cpu") is not None,
-                       reason=f"triton kernels cannot run on CPU here: {qs_triton.available('cpu')}"),
+    pytest.mark.skipif(qs_triton.available(DEVICE) is not None,
+                       reason=f"triton kernels cannot run on {DEVICE} here: {qs_triton.available(DEVICE)}"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _on_the_kernels_device(request):
+    """Every tensor a test makes is made on :data:`DEVICE` (the compile test places its own: dynamo does not trace
+    under a default-device context)."""
+    if "compiles_fullgraph" in request.node.name:
+        yield
+        return
+    with torch.device(DEVICE):
+        yield
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -255,7 +273,7 @@ def test_the_comparison_catches_a_wrong_gradient():
 @pytest.mark.parametrize("decay", [-0.02, -2.0, -5.0, -40.0])
 def test_the_shifted_scan_keeps_float32_accuracy_at_any_decay(decay):
     """As accurate in float32 as the released computation (unshifted scans, then the outputs shifted)."""
-    gen = torch.Generator().manual_seed(1)
+    gen = _gen(1)
     b, L, h, p, g, n = 1, 24, 2, 4, 1, 4
     x = torch.randn(b, L, h, p, generator=gen, dtype=torch.float64)
     dt, dt_b = (torch.rand(b, L, h, generator=gen, dtype=torch.float64) * 0.9 + 0.1 for _ in range(2))
@@ -276,7 +294,7 @@ def test_the_shifted_scan_keeps_float32_accuracy_at_any_decay(decay):
 
 
 def test_available_reports_why_not():
-    assert qs_triton.available("cpu") is None
+    assert qs_triton.available(DEVICE) is None
     reason = qs_triton.available("meta")
     assert isinstance(reason, str) and reason
 
@@ -409,7 +427,7 @@ def test_one_chunk_half_precision(dtype, small_tiles):
     y = quasiseparable(**leaves, chunk_size=64, backend="triton")
     assert y.dtype == dtype
     ref = quasiseparable(**ref_leaves, chunk_size=64, backend="reference")
-    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
+    cot = torch.randn(ref.shape, generator=_gen(3))
 
     def rel(a, b):
         return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
@@ -426,7 +444,7 @@ def test_one_chunk_half_precision(dtype, small_tiles):
 def test_the_one_chunk_shifted_scan_keeps_float32_accuracy_at_any_decay(decay, small_tiles):
     """As the chunked kernels' test: across tile boundaries the neighbours' decay stays exactly 1 (the pieces of a
     cross-tile log decay all have its sign), so the shifted scan is as accurate as unshifted scans shifted after."""
-    gen = torch.Generator().manual_seed(1)
+    gen = _gen(1)
     b, L, h, p, g, n = 1, 40, 2, 4, 1, 4
     x = torch.randn(b, L, h, p, generator=gen, dtype=torch.float64)
     dt, dt_b = (torch.rand(b, L, h, generator=gen, dtype=torch.float64) * 0.9 + 0.1 for _ in range(2))
@@ -481,7 +499,7 @@ def _launches_module():
 
 def _projection_views(b, L, h, p, g, n, dtype):
     """x, B/C of both directions and the raw dt of both, as the block passes them: strided views of one buffer."""
-    gen = torch.Generator().manual_seed(0)
+    gen = _gen(0)
     width = h * p + 4 * g * n
     u = torch.randn(b, L, width + 3, generator=gen).to(dtype)[..., :width]     # a slice: rows wider than the data
     x, B, C, B_b, C_b = u.split([h * p, g * n, g * n, g * n, g * n], dim=-1)
@@ -603,8 +621,8 @@ def test_a_hydra_block_compiles_fullgraph_on_the_triton_path(small_tiles):
     import mixer_plugins as mp
 
     torch.manual_seed(0)
-    mixer = mp.create_mixer("quasi", 32, head_dim=16, d_state=8)
-    x = torch.randn(2, 40, 32)
+    mixer = mp.create_mixer("quasi", 32, head_dim=16, d_state=8).to(DEVICE)
+    x = torch.randn(2, 40, 32).to(DEVICE)
     seen = []
 
     def backend(gm, example_inputs):
@@ -618,7 +636,7 @@ def test_a_hydra_block_compiles_fullgraph_on_the_triton_path(small_tiles):
         compiled = torch.compile(mixer, backend=backend, fullgraph=True)
         x_e, x_c = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_e, y_c = mixer(x_e), compiled(x_c)
-        probe = torch.randn(y_e.shape)
+        probe = torch.randn(y_e.shape).to(DEVICE)
         y_e.backward(probe)
         y_c.backward(probe)
     assert any("quasiseparable_triton" in name for name in seen), seen
