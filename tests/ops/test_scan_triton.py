@@ -454,8 +454,9 @@ def test_the_one_chunk_shifted_scan_keeps_float32_accuracy_at_any_decay(decay, s
     truth = quasiseparable(x, dt, A, B, C, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, backend="reference", **kw)
     x, dt, A, B, C, dt_b, B_b, C_b = (t.float() for t in (x, dt, A, B, C, dt_b, B_b, C_b))
     y = quasiseparable(x, dt, A, B, C, dt_bwd=dt_b, B_bwd=B_b, C_bwd=C_b, backend="triton", **kw)
-    y_f = directional_scan(x, dt, A, B, C, backend="triton", **kw)
-    y_b = directional_scan(x, dt_b, A, B_b, C_b, reverse=True, backend="triton", **kw)
+    # the released computation in chunks of a tile (PyTorch's chunked scans, unshifted, then the outputs shifted)
+    y_f = directional_scan(x, dt, A, B, C, backend="torch", chunk_size=16)
+    y_b = directional_scan(x, dt_b, A, B_b, C_b, reverse=True, backend="torch", chunk_size=16)
     released = F.pad(y_f[:, :-1], (0, 0, 0, 0, 1, 0)) + F.pad(y_b[:, 1:], (0, 0, 0, 0, 0, 1))
     scale = truth.abs().max()
     error = (y.double() - truth).abs().max() / scale
@@ -609,6 +610,7 @@ def test_grids_are_one_dimensional_past_65535_sequences_times_heads():
     for grid in (geo.head_grid(), geo.group_grid(), geo.pass_grid(2, 64 * 64)):
         assert len(grid) == 1 and 0 < grid[0] <= MAX_GRID
     assert geo.head_grid() == (8192 * 16 * 24,)
+    assert ScanGeometry(batch=1, length=4096, heads=24, groups=1, head_dim=64, state=64, chunk=256).Q == 64
     one = one_chunk.OneChunkGeometry(batch=8192, length=197, heads=24, groups=1, head_dim=64, state=64)
     assert one.tile_grid(24) == (8192 * 24 * 4,) and one.head_grid() == (8192 * 24,)
     with pytest.raises(ValueError, match="grid limit"):

@@ -1,10 +1,10 @@
 """The fused chunked scan in Triton, forward and backward (the kernels of the ``triton`` backend, :mod:`.triton`).
 
 Computes exactly what ``mixer_plugins.kernels.quasiseparable`` computes (see :mod:`.reference` for the matrix
-entries), for both directions in **one** chunked pass: per chunk of Q tokens, one Q x Q block holds the lower
-(forward direction), upper (backward direction) and diagonal parts and is applied with one matmul; between chunks two
-light state passes run, the forward state left to right and the backward state right to left. No flipped copy of the
-input and no doubled batch. Sequences that fit one chunk run on the stateless kernels of :mod:`.triton_one_chunk`
+entries), for both directions in **one** chunked pass: per chunk of Q tokens (the requested ``chunk_size``, at most
+:attr:`ScanGeometry.MAX_CHUNK`), one Q x Q block holds the lower (forward direction), upper (backward direction) and
+diagonal parts and is applied with one matmul; between chunks two light state passes run, the forward state left to
+right and the backward state right to left. No flipped copy of the input and no doubled batch. Sequences that fit one chunk run on the stateless kernels of :mod:`.triton_one_chunk`
 (the backend chooses by shape).
 
 Per head, with ``a = A * dt`` and chunk-local cumsums ``p`` (inclusive) and ``e`` (exclusive, selected from ``p``):
@@ -89,11 +89,15 @@ class ScanGeometry:
 
     #: elements of a state that one program of the state pass carries
     PASS_BLOCK = 1024
+    #: the longest chunk the kernels take: a larger ``chunk_size`` changes nothing but speed (and rounding), and the
+    #: kernels keep their chunk-by-chunk tiles in registers at 64 tokens (sequences of one chunk up to 256 tokens run
+    #: on the one-chunk kernels)
+    MAX_CHUNK = 64
 
     def __init__(self, batch: int, length: int, heads: int, groups: int, head_dim: int, state: int, chunk: int):
         self.batch, self.length, self.heads, self.groups = int(batch), int(length), int(heads), int(groups)
         self.head_dim, self.state = int(head_dim), int(state)
-        self.Q = max(1, min(int(chunk), self.length))
+        self.Q = max(1, min(int(chunk), self.length, self.MAX_CHUNK))
         self.nchunks = cdiv(self.length, self.Q)
 
     def blocks(self, dtype: torch.dtype) -> dict:
@@ -807,7 +811,7 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_b
     final = torch.empty((bsz, H, BP, BN) if return_final else (0,), device=dev, dtype=torch.float32)
     y = torch.empty(x.shape, device=dev, dtype=x.dtype)
     if x.numel() == 0:
-        return y, st, lg, cb, dtc, final[..., :P, :N].contiguous()
+        return y, st, lg, cb, dtc, (final[..., :P, :N].contiguous() if return_final else final)
     x = k.x
     with on_device(dev):
         _states_kernel[geo.group_grid()](
@@ -847,7 +851,8 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     dinit = torch.empty(bsz, H, BP, BN, **f32) if need_dinit else x.new_empty(0)
     part = torch.empty(bsz * NC, 3, H, **f32)
     if x.numel() == 0:
-        return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit[..., :P, :N].contiguous(), part]
+        dinit = dinit[..., :P, :N].contiguous() if need_dinit else dinit
+        return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part]
     x, dy = k.x, _unit_last(dy)
     ds = torch.empty(k.ndirs, bsz, NC, H, BP, BN, device=dev, dtype=k.st_dtype)
     rr = torch.empty(k.ndirs, bsz, L, H, **f32)
@@ -991,7 +996,7 @@ def scan_triton_flops(batch: int, length: int, heads: int, head_dim: int, state:
     dy`` once (2 L Q h p); per direction five (L, p, n) products per head (read-out gradient, ``dy H``, ``x dS``,
     ``B dS^T``) and dC~, dB per group (2 x 2 L Q g n). L is the length padded to whole chunks.
     """
-    q = min(int(chunk_size), length)
+    q = ScanGeometry(batch, length, heads, groups, head_dim, state, chunk_size).Q
     padded = -(-length // q) * q
     if not backward:
         per_dir = 2 * padded * q * groups * state + 4 * padded * heads * head_dim * state
