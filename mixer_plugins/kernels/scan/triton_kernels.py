@@ -4,8 +4,8 @@ Computes exactly what ``mixer_plugins.kernels.quasiseparable`` computes (see :mo
 entries), for both directions in **one** chunked pass: per chunk of Q tokens (the requested ``chunk_size``, at most
 :attr:`ScanGeometry.MAX_CHUNK`), one Q x Q block holds the lower (forward direction), upper (backward direction) and
 diagonal parts and is applied with one matmul; between chunks two light state passes run, the forward state left to
-right and the backward state right to left. No flipped copy of the input and no doubled batch. Sequences that fit one chunk run on the stateless kernels of :mod:`.triton_one_chunk`
-(the backend chooses by shape).
+right and the backward state right to left. No flipped copy of the input and no doubled batch. Sequences that fit one
+chunk run on the stateless kernels of :mod:`.triton_one_chunk` (the backend chooses by shape).
 
 Per head, with ``a = A * dt`` and chunk-local cumsums ``p`` (inclusive) and ``e`` (exclusive, selected from ``p``):
 
