@@ -46,6 +46,10 @@ _LAZY: dict[str, str] = {
     "MixerPluginWarning": "mixer_plugins.errors",
     "BackendUnavailableError": "mixer_plugins.errors",
     "MissingExtraError": "mixer_plugins.errors",
+    "MixerCheckpointMismatchError": "mixer_plugins.errors",
+    "StepNotSupportedError": "mixer_plugins.errors",
+    "MixerCache": "mixer_plugins.mixers.cache",
+    "strip_mixer_records": "mixer_plugins.mixers.base",
     "swap_mixer": "mixer_plugins.backbones.timm",
 }
 
@@ -56,15 +60,18 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         DuplicateMixerError,
         InvalidMixerOptions,
         MissingExtraError,
+        MixerCheckpointMismatchError,
         MixerError,
         MixerInputError,
         MixerPluginWarning,
         NotMaterializableError,
         PluginLoadError,
         SequenceLengthError,
+        StepNotSupportedError,
         UnknownMixerError,
     )
-    from .mixers.base import MatrixMixer, MixerContext
+    from .mixers.base import MatrixMixer, MixerContext, strip_mixer_records
+    from .mixers.cache import MixerCache
     from .registry import (
         ENTRY_POINT_GROUP,
         MixerConfig,
@@ -170,6 +177,10 @@ __all__ = [
     "MixerPluginWarning",
     "BackendUnavailableError",
     "MissingExtraError",
+    "MixerCheckpointMismatchError",
+    "StepNotSupportedError",
+    "MixerCache",
+    "strip_mixer_records",
     "swap_mixer",
 ]
 

@@ -7,6 +7,8 @@ Every error the library raises on bad input derives from :class:`MixerError` (it
 from __future__ import annotations
 
 __all__ = [
+    "StepNotSupportedError",
+    "MixerCheckpointMismatchError",
     "MixerError",
     "UnknownMixerError",
     "InvalidMixerOptions",
@@ -97,6 +99,16 @@ class MixerPluginWarning(UserWarning):
 
 class BackendUnavailableError(MixerError):
     """The requested kernel backend cannot run this op on these tensors (missing package, wrong device, ...)."""
+
+
+class MixerCheckpointMismatchError(MixerError):
+    """``load_state_dict`` was given the checkpoint of another mixer, or of the same mixer with other options
+    (strip the records with :func:`mixer_plugins.strip_mixer_records` to load it anyway)."""
+
+
+class StepNotSupportedError(MixerError, NotImplementedError):
+    """The mixer cannot decode token by token: it is bidirectional, or its kind has no step (its spec says
+    ``stepping=False``)."""
 
 
 class MissingExtraError(MixerError):

@@ -4,7 +4,7 @@ against float64 (the vectorized ``exp``), extreme logits; right-padded keys; ``t
 automatic choice and its fallback when the kernel cannot be built; argument checks.
 
 The engine is also in the engine-parametrized tests of tests/test_mlr_kernel.py (every level list, NaN pads, the
-FLOP counter) and in the custom-op checks of tests/test_kernels_compile.py."""
+FLOP counter) and in the custom-op checks of tests/ops/test_custom_ops.py."""
 
 from __future__ import annotations
 

@@ -14,14 +14,15 @@ Differences from the released module, all deliberate:
 * ``use_mem_eff_path`` is accepted and ignored: it changes memory use, not the result.
 * ``A_log`` starts at 0 (``A = -1``) as in the released code, which has no ``A_init_range`` argument.
 
-:func:`convert_matrix_mixer_state_dict` maps the released ``MatrixMixer`` checkpoints (``matrix_mixer.*`` keys) to
-ours; the one layout that changes is the data-independent Toeplitz kernel, stored by the released code rotated by
-one offset (``m_ij = c[(i - j + Lmax) mod (2 Lmax - 1)]``): ours holds offsets ``-(L-1) .. L-1`` in order, so the
-converter rolls the taps by one.
+:func:`convert_matrix_mixer_state_dict` maps the released ``MatrixMixer`` checkpoints (``matrix_mixer.*`` keys) of every
+type to ours (:func:`matrix_mixer_options` gives the mixer and options to load them into). The data-independent
+Toeplitz kernel is stored by the released code rotated by one offset (``m_ij = c[(i - j + Lmax) mod (2 Lmax - 1)]``):
+ours holds offsets ``-(L-1) .. L-1`` in order, so the converter rolls the taps by one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -31,7 +32,7 @@ from torch import Tensor
 from ..errors import MixerInputError
 from ..mixers.quasiseparable import QuasiseparableConfig, QuasiseparableMixer
 
-__all__ = ["Hydra", "convert_matrix_mixer_state_dict", "HYDRA_KEY_MAP"]
+__all__ = ["Hydra", "convert_matrix_mixer_state_dict", "matrix_mixer_options", "HYDRA_KEY_MAP", "NO_SHIFT_RAW"]
 
 #: Our parameter names -> the released Hydra module's (the others are the same in both).
 HYDRA_KEY_MAP: dict[str, str] = {"ssm.A_log": "A_log", "ssm.dt_bias": "dt_bias", "ssm.D": "D"}
@@ -42,8 +43,13 @@ class Hydra(QuasiseparableMixer):
 
     Arguments are the released ones (``headdim``, ``bias`` etc. keep its names); ``activation`` must be ``"silu"``
     or ``"swish"`` (the released code asserts the same). ``forward(u)`` maps (batch, length, d_model) to the same
-    shape; ``mask=`` (bool (batch, length), right-padded) is our addition.
+    shape; ``mask=`` (bool (batch, length), right-padded) is our addition. Its ``state_dict`` has exactly the released
+    keys: unlike our mixers it records no name and options (so it does not check them on load either).
     """
+
+    # The released key set: no extra-state record.
+    get_extra_state = torch.nn.Module.get_extra_state
+    set_extra_state = torch.nn.Module.set_extra_state
 
     def __init__(self, d_model: int, d_state: int = 64, d_conv: int = 7, conv_init: Optional[float] = None,
                  expand: int = 2, headdim: int = 64, ngroups: int = 1, dt_min: float = 0.001, dt_max: float = 0.1,
@@ -114,11 +120,29 @@ def _from_released_keys(state_dict, prefix, local_metadata, strict, missing_keys
 
 _BLOCK_KEYS = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "norm.weight", "out_proj.weight",
                "out_proj.bias")
-_MIXER_KEYS: dict[str, dict[str, str]] = {
-    "toeplitz": {"conv_params": "taps"},
-    "quasiseparable": {"A_log": "ssm.A_log", "dt_bias": "ssm.dt_bias", "D": "ssm.D", "fc_D.weight": "fc_D.weight",
-                       "BC": "BC"},
+#: Per released matrix-mixer type and form (data-dependent or not): the mixer's own keys -> ours (None: dropped).
+_MIXER_KEYS: dict[tuple[str, bool], dict[str, str | None]] = {
+    ("dense", False): {"M": "weight"},
+    ("toeplitz", False): {"conv_params": "taps"},
+    ("vandermonde", True): {},
+    ("vandermonde", False): {"dft_matrix": None},          # the DFT: a fixed buffer, no parameter of ours
+    ("cauchy", True): {"bias": "shift_raw"},
+    ("cauchy", False): {"q_matrix": "q_param", "k_matrix": "k_param"},
+    ("low_rank", True): {},
+    ("low_rank", False): {"q_matrix": "q_param", "k_matrix": "k_param"},
+    ("attention", True): {},
+    ("attention", False): {"q_matrix": "q_param", "k_matrix": "k_param"},
+    ("quasiseparable", True): {"A_log": "ssm.A_log", "dt_bias": "ssm.dt_bias", "D": "ssm.D",
+                               "fc_D.weight": "fc_D.weight"},
+    ("quasiseparable", False): {"A_log": "ssm.A_log", "dt_bias": "ssm.dt_bias", "D": "ssm.D",
+                                "fc_D.weight": "fc_D.weight", "BC": "BC"},
 }
+#: Our mixer for each released type.
+_OUR_MIXER = {"dense": "dense", "toeplitz": "toeplitz", "vandermonde": "vandermonde", "cauchy": "cauchy",
+              "low_rank": "low_rank", "attention": "block_attention", "quasiseparable": "quasiseparable"}
+#: The released data-independent Cauchy has no shift (``1/(e^q + e^k + tol)``); ours is ``softplus(shift_raw) > 0``.
+#: This raw value gives ``softplus = 4.2e-18``, below the resolution of any denominator (each exceeds ``tol = 1e-8``).
+NO_SHIFT_RAW = -40.0
 
 
 def roll_released_toeplitz_taps(conv_params: Tensor) -> Tensor:
@@ -127,35 +151,109 @@ def roll_released_toeplitz_taps(conv_params: Tensor) -> Tensor:
     return torch.roll(conv_params, shifts=-1, dims=-1)
 
 
+def matrix_mixer_options(matrix_mixer_type: str, is_data_dependent: bool, d_model: int, qk_dim: int, *,
+                         max_seq_len: Optional[int] = None, d_conv: int = 7, expand: int = 2, headdim: int = 128,
+                         bias: bool = False, conv_bias: bool = True, chunk_size: int = 256) -> tuple[str, dict]:
+    """Our mixer and its options for the released ``MatrixMixer(matrix_mixer_type, is_data_dependent, d_model,
+    qk_dim, max_seq_len, d_conv, expand=..., headdim=..., bias=..., conv_bias=..., chunk_size=...)``: build it with
+    ``mixer_plugins.create_mixer(name, d_model, **options)`` and load :func:`convert_matrix_mixer_state_dict` of the
+    released checkpoint into it."""
+    if matrix_mixer_type not in _OUR_MIXER:
+        raise ValueError(f"unknown released matrix mixer {matrix_mixer_type!r}; released types: {sorted(_OUR_MIXER)}")
+    dd = is_data_dependent and matrix_mixer_type != "dense"
+    options: dict = {"head_dim": headdim, "expand": expand, "d_conv": d_conv, "proj_bias": bias,
+                     "conv_bias": conv_bias}
+    if matrix_mixer_type == "dense":
+        return "dense", {**options, "max_seq_len": max_seq_len}
+    options["data_dependent"] = dd
+    if not dd or matrix_mixer_type in ("vandermonde", "cauchy", "low_rank"):
+        options["max_seq_len"] = max_seq_len
+    if matrix_mixer_type == "quasiseparable":
+        return "quasiseparable", {**options, "d_state": qk_dim * expand * d_model // headdim, "shared_bc": True,
+                                  "ngroups": 1, "chunk_size": chunk_size, "A_init_range": (1.0, 1.0)}
+    if matrix_mixer_type == "toeplitz":
+        return "toeplitz", options
+    options["qk_dim"] = qk_dim
+    if dd and matrix_mixer_type in ("vandermonde", "cauchy", "low_rank"):
+        # the released output scale 1/sqrt(Lmax ...) uses max_seq_len; ours is the fixed scale_length
+        options["scale_length"] = max_seq_len
+        del options["max_seq_len"]
+    return _OUR_MIXER[matrix_mixer_type], options
+
+
 def convert_matrix_mixer_state_dict(state_dict: Mapping[str, Tensor], matrix_mixer_type: str, *,
                                     is_data_dependent: bool = True) -> dict[str, Tensor]:
     """A released ``MatrixMixer`` ``state_dict`` (``hydra/modules/matrix_mixer.py``) in our mixer's layout.
 
-    Supported: ``"quasiseparable"`` (load into ``quasiseparable`` with ``shared_bc=True``, ``d_state = heads *
-    qk_dim``, ``ngroups=1``; ``data_dependent=False`` for the DI form) and the data-independent ``"toeplitz"``
-    (load into ``toeplitz`` with ``data_dependent=False``; its taps are rolled by one, see
-    :func:`roll_released_toeplitz_taps`). The data-dependent Toeplitz checkpoint has no exact image: the released
-    code builds its kernel rotated by one offset from per-token projections, which no weight permutation undoes;
-    it raises. Unknown keys raise rather than load silently.
+    Every checkpoint kind the released ``MatrixMixer`` can produce converts, except one; :func:`matrix_mixer_options`
+    gives the mixer and options to load it into:
+
+    ======================  ============================================================================================
+    released type (form)    ours
+    ======================  ============================================================================================
+    dense (DI only)         ``dense``: ``matrix_mixer.M`` -> ``weight``
+    toeplitz (DI)           ``toeplitz``: taps rolled by one (:func:`roll_released_toeplitz_taps`)
+    vandermonde (DD)        ``vandermonde``: the block's weights only (the mixer has none)
+    vandermonde (DI)        ``vandermonde`` DFT: the ``dft_matrix`` buffer is checked and dropped
+    cauchy (DD)             ``cauchy``: the shift ``2 beta`` -> ``shift_raw = log(expm1(2 beta))`` (must be > 0)
+    cauchy (DI)             ``cauchy``: Q, K -> ``q_param``, ``k_param``; no shift (``shift_raw = NO_SHIFT_RAW``)
+    low_rank (DD, DI)       ``low_rank`` (DI: Q, K -> ``q_param``, ``k_param``)
+    attention (DD, DI)      ``block_attention`` (DI: Q, K -> ``q_param``, ``k_param``; the intended softmax(Q K^T),
+                            which the released DI forward, mislabelling the length axis as heads, could not compute)
+    quasiseparable (DD, DI) ``quasiseparable`` with ``shared_bc=True`` (DI: ``BC`` -> ``BC``)
+    ======================  ============================================================================================
+
+    The data-dependent Toeplitz checkpoint has no exact image: the released code builds its kernel rotated by one
+    offset from per-token projections, which no weight permutation undoes; it raises, and so do a DI Cauchy shift
+    that is not positive and unknown keys (rather than loading silently). The released learned (non-DFT) DI
+    Vandermonde is unreachable through ``MatrixMixer`` (which never passes ``is_dft``), so no checkpoint of it exists.
     """
-    if matrix_mixer_type not in _MIXER_KEYS:
-        raise ValueError(f"no converter for the released {matrix_mixer_type!r} matrix mixer; supported: "
-                         f"{sorted(_MIXER_KEYS)}")
-    if matrix_mixer_type == "toeplitz" and is_data_dependent:
+    dd = is_data_dependent and matrix_mixer_type != "dense"
+    if matrix_mixer_type == "toeplitz" and dd:
         raise ValueError(
             "the released data-dependent Toeplitz mixer reads its kernel rotated by one offset from the per-token "
             "taps (tap delta from token delta+1); our paper-exact layout cannot reproduce it by permuting weights"
         )
-    names = _MIXER_KEYS[matrix_mixer_type]
+    if (matrix_mixer_type, dd) not in _MIXER_KEYS:
+        raise ValueError(f"no converter for the released {matrix_mixer_type!r} matrix mixer; supported: "
+                         f"{sorted(_OUR_MIXER)}")
+    names = _MIXER_KEYS[(matrix_mixer_type, dd)]
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
+        local = key[len("matrix_mixer."):] if key.startswith("matrix_mixer.") else None
         if key in _BLOCK_KEYS:
             out[key] = value
-        elif key.startswith("matrix_mixer.") and key[len("matrix_mixer."):] in names:
-            local = key[len("matrix_mixer."):]
+        elif local in ("q_bias", "k_bias") and matrix_mixer_type == "vandermonde":
+            raise ValueError("a learned data-independent Vandermonde (q_bias, k_bias) is not a checkpoint the released "
+                             "MatrixMixer can produce (it never passes is_dft), and its einsum computes a diagonal "
+                             "scaling: there is no Vandermonde mixer to convert it to")
+        elif local is not None and local in names:
+            if names[local] is None:
+                _check_dft(value)
+                continue
             if matrix_mixer_type == "toeplitz" and local == "conv_params":
                 value = roll_released_toeplitz_taps(value)
+            if matrix_mixer_type == "cauchy" and local == "bias":
+                value = _cauchy_shift_raw(value)
             out[names[local]] = value
         else:
             raise KeyError(f"unexpected key {key!r} in a released {matrix_mixer_type} matrix-mixer state_dict")
+    if matrix_mixer_type == "cauchy" and not dd:
+        out["shift_raw"] = torch.tensor(NO_SHIFT_RAW, dtype=out["q_param"].dtype if "q_param" in out else None)
     return out
+
+
+def _check_dft(dft: Tensor) -> None:
+    length = dft.shape[-1]
+    t = torch.arange(length, dtype=torch.float64)
+    expected = torch.cos(2 * math.pi * torch.outer(t, t) / length)
+    if dft.shape != (length, length) or not torch.allclose(dft.double().cpu(), expected, atol=1e-5):
+        raise ValueError("matrix_mixer.dft_matrix is not the real DFT cos(2 pi i j / Lmax) the released code builds")
+
+
+def _cauchy_shift_raw(beta: Tensor) -> Tensor:
+    shift = 2.0 * beta.double()
+    if not bool(shift > 0):
+        raise ValueError(f"the released Cauchy shift 2 * beta = {float(shift):.4g} is not positive: our shift is "
+                         "softplus(shift_raw) > 0, so this checkpoint has no exact image")
+    return torch.log(torch.expm1(shift)).to(beta.dtype)

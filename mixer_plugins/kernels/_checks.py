@@ -37,7 +37,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 def check_right_padded_mask(mask: Tensor | None, q: Tensor) -> None:
     """``mask`` (if given): bool (batch, length) on q's device, True on the real tokens, then False on the pads.
     The padding order is data-dependent, so it is checked in eager only (under ``torch.compile`` / ``torch.export``
-    it would break the graph)."""
+    it would break the graph), and not on meta tensors (they have no values)."""
     if mask is None:
         return
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
@@ -46,5 +46,6 @@ def check_right_padded_mask(mask: Tensor | None, q: Tensor) -> None:
         raise ValueError(f"mask must have shape (batch, length) = {tuple(q.shape[:2])}, got {tuple(mask.shape)}")
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q on {q.device}")
-    if not torch.compiler.is_compiling() and mask.shape[1] > 1 and (mask[:, 1:] & ~mask[:, :-1]).any():
+    if (not torch.compiler.is_compiling() and mask.device.type != "meta" and mask.shape[1] > 1
+            and (mask[:, 1:] & ~mask[:, :-1]).any()):
         raise ValueError("mask must be right-padded: True on the real tokens, then False on the pads")

@@ -24,6 +24,10 @@ value probe would be a device sync on a GPU). Under ``torch.compile`` and ``torc
 same way while tracing: a compiled model on CUDA runs our Triton custom ops, on CPU the ``torch`` backend (the
 ``native`` engine runs eagerly only). :func:`backend_report` lists, per op and device, which backends can run and
 why not.
+
+ONNX: while ``torch.onnx.export(..., dynamo=True)`` traces, the automatic choice is the ``torch`` backend on every
+device, as only its exported form is made of standard ops (ONNX translates no custom op; see ``docs/onnx.md``); the
+TorchScript-based exporter (``dynamo=False``) gets a :class:`BackendUnavailableError` that says to use the other.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -196,10 +201,25 @@ def use_backend(backend: str | None) -> Iterator[None]:
         _local.backend = previous
 
 
+def _onnx_exporter() -> str | None:
+    """Which ONNX exporter is tracing this call: ``"dynamo"`` (``torch.onnx.export(..., dynamo=True)``, which runs
+    ``torch.export``), ``"torchscript"`` (``dynamo=False``) or ``None``. Under ``torch.compile`` always ``None``."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        return None
+    if "torch.onnx" not in sys.modules or not torch.onnx.is_in_onnx_export():
+        return None
+    return "dynamo" if torch.compiler.is_exporting() else "torchscript"
+
+
 def resolve_backend(op: str, backend: str | None, device: torch.device | str, args: Any = None) -> Callable:
     """The implementation of ``op`` to run: ``backend``, the preferred one, or the automatic choice (see the
     module notes). ``args``, the call's argument bundle, lets a backend refuse inputs it cannot handle."""
     impls = _backends_of(op)
+    onnx = _onnx_exporter()
+    if onnx == "torchscript":
+        raise BackendUnavailableError(
+            f"op {op!r} cannot be exported by torch.onnx.export(..., dynamo=False), the TorchScript-based exporter; "
+            "export with dynamo=True (the default), which traces standard ops only (see docs/onnx.md)")
     device = torch.device(device)
     if backend is None:
         preferred = getattr(_local, "backend", None) or os.environ.get(ENV_VAR) or None
@@ -213,6 +233,8 @@ def resolve_backend(op: str, backend: str | None, device: torch.device | str, ar
             raise BackendUnavailableError(f"backend {backend!r} cannot run {op!r} on {device}: {reason}")
         return impls[backend].impl
     candidates = sorted((b for b in impls.values() if b.automatic_on(device)), key=lambda b: -b.priority)
+    if onnx is not None and "torch" in impls:  # only the torch backends export as standard ops
+        candidates = [impls["torch"]]
     for candidate in candidates:
         if candidate.unavailable_reason(device, args) is None:
             return candidate.impl

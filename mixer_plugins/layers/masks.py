@@ -26,8 +26,9 @@ __all__ = [
 def padding_mask_to_bool(mask: Tensor, batch: int, length: int) -> Tensor:
     """Validate a padding mask and return it as bool (batch, length), True on real tokens.
 
-    The value checks (0/1 entries, right padding) read the mask's contents, so they run eagerly only: under
-    ``torch.compile`` they are skipped rather than breaking the graph.
+    The value checks (0/1 entries, right padding) read the mask's contents, so they run eagerly on real data only:
+    under ``torch.compile`` they are skipped rather than breaking the graph, and on the ``meta`` device (shapes only,
+    no contents) there is nothing to read.
     """
     if not isinstance(mask, Tensor):
         raise MixerInputError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
@@ -38,7 +39,7 @@ def padding_mask_to_bool(mask: Tensor, batch: int, length: int) -> Tensor:
         )
     if mask.shape != (batch, length):
         raise MixerInputError(f"mask must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
-    eager = not torch.compiler.is_compiling()
+    eager = not torch.compiler.is_compiling() and mask.device.type != "meta"
     if mask.dtype != torch.bool:
         if eager and ((mask != 0) & (mask != 1)).any():
             raise MixerInputError("an integer mask must hold only 0 and 1")
@@ -72,7 +73,7 @@ def causal_nonfinite_guard(x: Tensor) -> tuple[Tensor, Tensor]:
     what the non-finite input makes them.
     """
     bad = ~torch.isfinite(x).flatten(2).all(dim=-1)
-    poisoned = bad.cummax(dim=1).values if bad.shape[1] else bad
+    poisoned = bad.cumsum(dim=1) > 0  # a count, not ``cummax``: ONNX has no cumulative maximum
     return x.masked_fill(bad.reshape(*bad.shape, *([1] * (x.dim() - 2))), 0.0), poisoned
 
 

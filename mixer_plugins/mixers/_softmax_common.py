@@ -27,6 +27,7 @@ from ..layers.masks import (
 from ..layers.mup import attention_logit_scale
 from ..registry.spec import MixerConfig
 from .base import MatrixMixer, QKContext
+from .cache import MixerCache, kv_positions, kv_write
 
 __all__ = [
     "AttentionLinkOptions",
@@ -37,6 +38,7 @@ __all__ = [
     "QKVSoftmaxConfig",
     "SoftmaxMixerConfig",
     "attention_weights",
+    "cached_attention",
     "dot_scores",
     "fused_attention",
     "local_attention",
@@ -145,6 +147,16 @@ class QKVSoftmaxConfig(SoftmaxMixerConfig):
     qk_norm: bool = Field(
         True, description="LayerNorm on queries and keys over the head dim, shared by heads (the paper's QK-LN)"
     )
+    ln_bias: bool = Field(
+        False, description="a learned bias in the QK LayerNorms: the paper's experiments ran without (their "
+        "scripts set bias=False); the released code's model configs default to bias=True, so set it to load those"
+    )
+
+    @model_validator(mode="after")
+    def _check_ln_bias(self) -> QKVSoftmaxConfig:
+        if self.ln_bias and not self.qk_norm:
+            raise ValueError("ln_bias=True needs qk_norm=True: the bias belongs to the query/key LayerNorms")
+        return self
 
 
 # -- scores and the fused path ----------------------------------------------------------------------------------------
@@ -174,6 +186,18 @@ def attention_weights(scores: Tensor, allowed: Tensor | None, link: str = "softm
     if dropout and training:
         weights = F.dropout(weights, p=dropout, training=True)
     return weights
+
+
+def cached_attention(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, scale: float,
+                     link: str = "softmax") -> Tensor:
+    """A step's queries against cached keys: (batch, t, heads, e) x (batch, slots, heads, e) -> (batch, t, heads, p).
+
+    ``allowed`` is bool (batch, t, slots); the weights are :func:`attention_weights` of the scaled scores (no
+    dropout: decoding is inference).
+    """
+    scores = torch.einsum("bthe,bjhe->bhtj", q, keys) * scale
+    weights = attention_weights(scores, allowed[:, None], link)
+    return torch.einsum("bhtj,bjhp->bthp", weights, values)
 
 
 def _sdpa_layout(t: Tensor) -> Tensor:
@@ -232,8 +256,8 @@ class QKVSoftmaxMixer(MatrixMixer):
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.proj_bias)
         if config.qk_norm:
-            self.q_norm = nn.LayerNorm(self.head_dim, bias=False)
-            self.k_norm = nn.LayerNorm(self.head_dim, bias=False)
+            self.q_norm = nn.LayerNorm(self.head_dim, bias=config.ln_bias)
+            self.k_norm = nn.LayerNorm(self.head_dim, bias=config.ln_bias)
             # muP zero-initialises the query (Yang et al., Tensor Programs V): logits are then exactly 0 at init
             # at every width. Behind QK-LN that is the query LN's gain (zero W_q would put LN at its singular point).
             self.mup_zero_init = ("q_norm.weight",)
@@ -250,6 +274,27 @@ class QKVSoftmaxMixer(MatrixMixer):
 
     def finish(self, ctx: QKContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
+
+    # -- decoding (causal): a KV cache of every token; subclasses score against it ------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        shape = (batch, max_len, self.num_heads, self.head_dim)
+        cache.state["k"] = torch.zeros(shape, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(shape, dtype=dtype, device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: QKContext, x: Tensor, lengths: Tensor) -> Tensor:
+        length = ctx.values.shape[1]
+        cache.state["k"][:, :length] = ctx.k.detach()
+        cache.state["v"][:, :length] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def append_kv(self, ctx: QKContext, cache: MixerCache) -> tuple[Tensor, Tensor]:
+        """Write a step's keys and values into the KV cache; returns the positions (batch, t) and the allowed
+        slots (batch, t, max_len) of its queries (slot ``j <= position``)."""
+        positions = cache.positions(ctx.values.shape[1])
+        kv_write(cache.state["k"], ctx.k.detach(), positions)
+        kv_write(cache.state["v"], ctx.values.detach(), positions)
+        return positions, kv_positions(positions, cache.max_len)
 
     def projection_flops(self, batch: int, length: int) -> dict[str, int]:
         """FLOPs of the q/k/v and output projections."""

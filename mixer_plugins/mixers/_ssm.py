@@ -6,12 +6,10 @@
 Names: ``dt`` are the step sizes (``softplus(raw + dt_bias)``), ``diag`` is Hydra's data-dependent diagonal
 ``D + W_D x``; ``D``/``fc_D``/``A_log``/``dt_bias`` keep Mamba's parameter names.
 
-Where a Hydra block's time goes (issue 14; timm ViT-S/16 shapes: batch 32, 197 tokens, dim 384, one CPU thread,
-forward + backward of one block, on a shared, loaded machine, so the shares are rough): the two-direction scan
-~60%, ``in_proj`` ~17%, the short conv + SiLU ~8%, ``out_proj`` ~5%, the gated RMSNorm ~3%, the remaining glue
-(step sizes, diagonal, splits) ~6%. The glue here is kept to a few small ops per forward: both directions' step
-sizes come from one ``softplus`` over the (b, L, 2, h) raw projections (two strided views out), and the diagonal
-``W_D x + D`` is one fused multiply-add (``D`` rides as the bias of the product).
+Most of a Hydra block's time is the two-direction scan, then ``in_proj``; the glue here is kept to a few small ops
+per forward: both directions' step sizes come from one ``softplus`` over the (b, L, 2, h) raw projections (two
+strided views out), and the diagonal ``W_D x + D`` is one fused multiply-add (``D`` rides as the bias of the
+product).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Matrix: ``M_h = softmax_j(scale * q_i . k_j)`` (causal: ``j <= i``), applied to the value heads, followed
 by the output projection. The fast path is ``torch.nn.functional.scaled_dot_product_attention``.
+
+Decoding (causal) keeps the keys and values of every token (a KV cache of ``max_len`` slots per row); a step scores
+its queries against all slots, those past each row's position masked: fixed shapes, work growing with ``max_len``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ..kernels import flop_formulas  # noqa: F401  (so FlopCounterMode counts CP
 from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerConfig, MixerSpec
 from .base import MatrixMixer, QKContext
+from .cache import MixerCache, kv_positions, kv_write
 
 __all__ = ["AttentionConfig", "SoftmaxAttention", "SPEC"]
 
@@ -48,6 +52,8 @@ class AttentionConfig(MixerConfig):
 class SoftmaxAttention(MatrixMixer):
     """Multi-head softmax attention (q/k/v/out projections, SDPA fast path)."""
 
+    steppable = True
+
     def __init__(self, config: AttentionConfig):
         super().__init__(config)
         self.num_heads = config.num_heads
@@ -77,6 +83,28 @@ class SoftmaxAttention(MatrixMixer):
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.scale,
         )
+        return y.transpose(1, 2)
+
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        shape = (batch, max_len, self.num_heads, self.head_dim)
+        cache.state["k"] = torch.zeros(shape, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(shape, dtype=dtype, device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: QKContext, x: Tensor, lengths: Tensor) -> Tensor:
+        length = ctx.values.shape[1]
+        cache.state["k"][:, :length] = ctx.k.detach()
+        cache.state["v"][:, :length] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
+        positions = cache.positions(ctx.values.shape[1])
+        kv_write(cache.state["k"], ctx.k.detach(), positions)
+        kv_write(cache.state["v"], ctx.values.detach(), positions)
+        allowed = kv_positions(positions, cache.max_len)[:, None]                 # (b, 1, t, max_len)
+        y = F.scaled_dot_product_attention(ctx.q.transpose(1, 2), cache.state["k"].transpose(1, 2),
+                                           cache.state["v"].transpose(1, 2), attn_mask=allowed, scale=self.scale)
         return y.transpose(1, 2)
 
     def matrix(self, ctx: QKContext) -> Tensor:
@@ -110,5 +138,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2)",
     data_dependent="yes",
+    stepping=True,
     test_options={"num_heads": 4},
 )

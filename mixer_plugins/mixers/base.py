@@ -15,7 +15,10 @@ and the base class assembles the public API from them:
 * ``forward_via_matrix(x, *, mask=None)``: ``finish(M @ values)``, the oracle every fast path is tested
   against (the conformance kit checks ``forward == forward_via_matrix``);
 * ``flops(batch, length)``: analytic FLOPs (2 per multiply-add) of the mixer's own work;
-* ``reset_parameters()``: re-draw every parameter as a fresh build would.
+* ``reset_parameters()``: re-draw every parameter as a fresh build would;
+* ``state_dict()`` records the mixer's name and options (see *Checkpoint records* below), and ``load_state_dict``
+  refuses a checkpoint of another mixer or of other options;
+* ``allocate_cache`` / ``prefill`` / ``step``: decoding, for causal mixers that can step (see *Decoding* below).
 
 The constructor builds everything from the config and calls no overridable method; the context passed between the
 steps is a typed dataclass (:class:`MixerContext` or a subclass), so a whole mixer compiles with
@@ -26,20 +29,164 @@ real positions equal what the mixer gives on the unpadded row; outputs at pads a
 class replaces pad inputs with zeros by selection before ``prepare`` (so a NaN, an Inf or a 1e30 at a pad is never
 multiplied into anything) and sets pad outputs to zero by selection after ``finish``. A causal mixer's outputs at
 positions before a non-finite input token are those of the clean input (see :func:`causal_nonfinite_guard`).
+
+Decoding
+--------
+A causal mixer whose class implements the step hooks (``steppable = True``; its spec says ``stepping=True``)
+generates token by token::
+
+    cache = mixer.allocate_cache(batch, max_len)        # a MixerCache: lengths, the mixer's state tensors
+    y = mixer.prefill(prompt, cache, mask=mask)         # the prompt's outputs (one parallel pass); fills the cache
+    y_t = mixer.step(x_t, cache)                        # (batch, t, dim) new tokens -> their outputs
+
+``prefill`` + ``step`` equal ``forward`` over the whole sequence (the conformance kit checks it, float64 and float32,
+rows of different lengths included). Right-padded prompt rows each continue from their own length. Steps are for
+inference (``torch.no_grad()``): the cache keeps no autograd history. They run no value-dependent control flow and
+update the cache in place, so a CUDA graph can capture ``step``. Subclasses implement :meth:`~MatrixMixer.init_cache`,
+:meth:`~MatrixMixer.fill_cache` and :meth:`~MatrixMixer.mix_step` (and :meth:`~MatrixMixer.prepare_step` where their
+``prepare`` is not per token).
+
+Checkpoint records
+------------------
+A mixer's ``state_dict`` holds one extra entry, ``<prefix>_extra_state`` (PyTorch's extra-state mechanism): a uint8
+tensor of UTF-8 JSON naming the mixer (its registry name, or its class when it was built without the registry) and
+its options. A tensor, so every checkpoint path that expects tensors only (fairseq2's,
+``torch.load(weights_only=True)``, ``torch.distributed.checkpoint``) carries it unchanged. ``load_state_dict``
+compares it with the mixer being loaded and raises :class:`MixerCheckpointMismatchError`, naming both, when the
+checkpoint holds another mixer or other options (``chunk_size``, dropout rates and initialisation-only options
+excepted, see :data:`CHECKPOINT_FREE_OPTIONS`: they do not change what trained weights compute, and neither does
+``max_seq_len`` for a mixer that runs at any length).
+
+A checkpoint without the entry (saved before mixers recorded themselves, or converted from other code) loads as
+before, without the check. To load weights into another mixer on purpose, drop the records first:
+``model.load_state_dict(strip_mixer_records(state_dict))``. The check runs when the loader reaches the mixer, so
+modules loaded before it keep their new weights when it raises (as with PyTorch's own size-mismatch errors).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import MixerInputError, SequenceLengthError
+from ..errors import MixerCheckpointMismatchError, MixerInputError, SequenceLengthError
 from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_after, zero_pads
 from ..registry.spec import MixerConfig
+from .cache import MixerCache, StepNotSupportedError
 
-__all__ = ["MatrixMixer", "MixerContext", "QKContext", "check_mixer_input"]
+__all__ = [
+    "CHECKPOINT_FREE_OPTIONS",
+    "RECORD_KEY",
+    "MatrixMixer",
+    "MixerCheckpointMismatchError",
+    "MixerCache",
+    "MixerContext",
+    "QKContext",
+    "StepNotSupportedError",
+    "check_mixer_input",
+    "mixer_record",
+    "read_mixer_record",
+    "record_differences",
+    "strip_mixer_records",
+]
+
+#: The state_dict key (after the module's prefix) of a mixer's record: PyTorch's extra-state entry.
+RECORD_KEY = "_extra_state"
+_RECORD_FORMAT = "mixer-plugins/1"
+#: Options that never change what trained weights compute, so checkpoints may differ in them: how the result is
+#: computed (``chunk_size``), training-time noise (dropout rates) and initialisation only (the loaded weights replace
+#: what they drew).
+CHECKPOINT_FREE_OPTIONS = frozenset({"chunk_size", "dropout", "attn_dropout", "dt_min", "dt_max", "dt_init_floor",
+                                     "A_init_range", "conv_init"})
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON gives it back (tuples become lists, inf stays inf); unknown objects by their repr."""
+    return json.loads(json.dumps(value, default=repr))
+
+
+def mixer_record(mixer: nn.Module) -> dict[str, Any]:
+    """What a mixer's ``state_dict`` records: ``{"format", "mixer", "class", "options"}``.
+
+    ``mixer`` is the registry name (None for a mixer built without the registry), ``class`` the module's class name,
+    ``options`` its validated config (``dim`` included).
+    """
+    config = getattr(mixer, "config", None)
+    options = config.model_dump() if isinstance(config, MixerConfig) else {}
+    return {"format": _RECORD_FORMAT, "mixer": getattr(mixer, "mixer_name", None),
+            "class": type(mixer).__qualname__, "options": _plain(options)}
+
+
+def _encode(record: Mapping[str, Any]) -> Tensor:
+    data = json.dumps(record, sort_keys=True).encode("utf-8")
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def read_mixer_record(value: object) -> dict[str, Any] | None:
+    """The record held by a state_dict entry, or None when it holds none (empty, on the meta device, or not ours).
+
+    Accepts the uint8 tensor a mixer saves, and the same bytes in any numeric dtype (a checkpoint converted wholesale
+    to float16 or bfloat16 keeps them exactly).
+    """
+    if not isinstance(value, Tensor) or value.dim() != 1 or value.numel() == 0 or value.device.type == "meta":
+        return None
+    codes = value.detach().to("cpu", torch.float64)
+    if not bool(((codes >= 0) & (codes <= 255) & (codes == codes.round())).all()):
+        return None
+    try:
+        record = json.loads(bytes(codes.to(torch.uint8).tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != _RECORD_FORMAT:
+        return None
+    return record
+
+
+def strip_mixer_records(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` without the mixers' records: loading it skips the mixer/option check (as for a
+    checkpoint saved before mixers recorded themselves). Use it to load weights into another mixer on purpose."""
+    return {k: v for k, v in state_dict.items()
+            if not (k.rsplit(".", 1)[-1] == RECORD_KEY and read_mixer_record(v) is not None)}
+
+
+def _describe(record: Mapping[str, Any]) -> str:
+    return repr(record.get("mixer") or record.get("class"))
+
+
+def record_differences(saved: Mapping[str, Any], own: Mapping[str, Any], *, length_free: bool,
+                       config_class: type | None = None) -> list[str]:
+    """What differs between a saved record and a mixer's own (empty: compatible).
+
+    ``length_free``: the mixer runs at any length, so ``max_seq_len`` does not matter. ``config_class`` (the mixer's
+    config model) lets records of other library versions compare: an option the checkpoint does not know (added
+    later) matches when the mixer has its default, which is what the library did before the option existed. An
+    option the mixer no longer has is not compared.
+    """
+    if saved.get("mixer") and own.get("mixer"):
+        if saved["mixer"] != own["mixer"]:
+            return [f"mixer {saved['mixer']!r} -> {own['mixer']!r}"]
+    elif saved.get("class") != own.get("class"):
+        return [f"class {saved.get('class')!r} -> {own.get('class')!r}"]
+    fields = getattr(config_class, "model_fields", {})
+    old = saved.get("options", {})
+    new = own.get("options", {})
+    free = CHECKPOINT_FREE_OPTIONS | ({"max_seq_len"} if length_free else set())
+    problems = []
+    for key in sorted(new):
+        if key in free:
+            continue
+        if key in old:
+            if old[key] != new[key]:
+                problems.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        elif key in fields and not fields[key].is_required():
+            default = _plain(fields[key].get_default(call_default_factory=True))
+            if new[key] != default:
+                problems.append(f"{key}: (not in the checkpoint: its default {default!r}) -> {new[key]!r}")
+    return problems
 
 
 @dataclasses.dataclass(eq=False)
@@ -120,12 +267,24 @@ class MatrixMixer(nn.Module):
     #: False for mixers that are not linear in their values; their ``matrix`` raises
     #: :class:`NotMaterializableError` (e.g. the ``mult`` bidirectional ablation).
     materializable: bool = True
+    #: True for classes that implement the decoding hooks (their causal form steps; see :attr:`can_step`).
+    steppable: bool = False
 
     def __init__(self, config: MixerConfig):
         super().__init__()
         self.config = config
         self.dim = config.dim
         self.causal = bool(getattr(config, "causal", type(self).causal))
+        self.register_load_state_dict_pre_hook(_check_record_on_load)
+
+    # -- checkpoint records (see the module docstring) ----------------------------------------------
+    def get_extra_state(self) -> Tensor:
+        """The mixer's record (name and options) as a uint8 tensor: the ``_extra_state`` entry of its state_dict."""
+        return _encode(mixer_record(self))
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore: the record was compared with this mixer before loading (an empty entry stands for a
+        checkpoint without one)."""
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -214,11 +373,161 @@ class MatrixMixer(nn.Module):
         y = torch.einsum("bhij,bjhp->bihp", matrix, ctx.values)
         return zero_pads(poison_after(self.finish(ctx, y), poisoned), mask)
 
+    # -- decoding (causal mixers that can step) ----------------------------------------------------
+    def step_problem(self) -> str | None:
+        """Why this mixer cannot step (a message), or None when it can. Subclasses add their own reasons."""
+        name = getattr(self, "mixer_name", None) or type(self).__name__
+        if not self.causal:
+            return (f"mixer {name!r} is bidirectional (causal=False): only a causal mixer decodes token by token; "
+                    "build it with causal=True where it has that option")
+        if not self.steppable:
+            return (f"mixer {name!r} has no decoding step (its spec says stepping=False); run forward over the whole "
+                    "prefix instead")
+        return None
+
+    @property
+    def can_step(self) -> bool:
+        """Whether :meth:`allocate_cache`, :meth:`prefill` and :meth:`step` work on this mixer."""
+        return self.step_problem() is None
+
+    def _require_step(self) -> None:
+        problem = self.step_problem()
+        if problem is not None:
+            raise StepNotSupportedError(problem)
+
+    def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> MixerCache:
+        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens each (prompt and steps).
+
+        ``dtype`` and ``device`` default to the mixer's parameters'. Raises :class:`StepNotSupportedError` for a
+        mixer that cannot step and :class:`SequenceLengthError` past a data-independent mixer's ``max_seq_len``.
+        """
+        self._require_step()
+        for label, value, low in (("batch", batch, 0), ("max_len", max_len, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise MixerInputError(f"allocate_cache: {label} must be an integer >= {low}, got {value!r}")
+        self.check_length(max_len)
+        param = next(iter(self.parameters()), None)
+        if dtype is None:
+            dtype = param.dtype if param is not None and param.dtype.is_floating_point else torch.get_default_dtype()
+        if device is None:
+            device = param.device if param is not None else torch.get_default_device()
+        device = torch.device(device)
+        cache = MixerCache(lengths=torch.zeros(batch, dtype=torch.long, device=device),
+                           poisoned=torch.zeros(batch, dtype=torch.bool, device=device), max_len=max_len)
+        self.init_cache(cache, batch, max_len, dtype, device)
+        return cache
+
+    def _check_cache(self, cache: MixerCache, x: Tensor) -> None:
+        if not isinstance(cache, MixerCache):
+            raise MixerInputError(f"cache must be a MixerCache (from allocate_cache), got {type(cache).__name__}")
+        if cache.batch != x.shape[0]:
+            raise MixerInputError(f"the cache has {cache.batch} rows but the input has batch {x.shape[0]}")
+        if cache.lengths.device != x.device:
+            raise MixerInputError(f"the cache is on {cache.lengths.device} but the input is on {x.device}")
+        if cache.offset + x.shape[1] > cache.max_len:
+            raise SequenceLengthError(
+                f"the cache holds up to max_len={cache.max_len} tokens per row; {cache.offset} were given and "
+                f"{x.shape[1]} more do not fit. Allocate a longer cache"
+            )
+
+    def prefill(self, x: Tensor, cache: MixerCache, *, mask: Tensor | None = None) -> Tensor:
+        """Run a prompt ``x`` (batch, length, dim) in one parallel pass: returns its outputs (what :meth:`forward`
+        gives) and fills the empty ``cache``. With a right-padded ``mask``, each row continues from its own length.
+        """
+        self._require_step()
+        x, mask, poisoned = self._begin(x, mask)
+        self._check_cache(cache, x)
+        if cache.offset:
+            raise MixerInputError(f"prefill needs an empty cache; this one holds {cache.offset} tokens (use step to "
+                                  "continue it, or allocate a new one)")
+        b, length = x.shape[:2]
+        lengths = (mask.sum(dim=1) if mask is not None
+                   else torch.full((b,), length, dtype=torch.long, device=x.device))
+        ctx = self.prepare(x, mask)
+        y = self.fill_cache(cache, ctx, x, lengths)
+        out = self.finish(ctx, y)
+        cache.lengths.copy_(lengths)
+        if poisoned is not None:
+            cache.poisoned.copy_(poisoned.any(dim=1))
+        cache.offset = length
+        return zero_pads(poison_after(out, poisoned), mask)
+
+    def step(self, x: Tensor, cache: MixerCache) -> Tensor:
+        """Outputs of ``t`` new tokens ``x`` (batch, t, dim) of every row, each row continuing from its own length
+        in ``cache`` (updated in place). ``prefill`` + ``step`` equal :meth:`forward` over the whole sequence."""
+        self._require_step()
+        x, _ = check_mixer_input(self, x, None, self.dim)
+        self._check_cache(cache, x)
+        t = x.shape[1]
+        x, bad = causal_nonfinite_guard(x)
+        ctx = self.prepare_step(x, cache)
+        y = self.mix_step(ctx, cache)
+        out = self.finish(ctx, y)
+        poisoned = (bad | cache.poisoned[:, None]).cummax(dim=1).values
+        cache.poisoned.copy_(poisoned[:, -1])
+        cache.lengths.add_(t)
+        cache.offset += t
+        return poison_after(out, poisoned)
+
+    # -- decoding hooks ------------------------------------------------------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        """Put the mixer's zero-initialised state tensors into ``cache.state``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement init_cache")
+
+    def fill_cache(self, cache: MixerCache, ctx: MixerContext, x: Tensor, lengths: Tensor) -> Tensor:
+        """Prefill: fill ``cache.state`` from the prompt's context (and its checked input ``x``; row ``b`` has
+        ``lengths[b]`` real tokens) and return the mixed values :meth:`mix` gives."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement fill_cache")
+
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> MixerContext:
+        """The context of new tokens (batch, t, dim). The default is :meth:`prepare` (right for per-token
+        projections); mixers whose ``prepare`` looks across tokens (a short convolution) override it."""
+        return self.prepare(x, None)
+
+    def mix_step(self, ctx: MixerContext, cache: MixerCache) -> Tensor:
+        """Mixed values of the new tokens (at positions ``cache.positions(t)``), updating ``cache.state`` in place
+        (``cache.lengths`` is advanced by the caller)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement mix_step")
+
     def extra_repr(self) -> str:
         opts = ", ".join(
             f"{k}={v!r}" for k, v in self.config.model_dump().items() if k != "dim"
         )
         return f"dim={self.dim}" + (f", {opts}" if opts else "")
+
+
+def _check_record_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata, strict,
+                          missing_keys, unexpected_keys, error_msgs) -> None:
+    """``load_state_dict`` pre-hook of every mixer: compare the checkpoint's record with the mixer's own."""
+    if type(module).get_extra_state is nn.Module.get_extra_state:
+        return  # a subclass that keeps another code's key set (compat.Hydra) records nothing
+    key = prefix + RECORD_KEY
+    if key not in state_dict:
+        state_dict[key] = torch.empty(0, dtype=torch.uint8)  # no record: load without the check
+        return
+    value = state_dict[key]
+    if isinstance(value, Tensor) and (value.numel() == 0 or value.device.type == "meta"):
+        return
+    saved = read_mixer_record(value)
+    if saved is None:
+        raise MixerCheckpointMismatchError(
+            f"{key!r} is not a mixer-plugins record ({type(value).__name__} "
+            f"{tuple(value.shape) if isinstance(value, Tensor) else ''}); it belongs to another module, or the "
+            "checkpoint was altered. Drop it to load the weights without the check"
+        )
+    own = mixer_record(module)
+    problems = record_differences(saved, own, length_free=getattr(module, "max_seq_len", None) is None,
+                                  config_class=type(getattr(module, "config", None)))
+    if problems:
+        where = prefix[:-1] or "the mixer"
+        raise MixerCheckpointMismatchError(
+            f"{where}: the checkpoint holds mixer {_describe(saved)} and this is mixer {_describe(own)}, with other "
+            f"settings (checkpoint -> this mixer: {'; '.join(problems)}). Build the model with the checkpoint's "
+            "mixer and options, or, to load these weights anyway, drop the records: "
+            "load_state_dict(strip_mixer_records(state_dict)) (mixer_plugins.mixers.base)"
+        )
 
 
 def _reset_children(module: nn.Module) -> None:

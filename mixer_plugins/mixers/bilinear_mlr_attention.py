@@ -12,6 +12,8 @@ Without the LN, the per-head bilinear matrix is ``W_h = sum_l tau_l blockdiag_k(
 MLR matrix of rank up to ``sum_l r_l p_l``, more than the head dim, for the parameters (``2 D^2``) and projection
 FLOPs of dense ``W_Q, W_K``; only the score width grows, to ``sum_l r_l p_l``. The sequence axis is untouched:
 ordinary (optionally causal) softmax over keys, dense values, output projection.
+
+Decoding (causal) keeps every token's keys (all levels side by side, width ``sum_l r_l p_l``) and values.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from ._softmax_common import (
     AttentionLogitsMixin,
     LevelRanksConfig,
     attention_weights,
+    cached_attention,
     dot_scores,
     fused_attention,
 )
 from .base import MatrixMixer, MixerContext
+from .cache import MixerCache, kv_positions, kv_write
 
 __all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "LevelsContext", "SPEC"]
 
@@ -55,6 +59,16 @@ class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
         None, description="feature chunks p_l of each level (each must divide dim); default 2^l"
     )
     qk_norm: bool = Field(True, description="LayerNorm on each level's per-head query and key (width r_l * p_l)")
+    ln_bias: bool = Field(
+        False, description="a learned bias in the level LayerNorms: the paper's experiments ran without (their "
+        "scripts set bias=False); the released code's model configs default to bias=True, so set it to load those"
+    )
+
+    @model_validator(mode="after")
+    def _check_ln_bias(self) -> BilinearMLRAttentionConfig:
+        if self.ln_bias and not self.qk_norm:
+            raise ValueError("ln_bias=True needs qk_norm=True: the bias belongs to the query/key LayerNorms")
+        return self
     divide_by_levels: bool = Field(False, description="divide every score by the number of levels")
     rms_cap: bool = Field(True, description="cap the RMS of the level weights in the forward pass (see muP docs)")
 
@@ -83,6 +97,8 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
     """Bilinear-MLR attention: per-level block-diagonal q/k maps ``q_weight_<l>``/``k_weight_<l>`` of shape
     ``(p_l, D/p_l, H r_l)``, per-level LNs, softmax, dense ``value`` and ``proj``."""
 
+    steppable = True
+
     def __init__(self, config: BilinearMLRAttentionConfig):
         super().__init__(config)
         dim = config.dim
@@ -105,8 +121,8 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
                 self.register_parameter(f"{side}_weight_{level}", weight)
                 self.mup_fan_in[f"{side}_weight_{level}"] = fan_in
             if config.qk_norm:
-                self.q_norms.append(nn.LayerNorm(r * p, bias=False))
-                self.k_norms.append(nn.LayerNorm(r * p, bias=False))
+                self.q_norms.append(nn.LayerNorm(r * p, bias=config.ln_bias))
+                self.k_norms.append(nn.LayerNorm(r * p, bias=config.ln_bias))
         self.value = nn.Linear(dim, dim, bias=config.proj_bias)
         self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         # muP zero-initialises the query (logits exactly 0 at init); behind the LNs, that is their gains.
@@ -194,6 +210,27 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
     def finish(self, ctx: LevelsContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
 
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
+        cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, width, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: LevelsContext, x: Tensor, lengths: Tensor) -> Tensor:
+        length = ctx.values.shape[1]
+        cache.state["k"][:, :length] = self._fused_qk(ctx)[1].detach()
+        cache.state["v"][:, :length] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: LevelsContext, cache: MixerCache) -> Tensor:
+        q, k = self._fused_qk(ctx)
+        positions = cache.positions(q.shape[1])
+        kv_write(cache.state["k"], k.detach(), positions)
+        kv_write(cache.state["v"], ctx.values.detach(), positions)
+        return cached_attention(q, cache.state["k"], cache.state["v"], kv_positions(positions, cache.max_len), 1.0,
+                                self.link_function)
+
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length
         score_width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
@@ -217,5 +254,7 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2 sum_l r_l p_l)",
     data_dependent="yes",
-    test_options={"num_heads": 2, "ranks": [8, 4, 4]},
+    stepping=True,
+    # Ranks left to their default (the head dim split over 4 levels), so the options fit any dim divisible by 8.
+    test_options={"num_heads": 2},
 )

@@ -9,6 +9,11 @@ matrix generators (:meth:`~MatrixMixerBlock.build_context`); the block does the 
 pad positions are zeroed before the convolution (so they are neutral inputs, exactly like the conv's own
 zero padding on the unpadded row) and again after the convolution and activation (the conv bias would
 otherwise make them non-zero), so no scan direction ever reads a pad.
+
+Decoding (causal block mixers that step): the short convolution keeps a rolling state of its last ``d_conv`` inputs
+per channel (``cache.state["conv"]``, mamba-ssm's ``conv_state`` layout), filled from each prompt row's own last
+tokens; the mixer adds its own state through :meth:`MatrixMixerBlock.init_mixer_cache`,
+:meth:`MatrixMixerBlock.mix_prefill` and :meth:`~mixer_plugins.MatrixMixer.mix_step`.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from ..kernels import gated_rmsnorm
+from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from ..layers.conv import ShortConv
 from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
 from .base import MatrixMixer, MixerContext, QKContext
+from .cache import MixerCache
 
 __all__ = [
     "BlockConfig",
@@ -241,6 +248,64 @@ class MatrixMixerBlock(MatrixMixer):
         parts.update(self.mixer_flops(batch, length))
         parts["out_proj"] = 2 * tokens * self.out_width * self.dim
         return parts
+
+    # -- decoding (causal block mixers) ----------------------------------------------------------------
+    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        """The mixer's own state tensors (the block adds the convolution's)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement init_mixer_cache")
+
+    def mix_prefill(self, ctx: BlockContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+        """Prefill of the mixer's own state from the prompt's context; returns what :meth:`mix` gives."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement mix_prefill")
+
+    def step_context(self, ctx: BlockContext, cache: MixerCache) -> BlockContext:
+        """Position-dependent parts of a step's context (free, L-sized parameters); the default changes nothing."""
+        return ctx
+
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        if self.conv1d is not None:
+            cache.state["conv"] = torch.zeros(batch, self.conv1d.in_channels, self.conv1d.kernel_size[0],
+                                              dtype=dtype, device=device)
+        self.init_mixer_cache(cache, batch, max_len, dtype, device)
+
+    def _in_proj_pieces(self, x: Tensor) -> list[Tensor]:
+        """in_proj of ``x`` split into ``z``, the convolved slice and the other groups, in that order."""
+        widths = [self.out_width, sum(g.width for g in self._conv_groups)]
+        widths += [g.width for g in self.groups[len(self._conv_groups):]]
+        return list(F.linear(x, self.in_proj.weight, self.in_proj.bias).split(widths, dim=-1))
+
+    def fill_cache(self, cache: MixerCache, ctx: BlockContext, x: Tensor, lengths: Tensor) -> Tensor:
+        if self.conv1d is not None:
+            # The convolution's inputs at each row's last d_conv real tokens (zeros before the row's start).
+            kernel = self.conv1d.kernel_size[0]
+            tail = causal_conv1d_state(x, kernel, lengths).transpose(1, 2)          # (b, kernel, dim)
+            conv_width = self.conv1d.in_channels
+            rows = slice(self.out_width, self.out_width + conv_width)
+            bias = None if self.in_proj.bias is None else self.in_proj.bias[rows]
+            u = F.linear(tail, self.in_proj.weight[rows], bias)
+            started = (lengths[:, None] - kernel + torch.arange(kernel, device=x.device)) >= 0
+            u = torch.where(started[..., None], u, u.new_zeros(()))
+            cache.state["conv"].copy_(u.transpose(1, 2).detach())
+        return self.mix_prefill(ctx, cache, lengths)
+
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> BlockContext:
+        z, u, *rest = self._in_proj_pieces(x)
+        pieces: dict[str, Tensor] = {}
+        if self._conv_groups:
+            u, state = causal_conv1d_step(u, cache.state["conv"], self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                                          silu=self._conv_all_activated)
+            cache.state["conv"].copy_(state.detach())
+            pieces.update(zip([g.name for g in self._conv_groups],
+                              u.split([g.width for g in self._conv_groups], dim=-1)))
+        pieces.update(zip([g.name for g in self.groups[len(self._conv_groups):]], rest))
+        for g in self.groups:
+            if g.activation and not (g.conv and self._conv_all_activated):
+                pieces[g.name] = F.silu(pieces[g.name])
+        ctx = self.build_context(pieces, None)
+        ctx.z = z
+        return self.step_context(ctx, cache)
 
     # -- helpers for subclasses -------------------------------------------------------------------
     def heads(self, t: Tensor) -> Tensor:

@@ -5,6 +5,9 @@ Per head ``M_ij = softmax_j(<q_i, k_j> / sqrt(qk_dim))``, applied as ``y = M v +
 (max_seq_len, heads, qk_dim) Q, K — the form the released code meant but could not run (its einsum
 mislabelled the length axis as heads). Named ``block_attention`` so it does not clash with the plain
 ``attention`` mixer (standard multi-head attention).
+
+Decoding (causal) keeps the keys and values of every token (a KV cache of ``max_len`` slots) and the short
+convolution's last inputs; a step scores its queries against the cache (slots past each row's position masked).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import Tensor
 from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerSpec
 from .block import BlockQKContext
+from .cache import MixerCache, kv_positions, kv_write
 from .qk_block import QKBlockConfig, QKMixerBlock
 
 __all__ = ["BlockAttentionConfig", "BlockAttentionMixer", "SPEC"]
@@ -29,6 +33,8 @@ class BlockAttentionConfig(QKBlockConfig):
 
 class BlockAttentionMixer(QKMixerBlock):
     """Softmax attention ``y = softmax(q k^T / sqrt(qk_dim)) v + v`` inside the Hydra block (SDPA fast path)."""
+
+    steppable = True
 
     def output_scale(self) -> float:
         return 1.0
@@ -57,6 +63,31 @@ class BlockAttentionMixer(QKMixerBlock):
         )
         return y.transpose(1, 2) + v
 
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.qk_dim, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+
+    def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+        b, length = ctx.values.shape[:2]
+        cache.state["k"][:, :length] = ctx.k.expand(b, -1, -1, -1).detach()
+        cache.state["v"][:, :length] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: BlockQKContext, cache: MixerCache) -> Tensor:
+        v = ctx.values
+        b, t = v.shape[:2]
+        positions = cache.positions(t)
+        kv_write(cache.state["k"], ctx.k.expand(b, -1, -1, -1).detach(), positions)
+        kv_write(cache.state["v"], v.detach(), positions)
+        allowed = kv_positions(positions, cache.max_len)[:, None]                 # (b, 1, t, max_len)
+        y = F.scaled_dot_product_attention(
+            ctx.q.expand(b, -1, -1, -1).transpose(1, 2), cache.state["k"].transpose(1, 2),
+            cache.state["v"].transpose(1, 2), attn_mask=allowed, scale=1.0 / math.sqrt(self.qk_dim),
+        )
+        return y.transpose(1, 2) + v
+
 
 SPEC = MixerSpec(
     name="block_attention",
@@ -67,5 +98,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2)",
     data_dependent="option",
+    stepping=True,
     test_options={"head_dim": 16, "qk_dim": 4},
 )

@@ -16,6 +16,9 @@ The key transform is an :class:`~mixer_plugins.layers.mlbtc.MLBTC` (one BTT leve
 factor), so the muP rules know its cores' fan-ins (``d`` and ``c * s``). Cost per token: ``H * D * s * (c + d)`` MACs
 for the keys (instead of ``2 D^2`` for dense q/k), but ``H * L * D`` per query for the scores (``H`` times standard
 attention's ``L * D``): compare at matched compute, as the paper does.
+
+Decoding (causal) keeps every token's transformed keys ``LN(M_h x_j)`` (batch, max_len, heads, dim) and values;
+a step scores its raw (normalised) input against them.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from ._softmax_common import (
     AttentionLogitsMixin,
     SoftmaxMixerConfig,
     attention_weights,
+    cached_attention,
     fused_attention,
 )
 from .base import MatrixMixer, MixerContext
+from .cache import MixerCache, kv_positions, kv_write
 
 __all__ = ["BTTAttention", "BTTAttentionConfig", "BTTContext", "SPEC"]
 
@@ -61,6 +66,11 @@ class BTTAttentionConfig(SoftmaxMixerConfig, AttentionLinkOptions):
         "code (bilinearBTT_use_extra_LN_on_X, set by its ViT) does"
     )
     rms_cap: bool = Field(True, description="cap the RMS of the BTT cores in the forward pass (see muP docs)")
+    ln_bias: bool = Field(
+        False, description="a learned bias in the key LayerNorm (and the input one): the paper's experiments ran "
+        "without (their scripts set bias=False); the released code's model configs and ViT default to bias=True, so "
+        "set it to load those"
+    )
 
     @model_validator(mode="after")
     def _check_factors(self) -> BTTAttentionConfig:
@@ -80,6 +90,8 @@ class BTTAttentionConfig(SoftmaxMixerConfig, AttentionLinkOptions):
 class BTTAttention(AttentionLogitsMixin, MatrixMixer):
     """Bilinear-BTT attention. ``key_transform`` is the MLBTC of all heads' ``M_h``; ``key_norm`` the shared LN."""
 
+    steppable = True
+
     def __init__(self, config: BTTAttentionConfig):
         super().__init__(config)
         dim = config.dim
@@ -92,11 +104,11 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer):
         level = BTCLevel(out_factors=(self.c, self.num_heads * self.d), in_factors=(self.c, self.d),
                          rank=config.btt_rank)
         self.key_transform = MLBTC([level], rms_cap=config.rms_cap)
-        self.key_norm = nn.LayerNorm(dim, bias=False)
+        self.key_norm = nn.LayerNorm(dim, bias=config.ln_bias)
         # muP zero-initialises the query side so that logits are 0 at init at every width; BTT's query is the raw
         # input, so the gain of the key LN takes that role.
         self.mup_zero_init = ("key_norm.weight",)
-        self.input_norm = nn.LayerNorm(dim, bias=False) if config.input_norm else None
+        self.input_norm = nn.LayerNorm(dim, bias=config.ln_bias) if config.input_norm else None
         self.value = nn.Linear(dim, dim, bias=config.proj_bias)
         self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         self.scale = config.logit_scale(dim)
@@ -150,6 +162,27 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer):
     def finish(self, ctx: BTTContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
 
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.dim, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: BTTContext, x: Tensor, lengths: Tensor) -> Tensor:
+        length = ctx.values.shape[1]
+        cache.state["k"][:, :length] = self.keys(ctx).detach()
+        cache.state["v"][:, :length] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: BTTContext, cache: MixerCache) -> Tensor:
+        b, t = ctx.values.shape[:2]
+        positions = cache.positions(t)
+        kv_write(cache.state["k"], self.keys(ctx).detach(), positions)
+        kv_write(cache.state["v"], ctx.values.detach(), positions)
+        query = ctx.query[:, :, None, :].expand(b, t, self.num_heads, self.dim)
+        return cached_attention(query, cache.state["k"], cache.state["v"], kv_positions(positions, cache.max_len),
+                                self.scale, self.link_function)
+
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length
         return {
@@ -171,5 +204,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2 H D)",
     data_dependent="yes",
+    stepping=True,
     test_options={"num_heads": 2, "btt_rank": 2},
 )

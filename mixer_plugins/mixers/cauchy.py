@@ -8,6 +8,8 @@ The shift ``c = softplus(c_raw)`` is learned and kept positive, so no denominato
 code's raw ``2 beta`` could cross ``-min(exp(q) + exp(k))`` and divide by zero). It starts at 1.0 (the
 code's beta = 0.5) in the data-dependent form and at 0.01 (the paper: "c initialized to 0") in the
 data-independent one.
+
+Decoding (causal) keeps every token's keys and values; a step computes its rows of M against them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class CauchyConfig(QKBlockConfig):
 class CauchyMixer(QKMixerBlock):
     """Cauchy matrix mixer with a learned, positive shift ``c = softplus(shift_raw)``."""
 
+    steppable = True
+
     def __init__(self, config: CauchyConfig):
         super().__init__(config)
         self.shift_start = 1.0 if config.data_dependent else 0.01
@@ -61,6 +65,16 @@ class CauchyMixer(QKMixerBlock):
             matrix = term if matrix is None else matrix + term
         return matrix
 
+    def qk_rows(self, q: Tensor, keys: Tensor, positions: Tensor, max_len: int) -> Tensor:
+        shift = F.softplus(self.shift_raw).to(q.dtype) + _TOL
+        eq = torch.exp(q).permute(0, 2, 1, 3)                                            # (b, h, t, d)
+        ek = torch.exp(keys).permute(0, 2, 1, 3)                                         # (b, h, J, d)
+        rows = None
+        for d in range(self.qk_dim):
+            term = torch.reciprocal(eq[..., d, None] + ek[..., d, None].transpose(-1, -2) + shift)
+            rows = term if rows is None else rows + term
+        return rows
+
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         h, p = self.num_heads, self.head_dim
         return {
@@ -79,5 +93,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2) (materialized)",
     data_dependent="option",
+    stepping=True,
     test_options={"head_dim": 16, "qk_dim": 4},
 )

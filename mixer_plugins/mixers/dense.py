@@ -3,6 +3,8 @@
 ``M = W_h`` with ``W`` a (heads, max_seq_len, max_seq_len) parameter (xavier-normal), applied as
 ``y = s M v + v`` with ``s = 1/sqrt(max_seq_len)``. Data-independent only: sequences up to ``max_seq_len``
 use the leading block of W (a causal variant uses its lower triangle).
+
+Decoding (causal) keeps every token's values; a step applies its rows of W.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
 from .block import BlockConfig, BlockContext, ChannelGroup, MatrixMixerBlock
+from .cache import MixerCache, kv_positions, kv_write
 
 __all__ = ["DenseConfig", "DenseMixer", "SPEC"]
 
@@ -28,6 +31,8 @@ class DenseConfig(BlockConfig):
 
 class DenseMixer(MatrixMixerBlock):
     """A free (heads, max_seq_len, max_seq_len) matrix per head, applied as ``y = s W v + v``."""
+
+    steppable = True
 
     def __init__(self, config: DenseConfig):
         super().__init__(config, [ChannelGroup("v", config.d_inner)])
@@ -57,6 +62,23 @@ class DenseMixer(MatrixMixerBlock):
             w = torch.tril(w)
         return torch.einsum("hij,bjhp->bihp", w, ctx.values) / math.sqrt(self.max_seq_len) + ctx.values
 
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+
+    def mix_prefill(self, ctx: BlockContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+        cache.state["v"][:, :ctx.values.shape[1]] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: BlockContext, cache: MixerCache) -> Tensor:
+        v = ctx.values
+        positions = cache.positions(v.shape[1])
+        kv_write(cache.state["v"], v.detach(), positions)
+        rows = self.weight[:, positions, :cache.max_len].to(v.dtype)                  # (h, b, t, J)
+        rows = torch.where(kv_positions(positions, cache.max_len), rows, rows.new_zeros(()))
+        return torch.einsum("hbtj,bjhp->bthp", rows, cache.state["v"]) / math.sqrt(self.max_seq_len) + v
+
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         return {"apply": 2 * batch * self.num_heads * length * length * self.head_dim}
 
@@ -71,5 +93,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2)",
     data_dependent="no",
+    stepping=True,
     test_options={"head_dim": 16, "max_seq_len": 40},
 )

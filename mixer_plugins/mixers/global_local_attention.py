@@ -11,12 +11,16 @@ paper's code) and applied to the full-width values::
 The paper's code scales each part by ``8 / width`` (muP rule, multiplier 8), which is this mixer's default. The
 global part uses the fused (SDPA) kernel, the local part the blocked ``O(L * window)`` kernel of
 ``sliding_window_attention``.
+
+Decoding (causal) keeps the keys and values of every token (the global part needs them all); a step adds its two
+softmaxes over the cache, the local one restricted to the window.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Optional
 
+import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
@@ -25,12 +29,14 @@ from ..registry.spec import MixerSpec
 from ._softmax_common import (
     QKVSoftmaxConfig,
     QKVSoftmaxMixer,
+    cached_attention,
     dot_scores,
     fused_attention,
     local_attention,
     local_attention_flops,
 )
 from .base import QKContext
+from .cache import MixerCache
 
 __all__ = ["GlobalLocalAttention", "GlobalLocalAttentionConfig", "SPEC"]
 
@@ -68,6 +74,8 @@ class GlobalLocalAttentionConfig(QKVSoftmaxConfig):
 class GlobalLocalAttention(QKVSoftmaxMixer):
     """GSWA: global softmax on the first ``global_dim`` q/k dims plus windowed softmax on the rest."""
 
+    steppable = True
+
     def __init__(self, config: GlobalLocalAttentionConfig):
         super().__init__(config)
         self.window = config.window
@@ -95,6 +103,15 @@ class GlobalLocalAttention(QKVSoftmaxMixer):
                                  dense_allowed(ctx.mask, length, self.causal, device, window=self.window))
         return p_global + p_local
 
+    def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
+        positions, allowed = self.append_kv(ctx, cache)
+        keys, values = cache.state["k"], cache.state["v"]
+        (qg, ql), (kg, kl) = self._split(ctx.q), self._split(keys)
+        slots = torch.arange(cache.max_len, device=positions.device)
+        in_window = allowed & (slots[None, None, :] >= positions[:, :, None] - self.window)
+        return (cached_attention(qg, kg, values, allowed, self.global_scale)
+                + cached_attention(ql, kl, values, in_window, self.local_scale))
+
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         proj = self.projection_flops(batch, length)
         dense_pairs = batch * self.num_heads * length * length
@@ -120,5 +137,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2)",
     data_dependent="yes",
+    stepping=True,
     test_options={"num_heads": 2, "window": 3},
 )

@@ -5,6 +5,9 @@ Matrix (per head): ``M_ij = <q_i, k_j>`` with SiLU-activated queries and keys, a
 data-independent form). The fast path never builds M: bidirectionally ``y_i = s q_i (sum_j k_j v_j^T) + v_i``
 in O(L); causally the same sum restricted to j <= i, computed by the chunked scan with no decay
 (A = 0, dt = 1), also O(L).
+
+Decoding (causal) keeps the running sum ``S = sum_j k_j v_j^T`` per head (head_dim x qk_dim) and the short
+convolution's last inputs: constant memory and work per token.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import torch
 from torch import Tensor
 
 from ..kernels import chunked_scan_flops, ssd
+from ..kernels.scan.step import ssd_step
 from ..registry.spec import MixerSpec
 from .block import BlockQKContext
+from .cache import MixerCache
 from .qk_block import QKBlockConfig, QKMixerBlock
 
 __all__ = ["LowRankConfig", "LowRankMixer", "SPEC"]
@@ -34,6 +39,7 @@ class LowRankMixer(QKMixerBlock):
     """Linear attention ``M = q k^T`` with SiLU queries and keys, applied without building M."""
 
     qk_activation = True
+    steppable = True
 
     def output_scale(self) -> float:
         return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
@@ -55,6 +61,36 @@ class LowRankMixer(QKMixerBlock):
         y = ssd(v, ones, zeros, k.contiguous(), q.contiguous(), chunk_size=_CHUNK)
         return s * y + v
 
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        cache.state["kv"] = torch.zeros(batch, self.num_heads, self.head_dim, self.qk_dim, dtype=dtype,
+                                        device=device)
+
+    def _scan_args(self, ctx: BlockQKContext, dt: Tensor | None = None):
+        v = ctx.values
+        b, length, h, _ = v.shape
+        q, k = ctx.q.expand(b, -1, -1, -1), ctx.k.expand(b, -1, -1, -1)
+        ones = v.new_ones(b, length, h) if dt is None else dt
+        return v, ones, v.new_zeros(h), k.contiguous(), q.contiguous()
+
+    def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+        v = ctx.values
+        # no update at pads (their step is 0), so each row's sum stops at its own last token
+        dt = None if ctx.mask is None else ctx.mask[..., None].to(v.dtype).expand(-1, -1, v.shape[2])
+        y, state = ssd(*self._scan_args(ctx, dt), chunk_size=_CHUNK, return_final_states=True)
+        cache.state["kv"].copy_(state.detach())
+        return self.output_scale() * y + v
+
+    def mix_step(self, ctx: BlockQKContext, cache: MixerCache) -> Tensor:
+        state = cache.state["kv"]
+        if ctx.values.shape[1] == 1:
+            y, new = ssd_step(*self._scan_args(ctx), state)
+        else:
+            y, new = ssd(*self._scan_args(ctx), chunk_size=_CHUNK, initial_states=state, return_final_states=True)
+        state.copy_(new.detach())
+        return self.output_scale() * y + ctx.values
+
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         h, p, d = self.num_heads, self.head_dim, self.qk_dim
         if not self.causal:
@@ -72,5 +108,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L)",
     data_dependent="option",
+    stepping=True,
     test_options={"head_dim": 16, "qk_dim": 4},
 )

@@ -25,6 +25,9 @@ The op has neither dropout nor the identity link: with ``attn_dropout > 0`` in t
 ``link_function="identity"``, the mixer falls back to the materialized path (:meth:`MLRAttention.scores`: block by
 block into one dense ``L x L`` per head, then the link, dropout and ``A V``), which is also what
 :meth:`~MLRAttention.logits` returns.
+
+Decoding (causal) keeps the keys and values of every token; a step scores its queries level by level against the
+cache, each level only over the slots in the query's own block (a token's blocks never depend on the length).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from ._softmax_common import (
     dot_scores,
 )
 from .base import QKContext
+from .cache import MixerCache
 
 __all__ = ["MLRAttention", "MLRAttentionConfig", "SPEC", "mlr_level_counts", "same_block_mask"]
 
@@ -188,6 +192,8 @@ class _MergeBlocks(torch.autograd.Function):
 class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
     """MLR attention: q/k/v projections, QK-LN, multi-level block-diagonal low-rank scores, softmax, ``proj``."""
 
+    steppable = True
+
     def __init__(self, config: MLRAttentionConfig):
         super().__init__(config)
         self.ranks = config.resolved_ranks()
@@ -303,6 +309,26 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
         return self._weights(scores, ctx.mask)
 
+    def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
+        positions, allowed = self.append_kv(ctx, cache)
+        slots = torch.arange(cache.max_len, device=positions.device)
+        scores = 0
+        counts = 0
+        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(cache.state["k"]), self.level_scales,
+                                     self.block_sizes):
+            level = torch.einsum("bthe,bjhe->bhtj", q, k) * scale
+            if size is not None:
+                same = (positions[:, :, None] // size == slots[None, None, :] // size)[:, None]   # (b, 1, t, J)
+                level = level * same
+                counts = counts + same
+            else:
+                counts = counts + 1
+            scores = scores + level
+        if self.block_divide:
+            scores = scores / torch.as_tensor(counts).clamp(min=1)
+        weights = attention_weights(scores, allowed[:, None], self.link_function)
+        return torch.einsum("bhtj,bjhp->bthp", weights, cache.state["v"])
+
     def score_pairs(self, length: int) -> list[int]:
         """Per level, the number of (query, key) products computed per (batch, head): ``sum over blocks of size^2``."""
         pairs = []
@@ -335,5 +361,7 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2) (scores O(L sum_l s_l r_l))",
     data_dependent="yes",
-    test_options={"num_heads": 2, "ranks": [8, 4, 2, 2], "block_sizes": [None, 8, 4, 2]},
+    stepping=True,
+    # Ranks left to their default (the head dim split over 4 levels), so the options fit any dim divisible by 8.
+    test_options={"num_heads": 2, "block_sizes": [None, 8, 4, 2]},
 )

@@ -21,6 +21,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from .block import BlockConfig, BlockQKContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
+from .cache import MixerCache, kv_positions, kv_write
 
 __all__ = ["SequenceBlockConfig", "QKBlockConfig", "QKMixerBlock"]
 
@@ -111,6 +112,14 @@ class QKMixerBlock(MatrixMixerBlock):
             q = k = None
         return BlockQKContext(values=values, mask=mask, q=q, k=k)
 
+    def step_context(self, ctx: BlockQKContext, cache: MixerCache) -> BlockQKContext:
+        """A step's free queries and keys are the parameters' rows at the new tokens' positions."""
+        if self.free_qk:
+            positions = cache.positions(ctx.values.shape[1])
+            ctx.q = self.q_param[positions].to(ctx.values.dtype)
+            ctx.k = self.k_param[positions].to(ctx.values.dtype)
+        return ctx
+
     def raw_matrix(self, ctx: BlockQKContext) -> Tensor:
         """M (without scale and identity), causal-masked, broadcast to the batch."""
         matrix = self.qk_matrix(ctx.q, ctx.k, ctx)
@@ -120,6 +129,40 @@ class QKMixerBlock(MatrixMixerBlock):
 
     def matrix(self, ctx: BlockQKContext) -> Tensor:
         return self.identity_plus(self.raw_matrix(ctx), self.output_scale())
+
+    # -- decoding (causal): a cache of keys and values, rows of M against it ---------------------------
+    def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
+        """Rows ``positions`` (batch, t) of M against key slots ``0 .. max_len-1``: (batch|1, heads, t, max_len)
+        (before scale, identity and the causal mask). ``q`` (batch, t, heads, qk_dim) and ``keys`` (batch,
+        max_len, heads, qk_dim) are None for a mixer without queries and keys (the DFT)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement qk_rows")
+
+    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        if self.data_dependent or self.free_qk:
+            cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.qk_dim, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+
+    def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+        b, length = ctx.values.shape[:2]
+        if "k" in cache.state:
+            cache.state["k"][:, :length] = ctx.k.expand(b, -1, -1, -1).detach()
+        cache.state["v"][:, :length] = ctx.values.detach()
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: BlockQKContext, cache: MixerCache) -> Tensor:
+        v = ctx.values
+        b, t = v.shape[:2]
+        positions = cache.positions(t)
+        keys = None
+        if "k" in cache.state:
+            kv_write(cache.state["k"], ctx.k.expand(b, -1, -1, -1).detach(), positions)
+            keys = cache.state["k"]
+        kv_write(cache.state["v"], v.detach(), positions)
+        q = None if ctx.q is None else ctx.q.expand(b, -1, -1, -1)
+        rows = self.qk_rows(q, keys, positions, cache.max_len)
+        rows = torch.where(kv_positions(positions, cache.max_len)[:, None], rows, rows.new_zeros(()))
+        return self.output_scale() * torch.einsum("bhtj,bjhp->bthp", rows, cache.state["v"]) + v
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         # Materialized form: build M (about 2 * qk_dim multiply-adds per entry, counted as one contraction)

@@ -5,6 +5,11 @@ Per head the matrix is lower-triangular and N-semiseparable:
 computed in O(L) by :func:`mixer_plugins.kernels.ssd` (chunked SSD). The short convolution is causal
 (kernel 4 by default, as in Mamba-2) and A starts in [-16, -1] as in Mamba-2. The block normalizes before
 gating like the rest of the framework; ``norm_before_gate=False`` gives Mamba-2's order.
+
+Decoding keeps the SSD state (batch, heads, head_dim, d_state) and the short convolution's last inputs: constant
+memory and work per token. The prefill is the chunked scan with ``return_final_states`` (step sizes zeroed at pads,
+so each row's state stops at its own last token); a one-token step is the recurrence
+(:func:`~mixer_plugins.kernels.scan.step.ssd_step`), a longer one the chunked scan from the state.
 """
 
 from __future__ import annotations
@@ -12,13 +17,16 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import torch
 from pydantic import Field
 from torch import Tensor
 
 from ..kernels import chunked_scan_flops, scan_matrix, ssd
+from ..kernels.scan.step import ssd_step
 from ..registry.spec import MixerSpec
 from ._ssm import SSMBlockConfig, SSMParameters
 from .block import BlockContext, ChannelGroup, MatrixMixerBlock
+from .cache import MixerCache
 
 __all__ = ["SemiseparableConfig", "SemiseparableMixer", "SSDContext", "SPEC"]
 
@@ -46,6 +54,7 @@ class SemiseparableMixer(MatrixMixerBlock):
     """Mamba-2's SSD in the Hydra block: causal short conv, chunked causal scan plus the ``D`` skip."""
 
     causal = True
+    steppable = True
 
     def __init__(self, config: SemiseparableConfig):
         gn = config.ngroups * config.d_state
@@ -76,6 +85,29 @@ class SemiseparableMixer(MatrixMixerBlock):
     def mix(self, ctx: SSDContext) -> Tensor:
         return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D)
 
+    # -- decoding ------------------------------------------------------------------------------------
+    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        cache.state["ssm"] = torch.zeros(batch, self.num_heads, self.head_dim, self.d_state, dtype=dtype,
+                                         device=device)
+
+    def mix_prefill(self, ctx: SSDContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+        dt = ctx.dt if ctx.mask is None else torch.where(ctx.mask[..., None], ctx.dt, ctx.dt.new_zeros(()))
+        y, state = ssd(ctx.values, dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D,
+                       return_final_states=True)
+        cache.state["ssm"].copy_(state.detach())
+        return y
+
+    def mix_step(self, ctx: SSDContext, cache: MixerCache) -> Tensor:
+        state = cache.state["ssm"]
+        if ctx.values.shape[1] == 1:
+            y, new = ssd_step(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, state, D=self.ssm.D)
+        else:
+            y, new = ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D,
+                         initial_states=state, return_final_states=True)
+        state.copy_(new.detach())
+        return y
+
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         return {"scan": chunked_scan_flops(batch, length, self.num_heads, self.head_dim, self.ngroups,
                                            self.d_state, 1, self.chunk_size)}
@@ -91,5 +123,6 @@ SPEC = MixerSpec(
     direction="causal",
     complexity="O(L)",
     data_dependent="yes",
+    stepping=True,
     test_options={"head_dim": 16, "d_state": 8, "chunk_size": 8},
 )

@@ -8,17 +8,29 @@ Query ``i`` sees keys ``i - window <= j <= i`` when causal (``window + 1`` keys,
 The fast path is blocked: queries in chunks of ``window`` tokens, each chunk scoring only the keys of its neighbour
 chunks, so time and memory are ``O(L * window)`` (about ``2-3 * window`` keys per query) instead of ``O(L^2)``; for
 short sequences (or a window as long as the sequence) it falls back to dense scores.
+
+Decoding (causal) keeps a ring of the last ``window + 1`` keys and values per row (with the position each slot
+holds): constant memory and work per token, whatever the length.
 """
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 from torch import Tensor
 
 from ..layers.masks import dense_allowed, masked_softmax
 from ..registry.spec import MixerSpec
-from ._softmax_common import QKVSoftmaxConfig, QKVSoftmaxMixer, dot_scores, local_attention, local_attention_flops
+from ._softmax_common import (
+    QKVSoftmaxConfig,
+    QKVSoftmaxMixer,
+    cached_attention,
+    dot_scores,
+    local_attention,
+    local_attention_flops,
+)
 from .base import QKContext
+from .cache import MixerCache, ring_write
 
 __all__ = ["SlidingWindowAttention", "SlidingWindowAttentionConfig", "SPEC"]
 
@@ -34,6 +46,8 @@ class SlidingWindowAttentionConfig(QKVSoftmaxConfig):
 class SlidingWindowAttention(QKVSoftmaxMixer):
     """Sliding-window softmax attention (blocked, ``O(L * window)``)."""
 
+    steppable = True
+
     def __init__(self, config: SlidingWindowAttentionConfig):
         super().__init__(config)
         self.window = config.window
@@ -47,6 +61,40 @@ class SlidingWindowAttention(QKVSoftmaxMixer):
         scores = dot_scores(ctx.q, ctx.k) * self.scale
         allowed = dense_allowed(ctx.mask, scores.shape[-1], self.causal, scores.device, window=self.window)
         return masked_softmax(scores, allowed)
+
+    # -- decoding (causal): a ring of window + 1 slots -------------------------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        size = self.window + 1
+        shape = (batch, size, self.num_heads, self.head_dim)
+        cache.state["k"] = torch.zeros(shape, dtype=dtype, device=device)
+        cache.state["v"] = torch.zeros(shape, dtype=dtype, device=device)
+        cache.state["pos"] = torch.full((batch, size), -1, dtype=torch.long, device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: QKContext, x: Tensor, lengths: Tensor) -> Tensor:
+        size = self.window + 1
+        # each row's last `size` real tokens (positions < 0: empty slots), each into slot position % size
+        positions = lengths[:, None] - size + torch.arange(size, device=lengths.device)
+        filled = positions >= 0
+        index = positions.clamp(min=0)[..., None, None].expand(-1, -1, self.num_heads, self.head_dim)
+        for name, source in (("k", ctx.k), ("v", ctx.values)):
+            ring_write(cache.state[name], source.detach().gather(1, index), positions)
+        ring_write(cache.state["pos"], torch.where(filled, positions, -1), positions)
+        return self.mix(ctx)
+
+    def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
+        positions = cache.positions(ctx.values.shape[1])
+        outputs = []
+        for i in range(ctx.values.shape[1]):  # token by token: each one's window is the ring after writing it
+            pos = positions[:, i:i + 1]
+            ring_write(cache.state["k"], ctx.k[:, i:i + 1].detach(), pos)
+            ring_write(cache.state["v"], ctx.values[:, i:i + 1].detach(), pos)
+            ring_write(cache.state["pos"], pos, pos)
+            held = cache.state["pos"]
+            allowed = ((held >= 0) & (held >= pos - self.window))[:, None]           # (b, 1, size)
+            outputs.append(cached_attention(ctx.q[:, i:i + 1], cache.state["k"], cache.state["v"], allowed,
+                                            self.scale))
+        return torch.cat(outputs, dim=1)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         proj = self.projection_flops(batch, length)
@@ -65,5 +113,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L w)",
     data_dependent="yes",
+    stepping=True,
     test_options={"num_heads": 2, "window": 3},
 )

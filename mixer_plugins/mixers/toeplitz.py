@@ -11,6 +11,9 @@ Per head ``M_ij = c_{i-j}``, applied as ``y = s M v + v`` with ``s = 0.5/sqrt(L)
 
 ``causal=True`` keeps the non-negative offsets only, and the product is arranged so that no output sees a later
 token, not even through FFT round-off (direct tiles plus FFTs whose inputs precede their outputs; O(L log^2 L)).
+
+Decoding (causal) keeps every token's values and (data-dependent form) its tap ``c_t``, since output ``i`` needs
+``c_0 .. c_i`` and ``v_0 .. v_i``: a step is one dot product over the kept history per head and channel.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 from ..kernels import toeplitz_causal_flops, toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 from ..registry.spec import MixerSpec
 from .block import BlockContext, ChannelGroup, MatrixMixerBlock
+from .cache import MixerCache, kv_write
 from .qk_block import SequenceBlockConfig
 
 __all__ = ["ToeplitzConfig", "ToeplitzMixer", "SPEC"]
@@ -52,6 +56,8 @@ def _toeplitz_groups(config: ToeplitzConfig) -> list[ChannelGroup]:
 
 class ToeplitzMixer(MatrixMixerBlock):
     """Toeplitz (long-convolution) mixer by FFT, with data-dependent or free taps."""
+
+    steppable = True
 
     def __init__(self, config: ToeplitzConfig):
         super().__init__(config, _toeplitz_groups(config))
@@ -97,6 +103,45 @@ class ToeplitzMixer(MatrixMixerBlock):
             return torch.zeros_like(ctx.values)
         return toeplitz_mix(self.scale * ctx.taps, ctx.values, causal=self.causal) + ctx.values
 
+    # -- decoding (causal) ----------------------------------------------------------------------------
+    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+        if self.data_dependent:
+            cache.state["taps"] = torch.zeros(batch, max_len, self.num_heads, dtype=dtype, device=device)
+
+    def mix_prefill(self, ctx: ToeplitzContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+        length = ctx.values.shape[1]
+        cache.state["v"][:, :length] = ctx.values.detach()
+        if self.data_dependent:  # the non-negative offsets 0 .. L-1: token d's tap c_d
+            cache.state["taps"][:, :length] = ctx.taps[..., length - 1:].transpose(1, 2).detach()
+        return self.mix(ctx)
+
+    def step_context(self, ctx: ToeplitzContext, cache: MixerCache) -> ToeplitzContext:
+        if self.data_dependent:  # a step's token t brings tap c_t (its fw group), nothing else of the context
+            ctx.taps = ctx.taps[..., ctx.values.shape[1] - 1:].transpose(1, 2)   # (b, t, heads)
+        return ctx
+
+    def mix_step(self, ctx: ToeplitzContext, cache: MixerCache) -> Tensor:
+        v = ctx.values
+        b, t = v.shape[:2]
+        positions = cache.positions(t)
+        kv_write(cache.state["v"], v.detach(), positions)
+        if self.data_dependent:
+            kv_write(cache.state["taps"], ctx.taps.detach(), positions)
+            taps = cache.state["taps"]                                              # (b, max_len, h): offset d
+        else:
+            centre = self.max_seq_len - 1
+            taps = self.taps[:, centre:centre + cache.max_len].T[None].to(v.dtype)  # (1, max_len, h)
+        # y_i = v_i + s * sum_{d <= i} c_d v_{i-d}: gather the history backwards from each position
+        offsets = torch.arange(cache.max_len, device=v.device)
+        source = positions[:, :, None] - offsets                                    # (b, t, max_len): i - d
+        seen = source >= 0
+        index = source.clamp(min=0).flatten(1)[..., None, None].expand(-1, -1, self.num_heads, self.head_dim)
+        history = cache.state["v"].gather(1, index).unflatten(1, (t, cache.max_len))  # (b, t, d, h, p)
+        weights = torch.where(seen[..., None], taps[:, None], taps.new_zeros(()))   # (b, t, d, h)
+        return self.scale * torch.einsum("btdh,btdhp->bthp", weights, history) + v
+
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         tap_batch = batch if self.data_dependent else 1
         if self.causal:
@@ -114,5 +159,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L log L)",
     data_dependent="option",
+    stepping=True,
     test_options={"head_dim": 16},
 )

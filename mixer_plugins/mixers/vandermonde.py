@@ -13,6 +13,8 @@ Data-independent:
 * ``di_form="learned"``: the data-dependent formula with free (max_seq_len, heads, qk_dim) Q, K. The released
   code could not reach this form (and its einsum computed a diagonal); here it is a real Vandermonde mixer,
   initialised at N(0, 1) because Q = K = 0 would be a stationary point (cos'(0) = 0).
+
+Decoding (causal) keeps every token's keys and values; a step computes its rows of M (positions explicit).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class VandermondeConfig(QKBlockConfig):
 class VandermondeMixer(QKMixerBlock):
     """Vandermonde matrix mixer: data-dependent cosine nodes, the real DFT, or learned free nodes."""
 
+    steppable = True
+
     def __init__(self, config: VandermondeConfig):
         # learned nodes start at N(0, 1): Q = K = 0 would be a stationary point (cos'(0) = 0)
         super().__init__(config, free_qk=config.di_form == "learned", free_qk_init=nn.init.normal_)
@@ -70,6 +74,21 @@ class VandermondeMixer(QKMixerBlock):
             matrix = term if matrix is None else matrix + term
         return matrix
 
+    def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
+        dtype = self.in_proj.weight.dtype if q is None else q.dtype
+        i = positions.to(dtype)                                                          # (b, t)
+        j = torch.arange(max_len, device=positions.device, dtype=dtype)                  # (J,)
+        if q is None:  # the DFT
+            angle = 2 * math.pi * i[:, :, None] * j / self.max_seq_len
+            return torch.cos(angle)[:, None].expand(-1, self.num_heads, -1, -1)
+        omega_q = (2 * math.pi * self.frequency_scale) * q.permute(0, 2, 1, 3)          # (b, h, t, d)
+        omega_k = (2 * math.pi * self.frequency_scale) * keys.permute(0, 2, 1, 3)       # (b, h, J, d)
+        rows = None
+        for d in range(self.qk_dim):
+            term = torch.cos(omega_q[..., d, None] * j) - torch.cos(omega_k[:, :, None, :, d] * i[:, None, :, None])
+            rows = term if rows is None else rows + term
+        return rows
+
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         h, p = self.num_heads, self.head_dim
         parts = {"apply": 2 * batch * h * length * length * p}
@@ -88,5 +107,6 @@ SPEC = MixerSpec(
     direction="either",
     complexity="O(L^2) (materialized)",
     data_dependent="option",
+    stepping=True,
     test_options={"head_dim": 16, "qk_dim": 4},
 )

@@ -116,6 +116,9 @@ class MixerSpec:
         direction: ``"causal"``, ``"bidirectional"`` or ``"either"`` (a ``causal`` option).
         complexity: time complexity in the sequence length, e.g. ``"O(L)"``.
         data_dependent: ``"yes"`` (sequence-aligned), ``"no"`` (free L-sized parameters) or ``"option"``.
+        stepping: whether the mixer's causal form decodes token by token (``allocate_cache``, ``prefill``,
+            ``step``); the conformance kit checks that prefill + steps equal the forward. False for mixers that
+            cannot step (and for bidirectional-only ones).
         test_options: small options used by the conformance kit and ``mixer-plugins show``.
         distribution: the distribution that provided the spec (filled in by the registry).
     """
@@ -129,6 +132,7 @@ class MixerSpec:
     direction: Direction = "bidirectional"
     complexity: str = ""
     data_dependent: DataDependence = "yes"
+    stepping: bool = False
     test_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     distribution: str | None = None
 
@@ -143,6 +147,10 @@ class MixerSpec:
             raise TypeError(f"MixerSpec.direction of {self.name!r} must be causal, bidirectional or either")
         if self.data_dependent not in ("yes", "no", "option"):
             raise TypeError(f"MixerSpec.data_dependent of {self.name!r} must be yes, no or option")
+        if not isinstance(self.stepping, bool):
+            raise TypeError(f"MixerSpec.stepping of {self.name!r} must be a bool")
+        if self.stepping and self.direction == "bidirectional":
+            raise TypeError(f"MixerSpec.stepping of {self.name!r}: a bidirectional-only mixer cannot step")
         object.__setattr__(self, "aliases", tuple(self.aliases))
 
     # -- options ---------------------------------------------------------------------------------

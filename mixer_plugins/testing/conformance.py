@@ -34,7 +34,11 @@ Checks (each one a function in :data:`CHECKS`):
 * ``nonfinite_future``: for causal mixers, a NaN or an Inf at a later token leaves every earlier output unchanged;
 * ``empty_batch``: a batch of 0 rows gives an empty output of the right shape (and an empty matrix);
 * ``export``: ``torch.export`` of the mixer succeeds, the exported program agrees with eager, and eager forwards
-  after the export are unchanged (no tensor made while tracing survives in a cache).
+  after the export are unchanged (no tensor made while tracing survives in a cache);
+* ``step``: a mixer whose spec says ``stepping=True`` decodes in its causal form: ``prefill`` of right-padded prompts
+  of different lengths then ``step`` of one or a few tokens at a time equal ``forward`` over the whole sequences
+  (float64 within 1e-10, float32 within 1e-5); a mixer whose spec says ``stepping=False`` (or a bidirectional form)
+  refuses to step with ``StepNotSupportedError``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..mixers.cache import StepNotSupportedError
 from ..registry import (
     InvalidMixerOptions,
     MixerInputError,
@@ -65,6 +70,8 @@ class ConformanceError(AssertionError):
 
 @dataclasses.dataclass
 class CheckResult:
+    """The outcome of one check on one mixer: the check's name, whether it passed, and why not (``message``)."""
+
     check: str
     passed: bool
     message: str = ""
@@ -425,6 +432,54 @@ def check_export(h: MixerHarness) -> None:
         )
 
 
+#: Token counts of the successive steps of the ``step`` check (one or a few tokens at a time).
+_STEP_SIZES = (1, 2, 1, 3, 1, 1, 4)
+
+
+def check_step(h: MixerHarness) -> None:
+    spec = h.spec
+    causal = {"causal": True} if "causal" in spec.config.model_fields else {}
+    mixer = h.build(**causal)
+    if not spec.stepping or not mixer.causal:
+        assert not mixer.can_step, (
+            f"the spec says stepping={spec.stepping} (direction {spec.direction!r}) but the mixer can step: set "
+            "stepping=True in its spec"
+        )
+        _expect_raises(StepNotSupportedError, lambda: mixer.allocate_cache(1, 4), "allocate_cache on a mixer that "
+                       "cannot step")
+        return
+    assert mixer.can_step, f"the spec says stepping=True but the mixer cannot step: {mixer.step_problem()}"
+    cap = mixer.max_seq_len or 10**9
+    chunk = getattr(mixer.config, "chunk_size", None) or 8
+    length = min(2 * chunk + 7, cap)
+    prompt = max(2, length // 2)
+    prompts = torch.tensor([prompt, max(1, prompt - 4), 1])
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        mixer = h.build(dtype=dtype, **causal)
+        x = h.inputs(length, batch=len(prompts), dtype=dtype, seed=3)
+        mask = torch.arange(prompt)[None, :] < prompts[:, None]
+        with torch.no_grad():
+            full = mixer(x)
+            cache = mixer.allocate_cache(len(prompts), length)
+            y = mixer.prefill(x[:, :prompt], cache, mask=mask)
+            ok, err = _close(y[mask], full[:, :prompt][mask], rtol=tol, atol=tol)
+            assert ok, f"prefill of right-padded prompts differs from forward by {err:.3e} ({dtype})"
+            assert (y[~mask] == 0).all(), f"prefill: pad outputs are not zero ({dtype})"
+            assert torch.equal(cache.lengths, prompts), f"prefill: cache lengths {cache.lengths.tolist()} != prompts"
+            position, given = prompts.clone(), prompt
+            for t in _STEP_SIZES:
+                if given + t > length:
+                    break
+                index = (position[:, None] + torch.arange(t))[..., None].expand(-1, -1, h.dim)
+                y_t = mixer.step(x.gather(1, index), cache)
+                assert y_t.shape == (len(prompts), t, h.dim), f"step of {t} tokens gave shape {tuple(y_t.shape)}"
+                ok, err = _close(y_t, full.gather(1, index), rtol=tol, atol=tol)
+                assert ok, (f"prefill + steps differ from forward by {err:.3e} ({dtype}) at the step of {t} token(s) "
+                            f"from positions {position.tolist()}")
+                position += t
+                given += t
+
+
 #: Every check, by name, in the order the kit runs them.
 CHECKS: dict[str, Callable[[MixerHarness], None]] = {
     "output": check_output,
@@ -443,17 +498,34 @@ CHECKS: dict[str, Callable[[MixerHarness], None]] = {
     "nonfinite_future": check_nonfinite_future,
     "empty_batch": check_empty_batch,
     "export": check_export,
+    "step": check_step,
 }
 
 
 def _harness(mixer: str | MixerSpec, dim: int | None, options: Mapping[str, Any] | None, seed: int) -> MixerHarness:
+    """The harness of one mixer at ``dim`` (default 32), after checking that its options fit that dim.
+
+    The options are the spec's ``test_options`` with ``options`` over them. A spec's test options should fit any
+    reasonable dim (sizes as divisors or defaults, not widths that only add up at one dim); when they do not fit,
+    this says so once, with the mixer's own message, instead of every check failing on it.
+    """
     spec = mixer if isinstance(mixer, MixerSpec) else default_registry.get_spec(mixer)
-    return MixerHarness(spec=spec, dim=dim or 32, options=dict(options or {}), seed=seed)
+    harness = MixerHarness(spec=spec, dim=dim or 32, options=dict(options or {}), seed=seed)
+    opts = {**spec.test_options, **harness.options}
+    try:
+        spec.make_config(harness.dim, **opts)
+    except InvalidMixerOptions as err:
+        raise ValueError(
+            f"conformance kit: the options {opts} of mixer {spec.name!r} do not fit dim={harness.dim} ({err}); "
+            "pass options= that do, or another dim"
+        ) from None
+    return harness
 
 
 def run_check(mixer: str | MixerSpec, check: str, *, dim: int | None = None,
               options: Mapping[str, Any] | None = None, seed: int = 0) -> None:
-    """Run one check; raises AssertionError with a clear message when it fails."""
+    """Run one check at width ``dim`` (default 32); raises AssertionError with a clear message when it fails, and
+    ValueError when the mixer's options (its spec's ``test_options`` and ``options``) do not fit ``dim``."""
     if check not in CHECKS:
         raise KeyError(f"unknown check {check!r}; checks: {', '.join(CHECKS)}")
     CHECKS[check](_harness(mixer, dim, options, seed))
@@ -461,7 +533,10 @@ def run_check(mixer: str | MixerSpec, check: str, *, dim: int | None = None,
 
 def check_mixer(mixer: str | MixerSpec, *, dim: int | None = None, options: Mapping[str, Any] | None = None,
                 checks: Iterable[str] | None = None, seed: int = 0, raise_on_failure: bool = True) -> list[CheckResult]:
-    """Run the conformance checks on one mixer (by name, alias or spec)."""
+    """Run the conformance checks on one mixer (by name, alias or spec) at width ``dim`` (default 32).
+
+    Raises ValueError when the mixer's options (its spec's ``test_options`` and ``options``) do not fit ``dim``.
+    """
     harness = _harness(mixer, dim, options, seed)
     results = []
     for name in checks or CHECKS:

@@ -3,6 +3,9 @@
 Matrix: ``M_ij = (1 - a_h) * a_h ** (i - j)`` for ``j <= i`` (0 above the diagonal), with a learned
 decay ``a_h = sigmoid(w_h)`` per head, applied to projected values and followed by an output projection.
 It is a Toeplitz, 1-semiseparable matrix with no length-sized parameters, so it runs at any length.
+
+It also decodes token by token (``stepping=True``): its output *is* the running average
+``s_i = a s_{i-1} + (1 - a) v_i``, so the cache holds one state per head and channel.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from mixer_plugins import MatrixMixer, MixerConfig, MixerContext, MixerSpec
+from mixer_plugins.mixers.cache import MixerCache
 
 
 class EMAConfig(MixerConfig):
@@ -26,6 +30,7 @@ class EMAConfig(MixerConfig):
 
 class EMAMixer(MatrixMixer):
     causal = True
+    steppable = True
 
     def __init__(self, config: EMAConfig):
         super().__init__(config)
@@ -46,6 +51,29 @@ class EMAMixer(MatrixMixer):
         weights = (1 - log_a.exp()) * torch.exp(lag.clamp(min=0) * log_a)
         weights = weights.masked_fill(lag < 0, 0.0)                     # causal
         return weights.expand(ctx.values.shape[0], -1, -1, -1)
+
+    # -- decoding: the state is the last output (before the projection) -------------------------------
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        cache.state["ema"] = torch.zeros(batch, self.num_heads, self.dim // self.num_heads, dtype=dtype,
+                                         device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: MixerContext, x: Tensor, lengths: Tensor) -> Tensor:
+        y = self.mix(ctx)
+        last = (lengths - 1).clamp(min=0)[:, None, None, None].expand(-1, 1, *y.shape[2:])
+        state = y.gather(1, last)[:, 0]
+        cache.state["ema"].copy_(torch.where((lengths > 0)[:, None, None], state, 0.0).detach())
+        return y
+
+    def mix_step(self, ctx: MixerContext, cache: MixerCache) -> Tensor:
+        a = torch.sigmoid(self.decay_logit).to(ctx.values.dtype)[:, None]     # (heads, 1)
+        state = cache.state["ema"]
+        outputs = []
+        for i in range(ctx.values.shape[1]):
+            state = a * state + (1 - a) * ctx.values[:, i]
+            outputs.append(state)
+        cache.state["ema"].copy_(state.detach())
+        return torch.stack(outputs, dim=1)
 
     def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))
@@ -68,4 +96,5 @@ SPEC = MixerSpec(
     direction="causal",
     complexity="O(L^2) (materialized)",
     data_dependent="no",
+    stepping=True,
 )

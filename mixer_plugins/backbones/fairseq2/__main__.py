@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
+import re
 from collections.abc import Iterator
 
 PROG = "python -m mixer_plugins.backbones.fairseq2"
@@ -42,10 +44,10 @@ common.no_sweep_dir=true (outputs directly in OUT_DIR), trainer.max_grad_norm=1.
 
 
 @contextlib.contextmanager
-def described_parser() -> Iterator[None]:
+def described_parser(prog: str = PROG, description: str = DESCRIPTION, epilog: str = EPILOG) -> Iterator[None]:
     """Make fairseq2's recipe command line (``fairseq2.recipe.cli``, which builds a bare ``ArgumentParser``) print
-    this recipe's name, description and examples in ``--help``. A fairseq2 without that module attribute keeps its
-    own parser (a test notices)."""
+    a recipe's name, description and examples in ``--help`` (by default this one's). A fairseq2 without that module
+    attribute keeps its own parser (a test notices)."""
     from fairseq2.recipe import cli
 
     original = getattr(cli, "ArgumentParser", None)
@@ -53,12 +55,53 @@ def described_parser() -> Iterator[None]:
         yield
         return
     cli.ArgumentParser = functools.partial(  # type: ignore[attr-defined]
-        argparse.ArgumentParser, prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+        argparse.ArgumentParser, prog=prog, description=description, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
         yield
     finally:
         cli.ArgumentParser = original  # type: ignore[attr-defined]
+
+
+def config_error_line(error: BaseException) -> str:
+    """One line for a recipe config that cannot be read: the messages of the error's causes, most specific last,
+    without the generic wrappers fairseq2 adds around them."""
+    messages = []
+    seen = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = re.sub(r"<class '(?:[\w]+\.)*(\w+)'>", r"\1", " ".join(str(current).split()))
+        if text and not text.startswith(("Recipe configuration cannot be", "Value cannot be structured to")):
+            messages.append(text.rstrip("."))
+        current = current.__cause__ or current.__context__
+    return "the recipe configuration is not valid: " + (": ".join(messages) or "it cannot be parsed")
+
+
+class _OneLineConfigErrors(logging.Filter):
+    """fairseq2 logs a config that cannot be structured (unknown keys, values of the wrong type) with its stack trace;
+    a user's typo deserves one line. Rewrites that one record (the exit status stays fairseq2's, 2)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from fairseq2.recipe.error import RecipeConfigParseError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, RecipeConfigParseError):
+            record.msg, record.args = config_error_line(error), ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextlib.contextmanager
+def one_line_config_errors() -> Iterator[None]:
+    """Install :class:`_OneLineConfigErrors` on fairseq2's logger for the duration of a run."""
+    logger = logging.getLogger("fairseq2")
+    one_line = _OneLineConfigErrors()
+    logger.addFilter(one_line)
+    try:
+        yield
+    finally:
+        logger.removeFilter(one_line)
 
 
 def main() -> None:
@@ -67,7 +110,7 @@ def main() -> None:
 
     from .recipe import MixerMlmRecipe
 
-    with described_parser():
+    with described_parser(), one_line_config_errors():
         recipe_main(MixerMlmRecipe())
 
 

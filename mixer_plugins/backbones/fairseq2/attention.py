@@ -10,7 +10,13 @@ fairseq2 encoder layers call their self-attention as
 * **Packed batches** (1-D ``(T, M)`` token streams with ``seq_begin_indices``) are supported: the sequences
   are gathered into a right-padded ``(N, max_len, M)`` batch, mixed with a mask, and scattered back, so no
   token ever mixes with another sequence. Tokens after the last sequence get zero.
-* **Not supported** (``NotSupportedError``): incremental decoding (``state_bag``) and cross-attention
+* **Incremental decoding** (``state_bag``, in eval mode, as fairseq2's own attention): a causal mixer keeps a
+  :class:`MixerDecodingState` in the bag, a :class:`~mixer_plugins.mixers.cache.MixerCache` of
+  ``state_bag.max_num_steps`` tokens. The first call is the mixer's ``prefill`` (right-padded rows allowed), each
+  later one its ``step``; beam search reorders the cache through ``state_bag.reorder``. A causal mixer without a step
+  (a plugin whose spec says ``stepping=False``) keeps its inputs instead and reruns the whole prefix per call
+  (:class:`RecomputeState`). In training mode the bag is ignored (the whole sequence is given), as fairseq2 does.
+* **Not supported** (``NotSupportedError``): incremental decoding with a bidirectional mixer, and cross-attention
   (``keys``/``values`` other than ``seqs``): a matrix mixer mixes one sequence with itself.
 * **Attention-weight hooks** registered with ``register_attn_weight_hook`` receive the mixer's materialized
   matrix ``(N, H, S, S)``; mixers without a matrix raise :class:`~mixer_plugins.NotMaterializableError`.
@@ -24,15 +30,16 @@ from __future__ import annotations
 import torch
 from fairseq2.error import NotSupportedError
 from fairseq2.models.transformer import AttentionBiasCache, MultiheadAttention
-from fairseq2.nn import BatchLayout, IncrementalStateBag
+from fairseq2.nn import BatchLayout, IncrementalState, IncrementalStateBag
 from torch import Tensor, nn
 
+from mixer_plugins.mixers.cache import MixerCache
 from mixer_plugins.registry import MixerConfig, MixerError, MixerSpec
 
 from ..reinit import reinitialize_mixer
 from .options import ResolvedMixer, resolve_mixer
 
-__all__ = ["MixerAttention", "unpack_layout", "padding_mask"]
+__all__ = ["MixerAttention", "MixerDecodingState", "RecomputeState", "unpack_layout", "padding_mask"]
 
 
 def padding_mask(seqs_layout: BatchLayout) -> Tensor | None:
@@ -85,6 +92,62 @@ def _non_persistent_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
     return found
 
 
+class MixerDecodingState(IncrementalState):
+    """fairseq2's incremental state of a mixer that steps: its :class:`~mixer_plugins.mixers.cache.MixerCache`."""
+
+    def __init__(self, cache: MixerCache) -> None:
+        self.cache = cache
+
+    def step(self, mixer: nn.Module, seqs: Tensor) -> Tensor:
+        return mixer.step(seqs, self.cache)
+
+    def reorder(self, new_order: Tensor) -> None:
+        self.cache.reorder(new_order)
+
+    def size_bytes(self) -> int:
+        return self.cache.nbytes()
+
+    def capacity_bytes(self) -> int:
+        return self.cache.nbytes()
+
+
+class RecomputeState(IncrementalState):
+    """fairseq2's incremental state of a causal mixer without a step: the inputs so far (batch, capacity, dim);
+    each call writes the new tokens after each row's own and reruns the mixer over the whole prefix."""
+
+    def __init__(self, seqs: Tensor, mask: Tensor | None, capacity: int) -> None:
+        b, length, dim = seqs.shape
+        self.inputs = seqs.new_zeros(b, capacity, dim)
+        self.inputs[:, :length] = seqs.detach()
+        self.lengths = (mask.sum(dim=1) if mask is not None
+                        else torch.full((b,), length, dtype=torch.long, device=seqs.device))
+        self.offset = length
+
+    def step(self, mixer: nn.Module, seqs: Tensor) -> Tensor:
+        b, t, dim = seqs.shape
+        if self.offset + t > self.inputs.shape[1]:
+            raise NotSupportedError(f"the incremental state holds {self.inputs.shape[1]} tokens; {self.offset} were "
+                                    f"given and {t} more do not fit")
+        positions = self.lengths[:, None] + torch.arange(t, device=seqs.device)
+        index = positions[..., None].expand(b, t, dim)
+        self.inputs.scatter_(1, index, seqs.detach().to(self.inputs.dtype))
+        self.lengths = self.lengths + t
+        self.offset += t
+        width = self.offset
+        mask = torch.arange(width, device=seqs.device)[None, :] < self.lengths[:, None]
+        return mixer(self.inputs[:, :width], mask=mask).gather(1, index)
+
+    def reorder(self, new_order: Tensor) -> None:
+        self.inputs = self.inputs.index_select(0, new_order)
+        self.lengths = self.lengths.index_select(0, new_order)
+
+    def size_bytes(self) -> int:
+        return self.offset * self.inputs.shape[0] * self.inputs.shape[2] * self.inputs.element_size()
+
+    def capacity_bytes(self) -> int:
+        return self.inputs.numel() * self.inputs.element_size()
+
+
 class MixerAttention(MultiheadAttention):
     """A registered mixer as the self-attention of a fairseq2 Transformer layer.
 
@@ -123,16 +186,21 @@ class MixerAttention(MultiheadAttention):
         *,
         state_bag: IncrementalStateBag | None = None,
     ) -> Tensor:
-        """Mix ``seqs`` (N, S, M) — or (T, M) for a packed layout — and return the same shape."""
-        if state_bag is not None:
+        """Mix ``seqs`` (N, S, M) — or (T, M) for a packed layout — and return the same shape.
+
+        With ``state_bag`` (eval mode): the next tokens of an incremental decoding (see the module docstring).
+        """
+        if state_bag is not None and not self.mixer.causal:
             raise NotSupportedError(
-                f"mixer {self.mixer_name!r} runs in encoders only: incremental decoding (state_bag) is not supported"
+                f"mixer {self.mixer_name!r} is bidirectional: incremental decoding (state_bag) needs a causal mixer"
             )
         if keys is not seqs or values is not seqs or keys_layout is not seqs_layout:
             raise NotSupportedError(
                 f"mixer {self.mixer_name!r} replaces self-attention only: keys and values must be the queries "
                 "themselves (cross-attention is not supported)"
             )
+        if state_bag is not None and not self.training:
+            return self._forward_incremental(seqs, seqs_layout, state_bag)
         if seqs_layout.packed:
             return self._forward_packed(seqs, seqs_layout)
         mask = padding_mask(seqs_layout)
@@ -140,6 +208,28 @@ class MixerAttention(MultiheadAttention):
         if self._attn_weight_hooks:
             self._run_hooks(out, seqs, mask)
         return out
+
+    def _forward_incremental(self, seqs: Tensor, seqs_layout: BatchLayout, state_bag: IncrementalStateBag) -> Tensor:
+        if seqs_layout.packed:
+            raise NotSupportedError("incremental decoding takes a padded (2-D) batch, not a packed one")
+        state = state_bag.maybe_get_state(self, IncrementalState)
+        if state is None:
+            mask = padding_mask(seqs_layout)
+            capacity = max(state_bag.max_num_steps, seqs.shape[1])
+            if self.mixer.can_step:
+                cache = self.mixer.allocate_cache(seqs.shape[0], capacity)
+                out = self.mixer.prefill(seqs, cache, mask=mask)
+                state_bag.set_state(self, MixerDecodingState(cache))
+            else:
+                out = self.mixer(seqs, mask=mask)
+                state_bag.set_state(self, RecomputeState(seqs, mask, capacity))
+            return out
+        if seqs_layout.padded:
+            raise NotSupportedError("incremental decoding: only the first call (the prompt) may be padded; later "
+                                    "calls give the same number of new tokens for every row")
+        if not isinstance(state, (MixerDecodingState, RecomputeState)):
+            raise NotSupportedError(f"the state bag holds a {type(state).__name__} for this module, not a mixer's")
+        return state.step(self.mixer, seqs)
 
     def _forward_packed(self, seqs: Tensor, seqs_layout: BatchLayout) -> Tensor:
         if seqs.dim() != 2:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from fairseq2.assets import AssetCard
@@ -12,7 +14,28 @@ from fairseq2.models import load_model
 from fairseq2.runtime.dependency import get_dependency_resolver
 from torch.nn import Module
 
-__all__ = ["load_mixer_checkpoint"]
+from ...mixers.base import RECORD_KEY, MixerCheckpointMismatchError, read_mixer_record, record_differences
+
+__all__ = ["load_mixer_checkpoint", "read_model_metadata", "with_mixer_records"]
+
+#: File name of the model metadata: fairseq2 writes ``checkpoints/model.yaml``; the recipe's steps keep a copy.
+MODEL_METADATA = "model.yaml"
+
+
+def read_model_metadata(resolver, path: Path) -> dict | None:
+    """The ``model.yaml`` mapping at ``path``, or None when it is missing, empty, cut or not a model's metadata."""
+    from fairseq2.utils.yaml import YamlError, YamlLoader
+
+    if not path.is_file():
+        return None
+    try:
+        docs = resolver.resolve(YamlLoader).load(path)
+    except (YamlError, OSError, ValueError):
+        return None
+    saved = docs[0] if docs else None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model_config"), dict) or "model_family" not in saved:
+        return None
+    return saved
 
 
 def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, device: Device = CPU,
@@ -20,24 +43,82 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
     """Reload a model saved by a recipe, through fairseq2's own ``load_model``.
 
     ``checkpoint_dir`` is the run's ``checkpoints`` folder (holding ``model.yaml`` and ``step_N/``);
-    ``step=None`` takes the last step. The card is built by fairseq2's ``ModelMetadataLoader`` (the same
-    metadata ``register_checkpoint_models`` exposes as ``checkpoint_step_N`` / ``last_checkpoint``), so family,
-    config (the mixer included) and weights all come from the checkpoint. Initialises fairseq2 if needed.
+    ``step=None`` takes the last step. The model config is the one the step was trained with: the step's own copy
+    (``step_N/model.yaml``, which the recipe writes), else the folder's ``model.yaml`` (read by fairseq2's
+    ``ModelMetadataLoader``, the metadata ``register_checkpoint_models`` exposes as ``checkpoint_step_N`` /
+    ``last_checkpoint``). So family, config (the mixer included) and weights all come from the checkpoint, and a
+    cut or empty ``checkpoints/model.yaml`` (fairseq2 rewrites it at every start) does not lose the run.
+    Initialises fairseq2 if needed.
     """
-    if not (Path(checkpoint_dir) / "model.yaml").is_file():
+    folder = Path(checkpoint_dir)
+    resolver = get_dependency_resolver()
+    steps = sorted(int(p.name[5:]) for p in folder.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    chosen = (steps[-1] if steps else None) if step is None else step
+    if chosen is not None and chosen in steps:
+        saved = read_model_metadata(resolver, folder / f"step_{chosen}" / MODEL_METADATA)
+        if saved is not None:
+            base = {"model_family": saved["model_family"], "model_config": saved["model_config"],
+                    "__base_path__": folder}
+            card = AssetCard(f"checkpoint_step_{chosen}", {"checkpoint": str(folder / f"step_{chosen}" / "model")},
+                             base=AssetCard("checkpoint", base))
+            return load_model(card, device=device, dtype=dtype)
+    if not (folder / MODEL_METADATA).is_file():
         raise FileNotFoundError(
             f"{checkpoint_dir} is not a recipe checkpoint folder (no model.yaml); pass OUT_DIR/checkpoints"
         )
-    provider = get_dependency_resolver().resolve(ModelMetadataLoader).load(Path(checkpoint_dir))
+    provider = resolver.resolve(ModelMetadataLoader).load(folder)
     name = "last_checkpoint@" if step is None else f"checkpoint_step_{step}@"
     metadata = provider.maybe_get_metadata(name)
     base = provider.maybe_get_metadata("checkpoint@")
     if metadata is None or base is None:
-        steps = sorted(n for n in provider.asset_names if n.startswith("checkpoint_step_"))
+        found = sorted(n for n in provider.asset_names if n.startswith("checkpoint_step_"))
         raise FileNotFoundError(
             f"{checkpoint_dir} has no {'checkpoint' if step is None else f'step {step}'} to load "
-            f"(found: {', '.join(steps) or 'none'})"
+            f"(found: {', '.join(found) or 'none'})"
         )
     metadata = {k: v for k, v in metadata.items() if k != "base"}
     card = AssetCard(name.rstrip("@"), metadata, base=AssetCard("checkpoint", base))
     return load_model(card, device=device, dtype=dtype)
+
+
+def with_mixer_records(factory: Callable[[Any], Module],
+                       converter: Callable[[dict[str, object], Any], dict[str, object]] | None = None):
+    """A family's ``state_dict_converter`` that handles the mixers' records (their name and options, the
+    ``..._extra_state`` entries of :class:`~mixer_plugins.MatrixMixer`), around ``converter`` (if any).
+
+    fairseq2's ``load_model`` copies a checkpoint's tensors into the model's own state (not through
+    ``load_state_dict``), so the mixers' own check does not run there. This converter does it: each record of the
+    checkpoint must match the mixer the config builds (:class:`MixerCheckpointMismatchError` otherwise, naming both),
+    and a checkpoint saved without records (before mixers recorded themselves) gets the config's, so it loads as
+    before. The expected records come from the model built on the meta device (no memory, no initialisation).
+    """
+
+    def convert(state_dict: dict[str, object], config: Any) -> dict[str, object]:
+        if converter is not None:
+            state_dict = converter(state_dict, config)
+        with torch.device("meta"):
+            model = factory(config)
+        for key, expected in model.state_dict().items():
+            if key.rsplit(".", 1)[-1] != RECORD_KEY:
+                continue
+            own = read_mixer_record(expected)
+            if own is None:
+                continue
+            if key not in state_dict:
+                state_dict[key] = expected
+                continue
+            saved = read_mixer_record(state_dict[key])
+            if saved is None:
+                raise MixerCheckpointMismatchError(f"{key!r} in the checkpoint is not a mixer-plugins record")
+            module = model.get_submodule(key.rsplit(".", 1)[0])
+            problems = record_differences(saved, own, length_free=getattr(module, "max_seq_len", None) is None,
+                                          config_class=type(getattr(module, "config", None)))
+            if problems:
+                raise MixerCheckpointMismatchError(
+                    f"{key.rsplit('.', 1)[0]}: the checkpoint holds mixer {saved.get('mixer') or saved.get('class')!r}"
+                    f" and the model config builds {own.get('mixer') or own.get('class')!r}, with other settings "
+                    f"(checkpoint -> config: {'; '.join(problems)}); load it with the config it was saved with"
+                )
+        return state_dict
+
+    return convert

@@ -59,6 +59,9 @@ class MlmDataSection:
             result.add_error(f"`batch_size` must be >= 1, but is {self.batch_size}.")
         if not 0.0 < self.mask_prob < 1.0:
             result.add_error(f"`mask_prob` must be in (0, 1), but is {self.mask_prob}.")
+        if self.text_file is not None and not Path(self.text_file).is_file():
+            what = "is a folder, not a file" if Path(self.text_file).is_dir() else "does not exist"
+            result.add_error(f"`text_file` {str(self.text_file)!r} {what} (one example per line, UTF-8).")
         return result
 
 

@@ -1,4 +1,4 @@
-"""``nllb_mixer``: fairseq2's NLLB encoder-decoder with its *encoder* self-attention swapped by config.
+"""``nllb_mixer``: fairseq2's NLLB encoder-decoder with its encoder and decoder self-attention swapped by config.
 
 fairseq2 configs are strict and family names unique, so an existing family cannot gain a field; the
 wrapper is a new family whose config subclasses :class:`~fairseq2.models.nllb.NllbConfig` with the same two
@@ -7,9 +7,13 @@ overrides only ``create_encoder_self_attention``, and which re-exposes every NLL
 
 With ``mixer="attention"`` (or an alias of it) the model is upstream NLLB exactly: same modules, same
 parameter names, same initialisation, so NLLB checkpoints load unchanged (through the reused
-``convert_nllb_state_dict``). Any other mixer replaces the encoder self-attention of every layer; the
-decoder (self- and cross-attention) is left alone. Loading an upstream NLLB checkpoint into a model with
-another mixer fails (fairseq2 loads strictly and the checkpoint has no weights for the mixer).
+``convert_nllb_state_dict``). Any other mixer replaces the encoder self-attention of every layer.
+
+``decoder_mixer`` / ``decoder_mixer_options`` do the same for the decoder's self-attention, with a causal mixer
+(``causal=True`` is filled in where the mixer has that option; a bidirectional-only mixer is a config error); the
+decoder's incremental decoding (fairseq2's seq2seq generators) then runs on the mixer's cache. The cross-attention
+is always left alone. Loading an upstream NLLB checkpoint into a model with another mixer fails (fairseq2 loads
+strictly and the checkpoint has no weights for the mixer).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from fairseq2.utils.validation import ValidationResult
 from mixer_plugins.registry import InvalidMixerOptions, MixerError, default_registry
 
 from .attention import MixerAttention
+from .checkpoint import with_mixer_records
 from .options import ResolvedMixer, namespaced_options, resolve_mixer
 
 __all__ = ["NLLB_MIXER_FAMILY", "NllbMixerConfig", "NllbMixerFactory", "create_nllb_mixer_model",
@@ -54,16 +59,26 @@ class NllbMixerConfig(NllbConfig):
     mixer_options: dict[str, object] = field(default_factory=dict)
     """Options per mixer name, e.g. ``{"quasi": {"d_state": 32}}``; only ``mixer``'s entry is used."""
 
-    def is_upstream(self) -> bool:
-        """True when the encoder keeps fairseq2's own attention (``mixer`` is ``attention`` or an alias)."""
-        if not isinstance(self.mixer, str) or not self.mixer.strip():
-            raise MixerError(f"mixer must be a non-empty mixer name (see `mixer-plugins list`), got {self.mixer!r}")
-        if self.mixer == UPSTREAM_MIXER:
+    decoder_mixer: str = UPSTREAM_MIXER
+    """Decoder self-attention: ``attention`` keeps fairseq2's own; any other registered mixer with a causal form
+    replaces it in every decoder layer (in its causal form)."""
+
+    decoder_mixer_options: dict[str, object] = field(default_factory=dict)
+    """Options per mixer name for ``decoder_mixer``, e.g. ``{"semiseparable": {"d_state": 32}}``."""
+
+    def is_upstream(self, which: str = "encoder") -> bool:
+        """True when the encoder (``which="decoder"``: the decoder) keeps fairseq2's own attention (its mixer is
+        ``attention`` or an alias)."""
+        name = self.mixer if which == "encoder" else self.decoder_mixer
+        field_name = "mixer" if which == "encoder" else "decoder_mixer"
+        if not isinstance(name, str) or not name.strip():
+            raise MixerError(f"{field_name} must be a non-empty mixer name (see `mixer-plugins list`), got {name!r}")
+        if name == UPSTREAM_MIXER:
             return True
-        return default_registry.get_spec(self.mixer).name == UPSTREAM_MIXER
+        return default_registry.get_spec(name).name == UPSTREAM_MIXER
 
     def resolve_mixer(self) -> ResolvedMixer | None:
-        """The replacement mixer, or ``None`` for upstream attention; raises our registry errors."""
+        """The encoder's replacement mixer, or ``None`` for upstream attention; raises our registry errors."""
         if self.is_upstream():
             # The other namespaces are still checked (names, shapes), like any mixer_options.
             if namespaced_options(default_registry.get_spec(UPSTREAM_MIXER), self.mixer_options or {}):
@@ -76,26 +91,48 @@ class NllbMixerConfig(NllbConfig):
         return resolve_mixer(self.mixer, self.mixer_options, dim=self.model_dim,
                              host_options={"num_heads": self.num_encoder_attn_heads, "max_seq_len": self.max_seq_len})
 
+    def resolve_decoder_mixer(self) -> ResolvedMixer | None:
+        """The decoder's replacement mixer (causal), or ``None`` for upstream attention; raises our registry
+        errors."""
+        if self.is_upstream("decoder"):
+            if namespaced_options(default_registry.get_spec(UPSTREAM_MIXER), self.decoder_mixer_options or {}):
+                raise InvalidMixerOptions(
+                    UPSTREAM_MIXER,
+                    ["with decoder_mixer='attention' the NLLB decoder keeps fairseq2's own attention, configured by "
+                     "NllbConfig (num_decoder_attn_heads); remove decoder_mixer_options.attention"],
+                )
+            return None
+        return resolve_mixer(self.decoder_mixer, self.decoder_mixer_options, dim=self.model_dim,
+                             host_options={"num_heads": self.num_decoder_attn_heads, "max_seq_len": self.max_seq_len},
+                             causal=True)
+
     def validate(self) -> ValidationResult:
         result = ValidationResult()
-        try:
-            self.resolve_mixer()
-        except MixerError as err:
-            result.add_error(str(err))
+        for resolve in (self.resolve_mixer, self.resolve_decoder_mixer):
+            try:
+                resolve()
+            except MixerError as err:
+                result.add_error(str(err))
         return result
 
 
 class NllbMixerFactory(NllbFactory):
-    """``NllbFactory`` whose encoder self-attention is the configured mixer."""
+    """``NllbFactory`` whose encoder and decoder self-attention are the configured mixers."""
 
     def __init__(self, config: NllbMixerConfig) -> None:
         super().__init__(config)
         self._resolved = config.resolve_mixer()
+        self._resolved_decoder = config.resolve_decoder_mixer()
 
     def create_encoder_self_attention(self) -> MultiheadAttention:
         if self._resolved is None:
             return super().create_encoder_self_attention()
         return MixerAttention(self._resolved)
+
+    def create_decoder_self_attention(self) -> MultiheadAttention:
+        if self._resolved_decoder is None:
+            return super().create_decoder_self_attention()
+        return MixerAttention(self._resolved_decoder)
 
 
 def create_nllb_mixer_model(config: NllbMixerConfig) -> TransformerModel:
@@ -129,7 +166,7 @@ def register_nllb_mixer_family(container: DependencyContainer) -> None:
         kls=TransformerModel,
         config_kls=NllbMixerConfig,
         factory=create_nllb_mixer_model,
-        state_dict_converter=convert_nllb_state_dict,
+        state_dict_converter=with_mixer_records(create_nllb_mixer_model, convert_nllb_state_dict),
         fsdp_applier=apply_fsdp_to_transformer,
         layerwise_ac_applier=apply_ac_to_transformer,
     )

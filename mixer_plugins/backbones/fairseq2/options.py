@@ -14,7 +14,8 @@ mean") and options with the mixer's own pydantic model (:class:`~mixer_plugins.I
 bad name or option fails with our message before fairseq2 builds anything.
 
 The host model supplies a few options the mixer cannot know (its width, and where the mixer has such an
-option: ``num_heads``, ``max_seq_len``, ``causal=False`` for mixers that can run either way). They are
+option: ``num_heads``, ``max_seq_len``, ``causal=False`` for mixers that can run either way in an encoder,
+``causal=True`` in a decoder, where a mixer without a causal form is refused). They are
 filled in by the shared resolver (:mod:`mixer_plugins.backbones.options`) only when the user did not set them
 under ``mixer_options``; an error then says where they came from.
 """
@@ -101,6 +102,7 @@ def resolve_mixer(
     *,
     dim: int,
     host_options: Mapping[str, object] | None = None,
+    causal: bool = False,
 ) -> ResolvedMixer:
     """Validate ``mixer`` and its namespaced options through the registry.
 
@@ -111,6 +113,9 @@ def resolve_mixer(
         host_options: what the host model knows: ``num_heads`` and ``max_seq_len``; each is used only if the
             mixer's config has a field of that name and the user did not set it. ``None`` values are skipped
             (the mixer's own default applies).
+        causal: the host is a decoder: the mixer must run causally (``causal=True`` is filled in where the mixer
+            has that option; a bidirectional-only mixer, or ``causal: false`` among the options, is an error).
+            Otherwise the host is an encoder, which prefers ``causal=False``.
 
     Raises:
         UnknownMixerError: ``mixer`` or a ``mixer_options`` key names no registered mixer ("did you mean").
@@ -123,11 +128,14 @@ def resolve_mixer(
     options = namespaced_options(spec, mixer_options or {})
     known = dict(host_options or {})
     # An encoder prefers a bidirectional mixer: one that can run either way gets causal=False unless the user
-    # asks otherwise; causal-only mixers are left as they are.
+    # asks otherwise; causal-only mixers are left as they are. A decoder requires a causal one.
     host = HostModel(dim=dim, num_heads=known.get("num_heads"), max_seq_len=known.get("max_seq_len"),
-                     prefer_causal=False, source="the model config",
-                     override_hint=f"set them under mixer_options.{spec.name} to override")
+                     causal=True if causal else None, prefer_causal=None if causal else False,
+                     source="the model config", override_hint=f"set them under mixer_options.{spec.name} to override")
     config, from_host = resolve_config(spec, host, options)
+    if causal and not getattr(config, "causal", spec.direction == "causal"):
+        raise InvalidMixerOptions(spec.name, [
+            f"a decoder needs a causal mixer, but mixer_options.{spec.name} sets causal=false; remove it"])
     return ResolvedMixer(spec=spec, config=config, from_host=from_host)
 
 
@@ -137,10 +145,11 @@ def mixer_problems(
     *,
     dim: int,
     host_options: Mapping[str, object] | None = None,
+    causal: bool = False,
 ) -> list[str]:
     """The messages :func:`resolve_mixer` would raise, as a list (empty when valid); for ``validate()``."""
     try:
-        resolve_mixer(mixer, mixer_options, dim=dim, host_options=host_options)
+        resolve_mixer(mixer, mixer_options, dim=dim, host_options=host_options, causal=causal)
     except MixerError as err:
         return [str(err)]
     return []

@@ -17,15 +17,19 @@ bf16, falls back to bf16 autocast on a single device, which is very slow on CPU;
 ``trainer.mixed_precision.mode=auto`` for bf16 autocast), ``common.no_sweep_dir=true`` (outputs directly in
 ``OUT_DIR``) and ``trainer.max_grad_norm=1.0``.
 
-Safety: a folder whose ``checkpoints/`` hold steps of another model config (e.g. another mixer) is refused
-before anything is written -- the earlier run stays loadable -- unless ``overwrite_checkpoints=true`` is
-given, which deletes those checkpoints first. A non-finite training loss stops the run with exit status 1.
+Safety: every saved step keeps a copy of the model config it was trained with (``step_N/model.yaml``), and a
+rerun into a folder with checkpoints compares its model config with that of the step it would resume (fairseq2
+rewrites ``checkpoints/model.yaml`` at every start, so that file is not what the steps were trained with). A folder
+whose checkpoints hold another model config (e.g. another mixer) is refused before anything is written, unless
+``overwrite_checkpoints=true`` is given, which deletes those checkpoints first. Bad config values and paths are one
+line on stderr and exit status 2. A non-finite training loss stops the run with exit status 1.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +66,7 @@ from typing_extensions import override
 
 import mixer_plugins.errors as mixer_errors
 
+from .checkpoint import MODEL_METADATA, read_model_metadata
 from .config import MIXER_ENCODER_FAMILY, MixerSection
 from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
 from .data import MlmBatch, MlmDataReader, MlmDataSection
@@ -152,6 +157,45 @@ def _log_training_failure(ex: Exception) -> int:
     return 1
 
 
+def save_step_metadata(checkpoint_dir: Path, step_nr: int) -> None:
+    """Copy the run's ``model.yaml`` (written by fairseq2 when this run started) into ``step_<step_nr>/``, atomically
+    (a temporary file, then a rename): the step then records the model config it was trained with."""
+    source = Path(checkpoint_dir) / MODEL_METADATA
+    step_dir = Path(checkpoint_dir) / f"step_{step_nr}"
+    if not source.is_file() or not step_dir.is_dir():
+        return
+    target = step_dir / MODEL_METADATA
+    tmp = step_dir / f".{MODEL_METADATA}.tmp"
+    tmp.write_bytes(source.read_bytes())
+    os.replace(tmp, target)
+
+
+def saved_steps(checkpoint_dir: Path) -> list[int]:
+    """The steps saved in ``checkpoint_dir`` (``step_N`` folders; a step still being written is ``step_N.tmp``), in
+    order. fairseq2 resumes from the last full one and overwrites a step it saves again, so each of them is at stake."""
+    steps = []
+    for path in Path(checkpoint_dir).glob("step_*"):
+        suffix = path.name[len("step_"):]
+        if path.is_dir() and suffix.isdigit():
+            steps.append(int(suffix))
+    return sorted(steps)
+
+
+def step_metadata(resolver, checkpoint_dir: Path, step_nr: int, *,
+                  fields: set[str] | None = None) -> tuple[dict | None, Path | None]:
+    """The model metadata step ``step_nr`` was trained with, and the file it came from: the step's own copy, else the
+    folder's ``model.yaml`` (runs saved before steps kept a copy); (None, None) when neither can be read.
+
+    With ``fields`` (the fields of the model config being compared), a file whose config has other fields is taken
+    for cut (YAML cut between two lines still parses, with the last fields missing) and skipped.
+    """
+    for path in (Path(checkpoint_dir) / f"step_{step_nr}" / MODEL_METADATA, Path(checkpoint_dir) / MODEL_METADATA):
+        saved = read_model_metadata(resolver, path)
+        if saved is not None and (fields is None or set(saved["model_config"]) == fields):
+            return saved, path
+    return None, None
+
+
 def _yaml_round_trip(resolver, obj: object) -> list[object]:
     """``obj`` as fairseq2 writes it to YAML and reads it back (the form ``model.yaml`` is compared in)."""
     from fairseq2.utils.yaml import YamlDumper, YamlLoader
@@ -162,28 +206,29 @@ def _yaml_round_trip(resolver, obj: object) -> list[object]:
     return resolver.resolve(YamlLoader).load(stream)
 
 
-def check_checkpoint_dir(resolver) -> None:
+def check_checkpoint_dir(resolver, config_kls: type | None = None) -> None:
     """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
 
-    fairseq2 rewrites ``checkpoints/model.yaml`` with the new config before it tries to restore the last step,
-    so a rerun with another mixer would fail *and* leave the earlier run unloadable. With
-    ``overwrite_checkpoints=true`` the old checkpoints are deleted instead.
+    The config compared is the one the last saved step was trained with (``step_N/model.yaml``; for runs saved before
+    steps kept a copy, the folder's ``model.yaml``), never a file fairseq2 rewrites at start: an empty
+    or cut ``checkpoints/model.yaml`` (a start killed while writing it) does not make a resumable folder look foreign.
+    With ``overwrite_checkpoints=true`` checkpoints of another config are deleted instead. ``config_kls`` is the
+    recipe's config class (default: the MLM recipe's); it has ``model`` and ``overwrite_checkpoints`` fields.
     """
     from fairseq2.checkpoint import CheckpointDir
     from fairseq2.models import ModelFamily
     from fairseq2.recipe.internal.asset_config import _AssetConfigOverrider
     from fairseq2.runtime.dependency import DependencyLookup
     from fairseq2.utils.structured import ValueConverter
-    from fairseq2.utils.yaml import YamlLoader
 
     context = RecipeContext(resolver)
-    config = context.get_config_as(MixerMlmConfig)
+    config = context.get_config_as(config_kls or MixerMlmConfig)
     section = config.model
     if section.path is not None or section.name is not None or section.family is None:
         return  # not a new model of ours: fairseq2's own checks apply
-    ckpt_dir = resolver.resolve(CheckpointDir).path or context.output_dir.joinpath("checkpoints")
-    metadata_file = Path(ckpt_dir) / "model.yaml"
-    if not metadata_file.is_file() or not any(p.is_dir() for p in Path(ckpt_dir).glob("step_*")):
+    ckpt_dir = Path(resolver.resolve(CheckpointDir).path or context.output_dir.joinpath("checkpoints"))
+    steps = saved_steps(ckpt_dir)
+    if not steps:
         return  # no saved step to lose
     family = DependencyLookup(resolver, ModelFamily).maybe_get(section.family)
     if family is None:
@@ -193,23 +238,36 @@ def check_checkpoint_dir(resolver) -> None:
         return  # fairseq2 reports the unknown arch
     model_config = resolver.resolve(_AssetConfigOverrider).apply_overrides(
         "model", model_config, section.config_overrides)
-    wanted = {"name": "checkpoint", "model_family": family.name,
-              "model_config": resolver.resolve(ValueConverter).unstructure(model_config)}
-    [saved] = resolver.resolve(YamlLoader).load(metadata_file) or [None]
-    if _yaml_round_trip(resolver, wanted) == [saved]:
+    # in the form model.yaml is read back in (through fairseq2's YAML dumper and loader)
+    [round_tripped] = _yaml_round_trip(resolver, {
+        "name": "checkpoint", "model_family": family.name,
+        "model_config": resolver.resolve(ValueConverter).unstructure(model_config)})
+    wanted: dict = round_tripped if isinstance(round_tripped, dict) else {}
+    saved, source = step_metadata(resolver, ckpt_dir, steps[-1], fields=set(wanted["model_config"]))
+    if saved is None:
+        log.warning("The model config of step {} in {} cannot be read (no intact model.yaml); resuming from it, and "
+                    "fairseq2's strict load will refuse weights that do not fit the model.", steps[-1], ckpt_dir)
+        return
+    if (saved.get("model_family"), saved.get("model_config")) == (wanted["model_family"], wanted["model_config"]):
         return  # the same model: fairseq2 resumes from the last step
-    old = saved.get("model_config", {}) if isinstance(saved, dict) else {}
-    new = wanted["model_config"]
-    differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)) if isinstance(old, dict) else []
-    what = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ[:4]) or "the model config differs"
+    old, new = saved["model_config"], wanted["model_config"]
+    if saved.get("model_family") != wanted["model_family"]:
+        differ = [f"model_family: {saved.get('model_family')!r} -> {wanted['model_family']!r}"]
+    else:
+        differ = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+                  for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    what = ", ".join(differ[:4]) or "the model config differs"
     if config.overwrite_checkpoints:
         log.warning("overwrite_checkpoints=true: deleting {} (checkpoints of another model config: {}).",
                     ckpt_dir, what)
         shutil.rmtree(ckpt_dir)
         return
+    loadable = ""
+    if source is not None and source.parent != ckpt_dir:  # the step has its own config: load_mixer_checkpoint reads it
+        loadable = f"; they stay loadable with load_mixer_checkpoint({str(ckpt_dir)!r})"
     raise CheckpointConfigMismatchError(
-        f"{ckpt_dir} holds checkpoints of another model config ({what}); nothing was written and that run "
-        "stays loadable. Use another output folder, or pass --config overwrite_checkpoints=true to delete them."
+        f"{ckpt_dir} holds checkpoints of another model config ({what}; read from {source}); nothing was written"
+        f"{loadable}. Use another output folder."
     )
 
 
@@ -269,7 +327,10 @@ class MixerMlmRecipe(Recipe):
                 "lower data.max_seq_len or raise model.config_overrides.max_seq_len"
             )
         if config.data.text_file is not None:
-            texts = read_text_file(config.data.text_file)
+            try:
+                texts = read_text_file(config.data.text_file)
+            except (OSError, ValueError) as ex:  # a config error: one line, exit status 2
+                raise RecipeError(str(ex)) from None
         else:
             texts = generate_corpus(config.data.num_examples, seed=config.data.corpus_seed)
         examples = encode_all(tokenizer, texts, config.data.max_seq_len)
@@ -277,7 +338,13 @@ class MixerMlmRecipe(Recipe):
         reader = MlmDataReader(examples, config.data, tokenizer, rank=gangs.dp.rank, world_size=gangs.dp.size)
         log.info("MLM corpus: {} examples, mixer {!r}.", len(examples), model.mixer_name)
         unit = MlmTrainUnit(context.get_data_parallel_model())
-        return context.create_trainer(unit, reader)
+        trainer = context.create_trainer(unit, reader)
+        if gangs.root.rank == 0:
+            from fairseq2.checkpoint import CheckpointDir
+
+            ckpt_dir = Path(context.resolver.resolve(CheckpointDir).path or context.output_dir / "checkpoints")
+            trainer.register_checkpoint_save_hook(lambda args: save_step_metadata(ckpt_dir, args.step_nr))
+        return trainer
 
     @property
     @override

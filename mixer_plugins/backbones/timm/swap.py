@@ -230,7 +230,8 @@ def _transfer(old: nn.Module, new: TimmMixerAttention, prefix: str, report: Weig
                 report.mismatched.append((prefix + key, tuple(value.shape), tuple(new_state[target].shape)))
     new.load_state_dict(taken, strict=False)
     report.loaded.extend(prefix + k for k in taken)
-    report.missing.extend(prefix + k for k in new_state if k not in taken)
+    # the mixer's record of its name and options (its extra state) is not a weight: never "missing"
+    report.missing.extend(prefix + k for k in new_state if k not in taken and not k.endswith("_extra_state"))
 
 
 def swap_mixer(model: nn.Module, mixer: str, /, *, mixer_blocks: Optional[Iterable[int]] = None,

@@ -8,6 +8,9 @@ whose page faults cost several times the arithmetic. The block's SiLU can be fus
 (PyTorch's CPU depthwise ``conv1d`` backward was ~40x slower than this at L=16384, 1792 channels.)
 It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a
 convolution: 2 * batch * length * channels * kernel. (On CPU the ``native`` backend, :mod:`.native`, runs first.)
+
+Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the plain grouped ``conv1d`` of
+:mod:`.reference` is traced instead of the custom op, so an exported graph holds standard ops only.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
 from .._tiling import time_tiles
+from .reference import impl as _reference
 
 if TYPE_CHECKING:
     from . import ConvArgs
@@ -214,6 +218,8 @@ def _backward_flop_formula(grad_shape, x_shape, w_shape, bias_shape, left, right
 
 
 def impl(args: ConvArgs) -> Tensor:
+    if torch.compiler.is_exporting():
+        return _reference(args)
     return _depthwise_conv1d_op(args.x, args.weight, args.bias, args.left, args.right, args.silu)
 
 

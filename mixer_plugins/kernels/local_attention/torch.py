@@ -10,7 +10,9 @@ queries' rows are computed densely against every key. When that tiling would cos
 The op is a ``torch.library`` custom op (:data:`local_attention_blocked`) with an opaque backward op (from the
 probabilities the forward keeps, ``O(L * window)``, as autograd through the blocked path would), so
 ``torch.compile(fullgraph=True)`` sees one node and
-``FlopCounterMode`` counts the executed pairs (:func:`local_attention_flops`).
+``FlopCounterMode`` counts the executed pairs (:func:`local_attention_flops`). Under ``torch.export`` (and so
+``torch.onnx.export(..., dynamo=True)``) the same blocked formula is traced as plain ops instead of the custom op, so
+an exported graph holds standard ops only.
 """
 
 from __future__ import annotations
@@ -295,6 +297,8 @@ def local_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, window: int, causa
                           mask: Tensor | None = None, scale: float, num_global: int = 0) -> Tensor:
     """The blocked path (see the module docstring); arguments as :func:`mixer_plugins.kernels.local_attention`
     (pads already selected away by it)."""
+    if torch.compiler.is_exporting():
+        return _blocked(q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))[0]
     return local_attention_blocked(q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))[0]
 
 

@@ -13,8 +13,8 @@ scores only pairs inside a block::
 
 Backends (see :mod:`mixer_plugins.kernels._dispatch`): ``torch`` (tiled, flash-style, memory linear in the length;
 the default; on CPU its ``native`` engine is our fused C++ kernel, :mod:`.native`, compiled on first use; a
-``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` and ``torch.export``
-keep it whole and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
+``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` keeps it whole (an export traces
+the reference) and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
 ``L x L`` oracle, float64-capable); ``triton`` (our fused kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA,
 chosen first there).
 """

@@ -37,8 +37,12 @@ Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else the
   in chunks whose scores fit one reused scratch buffer; no padding.
 
 Both run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
-``torch.compile`` and ``torch.export`` see one node and ``FlopCounterMode`` counts it by its registered formula (the
-paper's count, :func:`paper_flops`). It saves only q, k, v, the output and the log-sum-exp.
+``torch.compile`` sees one node and ``FlopCounterMode`` counts it by its registered formula (the paper's count,
+:func:`paper_flops`). It saves only q, k, v, the output and the log-sum-exp.
+
+Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the materialized formula of
+:mod:`.reference` is traced instead (standard ops only, ``O(L^2)`` memory like plain attention), so an exported graph
+runs without this library and translates to ONNX.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from .._library import save_tensors, saved_tensors
 from . import native
 from .chunked import chunked_backward, chunked_forward
 from .plan import LEAF_MAX, Group, MLRPlan, Task, plan_tasks  # noqa: F401  (re-exported)
+from .reference import mlr_attention_reference
 
 __all__ = ["AUTO_ENGINE", "ENGINES", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops",
            "plan_tasks"]
@@ -500,8 +505,12 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
     ``"native"`` (our fused C++ CPU kernel, :mod:`.native`: float32/float64, compiled on first use), ``"matmul"``
     (the chunked matmul engine, :mod:`.chunked`: any device and dtype, no padding) or ``"flash"`` (PyTorch's fused
     CPU kernel, keys zero-padded to the head width). ``leaf_max``: blocks of at most this many tokens are computed
-    with all their finer levels at once (0: never; an eager-only experiment, see :data:`LEAF_MAX`).
+    with all their finer levels at once (0: never; an eager-only experiment, see :data:`LEAF_MAX`). Under
+    ``torch.export`` the materialized formula is traced instead (see the module docstring).
     """
+    if torch.compiler.is_exporting():
+        return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, scales=scales, causal=causal,
+                                       mask=mask, block_divide=block_divide)
     length = q.shape[1]
     key_real = None
     if mask is not None:

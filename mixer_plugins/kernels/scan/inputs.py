@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,15 @@ class ScanArgs:
             return y
         assert final is not None
         return y, final
+
+    def run_prepared(self, scan: Callable[..., Tensor | tuple[Tensor, Tensor]]) -> Tensor | tuple[Tensor, Tensor]:
+        """``scan(inputs, return_final_state=...)`` on :meth:`prepare`'s inputs, then :meth:`finish` (what the
+        ``reference`` and ``torch`` backends run)."""
+        inputs = self.prepare()
+        if self.return_final_state:
+            y, final = scan(inputs, return_final_state=True)
+            return self.finish(y, final)
+        return self.finish(scan(inputs), None)
 
 #: Scans whose per-token state, heads x head_dim x state, holds fewer elements than this use ``chunk_size`` as given
 #: (so tests at small shapes exercise the chunk boundaries they ask for); larger ones are chunked by

@@ -171,11 +171,7 @@ def reference_scan(inputs: ScanInputs, *, return_final_state: bool = False) -> T
 
 
 def _impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
-    inputs = args.prepare()
-    if args.return_final_state:
-        y, final = reference_scan(inputs, return_final_state=True)
-        return args.finish(y, final)
-    return args.finish(reference_scan(inputs), None)
+    return args.run_prepared(reference_scan)
 
 
 BACKEND = register(Backend(op="scan", name="reference", impl=_impl))

@@ -11,11 +11,7 @@ from .inputs import ScanArgs
 
 
 def impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
-    inputs = args.prepare()
-    if args.return_final_state:
-        y, final = scan_chunked(inputs, return_final_state=True)
-        return args.finish(y, final)
-    return args.finish(scan_chunked(inputs), None)
+    return args.run_prepared(scan_chunked)
 
 
 BACKEND = register(Backend(op="scan", name="torch", impl=impl, priority=10))

@@ -6,6 +6,10 @@ precede their outputs, O(L log^2 L)), so that no round-off of a future token rea
 backward is the FFT backward of the bidirectional product with the negative taps zero. Each is a
 ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts the FFTs (it counts no FFT by
 itself). Its outputs are contiguous, as its fake kernels say: the compiler plans memory from the fake kernels' strides.
+
+Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the materialized matrix of :mod:`.reference` is
+traced instead (``O(L^2)``, standard ops only): ONNX's exporter translates neither our custom ops nor complex
+tensors, so the FFTs cannot be exported.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
 from .causal import CAUSAL_TILE, causal_toeplitz, toeplitz_causal_flops
+from .reference import impl as _reference
 
 if TYPE_CHECKING:
     from . import ToeplitzArgs
@@ -143,6 +148,8 @@ def _toeplitz_causal_flop_formula(taps_shape, v_shape, *args, out_shape=None, **
 
 
 def impl(args: ToeplitzArgs) -> Tensor:
+    if torch.compiler.is_exporting():
+        return _reference(args)
     if args.v.shape[0] == 0:  # an empty batch: nothing to convolve (the FFT rejects empty inputs)
         return args.v.new_zeros(args.v.shape)
     if args.causal:

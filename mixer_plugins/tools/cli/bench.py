@@ -1,11 +1,18 @@
-"""``mixer-plugins bench``: time, FLOPs and peak memory of mixers against sequence length (+ a log-log plot)."""
+"""``mixer-plugins bench``: time, FLOPs and peak memory of mixers against sequence length (+ a log-log plot).
+
+``mixer-plugins bench --decode`` times decoding instead: the time per generated token (one ``step`` of the mixer's
+cache) after ``L`` tokens of context, for causal mixers that step, the mixers interleaved token by token in one
+process (so a busy machine slows them alike); medians with the interquartile range, a table and a plot.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import random
 import sys
+import time
 from pathlib import Path
 
 from .args import (
@@ -22,9 +29,15 @@ from .args import (
 )
 from .options import parse_option_assignments, resolve_mixers
 
-__all__ = ["COMMAND", "DEFAULT_MIXERS"]
+__all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "DecodeTiming", "time_decoding"]
 
 DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
+#: ``--decode``'s defaults: the linear-time mixers that step, and attention with its KV cache.
+DECODE_MIXERS = ("semiseparable", "low_rank", "sliding_window_attention", "attention")
+DECODE_CONTEXTS = (128, 1024, 8192)
+# The parser's defaults, kept as objects so that --decode can tell "not given" from "given the same values".
+_MIXERS_DEFAULT = list(DEFAULT_MIXERS)
+_LENGTHS_DEFAULT = [256, 1024, 4096]
 #: ``mixer_plugins.tools.benchmarking``'s ``DIRECTIONS`` and ``MODES``, repeated here so that parsing the arguments
 #: imports no torch (a test keeps them equal)
 DIRECTIONS = ("default", "causal", "bidirectional")
@@ -32,10 +45,17 @@ MODES = ("forward", "forward_backward")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mixers", type=name_list, default=list(DEFAULT_MIXERS), metavar="A,B,...",
-                        help=f"comma-separated mixers, or 'all' (default: {','.join(DEFAULT_MIXERS)})")
-    parser.add_argument("--lengths", type=length_list, default=[256, 1024, 4096], metavar="L1,L2,...",
-                        help="comma-separated sequence lengths (default: 256,1024,4096)")
+    parser.add_argument("--mixers", type=name_list, default=_MIXERS_DEFAULT, metavar="A,B,...",
+                        help=f"comma-separated mixers, or 'all' (default: {','.join(DEFAULT_MIXERS)}; with --decode: "
+                             f"{','.join(DECODE_MIXERS)})")
+    parser.add_argument("--lengths", type=length_list, default=_LENGTHS_DEFAULT, metavar="L1,L2,...",
+                        help="comma-separated sequence lengths (default: 256,1024,4096); with --decode, the tokens "
+                             f"of context before the timed steps (default: {','.join(map(str, DECODE_CONTEXTS))})")
+    parser.add_argument("--decode", action="store_true",
+                        help="time decoding: per generated token after each length of context (a prefill, then "
+                             "steps of one token), for causal mixers that step; --mode, --no-memory do not apply")
+    parser.add_argument("--decode-steps", type=positive_int, default=32,
+                        help="tokens timed per mixer and context with --decode (default 32, after 4 untimed)")
     parser.add_argument("--dim", type=positive_int, default=256, help="model width (default 256)")
     parser.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     parser.add_argument("--direction", choices=DIRECTIONS, default="default",
@@ -93,7 +113,208 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
 
 
+# -- decoding --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DecodeTiming:
+    """The time of each timed decoding step of one mixer after ``context`` tokens: medians and spread."""
+
+    mixer: str
+    context: int
+    batch: int
+    dim: int
+    device: str
+    token_seconds: list[float]
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile of the per-token times (linear interpolation)."""
+        times = sorted(self.token_seconds)
+        pos = q * (len(times) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(times) - 1)
+        return times[lo] + (times[hi] - times[lo]) * (pos - lo)
+
+    @property
+    def median(self) -> float:
+        return self.quantile(0.5)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "median_seconds": self.median,
+                **{f"p{q}_seconds": self.quantile(q / 100) for q in (10, 25, 75, 90)}}
+
+
+def time_decoding(mixers, contexts, *, dim: int = 256, batch: int = 1, steps: int = 32, warmup: int = 4,
+                  options=None, device: str = "cpu", on_record=None):
+    """Per-token decoding times of each mixer (built causal) after each context length: ``(timings, problems)``.
+
+    Every (mixer, context) pair is built and prefilled with ``context`` random tokens into a cache holding
+    ``context + warmup + steps``; then all pairs are stepped one token at a time, taking turns token by token
+    (``warmup`` untimed turns first; the order shuffled at every turn), so every ratio (a mixer's growth with the
+    context, two mixers at one context) compares times taken in the same moments of a possibly busy machine, with
+    the processor's caches flushed by the same neighbours. A mixer that cannot run causally or step is a "skipped"
+    problem, an error a "failed" one; ``on_record(timings, problems)`` is called once at the end.
+    """
+    import torch
+
+    from ..benchmarking import SweepProblem, build_mixer, error_summary
+
+    dev = torch.device(device)
+    problems: list = []
+    prepared = {}
+    for context in contexts:
+        for name in mixers:
+            try:
+                torch.manual_seed(0)
+                mixer = build_mixer(name, dim, context + warmup + steps, causal=True,
+                                    options=(options or {}).get(name), device=dev).eval()
+                if not mixer.can_step:
+                    problems.append(SweepProblem(name, context, "skipped", mixer.step_problem()))
+                    continue
+                cache = mixer.allocate_cache(batch, context + warmup + steps)
+                with torch.no_grad():
+                    mixer.prefill(torch.randn(batch, context, dim, device=dev), cache)
+                prepared[name, context] = (mixer, cache)
+            except Exception as err:  # noqa: BLE001 - one mixer's failure is reported, the rest still run
+                kind = "skipped" if type(err).__name__ in ("MixerError", "StepNotSupportedError") else "failed"
+                problems.append(SweepProblem(name, context, kind, error_summary(err)))
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in prepared}
+    x = torch.randn(batch, 1, dim, device=dev)
+    order = random.Random(0)
+    with torch.no_grad():
+        for turn in range(warmup + steps):
+            # a new order each turn: every pair follows every other one alike (a step right after one that streamed a
+            # large KV cache through the processor's caches is slower)
+            keys = list(prepared)
+            order.shuffle(keys)
+            for key in keys:
+                mixer, cache = prepared[key]
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                start = time.perf_counter()
+                mixer.step(x, cache)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if turn >= warmup:
+                    samples[key].append(time.perf_counter() - start)
+    timings = [DecodeTiming(name, context, batch, dim, str(dev), times) for (name, context), times in samples.items()]
+    timings.sort(key=lambda t: (list(mixers).index(t.mixer), t.context))
+    if on_record is not None:
+        on_record(timings, problems)
+    return timings, problems
+
+
+def decode_table(timings, *, baseline: str | None, markdown: bool = False) -> str:
+    """Median ms per token (interquartile range) per mixer and context, the growth of the median from the shortest
+    context to the longest, and the baseline's median over each mixer's at the longest context."""
+    contexts = sorted({t.context for t in timings})
+    by = {(t.mixer, t.context): t for t in timings}
+    mixers = list(dict.fromkeys(t.mixer for t in timings))
+    head = ["mixer"] + [f"L={c}: ms/token (p25-p75)" for c in contexts] + [f"L={contexts[-1]}/L={contexts[0]}"]
+    if baseline is not None:
+        head.append(f"{baseline} / mixer at L={contexts[-1]}")
+    rows = []
+    for name in mixers:
+        row = [name]
+        for c in contexts:
+            t = by.get((name, c))
+            row.append("-" if t is None else
+                       f"{t.median * 1e3:.3f} ({t.quantile(0.25) * 1e3:.3f}-{t.quantile(0.75) * 1e3:.3f})")
+        first, last = by.get((name, contexts[0])), by.get((name, contexts[-1]))
+        row.append(f"{last.median / first.median:.2f}x" if first and last else "-")
+        if baseline is not None:
+            base = by.get((baseline, contexts[-1]))
+            row.append(f"{base.median / last.median:.2f}x" if base and last else "-")
+        rows.append(row)
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [head, *rows])
+
+
+def save_decode_plot(timings, path: Path, *, title: str = "") -> Path:
+    """Time per generated token against the context length (log-log), one line per mixer (the median) with its
+    interquartile band."""
+    from ..plotting import require_matplotlib
+
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    try:
+        for name in dict.fromkeys(t.mixer for t in timings):
+            points = sorted((t for t in timings if t.mixer == name), key=lambda t: t.context)
+            xs = [t.context for t in points]
+            ax.plot(xs, [t.median * 1e3 for t in points], marker="o", label=name)
+            ax.fill_between(xs, [t.quantile(0.25) * 1e3 for t in points],
+                            [t.quantile(0.75) * 1e3 for t in points], alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens of context")
+        ax.set_ylabel("ms per generated token")
+        ax.set_title(title or "decoding")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    device = check_device(args.device)
+    mixers = resolve_mixers(list(DECODE_MIXERS) if args.mixers is _MIXERS_DEFAULT else args.mixers)
+    contexts = list(DECODE_CONTEXTS) if args.lengths is _LENGTHS_DEFAULT else args.lengths
+    baseline = None if args.baseline.lower() == "none" else resolve_mixers([args.baseline])[0]
+    run_list = ([baseline] if baseline and baseline not in mixers else []) + mixers
+    options = parse_option_assignments(args.option, run_list)
+    plot_path = None
+    if not args.no_plot:
+        from ..plotting import require_matplotlib
+
+        require_matplotlib()
+        plot_path = output_file(args.plot, "--plot", default_suffix=".png", suffixes=image_suffixes)
+    json_path = output_file(args.json, "--json") if args.json is not None else None
+    set_threads(args.threads)
+    settings = {"decode": True, "dim": args.dim, "batch": args.batch, "device": device, "steps": args.decode_steps,
+                "contexts": contexts, "options": options}
+
+    def write_json(timings, problems, complete: bool) -> None:
+        if json_path is None:
+            return
+        with writing(json_path, "--json"):
+            json_path.write_text(json.dumps({
+                "settings": settings, "complete": complete, "timings": [t.as_dict() for t in timings],
+                "problems": [dataclasses.asdict(p) for p in problems]}, indent=2))
+
+    write_json([], [], complete=False)
+    timings, problems = time_decoding(run_list, contexts, dim=args.dim, batch=args.batch, steps=args.decode_steps,
+                                      options=options, device=device,
+                                      on_record=lambda t, p: write_json(t, p, complete=False))
+    if timings:
+        print(decode_table(timings, baseline=baseline if any(t.mixer == baseline for t in timings) else None,
+                           markdown=args.markdown))
+    for p in problems:
+        print(f"{p.kind}: {p.mixer} at L={p.length}: {p.reason}", file=sys.stderr)
+    written = []
+    if json_path is not None:
+        write_json(timings, problems, complete=True)
+        written.append(json_path)
+    if timings and plot_path is not None:
+        title = f"decoding, dim {args.dim}, batch {args.batch}, {device}"
+        with writing(plot_path, "--plot"):
+            written.append(save_decode_plot(timings, plot_path, title=title))
+    if written:
+        print("\nwrote " + ", ".join(str(p) for p in written))
+    failed = [p for p in problems if p.kind == "failed"]
+    if failed:
+        print(f"mixer-plugins: {len(failed)} run(s) failed", file=sys.stderr)
+    return 1 if failed or not timings else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "decode", False):
+        return run_decode(args)
     from ..benchmarking import sweep
     from ..tables import results_table
 

@@ -1,0 +1,349 @@
+"""A causal-language-model training recipe for the ``mixer_decoder`` family, on fairseq2's recipe machinery.
+
+Run it (CPU is fine; nothing is downloaded), then generate from the checkpoint::
+
+    python -m mixer_plugins.backbones.fairseq2.lm OUT_DIR --config mixer.name=semiseparable
+    python -m mixer_plugins.backbones.fairseq2.generate OUT_DIR/checkpoints --prompt "The cat" --mode beam
+
+It trains next-token prediction on the same small generated corpus as the MLM recipe (or ``data.text_file``, one
+example per line) with the byte-level tokenizer (``<s>`` text ``</s>``), checkpoints into ``OUT_DIR/checkpoints``
+(each step with the model config it was trained with), and refuses a folder whose checkpoints hold another model
+config, exactly as the MLM recipe does (:mod:`~mixer_plugins.backbones.fairseq2.recipe`), with the same defaults
+that differ from fairseq2's (``trainer.mixed_precision.mode=off``, ``common.no_sweep_dir=true``,
+``trainer.max_grad_norm=1.0``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, final
+
+import torch
+from fairseq2.datasets import DataReader, SequenceBatch
+from fairseq2.device import Device, SupportsDeviceTransfer
+from fairseq2.logging import log
+from fairseq2.metrics import MetricBag
+from fairseq2.metrics.common import (
+    add_nll_loss_metric,
+    add_seq_batch_metrics,
+    update_nll_loss_metric,
+    update_seq_batch_metrics,
+)
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.nn import BatchLayout
+from fairseq2.recipe import Recipe, RecipeContext, register_cli_error
+from fairseq2.recipe.config import (
+    AdamWConfig,
+    CommonSection,
+    GangSection,
+    LRSchedulerSection,
+    ModelSection,
+    OptimizerSection,
+    RegimeSection,
+    TrainerSection,
+)
+from fairseq2.recipe.error import RecipeError
+from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.task import Task
+from fairseq2.trainer import TrainUnit
+from fairseq2.utils.validation import ValidationResult
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import Self, override
+
+import mixer_plugins.errors as mixer_errors
+
+from .config import MixerSection
+from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
+from .data import _share
+from .decoder import MIXER_DECODER_FAMILY
+from .recipe import (
+    CheckpointConfigMismatchError,
+    NonFiniteLossError,
+    _default_trainer,
+    _log_mixer_error,
+    _log_training_failure,
+    _PreflightHandler,
+    check_checkpoint_dir,
+    save_step_metadata,
+)
+
+__all__ = ["LmBatch", "LmDataReader", "LmDataSection", "LmTrainUnit", "MixerLmConfig", "MixerLmRecipe", "main"]
+
+#: Arch used when the command line names none.
+DEFAULT_ARCH: Final = "tiny"
+
+
+@dataclass(kw_only=True)
+class LmDataSection:
+    """The ``data`` section of the language-model recipe."""
+
+    text_file: Path | None = None
+    """A UTF-8 text file, one example per line; ``None``: the generated corpus."""
+
+    num_examples: int = 4000
+    """Size of the generated corpus (ignored with ``text_file``)."""
+
+    corpus_seed: int = 0
+    """Seed of the generated corpus."""
+
+    max_seq_len: int = 96
+    """Tokens per example, including ``<s>`` and ``</s>`` (longer texts are truncated)."""
+
+    batch_size: int = 16
+    """Examples per batch per data-parallel rank (the global batch is split between the ranks)."""
+
+    seed: int = 0
+    """Seed of the shuffling (batch ``k`` of epoch ``e`` is the same on every run)."""
+
+    def validate(self) -> ValidationResult:
+        result = ValidationResult()
+        if self.num_examples < 1:
+            result.add_error(f"`num_examples` must be >= 1, but is {self.num_examples}.")
+        if self.max_seq_len < 3:
+            result.add_error(f"`max_seq_len` must be >= 3 (<s>, a byte, </s>), but is {self.max_seq_len}.")
+        if self.batch_size < 1:
+            result.add_error(f"`batch_size` must be >= 1, but is {self.batch_size}.")
+        if self.text_file is not None and not Path(self.text_file).is_file():
+            what = "is a folder, not a file" if Path(self.text_file).is_dir() else "does not exist"
+            result.add_error(f"`text_file` {str(self.text_file)!r} {what} (one example per line, UTF-8).")
+        return result
+
+
+@final
+class LmBatch(SupportsDeviceTransfer):
+    """Right-padded token rows: the model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``."""
+
+    def __init__(self, tokens: Tensor, seq_lens: list[int]) -> None:
+        self.tokens = tokens
+        self.seq_lens = seq_lens
+
+    @override
+    def to(self, device: Device, *, non_blocking: bool = False) -> None:
+        self.tokens = self.tokens.to(device, non_blocking=non_blocking)
+
+    def inputs_and_targets(self) -> tuple[Tensor, BatchLayout, Tensor, Tensor]:
+        """``(inputs, layout, targets, target_mask)``: each row's tokens but the last, and the ones that follow."""
+        inputs, targets = self.tokens[:, :-1], self.tokens[:, 1:]
+        layout = BatchLayout.of(inputs, [n - 1 for n in self.seq_lens])
+        return inputs, layout, targets, layout.position_indices >= 0
+
+    def as_sequence_batch(self) -> SequenceBatch:
+        """The targets as a fairseq2 ``SequenceBatch`` (for fairseq2's batch metrics)."""
+        return SequenceBatch(self.tokens[:, 1:], [n - 1 for n in self.seq_lens])
+
+
+@final
+class LmDataReader(DataReader[LmBatch]):
+    """Shuffled, padded batches over a list of encoded examples; one data epoch per pass, deterministic (the state is
+    ``(epoch, batch)``), each rank reading its contiguous share of the same global batch."""
+
+    def __init__(self, examples: list[list[int]], section: LmDataSection, tokenizer: ByteTokenizer, *,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if len(examples) < world_size:
+            raise ValueError(f"the corpus has {len(examples)} examples: too few for {world_size} ranks")
+        self._examples, self._section, self._tokenizer = examples, section, tokenizer
+        self._rank, self._world_size = rank, world_size
+        self._epoch = self._batch = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._examples)))
+        random.Random(self._section.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    @override
+    def __iter__(self) -> Self:
+        return self
+
+    @override
+    def __next__(self) -> list[LmBatch]:
+        size = self._section.batch_size * self._world_size
+        chosen = [self._examples[i] for i in self._order[self._batch * size:(self._batch + 1) * size]]
+        if len(chosen) < self._world_size:
+            raise StopIteration
+        self._batch += 1
+        lo, hi = _share(len(chosen), self._rank, self._world_size)
+        chosen = chosen[lo:hi]
+        seq_lens = [len(e) for e in chosen]
+        tokens = torch.full((len(chosen), max(seq_lens)), self._tokenizer.pad_idx, dtype=torch.long)
+        for row, example in enumerate(chosen):
+            tokens[row, :len(example)] = torch.tensor(example)
+        return [LmBatch(tokens, seq_lens)]
+
+    @override
+    def reset(self) -> None:
+        self._epoch += 1
+        self._batch = 0
+        self._order = self._epoch_order(self._epoch)
+
+    @override
+    def state_dict(self) -> dict[str, object]:
+        return {"epoch": self._epoch, "batch": self._batch}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self._epoch = int(state_dict["epoch"])  # type: ignore[call-overload]
+        self._batch = int(state_dict["batch"])  # type: ignore[call-overload]
+        self._order = self._epoch_order(self._epoch)
+
+    @property
+    @override
+    def num_accumulate(self) -> int:
+        return 1
+
+
+@dataclass(kw_only=True)
+class MixerLmConfig:
+    """Config of :class:`MixerLmRecipe`; every field can be overridden with ``--config a.b=value``."""
+
+    model: ModelSection = field(
+        default_factory=lambda: ModelSection(family=MIXER_DECODER_FAMILY, arch=DEFAULT_ARCH)
+    )
+    data: LmDataSection = field(default_factory=LmDataSection)
+    trainer: TrainerSection = field(default_factory=_default_trainer)
+    optimizer: OptimizerSection = field(
+        default_factory=lambda: OptimizerSection(config=AdamWConfig(lr=1e-3, weight_decay=0.01))
+    )
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    regime: RegimeSection = field(
+        default_factory=lambda: RegimeSection(num_steps=300, publish_metrics_every_n_steps=10)
+    )
+    common: CommonSection = field(default_factory=lambda: CommonSection(no_sweep_dir=True))
+    gang: GangSection = field(default_factory=GangSection)
+    overwrite_checkpoints: bool = False
+    """Delete the output folder's checkpoints when they belong to another model config (refused otherwise)."""
+    mixer: MixerSection = field(default_factory=MixerSection)
+    """The token mixer (``mixer.name``, ``mixer.options``), folded into ``model.config_overrides``."""
+
+    def __post_init__(self) -> None:
+        self.model.config_overrides = self.mixer.apply_to(self.model.config_overrides)
+
+
+@final
+class LmTrainUnit(TrainUnit[LmBatch]):
+    """Next-token cross-entropy, summed over the targets (fairseq2 normalises the gradients by their number)."""
+
+    def __init__(self, model: Module) -> None:
+        self._model = model
+
+    @override
+    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+        add_nll_loss_metric(metric_bag)
+        add_seq_batch_metrics(metric_bag)
+
+    @override
+    def process_batch(self, batch: LmBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
+        inputs, layout, targets, target_mask = batch.inputs_and_targets()
+        loss = self._model(inputs, layout, targets, target_mask=target_mask, reduction="sum")
+        num_targets = int(target_mask.sum())
+        if not math.isfinite(float(loss.detach())):
+            raise NonFiniteLossError(
+                f"the training loss is {float(loss.detach())} (not finite): training stopped; lower the learning "
+                "rate (optimizer.config.lr) or check the mixer options"
+            )
+        update_nll_loss_metric(metric_bag, loss, num_targets)
+        update_seq_batch_metrics(metric_bag, batch.as_sequence_batch())
+        return loss, num_targets
+
+
+@final
+class MixerLmRecipe(Recipe):
+    """Causal-language-model training of a ``mixer_decoder`` model on a small local corpus."""
+
+    @override
+    def register(self, container: DependencyContainer) -> None:
+        for kls in (mixer_errors.MixerError, mixer_errors.UnknownMixerError, mixer_errors.InvalidMixerOptions,
+                    mixer_errors.DuplicateMixerError, mixer_errors.PluginLoadError, mixer_errors.MixerInputError,
+                    mixer_errors.SequenceLengthError, CheckpointConfigMismatchError):
+            register_cli_error(container, kls, _log_mixer_error)
+        register_cli_error(container, NonFiniteLossError, _log_training_failure)
+
+        def preflight_handler(resolver):
+            check_checkpoint_dir(resolver, MixerLmConfig)
+            return _PreflightHandler()
+
+        from fairseq2.cluster import ClusterHandler
+
+        container.collection.register(ClusterHandler, preflight_handler)
+
+    @override
+    def create_task(self, context: RecipeContext) -> Task:
+        config = context.get_config_as(MixerLmConfig)
+        tokenizer = ByteTokenizer()
+        model = context.get_model_as(TransformerLM)
+        vocab_size = model.final_proj.output_dim
+        if vocab_size < tokenizer.vocab_size or model.pad_idx != tokenizer.pad_idx:
+            raise RecipeError(
+                f"the recipe's byte-level tokenizer needs vocab_size >= {tokenizer.vocab_size} and pad_idx = "
+                f"{tokenizer.pad_idx}, but the model has vocab_size={vocab_size}, pad_idx={model.pad_idx}"
+            )
+        if config.data.max_seq_len > model.max_seq_len:
+            raise RecipeError(
+                f"data.max_seq_len={config.data.max_seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+                "lower data.max_seq_len or raise model.config_overrides.max_seq_len"
+            )
+        if config.data.text_file is not None:
+            try:
+                texts = read_text_file(config.data.text_file)
+            except (OSError, ValueError) as ex:
+                raise RecipeError(str(ex)) from None
+        else:
+            texts = generate_corpus(config.data.num_examples, seed=config.data.corpus_seed)
+        examples = encode_all(tokenizer, texts, config.data.max_seq_len)
+        gangs = context.gangs
+        reader = LmDataReader(examples, config.data, tokenizer, rank=gangs.dp.rank, world_size=gangs.dp.size)
+        mixer = model.decoder.layers[0].self_attn
+        log.info("LM corpus: {} examples, mixer {!r}.", len(examples), getattr(mixer, "mixer_name", type(mixer)))
+        trainer = context.create_trainer(LmTrainUnit(context.get_data_parallel_model()), reader)
+        if gangs.root.rank == 0:
+            from fairseq2.checkpoint import CheckpointDir
+
+            ckpt_dir = Path(context.resolver.resolve(CheckpointDir).path or context.output_dir / "checkpoints")
+            trainer.register_checkpoint_save_hook(lambda args: save_step_metadata(ckpt_dir, args.step_nr))
+        return trainer
+
+    @property
+    @override
+    def config_kls(self) -> type[object]:
+        return MixerLmConfig
+
+
+PROG = "python -m mixer_plugins.backbones.fairseq2.lm"
+
+DESCRIPTION = """\
+Train a decoder-only language model (the mixer_decoder model family) whose token mixer is any causal mixer, on
+next-token prediction, on fairseq2's recipe machinery. CPU is fine and nothing is downloaded: it trains on a small
+generated corpus (or on data.text_file, one example per line) with a byte-level tokenizer.
+
+OUT_DIR receives config.yaml, the logs, metrics/train.jsonl and checkpoints/; generate text from them with
+python -m mixer_plugins.backbones.fairseq2.generate OUT_DIR/checkpoints --prompt TEXT.
+
+Choosing the mixer (any name or alias of `mixer-plugins list` with a causal form):
+  --config mixer.name=NAME                  the mixer (null, the default: the arch's own, attention)
+  --config mixer.options.OPTION=VALUE       one of its options (the model supplies dim, num_heads, max_seq_len,
+                                            causal=true)
+Archs (model.arch): tiny (default, 32 wide), small (256), base (GPT-2 small's shape)."""
+
+EPILOG = """\
+examples:
+  python -m mixer_plugins.backbones.fairseq2.lm OUT --config mixer.name=semiseparable
+  python -m mixer_plugins.backbones.fairseq2.lm OUT --config mixer.name=sliding_window_attention \\
+      mixer.options.window=32 model.arch=small regime.num_steps=2000"""
+
+
+def main() -> None:
+    """Run the recipe on ``sys.argv`` (fairseq2's recipe command line, with this recipe's help)."""
+    from fairseq2.recipe import main as recipe_main
+
+    from .__main__ import described_parser, one_line_config_errors
+
+    with described_parser(PROG, DESCRIPTION, EPILOG), one_line_config_errors():
+        recipe_main(MixerLmRecipe())
+
+
+if __name__ == "__main__":
+    main()

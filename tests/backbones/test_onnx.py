@@ -1,0 +1,197 @@
+"""ONNX export (``torch.onnx.export(..., dynamo=True)``) of mixers and of timm ViTs built with them.
+
+While ``torch.export`` traces (which the dynamo-based exporter runs), the ops' ``torch`` backends trace their plain
+formulas instead of our custom ops, and the dispatcher picks the ``torch`` backend on every device: the ONNX graph
+holds standard ops only, and onnxruntime gives the eager output. The TorchScript-based exporter (``dynamo=False``) is
+refused with an error that says what to use. Needs the dev extra's ``onnx``, ``onnxscript`` and ``onnxruntime``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import mixer_plugins as mp
+from mixer_plugins import BackendUnavailableError
+from mixer_plugins.kernels import _dispatch
+from mixer_plugins.testing import MixerHarness
+
+pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript (the dev extra installs it)")
+ort = pytest.importorskip("onnxruntime", reason="the ONNX round trip needs onnxruntime (the dev extra installs it)")
+timm = pytest.importorskip("timm")
+
+ATOL = 1e-4  # float32: onnxruntime against eager PyTorch
+
+
+def _export(module: torch.nn.Module, *inputs: torch.Tensor, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's own notes (deprecations, annotations)
+        return torch.onnx.export(module, inputs, dynamo=True, verbose=False, **kwargs)
+
+
+def _run(program, *inputs: torch.Tensor) -> torch.Tensor:
+    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {arg.name: t.numpy() for arg, t in zip(session.get_inputs(), inputs)}
+    return torch.from_numpy(session.run(None, feeds)[0])
+
+
+def _standard_ops_only(program) -> None:
+    """No node of ours in the exported program, and only ONNX's own domain in the model."""
+    ours = {str(n.target) for n in program.exported_program.graph.nodes if "mixer_plugins" in str(n.target)}
+    assert not ours, ours
+    assert {node.domain for node in program.model_proto.graph.node} <= {"", "ai.onnx"}
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# The issue's four mixers in a small ViT (16 patch tokens; the scans in chunks of 8, so more than one chunk).
+VIT_MIXERS = {
+    "quasi": dict(chunk_size=8),
+    "semiseparable": dict(chunk_size=8),
+    "mlr_attention": {},
+    "toeplitz": {},
+}
+
+
+def _vit(mixer: str, options: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny", mixer=mixer, mixer_options=options, img_size=32, patch_size=8, depth=2,
+                             num_classes=5, class_token=False, global_pool="avg").eval()
+
+
+@pytest.mark.parametrize("mixer", list(VIT_MIXERS))
+def test_vit_round_trip(mixer):
+    model = _vit(mixer, VIT_MIXERS[mixer])
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(images)
+    program = _export(model, images)
+    _standard_ops_only(program)
+    got = _run(program, images)
+    assert got.shape == expected.shape
+    assert _max_err(got, expected) <= ATOL
+    with torch.no_grad():  # exporting leaves the eager model as it was
+        assert torch.equal(model(images), expected)
+
+
+def test_dynamic_batch():
+    """Exported with a symbolic batch (at least 2 while tracing: see docs/onnx.md), the graph runs at any batch."""
+    model = _vit("quasi", VIT_MIXERS["quasi"])
+    program = _export(model, torch.randn(2, 3, 32, 32),
+                      dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2)}})
+    for batch in (1, 3):
+        images = torch.randn(batch, 3, 32, 32)
+        with torch.no_grad():
+            expected = model(images)
+        assert _max_err(_run(program, images), expected) <= ATOL
+
+
+BUILT_IN = [name for name in mp.list_mixers() if mp.get_spec(name).distribution == "mixer-plugins"]
+
+
+@pytest.mark.slow  # one export per built-in mixer, about a second each
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_every_built_in_mixer_exports_with_a_padding_mask(name):
+    """Each built-in mixer, with its test options and a right-padded mask whose pads hold NaN, past one chunk."""
+    harness = MixerHarness(spec=mp.get_spec(name))
+    module = harness.build(dtype=torch.float32)
+    length = harness.lengths(module)["past_chunk"]
+    x = harness.inputs(length, dtype=torch.float32)
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, length - 3:] = False
+    x[1, length - 3:] = float("nan")
+    with torch.no_grad():
+        expected = module(x, mask=mask)
+    assert torch.isfinite(expected).all()
+    program = _export(module, x, kwargs={"mask": mask})
+    _standard_ops_only(program)
+    assert _max_err(_run(program, x, mask), expected) <= ATOL
+
+
+def test_built_in_mixers_are_found():
+    assert {"quasiseparable", "semiseparable", "mlr_attention", "toeplitz", "attention"} <= set(BUILT_IN)
+
+
+# Mixer-level round trips for the other paths the export takes: causal forms and the blocked local attention.
+MIXER_CASES = [
+    ("toeplitz", dict(causal=True)),
+    ("mlr_attention", dict(causal=True, block_sizes=[None, 8, 4], ranks=[4, 2, 2], num_heads=4)),
+    ("sliding_window_attention", dict(window=3, num_heads=4)),
+    ("global_local_attention", dict(window=3, num_heads=4)),
+]
+
+
+@pytest.mark.parametrize("mixer, options", MIXER_CASES, ids=[f"{m}-{'-'.join(o)}" for m, o in MIXER_CASES])
+def test_mixer_round_trip(mixer, options):
+    torch.manual_seed(0)
+    module = mp.create_mixer(mixer, 32, **options).eval()
+    x = torch.randn(2, 24, 32)
+    with torch.no_grad():
+        expected = module(x)
+    program = _export(module, x)
+    _standard_ops_only(program)
+    assert _max_err(_run(program, x), expected) <= ATOL
+
+
+def test_onnx_export_takes_the_torch_backend_on_every_device(monkeypatch):
+    """A backend the automatic choice prefers (here a stand-in for Triton on CUDA) runs eagerly, but while the ONNX
+    exporter traces, the ``torch`` backend is taken: its exported form is made of standard ops."""
+    calls = []
+    torch_conv = _dispatch._REGISTRY["conv"]["torch"]
+
+    def preferred(args):
+        calls.append(torch.compiler.is_exporting())
+        return torch_conv.impl(args)
+
+    stand_in = _dispatch.Backend(op="conv", name="triton", impl=preferred, priority=1000)
+    monkeypatch.setitem(_dispatch._REGISTRY["conv"], "triton", stand_in)
+    module = mp.create_mixer("quasi", 32, chunk_size=8).eval()
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        expected = module(x)
+    assert calls == [False]  # eagerly, the preferred backend runs
+    program = _export(module, x)
+    assert calls == [False]  # the exporter never called it
+    _standard_ops_only(program)
+    assert _max_err(_run(program, x), expected) <= ATOL
+
+
+_LOAD_AND_RUN = """
+import sys, torch
+program = torch.export.load(sys.argv[1])
+x, expected = torch.load(sys.argv[2])
+assert "mixer_plugins" not in sys.modules
+print((program.module()(x) - expected).abs().max().item())
+"""
+
+
+def test_saved_export_runs_where_the_library_is_not_imported(tmp_path):
+    """A ``torch.export`` program of a mixer, saved, loads and runs in a fresh process that never imports us."""
+    torch.manual_seed(0)
+    module = mp.create_mixer("quasi", 32, chunk_size=8).eval()
+    x = torch.randn(2, 24, 32)
+    with torch.no_grad():
+        expected = module(x)
+    torch.export.save(torch.export.export(module, (x,)), tmp_path / "quasi.pt2")
+    torch.save((x, expected), tmp_path / "io.pt")
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "quasi.pt2"), str(tmp_path / "io.pt")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) <= 1e-5
+
+
+def test_torchscript_exporter_is_refused_with_a_clear_error(tmp_path):
+    model = _vit("quasi", {})
+    images = torch.randn(2, 3, 32, 32)
+    with pytest.raises(BackendUnavailableError, match=r"dynamo=False.*export with dynamo=True"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (images,), str(tmp_path / "m.onnx"), dynamo=False)
+    with torch.no_grad():  # and the refusal leaves nothing behind: eager runs as before
+        assert torch.isfinite(model(images)).all()
