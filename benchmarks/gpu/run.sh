@@ -10,7 +10,7 @@
 #      own wheel for its entry points), offline, each only where the machine lacks that distribution, into a site
 #      folder put first on PYTHONPATH (the machine's own environment is left alone);
 #   2. kernel correctness (MIXER_PLUGINS_GPU_KERNEL_TESTS_S, 150): tests/test_gpu.py's kernel tests, then the Triton
-#      scan, norm and conv tests on CUDA (tests/ops/test_scan_triton.py, tests/test_triton_norm_conv.py);
+#      scan, norm and conv tests on CUDA (tests/ops/test_scan_triton.py, tests/ops/test_norm_conv_triton.py);
 #   3. tables (MIXER_PLUGINS_GPU_TABLES_S, 185): benchmarks/gpu/throughput.py (ViT-B step, launches and per-part
 #      profile of a Hydra block, scans; MIXER_PLUGINS_GPU_TABLES picks and orders them), then
 #      benchmarks/gpu/mlr_rows.py where it exists (MIXER_PLUGINS_GPU_MLR_S, 45) and benchmarks/gpu/normconv_rows.py
@@ -119,7 +119,7 @@ else
   step "kernel tests"
   timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_KERNEL_TESTS_S:-150}" "${PYTEST[@]}" -m "gpu or triton" \
     tests/test_gpu.py -k "not test_mixer_on_cuda_matches_cpu_float64" tests/ops/test_scan_triton.py \
-    tests/test_triton_norm_conv.py --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/log.txt" || status=1
+    tests/ops/test_norm_conv_triton.py --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/log.txt" || status=1
   step "throughput tables"
   limit="${MIXER_PLUGINS_GPU_TABLES_S:-185}"
   timeout -s INT -k 10 "$limit" "$PY" benchmarks/gpu/throughput.py --out "$OUT" --budget-s $((limit - 25)) \
