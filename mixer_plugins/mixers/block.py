@@ -199,12 +199,10 @@ class MatrixMixerBlock(MatrixMixer):
 
     # -- the block ------------------------------------------------------------------------------------
     def prepare(self, x: Tensor, mask: Tensor | None) -> BlockContext:
-        conv_width = sum(g.width for g in self._conv_groups)
         other = self.groups[len(self._conv_groups):]
         # in_proj as one product, its output split into views (z, the convolved slice, the other groups): one
         # matmul each way and one for the weight's gradient; the kernels below read the views through their strides
-        widths = [self.out_width, conv_width] + [g.width for g in other]
-        z, u, *rest = F.linear(x, self.in_proj.weight, self.in_proj.bias).split(widths, dim=-1)
+        z, u, *rest = self._in_proj_pieces(x)
         keep = mask[..., None].to(x.dtype) if mask is not None else None
         pieces: dict[str, Tensor] = {}
         if self._conv_groups:
