@@ -187,3 +187,95 @@ def test_mamba_ssm_backend_runs_where_mamba_ssm_is_installed():
         pytest.skip("mamba-ssm is not installed here (benchmarks/gpu/run.sh installs the carried wheel)")
     assert "mamba_ssm" in kernels.available_backends("scan", "cuda"), [
         (r.op, r.reason) for r in kernels.backend_report(["cuda"]) if r.backend == "mamba_ssm"]
+
+
+def _hydra_scan_inputs(batch, length, heads=24, p=64, n=64, dtype=torch.bfloat16, seed=0):
+    """A Hydra block's scan arguments (both directions, raw dt with bias and softplus, a diagonal) on CUDA."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    return dict(x=r(batch, length, heads, p), dt=r(batch, length, heads, scale=0.5), A=-torch.rand(heads, device="cuda",
+                generator=g) - 0.5, B=r(batch, length, 1, n, scale=0.3), C=r(batch, length, 1, n, scale=0.3),
+                dt_bwd=r(batch, length, heads, scale=0.5), B_bwd=r(batch, length, 1, n, scale=0.3),
+                C_bwd=r(batch, length, 1, n, scale=0.3), diag=r(batch, length, heads),
+                dt_bias=torch.randn(heads, device="cuda", generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("length", [197, 1000], ids=["one_chunk_vit", "chunked"])
+def test_triton_scan_at_a_vit_block_and_past_one_chunk_matches_reference(length):
+    """The Triton scan (one-chunk kernels at a ViT's 197 tokens, chunked ones at 1000) with a Hydra block's arguments
+    in bfloat16, values and every gradient, against the float64 reference."""
+    inputs = {k: v.requires_grad_(True) for k, v in _hydra_scan_inputs(4, length).items()}
+    kw = dict(chunk_size=64, dt_softplus=True, shift=True)
+    leaves = {k: v.detach().double().requires_grad_(True) for k, v in inputs.items()}
+    ref = kernels.quasiseparable(**leaves, **kw, backend="reference")
+    out = kernels.quasiseparable(**inputs, **kw, backend="triton")
+    assert out.dtype == torch.bfloat16
+    assert _relative_error(out.float(), ref) < TOLERANCE[torch.bfloat16] / 2
+    dy = torch.randn(ref.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda",
+                     dtype=torch.float64)
+    grads = torch.autograd.grad(out, list(inputs.values()), dy.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, list(leaves.values()), dy)
+    for name, got, want in zip(inputs, grads, ref_grads):
+        assert got.dtype == inputs[name].dtype, name
+        assert _relative_error(got.float(), want) < 2 * TOLERANCE[torch.bfloat16], name
+
+
+@pytest.mark.parametrize("batch,length", [(24, 65536), (4096, 197)], ids=["chunked_2^31", "one_chunk_batch_heads"])
+def test_triton_scan_past_2_31_elements_and_65535_sequences_times_heads(batch, length):
+    """The Triton scan where x has more than 2^31 elements (chunked: 24 x 65,536 tokens x 1,536; its passed states
+    too) and where sequences times heads passes 65,535 (one-chunk: 4,096 x 24): the last sequence, forward and
+    backward, equals the same kernels run on it alone (64-bit offsets, one-dimensional grids)."""
+    inputs = {k: v.requires_grad_(True) for k, v in _hydra_scan_inputs(batch, length).items()}
+    kw = dict(chunk_size=64, dt_softplus=True, shift=True, backend="triton")
+    if batch * length * 24 * 64 <= 2**31:
+        assert batch * 24 > 65_535
+    out = kernels.quasiseparable(**inputs, **kw)
+    dy = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(out.dtype)
+    grads = torch.autograd.grad(out, [inputs["x"], inputs["B"]], dy)
+    last = {k: (v[-1:] if v.dim() > 1 else v).detach().requires_grad_(True) for k, v in inputs.items()}
+    want = kernels.quasiseparable(**last, **kw)
+    want_grads = torch.autograd.grad(want, [last["x"], last["B"]], dy[-1:])
+    assert torch.equal(out[-1:], want)
+    for got, ref in zip(grads, want_grads):
+        assert torch.equal(got[-1:], ref)
+
+
+def test_a_hydra_block_runs_under_cuda_graphs():
+    """``torch.compile(mode="reduce-overhead")`` (CUDA graphs) of a Hydra block on the Triton path, training steps:
+    the same values and gradients as eager (nothing in the Triton path syncs the host or sizes a buffer by values)."""
+    torch.manual_seed(0)
+    mixer = mp.create_mixer("quasi", 256).cuda()
+    compiled = torch.compile(copy.deepcopy(mixer), mode="reduce-overhead", fullgraph=True)
+    for step in range(3):
+        x = torch.randn(8, 197, 256, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y_e = mixer(x.clone().requires_grad_(True))
+            y_c = compiled(x.clone().requires_grad_(True))
+        assert _relative_error(y_c.float(), y_e.float()) < TOLERANCE[torch.bfloat16], step
+        y_c.float().sum().backward()
+        y_e.float().sum().backward()
+    for (name, p_e), (_, p_c) in zip(mixer.named_parameters(), compiled.named_parameters()):
+        assert _relative_error(p_c.grad.float(), p_e.grad.float()) < 2 * TOLERANCE[torch.bfloat16], name
+
+
+def test_launches_per_hydra_block_on_cuda():
+    """The CUDA kernels of one Hydra mixer's forward and backward at ViT-B's sizes, float32, from the profiler: at
+    most 40 (as the CPU trace in tests/ops/test_scan_triton.py asserts)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "launches.py"
+    spec = importlib.util.spec_from_file_location("gpu_launches", path)
+    launches = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_launches"] = launches
+    spec.loader.exec_module(launches)
+    mixer = launches.hydra_block(768).cuda()
+    x = torch.randn(8, 197, 768, device="cuda", requires_grad=True)
+    step = launches.block_step(mixer, x)
+    step()
+    counts = launches.count_launches(step, profiler=True)
+    assert counts.total <= 40, counts.table()

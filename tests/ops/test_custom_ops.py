@@ -92,6 +92,8 @@ OP_CHECKS = {
     # the Triton scan (CUDA, or CPU under TRITON_INTERPRET=1 in a fresh interpreter)
     "mixer_plugins::quasiseparable_triton": "test_opcheck_triton_scan_ops_under_the_interpreter",
     "mixer_plugins::quasiseparable_triton_backward": "test_opcheck_triton_scan_ops_under_the_interpreter",
+    "mixer_plugins::quasiseparable_triton_one_chunk": "test_opcheck_triton_scan_ops_under_the_interpreter",
+    "mixer_plugins::quasiseparable_triton_one_chunk_backward": "test_opcheck_triton_scan_ops_under_the_interpreter",
     # the Triton norm and convolution (likewise)
     "mixer_plugins::gated_rmsnorm_triton": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
     "mixer_plugins::gated_rmsnorm_triton_backward": "test_opcheck_triton_norm_conv_ops_under_the_interpreter",
@@ -132,7 +134,7 @@ def test_every_custom_op_is_opchecked():
 
     for name in mp.list_mixers():  # every mixer's module, and the kernels they import
         mp.get_spec(name)
-    for module in ("scan.triton_kernels", "_triton.norm", "_triton.conv"):
+    for module in ("scan.triton_kernels", "scan.triton_one_chunk", "_triton.norm", "_triton.conv"):
         with __import__("contextlib").suppress(ImportError):
             importlib.import_module(f"mixer_plugins.kernels.{module}")
     ops = {op for op in torch._C._dispatch_get_all_op_names() if op.startswith("mixer_plugins::")}
@@ -168,12 +170,21 @@ def same_layout(op, args):
 
 fwd = torch.ops.mixer_plugins.quasiseparable_triton.default
 bwd = torch.ops.mixer_plugins.quasiseparable_triton_backward.default
-args = (x, dt, A, B, C, dt_b, A_b, B_b, C_b, diag, None, seg, True, 4)
-y, hs, lg, final = same_layout(fwd, args)
+bias = 0.1 * torch.randn(h, generator=g)
+args = (x, dt, A, B, C, dt_b, A_b, B_b, C_b, diag, None, seg, bias, 0.0, float("inf"), True, True, 4, True)
+y, hs, lg, cb, dtc, final = same_layout(fwd, args)
 bargs = (torch.randn(y.shape, generator=g), torch.randn(final.shape, generator=g), x, dt, A, B, C, dt_b, A_b, B_b,
-         C_b, diag, seg, hs, lg, True, 4)
+         C_b, diag, seg, bias, 0.0, float("inf"), True, True, 4, hs, lg, cb, dtc, False)
 same_layout(bwd, bargs)
 torch.library.opcheck(bwd, bargs, test_utils=("test_schema", "test_faketensor"))
+import mixer_plugins.kernels.scan.triton_one_chunk  # the one-chunk kernels' ops
+one = torch.ops.mixer_plugins.quasiseparable_triton_one_chunk.default
+one_bwd = torch.ops.mixer_plugins.quasiseparable_triton_one_chunk_backward.default
+oargs = (x, dt, A, B, C, dt_b, A_b, B_b, C_b, diag, seg, bias, 0.0, float("inf"), True, True)
+y, cb, dtc = same_layout(one, oargs)
+obargs = (torch.randn(y.shape, generator=g), *oargs, cb, dtc)
+same_layout(one_bwd, obargs)
+torch.library.opcheck(one_bwd, obargs, test_utils=("test_schema", "test_faketensor"))
 print("ok")
 """
 

@@ -1,4 +1,5 @@
-"""What our Triton kernel modules share: the guarded ``triton`` import, the matmul precision and ``available``.
+"""What our Triton kernel modules share: the guarded ``triton`` import, the matmul precision, ``available``, and the
+launch-geometry helpers (one-dimensional grids, 64-bit offsets, the launch device).
 
 Every matmul inside the kernels takes float32 operands and accumulates in float32. Its precision on a GPU is
 ``MIXER_PLUGINS_TRITON_DOT`` (read at import):
@@ -19,6 +20,7 @@ float32 ones at the precision above); :func:`mm` takes float32 operands. The Tri
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -31,6 +33,10 @@ except ImportError as exc:  # pragma: no cover - triton is an optional extra
     triton = None
     tl = None
     IMPORT_ERROR = f"triton is not importable ({exc})"
+
+#: CUDA's limit on the first grid dimension. Our grids are one-dimensional: the second and third dimensions allow only
+#: 65,535 programs, which ``batch * heads`` alone passes in a large batch.
+MAX_GRID = 2**31 - 1
 
 #: whether ``triton.jit`` defined the kernels for the interpreter (``TRITON_INTERPRET=1`` at import)
 INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -58,19 +64,48 @@ def dot_precision_split(dtype: torch.dtype) -> str:
     return dot_precision(dtype)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``."""
+    return -(-int(a) // int(b))
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def grid_1d(programs: int, what: str) -> tuple[int]:
+    """The one-dimensional grid ``(programs,)``, or a clear error when it is past CUDA's limit :data:`MAX_GRID`."""
+    if programs > MAX_GRID:
+        raise ValueError(f"{what}: {programs} programs are over CUDA's grid limit {MAX_GRID} (reduce the batch)")
+    return (max(int(programs), 0),)
+
+
+def on_device(device: torch.device):
+    """The context in which to launch kernels on ``device``'s tensors: Triton launches on the current CUDA device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 if triton is not None:
     INTERPRET = tl.constexpr(INTERPRET_AT_IMPORT)
 
     @triton.jit
+    def offset64(index, stride):
+        """``index * stride`` in 64 bits: an element offset that stays exact past 2^31 (``index`` may be a scalar or a
+        tensor of int32 indices; ``stride`` a runtime integer)."""
+        return index.to(tl.int64) * stride
+
+    @triton.jit
     def mm(a, b, DOT: tl.constexpr):
-        """``a @ b`` of two float32 tiles, accumulated in float32, at precision ``DOT`` (see the module docstring)."""
+        """``a @ b`` accumulated in float32, at precision ``DOT`` (see the module docstring); the tiles may be float32
+        or half precision (kept in their dtype until the product, which saves registers)."""
         if DOT == "bf16":
             if INTERPRET:  # the interpreter multiplies bfloat16 tiles wrongly: round, then multiply in float32
                 return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32))
             else:
                 return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         else:
-            return tl.dot(a, b, input_precision=DOT)
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT)
 
     @triton.jit
     def dot(a, b, acc, DOT: tl.constexpr):
@@ -104,6 +139,7 @@ else:  # pragma: no cover - triton is an optional extra
     INTERPRET = None
     mm = None
     dot = None
+    offset64 = None
 
 
 def available(device: torch.device | str | None = None) -> str | None:
