@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -110,6 +111,23 @@ def assert_passes_fresh(test_file: str, env: dict[str, str], timeout: int, *, al
     assert " passed" in result.stdout and " failed" not in result.stdout, tail
     if not allow_skips:
         assert "skipped" not in result.stdout, tail
+
+
+# -- what an op allocates ------------------------------------------------------------------------------------
+
+class LargestTensor(TorchDispatchMode):
+    """Records ``largest``: the most elements of any tensor an op returned while the mode was active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
 
 
 # -- throwaway installed distributions ---------------------------------------------------------------------

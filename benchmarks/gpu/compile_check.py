@@ -15,7 +15,7 @@ Prints one line per compiled kernel (compile seconds, shared memory, registers a
 read from the cubin with ``cuobjdump``, which also ships with Triton) and exits non-zero if a kernel fails to compile,
 needs more shared memory than the target has, or, in a family listed in :data:`SPILL_FREE` (and a case not in
 :data:`SPILLS_ALLOWED`), spills registers.
-``tests/test_triton_compile.py`` runs it in CI.
+``tests/ops/test_triton_compile.py`` runs it in CI.
 Must run in a fresh process without ``TRITON_INTERPRET`` (the kernels must be compiled, not interpreted).
 """
 

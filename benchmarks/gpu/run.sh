@@ -9,7 +9,7 @@
 #      pydantic and its needs, einops, wrapt, a mamba-ssm wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE, mixer-plugins'
 #      own wheel for its entry points), offline, each only where the machine lacks that distribution, into a site
 #      folder put first on PYTHONPATH (the machine's own environment is left alone);
-#   2. kernel correctness (MIXER_PLUGINS_GPU_KERNEL_TESTS_S, 150): tests/test_gpu.py's kernel tests, then the Triton
+#   2. kernel correctness (MIXER_PLUGINS_GPU_KERNEL_TESTS_S, 150): tests/ops/test_gpu.py's kernel tests, then the Triton
 #      scan, norm and conv tests on CUDA (tests/ops/test_scan_triton.py, tests/ops/test_norm_conv_triton.py);
 #   3. tables (MIXER_PLUGINS_GPU_TABLES_S, 185): benchmarks/gpu/throughput.py (ViT-B step, launches and per-part
 #      profile of a Hydra block, scans; MIXER_PLUGINS_GPU_TABLES picks and orders them), then
@@ -101,7 +101,7 @@ if [ "$DRY" = "--dry" ]; then
   # the same steps on the CPU with tiny shapes: the GPU tests skip themselves, the tables run under the interpreter
   export TRITON_INTERPRET=1
   step "kernel tests (skipped without CUDA)"
-  "${PYTEST[@]}" -m gpu tests/test_gpu.py --junitxml="$OUT/kernel_tests.xml" 2>&1 | tail -n 3 | tee -a "$OUT/log.txt" \
+  "${PYTEST[@]}" -m gpu tests/ops/test_gpu.py --junitxml="$OUT/kernel_tests.xml" 2>&1 | tail -n 3 | tee -a "$OUT/log.txt" \
     || status=1
   step "tables"
   "$PY" benchmarks/gpu/throughput.py --out "$OUT" --dry --tables "$TABLES" > "$OUT/throughput.log" 2>&1 || status=1
@@ -118,7 +118,7 @@ else
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/log.txt"
   step "kernel tests"
   timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_KERNEL_TESTS_S:-150}" "${PYTEST[@]}" -m "gpu or triton" \
-    tests/test_gpu.py -k "not test_mixer_on_cuda_matches_cpu_float64" tests/ops/test_scan_triton.py \
+    tests/ops/test_gpu.py -k "not test_mixer_on_cuda_matches_cpu_float64" tests/ops/test_scan_triton.py \
     tests/ops/test_norm_conv_triton.py --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/log.txt" || status=1
   step "throughput tables"
   limit="${MIXER_PLUGINS_GPU_TABLES_S:-185}"
@@ -138,7 +138,7 @@ else
     timeout 120 "$PY" benchmarks/gpu/tune.py --out "$OUT" >> "$OUT/log.txt" 2>&1 || status=1
   fi
   step "mixer tests"
-  timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_MIXER_TESTS_S:-60}" "${PYTEST[@]}" -m gpu tests/test_gpu.py \
+  timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_MIXER_TESTS_S:-60}" "${PYTEST[@]}" -m gpu tests/ops/test_gpu.py \
     -k "test_mixer_on_cuda_matches_cpu_float64" --junitxml="$OUT/mixer_tests.xml" 2>&1 | tail -n 30 \
     | tee -a "$OUT/log.txt" || status=1
 fi

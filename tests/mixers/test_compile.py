@@ -5,10 +5,11 @@ The backend is ``aot_eager``: dynamo and AOTAutograd trace forward and backward 
 inductor's C++ code generation (minutes per mixer on a CPU runner). ``fullgraph=True`` makes any graph break an
 error, so a mixer that stops being traceable fails here.
 
-Inductor itself (the default backend users get) is tested in ``tests/backbones/test_compile_models.py``: a ViT whose blocks
-use ``quasi`` and ``attention``, training step and eval against eager, ``torch.export`` of a mixer ViT, and with
-``MIXER_PLUGINS_INDUCTOR_ALL=1`` every registered mixer; the fairseq2 encoder in ``tests/backbones/test_fairseq2.py``; the
-custom ops under ``torch.library.opcheck`` in ``tests/ops/test_custom_ops.py``.
+Inductor itself (the default backend users get) is tested in ``tests/backbones/test_compile_models.py``: a ViT
+whose blocks use ``quasi`` and ``attention``, training step and eval against eager, ``torch.export`` of a mixer ViT,
+and with ``MIXER_PLUGINS_INDUCTOR_ALL=1`` every registered mixer; the fairseq2 encoder in
+``tests/backbones/test_fairseq2.py``; the custom ops under ``torch.library.opcheck`` in
+``tests/ops/test_custom_ops.py``.
 """
 
 from __future__ import annotations

@@ -694,7 +694,7 @@ def test_mlr_mixer_tiled_equals_the_materialized_path(case, causal, length):
 
 def test_mlr_mixer_builds_no_quadratic_tensor():
     """Forward and backward of the mixer never hold an L x L tensor per head (the former mix built one)."""
-    from kernel_helpers import LargestTensor
+    from helpers import LargestTensor
 
     length = 1024
     mixer = mp.create_mixer("mlr_attention", 32, num_heads=2, ranks=[8, 4, 2, 2], block_sizes=[None, 64, 32, 16],

@@ -260,7 +260,7 @@ def test_opcheck_triton_norm_conv_ops_under_the_interpreter():
 @pytest.mark.slow
 def test_opcheck_triton_scan_ops_under_the_interpreter():
     """The Triton scan's forward and backward ops: fake kernels with the real kernels' strides, and the backward
-    under opcheck (the forward's opcheck is in tests/test_triton_kernels.py). A fresh interpreter: Triton reads
+    under opcheck (the forward's opcheck is in tests/ops/test_scan_triton.py). A fresh interpreter: Triton reads
     ``TRITON_INTERPRET`` when its kernels are defined."""
     import os
     import subprocess

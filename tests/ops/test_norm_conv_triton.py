@@ -2,8 +2,8 @@
 backends: values and every gradient, float32 and half precision, odd widths, tails, strided inputs; their custom ops
 under ``torch.compile(fullgraph=True)``; the launch grids and 64-bit offsets at sizes past 2^31.
 
-Like ``tests/test_triton_kernels.py``, the kernel checks run on CPU under ``TRITON_INTERPRET=1`` in a fresh
-interpreter (``MIXER_PLUGINS_TRITON_FRESH=1``), started by :func:`test_norm_conv_kernels_under_the_interpreter`;
+Like ``tests/ops/test_mlr_attention_triton_kernels.py``, the kernel checks run on CPU under ``TRITON_INTERPRET=1`` in a
+fresh interpreter (``MIXER_PLUGINS_TRITON_FRESH=1``), started by :func:`test_norm_conv_kernels_under_the_interpreter`;
 with CUDA they run in this process. The grid arithmetic is plain Python and runs everywhere.
 """
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.triton
 @pytest.mark.skipif(IN_PROCESS, reason="the checks run in this process")
 def test_norm_conv_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    from kernel_helpers import assert_passes_fresh
+    from helpers import assert_passes_fresh
 
     assert_passes_fresh("ops/test_norm_conv_triton.py",
                         {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=900)
@@ -340,7 +340,7 @@ def test_grids_stay_one_dimensional_and_cover_every_row():
 def test_normconv_benchmark_dry_run(tmp_path):
     """``benchmarks/gpu/normconv_rows.py --dry`` (tiny shapes, CPU, the interpreter) prints its whole table."""
     pytest.importorskip("triton")
-    from kernel_helpers import ROOT
+    from helpers import ROOT
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "normconv_rows.py"), "--dry",

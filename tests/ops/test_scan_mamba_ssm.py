@@ -1,9 +1,9 @@
 """mamba-ssm's own Triton SSD kernels through our ``mamba_ssm`` backend, on CPU under ``TRITON_INTERPRET=1``.
 
-Run in a fresh interpreter by ``tests/ops/test_scan_mamba_ssm_suite.py`` (``MIXER_PLUGINS_MAMBA_FRESH=1`` marks that run) when
-mamba-ssm's files, Triton and einops are importable; collected in any other process it is skipped. mamba-ssm is
-imported through ``tests/mamba_files.py`` (test-only), so a wheel built with ``MAMBA_SKIP_CUDA_BUILD=TRUE`` (no CUDA
-extensions) is enough.
+Run in a fresh interpreter by ``tests/ops/test_scan_mamba_ssm_suite.py`` (``MIXER_PLUGINS_MAMBA_FRESH=1`` marks that
+run) when mamba-ssm's files, Triton and einops are importable; collected in any other process it is skipped.
+mamba-ssm is imported through ``tests/mamba_files.py`` (test-only), so a wheel built with ``MAMBA_SKIP_CUDA_BUILD=TRUE``
+(no CUDA extensions) is enough.
 
 mamba-ssm's kernels need three things the CPU does not give them, which this module supplies (test-only, in this
 process): ``MAMBA_DETERMINISTIC=1`` before loading (each autotuned kernel keeps one config: the autotuner would

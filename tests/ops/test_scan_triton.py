@@ -29,7 +29,7 @@ from mixer_plugins.kernels import directional_scan, quasiseparable, ssd
 
 FRESH = os.environ.get("MIXER_PLUGINS_TRITON_FRESH") == "1"
 if not FRESH and not torch.cuda.is_available():
-    pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/test_triton_suite.py)",
+    pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite.py)",
                 allow_module_level=True)
 
 triton = pytest.importorskip("triton")

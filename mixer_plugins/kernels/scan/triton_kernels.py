@@ -61,7 +61,7 @@ __all__ = ["LAUNCH", "ScanGeometry", "available", "scan_triton", "scan_triton_fl
 
 #: Triton launch options (``num_warps``, ``num_stages``) of each kernel. Eight warps and no software pipelining keep
 #: every kernel's tiles in registers at sm_90 for half-precision inputs (``benchmarks/gpu/compile_check.py`` reads the
-#: registers and spills from the compiled kernels; ``tests/test_triton_compile.py`` asserts none spills).
+#: registers and spills from the compiled kernels; ``tests/ops/test_triton_compile.py`` asserts none spills).
 #: ``benchmarks/gpu/tune.py`` times alternatives on a GPU.
 LAUNCH: dict[str, dict[str, int]] = {
     "states": {"num_warps": 8, "num_stages": 1}, "pass": {"num_warps": 4}, "out": {"num_warps": 8, "num_stages": 1},

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from kernel_helpers import ROOT
+from helpers import ROOT
 
 triton = pytest.importorskip("triton")
 

@@ -1,6 +1,6 @@
 """``kernels.local_attention`` (sliding window + global tokens): the blocked ``torch`` backend against the dense
 reference (float64, values and gradients), NaN pads, argument checks, ``torch.compile(fullgraph=True)`` with
-inductor, and the FLOPs ``FlopCounterMode`` counts. (The Triton backend: tests/test_triton_local_attention.py.)"""
+inductor, and the FLOPs ``FlopCounterMode`` counts. (The Triton backend: tests/ops/test_local_attention_triton.py.)"""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Shapes are tiny: the interpreter runs each kernel program in Python.
 ``TRITON_INTERPRET`` is read by ``triton.jit`` when a kernel is *defined* (triton 3.5:
 ``knobs.runtime.interpret`` in the decorator), and the interpreter's state does not survive every other test that
 may run before these in one process (inductor compiles, for one). So on a machine without CUDA this module runs
-in a fresh interpreter with ``TRITON_INTERPRET=1``, started by ``tests/test_triton_suite.py``
+in a fresh interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite.py``
 (``MIXER_PLUGINS_TRITON_FRESH=1`` marks that run); collected in any other process it is skipped.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 FRESH = os.environ.get("MIXER_PLUGINS_TRITON_FRESH") == "1"
 if not FRESH and not torch.cuda.is_available():
-    pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/test_triton_suite.py)",
+    pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite.py)",
                 allow_module_level=True)
 
 triton = pytest.importorskip("triton")

@@ -3,7 +3,7 @@ materialized reference in float64 with tiles smaller than, larger than and misal
 against float64 (the vectorized ``exp``), extreme logits; right-padded keys; ``torch.compile`` with inductor; the
 automatic choice and its fallback when the kernel cannot be built; argument checks.
 
-The engine is also in the engine-parametrized tests of tests/test_mlr_kernel.py (every level list, NaN pads, the
+The engine is also in the engine-parametrized tests of tests/ops/test_mlr_attention.py (every level list, NaN pads, the
 FLOP counter) and in the custom-op checks of tests/ops/test_custom_ops.py."""
 
 from __future__ import annotations

@@ -268,7 +268,7 @@ def test_launches_per_hydra_block_on_cuda():
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "launches.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "launches.py"
     spec = importlib.util.spec_from_file_location("gpu_launches", path)
     launches = importlib.util.module_from_spec(spec)
     sys.modules["gpu_launches"] = launches

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from kernel_helpers import LargestTensor
+from helpers import LargestTensor
 
 import mixer_plugins
 from mixer_plugins.kernels.mlr_attention import mlr_attention, mlr_attention_flops, plan_tasks

@@ -3,9 +3,9 @@ and every gradient, for level lists with and without a global level, blocks that
 square and rectangular tiles smaller than the blocks (uniform runs of several classes and mixed pairs), partial last
 tiles, causal and bidirectional, right padding with NaN pads, ``block_divide`` off, half-precision inputs.
 
-Like ``tests/test_triton_local_attention.py``, the CPU checks run under ``TRITON_INTERPRET=1`` in a fresh interpreter
-(``MIXER_PLUGINS_TRITON_FRESH=1``), started by :func:`test_mlr_kernels_under_the_interpreter`; with CUDA the checks
-run in this process. Shapes are tiny: the interpreter runs each program in Python.
+Like ``tests/ops/test_local_attention_triton.py``, the CPU checks run under ``TRITON_INTERPRET=1`` in a fresh
+interpreter (``MIXER_PLUGINS_TRITON_FRESH=1``), started by :func:`test_mlr_kernels_under_the_interpreter`; with CUDA
+the checks run in this process. Shapes are tiny: the interpreter runs each program in Python.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ pytestmark = pytest.mark.triton
 @pytest.mark.skipif(IN_PROCESS, reason="the checks run in this process")
 def test_mlr_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    from kernel_helpers import assert_passes_fresh
+    from helpers import assert_passes_fresh
 
-    assert_passes_fresh("test_triton_mlr.py", {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"},
-                        timeout=1200)
+    assert_passes_fresh("ops/test_mlr_attention_triton.py",
+                        {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=1200)
 
 
 if IN_PROCESS:

@@ -1,9 +1,9 @@
 """``kernels.local_attention``'s Triton backend (the MLR kernel with a band and global tokens) against the dense
 reference: forward and every gradient, tiles skipped outside the band.
 
-Like ``tests/test_triton_kernels.py``, the CPU checks run under ``TRITON_INTERPRET=1`` in a fresh interpreter
-(``MIXER_PLUGINS_TRITON_FRESH=1``), started by :func:`test_local_attention_kernels_under_the_interpreter`; with CUDA
-the checks run in this process.
+Like ``tests/ops/test_mlr_attention_triton_kernels.py``, the CPU checks run under ``TRITON_INTERPRET=1`` in a fresh
+interpreter (``MIXER_PLUGINS_TRITON_FRESH=1``), started by :func:`test_local_attention_kernels_under_the_interpreter`;
+with CUDA the checks run in this process.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.triton
 @pytest.mark.skipif(IN_PROCESS, reason="the checks run in this process")
 def test_local_attention_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    from kernel_helpers import assert_passes_fresh
+    from helpers import assert_passes_fresh
 
-    assert_passes_fresh("test_triton_local_attention.py",
+    assert_passes_fresh("ops/test_local_attention_triton.py",
                         {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=600)
 
 
