@@ -5,6 +5,7 @@ groups, and ``torch.compile`` against eager."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
@@ -254,3 +256,38 @@ def assert_train_and_eval_match(module: nn.Module, inputs: tuple, loss_fn, *, fu
         expected = module(*inputs)
         torch.manual_seed(8)  # another seed: eval must not depend on the random state (dropout off)
         torch.testing.assert_close(compiled(*inputs), expected, **TOL)
+
+
+# -- the Triton interpreter -----------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_interpreter():
+    """Test-speed shims for the triton 3.5 interpreter (semantics unchanged); a module imports this fixture to use it.
+
+    * it re-patches ``triton.language`` on every device-function call (``tl.sum``, ``tl.cumsum``, ...); the
+      patch is permanent and idempotent, so it is done once per kernel module;
+    * it checks every int32 index operation for overflow; the test shapes are far from int32 limits.
+    Together they halve the run time. Skipped silently if the interpreter internals differ.
+    """
+    try:
+        from triton.runtime import interpreter as interp
+        original_patch = interp._patch_lang
+        original_options = interp.interpreter_builder.options
+        fast_options = dataclasses.replace(original_options, sanitize_overflow=False)
+    except (ImportError, AttributeError, TypeError):
+        yield
+        return
+    done: set[int] = set()
+
+    def patch_once(fn):
+        if id(fn.__globals__) not in done:
+            original_patch(fn)
+            done.add(id(fn.__globals__))
+
+    interp._patch_lang = patch_once
+    interp.interpreter_builder.options = fast_options
+    try:
+        yield
+    finally:
+        interp._patch_lang = original_patch
+        interp.interpreter_builder.options = original_options

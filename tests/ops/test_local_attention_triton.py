@@ -30,7 +30,7 @@ def test_local_attention_kernels_under_the_interpreter():
 
 if IN_PROCESS:
     pytest.importorskip("triton")
-    from test_triton_kernels import _fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
+    from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
 
 DEVICE = "cuda" if torch.cuda.is_available() and not FRESH else "cpu"
 needs_kernels = pytest.mark.skipif(not IN_PROCESS, reason="runs under the interpreter in a fresh process")

@@ -13,11 +13,11 @@ in a fresh interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import torch
+from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
 
 FRESH = os.environ.get("MIXER_PLUGINS_TRITON_FRESH") == "1"
 if not FRESH and not torch.cuda.is_available():
@@ -34,37 +34,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_interpreter():
-    """Test-speed shims for the triton 3.5 interpreter (semantics unchanged):
-
-    * it re-patches ``triton.language`` on every device-function call (``tl.sum``, ``tl.cumsum``, ...); the
-      patch is permanent and idempotent, so it is done once per kernel module;
-    * it checks every int32 index operation for overflow; the test shapes are far from int32 limits.
-    Together they halve the run time. Skipped silently if the interpreter internals differ.
-    """
-    try:
-        from triton.runtime import interpreter as interp
-        original_patch = interp._patch_lang
-        original_options = interp.interpreter_builder.options
-        fast_options = dataclasses.replace(original_options, sanitize_overflow=False)
-    except (ImportError, AttributeError, TypeError):
-        yield
-        return
-    done: set[int] = set()
-
-    def patch_once(fn):
-        if id(fn.__globals__) not in done:
-            original_patch(fn)
-            done.add(id(fn.__globals__))
-
-    interp._patch_lang = patch_once
-    interp.interpreter_builder.options = fast_options
-    try:
-        yield
-    finally:
-        interp._patch_lang = original_patch
-        interp.interpreter_builder.options = original_options
 
 
 # -- MLR attention ---------------------------------------------------------------------------------

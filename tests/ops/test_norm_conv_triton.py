@@ -37,7 +37,7 @@ if IN_PROCESS:
     pytest.importorskip("triton")
     import triton
     import triton.language as tl
-    from test_triton_kernels import _fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
+    from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
 
     from mixer_plugins.kernels._triton.norm import row_offset
 

@@ -13,7 +13,6 @@ in a fresh interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
 
 from mixer_plugins import kernels
 from mixer_plugins.kernels import directional_scan, quasiseparable, ssd
@@ -60,37 +60,6 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_interpreter():
-    """Test-speed shims for the triton 3.5 interpreter (semantics unchanged):
-
-    * it re-patches ``triton.language`` on every device-function call (``tl.sum``, ``tl.cumsum``, ...); the
-      patch is permanent and idempotent, so it is done once per kernel module;
-    * it checks every int32 index operation for overflow; the test shapes are far from int32 limits.
-    Together they halve the run time. Skipped silently if the interpreter internals differ.
-    """
-    try:
-        from triton.runtime import interpreter as interp
-        original_patch = interp._patch_lang
-        original_options = interp.interpreter_builder.options
-        fast_options = dataclasses.replace(original_options, sanitize_overflow=False)
-    except (ImportError, AttributeError, TypeError):
-        yield
-        return
-    done: set[int] = set()
-
-    def patch_once(fn):
-        if id(fn.__globals__) not in done:
-            original_patch(fn)
-            done.add(id(fn.__globals__))
-
-    interp._patch_lang = patch_once
-    interp.interpreter_builder.options = fast_options
-    try:
-        yield
-    finally:
-        interp._patch_lang = original_patch
-        interp.interpreter_builder.options = original_options
 
 
 def _rand(*shape, dtype=torch.float32, positive=False):
