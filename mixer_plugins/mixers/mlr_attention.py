@@ -49,6 +49,7 @@ from ._softmax_common import (
     QKVSoftmaxMixer,
     attention_weights,
     dot_scores,
+    tensor_sum,
 )
 from .base import QKContext
 from .cache import MixerCache
@@ -302,9 +303,9 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         # The definition, level by level with dense masks (independent of the blocked fast path).
         length = ctx.q.shape[1]
         device = ctx.q.device
-        scores = 0
-        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales, self.block_sizes):
-            scores = scores + dot_scores(q, k) * scale * same_block_mask(length, size, device)
+        scores = tensor_sum([dot_scores(q, k) * scale * same_block_mask(length, size, device)
+                             for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales,
+                                                          self.block_sizes)])
         if self.block_divide:
             scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
         return self._weights(scores, ctx.mask)
@@ -312,8 +313,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         positions, allowed = self.append_kv(ctx, cache)
         slots = torch.arange(cache.max_len, device=positions.device)
-        scores = 0
-        counts = 0
+        levels = []
+        counts: Tensor | int = 0
         for q, k, scale, size in zip(self._levels(ctx.q), self._levels(cache.state["k"]), self.level_scales,
                                      self.block_sizes):
             level = torch.einsum("bthe,bjhe->bhtj", q, k) * scale
@@ -323,7 +324,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
                 counts = counts + same
             else:
                 counts = counts + 1
-            scores = scores + level
+            levels.append(level)
+        scores = tensor_sum(levels)
         if self.block_divide:
             scores = scores / torch.as_tensor(counts).clamp(min=1)
         weights = attention_weights(scores, allowed[:, None], self.link_function)
