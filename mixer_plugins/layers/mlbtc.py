@@ -226,7 +226,7 @@ class MLBTC(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MLBTC expects a last axis of {self.in_features}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        out = None
+        out: Tensor | None = None
         for level, lv in enumerate(self.levels):
             left, right = self.cores(level)
             m1, m2 = lv.in_factors
@@ -235,6 +235,7 @@ class MLBTC(nn.Module):
             u = torch.einsum("...pab,pabcs->...pacs", xb, right)
             y = torch.einsum("...pacs,pcdas->...pdc", u, left).reshape(*lead, self.out_features)
             out = y if out is None else out + y
+        assert out is not None, "an MLBTC has at least one level"
         return out
 
     def level_dense(self, level: int) -> Tensor:
@@ -247,7 +248,10 @@ class MLBTC(nn.Module):
 
     def to_dense(self) -> Tensor:
         """``W``, (out_features, in_features)."""
-        return sum(self.level_dense(level) for level in range(len(self.levels)))
+        dense = self.level_dense(0)
+        for level in range(1, len(self.levels)):
+            dense = dense + self.level_dense(level)
+        return dense
 
     def macs_per_vector(self) -> int:
         """Multiply-adds of one matrix-vector product (the FLOPs of ``forward`` are twice this per vector)."""

@@ -428,11 +428,18 @@ def coord_check(build_model: Callable[[int], nn.Module], widths: Sequence[int], 
         for k in range(seeds)
     ]
     first = runs[0]
+
+    def mean(values: list[Tensor]) -> Tensor:
+        total = values[0]
+        for value in values[1:]:
+            total = total + value
+        return total / len(values)
+
     return CoordCheckResult(
         widths=first.widths, steps=first.steps, parametrization=first.parametrization,
-        rms={k: sum(r.rms[k] for r in runs) / seeds for k in first.rms if all(k in r.rms for r in runs)},
-        delta={k: sum(r.delta[k] for r in runs) / seeds for k in first.delta if all(k in r.delta for r in runs)},
-        losses=sum(r.losses for r in runs) / seeds,
+        rms={k: mean([r.rms[k] for r in runs]) for k in first.rms if all(k in r.rms for r in runs)},
+        delta={k: mean([r.delta[k] for r in runs]) for k in first.delta if all(k in r.delta for r in runs)},
+        losses=mean([r.losses for r in runs]),
     )
 
 
@@ -570,10 +577,10 @@ def _coord_check_once(build_model, widths, steps, *, data, probe, loss_fn, lr, p
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         per_width.append(_train_one_width(model, optimizer, steps, batch_at, probe_inputs, loss_fn, include, logits))
 
-    def stack(index: int) -> dict[str, Tensor]:
-        names = set.intersection(*(set(run[index]) for run in per_width))  # recorded at every width
-        return {name: torch.tensor([run[index][name] for run in per_width], dtype=torch.float64)
-                for name in sorted(names)}
+    def stack(records: list[dict[str, list[float]]]) -> dict[str, Tensor]:
+        names = set.intersection(*(set(record) for record in records))  # recorded at every width
+        return {name: torch.tensor([record[name] for record in records], dtype=torch.float64) for name in sorted(names)}
 
-    return CoordCheckResult(widths=widths, steps=steps, parametrization=parametrization, rms=stack(0),
-                            delta=stack(1), losses=torch.tensor([run[2] for run in per_width], dtype=torch.float64))
+    return CoordCheckResult(widths=widths, steps=steps, parametrization=parametrization,
+                            rms=stack([run[0] for run in per_width]), delta=stack([run[1] for run in per_width]),
+                            losses=torch.tensor([run[2] for run in per_width], dtype=torch.float64))

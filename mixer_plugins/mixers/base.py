@@ -257,10 +257,12 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
     """Base class of every mixer in the library (and a convenient one for plugins).
 
     Subclasses implement :meth:`prepare`, :meth:`matrix`, :meth:`finish`, :meth:`flops` and usually a
-    fast :meth:`mix`. The class is generic in the context its hooks pass between them: a mixer whose context is a
-    :class:`MixerContext` subclass derives from ``MatrixMixer[ItsContext]``, and its hooks take and return that type. Data-independent mixers set :attr:`max_seq_len`; they then accept any length up to
+    fast :meth:`mix`. Data-independent mixers set :attr:`max_seq_len`; they then accept any length up to
     it (using the leading L x L block of their matrix, which is what makes them padding-invariant) and
     raise :class:`SequenceLengthError` beyond it.
+
+    The class is generic in the context its hooks pass between them: a mixer whose context is a
+    :class:`MixerContext` subclass derives from ``MatrixMixer[ItsContext]`` and its hooks take and return that type.
     """
 
     #: True when output i depends only on inputs j <= i.

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -285,7 +286,7 @@ def check_bad_config(h: MixerHarness) -> None:
     spec = h.spec
     opts = {**spec.test_options, **h.options}
     for bad_dim in (0, -4):
-        _expect_raises(InvalidMixerOptions, lambda d=bad_dim: spec.make_config(d, **opts), f"dim={bad_dim}")
+        _expect_raises(InvalidMixerOptions, functools.partial(spec.make_config, bad_dim, **opts), f"dim={bad_dim}")
     option = next((o for o in spec.option_names() if o != "dim"), None)
     if option is not None and len(option) > 3:
         typo = option[:-1]
@@ -419,15 +420,15 @@ def check_export(h: MixerHarness) -> None:
     except Exception as err:  # noqa: BLE001 - e.g. a FakeTensor kept from tracing, used in an eager call
         raise AssertionError(f"eager forward after torch.export failed: {type(err).__name__}: {err}") from err
     assert torch.isfinite(y_after).all(), "eager forward after torch.export gave non-finite outputs"
-    ok, err = _close(y_program, y_after, rtol=1e-4, atol=1e-5)
-    assert ok, f"the exported program and eager disagree (max abs err {err:.3e})"
+    ok, diff = _close(y_program, y_after, rtol=1e-4, atol=1e-5)
+    assert ok, f"the exported program and eager disagree (max abs err {diff:.3e})"
     assert torch.equal(y_after, y_again), "eager forwards after torch.export differ from one another"
     if mixer.materializable:
         with torch.no_grad():
             y_ref = reference.forward_via_matrix(x)
-        ok, err = _close(y_after, y_ref, rtol=1e-4, atol=1e-5)
+        ok, diff = _close(y_after, y_ref, rtol=1e-4, atol=1e-5)
         assert ok, (
-            f"eager forward after torch.export drifted from the mixer's matrix (max abs err {err:.3e}): a tensor "
+            f"eager forward after torch.export drifted from the mixer's matrix (max abs err {diff:.3e}): a tensor "
             "made while tracing (a FakeTensor) survived in a cache"
         )
 
@@ -438,7 +439,7 @@ _STEP_SIZES = (1, 2, 1, 3, 1, 1, 4)
 
 def check_step(h: MixerHarness) -> None:
     spec = h.spec
-    causal = {"causal": True} if "causal" in spec.config.model_fields else {}
+    causal: dict[str, Any] = {"causal": True} if "causal" in spec.config.model_fields else {}
     mixer = h.build(**causal)
     if not spec.stepping or not mixer.causal:
         assert not mixer.can_step, (

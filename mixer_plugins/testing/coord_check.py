@@ -48,5 +48,6 @@ def expose_attention_logits(mixer: nn.Module) -> nn.Module:
     """Give plain ``attention`` the :class:`~mixer_plugins.layers.mup.AttentionLogitsProbe` method (the structured
     softmax mixers have it already), so :func:`~mixer_plugins.layers.mup.coord_check` records its logits."""
     if isinstance(mixer, SoftmaxAttention) and not hasattr(mixer, "attention_logits"):
-        mixer.attention_logits = types.MethodType(_plain_attention_logits, mixer)
+        # a plain attribute: torch types a module's attributes as tensors and modules only
+        mixer.attention_logits = types.MethodType(_plain_attention_logits, mixer)  # type: ignore[assignment]
     return mixer

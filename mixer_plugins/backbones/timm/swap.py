@@ -278,10 +278,13 @@ def swap_mixer(model: nn.Module, mixer: str, /, *, mixer_blocks: Optional[Iterab
             _transfer(old, adapter, names.get(id(old), attr) + ".", report)
         setattr(parent, attr, adapter)
     if report is not None:
-        model.mixer_weight_report = report
+        # a plain attribute: torch types a module's attributes as tensors and modules only
+        model.mixer_weight_report = report  # type: ignore[assignment]
         report.warn_if_partial(stacklevel=2)
     record = {"mixer": spec.name, "mixer_options": dict(options),
               "mixer_blocks": None if mixer_blocks is None else sorted({s[3] for s in slots})}
-    model._model_args = dict(getattr(model, "_model_args", {}))
-    model._model_args["mixer_swaps"] = list(model._model_args.get("mixer_swaps", [])) + [record]
+    model_args = dict(getattr(model, "_model_args", {}))
+    model_args["mixer_swaps"] = list(model_args.get("mixer_swaps", [])) + [record]
+    # a plain attribute: torch types a module's attributes as tensors and modules only
+    model._model_args = model_args  # type: ignore[assignment]
     return model

@@ -51,14 +51,15 @@ class _GatedRMSNorm(torch.autograd.Function):
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         y2, z2 = _rows(y), _rows(z)
         out = torch.empty(y2.shape, dtype=dtype, device=y.device)
-        _forward_tiles(y2, z2, weight.to(compute), out, _tiles(*y2.shape, y.device), eps, norm_before_gate, compute)
+        tiles = _tiles(y2.shape[0], y2.shape[1], y.device)
+        _forward_tiles(y2, z2, weight.to(compute), out, tiles, eps, norm_before_gate, compute)
         return out.view(y.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
         rows = _rows(grad)
-        return _backward(ctx, grad, _tiles(*rows.shape, grad.device))
+        return _backward(ctx, grad, _tiles(rows.shape[0], rows.shape[1], grad.device))
 
 
 def _forward_tiles(y2: Tensor, z2: Tensor, w: Tensor, out: Tensor, tiles: list[tuple[int, int]], eps: float,
@@ -131,15 +132,15 @@ def _backward(ctx, grad: Tensor, tiles: list[tuple[int, int]]):
             if grad_z is not None:                        # g w n
                 dz = torch.mul(dn, n, out=grad_z[lo:hi]) if direct else dn * n
             dn.mul_(gate)
-        into_y = grad_y is not None and direct
-        dv = torch.addcmul(dn, n, m, value=-1.0, out=grad_y[lo:hi] if into_y else None).mul_(r)  # r (dn - n m)
+        into = grad_y[lo:hi] if grad_y is not None and direct else None
+        dv = torch.addcmul(dn, n, m, value=-1.0, out=into).mul_(r)  # r (dn - n m)
         if not before:
             # v = y s: dy = dv s, dz = dv y silu'(z)
             if grad_z is not None:
                 dz = dv * yt
             if grad_y is not None:
                 dv.mul_(gate)
-        if grad_y is not None and not into_y:
+        if grad_y is not None and into is None:
             grad_y[lo:hi] = dv
         if grad_z is not None:
             # silu'(z) = sig + s (1 - sig) = sig + s - s sig, built in sig's place
