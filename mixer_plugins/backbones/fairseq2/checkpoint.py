@@ -69,15 +69,15 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
     provider = resolver.resolve(ModelMetadataLoader).load(folder)
     name = "last_checkpoint@" if step is None else f"checkpoint_step_{step}@"
     metadata = provider.maybe_get_metadata(name)
-    base = provider.maybe_get_metadata("checkpoint@")
-    if metadata is None or base is None:
+    base_metadata = provider.maybe_get_metadata("checkpoint@")
+    if metadata is None or base_metadata is None:
         found = sorted(n for n in provider.asset_names if n.startswith("checkpoint_step_"))
         raise FileNotFoundError(
             f"{checkpoint_dir} has no {'checkpoint' if step is None else f'step {step}'} to load "
             f"(found: {', '.join(found) or 'none'})"
         )
     metadata = {k: v for k, v in metadata.items() if k != "base"}
-    card = AssetCard(name.rstrip("@"), metadata, base=AssetCard("checkpoint", base))
+    card = AssetCard(name.rstrip("@"), metadata, base=AssetCard("checkpoint", base_metadata))
     return load_model(card, device=device, dtype=dtype)
 
 

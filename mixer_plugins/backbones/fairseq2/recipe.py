@@ -33,7 +33,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, final
+from typing import Any, Final, final
 
 from fairseq2.cluster import ClusterHandler
 from fairseq2.logging import log
@@ -222,7 +222,7 @@ def check_checkpoint_dir(resolver, config_kls: type | None = None) -> None:
     from fairseq2.utils.structured import ValueConverter
 
     context = RecipeContext(resolver)
-    config = context.get_config_as(config_kls or MixerMlmConfig)
+    config: Any = context.get_config_as(config_kls or MixerMlmConfig)  # a recipe config with these two fields
     section = config.model
     if section.path is not None or section.name is not None or section.family is None:
         return  # not a new model of ours: fairseq2's own checks apply
