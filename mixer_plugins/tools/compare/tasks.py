@@ -203,7 +203,8 @@ class MultiQueryRecallTask(_TokenSequence, Task):
                 "num_queries": self.num_queries}
 
     def sample(self, n: int, generator: torch.Generator) -> Batch:
-        pairs, queries, length = self.num_kv_pairs, self.num_queries, self.seq_len_
+        pairs, length = self.num_kv_pairs, self.seq_len_
+        queries = self.num_kv_pairs if self.num_queries is None else self.num_queries
         num_keys = (self.vocab_size - 1) // 2
         num_values = self.vocab_size - 1 - num_keys
         keys = _distinct(n, num_keys, pairs, generator) + 1
