@@ -104,14 +104,16 @@ class Hydra(QuasiseparableMixer):
         return super().forward(u, mask=mask)
 
 
-def _to_released_keys(module, state_dict, prefix, local_metadata):
+def _to_released_keys(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                      local_metadata: dict[str, Any]) -> dict[str, Any]:
     for ours, theirs in HYDRA_KEY_MAP.items():
         if prefix + ours in state_dict:
             state_dict[prefix + theirs] = state_dict.pop(prefix + ours)
     return state_dict
 
 
-def _from_released_keys(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def _from_released_keys(state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
+                        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     for ours, theirs in HYDRA_KEY_MAP.items():
         if prefix + theirs in state_dict:
             state_dict[prefix + ours] = state_dict.pop(prefix + theirs)

@@ -505,8 +505,9 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
         return f"dim={self.dim}" + (f", {opts}" if opts else "")
 
 
-def _check_record_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata, strict,
-                          missing_keys, unexpected_keys, error_msgs) -> None:
+def _check_record_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                          strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                          error_msgs: list[str]) -> None:
     """``load_state_dict`` pre-hook of every mixer: compare the checkpoint's record with the mixer's own."""
     if type(module).get_extra_state is nn.Module.get_extra_state:
         return  # a subclass that keeps another code's key set (compat.Hydra) records nothing

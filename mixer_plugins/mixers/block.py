@@ -152,8 +152,9 @@ class _ShortConv(ShortConv):
 
     init_bound: Optional[float] = None
 
-    def __init__(self, *args, init_bound: Optional[float] = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, channels: int, kernel_size: int, *, bias: bool = True, causal: bool = False,
+                 init_bound: Optional[float] = None):
+        super().__init__(channels, kernel_size, bias=bias, causal=causal)
         self.init_bound = init_bound
         if init_bound is not None:
             self._draw_bounded(init_bound)

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,7 +164,7 @@ def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
     return y * torch.exp(log_decay)[..., None]
 
 
-def _recomputed(fn, *args: Tensor, **options) -> Tensor:
+def _recomputed(fn: Callable[..., Tensor], *args: Tensor, **options: Any) -> Tensor:
     """``fn(*args, **options)`` whose backward recomputes it instead of keeping its intermediates.
 
     The boundary terms (decays, weights, einsums) would otherwise save tensors the size of the scan's inputs per

@@ -31,7 +31,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._text import closest
 from ..errors import (
@@ -54,6 +54,8 @@ def _spec_class() -> type[MixerSpec]:
     return MixerSpec
 
 ENTRY_POINT_GROUP = "mixer_plugins.mixers"
+#: A mixer builder (usually the mixer class) that ``register_mixer``'s decorator returns unchanged.
+BuilderT = TypeVar("BuilderT", bound=Callable[..., Any])
 IN_PROCESS = "<in-process>"
 
 
@@ -366,7 +368,7 @@ class MixerRegistry:
             close = closest(key, vocabulary, n=3)
             raise UnknownMixerError(name, [vocabulary[c] for c in close], self.names())
 
-    def create(self, name: str, dim: int | None = None, /, **options: Any):
+    def create(self, name: str, dim: int | None = None, /, **options: Any) -> Any:
         """Validate ``options`` with the mixer's config model and build the mixer."""
         spec = self.get_spec(name)
         config = spec.make_config(dim, **options)
@@ -404,7 +406,7 @@ class MixerRegistry:
             self._notify("unregister", entry.spec)
 
 
-def make_register_function(registry: MixerRegistry):
+def make_register_function(registry: MixerRegistry) -> Callable[..., Any]:
     """Build the public ``register_mixer`` bound to ``registry``.
 
     It takes either a ready :class:`MixerSpec`, or a name plus spec fields and then decorates the builder::
@@ -413,7 +415,8 @@ def make_register_function(registry: MixerRegistry):
         class MyMixer(MatrixMixer): ...
     """
 
-    def register_mixer(spec_or_name: MixerSpec | str, *, replace: bool = False, **fields: Any):
+    def register_mixer(spec_or_name: MixerSpec | str, *, replace: bool = False,
+                       **fields: Any) -> MixerSpec | Callable[[BuilderT], BuilderT]:
         MixerSpec = _spec_class()
         if isinstance(spec_or_name, MixerSpec):
             if fields:
@@ -423,7 +426,7 @@ def make_register_function(registry: MixerRegistry):
             raise TypeError(f"register_mixer takes a MixerSpec or a name, got {type(spec_or_name).__name__}")
         name = spec_or_name
 
-        def decorator(builder: Callable[[Any], Any]):
+        def decorator(builder: BuilderT) -> BuilderT:
             config = fields.pop("config", None) or getattr(builder, "config_class", None)
             if config is None:
                 raise TypeError("register_mixer needs config=<MixerConfig subclass>")

@@ -14,7 +14,7 @@ the compiler fuses it. (On CPU the ``native`` backend, :mod:`.native`, runs firs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._dispatch import Backend, register
+from .._library import Grads
 from .._tiling import time_tiles
 from .reference import gated_rmsnorm_reference
 
@@ -44,7 +45,7 @@ def _tiles(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]
 
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    def forward(ctx: Any, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
         ctx.save_for_backward(y, z, weight)
         ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
         dtype = y.dtype
@@ -57,7 +58,7 @@ class _GatedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> Grads:
         rows = _rows(grad)
         return _backward(ctx, grad, _tiles(rows.shape[0], rows.shape[1], grad.device))
 
@@ -91,7 +92,7 @@ def _inv_rms(v: Tensor, eps: float) -> Tensor:
     return ss.div_(v.shape[-1]).add_(eps).rsqrt_()
 
 
-def _backward(ctx, grad: Tensor, tiles: list[tuple[int, int]]):
+def _backward(ctx: Any, grad: Tensor, tiles: list[tuple[int, int]]) -> Grads:
     """The backward of :class:`_GatedRMSNorm`, tile by tile (the per-tile statistics recomputed).
 
     With ``n = v / rms(v)`` (``v = y``, or ``v = y * silu(z)``), ``s`` the gate ``silu(z)`` and ``g`` the output
