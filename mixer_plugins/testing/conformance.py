@@ -88,7 +88,8 @@ class MixerHarness:
     seed: int = 0
     batch: int = 2
 
-    def build(self, *, seed: int | None = None, dtype: torch.dtype = torch.float64, **overrides: Any):
+    def build(self, *, seed: int | None = None, dtype: torch.dtype = torch.float64, **overrides: Any) -> Any:
+        """The mixer (a module following the mixer contract) in ``dtype`` and eval mode, built under ``seed``."""
         torch.manual_seed(self.seed if seed is None else seed)
         opts = {**self.spec.test_options, **self.options, **overrides}
         mixer = self.spec.build(self.spec.make_config(self.dim, **opts))
@@ -99,13 +100,13 @@ class MixerHarness:
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(batch or self.batch, length, self.dim, generator=gen, dtype=dtype)
 
-    def lengths(self, mixer) -> dict[str, int]:
+    def lengths(self, mixer: Any) -> dict[str, int]:
         """Length 1, an odd length, and one longer than the chunk size (capped by max_seq_len)."""
         chunk = getattr(mixer.config, "chunk_size", None) or 16
         cap = mixer.max_seq_len or 10**9
         return {"one": 1, "odd": min(7, cap), "past_chunk": min(2 * chunk + 3, cap)}
 
-    def default_length(self, mixer) -> int:
+    def default_length(self, mixer: Any) -> int:
         return min(12, mixer.max_seq_len or 12)
 
 
@@ -115,7 +116,7 @@ def _close(a: Tensor, b: Tensor, *, rtol: float, atol: float) -> tuple[bool, flo
     return bool(torch.allclose(a, b, rtol=rtol, atol=atol + rtol * scale)), err
 
 
-def _expect_raises(exc_type, fn: Callable[[], Any], what: str) -> None:
+def _expect_raises(exc_type: type[BaseException], fn: Callable[[], Any], what: str) -> None:
     try:
         fn()
     except exc_type as err:
@@ -390,7 +391,7 @@ def check_empty_batch(h: MixerHarness) -> None:
         raise AssertionError(f"batch 0 raised {type(err).__name__}: {err}") from err
 
 
-def _check_empty_batch(mixer, x: Tensor, length: int) -> None:
+def _check_empty_batch(mixer: Any, x: Tensor, length: int) -> None:
     with torch.no_grad():
         y = mixer(x)
         assert tuple(y.shape) == tuple(x.shape), f"batch 0: output shape {tuple(y.shape)} != {tuple(x.shape)}"
@@ -555,7 +556,7 @@ def check_mixer(mixer: str | MixerSpec, *, dim: int | None = None, options: Mapp
 
 
 def conformance_test(mixers: Iterable[str] | None = None, *, checks: Iterable[str] | None = None,
-                     options: Mapping[str, Mapping[str, Any]] | None = None):
+                     options: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[str, str], None]:
     """A pytest test function parametrized over (mixer, check); assign it to a ``test_*`` name.
 
     ``mixers`` defaults to every registered mixer; ``options`` maps a mixer name to extra options.

@@ -37,7 +37,7 @@ class MixerCoordCheckModel(CoordCheckModel):
         super().__init__(width, build, depth=depth, in_dim=in_dim, out_dim=out_dim, mlp_ratio=mlp_ratio)
 
 
-def _plain_attention_logits(mixer, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+def _plain_attention_logits(mixer: SoftmaxAttention, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
     """Plain softmax attention's pre-softmax logits ``scale * q_i . k_j``, (batch, heads, L, L)."""
     x, mask, _ = mixer._begin(x, mask)
     ctx = mixer.prepare(x, mask)

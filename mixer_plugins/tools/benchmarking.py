@@ -22,7 +22,7 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -88,8 +88,8 @@ class Measurement:
 
 
 def build_mixer(name: str, dim: int, length: int, *, causal: bool | None = None,
-                options: dict[str, Any] | None = None, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32):
+                options: Mapping[str, Any] | None = None, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Any:
     """Build a mixer for a run at ``length``, its options filled in by the shared resolver
     (:mod:`mixer_plugins.backbones.options`): ``max_seq_len=length`` where the mixer has that option, and the
     direction ``causal`` (True/False; None keeps the mixer's default) where it has a ``causal`` option. A mixer
@@ -105,7 +105,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def mixer_step(mixer, x: torch.Tensor, mode: str) -> Callable[[], None]:
+def mixer_step(mixer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str) -> Callable[[], None]:
     """One call of ``mixer`` on ``x`` as a function: a forward without gradients, or a forward+backward."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -179,7 +179,7 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def _plug_free_heap_chunks(libc) -> list[int]:
+def _plug_free_heap_chunks(libc: ctypes.CDLL) -> list[int]:
     """Allocate (without touching) the large free chunks of the main heap; returns the pointers to free later.
 
     Large buffers freed before the block sit in malloc's free lists (their pages released by ``malloc_trim``).

@@ -247,7 +247,8 @@ def _evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float
     return correct / len(x)
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
     if not enabled:
         return None
     try:

@@ -10,8 +10,8 @@ import torch
 from fairseq2.assets import AssetCard
 from fairseq2.checkpoint import ModelMetadataLoader
 from fairseq2.device import CPU, Device
-from fairseq2.models import load_model
-from fairseq2.runtime.dependency import get_dependency_resolver
+from fairseq2.models import ModelStateDictConverter, load_model
+from fairseq2.runtime.dependency import DependencyResolver, get_dependency_resolver
 from torch.nn import Module
 
 from ...mixers.base import RECORD_KEY, MixerCheckpointMismatchError, read_mixer_record, record_differences
@@ -22,7 +22,7 @@ __all__ = ["load_mixer_checkpoint", "read_model_metadata", "with_mixer_records"]
 MODEL_METADATA = "model.yaml"
 
 
-def read_model_metadata(resolver, path: Path) -> dict | None:
+def read_model_metadata(resolver: DependencyResolver, path: Path) -> dict[str, Any] | None:
     """The ``model.yaml`` mapping at ``path``, or None when it is missing, empty, cut or not a model's metadata."""
     from fairseq2.utils.yaml import YamlError, YamlLoader
 
@@ -82,7 +82,8 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
 
 
 def with_mixer_records(factory: Callable[[Any], Module],
-                       converter: Callable[[dict[str, object], Any], dict[str, object]] | None = None):
+                       converter: Callable[[dict[str, object], Any], dict[str, object]] | None = None
+                       ) -> ModelStateDictConverter[Any]:
     """A family's ``state_dict_converter`` that handles the mixers' records (their name and options, the
     ``..._extra_state`` entries of :class:`~mixer_plugins.MatrixMixer`), around ``converter`` (if any).
 

@@ -90,7 +90,8 @@ def is_order_sensitive(mixer: nn.Module, *, spec_data_dependent: str | None = No
     return True
 
 
-def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]):
+def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]
+                     ) -> list[tuple[nn.Module, str, nn.Module, int]]:
     """(parent, attribute, old module, block index) for every token mixer to replace."""
     blocks = getattr(root, "blocks", None)
     if not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
@@ -108,7 +109,7 @@ def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]):
                 raise MixerError(f"mixer_blocks entry {index!r} is not a block index of this model (0..{depth - 1})")
             selected.append(index % depth)
         selected = sorted(set(selected))
-    slots = []
+    slots: list[tuple[nn.Module, str, nn.Module, int]] = []
     for index in selected:
         block = blocks[index]
         found = [(name, module) for name, module in block.named_modules()

@@ -6,6 +6,7 @@ matplotlib is imported only here and only when a plot is written (it is in the `
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ...errors import MissingExtraError
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["require_matplotlib", "save_curves", "save_final"]
 
 
-def require_matplotlib():
+def require_matplotlib() -> ModuleType:
     """``matplotlib.pyplot`` with the Agg backend, or :class:`MissingExtraError` naming the extra to install."""
     try:
         import matplotlib

@@ -345,7 +345,8 @@ def _lr_factor(step: int, total: int, warmup: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
     if not enabled:
         return None
     try:
@@ -484,7 +485,7 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
         for number, (index, entry, seed) in enumerate(jobs_list, 1):
             bar = _progress(config.steps, f"[{number}/{total}] {entry.label} seed {seed}", config.progress)
 
-            def on_step(step: int, metric: float, bar=bar) -> None:
+            def on_step(step: int, metric: float, bar: Any = bar) -> None:
                 bar.update(1)
                 if step % config.eval_every == 0:
                     bar.set_postfix({task.metric_name: f"{metric:.3f}"})
