@@ -77,8 +77,8 @@ def mixer_benchmark(benchmark):
                                     analytic_flops=analytic)
         if is_disabled(benchmark):
             # CI: a single call, through the FLOP counter a timed run uses (cheap). The peak-memory probe is left
-            # out: it sends every large buffer to mmap and made this smoke run 2.5x slower; tests/test_bench_cli.py
-            # runs the timed path, probe included.
+            # out: it sends every large buffer to mmap and made this smoke run 2.5x slower;
+            # tests/tools/test_bench_cli.py runs the timed path, probe included.
             measured = {}
 
             def once() -> None:

@@ -117,7 +117,7 @@ def _measure(rank: int, world_size: int, mixer_names: tuple[str, ...], length: i
 def run_config(mixer_names: tuple[str, ...], world_size: int, length: int, reps: int) -> dict:
     """Spawn ``world_size`` gloo ranks and measure; per mixer: peak bytes (largest rank), tokens per rank and,
     per timed part, the slowest rank's seconds for each repetition."""
-    from dist_helpers import run_spawned
+    from helpers import run_spawned
 
     per_rank = run_spawned(_measure, world_size, tuple(mixer_names), length, reps)
     out = {}

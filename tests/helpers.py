@@ -1,15 +1,27 @@
 """What the tests share: independent oracles written from the definitions (not from the library's reference
-backend), random inputs, and a way to run a test file in a fresh interpreter."""
+backend), random inputs, test files run in a fresh interpreter, throwaway installed distributions, small gloo process
+groups, and ``torch.compile`` against eager."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
 import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -99,3 +111,146 @@ def assert_passes_fresh(test_file: str, env: dict[str, str], timeout: int, *, al
     assert " passed" in result.stdout and " failed" not in result.stdout, tail
     if not allow_skips:
         assert "skipped" not in result.stdout, tail
+
+
+# -- what an op allocates ------------------------------------------------------------------------------------
+
+class LargestTensor(TorchDispatchMode):
+    """Records ``largest``: the most elements of any tensor an op returned while the mode was active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+# -- throwaway installed distributions ---------------------------------------------------------------------
+
+def make_fake_distribution(root: Path, dist_name: str, entry_points: dict[str, str],
+                           modules: dict[str, str] | None = None,
+                           group: str = "mixer_plugins.mixers") -> Path:
+    """Write a throwaway installed distribution (a ``.dist-info`` folder plus modules) under ``root``.
+
+    Put ``root`` on ``sys.path`` and ``importlib.metadata`` sees it exactly like a pip-installed package.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    info = root / f"{dist_name.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1.0\n")
+    lines = [f"[{group}]"] + [f"{name} = {target}" for name, target in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for module, source in (modules or {}).items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+    return root
+
+
+# -- gloo process groups: one function on every rank ---------------------------------------------------------
+
+
+#: A rank stuck in a collective (another rank failed) gives up after this long instead of hanging the test.
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on at the moment, on 127.0.0.1 only."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"       # loopback only
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; their results in rank order.
+
+    ``fn`` must be a module-level function (it is pickled by reference). A failing rank raises here.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch_mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+# -- torch.compile (inductor) against eager ------------------------------------------------------------------
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+@contextlib.contextmanager
+def inductor_settings() -> Iterator[None]:
+    """One compile per graph: no recompiles for dynamic shapes (every call has the same shapes); compile in this
+    process (starting a pool of workers costs more than it saves on a small runner)."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=8), \
+            inductor_config.patch(compile_threads=1):
+        yield
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def dropout_off(module: nn.Module) -> Iterator[None]:
+    """Dropout probabilities set to 0 for a while (``nn.Dropout`` modules and float ``dropout`` attributes): the
+    compiled graph draws its random numbers in another order than eager, so training is compared without them."""
+    saved = []
+    for sub in module.modules():
+        for attr in ("p", "dropout", "attn_dropout"):
+            value = getattr(sub, attr, None)
+            if isinstance(value, float) and value > 0 and (attr != "p" or isinstance(sub, nn.Dropout)):
+                saved.append((sub, attr, value))
+                setattr(sub, attr, 0.0)
+    try:
+        yield
+    finally:
+        for sub, attr, value in saved:
+            setattr(sub, attr, value)
+
+
+def assert_train_and_eval_match(module: nn.Module, inputs: tuple, loss_fn, *, fullgraph: bool = True) -> None:
+    """A training step (loss, every parameter gradient) and an eval forward of ``torch.compile(module)`` equal
+    eager's. Training is compared with dropout off (see :func:`dropout_off`); eval runs with the module's dropout
+    probabilities, which eval must ignore."""
+    compiled = torch.compile(module, backend="inductor", fullgraph=fullgraph)
+    module.train()
+    results = []
+    with dropout_off(module):
+        for run in (module, compiled):
+            loss = loss_fn(run(*inputs))
+            loss.backward()
+            results.append((loss.detach(), _grads(module)))
+    (loss_e, grads_e), (loss_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss_e, **TOL)
+    assert grads_c.keys() == grads_e.keys() and grads_e
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-3, atol=1e-4, msg=name)
+    module.eval()
+    with torch.no_grad():
+        torch.manual_seed(7)
+        expected = module(*inputs)
+        torch.manual_seed(8)  # another seed: eval must not depend on the random state (dropout off)
+        torch.testing.assert_close(compiled(*inputs), expected, **TOL)

@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# The GPU check of mixer-plugins, in one command (under 7 minutes on one H100/H200):
+# The GPU check of mixer-plugins, in one command (a cold run, compiles and autotuning included, in 8 minutes on one
+# H100/H200):
 #     bash benchmarks/gpu/run.sh OUT_DIR          # on a CUDA machine
 #     bash benchmarks/gpu/run.sh OUT_DIR --dry    # anywhere: CPU, Triton interpreter, tiny shapes (CI runs this)
-# Options by environment: MIXER_PLUGINS_GPU_TABLES=scan,attention,window,vit (a subset to measure fewer tables);
-# MIXER_PLUGINS_GPU_TUNE=1 adds benchmarks/gpu/tune.py (launch options of the fused scan, and its profile);
-# MIXER_PLUGINS_GPU_TEST_S / MIXER_PLUGINS_GPU_TABLES_S: time limits of the tests (170) and the tables (230).
-# First it installs the wheels carried in $MIXER_PLUGINS_WHEELS (default .whl/, filled by
-# benchmarks/gpu/fetch_wheels.sh: pydantic and its needs, einops, wrapt, a mamba-ssm wheel built with
-# MAMBA_SKIP_CUDA_BUILD=TRUE, and mixer-plugins' own wheel for its entry points), offline, each only where the
-# machine lacks that distribution, into a site folder put first on PYTHONPATH (the machine's own environment is
-# left alone). Then it runs the CUDA correctness tests (pytest -m gpu) and the throughput tables. Results:
-# OUT_DIR/install.log, OUT_DIR/gpu_tests.xml, OUT_DIR/log.txt, OUT_DIR/throughput.json, OUT_DIR/throughput.md
-# (rewritten after each table). See docs/kernels.md.
+# Steps, each under its own time limit (seconds, by environment variable), each writing its results as it goes (a
+# limit keeps what was measured):
+#   1. install: the wheels carried in $MIXER_PLUGINS_WHEELS (default .whl/, filled by benchmarks/gpu/fetch_wheels.sh:
+#      pydantic and its needs, einops, wrapt, a mamba-ssm wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE, mixer-plugins'
+#      own wheel for its entry points), offline, each only where the machine lacks that distribution, into a site
+#      folder put first on PYTHONPATH (the machine's own environment is left alone);
+#   2. kernel correctness (MIXER_PLUGINS_GPU_KERNEL_TESTS_S, 150): tests/ops/test_gpu.py's kernel tests, then the Triton
+#      scan, norm and conv tests on CUDA (tests/ops/test_scan_triton.py, tests/ops/test_norm_conv_triton.py);
+#   3. tables (MIXER_PLUGINS_GPU_TABLES_S, 185): benchmarks/gpu/throughput.py (ViT-B step, launches and per-part
+#      profile of a Hydra block, scans; MIXER_PLUGINS_GPU_TABLES picks and orders them), then
+#      benchmarks/gpu/mlr_rows.py where it exists (MIXER_PLUGINS_GPU_MLR_S, 45) and benchmarks/gpu/normconv_rows.py
+#      (MIXER_PLUGINS_GPU_NORMCONV_S, 25);
+#   4. every registered mixer on CUDA against float64 on the CPU (MIXER_PLUGINS_GPU_MIXER_TESTS_S, 60);
+#   MIXER_PLUGINS_GPU_TUNE=1 adds benchmarks/gpu/tune.py (launch options of the fused scan, and its profile).
+# Results, under OUT_DIR (for benchmarks/gpu/results/<date>-<gpu>/): install.log, log.txt, kernel_tests.xml,
+# mixer_tests.xml, throughput.json/.md, mlr_rows.json/.md, normconv_rows.json/.md (and tune.json/.md).
+# See docs/kernels.md.
 set -uo pipefail
 OUT="${1:?usage: run.sh OUT_DIR [--dry]}"
 DRY="${2:-}"
@@ -21,6 +29,7 @@ OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-python3}"
 WHEELS="${MIXER_PLUGINS_WHEELS:-.whl}"
 SITE="${MIXER_PLUGINS_SITE:-${TMPDIR:-/tmp}/mixer-plugins-site}"
+START=$SECONDS
 
 install_wheels() {
   # the carried wheels whose distribution the machine lacks, or has at an older version, installed offline
@@ -63,7 +72,12 @@ PYEOF
   fi
 }
 
+step() {  # step NAME: a line in the log with the seconds spent so far
+  echo "== $1 ($((SECONDS - START)) s)" | tee -a "$OUT/log.txt"
+}
+
 : > "$OUT/install.log"
+: > "$OUT/log.txt"
 if [ -d "$WHEELS" ]; then
   install_wheels > "$OUT/install.log" 2>&1   # not in a pipeline: its PYTHONPATH must reach this shell
   cat "$OUT/install.log"
@@ -80,25 +94,53 @@ for name in ("torch", "triton", "pydantic", "pydantic-core", "einops", "mamba-ss
 EOF
 
 status=0
-TABLES="${MIXER_PLUGINS_GPU_TABLES:-scan,attention,window,vit}"   # which throughput tables (all by default)
+TABLES="${MIXER_PLUGINS_GPU_TABLES:-vit,launches,parts,scan}"
+# SIGINT at a limit: pytest stops, prints its summary and still writes its XML; the table scripts write every row
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE --durations=10)
 if [ "$DRY" = "--dry" ]; then
+  # the same steps on the CPU with tiny shapes: the GPU tests skip themselves, the tables run under the interpreter
   export TRITON_INTERPRET=1
-  "$PY" benchmarks/gpu/throughput.py --out "$OUT" --dry 2>&1 | tee "$OUT/log.txt" || status=1
+  step "kernel tests (skipped without CUDA)"
+  "${PYTEST[@]}" -m gpu tests/ops/test_gpu.py --junitxml="$OUT/kernel_tests.xml" 2>&1 | tail -n 3 | tee -a "$OUT/log.txt" \
+    || status=1
+  step "tables"
+  "$PY" benchmarks/gpu/throughput.py --out "$OUT" --dry --tables "$TABLES" > "$OUT/throughput.log" 2>&1 || status=1
+  tail -n 20 "$OUT/throughput.log" | tee -a "$OUT/log.txt"
+  if [ -f benchmarks/gpu/mlr_rows.py ]; then
+    "$PY" benchmarks/gpu/mlr_rows.py --out "$OUT" --smoke > "$OUT/mlr_rows.log" 2>&1 || status=1
+  fi
+  "$PY" benchmarks/gpu/normconv_rows.py --dry --json "$OUT/normconv_rows.json" > "$OUT/normconv_rows.md" 2>&1 \
+    || status=1
   if [ "${MIXER_PLUGINS_GPU_TUNE:-0}" = 1 ]; then
-    "$PY" benchmarks/gpu/tune.py --out "$OUT" --dry 2>&1 | tee -a "$OUT/log.txt" || status=1
+    "$PY" benchmarks/gpu/tune.py --out "$OUT" --dry >> "$OUT/log.txt" 2>&1 || status=1
   fi
 else
-  # budgets: install ~15 s + tests 170 s + tables 230 s < 7 minutes
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/log.txt"
-  # SIGINT at the limit: pytest stops, prints its summary and still writes the XML; one line per test in the log.
-  # tests/test_gpu.py holds every gpu-marked test (collecting the whole suite would import what this machine lacks)
-  timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_TEST_S:-170}" "$PY" -m pytest -v -m gpu -p no:cacheprovider --durations=15 tests/test_gpu.py \
-    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee -a "$OUT/log.txt" || status=1
-  limit="${MIXER_PLUGINS_GPU_TABLES_S:-230}"
-  timeout "$limit" "$PY" benchmarks/gpu/throughput.py --out "$OUT" --budget-s $((limit - 40)) --tables "$TABLES" 2>&1 \
-    | tee -a "$OUT/log.txt" || status=1
-  if [ "${MIXER_PLUGINS_GPU_TUNE:-0}" = 1 ]; then  # launch options of the fused scan and its profile (~90 s)
-    timeout 120 "$PY" benchmarks/gpu/tune.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt" || status=1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/log.txt"
+  step "kernel tests"
+  timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_KERNEL_TESTS_S:-150}" "${PYTEST[@]}" -m "gpu or triton" \
+    tests/ops/test_gpu.py -k "not test_mixer_on_cuda_matches_cpu_float64" tests/ops/test_scan_triton.py \
+    tests/ops/test_norm_conv_triton.py --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee -a "$OUT/log.txt" || status=1
+  step "throughput tables"
+  limit="${MIXER_PLUGINS_GPU_TABLES_S:-185}"
+  timeout -s INT -k 10 "$limit" "$PY" benchmarks/gpu/throughput.py --out "$OUT" --budget-s $((limit - 25)) \
+    --tables "$TABLES" > "$OUT/throughput.log" 2>&1 || status=1
+  tail -n 80 "$OUT/throughput.log" | tee -a "$OUT/log.txt"
+  if [ -f benchmarks/gpu/mlr_rows.py ]; then
+    step "MLR rows"
+    timeout -s INT -k 10 "${MIXER_PLUGINS_GPU_MLR_S:-45}" "$PY" benchmarks/gpu/mlr_rows.py --out "$OUT" \
+      > "$OUT/mlr_rows.log" 2>&1 || status=1
   fi
+  step "norm and conv rows"
+  timeout -s INT -k 10 "${MIXER_PLUGINS_GPU_NORMCONV_S:-25}" "$PY" benchmarks/gpu/normconv_rows.py \
+    --json "$OUT/normconv_rows.json" > "$OUT/normconv_rows.md" 2>&1 || status=1
+  if [ "${MIXER_PLUGINS_GPU_TUNE:-0}" = 1 ]; then  # launch options of the fused scan and its profile (~90 s)
+    step "tune"
+    timeout 120 "$PY" benchmarks/gpu/tune.py --out "$OUT" >> "$OUT/log.txt" 2>&1 || status=1
+  fi
+  step "mixer tests"
+  timeout -s INT -k 15 "${MIXER_PLUGINS_GPU_MIXER_TESTS_S:-60}" "${PYTEST[@]}" -m gpu tests/ops/test_gpu.py \
+    -k "test_mixer_on_cuda_matches_cpu_float64" --junitxml="$OUT/mixer_tests.xml" 2>&1 | tail -n 30 \
+    | tee -a "$OUT/log.txt" || status=1
 fi
+step "done (status $status)"
 exit $status

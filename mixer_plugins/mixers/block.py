@@ -224,16 +224,10 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
 
     # -- the block ------------------------------------------------------------------------------------
     def prepare(self, x: Tensor, mask: Tensor | None) -> BlockContext:
-        conv_width = sum(g.width for g in self._conv_groups)
         other = self.groups[len(self._conv_groups):]
-        # in_proj as one product per piece (z, the convolved slice, the other groups) on slices of its weight:
-        # each piece is then contiguous, and the backward sums the pieces' input gradients instead of first
-        # concatenating their output gradients into one full-width tensor (a fresh allocation of the whole
-        # projection). The weight's split is small; its backward is one small concatenation.
-        widths = [self.out_width, conv_width] + [g.width for g in other]
-        weights = self.in_proj.weight.split(widths, dim=0)
-        biases = [None] * len(widths) if self.in_proj.bias is None else self.in_proj.bias.split(widths)
-        z, u, *rest = (F.linear(x, w, b) for w, b in zip(weights, biases))
+        # in_proj as one product, its output split into views (z, the convolved slice, the other groups): one
+        # matmul each way and one for the weight's gradient; the kernels below read the views through their strides
+        z, u, *rest = self._in_proj_pieces(x)
         keep = mask[..., None].to(x.dtype) if mask is not None else None
         pieces: dict[str, Tensor] = {}
         if self._conv_groups:

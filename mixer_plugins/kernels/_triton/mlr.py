@@ -1,6 +1,6 @@
-"""Fused MLR (multi-level low-rank) attention forward in Triton: flash-style, no L x L tensor.
+"""Fused MLR (multi-level low-rank) attention in Triton, forward and backward: flash-style, no L x L tensor.
 
-Scores (per head; see ``mixer_plugins.mixers.mlr_attention``)::
+Scores (per head; see :func:`mixer_plugins.kernels.mlr_attention`)::
 
     S(i, j) = sum_l [i, j in the same level-l block] * tau_l * q_i^(l) . k_j^(l)     (/ cnt(i, j) with block_divide)
 
@@ -8,469 +8,732 @@ with level l's features a contiguous slice of the head dim (widths ``ranks``) an
 tokens aligned at 0 (None = global; the last, partial block is a block). Then the causal mask (optional), the
 right-padding mask, softmax over the keys, and the values.
 
-One program = one (query tile, batch * head); it walks the key tiles (only up to the diagonal when causal) with an
-online softmax. For each (query tile, key tile) pair, only the levels the two tiles share are computed: a level whose
-blocks put the two tiles apart is skipped, so far-apart tiles use only the coarse levels' features (the paper's
-FLOP saving). Blocks nest, so the levels whose one block holds both tiles whole are a prefix of the levels, and their
-features a prefix of the head dim: they enter **one** dot product per tile pair (and one per pair in each gradient),
-unmasked. Only a level with a block boundary inside the pair (near the diagonal) is a dot of its own, masked per
-entry. Accumulation in float32.
+Blocks nest, so the levels a pair shares are a prefix ``0..m`` and its score is one dot product of the first
+``W_m = r_0 + ... + r_m`` features. The host (:func:`mixer_plugins.kernels.mlr_attention.plan.tile_plan`) sorts the
+(row tile, column tile) pairs of each program into runs of *uniform* pairs, grouped by class (every pair of the run
+shares levels ``0..m``), and a short list of *mixed* pairs (a block boundary, the causal diagonal or a band edge
+inside the pair, or the partial last tile). A kernel program holds one row tile and
 
-Banded (``BANDED``, for :func:`mixer_plugins.kernels.local_attention`): pairs are also restricted to
-``|i - j| <= W`` or ``i < G`` or ``j < G`` (global tokens). The tile loops then start and stop at the band: a query
-tile visits the key tiles holding global keys, then those meeting ``[lo - W, hi + W]`` (every key tile if it holds a
-global query); a key tile's backward loop likewise visits only the query tiles that can see it. A per-entry mask
-cuts the band inside the visited tiles. One global level of rank = head dim is plain (windowed) attention.
+* for each class (a compile-time loop; its width ``W_m``, the dot's width ``K`` = ``W_m`` rounded up to a power of
+  two, at least 16, and its divisor are constants), loads its resident operand once at width ``K`` with the level
+  scales, ``log2(e)`` and the divisor folded in (in registers, input dtype), then streams the class's column tiles in
+  pipelined ``for`` loops: one unmasked dot of width ``K`` per tile pair, ``exp2``, no per-entry mask;
+* for the mixed pairs, computes each level's dot masked per entry (the general path).
 
-Forward and backward (``torch.autograd.Function``). Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1``
-set before import.
+Forward: one program per (query tile, batch * head), online softmax, the row log-sum-exp saved (base 2). Backward
+(flash attention 2): one kernel for dq (per query tile), one for dk and dv (per key tile, the plan transposed); the
+gradients of each class are accumulated at its width and added to the float32 outputs once per class.
+
+Banded (``window`` not None, for :func:`mixer_plugins.kernels.local_attention`): pairs are also restricted to
+``|i - j| <= window`` or ``i < num_global`` or ``j < num_global``; tile pairs outside the band are never visited
+(the plan skips them), pairs on its edges are mixed. One global level of rank = head dim is plain (windowed)
+attention.
+
+Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before import.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..mlr_attention.plan import TilePlan, tile_classes, tile_plan
+from ._common import INTERPRET, available, dot_precision_split, tl, triton
 from ._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
-from ._common import available, dot_precision, tl, triton
-from ._common import mm as _mm
+from ._common import dot as _dot
 
-__all__ = ["available", "mlr_attention_triton", "mlr_backward", "mlr_forward"]
+__all__ = ["MLRSpec", "Tiles", "available", "mlr_attention_triton", "mlr_triton"]
+
+LOG2E = 1.4426950408889634
 
 
 if triton is not None:
 
     @triton.jit
-    def _one_block(size, span, a_lo, a_hi, b_lo, b_hi):
-        """Whether one block of a level (``size`` tokens, 0 = global) holds both tiles ``[a_lo, a_hi]`` and
-        ``[b_lo, b_hi]`` whole."""
-        first = a_lo // span
-        return (size == 0) | ((a_hi // span == first) & (b_lo // span == first) & (b_hi // span == first))
+    def _col_scale(offs, OFFS: tl.constexpr, RANKS: tl.constexpr, TAUS: tl.constexpr, NL: tl.constexpr):
+        """Per feature ``offs``: its level's scale ``tau_l`` (0 beyond the last level)."""
+        s = offs.to(tl.float32) * 0.0
+        for lv in tl.static_range(NL):
+            s = tl.where((offs >= OFFS[lv]) & (offs < OFFS[lv] + RANKS[lv]), TAUS[lv], s)
+        return s
 
     @triton.jit
-    def _shared_prefix(lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, a_lo, a_hi, b_lo, b_hi, NUM_LEVELS: tl.constexpr):
-        """(end of the features, number) of the leading levels that hold both tiles in one block: blocks nest, so
-        these are a prefix of the levels, and their features the prefix ``[0, end)`` of the head dim."""
-        end = a_lo * 0
-        count = a_lo * 0.0
-        whole = a_lo >= 0
-        for lv in tl.static_range(NUM_LEVELS):
-            size = tl.load(lvl_size_ptr + lv)
-            whole = whole & _one_block(size, tl.maximum(size, 1), a_lo, a_hi, b_lo, b_hi)
-            end = tl.where(whole, tl.load(lvl_off_ptr + lv) + tl.load(lvl_rank_ptr + lv), end)
-            count += tl.where(whole, 1.0, 0.0)
-        return end, count
+    def _tile(base, rows, stride, cols, row_ok, LIMIT: tl.constexpr, WIDTH: tl.constexpr,
+              ROWS_FULL: tl.constexpr):
+        """``base[rows * stride + cols]`` (rows x WIDTH), 0 at columns >= LIMIT and, unless ``ROWS_FULL``, at rows
+        where ``row_ok`` is False."""
+        ptrs = base + rows[:, None] * stride + cols[None, :]
+        if ROWS_FULL:
+            if LIMIT >= WIDTH:
+                x = tl.load(ptrs)
+            else:
+                x = tl.load(ptrs, mask=(cols < LIMIT)[None, :], other=0.0)
+        else:
+            if LIMIT >= WIDTH:
+                x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=row_ok[:, None] & (cols < LIMIT)[None, :], other=0.0)
+        return x
 
     @triton.jit
-    def _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E,
-                     offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e, W, G,
-                     NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
-                     HAS_KEYOK: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DOT: tl.constexpr):
-        """Scores of one (query tile, key tile) pair from the levels the tiles share; (S, allowed, 1/cnt).
-
-        A level whose blocks put the two tiles apart is skipped (its features are never loaded)."""
-        m_ok = offs_m < L
-        n_ok = offs_n < L
-        # The levels that hold both tiles in one block (every entry of the pair shares them) come first, as blocks
-        # nest: their features are the prefix [0, full_end) of the head dim, and enter ONE dot product. Only the
-        # levels after them that still meet the pair (a block boundary inside it: near the diagonal) are masked
-        # per entry, one dot each.
-        full_end, n_full = _shared_prefix(lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, m_lo, m_hi, n_lo, n_hi,
-                                          NUM_LEVELS)
-        S = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if full_end > 0:
-            e_ok = offs_e < full_end
-            qf = tl.load(q_ptr + ((b * L + offs_m[:, None]) * H + h) * E + offs_e[None, :],
-                         mask=m_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
-            kf = tl.load(k_ptr + ((b * L + offs_n[:, None]) * H + h) * E + offs_e[None, :],
-                         mask=n_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
-            S = _mm(qf, tl.trans(kf), DOT)
-        cnt = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + n_full
-        whole = m_lo >= 0  # (a scalar True) the levels so far all hold both tiles in one block
-        for lv in tl.static_range(NUM_LEVELS):
-            off = tl.load(lvl_off_ptr + lv)
-            rank = tl.load(lvl_rank_ptr + lv)
-            size = tl.load(lvl_size_ptr + lv)              # 0 = global
-            span = tl.maximum(size, 1)
-            whole = whole & _one_block(size, span, m_lo, m_hi, n_lo, n_hi)
-            # the tiles share this level somewhere iff their block ranges overlap
-            shared = (size == 0) | ((m_lo // span <= n_hi // span) & (n_lo // span <= m_hi // span))
-            if shared & ~whole:
-                r_ok = offs_r < rank
-                ql = tl.load(q_ptr + ((b * L + offs_m[:, None]) * H + h) * E + off + offs_r[None, :],
-                             mask=m_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                kl = tl.load(k_ptr + ((b * L + offs_n[:, None]) * H + h) * E + off + offs_r[None, :],
-                             mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                dot = _mm(ql, tl.trans(kl), DOT)
-                same = (offs_m[:, None] // span) == (offs_n[None, :] // span)
-                S += tl.where(same, dot, 0.0)
-                cnt += tl.where(same, 1.0, 0.0)
-        inv = tl.full([BLOCK_M, BLOCK_N], 1.0, dtype=tl.float32)
-        if BLOCK_DIVIDE:
-            inv = 1.0 / tl.maximum(cnt, 1.0)
-            S = S * inv
-        allowed = m_ok[:, None] & n_ok[None, :]
+    def _allowed(qi, kj, L, kl, window, num_global, CAUSAL: tl.constexpr, BANDED: tl.constexpr,
+                 HAS_KEYLEN: tl.constexpr):
+        """Which (query ``qi``, key ``kj``) entries are allowed (broadcast index tensors)."""
+        ok = (qi < L) & (kj < L)
         if CAUSAL:
-            allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
-        if BANDED:  # |i - j| <= W, or i or j one of the first G (global) tokens
-            dist = offs_m[:, None] - offs_n[None, :]
-            allowed = allowed & (((dist <= W) & (dist >= -W)) | (offs_m[:, None] < G) | (offs_n[None, :] < G))
-        if HAS_KEYOK:
-            kok = tl.load(keyok_ptr + b * L + offs_n, mask=n_ok, other=0)
-            allowed = allowed & (kok != 0)[None, :]
-        return S, allowed, inv
+            ok = ok & (kj <= qi)
+        if BANDED:
+            d = qi - kj
+            ok = ok & (((d <= window) & (d >= -window)) | (qi < num_global) | (kj < num_global))
+        if HAS_KEYLEN:
+            ok = ok & (kj < kl)
+        return ok
 
     @triton.jit
-    def _level_grads(dSr, rows_ptr, b, h, L, H, E, offs_rows, rows_lo, rows_hi, offs_cols, cols_lo, cols_hi,
-                     offs_e, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, acc, NUM_LEVELS: tl.constexpr, DOT: tl.constexpr):
-        """``acc[c, f] += sum_r [r, c share level(f)] dSr[r, c] * rows[r, f]`` over the levels the tiles share.
+    def _share(r_lo, r_hi, c_lo, c_hi, SIZE: tl.constexpr):
+        """Whether a row tile and a column tile meet a common block of ``SIZE`` tokens."""
+        return (r_lo // SIZE <= c_hi // SIZE) & (c_lo // SIZE <= r_hi // SIZE)
 
-        ``dSr`` is (rows, cols); the features ``f`` of ``rows_ptr`` (a (b, L, H, E) tensor) are taken full width and
-        masked to each level's slice."""
-        r_ok = offs_rows < L
-        feats = tl.load(rows_ptr + ((b * L + offs_rows[:, None]) * H + h) * E + offs_e[None, :],
-                        mask=r_ok[:, None] & (offs_e < E)[None, :], other=0.0).to(tl.float32)
-        # the leading levels that hold both tiles in one block: one product over their features, no mask
-        full_end, n_full = _shared_prefix(lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, rows_lo, rows_hi, cols_lo,
-                                          cols_hi, NUM_LEVELS)
-        dSt = tl.trans(dSr)
-        if full_end > 0:
-            acc += _mm(dSt, tl.where((offs_e < full_end)[None, :], feats, 0.0), DOT)
-        whole = rows_lo >= 0
-        for lv in tl.static_range(NUM_LEVELS):
-            off = tl.load(lvl_off_ptr + lv)
-            rank = tl.load(lvl_rank_ptr + lv)
-            size = tl.load(lvl_size_ptr + lv)
-            span = tl.maximum(size, 1)
-            whole = whole & _one_block(size, span, rows_lo, rows_hi, cols_lo, cols_hi)
-            shared = (size == 0) | ((rows_lo // span <= cols_hi // span) & (cols_lo // span <= rows_hi // span))
-            if shared & ~whole:
-                same = (offs_rows[:, None] // span) == (offs_cols[None, :] // span)
-                level_feats = tl.where(((offs_e >= off) & (offs_e < off + rank))[None, :], feats, 0.0)
-                acc += _mm(tl.trans(tl.where(same, dSr, 0.0)), level_feats, DOT)
+    @triton.jit
+    def _mixed_scores(rs, cs, offs_r, r_lo, r_hi, offs_c, c_lo, c_hi, offs_e, NL: tl.constexpr,
+                      NG: tl.constexpr, WG: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr,
+                      SIZES: tl.constexpr, DOT: tl.constexpr):
+        """Scores of a mixed pair, the held rows ``rs`` (scaled) against the streamed columns ``cs``, masked per
+        entry: ``P`` accumulates the dots of the levels level by level (the global ones, features ``[0, WG)``, in
+        one), and an entry takes ``P`` after the last level whose block holds it. A finer level the tiles do not
+        meet is skipped (so are the levels below it: blocks nest). The level masks go on the streamed operand: masked
+        copies of the held one would be hoisted out of the tile loop, one per level, all alive at once."""
+        zero_c = tl.zeros_like(cs)
+        P = tl.zeros((rs.shape[0], cs.shape[0]), dtype=tl.float32)
+        if NG > 0:
+            P = _dot(rs, tl.trans(tl.where((offs_e < WG)[None, :], cs, zero_c)), P, DOT)
+        S = P
+        for lv in tl.static_range(NG, NL):
+            if _share(r_lo, r_hi, c_lo, c_hi, SIZES[lv]):
+                sel = (offs_e >= OFFS[lv]) & (offs_e < OFFS[lv] + RANKS[lv])
+                P = _dot(rs, tl.trans(tl.where(sel[None, :], cs, zero_c)), P, DOT)
+                S = tl.where((offs_r[:, None] // SIZES[lv]) == (offs_c[None, :] // SIZES[lv]), P, S)
+        return S
+
+    @triton.jit
+    def _shared_levels(offs_r, offs_c, NL: tl.constexpr, NG: tl.constexpr, SIZES: tl.constexpr):
+        """Per entry, the number of levels whose block holds both tokens (at least 1: the divisor)."""
+        cnt = tl.zeros((offs_r.shape[0], offs_c.shape[0]), dtype=tl.float32) + NG
+        for lv in tl.static_range(NG, NL):
+            cnt += tl.where((offs_r[:, None] // SIZES[lv]) == (offs_c[None, :] // SIZES[lv]), 1.0, 0.0)
+        return tl.maximum(cnt, 1.0)
+
+    @triton.jit
+    def _mixed_grads(ds, cs, acc, offs_r, r_lo, r_hi, offs_c, c_lo, c_hi, offs_e, NL: tl.constexpr,
+                     NG: tl.constexpr, WG: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr,
+                     SIZES: tl.constexpr, DOT: tl.constexpr):
+        """``acc[r, f] += sum_c [r, c share level(f)] ds[r, c] cs[c, f]``: the gradient of :func:`_mixed_scores`
+        with respect to its rows, given the score gradient ``ds`` (already divided by the counts)."""
+        zero_c = tl.zeros_like(cs)
+        if NG > 0:
+            acc = _dot(ds.to(cs.dtype), tl.where((offs_e < WG)[None, :], cs, zero_c), acc, DOT)
+        for lv in tl.static_range(NG, NL):
+            if _share(r_lo, r_hi, c_lo, c_hi, SIZES[lv]):
+                sel = (offs_e >= OFFS[lv]) & (offs_e < OFFS[lv] + RANKS[lv])
+                same = (offs_r[:, None] // SIZES[lv]) == (offs_c[None, :] // SIZES[lv])
+                acc = _dot(tl.where(same, ds, 0.0).to(cs.dtype), tl.where(sel[None, :], cs, zero_c), acc, DOT)
         return acc
 
     @triton.jit
-    def _key_tiles(m_lo, m_hi, L, W, G, CAUSAL: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr):
-        """Key tiles a query tile ``[m_lo, m_hi]`` visits: ``na`` tiles from 0, then ``nb`` tiles from ``b_lo``.
-
-        Not banded: every key tile (causal: up to the diagonal). Banded: the tiles holding global keys (all of them
-        when the query tile holds a global query), then the tiles that meet the band ``[m_lo - W, m_hi + W]``; a
-        tile outside both is never visited."""
-        zero = m_lo * 0
-        n_end = zero + L
+    def _program(n_tiles, H, CAUSAL: tl.constexpr):
+        """(row tile, batch * head, batch, head) of this program: one flat grid (no 65,535 limit on batch * heads);
+        causal query tiles in decreasing order (the longest rows start first)."""
+        pid = tl.program_id(0)
+        bh = pid // n_tiles
+        t = pid % n_tiles
         if CAUSAL:
-            n_end = m_hi + 1
-        a_end = n_end
-        b_lo = zero
-        b_end = zero
-        if BANDED:
-            if m_lo >= G:
-                a_end = tl.minimum(tl.cdiv(zero + G, BLOCK_M) * BLOCK_M, n_end)
-                b_lo = tl.maximum((tl.maximum(m_lo - W, 0) // BLOCK_M) * BLOCK_M, a_end)
-                b_end = tl.minimum(n_end, m_hi + W + 1)
-        na = tl.cdiv(a_end, BLOCK_M)
-        nb = tl.cdiv(tl.maximum(b_end - b_lo, 0), BLOCK_M)
-        return na, b_lo, nb
+            t = n_tiles - 1 - t
+        return t, bh, bh // H, bh % H
 
     @triton.jit
-    def _query_tiles(n_lo, n_hi, L, W, G, CAUSAL: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr):
-        """Query tiles a key tile ``[n_lo, n_hi]`` is seen by: ``na`` tiles from ``a_lo``, then ``nb`` from ``b_lo``.
+    def _softmax_step(S, v_tile, m_i, l_i, acc, DOT: tl.constexpr):
+        """Online softmax: fold a tile of base-2 scores ``S`` (-inf where not allowed) and its values in."""
+        m_new = tl.maximum(m_i, tl.max(S, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(S - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], DOT)
+        return m_new, l_i, acc
 
-        Not banded: every query tile (causal: from the diagonal). Banded: every query tile when the key tile holds a
-        global key; else the tiles holding global queries (none when causal: they lie before the keys), then the
-        tiles that meet the band ``[n_lo - W, n_hi + W]`` (causal: ``[n_lo, n_hi + W]``)."""
-        zero = n_lo * 0
-        a_lo = zero
-        if CAUSAL:
-            a_lo = n_lo       # earlier query tiles see none of these keys
-        a_end = zero + L
-        b_lo = zero
-        b_end = zero
-        if BANDED:
-            if n_lo >= G:
-                a_end = tl.minimum(tl.cdiv(zero + G, BLOCK_M) * BLOCK_M, a_end)
-                if CAUSAL:
-                    a_end = a_lo
-                    b_lo = n_lo
+    @triton.jit
+    def _fwd_uniform(qk, k_base, v_base, nt, skl, svl, kl, m_i, l_i, acc, offs_k, offs_p,
+                     W: tl.constexpr, K: tl.constexpr, E: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                     HAS_KEYLEN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One uniform key tile of the forward: an unmasked dot of width ``K`` (scale folded into ``qk``)."""
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        S = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if W > 0:
+            kk = _tile(k_base, offs_n, skl, offs_k, offs_n, E, K, True)
+            S = _dot(qk, tl.trans(kk), S, DOT)
+        if HAS_KEYLEN:
+            S = tl.where((offs_n < kl)[None, :], S, float("-inf"))
+        vv = _tile(v_base, offs_n, svl, offs_p, offs_n, P, BLOCK_P, True)
+        return _softmax_step(S, vv, m_i, l_i, acc, DOT)
+
+    @triton.jit
+    def _dq_uniform(qk, do, lse, delta, k_base, v_base, nt, skl, svl, kl, dq, offs_k, offs_p,
+                    W: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                    HAS_KEYLEN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One uniform key tile of the dq kernel: ``dq += dS k`` at width ``K`` (columns from ``W`` on are 0)."""
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = _tile(k_base, offs_n, skl, offs_k, offs_n, W, K, True)
+        vv = _tile(v_base, offs_n, svl, offs_p, offs_n, P, BLOCK_P, True)
+        S = _dot(qk, tl.trans(kk), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
+        p = tl.math.exp2(S - lse[:, None])
+        if HAS_KEYLEN:
+            p = tl.where((offs_n < kl)[None, :], p, 0.0)
+        dp = _dot(do, tl.trans(vv), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
+        ds = p * (dp - delta[:, None])
+        return _dot(ds.to(kk.dtype), kk, dq, DOT)
+
+    @triton.jit
+    def _dkdv_uniform(kk, vv, q_base, do_base, lse_base, delta_base, mt, sql, sdl, kl, offs_n, dk, dv, offs_k,
+                      offs_p, W: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                      HAS_KEYLEN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One uniform query tile of the dk/dv kernel: ``dv += P^T dO`` and ``dk += dS^T q`` at width ``K``."""
+        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        do = _tile(do_base, offs_m, sdl, offs_p, offs_m, P, BLOCK_P, True)
+        lse = tl.load(lse_base + offs_m)
+        St = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if W > 0:
+            qq = _tile(q_base, offs_m, sql, offs_k, offs_m, W, K, True)
+            St = _dot(kk, tl.trans(qq), St, DOT)
+        pt = tl.math.exp2(St - lse[None, :])
+        if HAS_KEYLEN:
+            pt = tl.where((offs_n < kl)[:, None], pt, 0.0)
+        dv = _dot(pt.to(vv.dtype), do, dv, DOT)
+        if W > 0:
+            delta = tl.load(delta_base + offs_m)
+            dpt = _dot(vv, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT)
+            dst = pt * (dpt - delta[None, :])
+            dk = _dot(dst.to(qq.dtype), qq, dk, DOT)
+        return dk, dv
+
+    @triton.jit
+    def _fwd_class(q_base, k_base, v_base, ptr, segs_ptr, offs_m, m_ok, sql, skl, svl, kl, m_i, l_i, acc, offs_p,
+                   W: tl.constexpr, K: tl.constexpr, DIV: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
+                   BLOCK_P: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr, TAUS: tl.constexpr,
+                   NL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """The forward's uniform key tiles of one class (``W`` shared features, divisor ``DIV``): the query tile
+        loaded once at width ``K`` with the scales folded in, then a pipelined loop over each run of key tiles."""
+        s = tl.load(ptr)
+        s_end = tl.load(ptr + 1)
+        if s_end > s:
+            offs_k = tl.arange(0, K)
+            qk = _tile(q_base, offs_m, sql, offs_k, m_ok, W, K, False)
+            scale = _col_scale(offs_k, OFFS, RANKS, TAUS, NL) * (1.4426950408889634 / DIV)
+            qk = (qk.to(tl.float32) * scale[None, :]).to(qk.dtype)
+            while s < s_end:
+                n_first = tl.load(segs_ptr + 2 * s)
+                n_end = tl.load(segs_ptr + 2 * s + 1)
+                if HAS_KEYLEN:
+                    n_end = tl.minimum(n_end, tl.cdiv(kl, BLOCK_N))
+                if INTERPRET:  # (the 3.5 interpreter cannot take tensor bounds in range())
+                    nt = n_first
+                    while nt < n_end:
+                        m_i, l_i, acc = _fwd_uniform(qk, k_base, v_base, nt, skl, svl, kl, m_i, l_i, acc, offs_k,
+                                                     offs_p, W, K, E, P, BLOCK_P, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
+                        nt += 1
                 else:
-                    b_lo = tl.maximum((tl.maximum(n_lo - W, 0) // BLOCK_M) * BLOCK_M, a_end)
-                b_end = tl.minimum(zero + L, n_hi + W + 1)
-        na = tl.cdiv(tl.maximum(a_end - a_lo, 0), BLOCK_M)
-        nb = tl.cdiv(tl.maximum(b_end - b_lo, 0), BLOCK_M)
-        return a_lo, na, b_lo, nb
+                    for nt in range(n_first, n_end):
+                        m_i, l_i, acc = _fwd_uniform(qk, k_base, v_base, nt, skl, svl, kl, m_i, l_i, acc, offs_k,
+                                                     offs_p, W, K, E, P, BLOCK_P, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
+                s += 1
+        return m_i, l_i, acc
 
     @triton.jit
-    def _visit(t, a_lo, na, b_lo, L, BLOCK_M: tl.constexpr):
-        """The ``t``-th tile a loop of :func:`_key_tiles` / :func:`_query_tiles` visits: ``na`` tiles from ``a_lo``,
-        then tiles from ``b_lo``; returns (its first index, its indices, its last index in range)."""
-        lo = a_lo + t * BLOCK_M
-        if t >= na:
-            lo = b_lo + (t - na) * BLOCK_M
-        return lo, lo + tl.arange(0, BLOCK_M), tl.minimum(lo + BLOCK_M, L) - 1
+    def _dq_class(q_base, k_base, v_base, dq_base, ptr, segs_ptr, do, lse, delta, offs_m, m_ok, sql, skl, svl, kl,
+                  H, offs_p, W: tl.constexpr, K: tl.constexpr, DIV: tl.constexpr, E: tl.constexpr, P: tl.constexpr,
+                  BLOCK_P: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr, TAUS: tl.constexpr,
+                  NL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+        """The dq kernel's uniform key tiles of one class; the class's dq (width ``K``) is added to the float32
+        output once. Pairs sharing no level (``W == 0``) score 0: nothing flows to q."""
+        if W > 0:
+            s = tl.load(ptr)
+            s_end = tl.load(ptr + 1)
+            if s_end > s:
+                offs_k = tl.arange(0, K)
+                qk = _tile(q_base, offs_m, sql, offs_k, m_ok, W, K, False)
+                scale = _col_scale(offs_k, OFFS, RANKS, TAUS, NL) * (1.4426950408889634 / DIV)
+                qk = (qk.to(tl.float32) * scale[None, :]).to(qk.dtype)
+                dq = tl.zeros([BLOCK_M, K], dtype=tl.float32)
+                while s < s_end:
+                    n_first = tl.load(segs_ptr + 2 * s)
+                    n_end = tl.load(segs_ptr + 2 * s + 1)
+                    if HAS_KEYLEN:
+                        n_end = tl.minimum(n_end, tl.cdiv(kl, BLOCK_N))
+                    if INTERPRET:
+                        nt = n_first
+                        while nt < n_end:
+                            dq = _dq_uniform(qk, do, lse, delta, k_base, v_base, nt, skl, svl, kl, dq, offs_k, offs_p,
+                                             W, K, P, BLOCK_P, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
+                            nt += 1
+                    else:
+                        for nt in range(n_first, n_end):
+                            dq = _dq_uniform(qk, do, lse, delta, k_base, v_base, nt, skl, svl, kl, dq, offs_k, offs_p,
+                                             W, K, P, BLOCK_P, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
+                    s += 1
+                # the gradient of the original q: the level scales and the divisor (log2(e) is not in dS)
+                ptrs = dq_base + offs_m[:, None] * (H * E) + offs_k[None, :]
+                msk = m_ok[:, None] & (offs_k < W)[None, :]
+                flush = dq * (_col_scale(offs_k, OFFS, RANKS, TAUS, NL) / DIV)[None, :]
+                tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + flush, mask=msk)
+
+    @triton.jit
+    def _dkdv_class(q_base, k_base, vv, do_base, dk_base, lse_base, delta_base, ptr, segs_ptr, live, offs_n, n_ok,
+                    sql, skl, sdl, kl, H, dv, offs_p, W: tl.constexpr, K: tl.constexpr, DIV: tl.constexpr,
+                    E: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr,
+                    TAUS: tl.constexpr, NL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DOT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The dk/dv kernel's uniform query tiles of one class: the key tile loaded once at width ``K`` with the
+        scales folded in; the class's dk is added to the float32 output once; returns dv."""
+        s = tl.load(ptr)
+        s_end = tl.load(ptr + 1)
+        if live & (s_end > s):
+            offs_k = tl.arange(0, K)
+            kk = _tile(k_base, offs_n, skl, offs_k, n_ok, W, K, False)
+            scale = _col_scale(offs_k, OFFS, RANKS, TAUS, NL) * (1.4426950408889634 / DIV)
+            kk = (kk.to(tl.float32) * scale[None, :]).to(kk.dtype)
+            dk = tl.zeros([BLOCK_N, K], dtype=tl.float32)
+            while s < s_end:
+                m_first = tl.load(segs_ptr + 2 * s)
+                m_end = tl.load(segs_ptr + 2 * s + 1)
+                if INTERPRET:
+                    mt = m_first
+                    while mt < m_end:
+                        dk, dv = _dkdv_uniform(kk, vv, q_base, do_base, lse_base, delta_base, mt, sql, sdl, kl, offs_n,
+                                               dk, dv, offs_k, offs_p, W, K, P, BLOCK_P, HAS_KEYLEN, DOT, BLOCK_M,
+                                               BLOCK_N)
+                        mt += 1
+                else:
+                    for mt in range(m_first, m_end):
+                        dk, dv = _dkdv_uniform(kk, vv, q_base, do_base, lse_base, delta_base, mt, sql, sdl, kl, offs_n,
+                                               dk, dv, offs_k, offs_p, W, K, P, BLOCK_P, HAS_KEYLEN, DOT, BLOCK_M,
+                                               BLOCK_N)
+                s += 1
+            if W > 0:
+                ptrs = dk_base + offs_n[:, None] * (H * E) + offs_k[None, :]
+                msk = n_ok[:, None] & (offs_k < W)[None, :]
+                flush = dk * (_col_scale(offs_k, OFFS, RANKS, TAUS, NL) / DIV)[None, :]
+                tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + flush, mask=msk)
+        return dv
 
     @triton.jit
     def _mlr_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, y_ptr, lse_ptr,
-        L, H, E, P, W, G,
-        NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT: tl.constexpr, BLOCK_E: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, keylen_ptr, seg_ptr, segs_ptr, mix_ptr, mix_cols_ptr,
+        L, H, n_tiles, sqb, sql, sqh, skb, skl, skh, svb, svl, svh, window, num_global,
+        E: tl.constexpr, P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+        NL: tl.constexpr, NG: tl.constexpr, WG: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr,
+        SIZES: tl.constexpr, TAUS: tl.constexpr, NCLS: tl.constexpr, CLS_W: tl.constexpr, CLS_K: tl.constexpr,
+        CLS_DIV: tl.constexpr, CAUSAL: tl.constexpr, BANDED: tl.constexpr, HAS_KEYLEN: tl.constexpr,
+        BLOCK_DIVIDE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid = tl.program_id(1)
-        b = pid // H
-        h = pid % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_r = tl.arange(0, BLOCK_R)
-        offs_p = tl.arange(0, BLOCK_P)
-        offs_e = tl.arange(0, BLOCK_E)
-        m_ok = offs_m < L
-        m_lo = pid_m * BLOCK_M
+        t, bh, b, h = _program(n_tiles, H, CAUSAL)
+        q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
+        k_base = k_ptr + b.to(tl.int64) * skb + h * skh
+        v_base = v_ptr + b.to(tl.int64) * svb + h * svh
+        m_lo = t * BLOCK_M
         m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
-        row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-        na, b_lo, nb = _key_tiles(m_lo, m_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
-        t = 0
-        while t < na + nb:
-            n_lo, offs_n, n_hi = _visit(t, 0, na, b_lo, L, BLOCK_M)
-            S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-                                           b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e,
-                                           W, G,
-                                           NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
-            S = tl.where(allowed, S, -1.0e30)
-            new_max = tl.maximum(row_max, tl.max(S, 1))
-            alpha = tl.exp(row_max - new_max)
-            prob = tl.where(allowed, tl.exp(S - new_max[:, None]), 0.0)
-            row_sum = row_sum * alpha + tl.sum(prob, 1)
-            v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
-                        mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + _mm(prob, v, DOT)
-            row_max = new_max
-            t += 1
-        row_sum = tl.maximum(row_sum, 1.0e-30)
-        out = acc / row_sum[:, None]
-        tl.store(y_ptr + ((b * L + offs_m[:, None]) * H + h) * P + offs_p[None, :], out.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & (offs_p < P)[None, :])
-        tl.store(lse_ptr + (b * L + offs_m) * H + h, row_max + tl.log(row_sum), mask=m_ok)
-
-    @triton.jit
-    def _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr,
-                      lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e, offs_p,
-                      W, G,
-                      NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr,
-                      HAS_KEYOK: tl.constexpr, BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT: tl.constexpr):
-        """Recomputed probabilities of a tile pair and the gradient w.r.t. the undivided level sums: (P, dSr, dO)."""
-        S, allowed, inv = _tile_scores(q_ptr, k_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-                                       b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_r, offs_e, W, G,
-                                       NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_N, DOT)
+        offs_m = m_lo + tl.arange(0, BLOCK_M)
         m_ok = offs_m < L
-        lse = tl.load(lse_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
-        delta = tl.load(delta_ptr + (b * L + offs_m) * H + h, mask=m_ok, other=0.0)
-        prob = tl.where(allowed, tl.exp(S - lse[:, None]), 0.0)
-        do = tl.load(do_ptr + ((b * L + offs_m[:, None]) * H + h) * P + offs_p[None, :],
-                     mask=m_ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :],
-                    mask=(offs_n < L)[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        dprob = _mm(do, tl.trans(v), DOT)
-        dSr = prob * (dprob - delta[:, None]) * inv
-        return prob, dSr, do
+        offs_p = tl.arange(0, BLOCK_P)
+        kl = L
+        if HAS_KEYLEN:
+            kl = tl.load(keylen_ptr + b)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        # uniform pairs, class by class: one unmasked dot of the class's width per tile pair
+        for c in tl.static_range(NCLS):
+            m_i, l_i, acc = _fwd_class(q_base, k_base, v_base, seg_ptr + t * NCLS + c, segs_ptr, offs_m, m_ok, sql,
+                                       skl, svl, kl, m_i, l_i, acc, offs_p, CLS_W[c], CLS_K[c], CLS_DIV[c], E, P,
+                                       BLOCK_P, OFFS, RANKS, TAUS, NL, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
+        # mixed pairs: every level masked per entry, and the causal, band, padding and tail masks
+        i = tl.load(mix_ptr + t)
+        i_end = tl.load(mix_ptr + t + 1)
+        if i_end > i:
+            offs_e = tl.arange(0, BLOCK_E)
+            qf = _tile(q_base, offs_m, sql, offs_e, m_ok, E, BLOCK_E, False)
+            scale = _col_scale(offs_e, OFFS, RANKS, TAUS, NL) * 1.4426950408889634
+            qf = (qf.to(tl.float32) * scale[None, :]).to(q_ptr.dtype.element_ty)
+            while i < i_end:
+                n_lo = tl.load(mix_cols_ptr + i) * BLOCK_N
+                n_hi = tl.minimum(n_lo + BLOCK_N, L) - 1
+                offs_n = n_lo + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < L
+                kf = _tile(k_base, offs_n, skl, offs_e, n_ok, E, BLOCK_E, False)
+                S = _mixed_scores(qf, kf, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e, NL, NG, WG, OFFS, RANKS,
+                                  SIZES, DOT)
+                if BLOCK_DIVIDE:
+                    S = S / _shared_levels(offs_m, offs_n, NL, NG, SIZES)
+                ok = _allowed(offs_m[:, None], offs_n[None, :], L, kl, window, num_global, CAUSAL, BANDED,
+                              HAS_KEYLEN)
+                vv = _tile(v_base, offs_n, svl, offs_p, n_ok, P, BLOCK_P, False)
+                m_i, l_i, acc = _softmax_step(tl.where(ok, S, float("-inf")), vv, m_i, l_i, acc, DOT)
+                i += 1
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        o_ptrs = o_ptr + ((b.to(tl.int64) * L + offs_m[:, None]) * H + h) * P + offs_p[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_p < P)[None, :])
+        # base 2; +inf for a row with no allowed key (its probabilities are then 0 in the backward)
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("inf"))
+        tl.store(lse_ptr + bh.to(tl.int64) * L + offs_m, lse, mask=m_ok)
 
     @triton.jit
     def _mlr_bwd_dq_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-        dq_ptr, L, H, E, P, W, G,
-        NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT: tl.constexpr, BLOCK_E: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keylen_ptr, dq_ptr, seg_ptr, segs_ptr, mix_ptr,
+        mix_cols_ptr, L, H, n_tiles, sqb, sql, sqh, skb, skl, skh, svb, svl, svh, sdb, sdl, sdh, window, num_global,
+        E: tl.constexpr, P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+        NL: tl.constexpr, NG: tl.constexpr, WG: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr,
+        SIZES: tl.constexpr, TAUS: tl.constexpr, NCLS: tl.constexpr, CLS_W: tl.constexpr, CLS_K: tl.constexpr,
+        CLS_DIV: tl.constexpr, CAUSAL: tl.constexpr, BANDED: tl.constexpr, HAS_KEYLEN: tl.constexpr,
+        BLOCK_DIVIDE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid = tl.program_id(1)
-        b = pid // H
-        h = pid % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_r = tl.arange(0, BLOCK_R)
-        offs_p = tl.arange(0, BLOCK_P)
-        offs_e = tl.arange(0, BLOCK_E)
-        m_lo = pid_m * BLOCK_M
+        t, bh, b, h = _program(n_tiles, H, CAUSAL)
+        q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
+        k_base = k_ptr + b.to(tl.int64) * skb + h * skh
+        v_base = v_ptr + b.to(tl.int64) * svb + h * svh
+        do_base = do_ptr + b.to(tl.int64) * sdb + h * sdh
+        dq_base = dq_ptr + (b.to(tl.int64) * L * H + h) * E
+        m_lo = t * BLOCK_M
         m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
-        dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-        na, b_lo, nb = _key_tiles(m_lo, m_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
-        t = 0
-        while t < na + nb:
-            n_lo, offs_n, n_hi = _visit(t, 0, na, b_lo, L, BLOCK_M)
-            prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
-                                          lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
-                                          offs_n, n_lo, n_hi, offs_r, offs_e, offs_p, W, G,
-                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
-            # dq[i] = sum_j dSr[i, j] k_j (level-masked): the "rows" of the product are the keys
-            dq = _level_grads(tl.trans(dSr), k_ptr, b, h, L, H, E, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e,
-                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dq, NUM_LEVELS, DOT)
-            t += 1
-        tl.store(dq_ptr + ((b * L + offs_m[:, None]) * H + h) * E + offs_e[None, :], dq,
-                 mask=(offs_m < L)[:, None] & (offs_e < E)[None, :])
+        offs_m = m_lo + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < L
+        offs_p = tl.arange(0, BLOCK_P)
+        kl = L
+        if HAS_KEYLEN:
+            kl = tl.load(keylen_ptr + b)
+        do = _tile(do_base, offs_m, sdl, offs_p, m_ok, P, BLOCK_P, False)
+        lse = tl.load(lse_ptr + bh.to(tl.int64) * L + offs_m, mask=m_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + bh.to(tl.int64) * L + offs_m, mask=m_ok, other=0.0)
+        for c in tl.static_range(NCLS):
+            _dq_class(q_base, k_base, v_base, dq_base, seg_ptr + t * NCLS + c, segs_ptr, do, lse, delta, offs_m,
+                      m_ok, sql, skl, svl, kl, H, offs_p, CLS_W[c], CLS_K[c], CLS_DIV[c], E, P, BLOCK_P, OFFS, RANKS,
+                      TAUS, NL, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
+        i = tl.load(mix_ptr + t)
+        i_end = tl.load(mix_ptr + t + 1)
+        if i_end > i:
+            offs_e = tl.arange(0, BLOCK_E)
+            col_tau = _col_scale(offs_e, OFFS, RANKS, TAUS, NL)
+            qf = _tile(q_base, offs_m, sql, offs_e, m_ok, E, BLOCK_E, False)
+            qf = (qf.to(tl.float32) * (col_tau * 1.4426950408889634)[None, :]).to(q_ptr.dtype.element_ty)
+            dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+            while i < i_end:
+                n_lo = tl.load(mix_cols_ptr + i) * BLOCK_N
+                n_hi = tl.minimum(n_lo + BLOCK_N, L) - 1
+                offs_n = n_lo + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < L
+                kf = _tile(k_base, offs_n, skl, offs_e, n_ok, E, BLOCK_E, False)
+                vv = _tile(v_base, offs_n, svl, offs_p, n_ok, P, BLOCK_P, False)
+                S = _mixed_scores(qf, kf, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e, NL, NG, WG, OFFS, RANKS,
+                                  SIZES, DOT)
+                inv = tl.full([BLOCK_M, BLOCK_N], 1.0, dtype=tl.float32)
+                if BLOCK_DIVIDE:
+                    inv = 1.0 / _shared_levels(offs_m, offs_n, NL, NG, SIZES)
+                ok = _allowed(offs_m[:, None], offs_n[None, :], L, kl, window, num_global, CAUSAL, BANDED,
+                              HAS_KEYLEN)
+                p = tl.where(ok, tl.math.exp2(S * inv - lse[:, None]), 0.0)
+                dp = _dot(do, tl.trans(vv), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT)
+                ds = p * (dp - delta[:, None]) * inv
+                dq = _mixed_grads(ds, kf, dq, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e, NL, NG, WG, OFFS,
+                                  RANKS, SIZES, DOT)
+                i += 1
+            ptrs = dq_base + offs_m[:, None] * (H * E) + offs_e[None, :]
+            msk = m_ok[:, None] & (offs_e < E)[None, :]
+            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + dq * col_tau[None, :], mask=msk)
 
     @triton.jit
     def _mlr_bwd_dkdv_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr,
-        dk_ptr, dv_ptr, L, H, E, P, W, G,
-        NUM_LEVELS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_DIVIDE: tl.constexpr, HAS_KEYOK: tl.constexpr,
-        BANDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT: tl.constexpr, BLOCK_E: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keylen_ptr, dk_ptr, dv_ptr, seg_ptr, segs_ptr, mix_ptr,
+        mix_cols_ptr, L, H, n_tiles, sqb, sql, sqh, skb, skl, skh, svb, svl, svh, sdb, sdl, sdh, window, num_global,
+        E: tl.constexpr, P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+        NL: tl.constexpr, NG: tl.constexpr, WG: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr,
+        SIZES: tl.constexpr, TAUS: tl.constexpr, NCLS: tl.constexpr, CLS_W: tl.constexpr, CLS_K: tl.constexpr,
+        CLS_DIV: tl.constexpr, CAUSAL: tl.constexpr, BANDED: tl.constexpr, HAS_KEYLEN: tl.constexpr,
+        BLOCK_DIVIDE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)
-        pid = tl.program_id(1)
-        b = pid // H
-        h = pid % H
-        offs_n = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_r = tl.arange(0, BLOCK_R)
-        offs_p = tl.arange(0, BLOCK_P)
-        offs_e = tl.arange(0, BLOCK_E)
-        n_lo = pid_n * BLOCK_M
-        n_hi = tl.minimum(n_lo + BLOCK_M, L) - 1
-        dk = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-        a_lo, na, b_lo, nb = _query_tiles(n_lo, n_hi, L, W, G, CAUSAL, BANDED, BLOCK_M)
-        t = 0
-        while t < na + nb:
-            m_lo, offs_m, m_hi = _visit(t, a_lo, na, b_lo, L, BLOCK_M)
-            prob, dSr, do = _tile_dscores(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, keyok_ptr, lvl_off_ptr,
-                                          lvl_rank_ptr, lvl_size_ptr, b, h, L, H, E, P, offs_m, m_lo, m_hi,
-                                          offs_n, n_lo, n_hi, offs_r, offs_e, offs_p, W, G,
-                                          NUM_LEVELS, CAUSAL, BLOCK_DIVIDE, HAS_KEYOK, BANDED, BLOCK_M, BLOCK_M, DOT)
-            dv += _mm(tl.trans(prob), do, DOT)
-            dk = _level_grads(dSr, q_ptr, b, h, L, H, E, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e,
-                              lvl_off_ptr, lvl_rank_ptr, lvl_size_ptr, dk, NUM_LEVELS, DOT)
-            t += 1
+        # rows: key tiles of BLOCK_N; columns: query tiles of BLOCK_M (the plan has keys_are_rows)
+        t, bh, b, h = _program(n_tiles, H, False)
+        q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
+        k_base = k_ptr + b.to(tl.int64) * skb + h * skh
+        v_base = v_ptr + b.to(tl.int64) * svb + h * svh
+        do_base = do_ptr + b.to(tl.int64) * sdb + h * sdh
+        dk_base = dk_ptr + (b.to(tl.int64) * L * H + h) * E
+        lse_base = lse_ptr + bh.to(tl.int64) * L
+        delta_base = delta_ptr + bh.to(tl.int64) * L
+        n_lo = t * BLOCK_N
+        n_hi = tl.minimum(n_lo + BLOCK_N, L) - 1
+        offs_n = n_lo + tl.arange(0, BLOCK_N)
         n_ok = offs_n < L
-        tl.store(dk_ptr + ((b * L + offs_n[:, None]) * H + h) * E + offs_e[None, :], dk,
-                 mask=n_ok[:, None] & (offs_e < E)[None, :])
-        tl.store(dv_ptr + ((b * L + offs_n[:, None]) * H + h) * P + offs_p[None, :], dv,
-                 mask=n_ok[:, None] & (offs_p < P)[None, :])
+        offs_p = tl.arange(0, BLOCK_P)
+        kl = L
+        if HAS_KEYLEN:
+            kl = tl.load(keylen_ptr + b)
+        live = n_lo < kl  # a key tile of pads only: no gradient, nothing to visit
+        vv = _tile(v_base, offs_n, svl, offs_p, n_ok, P, BLOCK_P, False)
+        dv = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+        for c in tl.static_range(NCLS):
+            dv = _dkdv_class(q_base, k_base, vv, do_base, dk_base, lse_base, delta_base, seg_ptr + t * NCLS + c,
+                             segs_ptr, live, offs_n, n_ok, sql, skl, sdl, kl, H, dv, offs_p, CLS_W[c], CLS_K[c],
+                             CLS_DIV[c], E, P, BLOCK_P, OFFS, RANKS, TAUS, NL, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
+        i = tl.load(mix_ptr + t)
+        i_end = tl.load(mix_ptr + t + 1)
+        if live & (i_end > i):
+            offs_e = tl.arange(0, BLOCK_E)
+            col_tau = _col_scale(offs_e, OFFS, RANKS, TAUS, NL)
+            kf = _tile(k_base, offs_n, skl, offs_e, n_ok, E, BLOCK_E, False)
+            kf = (kf.to(tl.float32) * (col_tau * 1.4426950408889634)[None, :]).to(k_ptr.dtype.element_ty)
+            dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+            while i < i_end:
+                m_lo = tl.load(mix_cols_ptr + i) * BLOCK_M
+                m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
+                offs_m = m_lo + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < L
+                qf = _tile(q_base, offs_m, sql, offs_e, m_ok, E, BLOCK_E, False)
+                do = _tile(do_base, offs_m, sdl, offs_p, m_ok, P, BLOCK_P, False)
+                lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+                delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+                St = _mixed_scores(kf, qf, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e, NL, NG, WG, OFFS, RANKS,
+                                   SIZES, DOT)
+                inv = tl.full([BLOCK_N, BLOCK_M], 1.0, dtype=tl.float32)
+                if BLOCK_DIVIDE:
+                    inv = 1.0 / _shared_levels(offs_n, offs_m, NL, NG, SIZES)
+                ok = _allowed(offs_m[None, :], offs_n[:, None], L, kl, window, num_global, CAUSAL, BANDED,
+                              HAS_KEYLEN)
+                pt = tl.where(ok, tl.math.exp2(St * inv - lse[None, :]), 0.0)
+                dv = _dot(pt.to(vv.dtype), do, dv, DOT)
+                dpt = _dot(vv, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT)
+                dst = pt * (dpt - delta[None, :]) * inv
+                dk = _mixed_grads(dst, qf, dk, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e, NL, NG, WG, OFFS,
+                                  RANKS, SIZES, DOT)
+                i += 1
+            ptrs = dk_base + offs_n[:, None] * (H * E) + offs_e[None, :]
+            msk = n_ok[:, None] & (offs_e < E)[None, :]
+            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + dk * col_tau[None, :], mask=msk)
+        dv_ptrs = dv_ptr + ((b.to(tl.int64) * L + offs_n[:, None]) * H + h) * P + offs_p[None, :]
+        tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_p < P)[None, :])
 
 
-class _Levels:
-    """Level tables and block sizes of one call."""
+@dataclasses.dataclass(frozen=True)
+class MLRSpec:
+    """What the kernels are specialized on (besides dtypes, widths and tiles): the levels and the masks.
 
-    def __init__(self, q: Tensor, v: Tensor, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
-                 tile_size: int):
-        dev = q.device
-        offsets = [sum(ranks[:i]) for i in range(len(ranks))]
-        self.off = torch.tensor(offsets, dtype=torch.int32, device=dev)
-        self.rank = torch.tensor(list(ranks), dtype=torch.int32, device=dev)
-        self.size = torch.tensor([0 if s is None else int(s) for s in block_sizes], dtype=torch.int32, device=dev)
-        L, E, P = q.shape[1], q.shape[-1], v.shape[-1]
-        # tl.dot needs >= 16 on GPUs; the interpreter takes any size (tests use tiny tiles to cross many boundaries)
-        floor = 1 if _INTERPRET_AT_IMPORT else 16
-        self.block_m = max(floor, triton.next_power_of_2(min(int(tile_size), L)))
-        self.blocks = dict(BLOCK_M=self.block_m, BLOCK_R=max(floor, triton.next_power_of_2(max(ranks))),
-                           BLOCK_P=max(floor, triton.next_power_of_2(P)))
-        self.block_e = max(floor, triton.next_power_of_2(E))
-        self.num_levels = len(ranks)
+    ``sizes``: tokens per block of each level, 0 = global; ``taus``: each level's logit scale; ``window`` (not None):
+    the band of local attention, with ``num_global`` global tokens."""
 
-    def tables(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.off, self.rank, self.size
+    ranks: tuple[int, ...]
+    sizes: tuple[int, ...]
+    taus: tuple[float, ...]
+    block_divide: bool = True
+    causal: bool = False
+    window: Optional[int] = None
+    num_global: int = 0
+
+    def block_sizes(self) -> list[Optional[int]]:
+        return [None if s == 0 else s for s in self.sizes]
 
 
-def mlr_forward(qs: Tensor, k: Tensor, v: Tensor, keyok: Tensor | None, levels: _Levels, causal: bool,
-                block_divide: bool, window: int | None = None, num_global: int = 0) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel: output (b, L, H, P) in v's dtype and row log-sum-exp (b, L, H) float32.
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes (tokens) and launch options of the three kernels: (rows, columns, warps, pipeline stages). The
+    forward and dq kernels hold query rows and stream key columns; the dk/dv kernel holds key rows and streams query
+    columns."""
 
-    ``window`` (not None): also restrict to the band ``|i - j| <= window`` or ``i < num_global`` or
-    ``j < num_global``; key tiles outside it are never visited."""
-    b, L, H, E = qs.shape
+    forward: tuple[int, int, int, int]
+    dq: tuple[int, int, int, int]
+    dkdv: tuple[int, int, int, int]
+
+    @staticmethod
+    def default(dtype: torch.dtype, head_width: int) -> Tiles:
+        """The tiles the kernels run with on a GPU: checked free of register spills at sm_90 for bfloat16 and float16
+        at head widths up to 128 and float32 up to 64 (``benchmarks/gpu/compile_check.py``; float32 at 128 spills
+        in the backward)."""
+        if dtype == torch.float32:
+            if head_width > 64:
+                return Tiles(forward=(128, 32, 8, 2), dq=(64, 16, 8, 2), dkdv=(64, 16, 8, 2))
+            return Tiles(forward=(128, 64, 8, 2), dq=(128, 32, 8, 2), dkdv=(128, 32, 8, 2))
+        if head_width > 64:
+            return Tiles(forward=(128, 32, 8, 2), dq=(64, 32, 8, 2), dkdv=(64, 32, 8, 2))
+        return Tiles(forward=(128, 64, 8, 3), dq=(128, 32, 8, 2), dkdv=(128, 32, 8, 2))
+
+    @staticmethod
+    def uniform(size: int) -> Tiles:
+        """Every kernel with ``size`` x ``size`` tiles (4 warps, 2 stages): the interpreter tests use tiny ones."""
+        return Tiles(forward=(size, size, 4, 2), dq=(size, size, 4, 2), dkdv=(size, size, 4, 2))
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+@functools.lru_cache(maxsize=128)
+def _constants(spec: MLRSpec, e: int, p: int) -> dict:
+    """The kernels' compile-time arguments for ``spec`` at head widths ``e`` (q, k) and ``p`` (v)."""
+    n = len(spec.ranks)
+    offs = tuple(sum(spec.ranks[:i]) for i in range(n))
+    widths = [0] + [sum(spec.ranks[: m + 1]) for m in range(n)]
+    classes = tile_classes(spec.block_sizes())
+    num_global = next((i for i, s in enumerate(spec.sizes) if s != 0), n)
+    return dict(
+        E=e, P=p, BLOCK_E=_pow2(e), BLOCK_P=_pow2(p), NL=n, NG=num_global, WG=widths[num_global], OFFS=offs,
+        RANKS=tuple(spec.ranks), SIZES=tuple(max(s, 1) if s else 0 for s in spec.sizes),
+        TAUS=tuple(float(t) for t in spec.taus), NCLS=len(classes), CLS_W=tuple(widths[c] for c in classes),
+        CLS_K=tuple(_pow2(widths[c]) if widths[c] else 16 for c in classes),
+        CLS_DIV=tuple(float(c) if spec.block_divide and c else 1.0 for c in classes),
+        CAUSAL=bool(spec.causal), BANDED=spec.window is not None, BLOCK_DIVIDE=bool(spec.block_divide))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(spec: MLRSpec, length: int, rows: int, cols: int, keys_are_rows: bool, device: torch.device) -> TilePlan:
+    plan = tile_plan(length, rows, cols, spec.block_sizes(), causal=spec.causal, keys_are_rows=keys_are_rows,
+                     window=spec.window, num_global=spec.num_global)
+    if device.type == "cpu":
+        return plan
+    return dataclasses.replace(plan, seg_ptr=plan.seg_ptr.to(device), segs=plan.segs.to(device),
+                               mixed_ptr=plan.mixed_ptr.to(device), mixed=plan.mixed.to(device))
+
+
+def _plan_args(plan: TilePlan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    segs = plan.segs if plan.segs.numel() else plan.seg_ptr  # a valid pointer even when there is no run
+    mixed = plan.mixed if plan.mixed.numel() else plan.mixed_ptr
+    return plan.seg_ptr, segs, plan.mixed_ptr, mixed
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _rows_last(t: Tensor) -> Tensor:
+    """``t`` with unit stride on its last axis (the kernels read rows of features)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def mlr_forward(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | None, spec: MLRSpec,
+                tiles: Tiles) -> tuple[Tensor, Tensor]:
+    """Output (b, L, H, P) in v's dtype and the row log-sum-exp in base 2, (b * H, L) float32 (+inf for a row with
+    no allowed key)."""
+    b, L, H, E = q.shape
     P = v.shape[-1]
-    y = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
-    lse = torch.empty(b, L, H, dtype=torch.float32, device=v.device)
-    grid = (triton.cdiv(L, levels.block_m), b * H)
-    _mlr_fwd_kernel[grid](qs, k, v, keyok if keyok is not None else qs, *levels.tables(), y, lse, L, H, E, P,
-                          *_band_args(window, num_global), **_flags(levels, v, keyok, causal, block_divide, window),
-                          **levels.blocks, BLOCK_E=levels.block_e)
-    return y, lse
+    rows, cols, warps, stages = tiles.forward
+    plan = _plan(spec, L, rows, cols, False, q.device)
+    o = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
+    lse = torch.empty(b * H, L, dtype=torch.float32, device=v.device)
+    grid = (plan.n_rows * b * H,)
+    _mlr_fwd_kernel[grid](
+        q, k, v, o, lse, key_len if key_len is not None else lse, *_plan_args(plan), L, H, plan.n_rows,
+        *_strides(q), *_strides(k), *_strides(v), *_band(spec), **_constants(spec, E, P),
+        HAS_KEYLEN=key_len is not None, DOT=dot_precision_split(v.dtype), BLOCK_M=rows, BLOCK_N=cols, num_warps=warps,
+        num_stages=stages)
+    return o, lse
 
 
-def mlr_backward(dy: Tensor, qs: Tensor, k: Tensor, v: Tensor, keyok: Tensor | None, y: Tensor, lse: Tensor,
-                 levels: _Levels, causal: bool, block_divide: bool, window: int | None = None,
-                 num_global: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the two backward kernels (dq per query tile; dk, dv per key tile): float32 (dq, dk, dv)."""
-    b, L, H, E = qs.shape
+def mlr_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | None, o: Tensor, lse: Tensor,
+                 spec: MLRSpec, tiles: Tiles) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of :func:`mlr_forward` in the inputs' dtypes."""
+    b, L, H, E = q.shape
     P = v.shape[-1]
-    dy = dy.contiguous()
-    delta = (dy.float() * y.float()).sum(-1).contiguous()            # D_i = dO_i . O_i
-    dq = torch.empty(b, L, H, E, dtype=torch.float32, device=qs.device)
-    dk = torch.empty_like(dq)
-    dv = torch.empty(b, L, H, P, dtype=torch.float32, device=qs.device)
-    grid = (triton.cdiv(L, levels.block_m), b * H)
-    common = (qs, k, v, dy, lse, delta, keyok if keyok is not None else qs, *levels.tables())
-    flags = _flags(levels, v, keyok, causal, block_divide, window)
-    band = _band_args(window, num_global)
-    _mlr_bwd_dq_kernel[grid](*common, dq, L, H, E, P, *band, **flags, **levels.blocks, BLOCK_E=levels.block_e)
-    _mlr_bwd_dkdv_kernel[grid](*common, dk, dv, L, H, E, P, *band, **flags, **levels.blocks, BLOCK_E=levels.block_e)
-    return dq, dk, dv
+    do = _rows_last(do)
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).reshape(b * H, L).contiguous()  # D_i = dO_i . O_i
+    dq = torch.zeros(b, L, H, E, dtype=torch.float32, device=q.device)
+    dk = torch.zeros_like(dq)
+    dv = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
+    common = dict(**_constants(spec, E, P), HAS_KEYLEN=key_len is not None, DOT=dot_precision_split(v.dtype))
+    kl = key_len if key_len is not None else lse
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_band(spec))
+    rows, cols, warps, stages = tiles.dq
+    plan = _plan(spec, L, rows, cols, False, q.device)
+    _mlr_bwd_dq_kernel[(plan.n_rows * b * H,)](
+        q, k, v, do, lse, delta, kl, dq, *_plan_args(plan), L, H, plan.n_rows, *strides, **common, BLOCK_M=rows,
+        BLOCK_N=cols, num_warps=warps, num_stages=stages)
+    rows, cols, warps, stages = tiles.dkdv
+    plan = _plan(spec, L, rows, cols, True, q.device)
+    _mlr_bwd_dkdv_kernel[(plan.n_rows * b * H,)](
+        q, k, v, do, lse, delta, kl, dk, dv, *_plan_args(plan), L, H, plan.n_rows, *strides, **common,
+        BLOCK_M=cols, BLOCK_N=rows, num_warps=warps, num_stages=stages)
+    return dq.to(q.dtype), dk.to(k.dtype), dv
 
 
-def _flags(levels: _Levels, v: Tensor, keyok: Tensor | None, causal: bool, block_divide: bool,
-           window: int | None) -> dict:
-    return dict(NUM_LEVELS=levels.num_levels, CAUSAL=bool(causal), BLOCK_DIVIDE=bool(block_divide),
-                HAS_KEYOK=keyok is not None, BANDED=window is not None, DOT=dot_precision(v.dtype))
-
-
-def _band_args(window: int | None, num_global: int) -> tuple[int, int]:
-    return (0 if window is None else int(window)), int(num_global)
+def _band(spec: MLRSpec) -> tuple[int, int]:
+    return (0 if spec.window is None else int(spec.window)), int(spec.num_global)
 
 
 class _MLRFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qs, k, v, keyok, levels: _Levels, causal: bool, block_divide: bool,
-                window: int | None = None, num_global: int = 0):
-        y, lse = mlr_forward(qs, k, v, keyok, levels, causal, block_divide, window, num_global)
-        ctx.save_for_backward(qs, k, v, keyok, y, lse)
-        ctx.args = (levels, causal, block_divide, window, num_global)
-        return y
+    def forward(ctx, q, k, v, key_len, spec: MLRSpec, tiles: Tiles):
+        o, lse = mlr_forward(q, k, v, key_len, spec, tiles)
+        ctx.save_for_backward(q, k, v, key_len, o, lse)
+        ctx.spec, ctx.tiles = spec, tiles
+        return o
 
     @staticmethod
-    def backward(ctx, dy):
-        qs, k, v, keyok, y, lse = ctx.saved_tensors
-        dq, dk, dv = mlr_backward(dy, qs, k, v, keyok, y, lse, *ctx.args)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+    def backward(ctx, do):
+        q, k, v, key_len, o, lse = ctx.saved_tensors
+        dq, dk, dv = mlr_backward(do, q, k, v, key_len, o, lse, ctx.spec, ctx.tiles)
+        return dq, dk, dv, None, None, None
+
+
+def _key_lengths(mask: Tensor | None) -> Tensor | None:
+    """Per row, the number of real keys of a right-padded mask (a row with no real token keeps every key), int32."""
+    if mask is None:
+        return None
+    lengths = mask.sum(dim=1)
+    return torch.where(lengths == 0, mask.shape[1], lengths).to(torch.int32).contiguous()
+
+
+def mlr_triton(q: Tensor, k: Tensor, v: Tensor, spec: MLRSpec, *, mask: Tensor | None = None,
+               tiles: Tiles | None = None) -> Tensor:
+    """The kernels on (b, L, H, e) q, k and (b, L, H, p) v of one dtype (float32, bfloat16 or float16; any strides
+    with unit feature stride), differentiable in all three: ``softmax(S + masks) v`` in v's dtype. ``mask``: bool
+    (b, L), True on real tokens, right-padded (pad keys are excluded; pad outputs are not zeroed, the caller does
+    that). ``tiles``: None = :meth:`Tiles.default`."""
+    reason = available(q.device)
+    if reason is not None:
+        raise RuntimeError(f"triton MLR attention unavailable: {reason}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"the Triton MLR kernels take float32, bfloat16 or float16 inputs of one dtype; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if tiles is None:
+        tiles = Tiles.default(q.dtype, max(q.shape[-1], v.shape[-1]))
+    return _MLRFunction.apply(_rows_last(q), _rows_last(k), _rows_last(v), _key_lengths(mask), spec, tiles)
 
 
 def mlr_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
     level_scales: Sequence[float], *, block_divide: bool = True, causal: bool = False, mask: Tensor | None = None,
-    tile_size: int = 64,
+    tile_size: int | None = None,
 ) -> Tensor:
     """MLR attention ``softmax(S + masks) v`` without materializing ``S``; differentiable in q, k, v.
 
     q, k (b, l, h, e) with ``sum(ranks) == e`` (level l = the next ``ranks[l]`` features); v (b, l, h, p);
     ``block_sizes[l]`` tokens per level-l block (None = global; blocks aligned at 0; nested, coarse first, as the
-    mixer validates); ``level_scales[l]`` = tau_l (the mixer's ``level_scales``, already divided by the number of
-    levels when ``divide_by_levels``); ``mask`` bool (b, l), True on real tokens, right padding (pad keys are
-    excluded; a row with no real token keeps all keys, as ``attention_bias_mask``). ``tile_size``: query/key tile
-    (rounded up to a power of two, at least 16 on GPUs). Returns (b, l, h, p) in v's dtype (pad outputs are not
-    zeroed: the mixer does that).
-
-    Backward (flash-style: the row log-sum-exp is kept, the probabilities are recomputed): one kernel for dq (per
-    query tile) and one for dk, dv (per key tile), each skipping the levels a tile pair does not share.
+    op validates); ``level_scales[l]`` = tau_l; ``mask`` bool (b, l), True on real tokens, right padding (pad keys
+    are excluded; a row with no real token keeps all keys). ``tile_size``: every kernel with square tiles of that
+    many tokens (None: :meth:`Tiles.default`; tests use tiny tiles under the interpreter). Returns (b, l, h, p) in
+    v's dtype (pad outputs are not zeroed: the op does that).
     """
-    reason = available(q.device)
-    if reason is not None:
-        raise RuntimeError(f"triton MLR attention unavailable: {reason}")
-    E = q.shape[-1]
-    if sum(ranks) != E or len(ranks) != len(block_sizes) or len(ranks) != len(level_scales):
-        raise ValueError(f"ranks {list(ranks)} must sum to the q/k width {E} and match block_sizes/level_scales")
-    # tau_l folded into the queries, feature by feature (autograd carries it back to q)
-    tau = torch.cat([torch.full((r,), float(s), dtype=torch.float32, device=q.device)
-                     for r, s in zip(ranks, level_scales)])
-    qs = (q.float() * tau).contiguous()
-    keyok = None
-    if mask is not None:
-        keyok = (mask | ~mask.any(dim=1, keepdim=True)).to(torch.int8).contiguous()
-    levels = _Levels(q, v, ranks, block_sizes, tile_size)
-    return _MLRFunction.apply(qs, k.contiguous(), v.contiguous(), keyok, levels, causal, block_divide)
+    e = q.shape[-1]
+    if sum(ranks) != e or len(ranks) != len(block_sizes) or len(ranks) != len(level_scales):
+        raise ValueError(f"ranks {list(ranks)} must sum to the q/k width {e} and match block_sizes/level_scales")
+    spec = MLRSpec(tuple(int(r) for r in ranks), tuple(0 if s is None else int(s) for s in block_sizes),
+                   tuple(float(s) for s in level_scales), bool(block_divide), bool(causal))
+    tiles = None if tile_size is None else Tiles.uniform(_tile_size(tile_size))
+    return mlr_triton(q, k, v, spec, mask=mask, tiles=tiles)
+
+
+def _tile_size(size: int) -> int:
+    """A tile of at least ``size`` tokens: a power of two, at least 16 on GPUs (``tl.dot``), any under the
+    interpreter."""
+    return _pow2(size, 1 if _INTERPRET_AT_IMPORT else 16)

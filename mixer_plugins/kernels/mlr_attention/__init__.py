@@ -16,15 +16,18 @@ the default; on CPU its ``native`` engine is our fused C++ kernel, :mod:`.native
 ``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` keeps it whole (an export traces
 the reference) and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
 ``L x L`` oracle, float64-capable); ``triton`` (our fused kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA,
-chosen first there).
+chosen first there for float32, bfloat16 and float16: it computes in float32 at most, so it refuses float64 inputs
+and the dispatcher runs the ``torch`` backend).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Optional
 
+import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
 
 from .._checks import check_qkv, check_right_padded_mask
@@ -41,7 +44,6 @@ __all__ = [
     "mlr_attention_torch",
     "plan_tasks",
 ]
-
 
 
 def check_mlr_arguments(q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int],
@@ -99,7 +101,9 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
         (batch, length, heads, value width).
     """
     ranks, sizes, scales = check_mlr_arguments(q, k, v, ranks, block_sizes, scales, mask)
-    impl = resolve_backend("mlr_attention", backend, q.device)
+    # the call's bundle lets the triton backend refuse float64 (under torch.compile the choice is made without it)
+    bundle = None if _torch.compiler.is_compiling() else SimpleNamespace(dtype=q.dtype)
+    impl = resolve_backend("mlr_attention", backend, q.device, bundle)
     return impl(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
                 block_divide=block_divide)
 

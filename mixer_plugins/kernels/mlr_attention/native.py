@@ -4,7 +4,9 @@ built on first use by :mod:`mixer_plugins.kernels._native`).
 One pass over the (query tile, key range) pieces that share a level, each piece's scores from one BLAS product at
 its own width ``r_0 + ... + r_m`` (no zero padding, unlike the ``flash`` engine; no Python per task, unlike the
 ``matmul`` engine), a vectorized ``exp`` and an online softmax; the backward recomputes the scores from the row
-log-sum-exp (flash attention's split-KV backward). Memory is linear in the length; float32 and float64.
+log-sum-exp (flash attention's split-KV backward). Memory is linear in the length; float32 and float64. q, k and
+v are read in place (any strides with a unit feature stride: the mixer's views need no copy); the level scales are
+applied as each query tile is read, not by a pass over q.
 """
 
 from __future__ import annotations
@@ -39,25 +41,32 @@ def _ready() -> None:
         raise RuntimeError(f"the native MLR engine is unavailable: {_native.unavailable_reason()}")
 
 
+def _feature_rows(t: Tensor) -> Tensor:
+    """``t`` with a unit stride on its last axis (the kernel reads rows of features in place)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, key_len: Optional[Tensor], ranks: Sequence[int],
-            block_sizes: Sequence[int], causal: bool, block_divide: bool) -> tuple[Tensor, Tensor]:
-    """Output (B, L, H, P) and row log-sum-exp (B, L, H) of MLR attention on prepared inputs: q, k (B, L, H, D) with
-    the level scales applied, v (B, L, H, P), float32 or float64 CPU tensors; ``key_len`` int64 (B,) (keys at and
-    beyond it are excluded; None: none); ``block_sizes`` with 0 for a global level."""
+            block_sizes: Sequence[int], taus: Sequence[float], causal: bool,
+            block_divide: bool) -> tuple[Tensor, Tensor]:
+    """Output (B, L, H, P) and row log-sum-exp (B, L, H) of MLR attention: q, k (B, L, H, D), v (B, L, H, P),
+    float32 or float64 CPU tensors (any strides); ``taus`` the level scales (applied inside); ``key_len`` int64 (B,)
+    (keys at and beyond it are excluded; None: none); ``block_sizes`` with 0 for a global level."""
     _ready()
     widths, scales = _levels(ranks, block_divide)
     tq, tk = TILES["forward"]
-    return torch.ops.mixer_plugins_native.mlr_forward(q.contiguous(), k.contiguous(), v.contiguous(), key_len,
-                                                      widths, [int(s) for s in block_sizes], scales, causal, tq, tk)
+    return torch.ops.mixer_plugins_native.mlr_forward(
+        _feature_rows(q), _feature_rows(k), _feature_rows(v), key_len, widths, [int(s) for s in block_sizes], scales,
+        [float(t) for t in taus], causal, tq, tk)
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, key_len: Optional[Tensor],
-             ranks: Sequence[int], block_sizes: Sequence[int], causal: bool,
+             ranks: Sequence[int], block_sizes: Sequence[int], taus: Sequence[float], causal: bool,
              block_divide: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of :func:`forward` given its output and log-sum-exp."""
     _ready()
     widths, scales = _levels(ranks, block_divide)
     tq, tk = TILES["backward"]
     return torch.ops.mixer_plugins_native.mlr_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-        key_len, widths, [int(s) for s in block_sizes], scales, causal, tq, tk)
+        _feature_rows(dout), _feature_rows(q), _feature_rows(k), _feature_rows(v), out.contiguous(), lse.contiguous(),
+        key_len, widths, [int(s) for s in block_sizes], scales, [float(t) for t in taus], causal, tq, tk)

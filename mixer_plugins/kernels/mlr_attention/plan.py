@@ -8,7 +8,9 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-__all__ = ["LEAF_MAX", "Group", "MLRPlan", "Task", "plan_tasks"]
+import torch
+
+__all__ = ["LEAF_MAX", "Group", "MLRPlan", "Task", "TilePlan", "plan_tasks", "tile_classes", "tile_plan"]
 
 #: blocks of at most this many tokens, with their finer levels, form one leaf group (see :func:`plan_tasks`). Off
 #: (0) by default: on CPU the leaf's per-block matmuls and elementwise passes measured slower than one flash group
@@ -132,3 +134,111 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
     return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
 
 
+
+
+# -- the tile plan of the Triton kernels --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """Which column tiles each row tile of a Triton MLR kernel visits, and how (built by :func:`tile_plan`).
+
+    Rows are the tiles a program holds (queries in the forward and the dq kernel, keys in the dk/dv kernel), columns
+    the tiles it streams. A (row tile, column tile) pair is either skipped (no allowed pair), *uniform* (every pair
+    allowed, the tail tile excluded, and every level either holds both tiles in one block or neither: all its pairs
+    share the same levels ``0..m``, so their scores are one unmasked dot of width ``W_m = r_0 + ... + r_m``), or
+    *mixed* (a per-entry mask: a block boundary inside the pair, the causal diagonal, a band edge, the partial last
+    tile). Uniform pairs are grouped by class (``classes[c]`` = the number of shared levels, 0 = none) into runs of
+    consecutive column tiles; a kernel loops over the classes (each a compile-time width), over the class's runs, and
+    over each run's tiles (a pipelined loop).
+
+    ``seg_ptr`` (int32, ``rows * len(classes) + 1``): row ``r``'s runs of class ``c`` are ``segs[seg_ptr[r * C + c]
+    : seg_ptr[r * C + c + 1]]``; ``segs`` (int32, (n, 2)): [first, end) column tile of each run; row ``r``'s mixed
+    column tiles are ``mixed[mixed_ptr[r] : mixed_ptr[r + 1]]``.
+    """
+
+    row_tile: int
+    col_tile: int
+    n_rows: int
+    classes: tuple[int, ...]
+    seg_ptr: torch.Tensor
+    segs: torch.Tensor
+    mixed_ptr: torch.Tensor
+    mixed: torch.Tensor
+
+    def pair_counts(self) -> dict[str, int]:
+        """Tile pairs by kind: ``uniform`` and ``mixed`` (the skipped ones are neither)."""
+        runs = self.segs[:, 1] - self.segs[:, 0]
+        return {"uniform": int(runs.sum()), "mixed": int(self.mixed.numel())}
+
+
+def tile_classes(block_sizes: Sequence[Optional[int]]) -> tuple[int, ...]:
+    """The classes of uniform tile pairs (numbers of shared levels) a level list can have, in kernel order: ``1 ..
+    n``, and 0 (pairs that share no level) when level 0 is not global. Independent of the length, so the kernels'
+    compile-time specialization is too."""
+    n = len(block_sizes)
+    return tuple(range(1, n + 1)) + ((0,) if block_sizes[0] is not None else ())
+
+
+def tile_plan(length: int, row_tile: int, col_tile: int, block_sizes: Sequence[Optional[int]], *, causal: bool,
+              keys_are_rows: bool = False, window: Optional[int] = None, num_global: int = 0) -> TilePlan:
+    """The :class:`TilePlan` of a length-``length`` sequence cut into ``row_tile`` rows and ``col_tile`` columns.
+
+    ``keys_are_rows``: rows are key tiles and columns query tiles (the dk/dv kernel); otherwise rows are queries.
+    ``window`` (not None): only pairs with ``|i - j| <= window``, or ``i`` or ``j`` among the first ``num_global``
+    tokens, are allowed (local attention). Built from tile bounds alone (never from tensor values)."""
+    n_rows = -(-length // row_tile)
+    n_cols = -(-length // col_tile)
+    r0 = torch.arange(n_rows, dtype=torch.int64)[:, None] * row_tile
+    r1 = torch.clamp(r0 + row_tile, max=length) - 1
+    c0 = torch.arange(n_cols, dtype=torch.int64)[None, :] * col_tile
+    c1 = torch.clamp(c0 + col_tile, max=length) - 1
+    a0, a1, b0, b1 = (c0, c1, r0, r1) if keys_are_rows else (r0, r1, c0, c1)  # a: queries, b: keys
+    shape = (n_rows, n_cols)
+    skip = torch.zeros(shape, dtype=torch.bool)
+    mixed = (c1 - c0 + 1 < col_tile).expand(shape).clone()  # the partial last column tile: masked loads
+    depth = torch.zeros(shape, dtype=torch.int64)  # leading levels whose one block holds both tiles
+    prefix = torch.ones(shape, dtype=torch.bool)
+    for size in block_sizes:
+        if size is None or size >= length:
+            depth += prefix
+            continue
+        whole = (a0 // size == a1 // size) & (b0 // size == a0 // size) & (b1 // size == a0 // size)
+        apart = (a1 // size < b0 // size) | (b1 // size < a0 // size)
+        mixed |= ~(whole | apart)
+        prefix = prefix & whole
+        depth += prefix
+    if causal:
+        skip |= (b0 > a1).expand(shape)
+        mixed |= ~(b1 <= a0).expand(shape)
+    if window is not None:
+        g = num_global
+        inside = (torch.maximum(a1 - b0, b1 - a0) <= window) | (a1 < g) | (b1 < g)
+        gap = torch.clamp(torch.maximum(b0 - a1, a0 - b1), min=0)
+        skip |= ((gap > window) & (a0 >= g) & (b0 >= g)).expand(shape)
+        mixed |= ~inside.expand(shape)
+    classes = tile_classes(block_sizes)
+    position = torch.full((len(block_sizes) + 1,), -1, dtype=torch.int64)
+    position[list(classes)] = torch.arange(len(classes))
+    code = torch.where(skip, -2, torch.where(mixed, -1, position[depth]))
+    # runs of equal codes along each row; keep the uniform ones
+    start = torch.ones(shape, dtype=torch.bool)
+    start[:, 1:] = code[:, 1:] != code[:, :-1]
+    flat = start.flatten().nonzero().flatten()
+    ends = torch.cat([flat[1:], torch.tensor([n_rows * n_cols])])
+    rows = flat // n_cols
+    ends = torch.minimum(ends, (rows + 1) * n_cols) - rows * n_cols
+    firsts = flat - rows * n_cols
+    run_code = code.flatten()[flat]
+    keep = run_code >= 0
+    rows, firsts, ends, run_code = rows[keep], firsts[keep], ends[keep], run_code[keep]
+    key = rows * len(classes) + run_code
+    order = torch.argsort(key, stable=True)
+    seg_ptr = torch.zeros(n_rows * len(classes) + 1, dtype=torch.int64)
+    seg_ptr[1:] = torch.cumsum(torch.bincount(key, minlength=n_rows * len(classes)), 0)
+    segs = torch.stack([firsts[order], ends[order]], 1)
+    mixed_rows, mixed_cols = (code == -1).nonzero(as_tuple=True)
+    mixed_ptr = torch.zeros(n_rows + 1, dtype=torch.int64)
+    mixed_ptr[1:] = torch.cumsum(torch.bincount(mixed_rows, minlength=n_rows), 0)
+    i32 = torch.int32
+    return TilePlan(row_tile, col_tile, n_rows, classes, seg_ptr.to(i32), segs.to(i32).reshape(-1, 2),
+                    mixed_ptr.to(i32), mixed_cols.to(i32))

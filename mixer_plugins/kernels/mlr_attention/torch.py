@@ -25,9 +25,10 @@ Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else the
 ``matmul`` that can):
 
 * ``native`` (the CPU default for float32 and float64): our fused C++ kernel (:mod:`.native`, compiled on first
-  use): each (query tile, key range) piece of a group at the group's own width ``R_m``, one BLAS product for its
-  scores and one for its values, online softmax, no Python per task; the backward recomputes the scores. Right
-  padding only (keys beyond each row's length are skipped).
+  use): for each query tile, key ranges whose pairs share the same levels, each at its own width ``R_m`` with one
+  BLAS product for its scores and one for its values, online softmax, no Python per range; near the diagonal the
+  finer levels per entry; the backward recomputes the scores. q, k, v read in place (no copies), the level scales
+  applied inside. Right padding only (keys beyond each row's length are skipped).
 * ``flash``: PyTorch's fused CPU flash-attention op
   (``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp, and its backward). It needs equal
   q/k/v widths, so the group's keys keep their first ``R_m`` features and are zero beyond (queries and values are
@@ -36,7 +37,7 @@ Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else the
 * ``matmul``: :mod:`.chunked`, batched matmuls per task at the group's own width ``R_m`` (any device, any dtype), rows
   in chunks whose scores fit one reused scratch buffer; no padding.
 
-Both run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
+All three run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
 ``torch.compile`` sees one node and ``FlopCounterMode`` counts it by its registered formula (the paper's count,
 :func:`paper_flops`). It saves only q, k, v, the output and the log-sum-exp.
 
@@ -395,16 +396,24 @@ def _key_bias(key_real: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(key_real.shape, dtype=dtype, device=key_real.device).masked_fill(~key_real, float("-inf"))
 
 
+def _feature_scale(q: Tensor, ranks: Sequence[int], scales: Sequence[float]) -> Tensor:
+    """Each feature's level scale, (D,) in q's dtype and device."""
+    return torch.cat([torch.full((int(r),), float(s), dtype=q.dtype, device=q.device) for r, s in zip(ranks, scales)])
+
+
 @torch.library.custom_op("mixer_plugins::mlr_attention_tiled", mutates_args=())
 def mlr_attention_tiled(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tensor], ranks: list[int],
-                        block_sizes: list[int], causal: bool, block_divide: bool, engine: str) -> tuple[Tensor, Tensor]:
-    """The tiled op on prepared inputs: q (B, L, H, D) with the level scales applied, k (B, L, H, D), v (B, L, H, P),
+                        block_sizes: list[int], scales: list[float], causal: bool, block_divide: bool,
+                        engine: str) -> tuple[Tensor, Tensor]:
+    """The tiled op on prepared inputs: q, k (B, L, H, D), v (B, L, H, P) (any strides), ``scales`` the level
+    scales (applied inside: by the native engine as it reads each query tile, by the others to a scaled copy of q),
     ``key_real`` (B, L) bool or None (pad keys are excluded; their q/k/v must be finite), ``block_sizes`` with 0 for
     a global level, ``engine`` ``"native"`` (:mod:`.native`, right-padded ``key_real`` only), ``"matmul"``
     (:mod:`.chunked`) or ``"flash"``. Returns the output (B, L, H, P) and the log-sum-exp (B, L, H) of every row
     (float64 for float64 inputs, else float32)."""
     if engine == "native":
-        return native.forward(q, k, v, _key_lengths(key_real), ranks, block_sizes, causal, block_divide)
+        return native.forward(q, k, v, _key_lengths(key_real), ranks, block_sizes, scales, causal, block_divide)
+    q = q * _feature_scale(q, ranks, scales)
     plan = _plan(q.shape[1], ranks, block_sizes, causal, block_divide)
     if engine == "matmul":
         out, lse = chunked_forward(_head_major(q), _head_major(k), _head_major(v), _key_bias(key_real, q.dtype), plan)
@@ -414,7 +423,7 @@ def mlr_attention_tiled(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tens
 
 
 @mlr_attention_tiled.register_fake
-def _mlr_attention_tiled_fake(q, k, v, key_real, ranks, block_sizes, causal, block_divide, engine):
+def _mlr_attention_tiled_fake(q, k, v, key_real, ranks, block_sizes, scales, causal, block_divide, engine):
     batch, length, heads, _ = q.shape
     return (q.new_empty(batch, length, heads, v.shape[-1]),
             q.new_empty((batch, length, heads), dtype=_lse_dtype(q.dtype)))
@@ -422,40 +431,45 @@ def _mlr_attention_tiled_fake(q, k, v, key_real, ranks, block_sizes, causal, blo
 
 @torch.library.custom_op("mixer_plugins::mlr_attention_tiled_backward", mutates_args=())
 def mlr_attention_tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tensor],
-                                 out: Tensor, lse: Tensor, ranks: list[int], block_sizes: list[int], causal: bool,
-                                 block_divide: bool, engine: str) -> tuple[Tensor, Tensor, Tensor]:
+                                 out: Tensor, lse: Tensor, ranks: list[int], block_sizes: list[int],
+                                 scales: list[float], causal: bool, block_divide: bool,
+                                 engine: str) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of :func:`mlr_attention_tiled` given its output and log-sum-exp."""
     if engine == "native":
-        return native.backward(dout, q, k, v, out, lse, _key_lengths(key_real), ranks, block_sizes, causal,
+        return native.backward(dout, q, k, v, out, lse, _key_lengths(key_real), ranks, block_sizes, scales, causal,
                                block_divide)
+    feature_scale = _feature_scale(q, ranks, scales)
+    q = q * feature_scale
     plan = _plan(q.shape[1], ranks, block_sizes, causal, block_divide)
     if engine == "matmul":
-        grads = chunked_backward(_head_major(dout), _head_major(q), _head_major(k), _head_major(v),
-                                 _key_bias(key_real, q.dtype), _head_major(out), _head_major(lse), plan)
-        return tuple(_head_major(g) for g in grads)
-    flash = (True,) * len(plan.groups)
-    width = max(q.shape[-1], v.shape[-1])
-    grads = _tiled_backward(dout, q, k, v, key_real, _pad(out, width), lse, plan, flash)
-    return tuple(g.contiguous() for g in grads)  # as the fake kernel says (the compiler plans memory from it)
+        dq, dk, dv = (_head_major(g) for g in chunked_backward(
+            _head_major(dout), _head_major(q), _head_major(k), _head_major(v), _key_bias(key_real, q.dtype),
+            _head_major(out), _head_major(lse), plan))
+    else:
+        flash = (True,) * len(plan.groups)
+        width = max(q.shape[-1], v.shape[-1])
+        dq, dk, dv = _tiled_backward(dout, q, k, v, key_real, _pad(out, width), lse, plan, flash)
+    # as the fake kernel says (contiguous: the compiler plans memory from it); dq of the unscaled queries
+    return (dq * feature_scale).contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @mlr_attention_tiled_backward.register_fake
-def _mlr_attention_tiled_backward_fake(dout, q, k, v, key_real, out, lse, ranks, block_sizes, causal, block_divide,
-                                       engine):
+def _mlr_attention_tiled_backward_fake(dout, q, k, v, key_real, out, lse, ranks, block_sizes, scales, causal,
+                                       block_divide, engine):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, key_real, ranks, block_sizes, causal, block_divide, engine = inputs
+    q, k, v, key_real, ranks, block_sizes, scales, causal, block_divide, engine = inputs
     out, lse = output
     save_tensors(ctx, q=q, k=k, v=v, key_real=key_real, out=out, lse=lse)
-    ctx.args = (ranks, block_sizes, causal, block_divide, engine)
+    ctx.args = (ranks, block_sizes, scales, causal, block_divide, engine)
 
 
 def _backward(ctx, dout, dlse):
     s = saved_tensors(ctx)
-    dq, dk, dv = mlr_attention_tiled_backward(dout.contiguous(), s.q, s.k, s.v, s.key_real, s.out, s.lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = mlr_attention_tiled_backward(dout, s.q, s.k, s.v, s.key_real, s.out, s.lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 mlr_attention_tiled.register_autograd(_backward, setup_context=_setup)
@@ -518,18 +532,16 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
         zero = torch.zeros((), dtype=q.dtype, device=q.device)
         q, k, v = (torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
         key_real = mask | ~mask.any(dim=1, keepdim=True)  # a row with no real token keeps every key
-    feature_scale = torch.cat([torch.full((r,), float(s), dtype=q.dtype, device=q.device)
-                               for r, s in zip(ranks, scales)])
-    q = q * feature_scale
     chosen = _engine(q, engine)
     if leaf_max:
+        q = q * _feature_scale(q, ranks, scales)
         flash = chosen == "flash" or (chosen == "native" and _flash_possible(q))  # no native leaf
         plan = plan_tasks(length, ranks, block_sizes, causal=causal, block_divide=block_divide, dyadic=flash,
                           leaf_max=leaf_max)
         out = _TiledMLR.apply(q, k, v, key_real, plan, (flash,) * len(plan.groups))
     else:
-        out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), _sizes_arg(block_sizes), causal, block_divide,
-                                     chosen)
+        out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), _sizes_arg(block_sizes),
+                                     [float(s) for s in scales], causal, block_divide, chosen)
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out

@@ -1,10 +1,11 @@
 """The fused chunked scan in Triton, forward and backward (the kernels of the ``triton`` backend, :mod:`.triton`).
 
-Computes exactly what ``mixer_plugins.kernels.quasiseparable`` computes (see :mod:`.reference` for the
-matrix entries), for both directions in **one** chunked pass: per chunk of Q tokens, one Q x Q block holds
-the lower (forward direction), upper (backward direction) and diagonal parts and is applied with one
-matmul; between chunks two light state passes run, the forward state left to right and the backward state
-right to left. No flipped copy of the input and no doubled batch.
+Computes exactly what ``mixer_plugins.kernels.quasiseparable`` computes (see :mod:`.reference` for the matrix
+entries), for both directions in **one** chunked pass: per chunk of Q tokens (the requested ``chunk_size``, at most
+:attr:`ScanGeometry.MAX_CHUNK`), one Q x Q block holds the lower (forward direction), upper (backward direction) and
+diagonal parts and is applied with one matmul; between chunks two light state passes run, the forward state left to
+right and the backward state right to left. No flipped copy of the input and no doubled batch. Sequences that fit one
+chunk run on the stateless kernels of :mod:`.triton_one_chunk` (the backend chooses by shape).
 
 Per head, with ``a = A * dt`` and chunk-local cumsums ``p`` (inclusive) and ``e`` (exclusive, selected from ``p``):
 
@@ -17,47 +18,117 @@ Per head, with ``a = A * dt`` and chunk-local cumsums ``p`` (inclusive) and ``e`
 * backward state entering chunk c from the right: ``G_{c-1} = exp(p_last) G_c + sum_j exp(e_j) dt_j x_j B_j^T``,
   read as ``exp(p_last - q_i) G_c C~_i``.
 
-Kernels (each program = one (chunk, batch*head)):
+Step sizes are prepared inside the kernels (``clamp(softplus(dt + dt_bias), *dt_limit)``, each part optional), and
+their gradient is taken back through it there, so the raw ``dt`` goes in and its gradient comes out.
 
-* ``_chunk_states_kernel``: each chunk's own states of both directions and their log carries;
-* ``_state_pass_kernel``: the sequential inter-chunk recurrence ``S_next = exp(lg_c) S_c + src_c`` for both
-  directions in one launch (one direction left to right, the other right to left); reused in the backward
-  pass for the state gradients, which obey the same recurrence run the other way;
-* ``_chunk_out_kernel``: y = (lower + upper + diag block) @ x + both state read-outs;
-* ``_chunk_dread_kernel``: the gradient of the read-outs with respect to the entering states;
-* ``_chunk_bwd_kernel``: dx, dB, dC (per head, group-summed in PyTorch), ddt (including the decay path
-  ``A * d(a)``), per-chunk partials of dA, and ddiag; launched once per direction (dx parts summed).
+Launches (each program one chunk of one sequence and one head, or of one group of heads that share B and C; every grid
+is one-dimensional, so ``batch * heads`` may pass 65,535):
 
-``seq_idx`` (packed segments): a new segment starts wherever the id changes; pairs across segments are
-masked inside a chunk and the states are gated between chunks, so neither direction nor the shift crosses a
-segment boundary. Step-size preparation (``dt_bias``, softplus, ``dt_limit``) runs in PyTorch before the
-kernels, with autograd through it. Inputs may be float32, bfloat16 or float16; everything is accumulated in
-float32 (matmuls in IEEE fp32), and the result has ``x``'s dtype.
+* forward, 3: ``_states_kernel`` (per group: ``C~ B^T`` of both directions once per group and chunk, kept for the
+  output and the backward; per head of the group, each chunk's own states and log carries), ``_pass_kernel`` (the
+  inter-chunk recurrence ``S <- exp(lg_c) S + S_c`` of both directions, in place: each chunk's own state is replaced by
+  the state entering it), ``_out_kernel`` (per head: y = (lower + upper + diagonal block) @ x + both read-outs);
+* backward, 4 (+ one small sum of per-chunk partials of dA and d dt_bias): ``_dstate_kernel`` (per group: the
+  gradient of each read-out with respect to the entering state, and the read-out's share of dC~, summed over the
+  group's heads), ``_pass_kernel`` (the state gradients, the same recurrence run the other way, in place; it also
+  forms the gradient of each log carry), ``_dx_kernel`` (per group, head by head: dx in x's dtype, d diag, and each
+  own state's share of dB summed over the group), ``_dbc_kernel`` (per group, head by head: ``dy x^T`` once per head
+  and chunk for both directions, the step-size gradients, and dB, dC finished per group in their own dtypes).
+
+Passed states and their gradients are stored in bfloat16 where the inputs are half precision (float32 otherwise);
+every sum runs in float32. Offsets are 64-bit (``tokens * heads * head_dim * state / chunk`` and ``tokens * width``
+may pass 2^31), and inputs are read through their strides (the block's slices of one projection are not copied).
+
+``seq_idx`` (packed segments): a new segment starts wherever the id changes; pairs across segments are masked inside
+a chunk and the states are gated between chunks, so neither direction nor the shift crosses a segment boundary.
 
 Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._triton._common import available, dot_precision, tl, triton
+from .._triton._common import available, cdiv, dot_precision, grid_1d, on_device, pow2, tl, triton
 from .._triton._common import mm as _mm
 
-__all__ = ["available", "scan_triton", "scan_triton_flops"]
+__all__ = ["LAUNCH", "ScanGeometry", "available", "scan_triton", "scan_triton_flops", "state_dtype"]
 
-#: Triton launch options (``num_warps``, ``num_stages``) of each kernel; empty = Triton's defaults.
+#: Triton launch options (``num_warps``, ``num_stages``) of each kernel. Eight warps and no software pipelining keep
+#: every kernel's tiles in registers at sm_90 for half-precision inputs (``benchmarks/gpu/compile_check.py`` reads the
+#: registers and spills from the compiled kernels; ``tests/ops/test_triton_compile.py`` asserts none spills).
 #: ``benchmarks/gpu/tune.py`` times alternatives on a GPU.
-LAUNCH: dict[str, dict[str, int]] = {"states": {}, "pass": {}, "out": {}, "dread": {}, "bwd": {}}
+LAUNCH: dict[str, dict[str, int]] = {
+    "states": {"num_warps": 8, "num_stages": 1}, "pass": {"num_warps": 4}, "out": {"num_warps": 8, "num_stages": 1},
+    "dstate": {"num_warps": 8, "num_stages": 1}, "dx": {"num_warps": 8, "num_stages": 1},
+    "dbc": {"num_warps": 8, "num_stages": 1},
+}
 
 
 def _block(n: int) -> int:
     """Block size for a dimension: a power of two, at least 16 (tl.dot's minimum on GPUs)."""
-    return max(16, triton.next_power_of_2(int(n)))
+    return max(16, pow2(n))
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the passed states and their gradients are stored in for inputs of ``dtype``: bfloat16 for half
+    precision (accumulated in float32, as mamba-ssm keeps them), float32 otherwise."""
+    return torch.bfloat16 if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+class ScanGeometry:
+    """Chunks, block sizes and the one-dimensional launch grids of one chunked scan (pure Python: no tensors).
+
+    Programs are numbered with the head (or group) fastest, then the chunk, then the sequence, so that the programs
+    that read one group's ``C~ B^T`` and B, C tiles run together."""
+
+    #: elements of a state that one program of the state pass carries
+    PASS_BLOCK = 1024
+    #: the longest chunk the kernels take: a larger ``chunk_size`` changes nothing but speed (and rounding), and the
+    #: kernels keep their chunk-by-chunk tiles in registers at 64 tokens (sequences of one chunk up to 256 tokens run
+    #: on the one-chunk kernels)
+    MAX_CHUNK = 64
+
+    def __init__(self, batch: int, length: int, heads: int, groups: int, head_dim: int, state: int, chunk: int):
+        self.batch, self.length, self.heads, self.groups = int(batch), int(length), int(heads), int(groups)
+        self.head_dim, self.state = int(head_dim), int(state)
+        self.Q = max(1, min(int(chunk), self.length, self.MAX_CHUNK))
+        self.nchunks = cdiv(self.length, self.Q)
+
+    def blocks(self, dtype: torch.dtype) -> dict:
+        """Block sizes of the chunk, head and state dimensions (and whether the last two fill their blocks), and the
+        matmul precision for inputs of ``dtype``."""
+        bp, bn = _block(self.head_dim), _block(self.state)
+        return dict(BLOCK_Q=_block(self.Q), BLOCK_P=bp, BLOCK_N=bn, EVEN_P=bp == self.head_dim,
+                    EVEN_N=bn == self.state, DOT=dot_precision(dtype))
+
+    def pass_block_of(self, elements: int) -> int:
+        """Elements of a state that one program of the state pass carries."""
+        return min(self.PASS_BLOCK, pow2(elements))
+
+    def pass_blocks_of(self, elements: int) -> int:
+        return cdiv(elements, self.pass_block_of(elements))
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return (self.batch, self.length, self.heads, self.groups, self.head_dim, self.state, self.nchunks, self.Q)
+
+    def head_grid(self) -> tuple[int]:
+        """One program per (sequence, chunk, head)."""
+        return grid_1d(self.batch * self.nchunks * self.heads, "triton scan")
+
+    def group_grid(self) -> tuple[int]:
+        """One program per (sequence, chunk, group of heads)."""
+        return grid_1d(self.batch * self.nchunks * self.groups, "triton scan")
+
+    def pass_grid(self, ndirs: int, elements: int) -> tuple[int]:
+        """One program per (direction, sequence, head, block of a state of ``elements``)."""
+        return grid_1d(ndirs * self.batch * self.heads * self.pass_blocks_of(elements), "triton scan (state pass)")
 
 
 if triton is not None:
@@ -65,561 +136,752 @@ if triton is not None:
     @triton.jit
     def _prefix(a, ok):
         """A chunk's inclusive sums ``p = cumsum(a)``, exclusive sums ``e`` and total ``plast`` (``p`` at the last valid
-        row). ``e`` and ``plast`` are selected from ``p``, so ``e_i`` is ``p_{i-1}`` bit for bit (``p - a`` would carry
-        one more rounding, of the size of ``p``'s last bit): the decay between neighbours is exactly 1 however
-        large ``|p|`` grows within the chunk."""
+        row). ``e`` and ``plast`` are selected from ``p`` (gathered, never formed as ``p - a``, which would carry one
+        more rounding of the size of ``p``'s last bit), so ``e_i`` is ``p_{i-1}`` bit for bit: the decay between
+        neighbours is exactly 1 however large ``|p|`` grows within the chunk."""
         p = tl.cumsum(a, 0)
-        idx = tl.cumsum(tl.full(a.shape, 1, tl.int32), 0) - 1
+        idx = tl.arange(0, a.shape[0])
+        e = tl.where(idx == 0, 0.0, tl.gather(p, tl.maximum(idx - 1, 0), 0))
         last = tl.sum(ok.to(tl.int32), 0) - 1
-        e = tl.sum(tl.where(idx[:, None] - 1 == idx[None, :], p[None, :], 0.0), 1)
         plast = tl.sum(tl.where(idx == last, p, 0.0), 0)
         return p, e, plast
 
     @triton.jit
-    def _chunk_states_kernel(
-        x_ptr, dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, seg_ptr, st_ptr, lg_ptr,
-        BATCH, L, H, G, P, N, NC, Q,
-        HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_SEG: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    def _softplus(v):
+        """``log(1 + exp(v))`` as PyTorch computes it (``v`` itself above 20), with log1p's accuracy where ``exp(v)``
+        is small (``log(u) * x / (u - 1)`` with ``u = 1 + x``)."""
+        ex = tl.exp(tl.minimum(v, 20.0))
+        u = 1.0 + ex
+        small = tl.where(u == 1.0, ex, tl.log(u) * (ex / tl.where(u == 1.0, 1.0, u - 1.0)))
+        return tl.where(v > 20.0, v, small)
+
+    @triton.jit
+    def _step(dt_ptr, r, ok, sl, bias_ptr, h, lo, hi,
+              HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr):
+        """Step sizes ``clamp(softplus(raw + bias), lo, hi)`` at rows ``r`` (each part optional) and their derivative
+        with respect to the raw values; both 0 outside ``ok``. ``dt_ptr`` points at the chunk's first row."""
+        v = tl.load(dt_ptr + r * sl, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v += tl.load(bias_ptr + h).to(tl.float32)
+        grad = tl.full(v.shape, 1.0, tl.float32)
+        if SOFTPLUS:
+            grad = tl.sigmoid(v)
+            v = _softplus(v)
+        if CLAMP:
+            grad = tl.where((v >= lo) & (v <= hi), grad, 0.0)
+            v = tl.minimum(tl.maximum(v, lo), hi)
+        return tl.where(ok, v, 0.0), tl.where(ok, grad, 0.0)
+
+    @triton.jit
+    def _pick(d: tl.constexpr, forward, backward):
+        """``forward`` for direction 0, ``backward`` for direction 1 (chosen when the kernel is compiled)."""
+        if d == 0:
+            return forward
+        else:
+            return backward
+
+    @triton.jit
+    def _offset(b, t0, k, sb, sl, sk):
+        """The element offset of row ``t0`` of sequence ``b``, slice ``k``, in 64 bits (``b``, ``t0``, ``k`` come from
+        a 64-bit program id)."""
+        return b.to(tl.int64) * sb + t0.to(tl.int64) * sl + k.to(tl.int64) * sk
+
+    @triton.jit
+    def _at(ptr, b, t0, k, sb, sl, sk):
+        """``ptr`` moved to row ``t0`` of sequence ``b``, slice ``k`` (a 64-bit offset); rows of the chunk are then
+        addressed by their 32-bit offsets from there."""
+        return ptr + _offset(b, t0, k, sb, sl, sk)
+
+    @triton.jit
+    def _tile(ptr, r, ok, offs, W, sl, EVEN: tl.constexpr):
+        """The (rows, width) tile at rows ``r`` from ``ptr`` (unit column stride; in its own dtype; 0 outside ``ok``
+        and, unless ``EVEN`` (the width fills the block), outside ``W``)."""
+        if EVEN:
+            m = ok[:, None]
+        else:
+            m = ok[:, None] & (offs < W)[None, :]
+        return tl.load(ptr + (r * sl)[:, None] + offs[None, :], mask=m, other=0.0)
+
+    @triton.jit
+    def _store_tile(ptr, r, ok, offs, W, sl, value, EVEN: tl.constexpr):
+        if EVEN:
+            m = ok[:, None]
+        else:
+            m = ok[:, None] & (offs < W)[None, :]
+        tl.store(ptr + (r * sl)[:, None] + offs[None, :], value.to(ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _square(ptr, offs_p, offs_n, value):
+        """Store a state tile at ``ptr`` (a (BLOCK_P, BLOCK_N) block of a buffer padded to blocks: no mask)."""
+        tl.store(ptr + offs_p[:, None] * offs_n.shape[0] + offs_n[None, :], value.to(ptr.dtype.element_ty))
+
+    @triton.jit
+    def _load_square(ptr, offs_p, offs_n):
+        return tl.load(ptr + offs_p[:, None] * offs_n.shape[0] + offs_n[None, :])
+
+    @triton.jit
+    def _segments(seg_ptr, b, t0, offs_q, rem, L, Q):
+        """Segment numbers of a chunk's rows and of the tokens around it: (rows, first, last, before, after)."""
+        row = seg_ptr + b * L + t0
+        seg = tl.load(row + tl.minimum(offs_q, rem - 1))
+        first = tl.load(row)
+        last = tl.load(row + tl.minimum(Q, rem) - 1)
+        before = tl.load(row - (t0 > 0).to(tl.int64))
+        after = tl.load(row + tl.minimum(Q, rem - 1))
+        return seg, first, last, before, after
+
+    @triton.jit
+    def _decays(dtc_ptr, base, offs_q, ok, Q, rem, plane):
+        """A chunk's prepared step sizes ``dt``, inclusive and exclusive log-decay sums ``p``, ``e`` and total
+        ``plast`` of one head and direction, read from what the states kernel stored at ``dtc`` (step sizes) and
+        ``dtc + plane`` (sums); ``e`` is ``p`` one row up, selected, never recomputed."""
+        dt = tl.load(dtc_ptr + base + offs_q, mask=ok, other=0.0)
+        p = tl.load(dtc_ptr + plane + base + offs_q, mask=ok, other=0.0)
+        e = tl.load(dtc_ptr + plane + base + offs_q - 1, mask=ok & (offs_q > 0), other=0.0)
+        plast = tl.load(dtc_ptr + plane + base + tl.minimum(Q, rem) - 1)
+        return dt, p, e, plast
+
+    @triton.jit
+    def _query(d: tl.constexpr, offs_q, ok, t0, rem, p, e, plast, SHIFT: tl.constexpr):
+        """What query rows read in direction ``d`` (0 forward, 1 backward): their log decay ``q``, the rows of C they
+        read relative to the chunk's first row (``-+ 1`` when shifted) and the mask of those rows, and the log weight
+        of the entering state's read-out (``q`` forward, ``p_last - q`` backward)."""
+        if d == 0:
+            if SHIFT:
+                return e, offs_q - 1, ok & ((offs_q >= 1) | (t0 > 0)), e
+            else:
+                return p, offs_q, ok, p
+        else:
+            if SHIFT:
+                return p, offs_q + 1, ok & (offs_q + 1 < rem), plast - p
+            else:
+                return e, offs_q, ok, plast - e
+
+    @triton.jit
+    def _own_log_weight(d: tl.constexpr, p, e, plast):
+        """Log weight (before ``dt``) of each row in its chunk's own state: ``p_last - p`` (forward), ``e``."""
+        if d == 0:
+            return plast - p
+        else:
+            return e
+
+    @triton.jit
+    def _intra_decay(d: tl.constexpr, p, e, q, ok, SHIFT: tl.constexpr):
+        """The decays of direction ``d``'s intra-chunk block: ``exp(q_i - p_j)`` below the diagonal (forward),
+        ``exp(e_j - q_i)`` above it (backward), the diagonal itself unless shifted; 0 where a pair is not allowed.
+        Rows and columns outside ``ok`` get an infinite log sum (so no (Q, Q) mask is kept)."""
+        ii = tl.arange(0, p.shape[0])[:, None]
+        jj = tl.arange(0, p.shape[0])[None, :]
+        if d == 0:
+            expo = tl.where(ok, q, float("-inf"))[:, None] - tl.where(ok, p, float("inf"))[None, :]
+            if SHIFT:
+                allowed = jj < ii
+            else:
+                allowed = jj <= ii
+        else:
+            expo = tl.where(ok, e, float("-inf"))[None, :] - tl.where(ok, q, float("inf"))[:, None]
+            if SHIFT:
+                allowed = jj > ii
+            else:
+                allowed = jj >= ii
+        return tl.exp(tl.where(allowed, expo, float("-inf")))
+
+    @triton.jit
+    def _states_kernel(
+        x_ptr, sxb, sxl, sxh,
+        dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr,
+        sdb, sdl, sdh, sbb, sbl, sbg, bias_ptr, seg_ptr, st_ptr, lg_ptr, cb_ptr, dtc_ptr,
+        BATCH, L, H, G, P, N, NC, Q, lo, hi,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_P: tl.constexpr,
+        EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
-        c = tl.program_id(0)
-        pid = tl.program_id(1)
-        b = pid // H
-        h = pid % H
-        g = h // (H // G)
+        """Per (sequence, chunk, group), direction by direction: ``C~ B^T`` once, then head by head the prepared step
+        sizes and their chunk-local cumsums (kept for the other kernels), each chunk's own state and log carry."""
+        pid = tl.program_id(0).to(tl.int64)
+        g = pid % G
+        c = (pid // G) % NC
+        b = pid // G // NC
+        t0 = c * Q
+        rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
-        t = c * Q + offs_q
-        ok = (offs_q < Q) & (t < L)
-        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],  # (Q, P)
-                    mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        st_off = offs_p[:, None] * N + offs_n[None, :]
-        st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+        ok = (offs_q < Q) & (offs_q < rem)
+        plane = D1 - D0
+        plane = plane * BATCH * H * L
         if HAS_SEG:
-            seg = tl.load(seg_ptr + b * L + tl.minimum(t, L - 1))
-            seg_first = tl.load(seg_ptr + b * L + c * Q)
-            seg_last = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q - 1, L - 1))
-            seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
-            seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-        if HAS_F:
-            dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            a = dt * tl.load(Af_ptr + h).to(tl.float32)
-            p, e, plast = _prefix(a, ok)
-            w = tl.exp(plast - p) * dt
-            lg = plast
+            seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, t0, g, sbb, sbl, sbg), offs_q, ok, offs_n, N, sbl, EVEN_N)
+            q_unused, rc, c_ok, r_unused = _query(d, offs_q, ok, t0, rem, offs_q, offs_q, 0, SHIFT)
+            Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
+            cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
+            tl.store(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :], _mm(Ct, tl.trans(Bt), DOT))
+            A_ptr = _pick(d, Af_ptr, Ab_ptr)
+            dt_ptr = _pick(d, dtf_ptr, dtb_ptr)
             if HAS_SEG:
-                w = tl.where(seg == seg_last, w, 0.0)
-                lg = tl.where(seg_last == seg_before, plast, float("-inf"))
-            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            S = _mm(tl.trans(x * w[:, None]), Bt, DOT)     # (P, N)
-            base = (b * NC + c) * H + h
-            tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
-            tl.store(lg_ptr + base, lg)
-        if HAS_B:
-            dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            a = dt * tl.load(Ab_ptr + h).to(tl.float32)
-            p, e, plast = _prefix(a, ok)
-            w = tl.exp(e) * dt
-            lg = plast
-            if HAS_SEG:
-                w = tl.where(seg == seg_first, w, 0.0)
-                lg = tl.where(seg_first == seg_after, plast, float("-inf"))
-            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            S = _mm(tl.trans(x * w[:, None]), Bt, DOT)
-            base = ((BATCH + b) * NC + c) * H + h
-            tl.store(st_ptr + base * P * N + st_off, S, mask=st_mask)
-            tl.store(lg_ptr + base, lg)
+                seg_own = _pick(d, seg_last, seg_first)
+                carried = seg_own == _pick(d, seg_before, seg_after)
+            for hh in range(HG):
+                h = g * HG + hh
+                dt, unused = _step(_at(dt_ptr, b, t0, h, sdb, sdl, sdh), offs_q, ok, sdl, bias_ptr, h, lo, hi,
+                                   HAS_BIAS, SOFTPLUS, CLAMP)
+                p, e, plast = _prefix(dt * tl.load(A_ptr + h).to(tl.float32), ok)
+                vbase = ((slot * BATCH + b) * H + h) * L + t0
+                tl.store(dtc_ptr + vbase + offs_q, dt, mask=ok)
+                tl.store(dtc_ptr + plane + vbase + offs_q, p, mask=ok)
+                w = tl.exp(_own_log_weight(d, p, e, plast)) * dt
+                lg = plast
+                if HAS_SEG:
+                    w = tl.where(seg == seg_own, w, 0.0)
+                    lg = tl.where(carried, plast, float("-inf"))
+                x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
+                base = ((slot * BATCH + b) * NC + c) * H + h
+                _square(st_ptr + base * BLOCK_P * BLOCK_N, offs_p, offs_n,
+                        _mm(tl.trans(x.to(tl.float32) * w[:, None]), Bt, DOT))
+                tl.store(lg_ptr + base, lg)
 
     @triton.jit
-    def _state_pass_kernel(
-        src_ptr, lg_ptr, out_ptr, init_ptr, final_ptr, BATCH, H, NC, PN,
-        DIR0: tl.constexpr, REV_FIRST: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK: tl.constexpr,
+    def _pass_kernel(
+        st_ptr, lg_ptr, init_ptr, final_ptr, hs_ptr, dlg_ptr, BATCH, H, NC, PN, NBLK,
+        D0: tl.constexpr, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr,
+        CARRY_GRAD: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """``out_c`` = the state entering chunk c of ``S <- exp(lg_c) S + src_c``; direction d runs right to
-        left when ``(d + REV_FIRST)`` is odd. Buffers are (2, batch, NC, H, PN); init/final (2, batch, H, PN)."""
-        pid = tl.program_id(0)
-        d = DIR0 + tl.program_id(1)
-        blk = tl.program_id(2)
-        b = pid // H
-        h = pid % H
-        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        """In place, for each chunk c: ``st_c <- S`` (the state entering c), then ``S <- exp(lg_c) S + (old st_c)``.
+
+        Buffers are (directions, batch, NC, H, PN); slot 0 is direction ``D0`` (0 forward, 1 backward). Direction d runs
+        right to left when ``d + REVERSE`` is odd (the backward pass runs every recurrence the other way). ``init`` /
+        ``final``: the forward direction's state before its first chunk / after its last, (batch, H, PN). With
+        ``CARRY_GRAD`` (the backward pass, S the gradient of the state after chunk c) also
+        ``exp(lg_c) <S, hs_c>`` over this program's block of the state, into ``dlg`` (directions, batch, NC, H,
+        NBLK)."""
+        pid = tl.program_id(0).to(tl.int64)
+        blk = pid % NBLK
+        h = (pid // NBLK) % H
+        b = (pid // NBLK // H) % BATCH
+        slot = pid // NBLK // H // BATCH
+        d = D0 + slot
+        rev = (d + REVERSE) % 2
+        offs = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
         m = offs < PN
-        rev = (d + REV_FIRST) % 2
-        io = ((d * BATCH + b) * H + h) * PN + offs
+        io = (b * H + h) * PN
         if HAS_INIT:
-            state = tl.load(init_ptr + io, mask=m, other=0.0).to(tl.float32)
+            state = tl.load(init_ptr + io + offs, mask=m & (d == 0), other=0.0).to(tl.float32)
         else:
             state = tl.zeros([BLOCK], dtype=tl.float32)
-        # a while loop, not range(NC): the 3.5 interpreter cannot turn a runtime scalar into a Python int
-        # under NumPy >= 2.3 (it converts a shape-(1,) array with int()); compiled kernels are equivalent
+        # a while loop, not range(NC): the 3.5 interpreter cannot turn a runtime scalar into a Python int under NumPy
+        # >= 2.3 (it converts a shape-(1,) array with int()); compiled kernels are equivalent
         k = 0
         while k < NC:
             c = k + rev * (NC - 1 - 2 * k)
-            base = ((d * BATCH + b) * NC + c) * H + h
-            tl.store(out_ptr + base * PN + offs, state, mask=m)
+            base = ((slot * BATCH + b) * NC + c) * H + h
+            ptrs = st_ptr + base * PN + offs
+            src = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
             gamma = tl.exp(tl.load(lg_ptr + base))
-            state = gamma * state + tl.load(src_ptr + base * PN + offs, mask=m, other=0.0)
+            if CARRY_GRAD:
+                hs = tl.load(hs_ptr + base * PN + offs, mask=m, other=0.0).to(tl.float32)
+                tl.store(dlg_ptr + base * NBLK + blk, gamma * tl.sum(state * hs, 0))
+            tl.store(ptrs, state.to(st_ptr.dtype.element_ty), mask=m)
+            state = gamma * state + src
             k += 1
-        tl.store(final_ptr + io, state, mask=m)
+        if HAS_FINAL:
+            tl.store(final_ptr + io + offs, state.to(final_ptr.dtype.element_ty), mask=m & (d == 0))
 
     @triton.jit
-    def _chunk_out_kernel(
-        x_ptr, dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, diag_ptr, seg_ptr, hs_ptr,
-        y_ptr, BATCH, L, H, G, P, N, NC, Q,
-        HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        SHIFT: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    def _out_kernel(
+        x_ptr, sxb, sxl, sxh, Cf_ptr, Cb_ptr, sbb, sbl, sbg,
+        diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, st_ptr, dtc_ptr, y_ptr,
+        BATCH, L, H, G, P, N, NC, Q,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
+        SHIFT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        EVEN_P: tl.constexpr, EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
-        c = tl.program_id(0)
-        pid = tl.program_id(1)
-        b = pid // H
+        """Per (sequence, chunk, head): ``y = (lower + upper + diag) @ x + both read-outs of the entering states``."""
+        pid = tl.program_id(0).to(tl.int64)
         h = pid % H
-        g = h // (H // G)
+        c = (pid // H) % NC
+        b = pid // H // NC
+        g = h // HG
+        t0 = c * Q
+        rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
-        t = c * Q + offs_q
-        ok = (offs_q < Q) & (t < L)
-        ii = offs_q[:, None]
-        jj = offs_q[None, :]
-        valid = ok[:, None] & ok[None, :]
+        ok = (offs_q < Q) & (offs_q < rem)
+        plane = (D1 - D0) * BATCH * H * L
         if HAS_SEG:
-            seg = tl.load(seg_ptr + b * L + tl.minimum(t, L - 1))
-            valid = valid & (seg[:, None] == seg[None, :])
-            seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
-            seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
-                    mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        st_off = offs_p[:, None] * N + offs_n[None, :]
-        st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+            seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
         acc = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
         M = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
-        if HAS_F:
-            dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            a = dt * tl.load(Af_ptr + h).to(tl.float32)
-            p, e, plast = _prefix(a, ok)
-            if SHIFT:
-                q = e
-                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-                allowed = valid & (jj < ii)
-            else:
-                q = p
-                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-                allowed = valid & (jj <= ii)
-            Bt = tl.load(Bf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            CB = _mm(Ct, tl.trans(Bt), DOT)
-            decay = tl.exp(tl.where(allowed, q[:, None] - p[None, :], float("-inf")))
-            M += CB * decay * dt[None, :]
-            Hc = tl.load(hs_ptr + ((b * NC + c) * H + h) * P * N + st_off, mask=st_mask, other=0.0)
-            wq = tl.exp(q)
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+            q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+            cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
+            decay = _intra_decay(d, p, e, q, ok, SHIFT)
             if HAS_SEG:
-                wq = tl.where(seg == seg_before, wq, 0.0)
+                decay = tl.where(seg[:, None] == seg[None, :], decay, 0.0)
+            M += tl.load(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :]) * decay * dt[None, :]
+            Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
+            Hc = _load_square(st_ptr + (((slot * BATCH + b) * NC + c) * H + h) * BLOCK_P * BLOCK_N, offs_p, offs_n)
+            wq = tl.exp(read)
+            if HAS_SEG:
+                wq = tl.where(seg == _pick(d, seg_before, seg_after), wq, 0.0)
             acc += _mm(Ct, tl.trans(Hc), DOT) * wq[:, None]
-        if HAS_B:
-            dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            a = dt * tl.load(Ab_ptr + h).to(tl.float32)
-            p, e, plast = _prefix(a, ok)
-            if SHIFT:
-                q = p
-                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-                allowed = valid & (jj > ii)
-            else:
-                q = e
-                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-                allowed = valid & (jj >= ii)
-            Bt = tl.load(Bb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            CB = _mm(Ct, tl.trans(Bt), DOT)
-            decay = tl.exp(tl.where(allowed, e[None, :] - q[:, None], float("-inf")))
-            M += CB * decay * dt[None, :]
-            Gc = tl.load(hs_ptr + (((BATCH + b) * NC + c) * H + h) * P * N + st_off, mask=st_mask, other=0.0)
-            wq = tl.exp(plast - q)
-            if HAS_SEG:
-                wq = tl.where(seg == seg_after, wq, 0.0)
-            acc += _mm(Ct, tl.trans(Gc), DOT) * wq[:, None]
         if HAS_DIAG:
-            dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            M += tl.where(ii == jj, dg[:, None], 0.0)
+            dg = tl.load(_at(diag_ptr, b, t0, h, sgb, sgl, sgh) + offs_q * sgl, mask=ok, other=0.0).to(tl.float32)
+            M += tl.where(offs_q[:, None] == offs_q[None, :], dg[:, None], 0.0)
+        x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
         acc += _mm(M, x, DOT)
-        y_ptrs = y_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok[:, None] & (offs_p < P)[None, :])
+        _store_tile(y_ptr + ((b * L + t0) * H + h) * P, offs_q, ok, offs_p, P, H * P, acc, EVEN_P)
 
     @triton.jit
-    def _chunk_dread_kernel(
-        dy_ptr, dtf_ptr, Af_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Cb_ptr, seg_ptr, dst_ptr,
+    def _dstate_kernel(
+        dy_ptr, syb, syl, syh, Cf_ptr, Cb_ptr, sbb, sbl, sbg,
+        seg_ptr, st_ptr, dtc_ptr, ds_ptr, rr_ptr, tacc_ptr,
         BATCH, L, H, G, P, N, NC, Q,
-        HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_P: tl.constexpr,
+        EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
-        """Gradient of the chunk's read-outs w.r.t. the state entering it: ``sum_i w_i dy_i C~_i^T``."""
-        c = tl.program_id(0)
-        pid = tl.program_id(1)
-        b = pid // H
-        h = pid % H
-        g = h // (H // G)
+        """Per (sequence, chunk, group), direction by direction and head by head: the gradient of the read-out with
+        respect to the entering state, ``(w dy)^T C~`` (into ``ds``), the read-out's share of the log-decay gradient
+        (``rr``, per head and row), and its share of dC~, ``sum_heads w (dy H)``, into ``tacc`` (directions, batch,
+        L, G, N), float32."""
+        pid = tl.program_id(0).to(tl.int64)
+        g = pid % G
+        c = (pid // G) % NC
+        b = pid // G // NC
+        t0 = c * Q
+        rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
-        t = c * Q + offs_q
-        ok = (offs_q < Q) & (t < L)
+        ok = (offs_q < Q) & (offs_q < rem)
+        plane = (D1 - D0) * BATCH * H * L
         if HAS_SEG:
-            seg = tl.load(seg_ptr + b * L + tl.minimum(t, L - 1))
-            seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
-            seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
-                     mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        st_off = offs_p[:, None] * N + offs_n[None, :]
-        st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-        if HAS_F:
-            dt = tl.load(dtf_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            a = dt * tl.load(Af_ptr + h).to(tl.float32)
-            p, e, plast = _prefix(a, ok)
-            if SHIFT:
-                q = e
-                Ct = tl.load(Cf_ptr + ((b * L + (t - 1)[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=(ok & (t >= 1))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            else:
-                q = p
-                Ct = tl.load(Cf_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            wq = tl.exp(q)
-            if HAS_SEG:
-                wq = tl.where(seg == seg_before, wq, 0.0)
-            dH = _mm(tl.trans(dy * wq[:, None]), Ct, DOT)
-            tl.store(dst_ptr + ((b * NC + c) * H + h) * P * N + st_off, dH, mask=st_mask)
-        if HAS_B:
-            dt = tl.load(dtb_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            a = dt * tl.load(Ab_ptr + h).to(tl.float32)
-            p, e, plast = _prefix(a, ok)
-            if SHIFT:
-                q = p
-                Ct = tl.load(Cb_ptr + ((b * L + (t + 1)[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=(ok & (t + 1 < L))[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            else:
-                q = e
-                Ct = tl.load(Cb_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                             mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            wq = tl.exp(plast - q)
-            if HAS_SEG:
-                wq = tl.where(seg == seg_after, wq, 0.0)
-            dG = _mm(tl.trans(dy * wq[:, None]), Ct, DOT)
-            tl.store(dst_ptr + (((BATCH + b) * NC + c) * H + h) * P * N + st_off, dG, mask=st_mask)
+            seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            q_unused, rc, c_ok, r_unused = _query(d, offs_q, ok, t0, rem, offs_q, offs_q, 0, SHIFT)
+            Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
+            acc = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
+            for hh in range(HG):
+                h = g * HG + hh
+                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+                q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+                wq = tl.where(ok, tl.exp(read), 0.0)
+                if HAS_SEG:
+                    wq = tl.where(seg == _pick(d, seg_before, seg_after), wq, 0.0)
+                dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs_q, ok, offs_p, P, syl, EVEN_P)
+                sbase = (((slot * BATCH + b) * NC + c) * H + h) * BLOCK_P * BLOCK_N
+                _square(ds_ptr + sbase, offs_p, offs_n, _mm(tl.trans(dy.to(tl.float32) * wq[:, None]), Ct, DOT))
+                T = _mm(dy, _load_square(st_ptr + sbase, offs_p, offs_n), DOT)    # (Q, N): dy H
+                tl.store(rr_ptr + ((slot * BATCH + b) * L + t0) * H + h + offs_q * H,
+                         wq * tl.sum(T * Ct.to(tl.float32), 1), mask=ok)
+                acc += wq[:, None] * T
+            _store_tile(tacc_ptr + (((slot * BATCH + b) * L + t0) * G + g) * N, offs_q, ok, offs_n, N, G * N, acc,
+                        EVEN_N)
 
     @triton.jit
-    def _direction_bwd(
-        x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_read, seg_own,
-        dt_ptr, A_ptr, B_ptr, C_ptr, hs_ptr, ds_ptr, lg_ptr, dB_ptr, dC_ptr, ddt_ptr, dA_ptr,
-        BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask, DIR: tl.constexpr,
-        HAS_SEG: tl.constexpr, SHIFT: tl.constexpr, DOT: tl.constexpr,
-    ):
-        """All gradients of one direction inside one chunk; returns dx with this direction's part added.
+    def _dt_grads(d: tl.constexpr, dt, gdt, A, p, e, plast, kd, qd, rr, val, ws_raw, dlg, ok, SHIFT: tl.constexpr):
+        """Direction ``d``'s step-size gradients of one head in one chunk, from the sums over the intra block
+        (``kd`` per key, ``qd`` per query), the read-out's ``rr``, the own state's ``val = rowsum((x dS) B)`` and the
+        log carry's ``dlg``: the raw step sizes' (through the decays and weights, then through their preparation,
+        whose derivative is ``gdt``) and the chunk's partial of dA.
 
-        DIR 0 = forward (lower), 1 = backward (upper). ``seg_read``: the segment the entering state belongs
-        to; ``seg_own``: the segment this chunk's own state collects.
-        """
-        dt = tl.load(dt_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-        A = tl.load(A_ptr + h).to(tl.float32)
-        a = dt * A
-        p, e, plast = _prefix(a, ok)
-        Bt = tl.load(B_ptr + ((b * L + t[:, None]) * G + g) * N + offs_n[None, :],
-                     mask=ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-        if DIR == 0:
-            if SHIFT:
-                q = e
-                tc = t - 1
-                c_ok = ok & (t >= 1)
-                allowed = valid & (jj < ii)
-            else:
-                q = p
-                tc = t
-                c_ok = ok
-                allowed = valid & (jj <= ii)
-            logw = q[:, None] - p[None, :]
-            wq = tl.exp(q)
-            wsraw = tl.exp(plast - p)
-        else:
-            if SHIFT:
-                q = p
-                tc = t + 1
-                c_ok = ok & (t + 1 < L)
-                allowed = valid & (jj > ii)
-            else:
-                q = e
-                tc = t
-                c_ok = ok
-                allowed = valid & (jj >= ii)
-            logw = e[None, :] - q[:, None]
-            wq = tl.exp(plast - q)
-            wsraw = tl.exp(e)
-        wsraw = tl.where(ok, wsraw, 0.0)
-        if HAS_SEG:
-            wq = tl.where(seg == seg_read, wq, 0.0)
-            wsraw = tl.where(seg == seg_own, wsraw, 0.0)
-        Ct = tl.load(C_ptr + ((b * L + tc[:, None]) * G + g) * N + offs_n[None, :],
-                     mask=c_ok[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-        sbase = ((DIR * BATCH + b) * NC + c) * H + h
-        Hc = tl.load(hs_ptr + sbase * P * N + st_off, mask=st_mask, other=0.0)   # state read by this chunk
-        dS = tl.load(ds_ptr + sbase * P * N + st_off, mask=st_mask, other=0.0)   # grad of this chunk's own state
-        lg = tl.load(lg_ptr + sbase)
-
-        # intra-chunk block
-        CB = _mm(Ct, tl.trans(Bt), DOT)
-        decay = tl.exp(tl.where(allowed, logw, float("-inf")))
-        ldt = decay * dt[None, :]
-        dx += _mm(tl.trans(CB * ldt), dy, DOT)
-        dCB = DYX * ldt
-        dCt = _mm(dCB, Bt, DOT)
-        dBt = _mm(tl.trans(dCB), Ct, DOT)
-        K = DYX * CB * decay
-        ddt = tl.sum(K, 0)
-        R = K * dt[None, :]
-        d_query = tl.sum(R, 1)       # d/d(log weight), summed over keys, per query i
-        d_key = tl.sum(R, 0)         # per key j
-        # read-out of the entering state
-        HC = _mm(Ct, tl.trans(Hc), DOT)                      # (Q, P)
-        Rr = wq * tl.sum(dy * HC, 1)
-        dCt += _mm(dy * wq[:, None], Hc, DOT)
-        # this chunk's own state
-        xdS = _mm(x, dS, DOT)                                # (Q, N)
-        val = tl.sum(xdS * Bt, 1)
-        ws = wsraw * dt
-        Rs = ws * val
-        ddt += wsraw * val
-        dBt += ws[:, None] * xdS
-        dx += ws[:, None] * _mm(Bt, tl.trans(dS), DOT)
-        dplast = tl.exp(lg) * tl.sum(tl.sum(dS * Hc, 1), 0)
-        if DIR == 0:
-            # log weights: q_i - p_j (intra), q_i (read-out), p_last - p_j (own state)
-            dq = d_query + Rr
+        Log weights: forward ``q_i - p_j`` (intra), ``q_i`` (read-out), ``p_last - p_j`` (own state); backward
+        ``e_j - q_i``, ``p_last - q_i``, ``e_j``."""
+        Rs = ws_raw * dt * val
+        ddt = kd + ws_raw * val
+        d_key = dt * kd
+        if d == 0:
+            dq = qd + rr
             dp = -d_key - Rs
             de = tl.zeros_like(dp)
-            dplast += tl.sum(Rs, 0)
+            dplast = dlg + tl.sum(Rs, 0)
         else:
-            # log weights: e_j - q_i (intra), p_last - q_i (read-out), e_j (own state)
-            dq = -d_query - Rr
+            dq = -qd - rr
             de = d_key + Rs
             dp = tl.zeros_like(de)
-            dplast += tl.sum(Rr, 0)
-        if SHIFT == (DIR == 0):
+            dplast = dlg + tl.sum(rr, 0)
+        if SHIFT == (d == 0):    # q is e (forward shifted, backward unshifted), else p
             de += dq
         else:
             dp += dq
         # p_i = sum_{k<=i} a_k, e_i = sum_{k<i} a_k, p_last = sum_k a_k
         da = (tl.sum(dp, 0) - tl.cumsum(dp, 0) + dp) + (tl.sum(de, 0) - tl.cumsum(de, 0)) + dplast
         da = tl.where(ok, da, 0.0)
-        tl.store(ddt_ptr + (b * L + t) * H + h, ddt + A * da, mask=ok)
-        tl.store(dA_ptr + (b * NC + c) * H + h, tl.sum(dt * da, 0))
-        rows = ((b * L + t[:, None]) * H + h) * N + offs_n[None, :]
-        tl.store(dB_ptr + rows, dBt, mask=ok[:, None] & (offs_n < N)[None, :])
-        crows = ((b * L + tc[:, None]) * H + h) * N + offs_n[None, :]
-        tl.store(dC_ptr + crows, dCt, mask=c_ok[:, None] & (offs_n < N)[None, :])
-        return dx
+        return (ddt + A * da) * gdt, tl.sum(dt * da, 0)
 
     @triton.jit
-    def _chunk_bwd_kernel(
-        x_ptr, dy_ptr, dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, diag_ptr, seg_ptr,
-        hs_ptr, ds_ptr, lg_ptr,
-        dx_ptr, dBf_ptr, dCf_ptr, ddtf_ptr, dAf_ptr, dBb_ptr, dCb_ptr, ddtb_ptr, dAb_ptr, ddiag_ptr,
-        BATCH, L, H, G, P, N, NC, Q,
-        HAS_F: tl.constexpr, HAS_B: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        SHIFT: tl.constexpr, ACC_DX: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    def _dx_kernel(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh,
+        dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, sdb, sdl, sdh, sbb, sbl, sbg,
+        diag_ptr, sgb, sgl, sgh, bias_ptr, seg_ptr, cb_ptr, ds_ptr, dtc_ptr, rr_ptr, dlg_ptr,
+        dx_ptr, ddiag_ptr, ddtf_ptr, ddtb_ptr, part_ptr,
+        BATCH, L, H, G, P, N, NC, Q, NBLK, lo, hi,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        SHARED_A: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_P: tl.constexpr, EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
-        c = tl.program_id(0)
-        pid = tl.program_id(1)
-        b = pid // H
+        """Per (sequence, chunk, head): ``dx`` (x's dtype), d diag, and each direction's raw step-size gradient (dt's
+        dtype) with the chunk's partials of dA and d dt_bias (``part`` (batch * NC, 3, H): dA forward, dA backward,
+        d dt_bias). The intra block's share of the log-decay gradient comes without ``dy x^T``: with
+        ``M~ = C~B^T * decay``, ``Z = M~^T dy`` gives ``dx += dt Z`` and ``kd_j = x_j . Z_j`` (summed over queries),
+        and ``W = (M~ dt) x`` gives ``qd_i = dy_i . W_i`` (summed over keys)."""
+        pid = tl.program_id(0).to(tl.int64)
         h = pid % H
-        g = h // (H // G)
+        c = (pid // H) % NC
+        b = pid // H // NC
+        g = h // HG
+        t0 = c * Q
+        rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
-        t = c * Q + offs_q
-        ok = (offs_q < Q) & (t < L)
-        ii = offs_q[:, None]
-        jj = offs_q[None, :]
-        valid = ok[:, None] & ok[None, :]
-        seg = offs_q
-        seg_before = 0
-        seg_after = 0
-        seg_first = 0
-        seg_last = 0
+        offs_k = tl.arange(0, BLOCK_K)
+        ok = (offs_q < Q) & (offs_q < rem)
+        plane = (D1 - D0) * BATCH * H * L
         if HAS_SEG:
-            seg = tl.load(seg_ptr + b * L + tl.minimum(t, L - 1))
-            valid = valid & (seg[:, None] == seg[None, :])
-            seg_before = tl.load(seg_ptr + b * L + tl.maximum(c * Q - 1, 0))
-            seg_after = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q, L - 1))
-            seg_first = tl.load(seg_ptr + b * L + c * Q)
-            seg_last = tl.load(seg_ptr + b * L + tl.minimum(c * Q + Q - 1, L - 1))
-        x = tl.load(x_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
-                    mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :],
-                     mask=ok[:, None] & (offs_p < P)[None, :], other=0.0).to(tl.float32)
-        st_off = offs_p[:, None] * N + offs_n[None, :]
-        st_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-        DYX = _mm(dy, tl.trans(x), DOT)                       # [i, j] = dy_i . x_j
+            seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
+        dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs_q, ok, offs_p, P, syl, EVEN_P)
+        x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
         dx = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
         if HAS_DIAG:
-            dg = tl.load(diag_ptr + (b * L + t) * H + h, mask=ok, other=0.0).to(tl.float32)
-            dx += dg[:, None] * dy
-            tl.store(ddiag_ptr + (b * L + t) * H + h, tl.sum(dy * x, 1), mask=ok)
-        if HAS_F:
-            dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_before, seg_last,
-                                dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, hs_ptr, ds_ptr, lg_ptr, dBf_ptr, dCf_ptr,
-                                ddtf_ptr, dAf_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                0, HAS_SEG, SHIFT, DOT)
-        if HAS_B:
-            dx = _direction_bwd(x, dy, DYX, dx, b, c, h, g, t, ok, valid, ii, jj, seg, seg_after, seg_first,
-                                dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, hs_ptr, ds_ptr, lg_ptr, dBb_ptr, dCb_ptr,
-                                ddtb_ptr, dAb_ptr, BATCH, L, H, G, P, N, NC, offs_n, st_off, st_mask,
-                                1, HAS_SEG, SHIFT, DOT)
-        dx_ptrs = dx_ptr + ((b * L + t[:, None]) * H + h) * P + offs_p[None, :]
-        dx_mask = ok[:, None] & (offs_p < P)[None, :]
-        if ACC_DX:  # the other direction's launch (earlier on the same stream) wrote its part
-            dx += tl.load(dx_ptrs, mask=dx_mask, other=0.0)
-        tl.store(dx_ptrs, dx, mask=dx_mask)
+            dg = tl.load(_at(diag_ptr, b, t0, h, sgb, sgl, sgh) + offs_q * sgl, mask=ok, other=0.0).to(tl.float32)
+            dx += dg[:, None] * dy.to(tl.float32)
+            tl.store(ddiag_ptr + (b * L + t0) * H + h + offs_q * H,
+                     tl.sum(dy.to(tl.float32) * x.to(tl.float32), 1).to(ddiag_ptr.dtype.element_ty), mask=ok)
+        part = part_ptr + (b * NC + c) * 3 * H + h
+        dbias = 0.0
+        dA_both = 0.0
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+            q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+            cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
+            Mt = tl.load(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :]) * _intra_decay(d, p, e, q, ok, SHIFT)
+            if HAS_SEG:
+                Mt = tl.where(seg[:, None] == seg[None, :], Mt, 0.0)
+            Z = _mm(tl.trans(Mt), dy, DOT)                   # (Q, P): Z_j = sum_i M~_ij dy_i
+            dx += dt[:, None] * Z
+            kd = tl.sum(x.to(tl.float32) * Z, 1)
+            qd = tl.sum(dy.to(tl.float32) * _mm(Mt * dt[None, :], x, DOT), 1)   # dy_i . (M x)_i
+            ws_raw = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0)
+            if HAS_SEG:
+                ws_raw = tl.where(seg == _pick(d, seg_last, seg_first), ws_raw, 0.0)
+            sbase = ((slot * BATCH + b) * NC + c) * H + h
+            dS = _load_square(ds_ptr + sbase * BLOCK_P * BLOCK_N, offs_p, offs_n)
+            Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, t0, g, sbb, sbl, sbg), offs_q, ok, offs_n, N, sbl, EVEN_N)
+            dx += (ws_raw * dt)[:, None] * _mm(Bt, tl.trans(dS), DOT)
+            val = tl.sum(_mm(x, dS, DOT) * Bt.to(tl.float32), 1)              # rowsum((x dS) * B)
+            if HAS_BIAS or SOFTPLUS or CLAMP:
+                unused, gdt = _step(_at(_pick(d, dtf_ptr, dtb_ptr), b, t0, h, sdb, sdl, sdh), offs_q, ok, sdl,
+                                    bias_ptr, h, lo, hi, HAS_BIAS, SOFTPLUS, CLAMP)
+            else:
+                gdt = tl.where(ok, 1.0, 0.0)
+            rr = tl.load(rr_ptr + ((slot * BATCH + b) * L + t0) * H + h + offs_q * H, mask=ok, other=0.0)
+            dlg = tl.sum(tl.load(dlg_ptr + sbase * NBLK + offs_k, mask=offs_k < NBLK, other=0.0), 0)
+            A = tl.load(_pick(d, Af_ptr, Ab_ptr) + h).to(tl.float32)
+            ddt, dA = _dt_grads(d, dt, gdt, A, p, e, plast, kd, qd, rr, val, ws_raw, dlg, ok, SHIFT)
+            ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
+            tl.store(ddt_ptr + (b * L + t0) * H + h + offs_q * H, ddt.to(ddt_ptr.dtype.element_ty), mask=ok)
+            if SHARED_A:   # one A for both directions: one gradient
+                dA_both += dA
+            else:
+                tl.store(part + d * H, dA)
+            dbias += tl.sum(ddt, 0)
+        if SHARED_A:
+            tl.store(part, dA_both)
+        if HAS_BIAS:
+            tl.store(part + 2 * H, dbias)
+        _store_tile(dx_ptr + ((b * L + t0) * H + h) * P, offs_q, ok, offs_p, P, H * P, dx, EVEN_P)
+
+    @triton.jit
+    def _dbc_kernel(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, Bf_ptr, Cf_ptr, Bb_ptr, Cb_ptr, sbb, sbl, sbg,
+        seg_ptr, ds_ptr, dtc_ptr, tacc_ptr, dBf_ptr, dBb_ptr, dCf_ptr, dCb_ptr,
+        BATCH, L, H, G, P, N, NC, Q,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_P: tl.constexpr,
+        EVEN_N: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """Per (sequence, chunk, group). First, head by head, ``dy x^T`` (once for both directions) and the group's
+        ``d(C~ B^T)``; from it dC (its own dtype; with the read-out's share from ``tacc``) and the intra share of dB.
+        Then, head by head, the own states' share of dB, ``sum_heads w (x dS)``; dB last, in its own dtype."""
+        pid = tl.program_id(0).to(tl.int64)
+        g = pid % G
+        c = (pid // G) % NC
+        b = pid // G // NC
+        t0 = c * Q
+        rem = (L - t0).to(tl.int32)
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        ok = (offs_q < Q) & (offs_q < rem)
+        plane = (D1 - D0) * BATCH * H * L
+        if HAS_SEG:
+            seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
+        # 1. d(C~ B^T), summed over the group's heads
+        dCB_f = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
+        dCB_b = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
+        for hh in range(HG):
+            h = g * HG + hh
+            x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
+            dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs_q, ok, offs_p, P, syl, EVEN_P)
+            DYX = _mm(dy, tl.trans(x), DOT)                       # [i, j] = dy_i . x_j, once for both directions
+            if HAS_SEG:
+                DYX = tl.where(seg[:, None] == seg[None, :], DYX, 0.0)
+            for d in tl.static_range(D0, D1):
+                slot = d - D0
+                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+                q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+                E = DYX * _intra_decay(d, p, e, q, ok, SHIFT) * dt[None, :]
+                if d == 0:
+                    dCB_f += E
+                else:
+                    dCB_b += E
+        # dC~ = dCB B + (read-out share), and the intra share of dB = dCB^T C~; C~ rows are C's rows -+ 1 when shifted
+        out_rows = ((b * L + t0) * G + g) * N
+        dB_f = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
+        dB_b = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            dCB = _pick(d, dCB_f, dCB_b)
+            q_unused, rc, c_ok, r_unused = _query(d, offs_q, ok, t0, rem, offs_q, offs_q, 0, SHIFT)
+            Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, t0, g, sbb, sbl, sbg), offs_q, ok, offs_n, N, sbl, EVEN_N)
+            Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
+            dC_ptr = _pick(d, dCf_ptr, dCb_ptr)
+            acc_rows = (((slot * BATCH + b) * L + t0) * G + g) * N
+            dC = _mm(dCB, Bt, DOT) + _tile(tacc_ptr + acc_rows, offs_q, ok, offs_n, N, G * N, EVEN_N)
+            _store_tile(dC_ptr + out_rows, rc, c_ok, offs_n, N, G * N, dC, EVEN_N)
+            if SHIFT:  # the C row read by no query (the last one forward, the first backward) has gradient 0
+                if d == 0:
+                    edge = rem - 1 + offs_q * 0
+                    edge_ok = (offs_q == 0) & (c == NC - 1)
+                else:
+                    edge = offs_q * 0
+                    edge_ok = (offs_q == 0) & (c == 0)
+                _store_tile(dC_ptr + out_rows, edge, edge_ok, offs_n, N, G * N,
+                            tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32), EVEN_N)
+            if d == 0:
+                dB_f = _mm(tl.trans(dCB), Ct, DOT)
+            else:
+                dB_b = _mm(tl.trans(dCB), Ct, DOT)
+        # 2. head by head: the own states' share of dB
+        for hh in range(HG):
+            h = g * HG + hh
+            x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
+            for d in tl.static_range(D0, D1):
+                slot = d - D0
+                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+                ws = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0) * dt
+                if HAS_SEG:
+                    ws = tl.where(seg == _pick(d, seg_last, seg_first), ws, 0.0)
+                sbase = ((slot * BATCH + b) * NC + c) * H + h
+                U = _mm(x, _load_square(ds_ptr + sbase * BLOCK_P * BLOCK_N, offs_p, offs_n), DOT)   # (Q, N): x dS
+                if d == 0:
+                    dB_f += ws[:, None] * U
+                else:
+                    dB_b += ws[:, None] * U
+        for d in tl.static_range(D0, D1):
+            _store_tile(_pick(d, dBf_ptr, dBb_ptr) + out_rows, offs_q, ok, offs_n, N, G * N, _pick(d, dB_f, dB_b),
+                        EVEN_N)
 
 
 # -- host side ----------------------------------------------------------------------------------------
 
-def _segments(seq_idx: Tensor | None) -> Tensor | None:
-    """Segment numbers 0, 1, ...: a new segment starts wherever the id changes (int32, (b, l))."""
-    if seq_idx is None:
-        return None
-    change = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
-    return torch.cat([torch.zeros_like(change[:, :1]), change.cumsum(1, dtype=torch.int32)], dim=1).contiguous()
+def _s3(t: Tensor | None) -> tuple[int, int, int]:
+    """The first three strides of a (batch, length, k[, width]) tensor (zeros for an absent one)."""
+    return (0, 0, 0) if t is None else tuple(t.stride()[:3])
 
 
-def _c(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.contiguous()
+def _param(t: Tensor | None) -> Tensor | None:
+    """A per-head parameter (h,) with unit stride (a copy only if it has none)."""
+    if t is None or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
 
 
-class _Geometry:
-    def __init__(self, x: Tensor, B: Tensor, chunk_size: int):
-        self.batch, self.length, self.heads, self.hdim = x.shape
-        self.groups, self.nstate = B.shape[2], B.shape[3]
-        self.Q = min(int(chunk_size), self.length)
-        self.nchunks = -(-self.length // self.Q)
-        self.blocks = dict(BLOCK_Q=_block(self.Q), BLOCK_P=_block(self.hdim), BLOCK_N=_block(self.nstate),
-                           DOT=dot_precision(x.dtype))
-        self.grid = (self.nchunks, self.batch * self.heads)
-        pn = self.hdim * self.nstate
-        self.pn_block = min(1024, triton.next_power_of_2(pn))
-        self.dims = (self.batch, self.length, self.heads, self.groups, self.hdim, self.nstate, self.nchunks, self.Q)
-
-    def pass_grid(self, ndirs: int) -> tuple[int, int, int]:
-        return (self.batch * self.heads, ndirs, triton.cdiv(self.hdim * self.nstate, self.pn_block))
+def _unit_last(t: Tensor | None) -> Tensor | None:
+    """``t`` with a unit stride along its last dimension (a copy only if it has none): the kernels' vector loads."""
+    if t is None or t.stride(-1) == 1 or t.shape[-1] == 1:
+        return t
+    return t.contiguous()
 
 
-def _dirs(has_f: bool, has_b: bool) -> tuple[int, int]:
-    """(first direction index, number of directions) for the state-pass grid."""
-    return (0 if has_f else 1), int(has_f) + int(has_b)
+def _one_layout(*ts: Tensor | None) -> list[Tensor | None]:
+    """The present tensors with one shared set of strides (each as it is when they already share one, contiguous
+    otherwise): the kernels take one set of strides for both directions' B and C, and one for both dt."""
+    present = [t for t in ts if t is not None]
+    if len({t.stride() for t in present}) <= 1 and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in present):
+        return list(ts)
+    return [None if t is None else t.contiguous() for t in ts]
 
 
-def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shift: bool, chunk_size: int):
-    """Forward pass. Returns y, the entering states (2, b, NC, h, p, n), the log carries and the final state."""
-    has_f, has_b = dt_f is not None, dt_b is not None
-    ref_B = B_f if has_f else B_b
-    geo = _Geometry(x, ref_B, chunk_size)
+#: The kernels address a chunk's rows by 32-bit offsets from its first row (every offset of a whole tensor is
+#: 64-bit): a row stride times the chunk length must stay under this.
+ROW_OFFSET_LIMIT = 2**31
+
+
+class _Call:
+    """What every launch of one scan shares: the present directions, the flags, the geometry, the strides."""
+
+    def __init__(self, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
+                 softplus, shift, chunk_size):
+        self.has_f, self.has_b = dt_f is not None, dt_b is not None
+        self.ndirs = int(self.has_f) + int(self.has_b)
+        ref_B = B_f if self.has_f else B_b
+        b, L, H, P = x.shape
+        self.geo = ScanGeometry(b, L, H, ref_B.shape[2], P, ref_B.shape[3], chunk_size)
+        self.x, self.diag, self.seg, self.bias = _unit_last(x), diag, seg, _param(dt_bias)
+        dt_f, dt_b = _one_layout(dt_f, dt_b)
+        B_f, C_f, B_b, C_b = _one_layout(B_f, C_f, B_b, C_b)
+        self.dt, self.A = _fill(dt_f, dt_b), _fill(_param(A_f), _param(A_b))
+        #: both directions read the forward's A (the caller passed one tensor for both): its gradient is one sum
+        self.shared_A = self.has_f and self.has_b and A_b is None
+        self.B, self.C = _fill(B_f, B_b), _fill(C_f, C_b)
+        rows = [t.stride(1) for t in (self.x, *self.dt, *self.B, diag) if t is not None]
+        rows.append(H * P)
+        if (max(rows) + 1) * (self.geo.Q + 1) >= ROW_OFFSET_LIMIT:
+            raise ValueError(f"triton scan: a token's row stride ({max(rows)} elements) times the chunk length "
+                             f"({self.geo.Q}) passes 2^31; use a smaller chunk_size or the torch backend")
+        clamp = dt_lo > 0.0 or dt_hi != math.inf
+        self.lo_hi = (float(dt_lo), float(dt_hi) if dt_hi != math.inf else 3.0e38)
+        self.prep = dict(HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(softplus), CLAMP=bool(clamp))
+        self.flags = dict(HG=H // self.geo.groups, D0=0 if self.has_f else 1, D1=2 if self.has_b else 1,
+                          HAS_SEG=seg is not None, SHIFT=bool(shift))
+        self.blocks = self.geo.blocks(x.dtype)
+        self.pad = (self.blocks["BLOCK_P"], self.blocks["BLOCK_N"])
+        self.st_dtype = state_dtype(x.dtype)
+
+    def ptr(self, t: Tensor | None) -> Tensor:
+        """A tensor argument (x stands in for an absent one: never read)."""
+        return self.x if t is None else t
+
+    def generators(self) -> tuple:
+        """dt, A, B, C of the forward then the backward direction, then the strides of dt and of B and C."""
+        (dtf, dtb), (Af, Ab), (Bf, Bb), (Cf, Cb) = self.dt, self.A, self.B, self.C
+        return (dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, *_s3(dtf), *_s3(Bf))
+
+    def C_pair(self) -> tuple:
+        return (*self.C, *_s3(self.B[0]))
+
+    def B_pair(self) -> tuple:
+        return (*self.B, *_s3(self.B[0]))
+
+    @property
+    def dims(self) -> tuple:
+        return self.geo.dims
+
+
+def _fill(f: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A forward/backward pair, the present one standing in for an absent one (never read)."""
+    return (b if f is None else f), (f if b is None else b)
+
+
+def _padded(t: Tensor, pad: tuple[int, int]) -> Tensor:
+    """A (..., P, N) state as the kernels keep it, padded with zeros to (..., BLOCK_P, BLOCK_N)."""
+    if tuple(t.shape[-2:]) == pad:
+        return t.contiguous()
+    return torch.nn.functional.pad(t, (0, pad[1] - t.shape[-1], 0, pad[0] - t.shape[-2])).contiguous()
+
+
+def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+              chunk_size, return_final):
+    """Forward pass: (y, the passed states (directions, b, NC, h, BLOCK_P, BLOCK_N), log carries (directions, b, NC,
+    h), ``C~ B^T`` (directions, b, NC, g, BLOCK_Q, BLOCK_Q), prepared step sizes and their chunk-local cumsums (2,
+    directions, b, h, L), the final state (b, h, p, n) float32 or an empty tensor)."""
+    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+              chunk_size)
+    geo, blocks = k.geo, k.blocks
     bsz, L, H, G, P, N, NC, Q = geo.dims
+    BQ, (BP, BN) = blocks["BLOCK_Q"], k.pad
     dev = x.device
-    # every entry of the present directions is written by the kernel (an absent direction's half is never read)
-    st = torch.empty(2, bsz, NC, H, P, N, device=dev, dtype=torch.float32)
-    lg = torch.zeros(2, bsz, NC, H, device=dev, dtype=torch.float32)
-    dummy = x
-    args_f = (dt_f, A_f, B_f) if has_f else (dummy, dummy, dummy)
-    args_b = (dt_b, A_b, B_b) if has_b else (dummy, dummy, dummy)
-    seg_arg = seg if seg is not None else dummy
-    _chunk_states_kernel[geo.grid](
-        x, *args_f, *args_b, seg_arg, st, lg, *geo.dims,
-        HAS_F=has_f, HAS_B=has_b, HAS_SEG=seg is not None, **geo.blocks, **LAUNCH["states"])
-    hs = torch.empty_like(st)
-    init_buf = torch.zeros(2, bsz, H, P, N, device=dev, dtype=torch.float32)
-    if init is not None:
-        init_buf[0] = init.to(torch.float32)
-    final = torch.zeros_like(init_buf)
-    d0, nd = _dirs(has_f, has_b)
-    _state_pass_kernel[geo.pass_grid(nd)](
-        st, lg, hs, init_buf, final, bsz, H, NC, P * N,
-        DIR0=d0, REV_FIRST=0, HAS_INIT=init is not None, BLOCK=geo.pn_block, **LAUNCH["pass"])
-    y = torch.empty_like(x)
-    Cf_arg = C_f if has_f else dummy
-    Cb_arg = C_b if has_b else dummy
-    _chunk_out_kernel[geo.grid](
-        x, *args_f[:2], args_f[2], Cf_arg, *args_b[:2], args_b[2], Cb_arg,
-        diag if diag is not None else dummy, seg_arg, hs, y, *geo.dims,
-        HAS_F=has_f, HAS_B=has_b, HAS_DIAG=diag is not None, HAS_SEG=seg is not None, SHIFT=bool(shift),
-        **geo.blocks, **LAUNCH["out"])
-    return y, hs, lg, final[0]
+    st = torch.empty(k.ndirs, bsz, NC, H, BP, BN, device=dev, dtype=k.st_dtype)
+    lg = torch.empty(k.ndirs, bsz, NC, H, device=dev, dtype=torch.float32)
+    cb = torch.empty(k.ndirs, bsz, NC, G, BQ, BQ, device=dev, dtype=torch.float32)
+    dtc = torch.empty(2, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
+    final = torch.empty((bsz, H, BP, BN) if return_final else (0,), device=dev, dtype=torch.float32)
+    y = torch.empty(x.shape, device=dev, dtype=x.dtype)
+    if x.numel() == 0:
+        return y, st, lg, cb, dtc, (final[..., :P, :N].contiguous() if return_final else final)
+    x = k.x
+    with on_device(dev):
+        _states_kernel[geo.group_grid()](
+            x, *_s3(x), *k.generators(), k.ptr(k.bias), k.ptr(seg), st, lg, cb, dtc, *k.dims, *k.lo_hi,
+            **k.flags, **k.prep, **blocks, **LAUNCH["states"])
+        _pass_kernel[geo.pass_grid(k.ndirs, BP * BN)](
+            st, lg, k.ptr(None if init is None else _padded(init, k.pad)), final, st, lg, bsz, H, NC, BP * BN,
+            geo.pass_blocks_of(BP * BN), D0=k.flags["D0"], REVERSE=0, HAS_INIT=init is not None,
+            HAS_FINAL=bool(return_final), CARRY_GRAD=False, BLOCK=geo.pass_block_of(BP * BN), **LAUNCH["pass"])
+        _out_kernel[geo.head_grid()](
+            x, *_s3(x), *k.C_pair(), k.ptr(diag), *_s3(diag), k.ptr(seg), cb, st, dtc, y, *k.dims, **k.flags,
+            HAS_DIAG=diag is not None, **blocks, **LAUNCH["out"])
+    if return_final and (BP, BN) != (P, N):
+        final = final[..., :P, :N].contiguous()
+    return y, st, lg, cb, dtc, final
 
 
-def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, shift: bool,
-              chunk_size: int):
-    """Backward pass: (dx, ddt_f, dA_f, dB_f, dC_f, ddt_b, dA_b, dB_b, dC_b, ddiag, dinit), float32."""
-    has_f, has_b = dt_f is not None, dt_b is not None
-    ref_B = B_f if has_f else B_b
-    geo = _Geometry(x, ref_B, chunk_size)
+def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
+              shift, chunk_size, st, lg, cb, dtc, need_dinit):
+    """Backward pass: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, partials], each gradient in its
+    input's dtype (an empty tensor for an absent input); ``partials`` (b * NC, 3, h) float32 hold per-chunk sums of
+    dA forward, dA backward and d dt_bias."""
+    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+              chunk_size)
+    geo, blocks = k.geo, k.blocks
     bsz, L, H, G, P, N, NC, Q = geo.dims
+    BP, BN = k.pad
     dev = x.device
     f32 = dict(device=dev, dtype=torch.float32)
-    dummy = x
-    seg_arg = seg if seg is not None else dummy
-    dy = dy.contiguous()
-    dread = torch.empty(2, bsz, NC, H, P, N, **f32)   # written in full for the present directions
-    _chunk_dread_kernel[geo.grid](
-        dy, dt_f if has_f else dummy, A_f if has_f else dummy, C_f if has_f else dummy,
-        dt_b if has_b else dummy, A_b if has_b else dummy, C_b if has_b else dummy, seg_arg, dread, *geo.dims,
-        HAS_F=has_f, HAS_B=has_b, HAS_SEG=seg is not None, SHIFT=bool(shift), **geo.blocks,
-        **LAUNCH["dread"])
-    # the state gradients obey the states' recurrence run the other way
-    ds = torch.empty_like(dread)
-    init_buf = torch.zeros(2, bsz, H, P, N, **f32)
-    if dfinal is not None:
-        init_buf[0] = dfinal.to(torch.float32)
-    dinit = torch.empty_like(init_buf)
-    d0, nd = _dirs(has_f, has_b)
-    _state_pass_kernel[geo.pass_grid(nd)](
-        dread, lg, ds, init_buf, dinit, bsz, H, NC, P * N,
-        DIR0=d0, REV_FIRST=1, HAS_INIT=dfinal is not None, BLOCK=geo.pn_block, **LAUNCH["pass"])
-    per_head = (bsz, L, H, N)
 
-    def grads(has: bool):
-        if not has:
-            return dummy, dummy, dummy, dummy
-        return (torch.empty(per_head, **f32), torch.zeros(per_head, **f32), torch.empty(bsz, L, H, **f32),
-                torch.empty(bsz, NC, H, **f32))
+    def like(t: Tensor | None) -> Tensor:
+        return x.new_empty(0) if t is None else torch.empty(t.shape, device=dev, dtype=t.dtype)
 
-    dBf, dCf, ddtf, dAf = grads(has_f)
-    dBb, dCb, ddtb, dAb = grads(has_b)
-    ddiag = torch.empty(bsz, L, H, **f32) if diag is not None else dummy
-    # One launch per direction: a program then holds one direction's tiles only, which halves its registers and
-    # compile time; the diagonal rides with the first launch, and the second adds its dx to the first's in place
-    # (launches on one stream run in order).
-    directions = [d for d, has in ((0, has_f), (1, has_b)) if has]
-    dx = torch.empty(bsz, L, H, P, **f32)
-    for slot, d in enumerate(directions):
-        _chunk_bwd_kernel[geo.grid](
-            x, dy, dt_f if d == 0 else dummy, A_f if d == 0 else dummy, B_f if d == 0 else dummy,
-            C_f if d == 0 else dummy, dt_b if d == 1 else dummy, A_b if d == 1 else dummy, B_b if d == 1 else dummy,
-            C_b if d == 1 else dummy, diag if diag is not None else dummy, seg_arg, hs, ds, lg,
-            dx, dBf, dCf, ddtf, dAf, dBb, dCb, ddtb, dAb, ddiag, *geo.dims,
-            HAS_F=d == 0, HAS_B=d == 1, HAS_DIAG=diag is not None and slot == 0, HAS_SEG=seg is not None,
-            SHIFT=bool(shift), ACC_DX=slot > 0, **geo.blocks, **LAUNCH["bwd"])
-
-    def group_sum(t: Tensor) -> Tensor:
-        return t if G == H else t.view(bsz, L, G, H // G, N).sum(3)
-
-    out_f = (ddtf, dAf.sum((0, 1)), group_sum(dBf), group_sum(dCf)) if has_f else (None,) * 4
-    out_b = (ddtb, dAb.sum((0, 1)), group_sum(dBb), group_sum(dCb)) if has_b else (None,) * 4
-    return (dx, *out_f, *out_b, ddiag if diag is not None else None,
-            dinit[0] if has_f else None)
+    dx = like(x)
+    ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b = (like(t) for t in (dt_f, B_f, C_f, dt_b, B_b, C_b))
+    ddiag = like(diag)
+    dinit = torch.empty(bsz, H, BP, BN, **f32) if need_dinit else x.new_empty(0)
+    part = torch.empty(bsz * NC, 3, H, **f32)
+    if x.numel() == 0:
+        dinit = dinit[..., :P, :N].contiguous() if need_dinit else dinit
+        return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part]
+    x, dy = k.x, _unit_last(dy)
+    ds = torch.empty(k.ndirs, bsz, NC, H, BP, BN, device=dev, dtype=k.st_dtype)
+    rr = torch.empty(k.ndirs, bsz, L, H, **f32)
+    tacc = torch.empty(k.ndirs, bsz, L, G, N, **f32)
+    nblk = geo.pass_blocks_of(BP * BN)
+    dlg = torch.empty(k.ndirs, bsz, NC, H, nblk, **f32)
+    with on_device(dev):
+        _dstate_kernel[geo.group_grid()](
+            dy, *_s3(dy), *k.C_pair(), k.ptr(seg), st, dtc, ds, rr, tacc, *k.dims, **k.flags, **blocks,
+            **LAUNCH["dstate"])
+        _pass_kernel[geo.pass_grid(k.ndirs, BP * BN)](
+            ds, lg, k.ptr(None if dfinal is None else _padded(dfinal, k.pad)), dinit, st, dlg, bsz, H, NC, BP * BN,
+            nblk, D0=k.flags["D0"], REVERSE=1, HAS_INIT=dfinal is not None, HAS_FINAL=bool(need_dinit),
+            CARRY_GRAD=True, BLOCK=geo.pass_block_of(BP * BN), **LAUNCH["pass"])
+        _dx_kernel[geo.head_grid()](
+            x, *_s3(x), dy, *_s3(dy), k.dt[0], k.A[0], k.B[0], k.dt[1], k.A[1], k.B[1], *_s3(k.dt[0]),
+            *_s3(k.B[0]), k.ptr(diag), *_s3(diag), k.ptr(k.bias), k.ptr(seg), cb, ds, dtc, rr, dlg, dx,
+            k.ptr(ddiag if diag is not None else None), *_fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None),
+            part, *k.dims, nblk, *k.lo_hi, **k.flags, HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A,
+            **blocks,
+            BLOCK_K=max(2, pow2(nblk)), **LAUNCH["dx"])
+        _dbc_kernel[geo.group_grid()](
+            x, *_s3(x), dy, *_s3(dy), k.B[0], k.C[0], k.B[1], k.C[1], *_s3(k.B[0]), k.ptr(seg), ds, dtc, tacc,
+            *_fill(dB_f if k.has_f else None, dB_b if k.has_b else None),
+            *_fill(dC_f if k.has_f else None, dC_b if k.has_b else None), *k.dims, **k.flags, **blocks,
+            **LAUNCH["dbc"])
+    if need_dinit and (BP, BN) != (P, N):
+        dinit = dinit[..., :P, :N].contiguous()
+    return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part]
 
 
 # -- custom ops: opaque to torch.compile (fake kernels), counted by FlopCounterMode --------------------------
@@ -628,108 +890,158 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
 def _qs_op(
     x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor],
     dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor],
-    diag: Optional[Tensor], init: Optional[Tensor], seg: Optional[Tensor], shift: bool, chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Fused scan forward: (y, entering states (2, b, NC, h, p, n), log carries (2, b, NC, h), final state)."""
-    y, hs, lg, final = _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, init, shift, chunk_size)
-    return y, hs, lg, final.clone()
+    diag: Optional[Tensor], init: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor],
+    dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int, return_final: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Fused scan forward: (y, passed states (directions, b, NC, h, p, n), log carries (directions, b, NC, h),
+    ``C~ B^T`` (directions, b, NC, g, Q, Q), prepared step sizes and their chunk-local cumsums (2, directions, b, h,
+    L), final state (b, h, p, n) or an empty tensor). ``dt_*`` are raw step sizes, prepared in the kernels as
+    ``clamp(softplus?(dt + dt_bias), dt_lo, dt_hi)``; the two directions' generators share dtypes."""
+    return tuple(_scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi,
+                           softplus, shift, chunk_size, return_final))
 
 
 @_qs_op.register_fake
-def _qs_op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, shift, chunk_size):
+def _qs_op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus,
+                shift, chunk_size, return_final):
     bsz, L, H, P = x.shape
-    N = (B_f if B_f is not None else B_b).shape[-1]
-    Q = min(int(chunk_size), L)
-    NC = -(-L // Q)
+    ref_B = B_f if B_f is not None else B_b
+    geo = ScanGeometry(bsz, L, H, ref_B.shape[2], P, ref_B.shape[3], chunk_size)
+    nd = int(dt_f is not None) + int(dt_b is not None)
     f32 = torch.float32
-    return (x.new_empty(x.shape), x.new_empty(2, bsz, NC, H, P, N, dtype=f32), x.new_empty(2, bsz, NC, H, dtype=f32),
-            x.new_empty(bsz, H, P, N, dtype=f32))
+    blocks = geo.blocks(x.dtype)
+    bq, bp, bn = blocks["BLOCK_Q"], blocks["BLOCK_P"], blocks["BLOCK_N"]
+    return (x.new_empty(x.shape), x.new_empty(nd, bsz, geo.nchunks, H, bp, bn, dtype=state_dtype(x.dtype)),
+            x.new_empty(nd, bsz, geo.nchunks, H, dtype=f32),
+            x.new_empty(nd, bsz, geo.nchunks, geo.groups, bq, bq, dtype=f32),
+            x.new_empty(2, nd, bsz, H, L, dtype=f32),
+            x.new_empty((bsz, H, P, geo.state) if return_final else (0,), dtype=f32))
 
 
 @torch.library.custom_op("mixer_plugins::quasiseparable_triton_backward", mutates_args=())
 def _qs_bwd_op(
     dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor],
     B_f: Optional[Tensor], C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor],
-    B_b: Optional[Tensor], C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor], hs: Tensor,
-    lg: Tensor, shift: bool, chunk_size: int,
+    B_b: Optional[Tensor], C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor],
+    dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int,
+    states: Tensor, lg: Tensor, cb: Tensor, dtc: Tensor, need_dinit: bool,
 ) -> list[Tensor]:
-    """Fused scan backward: [dx, ddt_f, dA_f, dB_f, dC_f, ddt_b, dA_b, dB_b, dC_b, ddiag, dinit] (float32;
-    an empty 1-D tensor for each absent input)."""
-    out = _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, shift, chunk_size)
-    # custom-op outputs own their storage and alias nothing: a fresh empty tensor per absent gradient
-    return [x.new_empty(0, dtype=torch.float32) if g is None else g.clone() if g._base is not None else g
-            for g in out]
+    """Fused scan backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, partials] in the inputs' dtypes
+    (dinit float32; an empty tensor for each absent input); ``partials`` (b * NC, 3, h) float32: per-chunk sums of dA
+    forward, dA backward and d dt_bias, summed by the caller."""
+    return _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
+                     softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit)
 
 
 @_qs_bwd_op.register_fake
-def _qs_bwd_op_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, shift, chunk_size):
-    f32 = torch.float32
-
+def _qs_bwd_op_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
+                    softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit):
     def like(t):
-        return x.new_empty(0, dtype=f32) if t is None else x.new_empty(t.shape, dtype=f32)
+        return x.new_empty(0) if t is None else t.new_empty(t.shape)
 
     bsz, L, H, P = x.shape
     N = (B_f if B_f is not None else B_b).shape[-1]
-    dinit = x.new_empty(bsz, H, P, N, dtype=f32) if dt_f is not None else x.new_empty(0, dtype=f32)
-    return [like(x), like(dt_f), like(A_f), like(B_f), like(C_f), like(dt_b), like(A_b), like(B_b), like(C_b),
-            like(diag), dinit]
+    dinit = x.new_empty(bsz, H, P, N, dtype=torch.float32) if need_dinit else x.new_empty(0)
+    part = x.new_empty(bsz * states.shape[2], 3, H, dtype=torch.float32)
+    return [like(x), like(dt_f), like(B_f), like(C_f), like(dt_b), like(B_b), like(C_b), like(diag), dinit, part]
+
+
+_INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "init", "seg", "dt_bias")
 
 
 def _qs_setup_context(ctx, inputs, output):
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, shift, chunk_size = inputs
-    _, hs, lg, _ = output
-    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, init)
-    ctx.shift, ctx.chunk_size = shift, chunk_size
+    (x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+     chunk_size, return_final) = inputs
+    _, states, lg, cb, dtc, final = output
+    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, states, lg, cb, dtc)
+    ctx.options = (dt_lo, dt_hi, softplus, shift, chunk_size)
+    # the auxiliary outputs carry no gradient, and absent gradients stay None (no zero-filled tensors)
+    ctx.mark_non_differentiable(states, lg, cb, dtc)
+    if not return_final:
+        ctx.mark_non_differentiable(final)
+    ctx.set_materialize_grads(False)
 
 
-def _qs_autograd_backward(ctx, dy, dhs, dlg, dfinal):
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, hs, lg, init = ctx.saved_tensors
-    if dy is None:
+def _qs_autograd_backward(ctx, dy, dstates, dlg, dcb, ddtc, dfinal):
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, states, lg, cb, dtc = ctx.saved_tensors
+    if dy is None:   # only the final state was used
         dy = torch.zeros_like(x)
-    grads = _qs_bwd_op(dy.contiguous(), dfinal if dt_f is not None else None, x, dt_f, A_f, B_f, C_f, dt_b, A_b,
-                       B_b, C_b, diag, seg, hs, lg, ctx.shift, ctx.chunk_size)
-    likes = (x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init)
-    cast = [None if like is None else g.to(like.dtype) for g, like in zip(grads, likes)]
-    return (*cast, None, None, None)
+    need = dict(zip(_INPUTS, ctx.needs_input_grad))
+    dfinal = None if dfinal is None or dt_f is None else dfinal.contiguous()
+    grads = _qs_bwd_op(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options,
+                       states, lg, cb, dtc, bool(need["init"]))
+    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part = grads
+    sums = part.sum(0)                                      # (3, h): dA forward, dA backward, d dt_bias
+
+    def keep(name, g, like=None):
+        if not need[name]:
+            return None
+        return g if like is None else g.to(like.dtype)
+
+    return (keep("x", dx), keep("dt_f", ddt_f), keep("A_f", sums[0], A_f), keep("B_f", dB_f), keep("C_f", dC_f),
+            keep("dt_b", ddt_b), keep("A_b", sums[1], A_b), keep("B_b", dB_b), keep("C_b", dC_b),
+            keep("diag", ddiag), keep("init", dinit, init), None, keep("dt_bias", sums[2], dt_bias),
+            None, None, None, None, None, None)
 
 
 _qs_op.register_autograd(_qs_autograd_backward, setup_context=_qs_setup_context)
 
 
 def scan_triton_flops(batch: int, length: int, heads: int, head_dim: int, state: int, directions: int,
-                      chunk_size: int, backward: bool = False) -> int:
+                      chunk_size: int, backward: bool = False, groups: int = 1) -> int:
     """FLOPs (2 per multiply-add) of the fused kernels' matmuls; elementwise work is not counted.
 
-    Forward, per direction: C~.B per head (2 L Q h n), chunk states (2 L h p n), state read-out (2 L h p n); once:
-    the summed Q x Q block times x (2 L Q h p). Backward: dy.x^T once (2 L Q h p); per direction C~.B, M^T dy,
-    dC~ and dB (2 L Q h (n + p + 2 n)), and five (L, p, n) products (read-out gradient, its dC~, x dS, B dS^T and
-    the entering-state gradient). L is the length padded to whole chunks.
+    Forward, per direction: ``C~ B^T`` once per group (2 L Q g n), chunk states (2 L h p n), state read-out
+    (2 L h p n); once: the summed Q x Q block times x (2 L Q h p). Backward: ``dy x^T`` once (2 L Q h p) and ``M^T
+    dy`` once (2 L Q h p); per direction five (L, p, n) products per head (read-out gradient, ``dy H``, ``x dS``,
+    ``B dS^T``) and dC~, dB per group (2 x 2 L Q g n). L is the length padded to whole chunks.
     """
-    q = min(int(chunk_size), length)
+    q = ScanGeometry(batch, length, heads, groups, head_dim, state, chunk_size).Q
     padded = -(-length // q) * q
     if not backward:
-        per_dir = 2 * padded * q * heads * state + 4 * padded * heads * head_dim * state
+        per_dir = 2 * padded * q * groups * state + 4 * padded * heads * head_dim * state
         return batch * (directions * per_dir + 2 * padded * q * heads * head_dim)
-    per_dir = 2 * padded * q * heads * (3 * state + head_dim) + 10 * padded * heads * head_dim * state
-    return batch * (directions * per_dir + 2 * padded * q * heads * head_dim)
+    per_dir = 4 * padded * q * groups * state + 8 * padded * heads * head_dim * state
+    return batch * (directions * per_dir + 4 * padded * q * heads * head_dim)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton)
-def _qs_op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, *args, out_shape=None,
-                 **kwargs) -> int:
+def _qs_op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape, *args,
+                 out_shape=None, **kwargs) -> int:
     b, l, h, p = x_shape
-    n = (B_f_shape if B_f_shape is not None else args[1])[-1]
+    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
     directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_triton_flops(b, l, h, p, n, directions, args[-1])
+    return scan_triton_flops(b, l, h, p, n, directions, args[-2], groups=g)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_backward)
 def _qs_bwd_op_flops(dy_shape, dfinal_shape, x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape,
                      A_b_shape, B_b_shape, *args, out_shape=None, **kwargs) -> int:
     b, l, h, p = x_shape
-    n = (B_f_shape if B_f_shape is not None else B_b_shape)[-1]
+    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
     directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_triton_flops(b, l, h, p, n, directions, args[-1], backward=True)
+    return scan_triton_flops(b, l, h, p, n, directions, args[-6], backward=True, groups=g)
+
+
+def _seg_arg(seq_idx: Tensor | None) -> Tensor | None:
+    """Normalised segment ids (int32, (b, l), unit stride; :func:`..inputs.normalize_seq_idx`) as the kernels read
+    them."""
+    if seq_idx is None:
+        return None
+    return seq_idx if seq_idx.dtype == torch.int32 and seq_idx.is_contiguous() else \
+        seq_idx.to(torch.int32).contiguous()
+
+
+def _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b) -> tuple:
+    """The backward direction's generators as the kernels take them: in the forward's dtypes (one dtype per
+    generator), and ``A_b`` None when it is the forward's tensor itself (then its gradient is one sum, not two
+    added)."""
+    if dt_f is None or dt_b is None:
+        return dt_b, A_b, B_b, C_b
+    if A_b is A_f:
+        A_b = None
+    return tuple(t if t is None or t.dtype == f.dtype else t.to(f.dtype)
+                 for t, f in zip((dt_b, A_b, B_b, C_b), (dt_f, A_f, B_f, C_f)))
 
 
 def scan_triton(
@@ -737,12 +1049,14 @@ def scan_triton(
     dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
     dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
     diag: Tensor | None = None, seq_idx: Tensor | None = None, initial_state: Tensor | None = None, *,
+    dt_bias: Tensor | None = None, dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
     shift: bool = False, chunk_size: int = 64, return_final_state: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The fused scan with ``scan_chunked``'s arguments (dt already prepared), differentiable.
+    """The fused chunked scan, differentiable: raw step sizes ``dt_*`` prepared in the kernels as
+    ``clamp(softplus?(dt + dt_bias), *dt_limit)``; ``seq_idx`` normalised segment ids (``normalize_seq_idx``).
 
-    Either direction may be None (not both). ``initial_state`` / the final state belong to the forward
-    direction. The result has ``x``'s dtype; the final state is float32.
+    Either direction may be None (not both). ``initial_state`` / the final state belong to the forward direction.
+    Every tensor is read through its strides. The result has ``x``'s dtype; the final state is float32.
     """
     reason = available(x.device)
     if reason is not None:
@@ -751,11 +1065,10 @@ def scan_triton(
         raise ValueError("scan_triton needs at least one direction")
     if (initial_state is not None or return_final_state) and dt_f is None:
         raise ValueError("initial and final states belong to the forward direction, which is absent")
-    def f32(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.float().contiguous()
-
-    y, _, _, final = _qs_op(
-        x.contiguous(), f32(dt_f), f32(A_f), _c(B_f), _c(C_f), f32(dt_b), f32(A_b), _c(B_b), _c(C_b), _c(diag),
-        None if initial_state is None else initial_state.contiguous(), _segments(seq_idx), bool(shift),
-        int(chunk_size))
+    init = None if initial_state is None else initial_state.contiguous()
+    lo, hi = dt_limit
+    dt_b, A_b, B_b, C_b = _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
+    y, _, _, _, _, final = _qs_op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, _seg_arg(seq_idx), dt_bias,
+                               float(lo), float(hi), bool(dt_softplus), bool(shift), int(chunk_size),
+                               bool(return_final_state))
     return (y, final) if return_final_state else y

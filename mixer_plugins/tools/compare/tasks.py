@@ -10,7 +10,7 @@ predicted *at the query's own position* and never appears as an input at or afte
 context before it: the query section holds the query tokens alone (keys without their values; copy markers; a
 regression input with its ``y`` zeroed). So the same sequences are a fair test for causal mixers (which see the
 context and the query) and for bidirectional ones (which also see the later queries, and those carry no answers).
-The task tests (``tests/test_compare.py``) check this: the target of every graded position is determined by the
+The task tests (``tests/tools/test_compare.py``) check this: the target of every graded position is determined by the
 inputs before it, and never appears at or after it.
 """
 

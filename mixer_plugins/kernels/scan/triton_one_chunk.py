@@ -1,0 +1,739 @@
+"""The scan of a sequence that is one chunk (at most a few hundred tokens, e.g. a ViT's 197), in Triton, with no
+states at all: flash-style tiles over the keys with both directions' decays, the shift and the diagonal.
+
+The sequence is cut into tiles of :data:`TILE` rows (the last one partial). The kernels keep what the chunked kernels
+keep per chunk, per tile: the prepared step sizes and their tile-local inclusive cumsums ``c`` (exclusive ones are
+``c`` one row up, selected, never ``c - a``), so the log decay between a query row ``i`` of tile m and a key row ``j``
+of tile n is formed from pieces that all have the sign of the whole:
+
+* forward, n < m: ``q_i + (sum of the totals of the tiles strictly between) + (tot_n - c_j)``;
+* backward, n > m: ``(tot_m - q_i) + (sum of the totals between) + e_j``;
+* n = m: as inside a chunk (``q_i - c_j``, ``e_j - q_i``).
+
+So the decay between neighbours is exactly 1 across a tile boundary too, and the precision is the chunked kernels'.
+
+Launches:
+
+* forward, 2: ``_prep_kernel`` (per sequence, group and query tile: ``C~ B^T`` of every tile pair a direction needs,
+  once per group, and the heads' prepared step sizes and cumsums), ``_out_kernel`` (per sequence, head and query tile:
+  y over the key tiles, both directions and the diagonal);
+* backward, 3 (+ one small sum of per-sequence partials of dA and d dt_bias): ``_dcb_kernel`` (per sequence, group
+  and query tile: ``dy x^T`` once per head and tile pair, the group's ``d(C~ B^T)`` kept, and dC), ``_db_kernel``
+  (per sequence, group and key tile: dB from it), ``_dx_kernel`` (per sequence and head: dx over the key tiles, the
+  two sums of the log-decay gradient, ``x_j . (M~^T dy)_j`` and ``dy_i . (M x)_i``, which need no ``dy x^T``, then
+  the step-size gradients over the whole sequence).
+
+Every grid is one-dimensional and every offset of a whole tensor 64-bit (see :mod:`.triton_kernels`). Run on CUDA, or
+on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from .._triton._common import available, cdiv, dot_precision, grid_1d, on_device, pow2, tl, triton
+from .._triton._common import mm as _mm
+from . import triton_kernels as _chunked
+
+__all__ = ["LAUNCH", "TILE", "OneChunkGeometry", "scan_one_chunk", "scan_one_chunk_flops"]
+
+#: rows of a tile (queries or keys); a shorter sequence is one tile of its length rounded up to a power of two (>= 16)
+TILE = 64
+
+#: Triton launch options of each kernel (see :data:`.triton_kernels.LAUNCH`)
+LAUNCH: dict[str, dict[str, int]] = {
+    "prep": {"num_warps": 8, "num_stages": 1}, "out": {"num_warps": 8, "num_stages": 1},
+    "dcb": {"num_warps": 8, "num_stages": 1}, "db": {"num_warps": 8, "num_stages": 1},
+    "dx": {"num_warps": 8, "num_stages": 1},
+}
+
+
+class OneChunkGeometry:
+    """Tiles, block sizes and the one-dimensional launch grids of one scan on the one-chunk kernels (pure Python)."""
+
+    def __init__(self, batch: int, length: int, heads: int, groups: int, head_dim: int, state: int,
+                 tile: int | None = None):
+        self.batch, self.length, self.heads, self.groups = int(batch), int(length), int(heads), int(groups)
+        self.head_dim, self.state = int(head_dim), int(state)
+        self.tile = min(int(tile or TILE), max(16, pow2(self.length)))
+        self.ntiles = cdiv(self.length, self.tile)
+
+    def blocks(self, dtype: torch.dtype) -> dict:
+        bp, bn = max(16, pow2(self.head_dim)), max(16, pow2(self.state))
+        return dict(BLOCK_T=self.tile, BLOCK_P=bp, BLOCK_N=bn, EVEN_P=bp == self.head_dim, EVEN_N=bn == self.state,
+                    DOT=dot_precision(dtype))
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return (self.batch, self.length, self.heads, self.groups, self.head_dim, self.state, self.ntiles)
+
+    def tile_grid(self, per: int) -> tuple[int]:
+        """One program per (sequence, ``per`` (heads or groups), tile)."""
+        return grid_1d(self.batch * per * self.ntiles, "triton scan (one chunk)")
+
+    def head_grid(self) -> tuple[int]:
+        """One program per (sequence, head)."""
+        return grid_1d(self.batch * self.heads, "triton scan (one chunk)")
+
+
+if triton is not None:
+    _at, _tile, _store_tile, _decays, _query = (_chunked._at, _chunked._tile, _chunked._store_tile,
+                                                _chunked._decays, _chunked._query)
+    _pick, _step, _prefix = _chunked._pick, _chunked._step, _chunked._prefix
+
+    @triton.jit
+    def _tile_total(dtc_ptr, plane, vrow, n, T, L):
+        """Tile ``n``'s total log decay (its cumsum at its last row) of the head and direction at ``vrow``."""
+        return tl.load(dtc_ptr + plane + vrow + tl.minimum(n * T + T, L) - 1)
+
+    @triton.jit
+    def _between(dtc_ptr, plane, vrow, lo, hi, T, L):
+        """Sum of the totals of the tiles strictly between ``lo`` and ``hi`` (added one by one: same signs)."""
+        s = 0.0
+        k = lo + 1
+        while k < hi:
+            s += _tile_total(dtc_ptr, plane, vrow, k, T, L)
+            k += 1
+        return s
+
+    @triton.jit
+    def _pair_decay(d: tl.constexpr, q, c_n, e_n, tot_n, ok_m, ok_n, tot_m, between, same: tl.constexpr,
+                    SHIFT: tl.constexpr):
+        """Decays of direction ``d`` between the rows of query tile m and key tile n (0 where not allowed): ``q`` the
+        query rows' tile-local log sums, ``c_n`` / ``e_n`` the key rows' inclusive / exclusive ones, ``tot_m`` and
+        ``tot_n`` the tiles' totals, ``between`` the totals of the tiles strictly between; ``same``: n = m. For n != m
+        the caller only asks the direction whose side it is on (forward n < m, backward n > m)."""
+        ii = tl.arange(0, q.shape[0])[:, None]
+        jj = tl.arange(0, q.shape[0])[None, :]
+        if d == 0:
+            qv = tl.where(ok_m, q, float("-inf"))
+            if same:
+                kv = tl.where(ok_n, -c_n, float("-inf"))
+                if SHIFT:
+                    allowed = jj < ii
+                else:
+                    allowed = jj <= ii
+            else:
+                kv = tl.where(ok_n, between + (tot_n - c_n), float("-inf"))
+                allowed = jj >= 0
+        else:
+            kv = tl.where(ok_n, between + e_n, float("-inf"))
+            if same:
+                qv = tl.where(ok_m, -q, float("-inf"))
+                if SHIFT:
+                    allowed = jj > ii
+                else:
+                    allowed = jj >= ii
+            else:
+                qv = tl.where(ok_m, tot_m - q, float("-inf"))
+                allowed = jj >= 0
+        return tl.exp(tl.where(allowed, qv[:, None] + kv[None, :], float("-inf")))
+
+    @triton.jit
+    def _prep_kernel(
+        dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, sdb, sdl, sdh, sbb, sbl, sbg,
+        bias_ptr, cb_ptr, dtc_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+        CLAMP: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        EVEN_N: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """Per (sequence, group, query tile m): ``C~_m B_n^T`` for every key tile n of each direction's side (n <= m
+        forward, n >= m backward), once per group; then head by head the prepared step sizes of tile m and their
+        tile-local inclusive cumsums."""
+        pid = tl.program_id(0).to(tl.int64)
+        m = pid % NT
+        g = (pid // NT) % G
+        b = pid // NT // G
+        t0 = m * BLOCK_T
+        rem = (L - t0).to(tl.int32)
+        offs = tl.arange(0, BLOCK_T)
+        offs_n = tl.arange(0, BLOCK_N)
+        ok = offs < rem
+        plane = (D1 - D0) * BATCH * H * L
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            q_unused, rc, c_ok, r_unused = _query(d, offs, ok, t0, rem, offs, offs, 0, SHIFT)
+            Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
+            if d == 0:
+                n = 0
+                n_end = m + 1
+            else:
+                n = m
+                n_end = NT
+            while n < n_end:
+                s0 = n * BLOCK_T
+                Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, s0, g, sbb, sbl, sbg), offs, offs < (L - s0).to(tl.int32),
+                           offs_n, N, sbl, EVEN_N)
+                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                tl.store(cbp + offs[:, None] * BLOCK_T + offs[None, :], _mm(Ct, tl.trans(Bt), DOT))
+                n += 1
+            A_ptr = _pick(d, Af_ptr, Ab_ptr)
+            dt_ptr = _pick(d, dtf_ptr, dtb_ptr)
+            for hh in range(HG):
+                h = g * HG + hh
+                dt, unused = _step(_at(dt_ptr, b, t0, h, sdb, sdl, sdh), offs, ok, sdl, bias_ptr, h, lo, hi,
+                                   HAS_BIAS, SOFTPLUS, CLAMP)
+                p, e, plast = _prefix(dt * tl.load(A_ptr + h).to(tl.float32), ok)
+                vbase = ((slot * BATCH + b) * H + h) * L + t0
+                tl.store(dtc_ptr + vbase + offs, dt, mask=ok)
+                tl.store(dtc_ptr + plane + vbase + offs, p, mask=ok)
+
+    @triton.jit
+    def _out_kernel(
+        x_ptr, sxb, sxl, sxh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr, y_ptr,
+        BATCH, L, H, G, P, N, NT,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
+        SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """Per (sequence, head, query tile m): ``y_m = sum_n M_mn x_n + diag x_m`` over the key tiles of both
+        directions' sides."""
+        pid = tl.program_id(0).to(tl.int64)
+        m = pid % NT
+        h = (pid // NT) % H
+        b = pid // NT // H
+        g = h // HG
+        t0 = m * BLOCK_T
+        rem = (L - t0).to(tl.int32)
+        offs = tl.arange(0, BLOCK_T)
+        offs_p = tl.arange(0, BLOCK_P)
+        ok = offs < rem
+        plane = (D1 - D0) * BATCH * H * L
+        if HAS_SEG:
+            seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+        acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+        if HAS_DIAG:
+            dg = tl.load(_at(diag_ptr, b, t0, h, sgb, sgl, sgh) + offs * sgl, mask=ok, other=0.0).to(tl.float32)
+            x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs, ok, offs_p, P, sxl, EVEN_P)
+            acc += dg[:, None] * x.to(tl.float32)
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            vrow = ((slot * BATCH + b) * H + h) * L
+            dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
+            q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
+            between = 0.0
+            n = m
+            while (n >= 0) & (n < NT):
+                s0 = n * BLOCK_T
+                okn = offs < (L - s0).to(tl.int32)
+                dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, (L - s0).to(tl.int32), plane)
+                if n == m:
+                    decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+                else:
+                    decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+                if HAS_SEG:
+                    seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, (L - s0).to(tl.int32) - 1))
+                    decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
+                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
+                xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+                acc += _mm(M, xn, DOT)
+                if n != m:
+                    between += tot_n
+                if d == 0:
+                    n -= 1
+                else:
+                    n += 1
+        _store_tile(y_ptr + ((b * L + t0) * H + h) * P, offs, ok, offs_p, P, H * P, acc, EVEN_P)
+
+    @triton.jit
+    def _dcb_kernel(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, Bf_ptr, Cf_ptr, Bb_ptr, Cb_ptr, sbb, sbl, sbg,
+        seg_ptr, cb_ptr, dtc_ptr, dcb_ptr, dCf_ptr, dCb_ptr, BATCH, L, H, G, P, N, NT,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_P: tl.constexpr,
+        EVEN_N: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """Per (sequence, group, query tile m), for each key tile n of each direction's side: ``d(C~ B^T)_mn =
+        sum_heads (dy_m x_n^T) * decay * dt_n`` (``dy x^T`` once per head and tile pair), kept in ``dcb``; then
+        ``dC~_m = sum_n d(C~ B^T)_mn B_n``, stored as dC in its own dtype."""
+        pid = tl.program_id(0).to(tl.int64)
+        m = pid % NT
+        g = (pid // NT) % G
+        b = pid // NT // G
+        t0 = m * BLOCK_T
+        rem = (L - t0).to(tl.int32)
+        offs = tl.arange(0, BLOCK_T)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        ok = offs < rem
+        plane = (D1 - D0) * BATCH * H * L
+        if HAS_SEG:
+            seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+        out_rows = ((b * L + t0) * G + g) * N
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            dC = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            if d == 0:
+                n = 0
+                n_end = m + 1
+            else:
+                n = m
+                n_end = NT
+            while n < n_end:
+                s0 = n * BLOCK_T
+                rem_n = (L - s0).to(tl.int32)
+                okn = offs < rem_n
+                dCB = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+                for hh in range(HG):
+                    h = g * HG + hh
+                    vrow = ((slot * BATCH + b) * H + h) * L
+                    dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
+                    q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
+                    dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+                    if n == m:
+                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+                    else:
+                        if d == 0:
+                            between = _between(dtc_ptr, plane, vrow, n, m, BLOCK_T, L)
+                        else:
+                            between = _between(dtc_ptr, plane, vrow, m, n, BLOCK_T, L)
+                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+                    dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
+                    xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+                    dCB += _mm(dy, tl.trans(xn), DOT) * decay * dt_n[None, :]
+                if HAS_SEG:
+                    seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
+                    dCB = tl.where(seg_m[:, None] == seg_n[None, :], dCB, 0.0)
+                dcbp = dcb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                tl.store(dcbp + offs[:, None] * BLOCK_T + offs[None, :], dCB)
+                Bn = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, s0, g, sbb, sbl, sbg), offs, okn, offs_n, N, sbl, EVEN_N)
+                dC += _mm(dCB, Bn, DOT)
+                n += 1
+            q_unused, rc, c_ok, r_unused = _query(d, offs, ok, t0, rem, offs, offs, 0, SHIFT)
+            dC_ptr = _pick(d, dCf_ptr, dCb_ptr)
+            _store_tile(dC_ptr + out_rows, rc, c_ok, offs_n, N, G * N, dC, EVEN_N)
+            if SHIFT:  # the C row read by no query (the last one forward, the first backward) has gradient 0
+                if d == 0:
+                    edge = rem - 1 + offs * 0
+                    edge_ok = (offs == 0) & (m == NT - 1)
+                else:
+                    edge = offs * 0
+                    edge_ok = (offs == 0) & (m == 0)
+                _store_tile(dC_ptr + out_rows, edge, edge_ok, offs_n, N, G * N,
+                            tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), EVEN_N)
+
+    @triton.jit
+    def _db_kernel(
+        Cf_ptr, Cb_ptr, sbb, sbl, sbg, dcb_ptr, dBf_ptr, dBb_ptr, BATCH, L, G, N, NT,
+        D0: tl.constexpr, D1: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        EVEN_N: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """Per (sequence, group, key tile n): ``dB_n = sum_m d(C~ B^T)_mn^T C~_m`` over the query tiles of each
+        direction's side, in B's dtype."""
+        pid = tl.program_id(0).to(tl.int64)
+        n = pid % NT
+        g = (pid // NT) % G
+        b = pid // NT // G
+        s0 = n * BLOCK_T
+        offs = tl.arange(0, BLOCK_T)
+        offs_n = tl.arange(0, BLOCK_N)
+        okn = offs < (L - s0).to(tl.int32)
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            dB = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            if d == 0:
+                m = n
+                m_end = NT
+            else:
+                m = 0
+                m_end = n + 1
+            while m < m_end:
+                t0 = m * BLOCK_T
+                rem = (L - t0).to(tl.int32)
+                ok = offs < rem
+                q_unused, rc, c_ok, r_unused = _query(d, offs, ok, t0, rem, offs, offs, 0, SHIFT)
+                Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
+                dcbp = dcb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                dB += _mm(tl.trans(tl.load(dcbp + offs[:, None] * BLOCK_T + offs[None, :])), Ct, DOT)
+                m += 1
+            _store_tile(_pick(d, dBf_ptr, dBb_ptr) + ((b * L + s0) * G + g) * N, offs, okn, offs_n, N, G * N, dB,
+                        EVEN_N)
+
+    @triton.jit
+    def _dx_kernel(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh,
+        diag_ptr, sgb, sgl, sgh, bias_ptr, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
+        dx_ptr, ddiag_ptr, ddtf_ptr, ddtb_ptr, part_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        SHARED_A: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
+        DOT: tl.constexpr,
+    ):
+        """Per (sequence, head). Key tile by key tile: ``dx_n = dt_n Z_n + diag dy_n`` with ``Z_n = sum_m M~_mn^T
+        dy_m`` per direction, and ``kd_j = x_j . Z_j``; query tile by query tile: ``qd_i = dy_i . (M x)_i`` per
+        direction (``kd``, ``qd`` kept in ``kq`` (2, directions, batch, H, L)); then over the whole sequence the step
+        sizes' gradients (dt's dtype) and this sequence's partials of dA and d dt_bias (``part`` (batch, 3, H))."""
+        pid = tl.program_id(0).to(tl.int64)
+        h = pid % H
+        b = pid // H
+        g = h // HG
+        offs = tl.arange(0, BLOCK_T)
+        offs_p = tl.arange(0, BLOCK_P)
+        plane = (D1 - D0) * BATCH * H * L
+        # 1. key tiles: dx and kd
+        n = 0
+        while n < NT:
+            s0 = n * BLOCK_T
+            rem_n = (L - s0).to(tl.int32)
+            okn = offs < rem_n
+            xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+            dx = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+            if HAS_DIAG:
+                dyn = _tile(_at(dy_ptr, b, s0, h, syb, syl, syh), offs, okn, offs_p, P, syl, EVEN_P).to(tl.float32)
+                dg = tl.load(_at(diag_ptr, b, s0, h, sgb, sgl, sgh) + offs * sgl, mask=okn, other=0.0)
+                dx += dg.to(tl.float32)[:, None] * dyn
+                tl.store(ddiag_ptr + (b * L + s0) * H + h + offs * H,
+                         tl.sum(dyn * xn.to(tl.float32), 1).to(ddiag_ptr.dtype.element_ty), mask=okn)
+            if HAS_SEG:
+                seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
+            for d in tl.static_range(D0, D1):
+                slot = d - D0
+                vrow = ((slot * BATCH + b) * H + h) * L
+                dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+                Z = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+                between = 0.0
+                m = n
+                while (m >= 0) & (m < NT):
+                    t0 = m * BLOCK_T
+                    rem = (L - t0).to(tl.int32)
+                    ok = offs < rem
+                    dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
+                    q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
+                    if m == n:
+                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+                    else:
+                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+                    if HAS_SEG:
+                        seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+                        decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
+                    cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                    Mt = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay
+                    dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
+                    Z += _mm(tl.trans(Mt), dym, DOT)
+                    if m != n:
+                        between += tot_m
+                    if d == 0:
+                        m += 1
+                    else:
+                        m -= 1
+                dx += dt_n[:, None] * Z
+                tl.store(kq_ptr + vrow + s0 + offs, tl.sum(xn.to(tl.float32) * Z, 1), mask=okn)
+            _store_tile(dx_ptr + ((b * L + s0) * H + h) * P, offs, okn, offs_p, P, H * P, dx, EVEN_P)
+            n += 1
+        # 2. query tiles: qd
+        m = 0
+        while m < NT:
+            t0 = m * BLOCK_T
+            rem = (L - t0).to(tl.int32)
+            ok = offs < rem
+            dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P).to(tl.float32)
+            if HAS_SEG:
+                seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+            for d in tl.static_range(D0, D1):
+                slot = d - D0
+                vrow = ((slot * BATCH + b) * H + h) * L
+                dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
+                q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
+                W = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+                between = 0.0
+                n = m
+                while (n >= 0) & (n < NT):
+                    s0 = n * BLOCK_T
+                    rem_n = (L - s0).to(tl.int32)
+                    okn = offs < rem_n
+                    dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+                    if n == m:
+                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+                    else:
+                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+                    if HAS_SEG:
+                        seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
+                        decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
+                    cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                    M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
+                    xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+                    W += _mm(M, xn, DOT)
+                    if n != m:
+                        between += tot_n
+                    if d == 0:
+                        n -= 1
+                    else:
+                        n += 1
+                tl.store(kq_ptr + plane + vrow + t0 + offs, tl.sum(dym * W, 1), mask=ok)
+            m += 1
+        tl.debug_barrier()
+        # 3. the whole sequence: step-size gradients through the global sums p (inclusive) and e (exclusive)
+        offs_l = tl.arange(0, BLOCK_L)
+        okl = offs_l < L
+        part = part_ptr + b * 3 * H + h
+        dbias = 0.0
+        dA_both = 0.0
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            vrow = ((slot * BATCH + b) * H + h) * L
+            dt = tl.load(dtc_ptr + vrow + offs_l, mask=okl, other=0.0)
+            kd = tl.load(kq_ptr + vrow + offs_l, mask=okl, other=0.0)
+            qd = tl.load(kq_ptr + plane + vrow + offs_l, mask=okl, other=0.0)
+            d_key = dt * kd
+            if d == 0:
+                dq = qd
+                dp = -d_key
+                de = tl.zeros_like(dp)
+            else:
+                dq = -qd
+                de = d_key
+                dp = tl.zeros_like(de)
+            if SHIFT == (d == 0):    # q is e (forward shifted, backward unshifted), else p
+                de += dq
+            else:
+                dp += dq
+            da = (tl.sum(dp, 0) - tl.cumsum(dp, 0) + dp) + (tl.sum(de, 0) - tl.cumsum(de, 0))
+            da = tl.where(okl, da, 0.0)
+            if HAS_BIAS or SOFTPLUS or CLAMP:
+                unused, gdt = _step(_at(_pick(d, dtf_ptr, dtb_ptr), b, b * 0, h, sdb, sdl, sdh), offs_l, okl, sdl,
+                                    bias_ptr, h, lo, hi, HAS_BIAS, SOFTPLUS, CLAMP)
+            else:
+                gdt = tl.where(okl, 1.0, 0.0)
+            A = tl.load(_pick(d, Af_ptr, Ab_ptr) + h).to(tl.float32)
+            ddt = (kd + A * da) * gdt
+            ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
+            tl.store(ddt_ptr + b * L * H + h + offs_l * H, ddt.to(ddt_ptr.dtype.element_ty), mask=okl)
+            if SHARED_A:   # one A for both directions: one gradient
+                dA_both += tl.sum(dt * da, 0)
+            else:
+                tl.store(part + d * H, tl.sum(dt * da, 0))
+            dbias += tl.sum(ddt, 0)
+        if SHARED_A:
+            tl.store(part, dA_both)
+        if HAS_BIAS:
+            tl.store(part + 2 * H, dbias)
+
+
+# -- host side ----------------------------------------------------------------------------------------
+
+class _Call(_chunked._Call):
+    """:class:`.triton_kernels._Call` with the one-chunk geometry."""
+
+    def __init__(self, *args, tile: int | None = None):
+        super().__init__(*args, 64)
+        g = self.geo
+        self.one = OneChunkGeometry(g.batch, g.length, g.heads, g.groups, g.head_dim, g.state, tile)
+        self.oblocks = self.one.blocks(self.x.dtype)
+
+
+def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift):
+    """Forward: (y, ``C~ B^T`` of the tile pairs (directions, b, g, NT, NT, T, T), prepared step sizes and their
+    tile-local cumsums (2, directions, b, h, L))."""
+    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift)
+    geo, blocks = k.one, k.oblocks
+    bsz, L, H, G, P, N, NT = geo.dims
+    T = geo.tile
+    dev = x.device
+    cb = torch.empty(k.ndirs, bsz, G, NT, NT, T, T, device=dev, dtype=torch.float32)
+    dtc = torch.empty(2, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
+    y = torch.empty(x.shape, device=dev, dtype=x.dtype)
+    if x.numel() == 0:
+        return y, cb, dtc
+    x = k.x
+    flags = dict(k.flags, SHIFT=k.flags["SHIFT"])
+    with on_device(dev):
+        _prep_kernel[geo.tile_grid(G)](
+            *k.generators()[:8], *_chunked._s3(k.dt[0]), *_chunked._s3(k.B[0]), k.ptr(k.bias), cb, dtc,
+            *geo.dims[:6], NT, *k.lo_hi, HG=flags["HG"], D0=flags["D0"], D1=flags["D1"], **k.prep,
+            SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"], EVEN_N=blocks["EVEN_N"], DOT=blocks["DOT"],
+            **LAUNCH["prep"])
+        _out_kernel[geo.tile_grid(H)](
+            x, *_chunked._s3(x), k.ptr(diag), *_chunked._s3(diag), k.ptr(seg), cb, dtc, y, *geo.dims, **flags,
+            HAS_DIAG=diag is not None, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"], EVEN_P=blocks["EVEN_P"],
+            DOT=blocks["DOT"], **LAUNCH["out"])
+    return y, cb, dtc
+
+
+def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, cb,
+         dtc):
+    """Backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes (an empty tensor
+    for an absent input); ``partials`` (b, 3, h) float32: per-sequence dA forward, dA backward, d dt_bias."""
+    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift)
+    geo, blocks = k.one, k.oblocks
+    bsz, L, H, G, P, N, NT = geo.dims
+    T = geo.tile
+    dev = x.device
+
+    def like(t: Tensor | None) -> Tensor:
+        return x.new_empty(0) if t is None else torch.empty(t.shape, device=dev, dtype=t.dtype)
+
+    dx = like(x)
+    ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b = (like(t) for t in (dt_f, B_f, C_f, dt_b, B_b, C_b))
+    ddiag = like(diag)
+    part = torch.empty(bsz, 3, H, device=dev, dtype=torch.float32)
+    if x.numel() == 0:
+        return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
+    x, dy = k.x, _chunked._unit_last(dy)
+    dcb = torch.empty_like(cb)
+    kq = torch.empty(2, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
+    flags = k.flags
+    s3 = _chunked._s3
+    fill = _chunked._fill
+    with on_device(dev):
+        _dcb_kernel[geo.tile_grid(G)](
+            x, *s3(x), dy, *s3(dy), k.B[0], k.C[0], k.B[1], k.C[1], *s3(k.B[0]), k.ptr(seg), cb, dtc, dcb,
+            *fill(dC_f if k.has_f else None, dC_b if k.has_b else None), *geo.dims, **flags, BLOCK_T=T,
+            **{key: blocks[key] for key in ("BLOCK_P", "BLOCK_N", "EVEN_P", "EVEN_N", "DOT")}, **LAUNCH["dcb"])
+        _db_kernel[geo.tile_grid(G)](
+            k.C[0], k.C[1], *s3(k.B[0]), dcb, *fill(dB_f if k.has_f else None, dB_b if k.has_b else None), bsz, L,
+            G, N, NT, D0=flags["D0"], D1=flags["D1"], SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"],
+            EVEN_N=blocks["EVEN_N"], DOT=blocks["DOT"], **LAUNCH["db"])
+        _dx_kernel[geo.head_grid()](
+            x, *s3(x), dy, *s3(dy), k.dt[0], k.A[0], k.dt[1], k.A[1], *s3(k.dt[0]), k.ptr(diag), *s3(diag),
+            k.ptr(k.bias), k.ptr(seg), cb, dtc, kq, dx, k.ptr(ddiag if diag is not None else None),
+            *fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None), part, *geo.dims, *k.lo_hi, **flags,
+            HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"],
+            BLOCK_L=max(16, pow2(L)), EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dx"])
+    return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
+
+
+# -- custom ops ----------------------------------------------------------------------------------------
+
+@torch.library.custom_op("mixer_plugins::quasiseparable_triton_one_chunk", mutates_args=())
+def _op(
+    x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor],
+    dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor],
+    diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float,
+    softplus: bool, shift: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One-chunk scan forward: (y, ``C~ B^T`` of the tile pairs, prepared step sizes and their tile-local cumsums).
+    Raw step sizes, prepared in the kernels; the two directions' generators share dtypes."""
+    return tuple(_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
+                      shift))
+
+
+@_op.register_fake
+def _op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift):
+    bsz, L, H, P = x.shape
+    ref_B = B_f if B_f is not None else B_b
+    geo = OneChunkGeometry(bsz, L, H, ref_B.shape[2], P, ref_B.shape[3])
+    nd = int(dt_f is not None) + int(dt_b is not None)
+    T, NT = geo.tile, geo.ntiles
+    f32 = torch.float32
+    return (x.new_empty(x.shape), x.new_empty(nd, bsz, geo.groups, NT, NT, T, T, dtype=f32),
+            x.new_empty(2, nd, bsz, H, L, dtype=f32))
+
+
+@torch.library.custom_op("mixer_plugins::quasiseparable_triton_one_chunk_backward", mutates_args=())
+def _bwd_op(
+    dy: Tensor, x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor],
+    C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor],
+    C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float,
+    dt_hi: float, softplus: bool, shift: bool, cb: Tensor, dtc: Tensor,
+) -> list[Tensor]:
+    """One-chunk scan backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes
+    (an empty tensor for each absent input); ``partials`` (b, 3, h) float32: dA forward, dA backward, d dt_bias, per
+    sequence, summed by the caller."""
+    return _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+                cb, dtc)
+
+
+@_bwd_op.register_fake
+def _bwd_op_fake(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+                 cb, dtc):
+    def like(t):
+        return x.new_empty(0) if t is None else t.new_empty(t.shape)
+
+    return [like(x), like(dt_f), like(B_f), like(C_f), like(dt_b), like(B_b), like(C_b), like(diag),
+            x.new_empty(x.shape[0], 3, x.shape[2], dtype=torch.float32)]
+
+
+_INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "seg", "dt_bias")
+
+
+def _setup_context(ctx, inputs, output):
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift = inputs
+    _, cb, dtc = output
+    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc)
+    ctx.options = (dt_lo, dt_hi, softplus, shift)
+    ctx.mark_non_differentiable(cb, dtc)
+    ctx.set_materialize_grads(False)
+
+
+def _autograd_backward(ctx, dy, dcb, ddtc):
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc = ctx.saved_tensors
+    need = dict(zip(_INPUTS, ctx.needs_input_grad))
+    if dy is None:
+        return (None,) * 16
+    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part = _bwd_op(
+        dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options, cb, dtc)
+    sums = part.sum(0)                                      # (3, h): dA forward, dA backward, d dt_bias
+
+    def keep(name, g, like=None):
+        if not need[name]:
+            return None
+        return g if like is None else g.to(like.dtype)
+
+    return (keep("x", dx), keep("dt_f", ddt_f), keep("A_f", sums[0], A_f), keep("B_f", dB_f), keep("C_f", dC_f),
+            keep("dt_b", ddt_b), keep("A_b", sums[1], A_b), keep("B_b", dB_b), keep("C_b", dC_b),
+            keep("diag", ddiag), None, keep("dt_bias", sums[2], dt_bias), None, None, None, None)
+
+
+_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def scan_one_chunk_flops(batch: int, length: int, heads: int, head_dim: int, state: int, directions: int,
+                         backward: bool = False, groups: int = 1) -> int:
+    """FLOPs (2 per multiply-add) of the one-chunk kernels' matmuls over the tile pairs they visit (each direction
+    its side of the diagonal, the diagonal tiles both); elementwise work is not counted.
+
+    Forward: ``C~ B^T`` once per group (2 T^2 n g per pair) and ``M x`` per head (2 T^2 h p per pair). Backward:
+    ``dy x^T`` (2 T^2 h p) and ``d(C~ B^T)`` times B and C (2 x 2 T^2 n g) per pair, and per head ``M~^T dy`` and
+    ``M x`` again (2 x 2 T^2 h p).
+    """
+    geo = OneChunkGeometry(batch, length, heads, groups, head_dim, state)
+    t, nt = geo.tile, geo.ntiles
+    pairs = directions * nt * (nt + 1) // 2
+    if not backward:
+        return batch * pairs * (2 * t * t * groups * state + 2 * t * t * heads * head_dim)
+    return batch * pairs * (6 * t * t * heads * head_dim + 4 * t * t * groups * state)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_one_chunk)
+def _op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape, *args,
+              out_shape=None, **kwargs) -> int:
+    b, l, h, p = x_shape
+    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
+    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
+    return scan_one_chunk_flops(b, l, h, p, n, directions, groups=g)
+
+
+@register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_one_chunk_backward)
+def _bwd_op_flops(dy_shape, x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape,
+                  *args, out_shape=None, **kwargs) -> int:
+    b, l, h, p = x_shape
+    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
+    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
+    return scan_one_chunk_flops(b, l, h, p, n, directions, backward=True, groups=g)
+
+
+def scan_one_chunk(
+    x: Tensor,
+    dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
+    dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
+    diag: Tensor | None = None, seq_idx: Tensor | None = None, *, dt_bias: Tensor | None = None,
+    dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf), shift: bool = False,
+) -> Tensor:
+    """The one-chunk scan (no states), differentiable; the arguments of :func:`.triton_kernels.scan_triton` without
+    the states (raw step sizes prepared in the kernels, ``seq_idx`` normalised segment ids)."""
+    reason = available(x.device)
+    if reason is not None:
+        raise RuntimeError(f"triton scan unavailable: {reason}")
+    if dt_f is None and dt_b is None:
+        raise ValueError("scan_one_chunk needs at least one direction")
+    dt_b, A_b, B_b, C_b = _chunked._backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
+    lo, hi = dt_limit
+    y, _, _ = _op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, _chunked._seg_arg(seq_idx), dt_bias, float(lo),
+                  float(hi), bool(dt_softplus), bool(shift))
+    return y
