@@ -1,6 +1,6 @@
 # One command sets up a fresh machine and runs the main job; one sets it up and runs the tests.
 #   make run    create .venv (torch 2.9.1, every extra CI uses) and run the main job
-#   make test   create .venv, then ruff, lint-imports and the whole test suite (this is what CI runs)
+#   make test   create .venv, then ruff, lint-imports, mypy and the whole test suite (this is what CI runs)
 # Both are idempotent: the environment is reinstalled only when pyproject.toml or the example plugin's change
 # (the stamp is a hash of the two files, so a fresh clone beside a matching .venv reinstalls nothing).
 
@@ -56,11 +56,13 @@ native: $(STAMP)
 run: setup
 	$(VENV)/bin/mixer-plugins demo
 
-# Lint and the layer contracts, then the unit tests and, once each with timing disabled, the benchmark suites (so
-# they cannot rot). --dist loadfile keeps each test module on one worker (fairseq2 is initialised once per process).
+# Lint, the layer contracts and the type check (mypy, settings in pyproject.toml), then the unit tests and, once each
+# with timing disabled, the benchmark suites (so they cannot rot). --dist loadfile keeps each test module on one worker
+# (fairseq2 is initialised once per process).
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 --dist loadfile tests benchmarks --benchmark-disable $(PYTEST_ARGS)
 
 # Timed benchmark runs, saved as JSON under .benchmarks/ (render them with: mixer-plugins bench-table .benchmarks)
@@ -74,6 +76,7 @@ docs: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks site

@@ -95,7 +95,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def _registry():
+def _registry() -> MixerRegistry:
     from .registry import default_registry
 
     return default_registry

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["reinitialize_mixer"]
 
@@ -24,7 +24,7 @@ def reinitialize_mixer(mixer: nn.Module, rebuild: Callable[[], nn.Module]) -> No
 
     Mixers on the meta device have no values to re-draw and are left alone.
     """
-    reference = next(iter(mixer.parameters()), None)
+    reference: Tensor | None = next(iter(mixer.parameters()), None)
     if reference is None:
         reference = next(iter(mixer.buffers()), None)
     if reference is not None and reference.device.type == "meta":

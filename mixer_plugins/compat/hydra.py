@@ -61,7 +61,7 @@ class Hydra(QuasiseparableMixer):
             raise ValueError(f"Hydra supports activation 'silu' or 'swish' (as the released code), got {activation!r}")
         config = QuasiseparableConfig(
             dim=d_model, d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand, head_dim=headdim,
-            ngroups=ngroups, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor, dt_limit=tuple(dt_limit),
+            ngroups=ngroups, dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor, dt_limit=dt_limit,
             learnable_init_states=learnable_init_states, proj_bias=bias, conv_bias=conv_bias, chunk_size=chunk_size,
             A_init_range=(1.0, 1.0), norm_eps=1e-5, norm_before_gate=True,
         )
@@ -92,6 +92,7 @@ class Hydra(QuasiseparableMixer):
     @property
     def D(self) -> torch.nn.Parameter:
         """The released name of ``ssm.D``."""
+        assert self.ssm.D is not None, "Hydra's diagonal has D"
         return self.ssm.D
 
     def forward(self, u: Tensor, seq_idx: Optional[Tensor] = None, *, mask: Optional[Tensor] = None) -> Tensor:
@@ -103,14 +104,16 @@ class Hydra(QuasiseparableMixer):
         return super().forward(u, mask=mask)
 
 
-def _to_released_keys(module, state_dict, prefix, local_metadata):
+def _to_released_keys(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                      local_metadata: dict[str, Any]) -> dict[str, Any]:
     for ours, theirs in HYDRA_KEY_MAP.items():
         if prefix + ours in state_dict:
             state_dict[prefix + theirs] = state_dict.pop(prefix + ours)
     return state_dict
 
 
-def _from_released_keys(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def _from_released_keys(state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], strict: bool,
+                        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     for ours, theirs in HYDRA_KEY_MAP.items():
         if prefix + theirs in state_dict:
             state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
@@ -228,14 +231,15 @@ def convert_matrix_mixer_state_dict(state_dict: Mapping[str, Tensor], matrix_mix
                              "MatrixMixer can produce (it never passes is_dft), and its einsum computes a diagonal "
                              "scaling: there is no Vandermonde mixer to convert it to")
         elif local is not None and local in names:
-            if names[local] is None:
+            target = names[local]
+            if target is None:
                 _check_dft(value)
                 continue
             if matrix_mixer_type == "toeplitz" and local == "conv_params":
                 value = roll_released_toeplitz_taps(value)
             if matrix_mixer_type == "cauchy" and local == "bias":
                 value = _cauchy_shift_raw(value)
-            out[names[local]] = value
+            out[target] = value
         else:
             raise KeyError(f"unexpected key {key!r} in a released {matrix_mixer_type} matrix-mixer state_dict")
     if matrix_mixer_type == "cauchy" and not dd:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Annotated, Any, Optional, cast
+from typing import Annotated, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +116,7 @@ class Mamba2Context(MixerContext):
     x0: Tensor
 
 
-class Mamba2(MatrixMixer):
+class Mamba2(MatrixMixer[Mamba2Context]):
     """The released ``Mamba2`` module's constructor, ``state_dict`` and inference API, on our kernels.
 
     ``forward(u)`` maps (batch, length, d_model) to the same shape (``seqlen=`` for a flattened (batch * seqlen,
@@ -126,6 +126,7 @@ class Mamba2(MatrixMixer):
 
     causal = True
     steppable = True
+    config: Mamba2Config
     # The released key set: no extra-state record.
     get_extra_state = nn.Module.get_extra_state
     set_extra_state = nn.Module.set_extra_state
@@ -142,10 +143,10 @@ class Mamba2(MatrixMixer):
             raise ValueError("Mamba2: process_group (tensor parallelism) is not supported; build it without one")
         config = Mamba2Config(
             dim=d_model, d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand, headdim=headdim,
-            d_ssm=d_ssm, ngroups=ngroups, A_init_range=tuple(float(a) for a in A_init_range), D_has_hdim=D_has_hdim,
-            rmsnorm=rmsnorm, norm_before_gate=norm_before_gate, dt_min=dt_min, dt_max=dt_max,
-            dt_init_floor=dt_init_floor, dt_limit=tuple(float(v) for v in dt_limit), bias=bias, conv_bias=conv_bias,
-            chunk_size=chunk_size,
+            d_ssm=d_ssm, ngroups=ngroups, A_init_range=(float(A_init_range[0]), float(A_init_range[1])),
+            D_has_hdim=D_has_hdim, rmsnorm=rmsnorm, norm_before_gate=norm_before_gate, dt_min=dt_min, dt_max=dt_max,
+            dt_init_floor=dt_init_floor, dt_limit=(float(dt_limit[0]), float(dt_limit[1])), bias=bias,
+            conv_bias=conv_bias, chunk_size=chunk_size,
         )
         super().__init__(config)
         self.d_model, self.d_state, self.d_conv, self.conv_init = d_model, d_state, d_conv, conv_init
@@ -239,7 +240,7 @@ class Mamba2(MatrixMixer):
         return scan_matrix(ctx.dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
 
     def mix(self, ctx: Mamba2Context) -> Tensor:
-        return cast(Tensor, ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip()))
+        return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip())
 
     def finish(self, ctx: Mamba2Context, y: Tensor) -> Tensor:
         y = y.flatten(2)
@@ -311,7 +312,10 @@ class Mamba2(MatrixMixer):
                                 dtype=self.in_proj.weight.dtype if dtype is None else dtype)
         return conv_state, ssm_state
 
-    def step(self, hidden_states: Tensor, conv_state: Any, ssm_state: Optional[Tensor] = None):  # type: ignore[override]
+    # The released signature, which also takes the contract's (x, cache): wider than MatrixMixer.step's.
+    def step(  # type: ignore[override]
+        self, hidden_states: Tensor, conv_state: Tensor | MixerCache, ssm_state: Optional[Tensor] = None
+    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         """The released ``step(hidden_states, conv_state, ssm_state) -> (out, conv_state, ssm_state)``: new tokens
         (batch, t, d_model) against the states, which are updated in place.
 
@@ -320,7 +324,7 @@ class Mamba2(MatrixMixer):
         """
         if ssm_state is None and isinstance(conv_state, MixerCache):
             return super().step(hidden_states, conv_state)
-        if ssm_state is None:
+        if ssm_state is None or isinstance(conv_state, MixerCache):
             raise TypeError("Mamba2.step takes (hidden_states, conv_state, ssm_state), or (x, cache) with a MixerCache")
         cache = self._wrap(conv_state, ssm_state, hidden_states.shape[1])
         return super().step(hidden_states, cache), conv_state, ssm_state

@@ -232,7 +232,8 @@ def resolve_backend(op: str, backend: str | None, device: torch.device | str, ar
         if reason is not None:
             raise BackendUnavailableError(f"backend {backend!r} cannot run {op!r} on {device}: {reason}")
         return impls[backend].impl
-    candidates = sorted((b for b in impls.values() if b.automatic_on(device)), key=lambda b: -b.priority)
+    # automatic_on: the backend has a priority
+    candidates = sorted((b for b in impls.values() if b.automatic_on(device)), key=lambda b: -(b.priority or 0))
     if onnx is not None and "torch" in impls:  # only the torch backends export as standard ops
         candidates = [impls["torch"]]
     for candidate in candidates:

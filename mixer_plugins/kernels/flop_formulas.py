@@ -7,8 +7,12 @@ PyTorch's own SDPA formulas for the CPU kernel and its backward, once, and only 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils import flop_counter
+
+from ._library import Shape
 
 __all__ = ["register_cpu_sdpa_flop_formulas"]
 
@@ -20,13 +24,14 @@ def register_cpu_sdpa_flop_formulas() -> None:
     registry = flop_counter.flop_registry
     if forward is not None and forward not in registry:
         @flop_counter.register_flop_formula(forward)
-        def _cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        def _cpu_sdpa(query_shape: Shape, key_shape: Shape, value_shape: Shape, *args: Any, out_shape: Any = None,
+                      **kwargs: Any) -> int:
             return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
     if backward is not None and backward not in registry:
         @flop_counter.register_flop_formula(backward)
-        def _cpu_sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                               **kwargs) -> int:
+        def _cpu_sdpa_backward(grad_out_shape: Shape, query_shape: Shape, key_shape: Shape, value_shape: Shape,
+                               *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
             return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 

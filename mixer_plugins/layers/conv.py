@@ -23,7 +23,7 @@ class ShortConv(nn.Conv1d):
         super().__init__(channels, channels, kernel_size, groups=channels, bias=bias)
         self.causal = causal
 
-    def forward(self, u: Tensor, silu: bool = False) -> Tensor:  # type: ignore[override]
+    def forward(self, u: Tensor, silu: bool = False) -> Tensor:
         """(batch, length, channels) -> (batch, length, channels), followed by SiLU when ``silu``."""
         return depthwise_conv1d(u, self.weight[:, 0, :], self.bias, causal=self.causal, silu=silu)
 

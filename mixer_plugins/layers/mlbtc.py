@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -159,34 +160,34 @@ class MLBTC(nn.Module):
 
     # -- named configurations -----------------------------------------------------------------------------------------
     @classmethod
-    def low_rank(cls, out_features: int, in_features: int, rank: int, **kwargs) -> MLBTC:
+    def low_rank(cls, out_features: int, in_features: int, rank: int, **kwargs: Any) -> MLBTC:
         """``W = U V^T`` with ``U = left_0[0, 0, :, 0, :]`` (n x r) and ``V = right_0[0, 0, :, 0, :]`` (m x r)."""
         return cls([BTCLevel((out_features, 1), (1, in_features), rank)], **kwargs)
 
     @classmethod
-    def dense(cls, out_features: int, in_features: int, **kwargs) -> MLBTC:
+    def dense(cls, out_features: int, in_features: int, **kwargs: Any) -> MLBTC:
         """Any ``n x m`` matrix: low rank with rank ``min(n, m)``."""
         return cls.low_rank(out_features, in_features, min(out_features, in_features), **kwargs)
 
     @classmethod
-    def kronecker(cls, a_shape: tuple[int, int], b_shape: tuple[int, int], rank: int = 1, **kwargs) -> MLBTC:
+    def kronecker(cls, a_shape: tuple[int, int], b_shape: tuple[int, int], rank: int = 1, **kwargs: Any) -> MLBTC:
         """``W = sum_sigma A_sigma (x) B_sigma`` with ``A`` of shape ``a_shape`` (``n1 x m1``) and ``B`` of ``b_shape``
         (``n2 x m2``): ``A_sigma = left_0[0, 0, :, :, sigma]``, ``B_sigma[i2, j2] = right_0[0, 0, j2, i2, sigma]``."""
         (n1, m1), (n2, m2) = a_shape, b_shape
         return cls([BTCLevel((n1, n2), (m1, m2), rank, kronecker=True)], **kwargs)
 
     @classmethod
-    def monarch(cls, out_factors: tuple[int, int], in_factors: tuple[int, int], **kwargs) -> MLBTC:
+    def monarch(cls, out_factors: tuple[int, int], in_factors: tuple[int, int], **kwargs: Any) -> MLBTC:
         """Monarch ``P_L L P_R R``: a BTC of rank 1."""
         return cls([BTCLevel(out_factors, in_factors, 1)], **kwargs)
 
     @classmethod
-    def btt(cls, out_factors: tuple[int, int], in_factors: tuple[int, int], rank: int, **kwargs) -> MLBTC:
+    def btt(cls, out_factors: tuple[int, int], in_factors: tuple[int, int], rank: int, **kwargs: Any) -> MLBTC:
         """Block tensor-train of rank ``rank`` (Monarch when 1)."""
         return cls([BTCLevel(out_factors, in_factors, rank)], **kwargs)
 
     @classmethod
-    def block_diagonal(cls, out_features: int, in_features: int, blocks: int, **kwargs) -> MLBTC:
+    def block_diagonal(cls, out_features: int, in_features: int, blocks: int, **kwargs: Any) -> MLBTC:
         """``blockdiag`` of ``blocks`` dense blocks (``blocks`` must divide both sizes)."""
         if out_features % blocks or in_features % blocks:
             raise ValueError(f"blocks={blocks} must divide out_features={out_features} and in_features={in_features}")
@@ -195,7 +196,7 @@ class MLBTC(nn.Module):
 
     @classmethod
     def mlr(cls, out_features: int, in_features: int, ranks: Sequence[int], blocks: Sequence[int] | None = None,
-            **kwargs) -> MLBTC:
+            **kwargs: Any) -> MLBTC:
         """Multi-level low rank: level ``l`` is block-diagonal over ``blocks[l]`` (default ``2**l``) blocks of rank
         ``ranks[l]``."""
         blocks = list(blocks) if blocks is not None else [2**level for level in range(len(ranks))]
@@ -226,7 +227,7 @@ class MLBTC(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MLBTC expects a last axis of {self.in_features}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        out = None
+        out: Tensor | None = None
         for level, lv in enumerate(self.levels):
             left, right = self.cores(level)
             m1, m2 = lv.in_factors
@@ -235,6 +236,7 @@ class MLBTC(nn.Module):
             u = torch.einsum("...pab,pabcs->...pacs", xb, right)
             y = torch.einsum("...pacs,pcdas->...pdc", u, left).reshape(*lead, self.out_features)
             out = y if out is None else out + y
+        assert out is not None, "an MLBTC has at least one level"
         return out
 
     def level_dense(self, level: int) -> Tensor:
@@ -247,7 +249,10 @@ class MLBTC(nn.Module):
 
     def to_dense(self) -> Tensor:
         """``W``, (out_features, in_features)."""
-        return sum(self.level_dense(level) for level in range(len(self.levels)))
+        dense = self.level_dense(0)
+        for level in range(1, len(self.levels)):
+            dense = dense + self.level_dense(level)
+        return dense
 
     def macs_per_vector(self) -> int:
         """Multiply-adds of one matrix-vector product (the FLOPs of ``forward`` are twice this per vector)."""

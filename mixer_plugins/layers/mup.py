@@ -428,11 +428,18 @@ def coord_check(build_model: Callable[[int], nn.Module], widths: Sequence[int], 
         for k in range(seeds)
     ]
     first = runs[0]
+
+    def mean(values: list[Tensor]) -> Tensor:
+        total = values[0]
+        for value in values[1:]:
+            total = total + value
+        return total / len(values)
+
     return CoordCheckResult(
         widths=first.widths, steps=first.steps, parametrization=first.parametrization,
-        rms={k: sum(r.rms[k] for r in runs) / seeds for k in first.rms if all(k in r.rms for r in runs)},
-        delta={k: sum(r.delta[k] for r in runs) / seeds for k in first.delta if all(k in r.delta for r in runs)},
-        losses=sum(r.losses for r in runs) / seeds,
+        rms={k: mean([r.rms[k] for r in runs]) for k in first.rms if all(k in r.rms for r in runs)},
+        delta={k: mean([r.delta[k] for r in runs]) for k in first.delta if all(k in r.delta for r in runs)},
+        losses=mean([r.losses for r in runs]),
     )
 
 
@@ -465,7 +472,7 @@ class _ActivationRecorder:
         self.outputs: dict[str, list[Tensor]] = {}
         self._paused = False
 
-    def _record(self, name: str, tensor) -> None:
+    def _record(self, name: str, tensor: object) -> None:
         if self._paused or not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.numel() == 0:
             return
         flat = tensor.detach().double().reshape(-1)
@@ -474,17 +481,18 @@ class _ActivationRecorder:
         acc[1] += flat.numel()
         self.outputs.setdefault(name, []).append(flat)
 
-    def _hook(self, name: str):
-        def hook(_module, _args, output):
+    def _hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             self._record(name, output[0] if isinstance(output, (tuple, list)) and output else output)
         return hook
 
-    def _logits_hook(self, name: str):
-        def hook(module, args, kwargs, _output):
+    def _logits_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
             if self._paused:
                 return
             self._paused = True  # the probe's own submodule calls are not the model's activations
             try:
+                assert isinstance(module, AttentionLogitsProbe), "hooked only on modules that expose their logits"
                 logits = module.attention_logits(*args, **kwargs)
             finally:
                 self._paused = False
@@ -511,9 +519,10 @@ class _ActivationRecorder:
         return rms, {name: torch.cat(parts) for name, parts in self.outputs.items()}
 
 
-def _train_one_width(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, batch_at, probe_inputs: Tensor,
-                     loss_fn, include, logits: bool = False
-                     ) -> tuple[dict[str, list[float]], dict[str, list[float]], list[float]]:
+def _train_one_width(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
+                     batch_at: Callable[[int], tuple[Tensor, Tensor]], probe_inputs: Tensor,
+                     loss_fn: Callable[[Tensor, Tensor], Tensor], include: Callable[[str, nn.Module], bool] | None,
+                     logits: bool = False) -> tuple[dict[str, list[float]], dict[str, list[float]], list[float]]:
     """Train ``steps`` steps; per module, the probe RMS before each update and after the last, and the RMS of each
     update's change of the probe output; and the training losses."""
     recorder = _ActivationRecorder([(name, module) for name, module in model.named_modules()
@@ -543,8 +552,12 @@ def _train_one_width(model: nn.Module, optimizer: torch.optim.Optimizer, steps: 
     return rms, delta, losses
 
 
-def _coord_check_once(build_model, widths, steps, *, data, probe, loss_fn, lr, parametrization, base_width,
-                      zero_init, sp_init_std, seed, include, logits=False) -> CoordCheckResult:
+def _coord_check_once(build_model: Callable[[int], nn.Module], widths: Sequence[int], steps: int, *,
+                      data: tuple[Tensor, Tensor] | Callable[[int], tuple[Tensor, Tensor]],
+                      probe: tuple[Tensor, Tensor] | None, loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
+                      lr: float, parametrization: Literal["mup", "sp"], base_width: int | None,
+                      zero_init: Iterable[str], sp_init_std: float, seed: int,
+                      include: Callable[[str, nn.Module], bool] | None, logits: bool = False) -> CoordCheckResult:
     if parametrization not in ("mup", "sp"):
         raise ValueError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
     widths = sorted(int(w) for w in widths)
@@ -570,10 +583,10 @@ def _coord_check_once(build_model, widths, steps, *, data, probe, loss_fn, lr, p
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         per_width.append(_train_one_width(model, optimizer, steps, batch_at, probe_inputs, loss_fn, include, logits))
 
-    def stack(index: int) -> dict[str, Tensor]:
-        names = set.intersection(*(set(run[index]) for run in per_width))  # recorded at every width
-        return {name: torch.tensor([run[index][name] for run in per_width], dtype=torch.float64)
-                for name in sorted(names)}
+    def stack(records: list[dict[str, list[float]]]) -> dict[str, Tensor]:
+        names = set.intersection(*(set(record) for record in records))  # recorded at every width
+        return {name: torch.tensor([record[name] for record in records], dtype=torch.float64) for name in sorted(names)}
 
-    return CoordCheckResult(widths=widths, steps=steps, parametrization=parametrization, rms=stack(0),
-                            delta=stack(1), losses=torch.tensor([run[2] for run in per_width], dtype=torch.float64))
+    return CoordCheckResult(widths=widths, steps=steps, parametrization=parametrization,
+                            rms=stack([run[0] for run in per_width]), delta=stack([run[1] for run in per_width]),
+                            losses=torch.tensor([run[2] for run in per_width], dtype=torch.float64))

@@ -9,7 +9,8 @@ projections. The masks live in :mod:`mixer_plugins.layers.masks`.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from collections.abc import Sequence
+from typing import Any, Literal, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,12 +93,22 @@ class AttentionLinkOptions(MixerConfig):
     )
 
 
+class _LogitsMixer(Protocol):
+    """What :class:`AttentionLogitsMixin` needs of the mixer it is mixed into."""
+
+    def _begin(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]: ...
+
+    def prepare(self, x: Tensor, mask: Tensor | None) -> Any: ...
+
+    def logits(self, ctx: Any) -> Tensor: ...
+
+
 class AttentionLogitsMixin:
     """Gives a softmax mixer with a ``logits(ctx)`` method the public probe
     :meth:`attention_logits` (the :class:`~mixer_plugins.layers.mup.AttentionLogitsProbe` protocol the coordinate check
     uses to record attention logits)."""
 
-    def attention_logits(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+    def attention_logits(self: _LogitsMixer, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         """Pre-softmax logits (batch, heads, L, L) for input ``x`` (scale included, before masking)."""
         x, mask, _ = self._begin(x, mask)
         return self.logits(self.prepare(x, mask))
@@ -160,6 +171,16 @@ class QKVSoftmaxConfig(SoftmaxMixerConfig):
 
 
 # -- scores and the fused path ----------------------------------------------------------------------------------------
+
+def tensor_sum(terms: Sequence[Tensor]) -> Tensor:
+    """The sum of one or more tensors, added left to right (what the builtin ``sum`` gives, without its ``0``)."""
+    if not terms:
+        raise ValueError("tensor_sum needs at least one term")
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
 
 def dot_scores(q: Tensor, k: Tensor) -> Tensor:
     """Per-head dot products of every query with every key: (batch, L, heads, e) x 2 -> (batch, heads, L, L).
@@ -243,7 +264,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: boo
 
 # -- the q/k/v base class ---------------------------------------------------------------------------------------------
 
-class QKVSoftmaxMixer(MatrixMixer):
+class QKVSoftmaxMixer(MatrixMixer[QKContext]):
     """Base of the mixers with dense q/k/v projections (MLR, SWA, GSWA): ``qkv``, optional QK-LN, ``proj``.
 
     ``prepare`` puts the (normalised) queries and keys in ``ctx.q``/``ctx.k`` and the values in ``ctx.values``, all
@@ -255,20 +276,20 @@ class QKVSoftmaxMixer(MatrixMixer):
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.proj_bias)
+        self.q_norm: nn.LayerNorm | None = None
+        self.k_norm: nn.LayerNorm | None = None
         if config.qk_norm:
             self.q_norm = nn.LayerNorm(self.head_dim, bias=config.ln_bias)
             self.k_norm = nn.LayerNorm(self.head_dim, bias=config.ln_bias)
             # muP zero-initialises the query (Yang et al., Tensor Programs V): logits are then exactly 0 at init
             # at every width. Behind QK-LN that is the query LN's gain (zero W_q would put LN at its singular point).
             self.mup_zero_init = ("q_norm.weight",)
-        else:
-            self.q_norm = self.k_norm = None
         self.proj = nn.Linear(config.dim, config.dim, bias=config.proj_bias)
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> QKContext:
         b, l, _ = x.shape
         q, k, v = self.qkv(x).view(b, l, 3, self.num_heads, self.head_dim).unbind(2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return QKContext(values=v, mask=mask, q=q, k=k)
 

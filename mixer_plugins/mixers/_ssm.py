@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..errors import NotMaterializableError
 from ..kernels import chunked_scan_flops, directional_scan, quasiseparable, scan_matrix
-from .block import BlockConfig, BlockContext, ChannelGroup, MatrixMixerBlock
+from .block import BlockConfig, BlockContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
 
 __all__ = [
     "BidirectionalConfig",
@@ -154,7 +154,7 @@ def bidirectional_groups(config: BidirectionalConfig) -> list[ChannelGroup]:
     return groups
 
 
-class BidirectionalSSMBlock(MatrixMixerBlock):
+class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
     """Hydra's block layout with a configurable combination of the two scan directions.
 
     Class switches (set by each mixer): ``shift`` (move each direction one step off the diagonal),
@@ -180,10 +180,11 @@ class BidirectionalSSMBlock(MatrixMixerBlock):
         self.ssm = SSMParameters(self.scan_heads, config, with_d=self.use_diag)
         self.fc_D = nn.Linear(self.d_inner, self.scan_heads, bias=False) if self.use_diag else None
         self.max_seq_len = None
-        self.BC = None
+        self.BC: nn.Parameter | None = None
         if not self.data_dependent:
-            self.max_seq_len = config.max_seq_len
-            self.BC = nn.Parameter(torch.empty(config.max_seq_len, 2 * self.ngroups * self.d_state))
+            assert isinstance(config, DataIndependentOptions), "data_dependent is an option of the free form's mixers"
+            self.max_seq_len = config.free_length
+            self.BC = nn.Parameter(torch.empty(config.free_length, 2 * self.ngroups * self.d_state))
             nn.init.xavier_normal_(self.BC)
         self.materializable = self.combine != "product"
 
@@ -198,7 +199,7 @@ class BidirectionalSSMBlock(MatrixMixerBlock):
         x = parts["x"].unflatten(-1, (self.scan_heads, -1))
         b, length = x.shape[:2]
         gn = (self.ngroups, self.d_state)
-        if self.data_dependent:
+        if self.BC is None:  # the data-dependent form
             # both directions' step sizes in one softplus (and one clamp): (b, L, 2, h) -> two strided views
             dt_f, dt_b = self.ssm.dt(parts["dt"].unflatten(-1, (2, self.scan_heads))).unbind(dim=2)
             if self.shared_bc:
@@ -212,7 +213,7 @@ class BidirectionalSSMBlock(MatrixMixerBlock):
             B_b, C_b = B_f, C_f
             dt_f = dt_b = self.ssm.dt(x.new_zeros(b, length, self.scan_heads))  # time-invariant steps
         diag = None
-        if self.use_diag:
+        if self.fc_D is not None and self.ssm.D is not None:  # use_diag
             # diag = W_D x + D as one fused multiply-add (D is the bias of the product)
             diag = F.linear(parts["x"], self.fc_D.weight, self.ssm.D.to(x.dtype))
         values = torch.cat([x, x], dim=2) if self.combine == "concat" else x

@@ -49,7 +49,7 @@ class AttentionConfig(MixerConfig):
         return self
 
 
-class SoftmaxAttention(MatrixMixer):
+class SoftmaxAttention(MatrixMixer[QKContext]):
     """Multi-head softmax attention (q/k/v/out projections, SDPA fast path)."""
 
     steppable = True

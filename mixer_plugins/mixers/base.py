@@ -68,7 +68,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -213,8 +213,12 @@ class MixerContext:
 class QKContext(MixerContext):
     """Context of the mixers scored by per-head queries and keys, (batch|1, length, heads, qk_dim) each."""
 
-    q: Tensor | None = None
-    k: Tensor | None = None
+    q: Tensor
+    k: Tensor
+
+
+#: The context type a mixer's hooks pass between them (:class:`MixerContext` or a subclass).
+CtxT = TypeVar("CtxT", bound=MixerContext)
 
 
 def check_mixer_input(module: nn.Module, x: Tensor, mask: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
@@ -249,13 +253,16 @@ def check_mixer_input(module: nn.Module, x: Tensor, mask: Tensor | None, dim: in
     return x, mask
 
 
-class MatrixMixer(nn.Module):
+class MatrixMixer(nn.Module, Generic[CtxT]):
     """Base class of every mixer in the library (and a convenient one for plugins).
 
     Subclasses implement :meth:`prepare`, :meth:`matrix`, :meth:`finish`, :meth:`flops` and usually a
     fast :meth:`mix`. Data-independent mixers set :attr:`max_seq_len`; they then accept any length up to
     it (using the leading L x L block of their matrix, which is what makes them padding-invariant) and
     raise :class:`SequenceLengthError` beyond it.
+
+    The class is generic in the context its hooks pass between them: a mixer whose context is a
+    :class:`MixerContext` subclass derives from ``MatrixMixer[ItsContext]`` and its hooks take and return that type.
     """
 
     #: True when output i depends only on inputs j <= i.
@@ -298,19 +305,19 @@ class MatrixMixer(nn.Module):
         _reset_children(self)
 
     # -- hooks implemented by subclasses ---------------------------------------------------------
-    def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
+    def prepare(self, x: Tensor, mask: Tensor | None) -> CtxT:
         """Projections etc. of a checked input: the context holding the values and what ``mix``/``matrix`` need."""
         raise NotImplementedError
 
-    def matrix(self, ctx: MixerContext) -> Tensor:
+    def matrix(self, ctx: CtxT) -> Tensor:
         """The L x L matrix per head, (batch, heads, length, length), applied to ``ctx.values``."""
         raise NotImplementedError
 
-    def mix(self, ctx: MixerContext) -> Tensor:
+    def mix(self, ctx: CtxT) -> Tensor:
         """Apply the matrix to the values. The default builds the matrix (O(L^2)); override when faster."""
         return torch.einsum("bhij,bjhp->bihp", self.matrix(ctx), ctx.values)
 
-    def finish(self, ctx: MixerContext, y: Tensor) -> Tensor:
+    def finish(self, ctx: CtxT, y: Tensor) -> Tensor:
         """Mixed values (batch, length, heads, head_dim) -> output (batch, length, dim): gates, norms, projection."""
         raise NotImplementedError
 
@@ -476,17 +483,17 @@ class MatrixMixer(nn.Module):
         """Put the mixer's zero-initialised state tensors into ``cache.state``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement init_cache")
 
-    def fill_cache(self, cache: MixerCache, ctx: MixerContext, x: Tensor, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: CtxT, x: Tensor, lengths: Tensor) -> Tensor:
         """Prefill: fill ``cache.state`` from the prompt's context (and its checked input ``x``; row ``b`` has
         ``lengths[b]`` real tokens) and return the mixed values :meth:`mix` gives."""
         raise NotImplementedError(f"{type(self).__name__} does not implement fill_cache")
 
-    def prepare_step(self, x: Tensor, cache: MixerCache) -> MixerContext:
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> CtxT:
         """The context of new tokens (batch, t, dim). The default is :meth:`prepare` (right for per-token
         projections); mixers whose ``prepare`` looks across tokens (a short convolution) override it."""
         return self.prepare(x, None)
 
-    def mix_step(self, ctx: MixerContext, cache: MixerCache) -> Tensor:
+    def mix_step(self, ctx: CtxT, cache: MixerCache) -> Tensor:
         """Mixed values of the new tokens (at positions ``cache.positions(t)``), updating ``cache.state`` in place
         (``cache.lengths`` is advanced by the caller)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement mix_step")
@@ -498,8 +505,9 @@ class MatrixMixer(nn.Module):
         return f"dim={self.dim}" + (f", {opts}" if opts else "")
 
 
-def _check_record_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata, strict,
-                          missing_keys, unexpected_keys, error_msgs) -> None:
+def _check_record_on_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                          strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                          error_msgs: list[str]) -> None:
     """``load_state_dict`` pre-hook of every mixer: compare the checkpoint's record with the mixer's own."""
     if type(module).get_extra_state is nn.Module.get_extra_state:
         return  # a subclass that keeps another code's key set (compat.Hydra) records nothing

@@ -63,7 +63,7 @@ class NoDiagMixer(BidirectionalSSMBlock):
     combine = "sum"
 
 
-def _spec(name: str, alias: str, builder, summary: str, matrix_class: str) -> MixerSpec:
+def _spec(name: str, alias: str, builder: type[BidirectionalSSMBlock], summary: str, matrix_class: str) -> MixerSpec:
     return MixerSpec(name=name, aliases=(alias,), config=BidirectionalConfig, builder=builder, summary=summary,
                      matrix_class=matrix_class, direction="bidirectional", complexity="O(L)", data_dependent="yes",
                      test_options=_TEST)

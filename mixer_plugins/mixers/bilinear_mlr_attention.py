@@ -37,6 +37,7 @@ from ._softmax_common import (
     cached_attention,
     dot_scores,
     fused_attention,
+    tensor_sum,
 )
 from .base import MatrixMixer, MixerContext
 from .cache import MixerCache, kv_positions, kv_write
@@ -93,7 +94,7 @@ class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
         return [2**level for level in range(len(self.resolved_ranks()))]
 
 
-class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
+class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
     """Bilinear-MLR attention: per-level block-diagonal q/k maps ``q_weight_<l>``/``k_weight_<l>`` of shape
     ``(p_l, D/p_l, H r_l)``, per-level LNs, softmax, dense ``value`` and ``proj``."""
 
@@ -112,15 +113,15 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
         divide = len(self.ranks) if config.divide_by_levels else 1
         self.level_scales = [config.logit_scale(r * p) / divide for r, p in zip(self.ranks, self.num_blocks)]
         self.mup_fan_in: dict[str, int] = {}
-        self.q_norms = nn.ModuleList() if config.qk_norm else None
-        self.k_norms = nn.ModuleList() if config.qk_norm else None
+        self.q_norms: nn.ModuleList | None = nn.ModuleList() if config.qk_norm else None
+        self.k_norms: nn.ModuleList | None = nn.ModuleList() if config.qk_norm else None
         for level, (r, p) in enumerate(zip(self.ranks, self.num_blocks)):
             fan_in = dim // p
             for side in ("q", "k"):
                 weight = nn.Parameter(torch.randn(p, fan_in, self.num_heads * r) / math.sqrt(fan_in))
                 self.register_parameter(f"{side}_weight_{level}", weight)
                 self.mup_fan_in[f"{side}_weight_{level}"] = fan_in
-            if config.qk_norm:
+            if self.q_norms is not None and self.k_norms is not None:  # qk_norm
                 self.q_norms.append(nn.LayerNorm(r * p, bias=config.ln_bias))
                 self.k_norms.append(nn.LayerNorm(r * p, bias=config.ln_bias))
         self.value = nn.Linear(dim, dim, bias=config.proj_bias)
@@ -139,6 +140,7 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
                 getattr(self, name).normal_(0.0, 1.0 / math.sqrt(self.mup_fan_in[name]))
         for norms in (self.q_norms, self.k_norms):
             for norm in norms or ():
+                assert isinstance(norm, nn.LayerNorm)
                 norm.reset_parameters()
         self.value.reset_parameters()
         self.proj.reset_parameters()
@@ -188,10 +190,7 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
         return fused_attention(q, k, ctx.values, ctx.mask, self.causal, 1.0)
 
     def matrix(self, ctx: LevelsContext) -> Tensor:
-        scores = sum(
-            dot_scores(q, k) * s
-            for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales)
-        )
+        scores = tensor_sum([dot_scores(q, k) * s for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales)])
         return self._weights(scores, ctx.mask)
 
     def bilinear_matrices(self) -> Tensor:
@@ -199,13 +198,13 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer):
 
         The score is ``x_i^T W_h x_j`` exactly when ``qk_norm`` is off (the LN makes it non-bilinear otherwise).
         """
-        mats = 0
+        mats = []
         for level, (r, p, s) in enumerate(zip(self.ranks, self.num_blocks, self.level_scales)):
             wq = self.level_weight("q", level).view(p, self.dim // p, self.num_heads, r)
             wk = self.level_weight("k", level).view(p, self.dim // p, self.num_heads, r)
             blocks = torch.einsum("pahr,pbhr->hpab", wq, wk) * s  # (H, p, D/p, D/p)
-            mats = mats + torch.stack([torch.block_diag(*blocks[h].unbind(0)) for h in range(self.num_heads)])
-        return mats
+            mats.append(torch.stack([torch.block_diag(*blocks[h].unbind(0)) for h in range(self.num_heads)]))
+        return tensor_sum(mats)
 
     def finish(self, ctx: LevelsContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar, Optional
+from typing import ClassVar, Generic, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from ..layers.conv import ShortConv
 from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
-from .base import MatrixMixer, MixerContext, QKContext
+from .base import MatrixMixer, MixerContext
 from .cache import MixerCache
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "DataIndependentOptions",
     "ChannelGroup",
     "MatrixMixerBlock",
+    "queries_and_keys",
 ]
 
 
@@ -100,6 +101,13 @@ class DataIndependentOptions(MixerConfig):
             raise ValueError("the data-independent form (data_dependent=False) needs max_seq_len")
         return self
 
+    @property
+    def free_length(self) -> int:
+        """``max_seq_len`` of the data-independent form (where the validator has made sure it is set)."""
+        if self.max_seq_len is None:
+            raise ValueError("the data-independent form (data_dependent=False) needs max_seq_len")
+        return self.max_seq_len
+
 
 @dataclasses.dataclass(frozen=True)
 class ChannelGroup:
@@ -119,8 +127,23 @@ class BlockContext(MixerContext):
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
-class BlockQKContext(BlockContext, QKContext):
-    """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim))."""
+class BlockQKContext(BlockContext):
+    """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim)); both
+    are None for a form without them (the Vandermonde mixer's DFT)."""
+
+    q: Tensor | None = None
+    k: Tensor | None = None
+
+
+def queries_and_keys(q: Tensor | None, k: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(q, k)`` of a block mixer whose every form has queries and keys (all but the Vandermonde mixer)."""
+    if q is None or k is None:
+        raise RuntimeError("this mixer has no queries and keys in its current form")
+    return q, k
+
+
+#: The context type of a block mixer (:class:`BlockContext` or a subclass).
+BlockCtxT = TypeVar("BlockCtxT", bound=BlockContext)
 
 
 class _ShortConv(ShortConv):
@@ -129,27 +152,29 @@ class _ShortConv(ShortConv):
 
     init_bound: Optional[float] = None
 
-    def __init__(self, *args, init_bound: Optional[float] = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, channels: int, kernel_size: int, *, bias: bool = True, causal: bool = False,
+                 init_bound: Optional[float] = None):
+        super().__init__(channels, kernel_size, bias=bias, causal=causal)
         self.init_bound = init_bound
         if init_bound is not None:
-            self._draw_bounded()
+            self._draw_bounded(init_bound)
 
     @torch.no_grad()
-    def _draw_bounded(self) -> None:
-        nn.init.uniform_(self.weight, -self.init_bound, self.init_bound)
+    def _draw_bounded(self, bound: float) -> None:
+        nn.init.uniform_(self.weight, -bound, bound)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if self.init_bound is not None:
-            self._draw_bounded()
+            self._draw_bounded(self.init_bound)
 
 
-class MatrixMixerBlock(MatrixMixer):
+class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
     """Base of the structured mixers: the shared block around a per-head L x L matrix.
 
     A subclass passes the channel ``groups`` its in_proj produces after ``z`` (convolved groups first) and implements
-    :meth:`build_context`, :meth:`matrix` (and usually a fast :meth:`mix`) and :meth:`mixer_flops`.
+    :meth:`build_context`, :meth:`matrix` (and usually a fast :meth:`mix`) and :meth:`mixer_flops`; it derives from
+    ``MatrixMixerBlock[ItsContext]`` (a :class:`BlockContext` subclass), the type its hooks take and return.
     ``ctx.values`` is the post-conv, post-activation value group reshaped to (batch, length, heads, head_dim).
     ``out_width`` (default ``d_inner``) is the width of the mixed values, the norm and out_proj's input
     (concat-style mixers produce twice ``d_inner``).
@@ -189,7 +214,7 @@ class MatrixMixerBlock(MatrixMixer):
         self.out_proj = nn.Linear(self.out_width, config.dim, bias=config.proj_bias)
 
     # -- hooks (called per forward, never from the constructor) --------------------------------------
-    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockContext:
+    def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockCtxT:
         """Per-token groups (batch, length, width) -> context with values (batch, length, heads, head_dim)."""
         raise NotImplementedError
 
@@ -224,7 +249,8 @@ class MatrixMixerBlock(MatrixMixer):
         ctx.z = z
         return ctx
 
-    def finish(self, ctx: BlockContext, y: Tensor) -> Tensor:
+    def finish(self, ctx: BlockCtxT, y: Tensor) -> Tensor:
+        assert ctx.z is not None, "the block's prepare sets the gate ctx.z"
         return self.out_proj(self.gated_norm(y.flatten(2), ctx.z))
 
     def gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
@@ -253,11 +279,11 @@ class MatrixMixerBlock(MatrixMixer):
         """The mixer's own state tensors (the block adds the convolution's)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement init_mixer_cache")
 
-    def mix_prefill(self, ctx: BlockContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+    def mix_prefill(self, ctx: BlockCtxT, cache: MixerCache, lengths: Tensor) -> Tensor:
         """Prefill of the mixer's own state from the prompt's context; returns what :meth:`mix` gives."""
         raise NotImplementedError(f"{type(self).__name__} does not implement mix_prefill")
 
-    def step_context(self, ctx: BlockContext, cache: MixerCache) -> BlockContext:
+    def step_context(self, ctx: BlockCtxT, cache: MixerCache) -> BlockCtxT:
         """Position-dependent parts of a step's context (free, L-sized parameters); the default changes nothing."""
         return ctx
 
@@ -274,7 +300,7 @@ class MatrixMixerBlock(MatrixMixer):
         widths += [g.width for g in self.groups[len(self._conv_groups):]]
         return list(F.linear(x, self.in_proj.weight, self.in_proj.bias).split(widths, dim=-1))
 
-    def fill_cache(self, cache: MixerCache, ctx: BlockContext, x: Tensor, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: BlockCtxT, x: Tensor, lengths: Tensor) -> Tensor:
         if self.conv1d is not None:
             # The convolution's inputs at each row's last d_conv real tokens (zeros before the row's start).
             kernel = self.conv1d.kernel_size[0]
@@ -288,10 +314,10 @@ class MatrixMixerBlock(MatrixMixer):
             cache.state["conv"].copy_(u.transpose(1, 2).detach())
         return self.mix_prefill(ctx, cache, lengths)
 
-    def prepare_step(self, x: Tensor, cache: MixerCache) -> BlockContext:
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> BlockCtxT:
         z, u, *rest = self._in_proj_pieces(x)
         pieces: dict[str, Tensor] = {}
-        if self._conv_groups:
+        if self.conv1d is not None:
             u, state = causal_conv1d_step(u, cache.state["conv"], self.conv1d.weight[:, 0, :], self.conv1d.bias,
                                           silu=self._conv_all_activated)
             cache.state["conv"].copy_(state.detach())

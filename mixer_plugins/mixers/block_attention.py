@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext
+from .block import BlockQKContext, queries_and_keys
 from .cache import MixerCache, kv_positions, kv_write
 from .qk_block import QKBlockConfig, QKMixerBlock
 
@@ -44,7 +44,7 @@ class BlockAttentionMixer(QKMixerBlock):
 
     def raw_matrix(self, ctx: BlockQKContext) -> Tensor:
         b, length = ctx.values.shape[:2]
-        scores = torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) / math.sqrt(self.qk_dim)
+        scores = torch.einsum("bihd,bjhd->bhij", *queries_and_keys(ctx.q, ctx.k)) / math.sqrt(self.qk_dim)
         allowed = self._allowed(ctx, length)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
@@ -53,8 +53,8 @@ class BlockAttentionMixer(QKMixerBlock):
     def mix(self, ctx: BlockQKContext) -> Tensor:
         v = ctx.values
         b, length = v.shape[:2]
-        q = ctx.q.expand(b, -1, -1, -1).transpose(1, 2)
-        k = ctx.k.expand(b, -1, -1, -1).transpose(1, 2)
+        q, k = queries_and_keys(ctx.q, ctx.k)
+        q, k = q.expand(b, -1, -1, -1).transpose(1, 2), k.expand(b, -1, -1, -1).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v.transpose(1, 2),
             attn_mask=self._allowed(ctx, length) if ctx.mask is not None else None,
@@ -71,7 +71,8 @@ class BlockAttentionMixer(QKMixerBlock):
 
     def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
         b, length = ctx.values.shape[:2]
-        cache.state["k"][:, :length] = ctx.k.expand(b, -1, -1, -1).detach()
+        _, k = queries_and_keys(ctx.q, ctx.k)
+        cache.state["k"][:, :length] = k.expand(b, -1, -1, -1).detach()
         cache.state["v"][:, :length] = ctx.values.detach()
         return self.mix(ctx)
 
@@ -79,11 +80,12 @@ class BlockAttentionMixer(QKMixerBlock):
         v = ctx.values
         b, t = v.shape[:2]
         positions = cache.positions(t)
-        kv_write(cache.state["k"], ctx.k.expand(b, -1, -1, -1).detach(), positions)
+        q, k = queries_and_keys(ctx.q, ctx.k)
+        kv_write(cache.state["k"], k.expand(b, -1, -1, -1).detach(), positions)
         kv_write(cache.state["v"], v.detach(), positions)
         allowed = kv_positions(positions, cache.max_len)[:, None]                 # (b, 1, t, max_len)
         y = F.scaled_dot_product_attention(
-            ctx.q.expand(b, -1, -1, -1).transpose(1, 2), cache.state["k"].transpose(1, 2),
+            q.expand(b, -1, -1, -1).transpose(1, 2), cache.state["k"].transpose(1, 2),
             cache.state["v"].transpose(1, 2), attn_mask=allowed, scale=1.0 / math.sqrt(self.qk_dim),
         )
         return y.transpose(1, 2) + v

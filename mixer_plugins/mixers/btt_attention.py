@@ -84,10 +84,13 @@ class BTTAttentionConfig(SoftmaxMixerConfig, AttentionLinkOptions):
 
     def resolved_factors(self) -> tuple[int, int]:
         """``(c, d)`` with ``c * d = dim``."""
-        return tuple(self.factors) if self.factors is not None else factorize(self.dim)
+        if self.factors is None:
+            return factorize(self.dim)
+        c, d = self.factors  # two, by the validator
+        return c, d
 
 
-class BTTAttention(AttentionLogitsMixin, MatrixMixer):
+class BTTAttention(AttentionLogitsMixin, MatrixMixer[BTTContext]):
     """Bilinear-BTT attention. ``key_transform`` is the MLBTC of all heads' ``M_h``; ``key_norm`` the shared LN."""
 
     steppable = True

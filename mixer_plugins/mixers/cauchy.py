@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext
+from .block import BlockQKContext, queries_and_keys
 from .qk_block import QKBlockConfig, QKMixerBlock
 
 __all__ = ["CauchyConfig", "CauchyMixer", "SPEC"]
@@ -55,24 +55,28 @@ class CauchyMixer(QKMixerBlock):
     def output_scale(self) -> float:
         return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
 
-    def qk_matrix(self, q: Tensor, k: Tensor, ctx: BlockQKContext) -> Tensor:
+    def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
+        q, k = queries_and_keys(q, k)
         shift = F.softplus(self.shift_raw).to(q.dtype) + _TOL
         eq = torch.exp(q).permute(0, 2, 1, 3)                                            # (b, h, L, d)
         ek = torch.exp(k).permute(0, 2, 1, 3)
-        matrix = None
+        matrix: Tensor | None = None
         for d in range(self.qk_dim):  # O(L^2) memory, not O(L^2 qk_dim)
             term = torch.reciprocal(eq[..., d, None] + ek[..., d, None].transpose(-1, -2) + shift)
             matrix = term if matrix is None else matrix + term
+        assert matrix is not None, "qk_dim >= 1"
         return matrix
 
-    def qk_rows(self, q: Tensor, keys: Tensor, positions: Tensor, max_len: int) -> Tensor:
+    def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
+        q, keys = queries_and_keys(q, keys)
         shift = F.softplus(self.shift_raw).to(q.dtype) + _TOL
         eq = torch.exp(q).permute(0, 2, 1, 3)                                            # (b, h, t, d)
         ek = torch.exp(keys).permute(0, 2, 1, 3)                                         # (b, h, J, d)
-        rows = None
+        rows: Tensor | None = None
         for d in range(self.qk_dim):
             term = torch.reciprocal(eq[..., d, None] + ek[..., d, None].transpose(-1, -2) + shift)
             rows = term if rows is None else rows + term
+        assert rows is not None, "qk_dim >= 1"
         return rows
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:

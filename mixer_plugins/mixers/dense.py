@@ -29,10 +29,11 @@ class DenseConfig(BlockConfig):
     causal: bool = Field(False, description="use only the lower triangle (j <= i)")
 
 
-class DenseMixer(MatrixMixerBlock):
+class DenseMixer(MatrixMixerBlock[BlockContext]):
     """A free (heads, max_seq_len, max_seq_len) matrix per head, applied as ``y = s W v + v``."""
 
     steppable = True
+    max_seq_len: int  # the size of the free matrices, always set
 
     def __init__(self, config: DenseConfig):
         super().__init__(config, [ChannelGroup("v", config.d_inner)])

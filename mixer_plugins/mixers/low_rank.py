@@ -20,7 +20,7 @@ from torch import Tensor
 from ..kernels import chunked_scan_flops, ssd
 from ..kernels.scan.step import ssd_step
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext
+from .block import BlockQKContext, queries_and_keys
 from .cache import MixerCache
 from .qk_block import QKBlockConfig, QKMixerBlock
 
@@ -44,13 +44,15 @@ class LowRankMixer(QKMixerBlock):
     def output_scale(self) -> float:
         return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
 
-    def qk_matrix(self, q: Tensor, k: Tensor, ctx: BlockQKContext) -> Tensor:
+    def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
+        q, k = queries_and_keys(q, k)
         return torch.einsum("bihd,bjhd->bhij", q, k)
 
     def mix(self, ctx: BlockQKContext) -> Tensor:
         v = ctx.values
         b, length, h, _ = v.shape
-        q, k = ctx.q.expand(b, -1, -1, -1), ctx.k.expand(b, -1, -1, -1)
+        q, k = queries_and_keys(ctx.q, ctx.k)
+        q, k = q.expand(b, -1, -1, -1), k.expand(b, -1, -1, -1)
         s = self.output_scale()
         if not self.causal:
             state = torch.einsum("bjhd,bjhp->bhdp", k, v)
@@ -67,10 +69,12 @@ class LowRankMixer(QKMixerBlock):
         cache.state["kv"] = torch.zeros(batch, self.num_heads, self.head_dim, self.qk_dim, dtype=dtype,
                                         device=device)
 
-    def _scan_args(self, ctx: BlockQKContext, dt: Tensor | None = None):
+    def _scan_args(self, ctx: BlockQKContext,
+                   dt: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         v = ctx.values
         b, length, h, _ = v.shape
-        q, k = ctx.q.expand(b, -1, -1, -1), ctx.k.expand(b, -1, -1, -1)
+        q, k = queries_and_keys(ctx.q, ctx.k)
+        q, k = q.expand(b, -1, -1, -1), k.expand(b, -1, -1, -1)
         ones = v.new_ones(b, length, h) if dt is None else dt
         return v, ones, v.new_zeros(h), k.contiguous(), q.contiguous()
 

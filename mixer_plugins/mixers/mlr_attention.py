@@ -32,7 +32,8 @@ cache, each level only over the slots in the query's own block (a token's blocks
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field, model_validator
@@ -49,6 +50,7 @@ from ._softmax_common import (
     QKVSoftmaxMixer,
     attention_weights,
     dot_scores,
+    tensor_sum,
 )
 from .base import QKContext
 from .cache import MixerCache
@@ -120,7 +122,7 @@ def mlr_level_counts(length: int, block_sizes: list[Optional[int]], device: torc
     return counts
 
 
-def _inverse_counts(size: int, block_sizes: tuple[Optional[int], ...], coarser: int, device: torch.device,
+def _inverse_counts(size: int, block_sizes: Sequence[Optional[int]], coarser: int, device: torch.device,
                     dtype: torch.dtype) -> Tensor:
     """(size, size): ``coarser / (coarser + number of levels in block_sizes sharing a block)``, for a segment of
     ``size`` tokens aligned with every block. Rescales a running mean over ``coarser`` levels to the pair's count.
@@ -150,7 +152,7 @@ def _diagonal_regions(scores: Tensor, size: int) -> list[tuple[Tensor, int]]:
     return regions
 
 
-def _merge_blocks_(scores: Tensor, size: int, keeps, subs) -> Tensor:
+def _merge_blocks_(scores: Tensor, size: int, keeps: Sequence[Tensor | None], subs: Sequence[Tensor]) -> Tensor:
     """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place."""
     for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
         if keep is not None:
@@ -170,7 +172,7 @@ class _MergeBlocks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores, size, keeps, *subs):
+    def forward(ctx: Any, scores: Tensor, size: int, keeps: Sequence[Tensor | None], *subs: Tensor) -> Tensor:
         with torch.no_grad():
             _merge_blocks_(scores, size, keeps, subs)
         ctx.mark_dirty(scores)
@@ -178,7 +180,7 @@ class _MergeBlocks(torch.autograd.Function):
         return scores
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         grad_subs = [region.clone() for region, _ in _diagonal_regions(grad, ctx.size)]
         grad_scores = grad
         if any(keep is not None for keep in ctx.keeps):
@@ -238,7 +240,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             scores = self._add_blocks(scores, q_levels, k_levels, sizes, num_global)
         return scores
 
-    def _add_blocks(self, scores: Tensor, q_levels, k_levels, sizes, level: int) -> Tensor:
+    def _add_blocks(self, scores: Tensor, q_levels: Sequence[Tensor | None], k_levels: Sequence[Tensor | None],
+                    sizes: Sequence[int | None], level: int) -> Tensor:
         """Add, inside every level-``level`` block of ``scores`` (B, h, m, m), the scores of levels ``>= level``.
 
         ``scores`` holds levels ``< level``, already divided by ``level`` when ``block_divide``; it is updated in place
@@ -246,12 +249,15 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         """
         batch, heads, m, _ = scores.shape
         size = sizes[level]
-        subs, keeps = [], []
+        assert size is not None, "the levels from `level` on have blocks"
+        subs: list[Tensor] = []
+        keeps: list[Tensor | None] = []
         for start, num, width in ((0, m // size, size), (m // size * size, 1, m % size)):
             if num == 0 or width == 0:
                 continue
 
-            def segments(levels, start=start, num=num, width=width):
+            def segments(levels: Sequence[Tensor | None], start: int = start, num: int = num,
+                         width: int = width) -> list[Tensor | None]:
                 # (B, num * width, h, r) -> (B * num, width, h, r): one entry per block
                 return [None if t is None
                         else t[:, start:start + num * width].reshape(batch * num, width, heads, t.shape[-1])
@@ -273,10 +279,13 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             return _merge_blocks_(scores, size, keeps, subs)
         return _MergeBlocks.apply(scores, size, keeps, *subs)
 
-    def _segment_scores(self, q_seg, k_seg, sizes, level: int) -> Tensor:
+    def _segment_scores(self, q_seg: Sequence[Tensor | None], k_seg: Sequence[Tensor | None],
+                        sizes: Sequence[int | None], level: int) -> Tensor:
         """Scores of levels ``>= level`` inside a batch of level-``level`` blocks, (blocks, h, width, width)."""
         divide = level + 1 if self.block_divide else 1
-        scores = dot_scores(q_seg[level] * (self.level_scales[level] / divide), k_seg[level])
+        q, k = q_seg[level], k_seg[level]
+        assert q is not None and k is not None, "the levels from `level` on are given"
+        scores = dot_scores(q * (self.level_scales[level] / divide), k)
         if level + 1 < len(sizes):
             scores = self._add_blocks(scores, q_seg, k_seg, sizes, level + 1)
         return scores
@@ -302,9 +311,9 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         # The definition, level by level with dense masks (independent of the blocked fast path).
         length = ctx.q.shape[1]
         device = ctx.q.device
-        scores = 0
-        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales, self.block_sizes):
-            scores = scores + dot_scores(q, k) * scale * same_block_mask(length, size, device)
+        scores = tensor_sum([dot_scores(q, k) * scale * same_block_mask(length, size, device)
+                             for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales,
+                                                          self.block_sizes)])
         if self.block_divide:
             scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
         return self._weights(scores, ctx.mask)
@@ -312,8 +321,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         positions, allowed = self.append_kv(ctx, cache)
         slots = torch.arange(cache.max_len, device=positions.device)
-        scores = 0
-        counts = 0
+        levels = []
+        counts: Tensor | int = 0
         for q, k, scale, size in zip(self._levels(ctx.q), self._levels(cache.state["k"]), self.level_scales,
                                      self.block_sizes):
             level = torch.einsum("bthe,bjhe->bhtj", q, k) * scale
@@ -323,7 +332,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
                 counts = counts + same
             else:
                 counts = counts + 1
-            scores = scores + level
+            levels.append(level)
+        scores = tensor_sum(levels)
         if self.block_divide:
             scores = scores / torch.as_tensor(counts).clamp(min=1)
         weights = attention_weights(scores, allowed[:, None], self.link_function)

@@ -54,7 +54,7 @@ def qk_groups(config: QKBlockConfig, qk_activation: bool) -> list[ChannelGroup]:
     return groups
 
 
-class QKMixerBlock(MatrixMixerBlock):
+class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
     """Block mixer with ``M = f(q, k)`` per head; subclasses define ``qk_matrix`` and ``output_scale``.
 
     ``free_qk``: whether the data-independent form has free Q/K parameters (the DFT form of Vandermonde has none);
@@ -70,13 +70,14 @@ class QKMixerBlock(MatrixMixerBlock):
         self.qk_dim = config.qk_dim
         self.data_dependent = config.data_dependent
         self.max_seq_len = None if config.data_dependent else config.max_seq_len
-        # The L of the paper's 1/sqrt(L ...) output scales.
-        self.norm_length = config.scale_length if config.data_dependent else config.max_seq_len
+        # The L of the paper's 1/sqrt(L ...) output scales (max_seq_len in the data-independent form).
+        self.norm_length = config.scale_length if config.data_dependent else config.free_length
         self.free_qk = free_qk and not config.data_dependent
         self._free_qk_init = free_qk_init
-        self.q_param = self.k_param = None
+        self.q_param: nn.Parameter | None = None
+        self.k_param: nn.Parameter | None = None
         if self.free_qk:
-            shape = (config.max_seq_len, self.num_heads, config.qk_dim)
+            shape = (config.free_length, self.num_heads, config.qk_dim)
             self.q_param = nn.Parameter(torch.empty(shape))
             self.k_param = nn.Parameter(torch.empty(shape))
             with torch.no_grad():
@@ -86,7 +87,7 @@ class QKMixerBlock(MatrixMixerBlock):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        if self.q_param is not None:
+        if self.q_param is not None and self.k_param is not None:
             self._free_qk_init(self.q_param)
             self._free_qk_init(self.k_param)
 
@@ -103,9 +104,11 @@ class QKMixerBlock(MatrixMixerBlock):
     def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockQKContext:
         values = self.heads(parts["v"])
         length = values.shape[1]
+        q: Tensor | None
+        k: Tensor | None
         if self.data_dependent:
             q, k = self.heads(parts["q"]), self.heads(parts["k"])
-        elif self.free_qk:
+        elif self.q_param is not None and self.k_param is not None:  # the free form
             q = self.length_prefix(self.q_param, length)[None].to(values.dtype)
             k = self.length_prefix(self.k_param, length)[None].to(values.dtype)
         else:
@@ -114,7 +117,7 @@ class QKMixerBlock(MatrixMixerBlock):
 
     def step_context(self, ctx: BlockQKContext, cache: MixerCache) -> BlockQKContext:
         """A step's free queries and keys are the parameters' rows at the new tokens' positions."""
-        if self.free_qk:
+        if self.q_param is not None and self.k_param is not None:  # the free form
             positions = cache.positions(ctx.values.shape[1])
             ctx.q = self.q_param[positions].to(ctx.values.dtype)
             ctx.k = self.k_param[positions].to(ctx.values.dtype)
@@ -145,7 +148,7 @@ class QKMixerBlock(MatrixMixerBlock):
 
     def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
         b, length = ctx.values.shape[:2]
-        if "k" in cache.state:
+        if ctx.k is not None:  # the cache holds keys
             cache.state["k"][:, :length] = ctx.k.expand(b, -1, -1, -1).detach()
         cache.state["v"][:, :length] = ctx.values.detach()
         return self.mix(ctx)
@@ -155,7 +158,7 @@ class QKMixerBlock(MatrixMixerBlock):
         b, t = v.shape[:2]
         positions = cache.positions(t)
         keys = None
-        if "k" in cache.state:
+        if ctx.k is not None:  # the cache holds keys
             kv_write(cache.state["k"], ctx.k.expand(b, -1, -1, -1).detach(), positions)
             keys = cache.state["k"]
         kv_write(cache.state["v"], v.detach(), positions)

@@ -55,7 +55,7 @@ class QuasiseparableMixer(BidirectionalSSMBlock):
 
     def __init__(self, config: QuasiseparableConfig):
         super().__init__(config)
-        self.init_states = None
+        self.init_states: nn.Parameter | None = None
         if config.learnable_init_states:
             self.init_states = nn.Parameter(torch.zeros(self.scan_heads, self.head_dim, self.d_state))
 
@@ -73,6 +73,8 @@ class QuasiseparableMixer(BidirectionalSSMBlock):
         ``exp(A sum_{k>=i+1} dt^b_k) C_{b,i+1} . S0`` from the backward one (``i <= L-2``); the backward sum runs over
         real tokens only (pads have zero step), so a padded row equals the unpadded one.
         """
+        if self.init_states is None:
+            raise RuntimeError(f"{type(self).__name__} was built without learnable_init_states: no initial state")
         s0 = self.init_states.to(ctx.x.dtype)                        # (h, p, n)
         rep = self.scan_heads // self.ngroups
         dt_f, dt_b = ctx.dt_f, ctx.dt_b

@@ -50,7 +50,7 @@ class SSDContext(BlockContext):
     C: Tensor
 
 
-class SemiseparableMixer(MatrixMixerBlock):
+class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
     """Mamba-2's SSD in the Hydra block: causal short conv, chunked causal scan plus the ``D`` skip."""
 
     causal = True
@@ -79,6 +79,7 @@ class SemiseparableMixer(MatrixMixerBlock):
         )
 
     def matrix(self, ctx: SSDContext) -> Tensor:
+        assert self.ssm.D is not None, "built with_d=True"
         diag = self.ssm.D.to(ctx.values.dtype).expand_as(ctx.dt)
         return scan_matrix(ctx.dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
 

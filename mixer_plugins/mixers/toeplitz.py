@@ -54,7 +54,7 @@ def _toeplitz_groups(config: ToeplitzConfig) -> list[ChannelGroup]:
     return groups
 
 
-class ToeplitzMixer(MatrixMixerBlock):
+class ToeplitzMixer(MatrixMixerBlock[ToeplitzContext]):
     """Toeplitz (long-convolution) mixer by FFT, with data-dependent or free taps."""
 
     steppable = True
@@ -62,12 +62,12 @@ class ToeplitzMixer(MatrixMixerBlock):
     def __init__(self, config: ToeplitzConfig):
         super().__init__(config, _toeplitz_groups(config))
         self.data_dependent = config.data_dependent
-        self.taps = None
+        self.taps: nn.Parameter | None = None
         self.max_seq_len = None if config.data_dependent else config.max_seq_len
-        norm_length = config.scale_length if config.data_dependent else config.max_seq_len
+        norm_length = config.scale_length if config.data_dependent else config.free_length
         self.scale = 0.5 / math.sqrt(norm_length)
         if not config.data_dependent:
-            self.taps = nn.Parameter(torch.empty(self.num_heads, 2 * config.max_seq_len - 1))
+            self.taps = nn.Parameter(torch.empty(self.num_heads, 2 * config.free_length - 1))
             nn.init.xavier_uniform_(self.taps)
 
     @torch.no_grad()
@@ -75,6 +75,11 @@ class ToeplitzMixer(MatrixMixerBlock):
         super().reset_parameters()
         if self.taps is not None:
             nn.init.xavier_uniform_(self.taps)
+
+    def _free_taps(self) -> tuple[nn.Parameter, int]:
+        """The data-independent form's taps (heads, 2 max_seq_len - 1) and the index of offset 0 in them."""
+        assert self.taps is not None and self.max_seq_len is not None, "the data-independent form"
+        return self.taps, self.max_seq_len - 1
 
     def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> ToeplitzContext:
         values = self.heads(parts["v"])
@@ -87,8 +92,8 @@ class ToeplitzMixer(MatrixMixerBlock):
                 negative = parts["rv"].transpose(1, 2)[..., 1:].flip(-1)      # taps -(L-1) .. -1 from rv_{L-1..1}
             taps = torch.cat([negative, fw], dim=-1)
         else:
-            centre = self.max_seq_len - 1
-            taps = self.taps[:, centre - (length - 1): centre + length][None].to(values.dtype)
+            free, centre = self._free_taps()
+            taps = free[:, centre - (length - 1): centre + length][None].to(values.dtype)
             if self.causal:
                 taps = torch.cat([torch.zeros_like(taps[..., : length - 1]), taps[..., length - 1:]], dim=-1)
         return ToeplitzContext(values=values, mask=mask, taps=taps)
@@ -131,8 +136,8 @@ class ToeplitzMixer(MatrixMixerBlock):
             kv_write(cache.state["taps"], ctx.taps.detach(), positions)
             taps = cache.state["taps"]                                              # (b, max_len, h): offset d
         else:
-            centre = self.max_seq_len - 1
-            taps = self.taps[:, centre:centre + cache.max_len].T[None].to(v.dtype)  # (1, max_len, h)
+            free, centre = self._free_taps()
+            taps = free[:, centre:centre + cache.max_len].T[None].to(v.dtype)  # (1, max_len, h)
         # y_i = v_i + s * sum_{d <= i} c_d v_{i-d}: gather the history backwards from each position
         offsets = torch.arange(cache.max_len, device=v.device)
         source = positions[:, :, None] - offsets                                    # (b, t, max_len): i - d

@@ -62,31 +62,33 @@ class VandermondeMixer(QKMixerBlock):
         values = ctx.values
         length = values.shape[1]
         t = torch.arange(length, device=values.device, dtype=values.dtype)
-        if q is None:  # the DFT: one matrix shared by every head
-            angle = 2 * math.pi * torch.outer(t, t) / self.max_seq_len
+        if q is None or k is None:  # the DFT: one matrix shared by every head (norm_length is max_seq_len)
+            angle = 2 * math.pi * torch.outer(t, t) / self.norm_length
             return torch.cos(angle)[None, None].expand(1, self.num_heads, -1, -1)
         omega_q = (2 * math.pi * self.frequency_scale) * q.permute(0, 2, 1, 3)   # (b, h, L, d)
         omega_k = (2 * math.pi * self.frequency_scale) * k.permute(0, 2, 1, 3)
         # Accumulate over d one slice at a time: O(L^2) memory, not O(L^2 qk_dim).
-        matrix = None
+        matrix: Tensor | None = None
         for d in range(self.qk_dim):
             term = torch.cos(omega_q[..., d, None] * t) - torch.cos(omega_k[..., d, None] * t).transpose(-1, -2)
             matrix = term if matrix is None else matrix + term
+        assert matrix is not None, "qk_dim >= 1"
         return matrix
 
     def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
         dtype = self.in_proj.weight.dtype if q is None else q.dtype
         i = positions.to(dtype)                                                          # (b, t)
         j = torch.arange(max_len, device=positions.device, dtype=dtype)                  # (J,)
-        if q is None:  # the DFT
-            angle = 2 * math.pi * i[:, :, None] * j / self.max_seq_len
+        if q is None or keys is None:  # the DFT (norm_length is max_seq_len)
+            angle = 2 * math.pi * i[:, :, None] * j / self.norm_length
             return torch.cos(angle)[:, None].expand(-1, self.num_heads, -1, -1)
         omega_q = (2 * math.pi * self.frequency_scale) * q.permute(0, 2, 1, 3)          # (b, h, t, d)
         omega_k = (2 * math.pi * self.frequency_scale) * keys.permute(0, 2, 1, 3)       # (b, h, J, d)
-        rows = None
+        rows: Tensor | None = None
         for d in range(self.qk_dim):
             term = torch.cos(omega_q[..., d, None] * j) - torch.cos(omega_k[:, :, None, :, d] * i[:, None, :, None])
             rows = term if rows is None else rows + term
+        assert rows is not None, "qk_dim >= 1"
         return rows
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:

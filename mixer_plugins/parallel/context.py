@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,9 +45,9 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import MixerError, MixerInputError
 from ..kernels import directional_scan
 from ..layers.masks import zero_pads
-from ..mixers._ssm import BidirectionalSSMBlock
-from ..mixers.base import MixerContext, check_mixer_input
-from ..mixers.semiseparable import SemiseparableMixer
+from ..mixers._ssm import BidirectionalSSMBlock, ScanContext
+from ..mixers.base import CtxT, check_mixer_input
+from ..mixers.semiseparable import SemiseparableMixer, SSDContext
 from ._comm import all_gather_autograd, all_gather_ints, group_rank, group_size
 
 __all__ = [
@@ -163,7 +164,7 @@ def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
     return y * torch.exp(log_decay)[..., None]
 
 
-def _recomputed(fn, *args: Tensor, **options) -> Tensor:
+def _recomputed(fn: Callable[..., Tensor], *args: Tensor, **options: Any) -> Tensor:
     """``fn(*args, **options)`` whose backward recomputes it instead of keeping its intermediates.
 
     The boundary terms (decays, weights, einsums) would otherwise save tensors the size of the scan's inputs per
@@ -249,7 +250,8 @@ class ContextParallelMixer(nn.Module):
                 "context_parallel needs an initialized torch.distributed process group "
                 "(torch.distributed.init_process_group, or run under torchrun)"
             )
-        self.mixer = mixer
+        assert isinstance(mixer, (BidirectionalSSMBlock, SemiseparableMixer)), "what _unsupported_reason accepts"
+        self.mixer: BidirectionalSSMBlock | SemiseparableMixer = mixer
         self.group = group
         self.bidirectional = isinstance(mixer, BidirectionalSSMBlock)
         self.shift = bool(getattr(mixer, "shift", False)) if self.bidirectional else False
@@ -281,14 +283,16 @@ class ContextParallelMixer(nn.Module):
         head = F.pad(rows[:, :take], (0, 0, 0, width - take))
         tail = F.pad(rows[:, length - take:], (0, 0, width - take, 0))
         gathered = all_gather_autograd(torch.stack([head, tail]), self.group)
-        left, need = [], self.halo_left
+        left: list[Tensor] = []
+        need = self.halo_left
         for k in range(rank - 1, -1, -1):
             if need == 0:
                 break
             n = min(need, lengths[k])
             left.insert(0, gathered[k][1][:, width - n:])
             need -= n
-        right, need = [], self.halo_right
+        right: list[Tensor] = []
+        need = self.halo_right
         for k in range(rank + 1, world):
             if need == 0:
                 break
@@ -327,33 +331,47 @@ class ContextParallelMixer(nn.Module):
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         mixer = self.mixer
         x, mask = check_mixer_input(mixer, x, mask, mixer.dim)
-        b, length, _ = x.shape
+        length = x.shape[1]
         x_ext, mask_ext, n_left, n_right = self._widen(x, mask)
-        ctx_ext = mixer.prepare(x_ext, mask_ext)
-        ctx = self._crop(ctx_ext, b, x_ext.shape[1], n_left, length)
-        work = torch.promote_types(ctx.values.dtype, torch.float32)
-        if self.bidirectional:
-            prev_C = ctx_ext.C_f[:, n_left - 1] if (self.shift and n_left > 0) else None
-            next_C = ctx_ext.C_b[:, n_left + length] if (self.shift and n_right > 0) else None
-            xs = ctx.x.to(work)
-            fwd = _Direction(xs, ctx.dt_f.to(work), ctx.A, ctx.B_f.to(work), ctx.C_f.to(work), reverse=False,
-                             shift=self.shift, neighbour_C=None if prev_C is None else prev_C.to(work))
-            bwd = _Direction(xs, ctx.dt_b.to(work), ctx.A, ctx.B_b.to(work), ctx.C_b.to(work), reverse=True,
-                             shift=self.shift, neighbour_C=None if next_C is None else next_C.to(work))
-            H, G = self._exchange_states([fwd, bwd])
-            cross_f = fwd.cross_term(H).to(ctx.x.dtype)
-            cross_b = bwd.cross_term(G).to(ctx.x.dtype)
-            y = self._mix_bidirectional(ctx, cross_f, cross_b)
+        if isinstance(mixer, BidirectionalSSMBlock):
+            out = self._forward_bidirectional(mixer, x_ext, mask_ext, n_left, n_right, length)
         else:
-            fwd = _Direction(ctx.values.to(work), ctx.dt.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
-                             reverse=False, shift=False, neighbour_C=None)
-            (H,) = self._exchange_states([fwd])
-            y = mixer.mix(ctx) + fwd.cross_term(H).to(ctx.values.dtype)
-        out = mixer.finish(ctx, y)
+            out = self._forward_causal(mixer, x_ext, mask_ext, n_left, length)
         return zero_pads(out, mask)
 
+    def _forward_bidirectional(self, mixer: BidirectionalSSMBlock, x_ext: Tensor, mask_ext: Tensor | None,
+                               n_left: int, n_right: int, length: int) -> Tensor:
+        ctx_ext = mixer.prepare(x_ext, mask_ext)
+        assert isinstance(ctx_ext, ScanContext)
+        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length)
+        work = torch.promote_types(ctx.values.dtype, torch.float32)
+        prev_C = ctx_ext.C_f[:, n_left - 1] if (self.shift and n_left > 0) else None
+        next_C = ctx_ext.C_b[:, n_left + length] if (self.shift and n_right > 0) else None
+        xs = ctx.x.to(work)
+        fwd = _Direction(xs, ctx.dt_f.to(work), ctx.A, ctx.B_f.to(work), ctx.C_f.to(work), reverse=False,
+                         shift=self.shift, neighbour_C=None if prev_C is None else prev_C.to(work))
+        bwd = _Direction(xs, ctx.dt_b.to(work), ctx.A, ctx.B_b.to(work), ctx.C_b.to(work), reverse=True,
+                         shift=self.shift, neighbour_C=None if next_C is None else next_C.to(work))
+        H, G = self._exchange_states([fwd, bwd])
+        cross_f = fwd.cross_term(H).to(ctx.x.dtype)
+        cross_b = bwd.cross_term(G).to(ctx.x.dtype)
+        y = self._mix_bidirectional(mixer, ctx, cross_f, cross_b)
+        return mixer.finish(ctx, y)
+
+    def _forward_causal(self, mixer: SemiseparableMixer, x_ext: Tensor, mask_ext: Tensor | None, n_left: int,
+                        length: int) -> Tensor:
+        ctx_ext = mixer.prepare(x_ext, mask_ext)
+        assert isinstance(ctx_ext, SSDContext)
+        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length)
+        work = torch.promote_types(ctx.values.dtype, torch.float32)
+        fwd = _Direction(ctx.values.to(work), ctx.dt.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
+                         reverse=False, shift=False, neighbour_C=None)
+        (H,) = self._exchange_states([fwd])
+        y = mixer.mix(ctx) + fwd.cross_term(H).to(ctx.values.dtype)
+        return mixer.finish(ctx, y)
+
     @staticmethod
-    def _crop(ctx: MixerContext, batch: int, ext_length: int, start: int, length: int) -> MixerContext:
+    def _crop(ctx: CtxT, batch: int, ext_length: int, start: int, length: int) -> CtxT:
         """The context restricted to this rank's own tokens (every per-token tensor cut along time)."""
         fields = {}
         for field in dataclasses.fields(ctx):
@@ -362,13 +380,15 @@ class ContextParallelMixer(nn.Module):
                 fields[field.name] = value[:, start:start + length]
         return dataclasses.replace(ctx, **fields)
 
-    def _mix_bidirectional(self, ctx: MixerContext, cross_f: Tensor, cross_b: Tensor) -> Tensor:
-        mixer = self.mixer
+    @staticmethod
+    def _mix_bidirectional(mixer: BidirectionalSSMBlock, ctx: ScanContext, cross_f: Tensor, cross_b: Tensor
+                           ) -> Tensor:
         if mixer.combine == "sum":
             return mixer.mix(ctx) + cross_f + cross_b
-        kw = dict(shift=mixer.shift, chunk_size=mixer.chunk_size)
-        y_f = directional_scan(ctx.x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, **kw) + cross_f
-        y_b = directional_scan(ctx.x, ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, **kw) + cross_b
+        y_f = directional_scan(ctx.x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, shift=mixer.shift,
+                               chunk_size=mixer.chunk_size) + cross_f
+        y_b = directional_scan(ctx.x, ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, shift=mixer.shift,
+                               chunk_size=mixer.chunk_size) + cross_b
         if mixer.combine == "product":
             return y_f * y_b
         return torch.cat([y_f, y_b], dim=2)

@@ -31,7 +31,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._text import closest
 from ..errors import (
@@ -54,6 +54,8 @@ def _spec_class() -> type[MixerSpec]:
     return MixerSpec
 
 ENTRY_POINT_GROUP = "mixer_plugins.mixers"
+#: A mixer builder (usually the mixer class) that ``register_mixer``'s decorator returns unchanged.
+BuilderT = TypeVar("BuilderT", bound=Callable[..., Any])
 IN_PROCESS = "<in-process>"
 
 
@@ -102,7 +104,7 @@ def _is_home(entry: _Entry) -> bool:
 
 
 # torch's process-wide settings a plugin's import must not change: (what it is called, getter, setter).
-def _torch_settings() -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
+def _torch_settings() -> list[tuple[str, Callable[[], Any], Callable[[Any], object]]]:
     import torch
 
     return [
@@ -185,10 +187,10 @@ class MixerRegistry:
                 seen: set[tuple[str, str, str]] = set()
                 for ep in metadata.entry_points(group=self.group):
                     dist = _distribution_name(ep)
-                    key = (ep.name, normalize_name(dist), ep.value)
-                    if key in seen:  # the same distribution seen twice on sys.path
+                    ident = (ep.name, normalize_name(dist), ep.value)
+                    if ident in seen:  # the same distribution seen twice on sys.path
                         continue
-                    seen.add(key)
+                    seen.add(ident)
                     entries.setdefault(normalize_name(ep.name), []).append(
                         _Entry(name=ep.name, distribution=dist, target=ep.value, load=ep.load)
                     )
@@ -366,7 +368,7 @@ class MixerRegistry:
             close = closest(key, vocabulary, n=3)
             raise UnknownMixerError(name, [vocabulary[c] for c in close], self.names())
 
-    def create(self, name: str, dim: int | None = None, /, **options: Any):
+    def create(self, name: str, dim: int | None = None, /, **options: Any) -> Any:
         """Validate ``options`` with the mixer's config model and build the mixer."""
         spec = self.get_spec(name)
         config = spec.make_config(dim, **options)
@@ -383,9 +385,10 @@ class MixerRegistry:
                 raise DuplicateMixerError(spec.name, [e.distribution for e in existing] + [IN_PROCESS])
             if replace and self._entries is not None:
                 self._entries.pop(key, None)
-            spec = dataclasses.replace(spec, distribution=spec.distribution or IN_PROCESS)
+            distribution = spec.distribution or IN_PROCESS
+            spec = dataclasses.replace(spec, distribution=distribution)
             self._in_process[key] = _Entry(
-                name=spec.name, distribution=spec.distribution, target=IN_PROCESS, load=lambda: spec,
+                name=spec.name, distribution=distribution, target=IN_PROCESS, load=lambda: spec,
                 spec=spec,
             )
         self._notify("register", spec)
@@ -403,7 +406,7 @@ class MixerRegistry:
             self._notify("unregister", entry.spec)
 
 
-def make_register_function(registry: MixerRegistry):
+def make_register_function(registry: MixerRegistry) -> Callable[..., Any]:
     """Build the public ``register_mixer`` bound to ``registry``.
 
     It takes either a ready :class:`MixerSpec`, or a name plus spec fields and then decorates the builder::
@@ -412,18 +415,22 @@ def make_register_function(registry: MixerRegistry):
         class MyMixer(MatrixMixer): ...
     """
 
-    def register_mixer(spec_or_name: MixerSpec | str, *, replace: bool = False, **fields: Any):
+    def register_mixer(spec_or_name: MixerSpec | str, *, replace: bool = False,
+                       **fields: Any) -> MixerSpec | Callable[[BuilderT], BuilderT]:
         MixerSpec = _spec_class()
         if isinstance(spec_or_name, MixerSpec):
             if fields:
                 raise TypeError("pass either a MixerSpec or a name with spec fields, not both")
             return registry.register(spec_or_name, replace=replace)
+        if not isinstance(spec_or_name, str):
+            raise TypeError(f"register_mixer takes a MixerSpec or a name, got {type(spec_or_name).__name__}")
+        name = spec_or_name
 
-        def decorator(builder: Callable[[Any], Any]):
+        def decorator(builder: BuilderT) -> BuilderT:
             config = fields.pop("config", None) or getattr(builder, "config_class", None)
             if config is None:
                 raise TypeError("register_mixer needs config=<MixerConfig subclass>")
-            spec = MixerSpec(name=spec_or_name, config=config, builder=builder, **fields)
+            spec = MixerSpec(name=name, config=config, builder=builder, **fields)
             registry.register(spec, replace=replace)
             return builder
 

@@ -176,12 +176,13 @@ class MixerSpec:
         except ValidationError as err:
             raise InvalidMixerOptions(self.name, _format_validation_error(err)) from None
 
-    def build(self, config: MixerConfig | None = None, /, **options: Any):
+    def build(self, config: MixerConfig | None = None, /, **options: Any) -> Any:
         """Build the mixer from a validated config, or from options (validated here).
 
         A module with a ``reset_parameters()`` (every :class:`~mixer_plugins.MatrixMixer`) is then initialised by
         it, from the random state the build started from: under one seed, ``build`` and a later
-        ``reset_parameters()`` give the same parameters.
+        ``reset_parameters()`` give the same parameters. Returns what the builder returns: an ``nn.Module`` that
+        follows the mixer contract (typed ``Any``, as a plugin's builder need not return a ``MatrixMixer``).
         """
         if config is None:
             config = self.make_config(**options)

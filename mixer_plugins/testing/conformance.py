@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -87,7 +88,8 @@ class MixerHarness:
     seed: int = 0
     batch: int = 2
 
-    def build(self, *, seed: int | None = None, dtype: torch.dtype = torch.float64, **overrides: Any):
+    def build(self, *, seed: int | None = None, dtype: torch.dtype = torch.float64, **overrides: Any) -> Any:
+        """The mixer (a module following the mixer contract) in ``dtype`` and eval mode, built under ``seed``."""
         torch.manual_seed(self.seed if seed is None else seed)
         opts = {**self.spec.test_options, **self.options, **overrides}
         mixer = self.spec.build(self.spec.make_config(self.dim, **opts))
@@ -98,13 +100,13 @@ class MixerHarness:
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(batch or self.batch, length, self.dim, generator=gen, dtype=dtype)
 
-    def lengths(self, mixer) -> dict[str, int]:
+    def lengths(self, mixer: Any) -> dict[str, int]:
         """Length 1, an odd length, and one longer than the chunk size (capped by max_seq_len)."""
         chunk = getattr(mixer.config, "chunk_size", None) or 16
         cap = mixer.max_seq_len or 10**9
         return {"one": 1, "odd": min(7, cap), "past_chunk": min(2 * chunk + 3, cap)}
 
-    def default_length(self, mixer) -> int:
+    def default_length(self, mixer: Any) -> int:
         return min(12, mixer.max_seq_len or 12)
 
 
@@ -114,7 +116,7 @@ def _close(a: Tensor, b: Tensor, *, rtol: float, atol: float) -> tuple[bool, flo
     return bool(torch.allclose(a, b, rtol=rtol, atol=atol + rtol * scale)), err
 
 
-def _expect_raises(exc_type, fn: Callable[[], Any], what: str) -> None:
+def _expect_raises(exc_type: type[BaseException], fn: Callable[[], Any], what: str) -> None:
     try:
         fn()
     except exc_type as err:
@@ -285,7 +287,7 @@ def check_bad_config(h: MixerHarness) -> None:
     spec = h.spec
     opts = {**spec.test_options, **h.options}
     for bad_dim in (0, -4):
-        _expect_raises(InvalidMixerOptions, lambda d=bad_dim: spec.make_config(d, **opts), f"dim={bad_dim}")
+        _expect_raises(InvalidMixerOptions, functools.partial(spec.make_config, bad_dim, **opts), f"dim={bad_dim}")
     option = next((o for o in spec.option_names() if o != "dim"), None)
     if option is not None and len(option) > 3:
         typo = option[:-1]
@@ -389,7 +391,7 @@ def check_empty_batch(h: MixerHarness) -> None:
         raise AssertionError(f"batch 0 raised {type(err).__name__}: {err}") from err
 
 
-def _check_empty_batch(mixer, x: Tensor, length: int) -> None:
+def _check_empty_batch(mixer: Any, x: Tensor, length: int) -> None:
     with torch.no_grad():
         y = mixer(x)
         assert tuple(y.shape) == tuple(x.shape), f"batch 0: output shape {tuple(y.shape)} != {tuple(x.shape)}"
@@ -419,15 +421,15 @@ def check_export(h: MixerHarness) -> None:
     except Exception as err:  # noqa: BLE001 - e.g. a FakeTensor kept from tracing, used in an eager call
         raise AssertionError(f"eager forward after torch.export failed: {type(err).__name__}: {err}") from err
     assert torch.isfinite(y_after).all(), "eager forward after torch.export gave non-finite outputs"
-    ok, err = _close(y_program, y_after, rtol=1e-4, atol=1e-5)
-    assert ok, f"the exported program and eager disagree (max abs err {err:.3e})"
+    ok, diff = _close(y_program, y_after, rtol=1e-4, atol=1e-5)
+    assert ok, f"the exported program and eager disagree (max abs err {diff:.3e})"
     assert torch.equal(y_after, y_again), "eager forwards after torch.export differ from one another"
     if mixer.materializable:
         with torch.no_grad():
             y_ref = reference.forward_via_matrix(x)
-        ok, err = _close(y_after, y_ref, rtol=1e-4, atol=1e-5)
+        ok, diff = _close(y_after, y_ref, rtol=1e-4, atol=1e-5)
         assert ok, (
-            f"eager forward after torch.export drifted from the mixer's matrix (max abs err {err:.3e}): a tensor "
+            f"eager forward after torch.export drifted from the mixer's matrix (max abs err {diff:.3e}): a tensor "
             "made while tracing (a FakeTensor) survived in a cache"
         )
 
@@ -438,7 +440,7 @@ _STEP_SIZES = (1, 2, 1, 3, 1, 1, 4)
 
 def check_step(h: MixerHarness) -> None:
     spec = h.spec
-    causal = {"causal": True} if "causal" in spec.config.model_fields else {}
+    causal: dict[str, Any] = {"causal": True} if "causal" in spec.config.model_fields else {}
     mixer = h.build(**causal)
     if not spec.stepping or not mixer.causal:
         assert not mixer.can_step, (
@@ -554,7 +556,7 @@ def check_mixer(mixer: str | MixerSpec, *, dim: int | None = None, options: Mapp
 
 
 def conformance_test(mixers: Iterable[str] | None = None, *, checks: Iterable[str] | None = None,
-                     options: Mapping[str, Mapping[str, Any]] | None = None):
+                     options: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[str, str], None]:
     """A pytest test function parametrized over (mixer, check); assign it to a ``test_*`` name.
 
     ``mixers`` defaults to every registered mixer; ``options`` maps a mixer name to extra options.

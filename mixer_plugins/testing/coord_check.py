@@ -37,7 +37,7 @@ class MixerCoordCheckModel(CoordCheckModel):
         super().__init__(width, build, depth=depth, in_dim=in_dim, out_dim=out_dim, mlp_ratio=mlp_ratio)
 
 
-def _plain_attention_logits(mixer, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+def _plain_attention_logits(mixer: SoftmaxAttention, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
     """Plain softmax attention's pre-softmax logits ``scale * q_i . k_j``, (batch, heads, L, L)."""
     x, mask, _ = mixer._begin(x, mask)
     ctx = mixer.prepare(x, mask)
@@ -48,5 +48,6 @@ def expose_attention_logits(mixer: nn.Module) -> nn.Module:
     """Give plain ``attention`` the :class:`~mixer_plugins.layers.mup.AttentionLogitsProbe` method (the structured
     softmax mixers have it already), so :func:`~mixer_plugins.layers.mup.coord_check` records its logits."""
     if isinstance(mixer, SoftmaxAttention) and not hasattr(mixer, "attention_logits"):
-        mixer.attention_logits = types.MethodType(_plain_attention_logits, mixer)
+        # a plain attribute: torch types a module's attributes as tensors and modules only
+        mixer.attention_logits = types.MethodType(_plain_attention_logits, mixer)  # type: ignore[assignment]
     return mixer

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -87,8 +88,8 @@ class Measurement:
 
 
 def build_mixer(name: str, dim: int, length: int, *, causal: bool | None = None,
-                options: dict[str, Any] | None = None, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32):
+                options: Mapping[str, Any] | None = None, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Any:
     """Build a mixer for a run at ``length``, its options filled in by the shared resolver
     (:mod:`mixer_plugins.backbones.options`): ``max_seq_len=length`` where the mixer has that option, and the
     direction ``causal`` (True/False; None keeps the mixer's default) where it has a ``causal`` option. A mixer
@@ -104,7 +105,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def mixer_step(mixer, x: torch.Tensor, mode: str) -> Callable[[], None]:
+def mixer_step(mixer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str) -> Callable[[], None]:
     """One call of ``mixer`` on ``x`` as a function: a forward without gradients, or a forward+backward."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -125,7 +126,7 @@ def time_call(fn: Callable[[], None], *, device: torch.device, warmup: int = 1, 
     for _ in range(warmup):
         fn()
     _sync(device)
-    times = []
+    times: list[float] = []
     start = time.perf_counter()
     while len(times) < repeats or (time.perf_counter() - start) < min_seconds:
         t0 = time.perf_counter()
@@ -144,7 +145,6 @@ def count_flops(fn: Callable[[], None]) -> int:
 
 # -- peak memory -----------------------------------------------------------------------------------------
 
-_LIBC = None
 # glibc mallopt parameters, used only by peak_memory(tuned=True). Inside such a block, buffers of 64 KiB and
 # more are mmapped, so freeing one really lowers the resident set. After it, the process must allocate as it
 # normally would: a low mmap threshold left in place makes every large tensor a fresh mmap (page faults on first
@@ -163,24 +163,23 @@ class _MallInfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = False
-        if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL("libc.so.6")
-                libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-                libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
-                if hasattr(libc, "mallinfo2"):  # glibc >= 2.33
-                    libc.mallinfo2.restype = _MallInfo2
-                _LIBC = libc
-            except OSError:  # pragma: no cover - non-glibc Linux
-                _LIBC = False
-    return _LIBC
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, with the prototypes used here; None off Linux or without glibc."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # pragma: no cover - non-glibc Linux
+        return None
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    if hasattr(libc, "mallinfo2"):  # glibc >= 2.33
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
-def _plug_free_heap_chunks(libc) -> list[int]:
+def _plug_free_heap_chunks(libc: ctypes.CDLL) -> list[int]:
     """Allocate (without touching) the large free chunks of the main heap; returns the pointers to free later.
 
     Large buffers freed before the block sit in malloc's free lists (their pages released by ``malloc_trim``).
@@ -377,7 +376,7 @@ def format_seconds(seconds: float | None) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-def format_bytes(n: int | None) -> str:
+def format_bytes(n: float | None) -> str:
     """``12.3 MiB``-style byte counts (binary prefixes); ``-`` when unknown."""
     if n is None:
         return "-"

@@ -198,9 +198,12 @@ def capture_first_block_matrix(model: nn.Module, image: Tensor) -> Tensor:
     """
     from ..backbones.timm import TimmMixerAttention
 
-    adapter = model.blocks[0].attn
+    adapter = model.get_submodule("blocks.0.attn")
     if not isinstance(adapter, TimmMixerAttention):
         raise MixerError(f"the first block's token mixer is {type(adapter).__name__}, not a mixer-plugins adapter")
+    materialize = getattr(adapter.mixer, "materialize", None)
+    if materialize is None:
+        raise NotMaterializableError(f"mixer {adapter.mixer_name!r} has no materialize()")
     captured: list[Tensor] = []
     handle = adapter.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
     try:
@@ -208,7 +211,7 @@ def capture_first_block_matrix(model: nn.Module, image: Tensor) -> Tensor:
         model.eval()
         with torch.no_grad():
             model(image[None])
-            matrix = adapter.mixer.materialize(captured[0])
+            matrix = materialize(captured[0])
         model.train(was_training)
     finally:
         handle.remove()
@@ -244,7 +247,8 @@ def _evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float
     return correct / len(x)
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
     if not enabled:
         return None
     try:

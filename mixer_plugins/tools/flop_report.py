@@ -167,7 +167,7 @@ def flop_report(mixers: Sequence[str] | None = None, *, dim: int = 256, length: 
 
 def table_rows(rows: Sequence[FlopComparison]) -> list[tuple[str, ...]]:
     """Cells of the FLOP table (see :data:`TABLE_HEADERS`)."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for r in rows:
         uncounted = sum(r.uncounted_parts.values())
         out.append((

@@ -16,12 +16,17 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from ..errors import MissingExtraError, MixerError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
     "SCALES",
@@ -37,7 +42,7 @@ __all__ = [
 SCALES = ("linear", "log")
 
 
-def require_matplotlib():
+def require_matplotlib() -> ModuleType:
     """``matplotlib.pyplot`` with the Agg backend, or :class:`MissingExtraError` naming the extra to install."""
     try:
         import matplotlib
@@ -85,7 +90,7 @@ def heatmap_limits(image: Tensor) -> tuple[float, float, bool]:
     return (-top if diverging else 0.0), top, diverging
 
 
-def _draw_matrix(plt, ax, image: Tensor, title: str, scale: str) -> None:
+def _draw_matrix(plt: ModuleType, ax: Axes, image: Tensor, title: str, scale: str) -> None:
     if scale not in SCALES:
         raise MixerError(f"scale must be one of {SCALES}, got {scale!r}")
     if scale == "log":
@@ -221,7 +226,7 @@ def save_scaling_plot(rows: Sequence[Mapping[str, Any]], path: str | Path, *, ti
         plt.close(fig)
 
 
-def _save(fig, path: str | Path, suptitle: str = "") -> Path:
+def _save(fig: Figure, path: str | Path, suptitle: str = "") -> Path:
     """Give the figure its overall title (if any), lay it out and write it as a PNG."""
     if suptitle:
         fig.suptitle(suptitle, fontsize=10)

@@ -140,8 +140,8 @@ def results_table(rows: Sequence[Mapping[str, Any]], *, baseline: str | None = "
             ]
             if baseline is not None:
                 ref = base.get(r["length"])
-                cells += [_ratio(r.get("seconds"), ref and ref.get("seconds")),
-                          _ratio(r.get("peak_memory_bytes"), ref and ref.get("peak_memory_bytes"))]
+                cells += [_ratio(r.get("seconds"), ref.get("seconds") if ref else None),
+                          _ratio(r.get("peak_memory_bytes"), ref.get("peak_memory_bytes") if ref else None)]
             body.append(cells)
         directions = {r.get("direction") for r in members}
         direction = directions.pop() if len(directions) == 1 else None

@@ -54,13 +54,14 @@ def described_parser(prog: str = PROG, description: str = DESCRIPTION, epilog: s
     if original is not argparse.ArgumentParser:
         yield
         return
-    cli.ArgumentParser = functools.partial(  # type: ignore[attr-defined]
+    # fairseq2's cli module refers to the class it imported; a factory stands in for it while the context lasts
+    cli.ArgumentParser = functools.partial(  # type: ignore[misc, assignment]
         argparse.ArgumentParser, prog=prog, description=description, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     try:
         yield
     finally:
-        cli.ArgumentParser = original  # type: ignore[attr-defined]
+        cli.ArgumentParser = original  # type: ignore[misc]
 
 
 def config_error_line(error: BaseException) -> str:

@@ -33,6 +33,7 @@ from fairseq2.models.transformer import AttentionBiasCache, MultiheadAttention
 from fairseq2.nn import BatchLayout, IncrementalState, IncrementalStateBag
 from torch import Tensor, nn
 
+from mixer_plugins.mixers.base import MatrixMixer
 from mixer_plugins.mixers.cache import MixerCache
 from mixer_plugins.registry import MixerConfig, MixerError, MixerSpec
 
@@ -99,6 +100,7 @@ class MixerDecodingState(IncrementalState):
         self.cache = cache
 
     def step(self, mixer: nn.Module, seqs: Tensor) -> Tensor:
+        assert isinstance(mixer, MatrixMixer), "a decoding state is made for a mixer that steps"
         return mixer.step(seqs, self.cache)
 
     def reorder(self, new_order: Tensor) -> None:
@@ -216,7 +218,7 @@ class MixerAttention(MultiheadAttention):
         if state is None:
             mask = padding_mask(seqs_layout)
             capacity = max(state_bag.max_num_steps, seqs.shape[1])
-            if self.mixer.can_step:
+            if isinstance(self.mixer, MatrixMixer) and self.mixer.can_step:
                 cache = self.mixer.allocate_cache(seqs.shape[0], capacity)
                 out = self.mixer.prefill(seqs, cache, mask=mask)
                 state_bag.set_state(self, MixerDecodingState(cache))
@@ -245,7 +247,11 @@ class MixerAttention(MultiheadAttention):
         return torch.zeros_like(seqs).index_put((index[mask],), mixed[mask])
 
     def _run_hooks(self, out: Tensor, seqs: Tensor, mask: Tensor | None) -> None:
-        weights = self.mixer.materialize(seqs, mask=mask)  # NotMaterializableError for non-linear mixers
+        materialize = getattr(self.mixer, "materialize", None)
+        if materialize is None:
+            raise NotSupportedError(f"mixer {self.mixer_name!r} has no materialize(): it cannot report attention "
+                                    "weights to the hooks")
+        weights = materialize(seqs, mask=mask)  # NotMaterializableError for non-linear mixers
         for hook in self._attn_weight_hooks.values():
             hook(self, out, weights)
 

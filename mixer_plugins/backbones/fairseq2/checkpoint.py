@@ -10,8 +10,8 @@ import torch
 from fairseq2.assets import AssetCard
 from fairseq2.checkpoint import ModelMetadataLoader
 from fairseq2.device import CPU, Device
-from fairseq2.models import load_model
-from fairseq2.runtime.dependency import get_dependency_resolver
+from fairseq2.models import ModelStateDictConverter, load_model
+from fairseq2.runtime.dependency import DependencyResolver, get_dependency_resolver
 from torch.nn import Module
 
 from ...mixers.base import RECORD_KEY, MixerCheckpointMismatchError, read_mixer_record, record_differences
@@ -22,7 +22,7 @@ __all__ = ["load_mixer_checkpoint", "read_model_metadata", "with_mixer_records"]
 MODEL_METADATA = "model.yaml"
 
 
-def read_model_metadata(resolver, path: Path) -> dict | None:
+def read_model_metadata(resolver: DependencyResolver, path: Path) -> dict[str, Any] | None:
     """The ``model.yaml`` mapping at ``path``, or None when it is missing, empty, cut or not a model's metadata."""
     from fairseq2.utils.yaml import YamlError, YamlLoader
 
@@ -69,20 +69,21 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
     provider = resolver.resolve(ModelMetadataLoader).load(folder)
     name = "last_checkpoint@" if step is None else f"checkpoint_step_{step}@"
     metadata = provider.maybe_get_metadata(name)
-    base = provider.maybe_get_metadata("checkpoint@")
-    if metadata is None or base is None:
+    base_metadata = provider.maybe_get_metadata("checkpoint@")
+    if metadata is None or base_metadata is None:
         found = sorted(n for n in provider.asset_names if n.startswith("checkpoint_step_"))
         raise FileNotFoundError(
             f"{checkpoint_dir} has no {'checkpoint' if step is None else f'step {step}'} to load "
             f"(found: {', '.join(found) or 'none'})"
         )
     metadata = {k: v for k, v in metadata.items() if k != "base"}
-    card = AssetCard(name.rstrip("@"), metadata, base=AssetCard("checkpoint", base))
+    card = AssetCard(name.rstrip("@"), metadata, base=AssetCard("checkpoint", base_metadata))
     return load_model(card, device=device, dtype=dtype)
 
 
 def with_mixer_records(factory: Callable[[Any], Module],
-                       converter: Callable[[dict[str, object], Any], dict[str, object]] | None = None):
+                       converter: Callable[[dict[str, object], Any], dict[str, object]] | None = None
+                       ) -> ModelStateDictConverter[Any]:
     """A family's ``state_dict_converter`` that handles the mixers' records (their name and options, the
     ``..._extra_state`` entries of :class:`~mixer_plugins.MatrixMixer`), around ``converter`` (if any).
 

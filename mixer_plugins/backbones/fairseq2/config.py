@@ -97,7 +97,7 @@ class MixerEncoderConfig:
     """Options per mixer name, e.g. ``{"quasi": {"d_state": 32}}``; only ``mixer``'s entry is used."""
 
     # -- helpers ---------------------------------------------------------------------------------
-    def host_options(self) -> dict[str, object]:
+    def host_options(self) -> dict[str, int | None]:
         """Options the model supplies to mixers that have them (unless set under ``mixer_options``)."""
         return {"num_heads": self.num_heads, "max_seq_len": self.max_seq_len}
 

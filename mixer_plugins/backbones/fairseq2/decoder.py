@@ -115,7 +115,7 @@ class MixerDecoderConfig:
     mixer_options: dict[str, object] = field(default_factory=dict)
     """Options per mixer name, e.g. ``{"semiseparable": {"d_state": 32}}``; only ``mixer``'s entry is used."""
 
-    def host_options(self) -> dict[str, object]:
+    def host_options(self) -> dict[str, int | None]:
         """Options the model supplies to mixers that have them (unless set under ``mixer_options``)."""
         return {"num_heads": self.num_heads, "max_seq_len": self.max_seq_len}
 

@@ -18,10 +18,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fairseq2.models.transformer_lm import TransformerLM
+
+    from .corpus import ByteTokenizer
 
 __all__ = ["GenerationSettings", "generate_text", "main"]
 
@@ -43,7 +48,7 @@ class GenerationSettings:
 class _BytesOnly:
     """A step processor: only byte tokens and ``</s>`` may come next (no pad, mask, ``<s>`` or unused ids)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: ByteTokenizer) -> None:
         self._tokenizer = tokenizer
 
     def __call__(self, seqs: Tensor, probs: Tensor, lprob: bool = False) -> None:
@@ -53,7 +58,7 @@ class _BytesOnly:
         probs.masked_fill_(banned, float("-inf") if lprob else 0.0)
 
 
-def generate_text(model, prompts: Sequence[str], settings: GenerationSettings = GenerationSettings()
+def generate_text(model: TransformerLM, prompts: Sequence[str], settings: GenerationSettings = GenerationSettings()
                   ) -> list[list[str]]:
     """Continuations of each prompt (``num_gens`` with sampling, ``beam_size`` with beam search, best first)."""
     from fairseq2.data.tokenizers import VocabularyInfo
@@ -123,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line; prints each prompt followed by its continuations. Returns the exit status."""
     args = _parser().parse_args(argv)
     os.environ.setdefault("FAIRSEQ2_NO_PROGRESS", "1")
+    from fairseq2.models.transformer_lm import TransformerLM
+
     from .checkpoint import load_mixer_checkpoint
 
     settings = GenerationSettings(mode=args.mode, max_gen_len=args.max_gen_len, temperature=args.temperature,
@@ -130,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   num_gens=args.num_gens, seed=args.seed)
     try:
         model = load_mixer_checkpoint(args.checkpoint_dir, step=args.step).eval()
-        if not hasattr(model, "decoder_frontend"):
+        if not isinstance(model, TransformerLM):
             raise ValueError(f"{args.checkpoint_dir} holds a {type(model).__name__}, not a language model "
                              "(train one with python -m mixer_plugins.backbones.fairseq2.lm)")
         results = generate_text(model, args.prompt, settings)

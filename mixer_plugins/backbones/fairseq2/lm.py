@@ -46,7 +46,7 @@ from fairseq2.recipe.config import (
     TrainerSection,
 )
 from fairseq2.recipe.error import RecipeError
-from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.runtime.dependency import DependencyContainer, DependencyResolver
 from fairseq2.task import Task
 from fairseq2.trainer import TrainUnit
 from fairseq2.utils.validation import ValidationResult
@@ -262,7 +262,7 @@ class MixerLmRecipe(Recipe):
             register_cli_error(container, kls, _log_mixer_error)
         register_cli_error(container, NonFiniteLossError, _log_training_failure)
 
-        def preflight_handler(resolver):
+        def preflight_handler(resolver: DependencyResolver) -> ClusterHandler:
             check_checkpoint_dir(resolver, MixerLmConfig)
             return _PreflightHandler()
 

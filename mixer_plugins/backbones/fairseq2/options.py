@@ -62,6 +62,7 @@ def namespaced_options(spec: MixerSpec, mixer_options: Mapping[str, object]) -> 
              f"{{{spec.name!r}: {{...}}}}, got {type(mixer_options).__name__} {mixer_options!r}"],
         )
     matching: list[str] = []
+    chosen: Mapping[Any, object] = {}
     for key, value in mixer_options.items():
         if not isinstance(key, str):
             raise InvalidMixerOptions(spec.name, [f"mixer_options keys must be mixer names, got {key!r}"])
@@ -76,6 +77,7 @@ def namespaced_options(spec: MixerSpec, mixer_options: Mapping[str, object]) -> 
             )
         if owner.name == spec.name:
             matching.append(key)
+            chosen = value
     if len(matching) > 1:
         raise InvalidMixerOptions(
             spec.name,
@@ -84,7 +86,7 @@ def namespaced_options(spec: MixerSpec, mixer_options: Mapping[str, object]) -> 
         )
     if not matching:
         return {}
-    options = dict(mixer_options[matching[0]])  # type: ignore[arg-type]
+    options = dict(chosen)
     for name in options:
         if not isinstance(name, str):
             raise InvalidMixerOptions(spec.name, [f"option names must be strings, got {name!r}"])
@@ -101,7 +103,7 @@ def resolve_mixer(
     mixer_options: Mapping[str, object] | None,
     *,
     dim: int,
-    host_options: Mapping[str, object] | None = None,
+    host_options: Mapping[str, int | None] | None = None,
     causal: bool = False,
 ) -> ResolvedMixer:
     """Validate ``mixer`` and its namespaced options through the registry.
@@ -144,7 +146,7 @@ def mixer_problems(
     mixer_options: Mapping[str, object] | None,
     *,
     dim: int,
-    host_options: Mapping[str, object] | None = None,
+    host_options: Mapping[str, int | None] | None = None,
     causal: bool = False,
 ) -> list[str]:
     """The messages :func:`resolve_mixer` would raise, as a list (empty when valid); for ``validate()``."""

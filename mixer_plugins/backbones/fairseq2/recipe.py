@@ -33,7 +33,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, final
+from typing import Any, Final, final
 
 from fairseq2.cluster import ClusterHandler
 from fairseq2.logging import log
@@ -57,7 +57,7 @@ from fairseq2.recipe.config import (
     TrainerSection,
 )
 from fairseq2.recipe.error import RecipeError
-from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.runtime.dependency import DependencyContainer, DependencyResolver
 from fairseq2.task import Task
 from fairseq2.trainer import TrainUnit
 from torch import Tensor
@@ -181,8 +181,8 @@ def saved_steps(checkpoint_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def step_metadata(resolver, checkpoint_dir: Path, step_nr: int, *,
-                  fields: set[str] | None = None) -> tuple[dict | None, Path | None]:
+def step_metadata(resolver: DependencyResolver, checkpoint_dir: Path, step_nr: int, *,
+                  fields: set[str] | None = None) -> tuple[dict[str, Any] | None, Path | None]:
     """The model metadata step ``step_nr`` was trained with, and the file it came from: the step's own copy, else the
     folder's ``model.yaml`` (runs saved before steps kept a copy); (None, None) when neither can be read.
 
@@ -196,7 +196,7 @@ def step_metadata(resolver, checkpoint_dir: Path, step_nr: int, *,
     return None, None
 
 
-def _yaml_round_trip(resolver, obj: object) -> list[object]:
+def _yaml_round_trip(resolver: DependencyResolver, obj: object) -> list[object]:
     """``obj`` as fairseq2 writes it to YAML and reads it back (the form ``model.yaml`` is compared in)."""
     from fairseq2.utils.yaml import YamlDumper, YamlLoader
 
@@ -206,7 +206,7 @@ def _yaml_round_trip(resolver, obj: object) -> list[object]:
     return resolver.resolve(YamlLoader).load(stream)
 
 
-def check_checkpoint_dir(resolver, config_kls: type | None = None) -> None:
+def check_checkpoint_dir(resolver: DependencyResolver, config_kls: type | None = None) -> None:
     """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
 
     The config compared is the one the last saved step was trained with (``step_N/model.yaml``; for runs saved before
@@ -222,7 +222,7 @@ def check_checkpoint_dir(resolver, config_kls: type | None = None) -> None:
     from fairseq2.utils.structured import ValueConverter
 
     context = RecipeContext(resolver)
-    config = context.get_config_as(config_kls or MixerMlmConfig)
+    config: Any = context.get_config_as(config_kls or MixerMlmConfig)  # a recipe config with these two fields
     section = config.model
     if section.path is not None or section.name is not None or section.family is None:
         return  # not a new model of ours: fairseq2's own checks apply
@@ -305,7 +305,7 @@ class MixerMlmRecipe(Recipe):
         # The output folder is checked at the first thing a run resolves, before its logs, config.yaml or
         # model.yaml are written: the cluster handlers (fairseq2's container allows no override, but a
         # collection takes one more member; ours never claims the cluster).
-        def preflight_handler(resolver) -> ClusterHandler:
+        def preflight_handler(resolver: DependencyResolver) -> ClusterHandler:
             check_checkpoint_dir(resolver)
             return _PreflightHandler()
 

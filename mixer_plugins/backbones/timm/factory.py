@@ -72,7 +72,9 @@ def create_model(model_name: str, pretrained: bool = False, *, mixer: Optional[s
         _replay(model, saved_swaps)
         if pretrained:
             state_dict = load_state_dict_from_path(Path(identifier))
-            model.pretrained_report = load_compatible_state_dict(model, state_dict, source=str(identifier))
+            report = load_compatible_state_dict(model, state_dict, source=str(identifier))
+            # a plain attribute: torch types a module's attributes as tensors and modules only
+            model.pretrained_report = report  # type: ignore[assignment]
     else:
         model = timm.create_model(model_name, pretrained=pretrained, **kwargs)
     if mixer is not None:

@@ -25,12 +25,19 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import PatchDropout
-from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, is_model, register_model
+from timm.models import (
+    PretrainedCfg,
+    build_model_with_cfg,
+    generate_default_cfgs,
+    get_pretrained_cfg,
+    is_model,
+    register_model,
+)
 from timm.models import vision_transformer as _vit
 from torch import nn
 
@@ -77,14 +84,17 @@ def _plain_cfg(**overrides: Any) -> dict[str, Any]:
     )
 
 
-def _vit_cfgs() -> dict[str, dict[str, Any]]:
-    cfgs: dict[str, dict[str, Any]] = {}
+def _vit_cfgs() -> dict[str, dict[str, Any] | PretrainedCfg]:
+    cfgs: dict[str, dict[str, Any] | PretrainedCfg] = {}
     for name, source in _PRETRAINED_SOURCES.items():
         try:
-            cfg = dataclasses.asdict(get_pretrained_cfg(source))
+            pretrained = get_pretrained_cfg(source)
         except Exception:  # noqa: BLE001 - a future timm without this checkpoint: no weights, same defaults
+            pretrained = None
+        if pretrained is None:
             cfgs[name] = _plain_cfg()
             continue
+        cfg = dataclasses.asdict(pretrained)
         for key in ("architecture", "tag", "custom_load", "state_dict", "file", "source"):
             cfg.pop(key, None)
         cfgs[f"{name}.{source.split('.', 1)[1]}"] = cfg  # e.g. vit_base.augreg2_in21k_ft_in1k, like timm's tags
@@ -132,7 +142,8 @@ def _block_plan(depth: int, mixer: str, options: Mapping[str, Any], mixer_blocks
         spec = default_registry.get_spec(swap["mixer"])
         for i in indices(swap.get("mixer_blocks"), "mixer_swaps.mixer_blocks"):
             # like swap_mixer: the successor keeps its predecessor's choice about timm's head count
-            inherit = plan[i].inherit_num_heads if plan[i] is not None else True
+            previous = plan[i]
+            inherit = previous.inherit_num_heads if previous is not None else True
             plan[i] = _PlannedMixer(spec.name, dict(swap.get("mixer_options") or {}), inherit)
     return plan
 
@@ -167,12 +178,16 @@ class _BlockFactory:
 def _build_vision_transformer(plan: Sequence[Optional[_PlannedMixer]], mlp: bool, fix_init: bool,
                               **kwargs: Any) -> _vit.VisionTransformer:
     """``VisionTransformer(**kwargs)`` with the planned mixers; what ``build_model_with_cfg`` calls."""
-    model = _vit.VisionTransformer(block_fn=_BlockFactory(plan, mlp), fix_init=False, **kwargs)
+    # timm annotates block_fn as a class; it only calls it, as it calls this factory
+    model = _vit.VisionTransformer(block_fn=_BlockFactory(plan, mlp), fix_init=False,  # type: ignore[arg-type]
+                                   **kwargs)
     seq_len = int(model.patch_embed.num_patches) + model.num_prefix_tokens
     for block, planned in zip(model.blocks, plan):
         if planned is None:
             continue
-        host = dict(block.attn.host)
+        pending = block.attn
+        assert isinstance(pending, _PendingMixer)
+        host = dict(pending.host)
         block.attn = TimmMixerAttention(
             host.pop("dim"), mixer=planned.name, mixer_options=planned.options, seq_len=seq_len,
             num_prefix_tokens=model.num_prefix_tokens, inherit_num_heads=planned.inherit_num_heads, **host,
@@ -221,7 +236,8 @@ def _create_mixer_vit(variant: str, pretrained: bool = False, *, mlp: bool = Tru
         **kwargs,
     )
     if pretrained:
-        cfg = model.pretrained_cfg
+        # a dict timm sets on every model it builds (nn.Module's attributes are typed as tensors and modules)
+        cfg = cast(dict[str, Any], model.pretrained_cfg)
         if cfg.get("custom_load"):
             raise MixerError(f"{variant}: checkpoints with timm's custom loader (.npz) expect attention tensors; "
                              "convert them to a PyTorch state dict first")
@@ -234,7 +250,8 @@ def _create_mixer_vit(variant: str, pretrained: bool = False, *, mlp: bool = Tru
             warnings.warn(f"{variant}: timm loaded the weights without a state dict; cannot report what was "
                           "loaded", PartialWeightsWarning, stacklevel=3)
         else:
-            model.pretrained_report = report
+            # a plain attribute: torch types a module's attributes as tensors and modules only
+            model.pretrained_report = report  # type: ignore[assignment]
             report.warn_if_partial(stacklevel=4)
     return model
 

@@ -90,7 +90,8 @@ def is_order_sensitive(mixer: nn.Module, *, spec_data_dependent: str | None = No
     return True
 
 
-def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]):
+def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]
+                     ) -> list[tuple[nn.Module, str, nn.Module, int]]:
     """(parent, attribute, old module, block index) for every token mixer to replace."""
     blocks = getattr(root, "blocks", None)
     if not isinstance(blocks, (nn.Sequential, nn.ModuleList)):
@@ -108,7 +109,7 @@ def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]):
                 raise MixerError(f"mixer_blocks entry {index!r} is not a block index of this model (0..{depth - 1})")
             selected.append(index % depth)
         selected = sorted(set(selected))
-    slots = []
+    slots: list[tuple[nn.Module, str, nn.Module, int]] = []
     for index in selected:
         block = blocks[index]
         found = [(name, module) for name, module in block.named_modules()
@@ -278,10 +279,13 @@ def swap_mixer(model: nn.Module, mixer: str, /, *, mixer_blocks: Optional[Iterab
             _transfer(old, adapter, names.get(id(old), attr) + ".", report)
         setattr(parent, attr, adapter)
     if report is not None:
-        model.mixer_weight_report = report
+        # a plain attribute: torch types a module's attributes as tensors and modules only
+        model.mixer_weight_report = report  # type: ignore[assignment]
         report.warn_if_partial(stacklevel=2)
     record = {"mixer": spec.name, "mixer_options": dict(options),
               "mixer_blocks": None if mixer_blocks is None else sorted({s[3] for s in slots})}
-    model._model_args = dict(getattr(model, "_model_args", {}))
-    model._model_args["mixer_swaps"] = list(model._model_args.get("mixer_swaps", [])) + [record]
+    model_args = dict(getattr(model, "_model_args", {}))
+    model_args["mixer_swaps"] = list(model_args.get("mixer_swaps", [])) + [record]
+    # a plain attribute: torch types a module's attributes as tensors and modules only
+    model._model_args = model_args  # type: ignore[assignment]
     return model

@@ -96,12 +96,12 @@ def _remap(state_dict: Mapping[str, Tensor], keys: set[str]) -> tuple[dict[str, 
     return out, original
 
 
-def _split_mismatched(state_dict: Mapping[str, Tensor], model_state: Mapping[str, Tensor],
-                      original: Mapping[str, str]):
+def _split_mismatched(state_dict: Mapping[str, Tensor], model_state: Mapping[str, Tensor], original: Mapping[str, str]
+                      ) -> tuple[dict[str, Tensor], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
     """Drop same-named tensors of another shape (they would make load_state_dict fail); report them by the
     checkpoint's names."""
     kept: dict[str, Tensor] = {}
-    mismatched = []
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for key, value in state_dict.items():
         target = model_state.get(key)
         if target is not None and isinstance(value, Tensor) and tuple(value.shape) != tuple(target.shape):
@@ -136,7 +136,8 @@ def load_compatible_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor
     return report
 
 
-def pretrained_filter(base_filter: Callable[..., dict[str, Tensor]] | None, box: dict[str, Any]):
+def pretrained_filter(base_filter: Callable[..., dict[str, Tensor]] | None, box: dict[str, Any]
+                      ) -> Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]]:
     """A timm ``pretrained_filter_fn`` that remaps attention keys, drops shape mismatches and records the load.
 
     ``box`` receives ``mismatched`` and, through a ``load_state_dict`` post-hook registered on the model,

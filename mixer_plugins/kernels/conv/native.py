@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
+from .._library import Grads, Shape
 from .._native_check import native_unavailable, require_native
 from .torch import depthwise_conv1d_flops
 
@@ -39,7 +40,7 @@ def conv_native(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, si
 
 
 @conv_native.register_fake
-def _conv_native_fake(x, weight, bias, left, silu):
+def _conv_native_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, silu: bool) -> Tensor:
     return torch.empty_like(x)
 
 
@@ -53,17 +54,18 @@ def conv_native_backward(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional
 
 
 @conv_native_backward.register_fake
-def _conv_native_backward_fake(grad, x, weight, bias, left, silu, with_bias):
+def _conv_native_backward_fake(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, silu: bool,
+                               with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(x.shape[-1] if with_bias else 0)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     x, weight, bias, left, silu = inputs
     ctx.save_for_backward(x, weight, bias)
     ctx.left, ctx.silu = left, silu
 
 
-def _backward(ctx, grad: Tensor):
+def _backward(ctx: Any, grad: Tensor) -> Grads:
     x, weight, bias = ctx.saved_tensors
     grad_x, grad_w, grad_b = conv_native_backward(grad, x, weight, bias, ctx.left, ctx.silu, bias is not None)
     return grad_x, grad_w, (grad_b if bias is not None else None), None, None
@@ -73,12 +75,14 @@ conv_native.register_autograd(_backward, setup_context=_setup_context)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_native)
-def _forward_flops(x, weight, bias, left, silu, *args, out_shape=None, **kwargs) -> int:
+def _forward_flops(x: Shape, weight: Shape, bias: Shape | None, left: int, silu: bool, *args: Any,
+                   out_shape: Shape | None = None, **kwargs: Any) -> int:
     return depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])
 
 
 @register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_native_backward)
-def _backward_flops(grad, x, weight, bias, left, silu, with_bias, *args, out_shape=None, **kwargs) -> int:
+def _backward_flops(grad: Shape, x: Shape, weight: Shape, bias: Shape | None, left: int, silu: bool, with_bias: bool,
+                    *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
     return 2 * depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])  # the input and the weight gradients
 
 

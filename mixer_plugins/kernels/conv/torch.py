@@ -15,7 +15,7 @@ Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the plai
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
-from .._library import save_tensors, saved_tensors
+from .._library import Grads, Shape, save_tensors, saved_tensors
 from .._tiling import time_tiles
 from .reference import impl as _reference
 
@@ -110,11 +110,11 @@ def _depthwise_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left
 
 
 @_depthwise_conv1d_op.register_fake
-def _fake(x, weight, bias, left, right, silu):
+def _fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int, silu: bool) -> Tensor:
     return x.new_empty(x.shape)
 
 
-def _setup(ctx, inputs, output):
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     x, weight, bias, left, right, silu = inputs
     # with the activation the backward recomputes the pre-activation from x, so the bias is needed
     save_tensors(ctx, x=x, weight=weight, bias=bias if silu else None)
@@ -184,12 +184,13 @@ def _depthwise_conv1d_backward_op(grad: Tensor, x: Tensor, weight: Tensor, bias:
 
 
 @_depthwise_conv1d_backward_op.register_fake
-def _backward_fake(grad, x, weight, bias, left, right, with_bias, silu):
+def _backward_fake(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int,
+                   with_bias: bool, silu: bool) -> tuple[Tensor, Tensor, Tensor]:
     grad_b = weight.new_empty(x.shape[-1]) if with_bias else grad.new_empty(0)
     return grad.new_empty(x.shape), weight.new_empty(weight.shape), grad_b
 
 
-def _backward(ctx, grad: Tensor):
+def _backward(ctx: Any, grad: Tensor) -> Grads:
     saved = saved_tensors(ctx)
     left, right = ctx.pads
     grad_x, grad_w, grad_b = _depthwise_conv1d_backward_op(grad.contiguous(), saved.x, saved.weight, saved.bias,
@@ -206,13 +207,15 @@ def depthwise_conv1d_flops(batch: int, length: int, channels: int, kernel: int) 
 
 
 @register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d)
-def _flop_formula(x_shape, w_shape, bias_shape, left, right, silu, *args, out_shape=None, **kwargs) -> int:
+def _flop_formula(x_shape: Shape, w_shape: Shape, bias_shape: Shape | None, left: int, right: int, silu: bool,
+                  *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
     return depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
 
 
 @register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_backward)
-def _backward_flop_formula(grad_shape, x_shape, w_shape, bias_shape, left, right, with_bias, silu, *args,
-                           out_shape=None, **kwargs) -> int:
+def _backward_flop_formula(grad_shape: Shape, x_shape: Shape, w_shape: Shape, bias_shape: Shape | None, left: int,
+                           right: int, with_bias: bool, silu: bool, *args: Any, out_shape: Shape | None = None,
+                           **kwargs: Any) -> int:
     # the input gradient and the weight gradient each cost one forward convolution
     return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._dispatch import Backend, register
+from .._library import Grads
 from .._native_check import native_unavailable
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def _rows(t: Tensor) -> Tensor:
 
 class _NativeNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    def forward(ctx: Any, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
         weight = weight.contiguous()
         ctx.save_for_backward(y, z, weight)
         ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
@@ -44,7 +45,7 @@ class _NativeNorm(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> Grads:
         y, z, weight = ctx.saved_tensors
         gy, gz, gw = torch.ops.mixer_plugins_native.norm_backward(
             _rows(grad).contiguous().to(y.dtype), _rows(y), _rows(z), weight, ctx.eps, ctx.norm_before_gate)

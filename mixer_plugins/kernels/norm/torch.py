@@ -14,7 +14,7 @@ the compiler fuses it. (On CPU the ``native`` backend, :mod:`.native`, runs firs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._dispatch import Backend, register
+from .._library import Grads
 from .._tiling import time_tiles
 from .reference import gated_rmsnorm_reference
 
@@ -44,21 +45,22 @@ def _tiles(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]
 
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    def forward(ctx: Any, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
         ctx.save_for_backward(y, z, weight)
         ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
         dtype = y.dtype
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         y2, z2 = _rows(y), _rows(z)
         out = torch.empty(y2.shape, dtype=dtype, device=y.device)
-        _forward_tiles(y2, z2, weight.to(compute), out, _tiles(*y2.shape, y.device), eps, norm_before_gate, compute)
+        tiles = _tiles(y2.shape[0], y2.shape[1], y.device)
+        _forward_tiles(y2, z2, weight.to(compute), out, tiles, eps, norm_before_gate, compute)
         return out.view(y.shape)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> Grads:
         rows = _rows(grad)
-        return _backward(ctx, grad, _tiles(*rows.shape, grad.device))
+        return _backward(ctx, grad, _tiles(rows.shape[0], rows.shape[1], grad.device))
 
 
 def _forward_tiles(y2: Tensor, z2: Tensor, w: Tensor, out: Tensor, tiles: list[tuple[int, int]], eps: float,
@@ -90,7 +92,7 @@ def _inv_rms(v: Tensor, eps: float) -> Tensor:
     return ss.div_(v.shape[-1]).add_(eps).rsqrt_()
 
 
-def _backward(ctx, grad: Tensor, tiles: list[tuple[int, int]]):
+def _backward(ctx: Any, grad: Tensor, tiles: list[tuple[int, int]]) -> Grads:
     """The backward of :class:`_GatedRMSNorm`, tile by tile (the per-tile statistics recomputed).
 
     With ``n = v / rms(v)`` (``v = y``, or ``v = y * silu(z)``), ``s`` the gate ``silu(z)`` and ``g`` the output
@@ -131,15 +133,15 @@ def _backward(ctx, grad: Tensor, tiles: list[tuple[int, int]]):
             if grad_z is not None:                        # g w n
                 dz = torch.mul(dn, n, out=grad_z[lo:hi]) if direct else dn * n
             dn.mul_(gate)
-        into_y = grad_y is not None and direct
-        dv = torch.addcmul(dn, n, m, value=-1.0, out=grad_y[lo:hi] if into_y else None).mul_(r)  # r (dn - n m)
+        into = grad_y[lo:hi] if grad_y is not None and direct else None
+        dv = torch.addcmul(dn, n, m, value=-1.0, out=into).mul_(r)  # r (dn - n m)
         if not before:
             # v = y s: dy = dv s, dz = dv y silu'(z)
             if grad_z is not None:
                 dz = dv * yt
             if grad_y is not None:
                 dv.mul_(gate)
-        if grad_y is not None and not into_y:
+        if grad_y is not None and into is None:
             grad_y[lo:hi] = dv
         if grad_z is not None:
             # silu'(z) = sig + s (1 - sig) = sig + s - s sig, built in sig's place

@@ -19,6 +19,7 @@ shape (never by values; see :mod:`mixer_plugins.kernels`). The forms, one module
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 from torch import Tensor
 
@@ -45,8 +46,46 @@ DtLimit = tuple[float, float]
 
 
 def run_scan(args: ScanArgs, backend: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """Run the ``scan`` op on ``args`` with ``backend`` (or the dispatcher's choice)."""
+    """Run the ``scan`` op on ``args`` with ``backend`` (or the dispatcher's choice): the output, and the final state
+    when ``args.return_final_state``."""
     return resolve_backend("scan", backend, args.x.device, args)(args)
+
+
+def _run_scan_output(args: ScanArgs, backend: str | None) -> Tensor:
+    """:func:`run_scan` of ``args`` that ask for no final state: the output alone."""
+    out = run_scan(args, backend)
+    assert isinstance(out, Tensor), "a scan without return_final_state returns its output alone"
+    return out
+
+
+@overload
+def ssd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int = 64,
+    D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None, seq_idx: Tensor | None = None, dt_softplus: bool = False,
+    dt_limit: DtLimit = (0.0, math.inf), return_final_states: Literal[False] = False, *,
+    backend: str | None = None,
+) -> Tensor: ...
+
+
+@overload
+def ssd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int = 64,
+    D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None, seq_idx: Tensor | None = None, dt_softplus: bool = False,
+    dt_limit: DtLimit = (0.0, math.inf), *, return_final_states: Literal[True],
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def ssd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int = 64,
+    D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None, seq_idx: Tensor | None = None, dt_softplus: bool = False,
+    dt_limit: DtLimit = (0.0, math.inf), return_final_states: bool = False, *,
+    backend: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 
 
 def ssd(
@@ -117,7 +156,7 @@ def quasiseparable(
     args = ScanArgs(x=x, forward=Direction(dt, A, B, C), backward=backward, diag=diag,
                     seq_idx=check_seq_idx("quasiseparable", seq_idx, b, l, x.device), shift=shift,
                     chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    return run_scan(args, backend)
+    return _run_scan_output(args, backend)
 
 
 def directional_scan(
@@ -138,7 +177,7 @@ def directional_scan(
     args = ScanArgs(x=x, forward=None if reverse else direction, backward=direction if reverse else None,
                     seq_idx=check_seq_idx("directional_scan", seq_idx, b, l, x.device), shift=shift,
                     chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    return run_scan(args, backend)
+    return _run_scan_output(args, backend)
 
 
 discover_backends("scan", __name__)

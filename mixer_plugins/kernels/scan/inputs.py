@@ -103,8 +103,11 @@ class ScanArgs:
         per-head skip ``D`` (h,) folded into the diagonal (:meth:`finish` then leaves it out)."""
         compute = torch.float32 if self.x.dtype in (torch.float16, torch.bfloat16) else self.x.dtype
 
-        def up(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(compute)
+        def up(t: Tensor) -> Tensor:
+            return t.to(compute)
+
+        def up_optional(t: Tensor | None) -> Tensor | None:
+            return None if t is None else up(t)
 
         def prepared(d: Direction | None) -> Direction | None:
             if d is None:
@@ -112,9 +115,9 @@ class ScanArgs:
             dt = prepare_dt(d.dt, self.dt_bias, self.dt_softplus, self.dt_limit)
             return Direction(dt=dt.to(compute), A=d.A.to(compute), B=up(d.B), C=up(d.C))
 
-        diag = up(self.skip_as_diag(self.diag))
+        diag = up_optional(self.skip_as_diag(self.diag))
         return ScanInputs(x=up(self.x), forward=prepared(self.forward), backward=prepared(self.backward), diag=diag,
-                          seq_idx=self.seq_idx, initial_state=up(self.initial_state), shift=self.shift,
+                          seq_idx=self.seq_idx, initial_state=up_optional(self.initial_state), shift=self.shift,
                           chunk_size=self.chunk_size)
 
     def skip_as_diag(self, diag: Tensor | None) -> Tensor | None:
@@ -144,7 +147,9 @@ class ScanArgs:
         if self.return_final_state:
             y, final = scan(inputs, return_final_state=True)
             return self.finish(y, final)
-        return self.finish(scan(inputs), None)
+        y = scan(inputs)
+        assert isinstance(y, Tensor), "a scan without return_final_state returns its output alone"
+        return self.finish(y, None)
 
 #: Scans whose per-token state, heads x head_dim x state, holds fewer elements than this use ``chunk_size`` as given
 #: (so tests at small shapes exercise the chunk boundaries they ask for); larger ones are chunked by

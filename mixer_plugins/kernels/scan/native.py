@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
+from .._library import Grads, Shape
 from .._native_check import native_unavailable, require_native
 from .flops import chunked_scan_flops
 from .inputs import ScanArgs, ScanInputs, chunk_length
@@ -30,6 +31,9 @@ __all__ = ["FORMS", "native_scan", "native_scan_backward", "run_native"]
 #: The engine's forms: ``auto`` (factored where every chunk's decays allow it, else exact), ``factored`` (an error
 #: where they do not) and ``exact``.
 FORMS = {"auto": 0, "factored": 1, "exact": 2}
+
+OptTensor = Optional[Tensor]
+OptShape = Optional[Shape]
 
 
 def _unavailable(device: torch.device, args: Any = None) -> str | None:
@@ -72,8 +76,12 @@ def native_scan(x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: O
 
 
 @native_scan.register_fake
-def _native_scan_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form):
-    state = (B_f if B_f is not None else B_b).shape[-1]
+def _native_scan_fake(x: Tensor, dt_f: OptTensor, A_f: OptTensor, B_f: OptTensor, C_f: OptTensor, dt_b: OptTensor,
+                      A_b: OptTensor, B_b: OptTensor, C_b: OptTensor, diag: OptTensor, init: OptTensor, shift: bool,
+                      chunk: int, want_final: bool, form: int) -> tuple[Tensor, Tensor]:
+    B = B_f if B_f is not None else B_b
+    assert B is not None, "a scan has at least one direction"
+    state = B.shape[-1]
     final = x.new_empty(x.shape[0], x.shape[2], x.shape[3], state) if want_final else x.new_empty(0)
     return x.new_empty(x.shape), final
 
@@ -96,21 +104,23 @@ def native_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: 
 
 
 @native_scan_backward.register_fake
-def _native_scan_backward_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk,
-                               form):
-    def like(t):
+def _native_scan_backward_fake(dy: Tensor, dfinal: OptTensor, x: Tensor, dt_f: OptTensor, A_f: OptTensor,
+                               B_f: OptTensor, C_f: OptTensor, dt_b: OptTensor, A_b: OptTensor, B_b: OptTensor,
+                               C_b: OptTensor, diag: OptTensor, init: OptTensor, shift: bool, chunk: int,
+                               form: int) -> list[Tensor]:
+    def like(t: OptTensor) -> Tensor:
         return x.new_empty(0) if t is None else t.new_empty(t.shape)   # contiguous, as the real kernel's
     return [like(x), like(dt_f), like(A_f), like(B_f), like(C_f), like(dt_b), like(A_b), like(B_b), like(C_b),
             like(diag), like(init)]
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form = inputs
     ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init)
     ctx.shift, ctx.chunk, ctx.form = shift, chunk, form
 
 
-def _backward(ctx, dy: Tensor | None, dfinal: Tensor | None):
+def _backward(ctx: Any, dy: Tensor | None, dfinal: Tensor | None) -> Grads:
     saved = ctx.saved_tensors
     x = saved[0]
     dy = torch.zeros_like(x) if dy is None else dy
@@ -123,24 +133,29 @@ def _backward(ctx, dy: Tensor | None, dfinal: Tensor | None):
 native_scan.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _scan_flops(x_shape, dt_f_shape, B_f_shape, dt_b_shape, B_b_shape, init_shape, chunk: int,
-                want_final: bool) -> int:
+def _scan_flops(x_shape: Shape, dt_f_shape: Shape | None, B_f_shape: Shape | None, dt_b_shape: Shape | None,
+                B_b_shape: Shape | None, init_shape: Shape | None, chunk: int, want_final: bool) -> int:
     b, length, heads, head_dim = x_shape
-    groups, state = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
+    B_shape = B_f_shape if B_f_shape is not None else B_b_shape
+    assert B_shape is not None, "a scan has at least one direction"
+    groups, state = B_shape[2:]
     directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
     return chunked_scan_flops(b, length, heads, head_dim, groups, state, directions, chunk, chunk_is_final=True,
                               initial_state=init_shape is not None, final_state=want_final)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.native_scan)
-def _forward_flops(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form, *args,
-                   out_shape=None, **kwargs) -> int:
+def _forward_flops(x: Shape, dt_f: OptShape, A_f: OptShape, B_f: OptShape, C_f: OptShape, dt_b: OptShape,
+                   A_b: OptShape, B_b: OptShape, C_b: OptShape, diag: OptShape, init: OptShape, shift: bool,
+                   chunk: int, want_final: bool, form: int, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return _scan_flops(x, dt_f, B_f, dt_b, B_b, init, chunk, want_final)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.native_scan_backward)
-def _backward_flops(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, form, *args,
-                    out_shape=None, **kwargs) -> int:
+def _backward_flops(dy: Shape, dfinal: OptShape, x: Shape, dt_f: OptShape, A_f: OptShape, B_f: OptShape,
+                    C_f: OptShape, dt_b: OptShape, A_b: OptShape, B_b: OptShape, C_b: OptShape, diag: OptShape,
+                    init: OptShape, shift: bool, chunk: int, form: int, *args: Any, out_shape: Any = None,
+                    **kwargs: Any) -> int:
     # the engine's backward does about twice the forward's products
     return 2 * _scan_flops(x, dt_f, B_f, dt_b, B_b, init, chunk, dfinal is not None)
 

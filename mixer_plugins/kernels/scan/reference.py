@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...errors import MixerInputError
 from .._dispatch import Backend, register
 from .inputs import Direction, ScanArgs, ScanInputs, normalize_seq_idx
 
@@ -94,7 +95,11 @@ def _matrix(inputs: ScanInputs | None = None, *, forward: Direction | None = Non
 
 
 def _direction(dt: Tensor | None, A: Tensor | None, B: Tensor | None, C: Tensor | None) -> Direction | None:
-    return None if dt is None else Direction(dt, A, B, C)
+    if dt is None:
+        return None
+    if A is None or B is None or C is None:
+        raise MixerInputError("a scan direction with step sizes dt needs its A, B and C too")
+    return Direction(dt, A, B, C)
 
 
 def scan_matrix(

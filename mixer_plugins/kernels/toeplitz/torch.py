@@ -15,14 +15,14 @@ tensors, so the FFTs cannot be exported.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .._dispatch import Backend, register
-from .._library import save_tensors, saved_tensors
+from .._library import Shape, save_tensors, saved_tensors
 from .causal import CAUSAL_TILE, causal_toeplitz, toeplitz_causal_flops
 from .reference import impl as _reference
 
@@ -55,11 +55,11 @@ def toeplitz_fft(taps: Tensor, v: Tensor) -> Tensor:
 
 
 @toeplitz_fft.register_fake
-def _toeplitz_fft_fake(taps, v):
+def _toeplitz_fft_fake(taps: Tensor, v: Tensor) -> Tensor:
     return v.new_empty(v.shape)
 
 
-def _setup(ctx, inputs, output):
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     taps, v = inputs
     save_tensors(ctx, taps=taps, v=v)
 
@@ -82,11 +82,11 @@ def toeplitz_fft_backward(grad: Tensor, taps: Tensor, v: Tensor) -> tuple[Tensor
 
 
 @toeplitz_fft_backward.register_fake
-def _toeplitz_fft_backward_fake(grad, taps, v):
+def _toeplitz_fft_backward_fake(grad: Tensor, taps: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return taps.new_empty(taps.shape), v.new_empty(v.shape)
 
 
-def _backward(ctx, grad):
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
     saved = saved_tensors(ctx)
     return toeplitz_fft_backward(grad.contiguous(), saved.taps, saved.v)
 
@@ -105,13 +105,15 @@ def toeplitz_fft_flops(batch: int, length: int, heads: int, head_dim: int, tap_b
 
 
 @register_flop_formula(torch.ops.mixer_plugins.toeplitz_fft)
-def _toeplitz_flop_formula(taps_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+def _toeplitz_flop_formula(taps_shape: Shape, v_shape: Shape, *args: Any, out_shape: Shape | None = None,
+                           **kwargs: Any) -> int:
     b, length, h, p = v_shape
     return toeplitz_fft_flops(b, length, h, p, tap_batch=taps_shape[0])
 
 
 @register_flop_formula(torch.ops.mixer_plugins.toeplitz_fft_backward)
-def _toeplitz_backward_flop_formula(grad_shape, taps_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+def _toeplitz_backward_flop_formula(grad_shape: Shape, taps_shape: Shape, v_shape: Shape, *args: Any,
+                                    out_shape: Shape | None = None, **kwargs: Any) -> int:
     # the gradient of a convolution is two convolutions (w.r.t. the taps and the values)
     b, length, h, p = v_shape
     return 2 * toeplitz_fft_flops(b, length, h, p, tap_batch=taps_shape[0])
@@ -125,11 +127,11 @@ def toeplitz_causal(taps: Tensor, v: Tensor) -> Tensor:
 
 
 @toeplitz_causal.register_fake
-def _toeplitz_causal_fake(taps, v):
+def _toeplitz_causal_fake(taps: Tensor, v: Tensor) -> Tensor:
     return v.new_empty(v.shape)
 
 
-def _causal_backward(ctx, grad):
+def _causal_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
     saved = saved_tensors(ctx)
     taps, v = saved.taps, saved.v
     length = v.shape[1]
@@ -142,7 +144,8 @@ toeplitz_causal.register_autograd(_causal_backward, setup_context=_setup)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.toeplitz_causal)
-def _toeplitz_causal_flop_formula(taps_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+def _toeplitz_causal_flop_formula(taps_shape: Shape, v_shape: Shape, *args: Any, out_shape: Shape | None = None,
+                                  **kwargs: Any) -> int:
     b, length, h, p = v_shape
     return toeplitz_causal_flops(b, length, h, p, tap_batch=taps_shape[0])
 

@@ -7,6 +7,9 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
+
+NumberT = TypeVar("NumberT", int, float)
 
 __all__ = [
     "CliError",
@@ -144,10 +147,11 @@ def set_threads(threads: int | None) -> None:
 
 # -- argument types ------------------------------------------------------------------------------------------
 
-def _number_type(convert: Callable[[str], float], accept: Callable[[float], bool], what: str):
+def _number_type(convert: Callable[[str], NumberT], accept: Callable[[NumberT], bool],
+                 what: str) -> Callable[[str], NumberT]:
     """An argparse ``type=`` that converts, checks and explains in one line."""
 
-    def parse(text: str):
+    def parse(text: str) -> NumberT:
         try:
             value = convert(text)
         except ValueError:

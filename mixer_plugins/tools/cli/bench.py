@@ -13,7 +13,9 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .args import (
     CliError,
@@ -28,6 +30,10 @@ from .args import (
     writing,
 )
 from .options import parse_option_assignments, resolve_mixers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...mixers.cache import MixerCache
+    from ..benchmarking import Measurement, SweepProblem
 
 __all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "DecodeTiming", "time_decoding"]
 
@@ -103,7 +109,8 @@ def check_device(device: str) -> str:
     return str(dev)
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool) -> Any:
+    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
     if not enabled:
         return None
     try:
@@ -143,8 +150,10 @@ class DecodeTiming:
                 **{f"p{q}_seconds": self.quantile(q / 100) for q in (10, 25, 75, 90)}}
 
 
-def time_decoding(mixers, contexts, *, dim: int = 256, batch: int = 1, steps: int = 32, warmup: int = 4,
-                  options=None, device: str = "cpu", on_record=None):
+def time_decoding(mixers: Sequence[str], contexts: Sequence[int], *, dim: int = 256, batch: int = 1, steps: int = 32,
+                  warmup: int = 4, options: Mapping[str, Mapping[str, Any]] | None = None, device: str = "cpu",
+                  on_record: Callable[[list[DecodeTiming], list[SweepProblem]], None] | None = None
+                  ) -> tuple[list[DecodeTiming], list[SweepProblem]]:
     """Per-token decoding times of each mixer (built causal) after each context length: ``(timings, problems)``.
 
     Every (mixer, context) pair is built and prefilled with ``context`` random tokens into a cache holding
@@ -159,8 +168,8 @@ def time_decoding(mixers, contexts, *, dim: int = 256, batch: int = 1, steps: in
     from ..benchmarking import SweepProblem, build_mixer, error_summary
 
     dev = torch.device(device)
-    problems: list = []
-    prepared = {}
+    problems: list[SweepProblem] = []
+    prepared: dict[tuple[str, int], tuple[Any, MixerCache]] = {}
     for context in contexts:
         for name in mixers:
             try:
@@ -203,7 +212,7 @@ def time_decoding(mixers, contexts, *, dim: int = 256, batch: int = 1, steps: in
     return timings, problems
 
 
-def decode_table(timings, *, baseline: str | None, markdown: bool = False) -> str:
+def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markdown: bool = False) -> str:
     """Median ms per token (interquartile range) per mixer and context, the growth of the median from the shortest
     context to the longest, and the baseline's median over each mixer's at the longest context."""
     contexts = sorted({t.context for t in timings})
@@ -233,7 +242,7 @@ def decode_table(timings, *, baseline: str | None, markdown: bool = False) -> st
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [head, *rows])
 
 
-def save_decode_plot(timings, path: Path, *, title: str = "") -> Path:
+def save_decode_plot(timings: Sequence[DecodeTiming], path: Path, *, title: str = "") -> Path:
     """Time per generated token against the context length (log-log), one line per mixer (the median) with its
     interquartile band."""
     from ..plotting import require_matplotlib
@@ -279,7 +288,7 @@ def run_decode(args: argparse.Namespace) -> int:
     settings = {"decode": True, "dim": args.dim, "batch": args.batch, "device": device, "steps": args.decode_steps,
                 "contexts": contexts, "options": options}
 
-    def write_json(timings, problems, complete: bool) -> None:
+    def write_json(timings: Sequence[DecodeTiming], problems: Sequence[SweepProblem], complete: bool) -> None:
         if json_path is None:
             return
         with writing(json_path, "--json"):
@@ -335,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {"dim": args.dim, "batch": args.batch, "mode": args.mode, "direction": args.direction,
                 "device": device, "repeats": args.repeats, "warmup": args.warmup, "options": options}
 
-    def write_json(results, problems, complete: bool) -> None:
+    def write_json(results: Sequence[Measurement], problems: Sequence[SweepProblem], complete: bool) -> None:
         if json_path is None:
             return
         with writing(json_path, "--json"):

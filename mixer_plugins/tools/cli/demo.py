@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from ...errors import MixerError
 from .args import (
@@ -29,8 +30,8 @@ QUICK_EPOCHS, QUICK_TRAIN_LIMIT = 3, 640
 #: ``mixer_plugins.tools.demo.DEFAULT_MIXERS`` and the defaults of its ``DemoConfig`` that the arguments show,
 #: repeated here so that parsing the arguments imports no torch (a test keeps them equal)
 DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
-DEFAULTS = {"epochs": 15, "batch_size": 64, "lr": 3e-3, "embed_dim": 64, "depth": 2, "num_heads": 4, "patch_size": 2,
-            "seed": 0, "sample": 0, "out": Path("demo_output")}
+DEFAULTS: dict[str, Any] = {"epochs": 15, "batch_size": 64, "lr": 3e-3, "embed_dim": 64, "depth": 2, "num_heads": 4,
+                            "patch_size": 2, "seed": 0, "sample": 0, "out": Path("demo_output")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

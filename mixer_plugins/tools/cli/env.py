@@ -11,7 +11,6 @@ only that (``make`` runs it after installing).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import sys
@@ -75,35 +74,17 @@ def device_info() -> dict[str, Any]:
 
 
 def backend_rows(devices: list[str] | None = None) -> list[dict[str, Any]]:
-    """Per device, op and backend the op has: ``available``, ``automatic`` and ``reason`` (why it cannot run).
-
-    Uses the kernels' :func:`backend_report` where it exists, else the dispatcher's per-backend status."""
-    import torch
-
+    """Per device, op and backend the op has: ``available``, ``automatic`` and ``reason`` (why it cannot run), from
+    the kernels' :func:`~mixer_plugins.kernels.backend_report`. ``devices``: the CPU, plus CUDA when present."""
     import mixer_plugins.kernels as kernels
 
-    if devices is None:
-        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    report = getattr(kernels, "backend_report", None)
     rows: list[dict[str, Any]] = []
-    if report is not None:
-        for status in report(devices):
-            row = dataclasses.asdict(status) if dataclasses.is_dataclass(status) else dict(status)
-            if "has no" in row.get("reason", "") and "implementation" in row.get("reason", ""):
-                continue  # backends the op does not have at all
-            rows.append({"device": str(row["device"]), "op": row["op"], "backend": row["backend"],
-                         "available": bool(row["available"]), "automatic": bool(row.get("automatic", False)),
-                         "reason": row.get("reason", "")})
-        return rows
-    from mixer_plugins.kernels import dispatch  # before the per-op kernels layout
-
-    for device in devices:
-        for op, impls in dispatch._IMPLEMENTATIONS.items():
-            status = {b: dispatch.backend_status(op, b, torch.device(device)) for b in kernels.BACKENDS if b in impls}
-            auto = next((b for b in getattr(dispatch, "_AUTO_ORDER", ()) if status.get(b, (False,))[0]), None)
-            for backend, (ok, reason) in status.items():
-                rows.append({"device": device, "op": op, "backend": backend, "available": ok,
-                             "automatic": backend == auto, "reason": reason})
+    for status in kernels.backend_report(devices):
+        if "has no" in status.reason and "implementation" in status.reason:
+            continue  # backends the op does not have at all
+        rows.append({"device": str(status.device), "op": status.op, "backend": status.backend,
+                     "available": bool(status.available), "automatic": bool(status.automatic),
+                     "reason": status.reason})
     return rows
 
 
@@ -137,9 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.build:
-        native = native_status()
-        print(json.dumps(native, indent=2) if args.json else _native_line(native))
-        return 0 if native["available"] else 1
+        built = native_status()
+        print(json.dumps(built, indent=2) if args.json else _native_line(built))
+        return 0 if built["available"] else 1
     found = versions()
     try:
         devices: dict[str, Any] | None = device_info()

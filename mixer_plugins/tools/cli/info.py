@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ...errors import MixerError
 from .args import CliError, Command
 from .layout import fit_table, terminal_width, user_type, wrap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...registry import MixerSpec
 
 __all__ = ["COMMAND", "option_rows"]
 
@@ -18,14 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="mixer name or alias")
 
 
-def option_rows(spec) -> list[tuple[str, str, str, str]]:
+def option_rows(spec: MixerSpec) -> list[tuple[str, str, str, str]]:
     """(option, type as a user writes it, default, help) for each option of ``spec``'s config."""
     fields = spec.config.model_fields
     return [(name, user_type(fields[name].annotation), default, help_text)
             for name, _, default, help_text in spec.options_table()]
 
 
-def render(spec, width: int) -> str:
+def render(spec: MixerSpec, width: int) -> str:
     """What ``info`` prints for ``spec`` in ``width`` columns."""
     lines = [wrap(f"{spec.name}: {spec.summary}", width, "  ")]
     if spec.aliases:

@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Iterator, MutableMapping, Sequence
+from typing import NoReturn
 
 from ...errors import MixerError
 from .args import CliError, Command, one_line
@@ -88,7 +89,7 @@ _ALL = object()
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit status 2
+    def error(self, message: str) -> NoReturn:  # one line, exit status 2
         raise CliError(message)
 
 

@@ -58,9 +58,10 @@ def typed_option_value(spec: MixerSpec, key: str, raw: str) -> Any:
         raise CliError(f"mixer {spec.name!r} has no option {key!r}{did_you_mean(key, list(fields))} "
                        f"(options: {', '.join(fields)})")
     field = fields[key]
-    annotation = field.annotation
+    annotation: Any = field.annotation
     if field.metadata:
-        annotation = typing.Annotated[(annotation, *field.metadata)]
+        params = (annotation, *field.metadata)
+        annotation = typing.Annotated[params]  # the field's type with its constraints
     adapter = TypeAdapter(annotation)
     candidates = [_literal(raw)]
     if "," in raw and not raw.strip().startswith(("[", "(")):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .args import (
     CliError,
@@ -18,6 +19,9 @@ from .args import (
     writing,
 )
 from .options import parse_option_assignments, resolve_mixers
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = ["COMMAND"]
 
@@ -50,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also save the materialized (heads, L, L) float64 matrix with torch.save")
 
 
-def load_input(path: Path, length: int | None, dim: int | None):
+def load_input(path: Path, length: int | None, dim: int | None) -> torch.Tensor:
     """The ``--input`` tensor as a ``(1, L, dim)`` float64 batch, checked against ``--length`` and ``--dim``."""
     import torch
 

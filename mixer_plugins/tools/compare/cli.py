@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import MixerError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runner import CompareConfig
 
 __all__ = ["add_compare_parser", "build_parser", "main", "run_compare"]
 
@@ -124,7 +127,7 @@ def _listing() -> str:
     return "\n".join(lines)
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace) -> CompareConfig:
     """The :class:`CompareConfig` the arguments describe."""
     from .presets import preset_config
     from .runner import CompareConfig

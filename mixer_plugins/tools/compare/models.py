@@ -46,7 +46,9 @@ class MixerEntry:
 
 def _split_top_level(text: str, sep: str = ",") -> list[str]:
     """Split on ``sep`` outside parentheses and brackets."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char in "([":
             depth += 1
@@ -179,6 +181,7 @@ class _Block(nn.Module):
     def __init__(self, mixer: nn.Module, width: int, mlp_ratio: float):
         super().__init__()
         hidden = int(round(mlp_ratio * width))
+        self.hidden = hidden
         self.norm1 = nn.LayerNorm(width)
         self.mixer = mixer
         self.norm2 = nn.LayerNorm(width)
@@ -239,11 +242,15 @@ def model_flops(model: SequenceModel) -> int | None:
     length, width = model.task.seq_len, model.width
     total = 0
     for block in model.blocks:
+        assert isinstance(block, _Block)
+        mixer_flops = getattr(block.mixer, "flops", None)
+        if mixer_flops is None:
+            return None
         try:
-            total += int(block.mixer.flops(1, length))
+            total += int(mixer_flops(1, length))
         except (NotImplementedError, AttributeError):
             return None
-        hidden = block.mlp[0].out_features
+        hidden = block.hidden
         total += 2 * 2 * length * width * hidden
     if isinstance(model.embed, nn.Linear):
         total += 2 * length * model.embed.in_features * width * (2 if model.shift_embed is not None else 1)

@@ -6,6 +6,7 @@ matplotlib is imported only here and only when a plot is written (it is in the `
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ...errors import MissingExtraError
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["require_matplotlib", "save_curves", "save_final"]
 
 
-def require_matplotlib():
+def require_matplotlib() -> ModuleType:
     """``matplotlib.pyplot`` with the Agg backend, or :class:`MissingExtraError` naming the extra to install."""
     try:
         import matplotlib
@@ -43,7 +44,7 @@ def save_curves(result: CompareResult, path: Path) -> Path:
     """Test metric against training steps: the mean over seeds per mixer, with a band of one std."""
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for entry in result.config.mixers:
+    for entry in result.config.entries:
         runs = [r for r in result.runs if r.label == entry.label and r.error is None]
         if not runs:
             continue
@@ -86,8 +87,8 @@ def save_final(result: CompareResult, path: Path) -> Path:
     ax.set_xticklabels([s.label for s in summaries], rotation=35, ha="right", fontsize=7)
     ax.set_ylabel(f"final test {result.metric_name} ({_better(result)})")
     ax.grid(axis="y", alpha=0.3)
-    seeds = max(s.seeds for s in summaries) if summaries else 0
-    ax.set_title(_title(result).replace("\n", f", {seeds} seeds\n", 1), fontsize=8)
+    n_seeds = max(s.seeds for s in summaries) if summaries else 0
+    ax.set_title(_title(result).replace("\n", f", {n_seeds} seeds\n", 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -82,6 +82,8 @@ class CompareConfig:
     orderings: Sequence[Ordering] = ()
     #: a smoke run (``--quick``): too short to judge the orderings, so their verdicts say so
     quick: bool = False
+    #: ``mixers`` parsed into entries (by the constructor; ``mixers`` then holds the same list)
+    entries: list[MixerEntry] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads", "jobs"):
@@ -93,12 +95,13 @@ class CompareConfig:
         self.seeds = tuple(int(s) for s in self.seeds)
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise MixerError(f"seeds must be distinct and at least one, got {self.seeds}")
-        self.mixers = parse_mixers(self.mixers)
+        self.entries = parse_mixers(self.mixers)
+        self.mixers = self.entries
         self.task_options = dict(self.task_options)
         task = make_task(self.task, **self.task_options)  # bad task names and knobs fail before training
-        for entry in self.mixers:  # and so do bad options (or a mixer that cannot run in this comparison)
+        for entry in self.entries:  # and so do bad options (or a mixer that cannot run in this comparison)
             check_entry(entry, width=self.width, heads=self.heads, seq_len=task.seq_len, causal=self.causal)
-        labels = {e.label for e in self.mixers}
+        labels = {e.label for e in self.entries}
         for ordering in self.orderings:
             for label in (ordering.better, ordering.worse):
                 if label not in labels:
@@ -110,8 +113,8 @@ class CompareConfig:
         return make_task(self.task, **self.task_options)
 
     def as_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["mixers"] = [e.as_dict() for e in self.mixers]
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        out["mixers"] = [e.as_dict() for e in self.entries]
         out["orderings"] = [dataclasses.asdict(o) for o in self.orderings]
         out["out"] = str(self.out) if self.out is not None else None
         out["seeds"] = list(self.seeds)
@@ -178,15 +181,16 @@ class CompareResult:
 
     def summaries(self) -> list[EntrySummary]:
         out = []
-        for entry in self.config.mixers:
+        for entry in self.config.entries:
             runs = [r for r in self.runs if r.label == entry.label]
             done = [r for r in runs if r.error is None]
             if not done:
                 error = next((r.error for r in runs if r.error), "not run")
                 out.append(EntrySummary(entry.label, None, None, 0, None, None, None, error))
                 continue
-            mean, std = _mean_std([r.metric for r in done])
-            seconds = sum(r.train_seconds for r in done) / len(done)
+            mean, std = _mean_std([r.metric for r in done if r.metric is not None])  # every finished run has one
+            train = [r.train_seconds for r in done if r.train_seconds is not None]
+            seconds = sum(train) / len(train) if len(train) == len(done) else None
             failed = [r for r in runs if r.error]
             if failed:
                 note = f"{len(failed)} seed(s) failed: {failed[0].error}"
@@ -214,7 +218,7 @@ class CompareResult:
             a, b = by_label[ordering.better], by_label[ordering.worse]
             if self.config.quick:
                 verdict = "not judged (quick run)"
-            elif a.mean is None or b.mean is None:
+            elif a.mean is None or b.mean is None or a.std is None or b.std is None:
                 verdict = "not measured (a run failed)"
             else:
                 margin = sign * (a.mean - b.mean)
@@ -232,7 +236,7 @@ class CompareResult:
 
     # -- text ------------------------------------------------------------------------------------
     def _rows(self) -> list[tuple[str, ...]]:
-        rows = []
+        rows: list[tuple[str, ...]] = []
         for s in self.summaries():
             if s.mean is None:
                 rows.append((s.label, "-", "-", "-", "-", "-", f"FAILED: {s.error}"))
@@ -341,7 +345,8 @@ def _lr_factor(step: int, total: int, warmup: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
     if not enabled:
         return None
     try:
@@ -414,7 +419,7 @@ def _worker_setup(threads: int) -> None:
 def _worker_run(config: CompareConfig, index: int, seed: int) -> tuple[RunResult, str | None]:
     """One (entry, seed) run in a worker process: the task and test set are rebuilt from the config and seed."""
     task = config.build_task()
-    return _run_or_record(config, task, config.mixers[index], seed, task.test_set(config.test_size, seed))
+    return _run_or_record(config, task, config.entries[index], seed, task.test_set(config.test_size, seed))
 
 
 def _log_run(log: Callable[[str], None], task: Task, run: RunResult) -> None:
@@ -445,7 +450,7 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
     wall_start = time.perf_counter()
     cpu_start = _process_tree_cpu()
     tests = {seed: task.test_set(config.test_size, seed) for seed in config.seeds}
-    jobs_list = [(index, entry, seed) for index, entry in enumerate(config.mixers) for seed in config.seeds]
+    jobs_list = [(index, entry, seed) for index, entry in enumerate(config.entries) for seed in config.seeds]
     total = len(jobs_list)
     finished: dict[tuple[int, int], RunResult] = {}
     errors: dict[tuple[int, int], str] = {}
@@ -480,7 +485,7 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
         for number, (index, entry, seed) in enumerate(jobs_list, 1):
             bar = _progress(config.steps, f"[{number}/{total}] {entry.label} seed {seed}", config.progress)
 
-            def on_step(step: int, metric: float, bar=bar) -> None:
+            def on_step(step: int, metric: float, bar: Any = bar) -> None:
                 bar.update(1)
                 if step % config.eval_every == 0:
                     bar.set_postfix({task.metric_name: f"{metric:.3f}"})

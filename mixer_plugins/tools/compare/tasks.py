@@ -19,13 +19,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from ...errors import MixerError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..demo import DemoData
 
 __all__ = [
     "TASKS",
@@ -203,7 +206,8 @@ class MultiQueryRecallTask(_TokenSequence, Task):
                 "num_queries": self.num_queries}
 
     def sample(self, n: int, generator: torch.Generator) -> Batch:
-        pairs, queries, length = self.num_kv_pairs, self.num_queries, self.seq_len_
+        pairs, length = self.num_kv_pairs, self.seq_len_
+        queries = self.num_kv_pairs if self.num_queries is None else self.num_queries
         num_keys = (self.vocab_size - 1) // 2
         num_values = self.vocab_size - 1 - num_keys
         keys = _distinct(n, num_keys, pairs, generator) + 1
@@ -351,7 +355,7 @@ class DigitsTask(Task):
     def __post_init__(self) -> None:
         if self.patch_size not in (1, 2, 4, 8):
             raise MixerError(f"digits: patch_size must divide 8 (1, 2, 4 or 8), got {self.patch_size}")
-        self._data: dict[int, Any] = {}
+        self._data: dict[int, DemoData] = {}
 
     @property
     def seq_len(self) -> int:
@@ -374,7 +378,7 @@ class DigitsTask(Task):
         grid = images.reshape(n, 8 // p, p, 8 // p, p).permute(0, 1, 3, 2, 4)
         return grid.reshape(n, self.seq_len, p * p)
 
-    def _split(self, seed: int):
+    def _split(self, seed: int) -> DemoData:
         if seed not in self._data:
             from ..demo import load_digits_data
             self._data[seed] = load_digits_data(seed)
