@@ -22,18 +22,24 @@ triton = pytest.importorskip("triton")
 SCRIPT = ROOT / "benchmarks" / "gpu" / "compile_check.py"
 
 
-def _run(tmp_path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+@pytest.fixture(scope="module")
+def triton_cache(tmp_path_factory):
+    """One Triton cache for this module: its first test compiles for real (not from an earlier run's cache); the
+    second reads the same kernels back from the cache, with the registers and spills of their cubins."""
+    return tmp_path_factory.mktemp("triton-cache")
+
+
+def _run(tmp_path, cache, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "compiled.json"
     full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    full.update(env or {})
-    full["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")   # compile for real, not from an earlier run's cache
+    full["TRITON_CACHE_DIR"] = str(cache)
     result = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), *args], cwd=ROOT, env=full,
                             capture_output=True, text=True, timeout=600)
     return result, (json.loads(out.read_text()) if out.exists() else {})
 
 
-def test_every_triton_kernel_compiles_for_sm90(tmp_path):
-    result, report = _run(tmp_path)
+def test_every_triton_kernel_compiles_for_sm90(tmp_path, triton_cache):
+    result, report = _run(tmp_path, triton_cache)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     kernels = {item["kernel"] for item in report["compiled"]}
     scan = {"_states_kernel", "_pass_kernel", "_out_kernel", "_dstate_kernel", "_dx_kernel", "_dbc_kernel"}
@@ -56,12 +62,13 @@ def test_every_triton_kernel_compiles_for_sm90(tmp_path):
         if item["stack_bytes"] or item["local_bytes"]]
 
 
-def test_the_compile_check_catches_spills_and_shared_memory(tmp_path):
+def test_the_compile_check_catches_spills_and_shared_memory(tmp_path, triton_cache):
     """The checks can fail: the float32 scan's kernels spill (allowed by default, refused with ``--strict``), and a
     kernel over a shared-memory limit (here 16 KiB) fails."""
-    result, report = _run(tmp_path, "--only", "scan", "--case", "float32 dirs=fb", "--strict")
+    result, report = _run(tmp_path, triton_cache, "--only", "scan", "--case", "float32 dirs=fb", "--strict")
     assert result.returncode == 1
     assert any("spills" in failure and "_dx_kernel" in failure for failure in report["failures"])
-    result, report = _run(tmp_path, "--only", "scan", "--case", "bfloat16 dirs=fb", "--shared-limit", str(16 * 1024))
+    result, report = _run(tmp_path, triton_cache, "--only", "scan", "--case", "bfloat16 dirs=fb",
+                          "--shared-limit", str(16 * 1024))
     assert result.returncode == 1
     assert any("shared memory" in failure and "_dx_kernel" in failure for failure in report["failures"])

@@ -71,7 +71,7 @@ def _softmax(scores: Tensor, allowed: Tensor) -> Tensor:
 def _dscores(probs: Tensor, dprobs: Tensor, allowed: Tensor, scale: float) -> Tensor:
     """Gradient w.r.t. the dot products of ``scale * dots -> masked softmax`` (disallowed entries: 0), without the
     factor ``scale`` (the callers apply it to the smaller products)."""
-    ds = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype)
+    ds = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))   # the softmax's backward: p * (dp - <dp, p>)
     return ds.masked_fill_(~allowed, 0)
 
 
