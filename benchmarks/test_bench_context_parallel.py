@@ -6,7 +6,7 @@ One long sequence (batch 1, dim 256, float32, the mixers' default sizes), forwar
 * **memory**: the per-rank peak resident-set growth (``mixer_plugins.tools.benchmarking.peak_memory``: what a
   normal process sees, malloc untuned) of the first forward + backward. On 1 rank it is the plain mixer in
   one process (no process group work at all), on 2 and 4 ranks the context-parallel wrapper on the rank's
-  segment. Target (issue 13): at 65536 tokens, 4 ranks <= 0.35x one process.
+  segment. Target: at 65536 tokens, 4 ranks <= 0.35x one process.
 * **time**: per repetition (all ranks start together after a barrier), forward + backward of
 
   - ``local``: the plain mixer on the rank's segment alone (the local scan, no collectives);
@@ -48,7 +48,7 @@ SHORT = 512
 DIM = 256
 MIXERS = ("quasiseparable", "semiseparable")
 WORLDS = (1, 2, 4)
-#: Issue 13's target: per-rank peak on 4 ranks at most this fraction of one process's.
+#: The target: per-rank peak on 4 ranks at most this fraction of one process's.
 TARGET_4_RANKS = 0.35
 
 

@@ -1,6 +1,6 @@
 """Decoding: time per generated token against the number of tokens already in the cache, for the linear-time
 mixers that step (semiseparable, low_rank, sliding-window attention) and attention with its KV cache; dim 256,
-batch 1, on CPU. Targets of the decoding issue:
+batch 1, on CPU. Targets:
 
 * semiseparable per-token time at 8,192 tokens of context within 1.2x of its time at 128 (constant work per token);
 * attention's per-token time grows with the context (its KV cache);

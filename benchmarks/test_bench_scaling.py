@@ -1,5 +1,5 @@
 """Scaling in the sequence length: quasiseparable (Hydra) and semiseparable (Mamba-2 SSD) against softmax
-attention, dim 256, L up to 16384, on CPU; plus the targets of the zoo issue:
+attention, dim 256, L up to 16384, on CPU; targets:
 
 * quasiseparable forward+backward at L=16384 at least 5x faster than attention;
 * quasiseparable peak memory growing linearly in L: within 1.3x of linear from 4096 to 16384.

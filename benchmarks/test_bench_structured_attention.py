@@ -3,11 +3,11 @@
 Run: ``pytest benchmarks/test_bench_structured_attention.py --benchmark-only`` (CI runs it with
 ``--benchmark-disable``: one round each, as a smoke test). Each benchmark's ``extra_info`` holds the measured mean time,
 the analytic score-FLOP and total-FLOP ratios of MLR to attention, and (for MLR, once the attention run at the same
-length has been timed in the session) the measured time ratio, side by side.
+length has been timed in the same run) the measured time ratio, side by side.
 
 Setup: dim 256, 4 heads of 64, batch 1, ranks 32|8|6|4|4|4|4|2 (sum 64) with the paper's halving blocks
-(level 0 global, then L/2, L/4, ..., L/128), block-divide on. Attention uses PyTorch's fused SDPA kernel; MLR's
-score blocks, softmax and A V are plain PyTorch ops (the softmax is global, so A V stays dense).
+(level 0 global, then L/2, L/4, ..., L/128), block-divide on. Attention uses PyTorch's fused SDPA kernel; MLR runs
+on its default backend (on CPU the native engine: flash-style tiles, the softmax over all keys).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import mixer_plugins as mp
 
 DIM, HEADS, BATCH = 256, 4, 1
 RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
-_MEAN_TIME: dict[tuple[str, int], float] = {}  # (mixer, length) -> measured mean seconds, this session
+_MEAN_TIME: dict[tuple[str, int], float] = {}  # (mixer, length) -> measured mean seconds, this run
 
 
 def build(name: str, length: int):

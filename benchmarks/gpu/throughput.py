@@ -485,7 +485,7 @@ def _ms(rows: list[Row], candidate: str, length: int | None = None, mode: str = 
 
 
 def targets(rows: list[Row]) -> list[dict]:
-    """The GPU issue's targets, computed from the rows (asserted by benchmarks/test_bench_gpu.py on a GPU)."""
+    """The GPU targets, computed from the rows (asserted by benchmarks/test_bench_gpu.py on a GPU)."""
     out = []
 
     def add(target, length, value, bound, held):

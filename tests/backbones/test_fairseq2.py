@@ -83,7 +83,7 @@ def _padded_tokens(lengths: list[int], *, seed: int, vocab: int = 200) -> torch.
 
 def _example_mixer() -> str:
     """A registered, loadable mixer other than attention, for the tests that need one swap (not a special case:
-    the recipe and NLLB tests must run *some* non-default mixer). Prefers the issue's example, ``quasi``."""
+    the recipe and NLLB tests must run *some* non-default mixer). Prefers ``quasi``."""
     candidates = ["quasi"] + [n for n in REGISTERED_MIXERS if n != "attention"]
     for name in candidates:
         try:
@@ -722,7 +722,7 @@ def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, tmp_path):
     with torch.no_grad():
         before = fs2.load_mixer_checkpoint(ckpt).eval()(tokens, layout)
 
-    # an empty model.yaml: the step still loads, and a rerun with the same config resumes (it used to be refused)
+    # an empty model.yaml: the step still loads, and a rerun with the same config resumes
     (ckpt / "model.yaml").write_bytes(b"")
     with torch.no_grad():
         torch.testing.assert_close(fs2.load_mixer_checkpoint(ckpt).eval()(tokens, layout), before, rtol=0, atol=0)
@@ -832,7 +832,7 @@ def test_recipe_fails_clearly_on_a_non_finite_loss(tmp_path):
     assert not (tmp_path / "checkpoints" / "step_4").exists()
 
 
-# -- 7b. the recipe's --help and --dump-config (issue 15) ---------------------------------------------------------
+# -- 7b. the recipe's --help and --dump-config -------------------------------------------------------------------------
 
 def _recipe_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1"}
@@ -921,7 +921,7 @@ def test_recipe_mixer_section_agrees_with_the_model_overrides(fs2):
     assert MixerSection().apply_to(None) is None
 
 
-# -- 7c. torch.compile with inductor (issue 15) --------------------------------------------------------------------
+# -- 7c. torch.compile with inductor -----------------------------------------------------------------------------------
 
 @pytest.mark.slow  # inductor compiles a forward, a backward and an inference graph: ~1 min on a small CPU
 def test_mixer_encoder_compiles_with_inductor(fs2, hub):

@@ -50,7 +50,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-# The four mixers in a small ViT (16 patch tokens; the scans in chunks of 8, so more than one chunk).
+# Four of our mixers in a small ViT (16 patch tokens; the scans in chunks of 8, so more than one chunk).
 VIT_MIXERS = {
     "quasi": dict(chunk_size=8),
     "semiseparable": dict(chunk_size=8),

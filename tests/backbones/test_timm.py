@@ -586,7 +586,7 @@ def test_our_names_are_registered_with_timm():
 
 
 def test_vit_base_with_quasi_is_a_vit_b16():
-    """The issue's done-when line, on the meta device (no memory, no init cost)."""
+    """``timm.create_model('vit_base', mixer='quasi')`` is a ViT-B/16, on the meta device (no memory, no init cost)."""
     model = timm.create_model("vit_base", mixer="quasi", device="meta")
     attn = model.blocks[0].attn
     assert type(attn) is TimmMixerAttention and attn.mixer_name == "quasiseparable"
@@ -888,7 +888,7 @@ def test_example_script(capsys, monkeypatch):
     assert re.search(r"FLOPs per image: [0-9.]+ GFLOP", out) and "step 2: loss" in out
 
 
-# -- attn_layer='<alias>' and mixers registered at run time, with no hidden call (issue 15, item 2) ----------------
+# -- attn_layer='<alias>' and mixers registered at run time, with no hidden call ---------------------------------------
 
 _ALIASES = [(alias, spec.name) for spec in mp.list_specs() for alias in spec.aliases]
 _TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=2, num_classes=3)

@@ -1,4 +1,4 @@
-"""Issue 17: option values that cannot make a working mixer are refused up front, with the option named."""
+"""Option values that cannot make a working mixer are refused up front, with the option named."""
 
 from __future__ import annotations
 

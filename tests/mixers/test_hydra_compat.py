@@ -1,4 +1,4 @@
-"""Hydra's released options and the drop-in for the released code (issue 15, items 3 and 7).
+"""Hydra's released options and the drop-in for the released code.
 
 Every reference here is written from the released code's formulas (``goombalab/hydra``, ``hydra/modules/hydra.py``
 and ``matrix_mixer.py``; the layout is documented in the Hydra design note), on a ``state_dict`` built by hand in the

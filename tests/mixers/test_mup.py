@@ -265,7 +265,7 @@ def test_coordinate_check_passes_for_mup_and_fails_for_standard_parametrization(
     assert max(mixer_outputs) > 1.0  # the attention block's output itself blows up under SP
 
 
-# -- attention logits in the coordinate check (issue 15, item 4) -------------------------------------------------------
+# -- attention logits in the coordinate check --------------------------------------------------------------------------
 
 LOGIT_MIXERS = ["attention", "mlr_attention", "btt_attention", "bilinear_mlr_attention"]
 

@@ -1,4 +1,4 @@
-"""Regression tests of issue 17: pads and the future never leak, even when they hold NaN, Inf or huge values;
+"""Pads and the future never leak, even when they hold NaN, Inf or huge values;
 batch 0; torch.export leaves later eager calls unchanged."""
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def test_misspelt_option_suggests_the_current_name():
         mp.create_mixer("quasi", 32, head_dm=16)
 
 
-# -- issue 17: a plugin never takes over a built-in name or alias, and never ends the process --------------------------
+# -- a plugin never takes over a built-in name or alias, and never ends the process ------------------------------------
 
 def test_plugin_cannot_take_over_a_builtin_alias(fake_site):
     # The plugin claims the built-in name (a duplicate) and, through another mixer, the built-in's alias.

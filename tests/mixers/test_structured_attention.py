@@ -545,7 +545,7 @@ def test_mup_knows_the_fan_in_of_every_parameter():
         assert set(mup.mup_fan_ins(mp.create_mixer(name, 64, num_heads=4)).values()) == {1, 64}
 
 
-# -- the released code's options (issue 15, item 3): formulas of src/model.py, weights copied, float64 ----------------
+# -- the released code's options: formulas of src/model.py, weights copied, float64 ------------------------------------
 
 def _released_btt_scores(mixer, x):
     """The released BilinearBTTAttention up to the link: x <- LN_X(x) when the extra LN is on, then
@@ -651,7 +651,7 @@ def test_link_and_dropout_options_are_validated(name, options, message):
         mp.create_mixer(name, 32, num_heads=2, **options)
 
 
-# -- the mixer runs the tiled MLR op (issue 14, item 4) ----------------------------------------------------------------
+# -- the mixer runs the tiled MLR op -----------------------------------------------------------------------------------
 
 MLR_TILED_CASES = [
     dict(ranks=[8, 4, 2, 2], block_sizes=[None, 8, 4, 2]),

@@ -1,4 +1,4 @@
-"""The causal Toeplitz product (issue 17): exact against the matrix, the past bitwise blind to the future (huge
+"""The causal Toeplitz product: exact against the matrix, the past bitwise blind to the future (huge
 finite values included), gradients exact, batch 0, and FLOP formulas that count what runs."""
 
 from __future__ import annotations

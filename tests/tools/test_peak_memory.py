@@ -1,4 +1,4 @@
-"""Issue 17: peak memory is reported as a normal process sees it, with malloc untouched."""
+"""Peak memory is reported as a normal process sees it, with malloc untouched."""
 
 from __future__ import annotations
 

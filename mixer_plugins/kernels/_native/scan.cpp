@@ -724,13 +724,31 @@ struct Buffer {
   T& operator[](size_t i) { return ptr[i]; }
 };
 
+// The factored form's per-call workspaces, sized by the shape alone: one set serves both directions of a call, which
+// run one after the other and write every entry before they read it.
+template <typename T>
+struct FactoredWork {
+  static size_t slots(const Shape& s) { return static_cast<size_t>(s.B * s.G * ((s.L + s.Q - 1) / s.Q)); }
+  static size_t state_size(const Shape& s) { return slots(s) * static_cast<size_t>(s.N * s.rep * s.P); }
+  Buffer<T> states, half;          // S' then K (forward), S' then dS' (backward); m per chunk and head
+  explicit FactoredWork(const Shape& s) : states(state_size(s)), half(slots(s) * s.rep) {}
+};
+
+template <typename T>
+struct FactoredGradWork : FactoredWork<T> {
+  Buffer<T> dKs, dms;              // dK_c (the read-out's), then dS'_c; dm from the state pass
+  explicit FactoredGradWork(const Shape& s)
+      : FactoredWork<T>(s), dKs(FactoredWork<T>::state_size(s)), dms(FactoredWork<T>::slots(s) * s.rep) {}
+};
+
 template <typename T>
 void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
-                      bool shift, const T* init /* (B, H, P, N) or null */, T* y, T* final /* or null */) {
+                      bool shift, const T* init /* (B, H, P, N) or null */, T* y, T* final /* or null */,
+                      FactoredWork<T>& work) {
   const int64_t nC = (s.L + s.Q - 1) / s.Q, RP = s.rep * s.P, NRP = s.N * RP, NP = s.N * s.P;
   // S' then K, per (b, g, c): N x rep P; m per (b, g, c, head)
-  Buffer<T> states(static_cast<size_t>(s.B * s.G * nC) * NRP);
-  Buffer<T> half(static_cast<size_t>(s.B * s.G * nC) * s.rep);
+  Buffer<T>& states = work.states;
+  Buffer<T>& half = work.half;
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   // phase 1: Z = T W into y (scaled later), S'_c = B^T W
   for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, true,
@@ -807,14 +825,12 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
 template <typename T>
 void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
                        bool shift, const T* init, const T* dy, const T* dfinal, T* dx, T* ddt, T* dB, T* dCt,
-                       T* dA_part, T* dinit) {
+                       T* dA_part, T* dinit, FactoredGradWork<T>& work) {
   const int64_t nC = (s.L + s.Q - 1) / s.Q, RP = s.rep * s.P, NRP = s.N * RP, NP = s.N * s.P;
-  const size_t slots = static_cast<size_t>(s.B * s.G * nC);
-  Buffer<T> states(slots * NRP);  // S'_c, then dS'_c
-  Buffer<T> half(slots * s.rep);  // m
-  Buffer<T> Ks(slots * NRP);      // K_c
-  Buffer<T> dKs(slots * NRP);     // dK_c (the read-out's), then unused
-  Buffer<T> dms(slots * s.rep);   // dm from the state pass
+  Buffer<T>& states = work.states;  // S'_c, then K_c (written over S'_c once the state pass has read it)
+  Buffer<T>& half = work.half;      // m
+  Buffer<T>& dKs = work.dKs;        // dK_c (the read-out's), then dS'_c (written over dK_c once read)
+  Buffer<T>& dms = work.dms;        // dm from the state pass
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   auto gather_dz = [&](GroupChunk<T>& w, int64_t b, int64_t g, int64_t i0, int64_t n) {  // dZ = u dy
     for (int64_t r = 0; r < n; ++r) {
@@ -841,7 +857,7 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
       std::fill_n(dKs.data() + item * NRP, NRP, T(0));
     }
   });
-  // phase B: the states K_c, then the state gradients G_c backwards; dS'_c into `states`, dm into `dms`
+  // phase B: the states K_c (over S'_c), then the state gradients G_c backwards; dS'_c over dK_c, dm into `dms`
   parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
     std::vector<T> K(NP), S(NP), G(NP), Hf(NP), dH(NP);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -849,7 +865,7 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
       const int64_t base = (b * s.G + g) * nC;
       auto at_ = [&](Buffer<T>& buf, int64_t c) { return buf.data() + (base + c) * NRP + k * s.P; };
       auto mh = [&](int64_t c) { return half[(base + c) * s.rep + k]; };
-      // forward: K_c into Ks
+      // forward: K_c over S'_c
       if (init != nullptr) {
         const T e0 = std::exp(mh(0));
         const T* src = init + (b * s.H + h) * NP;
@@ -859,11 +875,10 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
         std::fill(K.begin(), K.end(), T(0));
       }
       for (int64_t c = 0; c < nC; ++c) {
-        T* kc = at_(Ks, c);
-        const T* sc = at_(states, c);
+        T* kc = at_(states, c);  // S'_c, read into S, then K_c
         for (int64_t nn = 0; nn < s.N; ++nn) {
+          std::copy_n(kc + nn * RP, s.P, S.data() + nn * s.P);
           std::copy_n(K.data() + nn * s.P, s.P, kc + nn * RP);
-          std::copy_n(sc + nn * RP, s.P, S.data() + nn * s.P);
         }
         if (c + 1 < nC) {
           const T link = std::exp(mh(c) + mh(c + 1));
@@ -883,9 +898,9 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
       // G_last = dK_last + e^{m_last} dH; dS'_last = e^{m_last} dH
       T r_next = 0;
       for (int64_t c = nC - 1; c >= 0; --c) {
-        const T* dkc = at_(dKs, c);
-        T* dsc = at_(states, c);  // S'_c was read above; now dS'_c
-        const T* kc = at_(Ks, c);
+        T* dsc = at_(dKs, c);  // dK_c, read element by element before dS'_c is written over it
+        const T* dkc = dsc;
+        const T* kc = at_(states, c);
         if (c == nC - 1) {
           const T el = std::exp(mh(c));
           T fin = 0;
@@ -907,8 +922,8 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
           for (int64_t nn = 0; nn < s.N; ++nn)
             for (int64_t pp = 0; pp < s.P; ++pp) {
               const T dnext = link * G[nn * s.P + pp];  // dS'_c = link_c G_{c+1}
-              dsc[nn * RP + pp] = dnext;
               const T gc = dkc[nn * RP + pp] + dnext;
+              dsc[nn * RP + pp] = dnext;
               G[nn * s.P + pp] = gc;
               r += gc * kc[nn * RP + pp];
             }
@@ -928,8 +943,8 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
   for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, true,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
     gather_dz(w, b, g, i0, n);
-    const T* kc = Ks.data() + item * NRP;
-    const T* dsc = states.data() + item * NRP;
+    const T* kc = states.data() + item * NRP;
+    const T* dsc = dKs.data() + item * NRP;
     // Z = T W + C~ K_c
     // K_0 = 0 without an initial state, dS'_last = 0 without a final state's gradient: their products are skipped
     const bool with_K = c > 0 || init != nullptr, with_dS = c + 1 < nC || dfinal != nullptr;
@@ -1019,15 +1034,16 @@ std::tuple<at::Tensor, at::Tensor> factored_forward_op(
   std::tie(y, final) = forward_outputs(x, dtf, Bf, Bb, want_final);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_forward", [&] {
     const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
+    FactoredWork<scalar_t> work(s);
     if (dtf.has_value())
       factored_forward<scalar_t>(s, x.data_ptr<scalar_t>(), dtf->data_ptr<scalar_t>(), Af->data_ptr<scalar_t>(),
                                  Bf->data_ptr<scalar_t>(), Cf->data_ptr<scalar_t>(), false, shift,
                                  ptr_or_null<scalar_t>(init), y.data_ptr<scalar_t>(),
-                                 want_final ? final.data_ptr<scalar_t>() : nullptr);
+                                 want_final ? final.data_ptr<scalar_t>() : nullptr, work);
     if (dtb.has_value())
       factored_forward<scalar_t>(s, x.data_ptr<scalar_t>(), dtb->data_ptr<scalar_t>(), Ab->data_ptr<scalar_t>(),
                                  Bb->data_ptr<scalar_t>(), Cb->data_ptr<scalar_t>(), true, shift, nullptr,
-                                 y.data_ptr<scalar_t>(), nullptr);
+                                 y.data_ptr<scalar_t>(), nullptr, work);
   });
   return {y, final};
 }
@@ -1044,6 +1060,7 @@ std::vector<at::Tensor> factored_backward_op(
   std::vector<at::Tensor> out = backward_outputs(x, dtf, Bf, dtb, Bb, init, {x.size(0), nC, x.size(2)}, false);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_factored_backward", [&] {
     const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
+    FactoredGradWork<scalar_t> work(s);
     for (int dir = 0; dir < 2; ++dir) {
       const auto& dt = dir == 0 ? dtf : dtb;
       if (!dt.has_value()) continue;
@@ -1056,7 +1073,8 @@ std::vector<at::Tensor> factored_backward_op(
           Cm->data_ptr<scalar_t>(), dir == 1, shift, dir == 0 ? ptr_or_null<scalar_t>(init) : nullptr,
           dy.data_ptr<scalar_t>(), dir == 0 ? ptr_or_null<scalar_t>(dfinal) : nullptr, out[0].data_ptr<scalar_t>(),
           out[base].data_ptr<scalar_t>(), out[base + 2].data_ptr<scalar_t>(), out[base + 3].data_ptr<scalar_t>(),
-          out[base + 1].data_ptr<scalar_t>(), dir == 0 && init.has_value() ? out[9].data_ptr<scalar_t>() : nullptr);
+          out[base + 1].data_ptr<scalar_t>(), dir == 0 && init.has_value() ? out[9].data_ptr<scalar_t>() : nullptr,
+          work);
     }
   });
   return out;
