@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import F64, flip_identity_qs, random_inputs, recurrence_ssd, segments
+from helpers import F64, LargestTensor, flip_identity_qs, random_inputs, recurrence_ssd, segments
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -459,23 +459,10 @@ def test_flop_counter_counts_the_analytic_flops(backend, length, init, final):
                                                            final_state=final)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_the_torch_backend_never_builds_an_l_by_l_tensor():
     b, l, h, p, n, q = 1, 1024, 2, 4, 4, 16
     x, dt, A, B, C = random_inputs(b=b, l=l, h=h, p=p, g=1, n=n, dtype=torch.float32)
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         kernels.quasiseparable(x, dt, A, B, C, chunk_size=q, backend="torch")
     assert mode.largest <= b * h * l * q   # the intra-chunk blocks, (b, chunks, Q, Q, h)
     assert mode.largest < l * l

@@ -518,6 +518,54 @@ if triton is not None:
         return (ddt + A * da) * gdt, tl.sum(dt * da, 0)
 
     @triton.jit
+    def _dx_direction(
+        dx, x, dy, seg, seg_first, seg_last, dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, sdb, sdl, sdh,
+        sbb, sbl, sbg, bias_ptr, cb_ptr, ds_ptr, dtc_ptr, rr_ptr, dlg_ptr, ddtf_ptr, ddtb_ptr, b, c, h, g, t0, rem,
+        plane, BATCH, L, H, G, N, NC, Q, NBLK, lo, hi, d: tl.constexpr, D0: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_N: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """:func:`_dx_kernel`'s share of direction ``d`` in one chunk and head: ``dx`` with this direction's terms
+        added, the sum of its raw step-size gradients (stored here, in dt's dtype) and its partial of dA."""
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        ok = (offs_q < Q) & (offs_q < rem)
+        slot = d - D0
+        dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+        q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+        cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
+        Mt = tl.load(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :]) * _intra_decay(d, p, e, q, ok, SHIFT)
+        if HAS_SEG:
+            Mt = tl.where(seg[:, None] == seg[None, :], Mt, 0.0)
+        Z = _mm(tl.trans(Mt), dy, DOT)                   # (Q, P): Z_j = sum_i M~_ij dy_i
+        dx += dt[:, None] * Z
+        kd = tl.sum(x.to(tl.float32) * Z, 1)
+        qd = tl.sum(dy.to(tl.float32) * _mm(Mt * dt[None, :], x, DOT), 1)   # dy_i . (M x)_i
+        ws_raw = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0)
+        if HAS_SEG:
+            ws_raw = tl.where(seg == _pick(d, seg_last, seg_first), ws_raw, 0.0)
+        sbase = ((slot * BATCH + b) * NC + c) * H + h
+        dS = _load_square(ds_ptr + sbase * BLOCK_P * BLOCK_N, offs_p, offs_n)
+        Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, t0, g, sbb, sbl, sbg), offs_q, ok, offs_n, N, sbl, EVEN_N)
+        dx += (ws_raw * dt)[:, None] * _mm(Bt, tl.trans(dS), DOT)
+        val = tl.sum(_mm(x, dS, DOT) * Bt.to(tl.float32), 1)              # rowsum((x dS) * B)
+        if HAS_BIAS or SOFTPLUS or CLAMP:
+            unused, gdt = _step(_at(_pick(d, dtf_ptr, dtb_ptr), b, t0, h, sdb, sdl, sdh), offs_q, ok, sdl,
+                                bias_ptr, h, lo, hi, HAS_BIAS, SOFTPLUS, CLAMP)
+        else:
+            gdt = tl.where(ok, 1.0, 0.0)
+        rr = tl.load(rr_ptr + ((slot * BATCH + b) * L + t0) * H + h + offs_q * H, mask=ok, other=0.0)
+        dlg = tl.sum(tl.load(dlg_ptr + sbase * NBLK + offs_k, mask=offs_k < NBLK, other=0.0), 0)
+        A = tl.load(_pick(d, Af_ptr, Ab_ptr) + h).to(tl.float32)
+        ddt, dA = _dt_grads(d, dt, gdt, A, p, e, plast, kd, qd, rr, val, ws_raw, dlg, ok, SHIFT)
+        ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
+        tl.store(ddt_ptr + (b * L + t0) * H + h + offs_q * H, ddt.to(ddt_ptr.dtype.element_ty), mask=ok)
+        return dx, tl.sum(ddt, 0), dA
+
+    @triton.jit
     def _dx_kernel(
         x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh,
         dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, sdb, sdl, sdh, sbb, sbl, sbg,
@@ -544,12 +592,14 @@ if triton is not None:
         rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         ok = (offs_q < Q) & (offs_q < rem)
         plane = (D1 - D0) * BATCH * H * L
         if HAS_SEG:
             seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
+        else:   # never read
+            seg = offs_q
+            seg_first = 0
+            seg_last = 0
         dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs_q, ok, offs_p, P, syl, EVEN_P)
         x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
         dx = tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32)
@@ -562,46 +612,81 @@ if triton is not None:
         dbias = 0.0
         dA_both = 0.0
         for d in tl.static_range(D0, D1):
-            slot = d - D0
-            dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-            q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
-            cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
-            Mt = tl.load(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :]) * _intra_decay(d, p, e, q, ok, SHIFT)
-            if HAS_SEG:
-                Mt = tl.where(seg[:, None] == seg[None, :], Mt, 0.0)
-            Z = _mm(tl.trans(Mt), dy, DOT)                   # (Q, P): Z_j = sum_i M~_ij dy_i
-            dx += dt[:, None] * Z
-            kd = tl.sum(x.to(tl.float32) * Z, 1)
-            qd = tl.sum(dy.to(tl.float32) * _mm(Mt * dt[None, :], x, DOT), 1)   # dy_i . (M x)_i
-            ws_raw = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0)
-            if HAS_SEG:
-                ws_raw = tl.where(seg == _pick(d, seg_last, seg_first), ws_raw, 0.0)
-            sbase = ((slot * BATCH + b) * NC + c) * H + h
-            dS = _load_square(ds_ptr + sbase * BLOCK_P * BLOCK_N, offs_p, offs_n)
-            Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, t0, g, sbb, sbl, sbg), offs_q, ok, offs_n, N, sbl, EVEN_N)
-            dx += (ws_raw * dt)[:, None] * _mm(Bt, tl.trans(dS), DOT)
-            val = tl.sum(_mm(x, dS, DOT) * Bt.to(tl.float32), 1)              # rowsum((x dS) * B)
-            if HAS_BIAS or SOFTPLUS or CLAMP:
-                unused, gdt = _step(_at(_pick(d, dtf_ptr, dtb_ptr), b, t0, h, sdb, sdl, sdh), offs_q, ok, sdl,
-                                    bias_ptr, h, lo, hi, HAS_BIAS, SOFTPLUS, CLAMP)
-            else:
-                gdt = tl.where(ok, 1.0, 0.0)
-            rr = tl.load(rr_ptr + ((slot * BATCH + b) * L + t0) * H + h + offs_q * H, mask=ok, other=0.0)
-            dlg = tl.sum(tl.load(dlg_ptr + sbase * NBLK + offs_k, mask=offs_k < NBLK, other=0.0), 0)
-            A = tl.load(_pick(d, Af_ptr, Ab_ptr) + h).to(tl.float32)
-            ddt, dA = _dt_grads(d, dt, gdt, A, p, e, plast, kd, qd, rr, val, ws_raw, dlg, ok, SHIFT)
-            ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
-            tl.store(ddt_ptr + (b * L + t0) * H + h + offs_q * H, ddt.to(ddt_ptr.dtype.element_ty), mask=ok)
+            dx, ddt_sum, dA = _dx_direction(
+                dx, x, dy, seg, seg_first, seg_last, dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, sdb, sdl, sdh,
+                sbb, sbl, sbg, bias_ptr, cb_ptr, ds_ptr, dtc_ptr, rr_ptr, dlg_ptr, ddtf_ptr, ddtb_ptr, b, c, h, g, t0,
+                rem, plane, BATCH, L, H, G, N, NC, Q, NBLK, lo, hi, d, D0, HAS_SEG, HAS_BIAS, SOFTPLUS, CLAMP, SHIFT,
+                BLOCK_Q, BLOCK_P, BLOCK_N, BLOCK_K, EVEN_N, DOT)
             if SHARED_A:   # one A for both directions: one gradient
                 dA_both += dA
             else:
                 tl.store(part + d * H, dA)
-            dbias += tl.sum(ddt, 0)
+            dbias += ddt_sum
         if SHARED_A:
             tl.store(part, dA_both)
         if HAS_BIAS:
             tl.store(part + 2 * H, dbias)
         _store_tile(dx_ptr + ((b * L + t0) * H + h) * P, offs_q, ok, offs_p, P, H * P, dx, EVEN_P)
+
+    @triton.jit
+    def _dcb_group(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, seg, b, g, t0, rem, plane, BATCH, L, H, P, Q,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """:func:`_dbc_kernel`'s first step: each direction's ``d(C~ B^T)`` of one chunk, summed over the group's
+        heads, with ``dy x^T`` formed once per head for both directions."""
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_p = tl.arange(0, BLOCK_P)
+        ok = (offs_q < Q) & (offs_q < rem)
+        dCB_f = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
+        dCB_b = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
+        for hh in range(HG):
+            h = g * HG + hh
+            x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
+            dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs_q, ok, offs_p, P, syl, EVEN_P)
+            DYX = _mm(dy, tl.trans(x), DOT)                       # [i, j] = dy_i . x_j, once for both directions
+            if HAS_SEG:
+                DYX = tl.where(seg[:, None] == seg[None, :], DYX, 0.0)
+            for d in tl.static_range(D0, D1):
+                slot = d - D0
+                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+                q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+                E = DYX * _intra_decay(d, p, e, q, ok, SHIFT) * dt[None, :]
+                if d == 0:
+                    dCB_f += E
+                else:
+                    dCB_b += E
+        return dCB_f, dCB_b
+
+    @triton.jit
+    def _db_own_states(
+        dB_f, dB_b, x_ptr, sxb, sxl, sxh, ds_ptr, dtc_ptr, seg, seg_first, seg_last, b, c, g, t0, rem, plane,
+        BATCH, L, H, P, NC, Q, HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """:func:`_dbc_kernel`'s second step: each direction's own-state share of dB in one chunk,
+        ``sum_heads w (x dS)``, added to ``dB_f`` and ``dB_b``."""
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        ok = (offs_q < Q) & (offs_q < rem)
+        for hh in range(HG):
+            h = g * HG + hh
+            x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
+            for d in tl.static_range(D0, D1):
+                slot = d - D0
+                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
+                ws = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0) * dt
+                if HAS_SEG:
+                    ws = tl.where(seg == _pick(d, seg_last, seg_first), ws, 0.0)
+                sbase = ((slot * BATCH + b) * NC + c) * H + h
+                U = _mm(x, _load_square(ds_ptr + sbase * BLOCK_P * BLOCK_N, offs_p, offs_n), DOT)   # (Q, N): x dS
+                if d == 0:
+                    dB_f += ws[:, None] * U
+                else:
+                    dB_b += ws[:, None] * U
+        return dB_f, dB_b
 
     @triton.jit
     def _dbc_kernel(
@@ -622,31 +707,18 @@ if triton is not None:
         t0 = c * Q
         rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
-        offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         ok = (offs_q < Q) & (offs_q < rem)
         plane = (D1 - D0) * BATCH * H * L
         if HAS_SEG:
             seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
+        else:   # never read
+            seg = offs_q
+            seg_first = 0
+            seg_last = 0
         # 1. d(C~ B^T), summed over the group's heads
-        dCB_f = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
-        dCB_b = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
-        for hh in range(HG):
-            h = g * HG + hh
-            x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
-            dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs_q, ok, offs_p, P, syl, EVEN_P)
-            DYX = _mm(dy, tl.trans(x), DOT)                       # [i, j] = dy_i . x_j, once for both directions
-            if HAS_SEG:
-                DYX = tl.where(seg[:, None] == seg[None, :], DYX, 0.0)
-            for d in tl.static_range(D0, D1):
-                slot = d - D0
-                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-                q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
-                E = DYX * _intra_decay(d, p, e, q, ok, SHIFT) * dt[None, :]
-                if d == 0:
-                    dCB_f += E
-                else:
-                    dCB_b += E
+        dCB_f, dCB_b = _dcb_group(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, seg, b, g, t0, rem, plane,
+                                  BATCH, L, H, P, Q, HG, D0, D1, HAS_SEG, SHIFT, BLOCK_Q, BLOCK_P, EVEN_P, DOT)
         # dC~ = dCB B + (read-out share), and the intra share of dB = dCB^T C~; C~ rows are C's rows -+ 1 when shifted
         out_rows = ((b * L + t0) * G + g) * N
         dB_f = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
@@ -675,21 +747,9 @@ if triton is not None:
             else:
                 dB_b = _mm(tl.trans(dCB), Ct, DOT)
         # 2. head by head: the own states' share of dB
-        for hh in range(HG):
-            h = g * HG + hh
-            x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
-            for d in tl.static_range(D0, D1):
-                slot = d - D0
-                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-                ws = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0) * dt
-                if HAS_SEG:
-                    ws = tl.where(seg == _pick(d, seg_last, seg_first), ws, 0.0)
-                sbase = ((slot * BATCH + b) * NC + c) * H + h
-                U = _mm(x, _load_square(ds_ptr + sbase * BLOCK_P * BLOCK_N, offs_p, offs_n), DOT)   # (Q, N): x dS
-                if d == 0:
-                    dB_f += ws[:, None] * U
-                else:
-                    dB_b += ws[:, None] * U
+        dB_f, dB_b = _db_own_states(dB_f, dB_b, x_ptr, sxb, sxl, sxh, ds_ptr, dtc_ptr, seg, seg_first, seg_last, b,
+                                    c, g, t0, rem, plane, BATCH, L, H, P, NC, Q, HG, D0, D1, HAS_SEG, BLOCK_Q,
+                                    BLOCK_P, BLOCK_N, EVEN_P, DOT)
         for d in tl.static_range(D0, D1):
             _store_tile(_pick(d, dBf_ptr, dBb_ptr) + out_rows, offs_q, ok, offs_n, N, G * N, _pick(d, dB_f, dB_b),
                         EVEN_N)

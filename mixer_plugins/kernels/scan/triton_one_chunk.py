@@ -241,6 +241,42 @@ if triton is not None:
         _store_tile(y_ptr + ((b * L + t0) * H + h) * P, offs, ok, offs_p, P, H * P, acc, EVEN_P)
 
     @triton.jit
+    def _dcb_pair(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, b, g, m, n, slot, plane, BATCH, L, H, P,
+        d: tl.constexpr, HG: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+        EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """``d(C~ B^T)`` of one tile pair (query tile m, key tile n) of direction ``d``, summed over the group's
+        heads: ``sum_heads (dy_m x_n^T) * decay * dt_n``."""
+        t0 = m * BLOCK_T
+        s0 = n * BLOCK_T
+        rem = (L - t0).to(tl.int32)
+        rem_n = (L - s0).to(tl.int32)
+        offs = tl.arange(0, BLOCK_T)
+        offs_p = tl.arange(0, BLOCK_P)
+        ok = offs < rem
+        okn = offs < rem_n
+        dCB = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for hh in range(HG):
+            h = g * HG + hh
+            vrow = ((slot * BATCH + b) * H + h) * L
+            dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
+            q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
+            dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+            if n == m:
+                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+            else:
+                if d == 0:
+                    between = _between(dtc_ptr, plane, vrow, n, m, BLOCK_T, L)
+                else:
+                    between = _between(dtc_ptr, plane, vrow, m, n, BLOCK_T, L)
+                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+            dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
+            xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+            dCB += _mm(dy, tl.trans(xn), DOT) * decay * dt_n[None, :]
+        return dCB
+
+    @triton.jit
     def _dcb_kernel(
         x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, Bf_ptr, Cf_ptr, Bb_ptr, Cb_ptr, sbb, sbl, sbg,
         seg_ptr, cb_ptr, dtc_ptr, dcb_ptr, dCf_ptr, dCb_ptr, BATCH, L, H, G, P, N, NT,
@@ -258,7 +294,6 @@ if triton is not None:
         t0 = m * BLOCK_T
         rem = (L - t0).to(tl.int32)
         offs = tl.arange(0, BLOCK_T)
-        offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         ok = offs < rem
         plane = (D1 - D0) * BATCH * H * L
@@ -278,24 +313,8 @@ if triton is not None:
                 s0 = n * BLOCK_T
                 rem_n = (L - s0).to(tl.int32)
                 okn = offs < rem_n
-                dCB = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
-                for hh in range(HG):
-                    h = g * HG + hh
-                    vrow = ((slot * BATCH + b) * H + h) * L
-                    dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
-                    q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
-                    dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
-                    if n == m:
-                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
-                    else:
-                        if d == 0:
-                            between = _between(dtc_ptr, plane, vrow, n, m, BLOCK_T, L)
-                        else:
-                            between = _between(dtc_ptr, plane, vrow, m, n, BLOCK_T, L)
-                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
-                    dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
-                    xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
-                    dCB += _mm(dy, tl.trans(xn), DOT) * decay * dt_n[None, :]
+                dCB = _dcb_pair(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, b, g, m, n, slot, plane, BATCH,
+                                L, H, P, d, HG, SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
                 if HAS_SEG:
                     seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
                     dCB = tl.where(seg_m[:, None] == seg_n[None, :], dCB, 0.0)
@@ -355,28 +374,15 @@ if triton is not None:
                         EVEN_N)
 
     @triton.jit
-    def _dx_kernel(
-        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh,
-        diag_ptr, sgb, sgl, sgh, bias_ptr, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
-        dx_ptr, ddiag_ptr, ddtf_ptr, ddtb_ptr, part_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
-        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
-        SHARED_A: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
-        DOT: tl.constexpr,
+    def _dx_key_tiles(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
+        dx_ptr, ddiag_ptr, b, h, g, plane, BATCH, L, H, G, P, NT,
+        D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
     ):
-        """Per (sequence, head). Key tile by key tile: ``dx_n = dt_n Z_n + diag dy_n`` with ``Z_n = sum_m M~_mn^T
-        dy_m`` per direction, and ``kd_j = x_j . Z_j``; query tile by query tile: ``qd_i = dy_i . (M x)_i`` per
-        direction (``kd``, ``qd`` kept in ``kq`` (2, directions, batch, H, L)); then over the whole sequence the step
-        sizes' gradients (dt's dtype) and this sequence's partials of dA and d dt_bias (``part`` (batch, 3, H))."""
-        pid = tl.program_id(0).to(tl.int64)
-        h = pid % H
-        b = pid // H
-        g = h // HG
+        """:func:`_dx_kernel`'s key tiles: ``dx`` and ``kd`` of one (sequence, head)."""
         offs = tl.arange(0, BLOCK_T)
         offs_p = tl.arange(0, BLOCK_P)
-        plane = (D1 - D0) * BATCH * H * L
-        # 1. key tiles: dx and kd
         n = 0
         while n < NT:
             s0 = n * BLOCK_T
@@ -426,7 +432,17 @@ if triton is not None:
                 tl.store(kq_ptr + vrow + s0 + offs, tl.sum(xn.to(tl.float32) * Z, 1), mask=okn)
             _store_tile(dx_ptr + ((b * L + s0) * H + h) * P, offs, okn, offs_p, P, H * P, dx, EVEN_P)
             n += 1
-        # 2. query tiles: qd
+
+    @triton.jit
+    def _dx_query_tiles(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr, b, h, g, plane,
+        BATCH, L, H, G, P, NT,
+        D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """:func:`_dx_kernel`'s query tiles: ``qd`` of one (sequence, head)."""
+        offs = tl.arange(0, BLOCK_T)
+        offs_p = tl.arange(0, BLOCK_P)
         m = 0
         while m < NT:
             t0 = m * BLOCK_T
@@ -467,8 +483,15 @@ if triton is not None:
                         n += 1
                 tl.store(kq_ptr + plane + vrow + t0 + offs, tl.sum(dym * W, 1), mask=ok)
             m += 1
-        tl.debug_barrier()
-        # 3. the whole sequence: step-size gradients through the global sums p (inclusive) and e (exclusive)
+
+    @triton.jit
+    def _dx_step_grads(
+        dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr, part_ptr,
+        b, h, plane, BATCH, L, H, lo, hi,
+        D0: tl.constexpr, D1: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
+        SHIFT: tl.constexpr, SHARED_A: tl.constexpr, BLOCK_L: tl.constexpr,
+    ):
+        """:func:`_dx_kernel`'s last step, over the whole sequence: the step sizes' gradients and the partials."""
         offs_l = tl.arange(0, BLOCK_L)
         okl = offs_l < L
         part = part_ptr + b * 3 * H + h
@@ -513,6 +536,40 @@ if triton is not None:
             tl.store(part, dA_both)
         if HAS_BIAS:
             tl.store(part + 2 * H, dbias)
+
+
+    @triton.jit
+    def _dx_kernel(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh,
+        diag_ptr, sgb, sgl, sgh, bias_ptr, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
+        dx_ptr, ddiag_ptr, ddtf_ptr, ddtb_ptr, part_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        SHARED_A: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
+        DOT: tl.constexpr,
+    ):
+        """Per (sequence, head). Key tile by key tile: ``dx_n = dt_n Z_n + diag dy_n`` with ``Z_n = sum_m M~_mn^T
+        dy_m`` per direction, and ``kd_j = x_j . Z_j``; query tile by query tile: ``qd_i = dy_i . (M x)_i`` per
+        direction (``kd``, ``qd`` kept in ``kq`` (2, directions, batch, H, L)); then over the whole sequence the step
+        sizes' gradients (dt's dtype) and this sequence's partials of dA and d dt_bias (``part`` (batch, 3, H))."""
+        pid = tl.program_id(0).to(tl.int64)
+        h = pid % H
+        b = pid // H
+        g = h // HG
+        plane = (D1 - D0) * BATCH * H * L
+        # 1. key tiles: dx and kd
+        _dx_key_tiles(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr,
+                      kq_ptr, dx_ptr, ddiag_ptr, b, h, g, plane, BATCH, L, H, G, P, NT, D0, D1, HAS_DIAG, HAS_SEG,
+                      SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
+        # 2. query tiles: qd
+        _dx_query_tiles(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr, b, h, g, plane,
+                        BATCH, L, H, G, P, NT, D0, D1, HAS_SEG, SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
+        tl.debug_barrier()
+        # 3. the whole sequence: step-size gradients through the global sums p (inclusive) and e (exclusive)
+        _dx_step_grads(dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr,
+                       part_ptr, b, h, plane, BATCH, L, H, lo, hi, D0, D1, HAS_BIAS, SOFTPLUS, CLAMP, SHIFT, SHARED_A,
+                       BLOCK_L)
 
 
 # -- host side ----------------------------------------------------------------------------------------
