@@ -629,6 +629,24 @@ if triton is not None:
         _store_tile(dx_ptr + ((b * L + t0) * H + h) * P, offs_q, ok, offs_p, P, H * P, dx, EVEN_P)
 
     @triton.jit
+    def _store_dc(ptr, dC, rc, c_ok, d: tl.constexpr, tile, tiles, rem, N, stride, SHIFT: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+        """Store one tile's dC at the C rows its queries read (``rc``); with the shift, also the zero gradient of
+        the C row no query reads (the sequence's last one forward, its first backward)."""
+        offs = tl.arange(0, BLOCK)
+        offs_n = tl.arange(0, BLOCK_N)
+        _store_tile(ptr, rc, c_ok, offs_n, N, stride, dC, EVEN_N)
+        if SHIFT:
+            if d == 0:
+                edge = rem - 1 + offs * 0
+                edge_ok = (offs == 0) & (tile == tiles - 1)
+            else:
+                edge = offs * 0
+                edge_ok = (offs == 0) & (tile == 0)
+            _store_tile(ptr, edge, edge_ok, offs_n, N, stride, tl.zeros([BLOCK, BLOCK_N], dtype=tl.float32),
+                        EVEN_N)
+
+    @triton.jit
     def _dcb_group(
         x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, seg, b, g, t0, rem, plane, BATCH, L, H, P, Q,
         HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
@@ -732,16 +750,7 @@ if triton is not None:
             dC_ptr = _pick(d, dCf_ptr, dCb_ptr)
             acc_rows = (((slot * BATCH + b) * L + t0) * G + g) * N
             dC = _mm(dCB, Bt, DOT) + _tile(tacc_ptr + acc_rows, offs_q, ok, offs_n, N, G * N, EVEN_N)
-            _store_tile(dC_ptr + out_rows, rc, c_ok, offs_n, N, G * N, dC, EVEN_N)
-            if SHIFT:  # the C row read by no query (the last one forward, the first backward) has gradient 0
-                if d == 0:
-                    edge = rem - 1 + offs_q * 0
-                    edge_ok = (offs_q == 0) & (c == NC - 1)
-                else:
-                    edge = offs_q * 0
-                    edge_ok = (offs_q == 0) & (c == 0)
-                _store_tile(dC_ptr + out_rows, edge, edge_ok, offs_n, N, G * N,
-                            tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32), EVEN_N)
+            _store_dc(dC_ptr + out_rows, dC, rc, c_ok, d, c, NC, rem, N, G * N, SHIFT, BLOCK_Q, BLOCK_N, EVEN_N)
             if d == 0:
                 dB_f = _mm(tl.trans(dCB), Ct, DOT)
             else:

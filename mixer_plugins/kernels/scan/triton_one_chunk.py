@@ -84,7 +84,7 @@ class OneChunkGeometry:
 if triton is not None:
     _at, _tile, _store_tile, _decays, _query = (_chunked._at, _chunked._tile, _chunked._store_tile,
                                                 _chunked._decays, _chunked._query)
-    _pick, _step, _prefix = _chunked._pick, _chunked._step, _chunked._prefix
+    _pick, _step, _prefix, _store_dc = _chunked._pick, _chunked._step, _chunked._prefix, _chunked._store_dc
 
     @triton.jit
     def _tile_total(dtc_ptr, plane, vrow, n, T, L):
@@ -325,16 +325,7 @@ if triton is not None:
                 n += 1
             q_unused, rc, c_ok, r_unused = _query(d, offs, ok, t0, rem, offs, offs, 0, SHIFT)
             dC_ptr = _pick(d, dCf_ptr, dCb_ptr)
-            _store_tile(dC_ptr + out_rows, rc, c_ok, offs_n, N, G * N, dC, EVEN_N)
-            if SHIFT:  # the C row read by no query (the last one forward, the first backward) has gradient 0
-                if d == 0:
-                    edge = rem - 1 + offs * 0
-                    edge_ok = (offs == 0) & (m == NT - 1)
-                else:
-                    edge = offs * 0
-                    edge_ok = (offs == 0) & (m == 0)
-                _store_tile(dC_ptr + out_rows, edge, edge_ok, offs_n, N, G * N,
-                            tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), EVEN_N)
+            _store_dc(dC_ptr + out_rows, dC, rc, c_ok, d, m, NT, rem, N, G * N, SHIFT, BLOCK_T, BLOCK_N, EVEN_N)
 
     @triton.jit
     def _db_kernel(
