@@ -13,9 +13,9 @@ Writes ``DIR/mlr_rows.json`` and ``DIR/mlr_rows.md`` (after every row, so a cut 
 * ``rows``: d_model 768, heads of 64, bf16, 65,536 tokens a batch, L = 4k and 16k, forward+backward (gradients
   cleared between timed calls), the median of the timed calls: ``mlr_attention`` with its default options and with
   the paper's levels (causal), ``sliding_window_attention`` with a window of 512, each with the ``attention`` row it
-  is compared to (same direction) and the ratio; the targets of the closing note beside them.
+  is compared to (same direction) and the ratio, with the GPU targets beside them.
 
-The lead's ``benchmarks/gpu/run.sh`` calls :func:`main` (or runs this file). Not collected by pytest.
+``benchmarks/gpu/run.sh`` runs this file. Not collected by pytest.
 """
 
 from __future__ import annotations

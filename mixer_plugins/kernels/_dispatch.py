@@ -3,7 +3,8 @@
 An op is a folder, ``kernels/<op>/``, whose ``__init__.py`` holds the public function and ends with
 ``discover_backends(<op>, __name__)``. Every module of that folder named after a backend in :data:`BACKENDS`
 (``reference.py``, ``torch.py``, ``native.py``, ``triton.py``, ``mamba_ssm.py``) is imported then and registers one
-:class:`Backend`: its name, its ``impl`` (called with the op's typed argument bundle), its priority for the
+:class:`Backend`: its name, its ``impl`` (called with the op's arguments: one typed bundle for the scans, the
+convolution and the norm; ``q, k, v`` and keywords for the attention ops), its priority for the
 automatic choice and a ``check`` that says why it cannot run here (or ``None`` when it can). Adding a backend
 is adding one such module; nothing else names it. A backend module imports its third-party package (mamba-ssm,
 Triton) inside its functions, never at the top, so that importing the kernels never imports them.
@@ -78,15 +79,15 @@ def _runs_anywhere(device: torch.device, args: Any) -> str | None:
 class Backend:
     """One backend of one op, as its module declares it.
 
-    ``impl(args)`` runs the op on its argument bundle. ``priority``: rank in the automatic choice (highest
-    first); ``None``: only when asked for by name. ``check(device, args)``: why the backend cannot run on
+    ``impl`` runs the op on the arguments its public function passes. ``priority``: rank in the automatic choice
+    (highest first); ``None``: only when asked for by name. ``check(device, args)``: why the backend cannot run on
     ``device`` (``args`` is the call's bundle, or ``None`` when asked without a call), ``None`` when it can.
     ``automatic_devices``: device types on which the automatic choice may pick it (``None``: every type).
     """
 
     op: str
     name: str
-    impl: Callable[[Any], Any]
+    impl: Callable[..., Any]
     priority: int | None = None
     check: Check = _runs_anywhere
     automatic_devices: tuple[str, ...] | None = None

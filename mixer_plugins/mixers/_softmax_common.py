@@ -9,7 +9,7 @@ projections. The masks live in :mod:`mixer_plugins.layers.masks`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, Literal, Optional, Protocol
 
 import torch
@@ -172,12 +172,15 @@ class QKVSoftmaxConfig(SoftmaxMixerConfig):
 
 # -- scores and the fused path ----------------------------------------------------------------------------------------
 
-def tensor_sum(terms: Sequence[Tensor]) -> Tensor:
-    """The sum of one or more tensors, added left to right (what the builtin ``sum`` gives, without its ``0``)."""
-    if not terms:
-        raise ValueError("tensor_sum needs at least one term")
-    total = terms[0]
-    for term in terms[1:]:
+def tensor_sum(terms: Iterable[Tensor]) -> Tensor:
+    """The sum of one or more tensors, added left to right as they come (what the builtin ``sum`` gives, without its
+    ``0``): pass a generator, and only the running total and one term exist at a time."""
+    it = iter(terms)
+    try:
+        total = next(it)
+    except StopIteration:
+        raise ValueError("tensor_sum needs at least one term") from None
+    for term in it:
         total = total + term
     return total
 

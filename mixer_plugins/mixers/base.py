@@ -57,8 +57,8 @@ checkpoint holds another mixer or other options (``chunk_size``, dropout rates a
 excepted, see :data:`CHECKPOINT_FREE_OPTIONS`: they do not change what trained weights compute, and neither does
 ``max_seq_len`` for a mixer that runs at any length).
 
-A checkpoint without the entry (saved before mixers recorded themselves, or converted from other code) loads as
-before, without the check. To load weights into another mixer on purpose, drop the records first:
+A checkpoint without the entry (converted from other code, or written without mixer records) loads without the
+check. To load weights into another mixer on purpose, drop the records first:
 ``model.load_state_dict(strip_mixer_records(state_dict))``. The check runs when the loader reaches the mixer, so
 modules loaded before it keep their new weights when it raises (as with PyTorch's own size-mismatch errors).
 """
@@ -148,7 +148,7 @@ def read_mixer_record(value: object) -> dict[str, Any] | None:
 
 def strip_mixer_records(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``state_dict`` without the mixers' records: loading it skips the mixer/option check (as for a
-    checkpoint saved before mixers recorded themselves). Use it to load weights into another mixer on purpose."""
+    checkpoint without records). Use it to load weights into another mixer on purpose."""
     return {k: v for k, v in state_dict.items()
             if not (k.rsplit(".", 1)[-1] == RECORD_KEY and read_mixer_record(v) is not None)}
 
@@ -162,9 +162,9 @@ def record_differences(saved: Mapping[str, Any], own: Mapping[str, Any], *, leng
     """What differs between a saved record and a mixer's own (empty: compatible).
 
     ``length_free``: the mixer runs at any length, so ``max_seq_len`` does not matter. ``config_class`` (the mixer's
-    config model) lets records of other library versions compare: an option the checkpoint does not know (added
-    later) matches when the mixer has its default, which is what the library did before the option existed. An
-    option the mixer no longer has is not compared.
+    config model) lets records of other library versions compare: an option the checkpoint does not know matches
+    when the mixer has its default (the behaviour of a version without the option); an option the checkpoint has
+    and the mixer does not is not compared.
     """
     if saved.get("mixer") and own.get("mixer"):
         if saved["mixer"] != own["mixer"]:

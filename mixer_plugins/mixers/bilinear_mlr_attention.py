@@ -190,7 +190,7 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
         return fused_attention(q, k, ctx.values, ctx.mask, self.causal, 1.0)
 
     def matrix(self, ctx: LevelsContext) -> Tensor:
-        scores = tensor_sum([dot_scores(q, k) * s for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales)])
+        scores = tensor_sum(dot_scores(q, k) * s for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales))
         return self._weights(scores, ctx.mask)
 
     def bilinear_matrices(self) -> Tensor:

@@ -223,14 +223,14 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         raise NotImplementedError
 
     # -- the block ------------------------------------------------------------------------------------
-    def prepare(self, x: Tensor, mask: Tensor | None) -> BlockContext:
+    def prepare(self, x: Tensor, mask: Tensor | None) -> BlockCtxT:
         other = self.groups[len(self._conv_groups):]
         # in_proj as one product, its output split into views (z, the convolved slice, the other groups): one
         # matmul each way and one for the weight's gradient; the kernels below read the views through their strides
         z, u, *rest = self._in_proj_pieces(x)
         keep = mask[..., None].to(x.dtype) if mask is not None else None
         pieces: dict[str, Tensor] = {}
-        if self._conv_groups:
+        if self.conv1d is not None:   # there are convolved groups (their conv exists exactly then)
             # the convolved groups lead in_proj's output: convolve them as one slice (no copy to gather them)
             if keep is not None:
                 u = u * keep          # pads are neutral inputs, like the conv's zero padding

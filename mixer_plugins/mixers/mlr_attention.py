@@ -311,9 +311,9 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         # The definition, level by level with dense masks (independent of the blocked fast path).
         length = ctx.q.shape[1]
         device = ctx.q.device
-        scores = tensor_sum([dot_scores(q, k) * scale * same_block_mask(length, size, device)
-                             for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales,
-                                                          self.block_sizes)])
+        scores = tensor_sum(dot_scores(q, k) * scale * same_block_mask(length, size, device)
+                            for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales,
+                                                         self.block_sizes))
         if self.block_divide:
             scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
         return self._weights(scores, ctx.mask)

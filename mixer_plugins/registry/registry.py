@@ -237,19 +237,17 @@ class MixerRegistry:
         entry.spec = dataclasses.replace(obj, distribution=entry.distribution)
         return entry.spec
 
-    def _claims(self, entries: dict[str, list[_Entry]], load: Callable[[_Entry], Any] | None = None,
+    def _claims(self, entries: dict[str, list[_Entry]],
                 loaded: dict[int, Any] | None = None) -> tuple[dict[str, list[_Claim]], list[PluginProblem]]:
-        """Every key (name or alias) -> its claimants, and the broken entries. Loads every entry point with
-        ``load`` (default: its spec; a broken one is recorded, never raised) and puts what it loaded in ``loaded``
-        (by ``id(entry)``)."""
-        load = self._load if load is None else load
+        """Every key (name or alias) -> its claimants, and the broken entries. Loads every entry point's spec (a
+        broken one is recorded, never raised) and puts what it loaded in ``loaded`` (by ``id(entry)``)."""
         claims: dict[str, list[_Claim]] = {}
         broken: list[PluginProblem] = []
         for key, candidates in sorted(entries.items()):
             for entry in candidates:
                 claims.setdefault(key, []).append(_Claim(entry.distribution, entry.name, "mixer", entry))
                 try:
-                    spec = load(entry)
+                    spec = self._load(entry)
                 except PluginLoadError as err:
                     broken.append(PluginProblem(entry.name, "broken", str(err), (entry.distribution,)))
                     continue
@@ -268,12 +266,11 @@ class MixerRegistry:
         kind = "mixer" if claim.kind == "mixer" else "alias of"
         return f"{claim.distribution} ({kind} {claim.spec_name!r})"
 
-    def _all_specs(self, *, warn: bool, load: Callable[[_Entry], Any] | None = None,
-                   entries: dict[str, list[_Entry]] | None = None) -> tuple[list[Any], list[PluginProblem]]:
-        """Every loadable spec (or what ``load`` makes of an entry) and every problem."""
-        entries = self._discover() if entries is None else entries
+    def _all_specs(self, *, warn: bool) -> tuple[list[Any], list[PluginProblem]]:
+        """Every loadable spec and every problem."""
+        entries = self._discover()
         loaded: dict[int, Any] = {}
-        claims, problems = self._claims(entries, load, loaded)
+        claims, problems = self._claims(entries, loaded)
         specs: list[Any] = []
         for _key, candidates in sorted(entries.items()):
             if len(candidates) > 1:

@@ -969,3 +969,29 @@ def test_documented_python_example_runs(fs2, resolver, monkeypatch):
     assert model.encoder.layers[0].self_attn.mixer_name == mp.get_spec("quasi").name
     assert model.encoder.layers[0].self_attn.mixer.config.d_state == 16
     assert hidden.shape == (2, 16, 32) and logits.shape == (2, 16, model.vocab_size)
+
+
+def test_both_recipes_report_every_mixer_error_in_one_line():
+    """fairseq2 picks a command-line error handler by the exception's exact type: each recipe registers ours for
+    every error class of ``mixer_plugins.errors`` (otherwise that error prints fairseq2's "unexpected error" trace)."""
+    from unittest.mock import MagicMock
+
+    import mixer_plugins.errors as errors
+    from mixer_plugins.backbones.fairseq2.lm import MixerLmRecipe
+    from mixer_plugins.backbones.fairseq2.recipe import (
+        CheckpointConfigMismatchError,
+        MixerMlmRecipe,
+        NonFiniteLossError,
+        _log_mixer_error,
+    )
+
+    expected = {getattr(errors, name) for name in errors.__all__
+                if issubclass(getattr(errors, name), errors.MixerError)} | {CheckpointConfigMismatchError}
+    assert errors.StepNotSupportedError in expected and errors.MixerCheckpointMismatchError in expected
+    for recipe in (MixerMlmRecipe(), MixerLmRecipe()):
+        container = MagicMock()   # records the registrations (register_cli_error calls register_instance)
+        recipe.register(container)
+        handlers = {c.kwargs["key"]: c.args[1] for c in container.register_instance.call_args_list
+                    if "key" in c.kwargs}
+        assert {k for k, h in handlers.items() if h is _log_mixer_error} == expected, type(recipe)
+        assert NonFiniteLossError in handlers

@@ -39,13 +39,13 @@ if IN_PROCESS:
     import triton.language as tl
     from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
 
-    from mixer_plugins.kernels._triton.norm import row_offset
+    from mixer_plugins.kernels._triton._common import offset64
 
     @triton.jit
     def _offsets_kernel(out_ptr, start, stride, N: tl.constexpr):
-        """``row_offset(start + i, stride)`` for i < N, as the kernels form their row offsets."""
+        """``offset64(start + i, stride)`` for i < N, as the kernels form their row offsets."""
         rows = start + tl.arange(0, N)
-        tl.store(out_ptr + tl.arange(0, N), row_offset(rows, stride))
+        tl.store(out_ptr + tl.arange(0, N), offset64(rows, stride))
 
 
 DEVICE = "cuda" if torch.cuda.is_available() and not FRESH else "cpu"

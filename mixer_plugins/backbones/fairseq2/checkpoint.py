@@ -90,8 +90,8 @@ def with_mixer_records(factory: Callable[[Any], Module],
     fairseq2's ``load_model`` copies a checkpoint's tensors into the model's own state (not through
     ``load_state_dict``), so the mixers' own check does not run there. This converter does it: each record of the
     checkpoint must match the mixer the config builds (:class:`MixerCheckpointMismatchError` otherwise, naming both),
-    and a checkpoint saved without records (before mixers recorded themselves) gets the config's, so it loads as
-    before. The expected records come from the model built on the meta device (no memory, no initialisation).
+    and a checkpoint without records gets the config's, so it loads without the check. The expected records come
+    from the model built on the meta device (no memory, no initialisation).
     """
 
     def convert(state_dict: dict[str, object], config: Any) -> dict[str, object]:

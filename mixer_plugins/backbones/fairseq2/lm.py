@@ -34,7 +34,7 @@ from fairseq2.metrics.common import (
 )
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
-from fairseq2.recipe import Recipe, RecipeContext, register_cli_error
+from fairseq2.recipe import Recipe, RecipeContext
 from fairseq2.recipe.config import (
     AdamWConfig,
     CommonSection,
@@ -54,20 +54,16 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import Self, override
 
-import mixer_plugins.errors as mixer_errors
-
 from .config import MixerSection
 from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
 from .data import _share
 from .decoder import MIXER_DECODER_FAMILY
 from .recipe import (
-    CheckpointConfigMismatchError,
     NonFiniteLossError,
     _default_trainer,
-    _log_mixer_error,
-    _log_training_failure,
     _PreflightHandler,
     check_checkpoint_dir,
+    register_mixer_cli_errors,
     save_step_metadata,
 )
 
@@ -256,11 +252,7 @@ class MixerLmRecipe(Recipe):
 
     @override
     def register(self, container: DependencyContainer) -> None:
-        for kls in (mixer_errors.MixerError, mixer_errors.UnknownMixerError, mixer_errors.InvalidMixerOptions,
-                    mixer_errors.DuplicateMixerError, mixer_errors.PluginLoadError, mixer_errors.MixerInputError,
-                    mixer_errors.SequenceLengthError, CheckpointConfigMismatchError):
-            register_cli_error(container, kls, _log_mixer_error)
-        register_cli_error(container, NonFiniteLossError, _log_training_failure)
+        register_mixer_cli_errors(container)
 
         def preflight_handler(resolver: DependencyResolver) -> ClusterHandler:
             check_checkpoint_dir(resolver, MixerLmConfig)

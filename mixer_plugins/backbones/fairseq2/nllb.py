@@ -1,11 +1,12 @@
 """``nllb_mixer``: fairseq2's NLLB encoder-decoder with its encoder and decoder self-attention swapped by config.
 
 fairseq2 configs are strict and family names unique, so an existing family cannot gain a field; the
-wrapper is a new family whose config subclasses :class:`~fairseq2.models.nllb.NllbConfig` with the same two
-fields as ``mixer_encoder`` (``mixer``, ``mixer_options``), whose factory subclasses ``NllbFactory`` and
-overrides only ``create_encoder_self_attention``, and which re-exposes every NLLB arch under its own name.
+wrapper is a new family whose config subclasses :class:`~fairseq2.models.nllb.NllbConfig` with four fields
+(``mixer``, ``mixer_options`` as in ``mixer_encoder``, and ``decoder_mixer``, ``decoder_mixer_options``), whose
+factory subclasses ``NllbFactory`` and overrides ``create_encoder_self_attention`` and
+``create_decoder_self_attention``, and which re-exposes every NLLB arch under its own name.
 
-With ``mixer="attention"`` (or an alias of it) the model is upstream NLLB exactly: same modules, same
+With both mixers ``attention`` (or an alias of it) the model is upstream NLLB exactly: same modules, same
 parameter names, same initialisation, so NLLB checkpoints load unchanged (through the reused
 ``convert_nllb_state_dict``). Any other mixer replaces the encoder self-attention of every layer.
 
@@ -50,7 +51,7 @@ UPSTREAM_MIXER: Final = "attention"
 
 @dataclass(kw_only=True)
 class NllbMixerConfig(NllbConfig):
-    """:class:`~fairseq2.models.nllb.NllbConfig` plus the mixer of the encoder self-attention."""
+    """:class:`~fairseq2.models.nllb.NllbConfig` plus the mixers of the encoder and decoder self-attention."""
 
     mixer: str = UPSTREAM_MIXER
     """Encoder self-attention: ``attention`` keeps fairseq2's own (upstream NLLB); any other registered

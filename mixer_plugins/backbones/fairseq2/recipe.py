@@ -157,6 +157,17 @@ def _log_training_failure(ex: Exception) -> int:
     return 1
 
 
+def register_mixer_cli_errors(container: DependencyContainer) -> None:
+    """Report our errors as one line and exit status 2 (fairseq2 picks a handler by the exception's exact type, so
+    every error class of :mod:`mixer_plugins.errors` is registered), and a non-finite loss as a training failure."""
+    for name in mixer_errors.__all__:
+        kls = getattr(mixer_errors, name)
+        if issubclass(kls, mixer_errors.MixerError):
+            register_cli_error(container, kls, _log_mixer_error)
+    register_cli_error(container, CheckpointConfigMismatchError, _log_mixer_error)
+    register_cli_error(container, NonFiniteLossError, _log_training_failure)
+
+
 def save_step_metadata(checkpoint_dir: Path, step_nr: int) -> None:
     """Copy the run's ``model.yaml`` (written by fairseq2 when this run started) into ``step_<step_nr>/``, atomically
     (a temporary file, then a rename): the step then records the model config it was trained with."""
@@ -184,7 +195,7 @@ def saved_steps(checkpoint_dir: Path) -> list[int]:
 def step_metadata(resolver: DependencyResolver, checkpoint_dir: Path, step_nr: int, *,
                   fields: set[str] | None = None) -> tuple[dict[str, Any] | None, Path | None]:
     """The model metadata step ``step_nr`` was trained with, and the file it came from: the step's own copy, else the
-    folder's ``model.yaml`` (runs saved before steps kept a copy); (None, None) when neither can be read.
+    folder's ``model.yaml`` (a step without its own copy); (None, None) when neither can be read.
 
     With ``fields`` (the fields of the model config being compared), a file whose config has other fields is taken
     for cut (YAML cut between two lines still parses, with the last fields missing) and skipped.
@@ -209,8 +220,8 @@ def _yaml_round_trip(resolver: DependencyResolver, obj: object) -> list[object]:
 def check_checkpoint_dir(resolver: DependencyResolver, config_kls: type | None = None) -> None:
     """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
 
-    The config compared is the one the last saved step was trained with (``step_N/model.yaml``; for runs saved before
-    steps kept a copy, the folder's ``model.yaml``), never a file fairseq2 rewrites at start: an empty
+    The config compared is the one the last saved step was trained with (``step_N/model.yaml``; for a step without
+    its own copy, the folder's ``model.yaml``), never a file fairseq2 rewrites at start: an empty
     or cut ``checkpoints/model.yaml`` (a start killed while writing it) does not make a resumable folder look foreign.
     With ``overwrite_checkpoints=true`` checkpoints of another config are deleted instead. ``config_kls`` is the
     recipe's config class (default: the MLM recipe's); it has ``model`` and ``overwrite_checkpoints`` fields.
@@ -295,12 +306,7 @@ class MixerMlmRecipe(Recipe):
 
     @override
     def register(self, container: DependencyContainer) -> None:
-        for kls in (mixer_errors.MixerError, mixer_errors.UnknownMixerError, mixer_errors.InvalidMixerOptions,
-                    mixer_errors.DuplicateMixerError, mixer_errors.PluginLoadError, mixer_errors.MixerInputError,
-                    mixer_errors.SequenceLengthError, mixer_errors.NotMaterializableError):
-            register_cli_error(container, kls, _log_mixer_error)
-        register_cli_error(container, CheckpointConfigMismatchError, _log_mixer_error)
-        register_cli_error(container, NonFiniteLossError, _log_training_failure)
+        register_mixer_cli_errors(container)
 
         # The output folder is checked at the first thing a run resolves, before its logs, config.yaml or
         # model.yaml are written: the cluster handlers (fairseq2's container allows no override, but a

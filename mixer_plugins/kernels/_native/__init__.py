@@ -3,15 +3,15 @@
 
 * ``mlr_forward`` / ``mlr_backward``: fused MLR attention, each group of levels at its own score width (the
   ``native`` engine of ``kernels.mlr_attention``'s ``torch`` backend, :mod:`..mlr_attention.native`);
-* ``conv_forward`` / ``conv_backward``: the depthwise short convolution with SiLU fused (what the ``torch`` backend
-  of ``kernels.depthwise_conv1d`` runs on CPU float32/float64 once built, see :mod:`..conv.torch`);
-* ``norm_forward`` / ``norm_backward``: the gated RMSNorm (what the ``torch`` backend of ``kernels.gated_rmsnorm``
-  runs on CPU float32/float64, see :mod:`..norm.torch`);
+* ``conv_forward`` / ``conv_backward``: the depthwise short convolution with SiLU fused (the ``native`` backend of
+  ``kernels.depthwise_conv1d``, :mod:`..conv.native`);
+* ``norm_forward`` / ``norm_backward``: the gated RMSNorm (the ``native`` backend of ``kernels.gated_rmsnorm``,
+  :mod:`..norm.native`);
 * ``scan_forward`` / ``scan_backward``: the chunked (bi)directional scan, the factored form where every chunk's
   decays allow it and the exact form elsewhere (see :mod:`..scan.native`).
 
 Each is called from inside our ``torch.library`` custom ops or autograd Functions, so ``torch.compile``,
-``torch.export`` and ``FlopCounterMode`` see the same ops as before, whichever code runs inside. Outputs are plain
+``torch.export`` and ``FlopCounterMode`` see our registered ops, whichever code runs inside. Outputs are plain
 torch allocations.
 
 **Build.** The library is built once for everything that determines the binary: the sources' contents, the torch

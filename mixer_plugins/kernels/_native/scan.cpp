@@ -730,7 +730,7 @@ template <typename T>
 struct FactoredWork {
   static size_t slots(const Shape& s) { return static_cast<size_t>(s.B * s.G * ((s.L + s.Q - 1) / s.Q)); }
   static size_t state_size(const Shape& s) { return slots(s) * static_cast<size_t>(s.N * s.rep * s.P); }
-  Buffer<T> states, half;          // S' then K (forward), S' then dS' (backward); m per chunk and head
+  Buffer<T> states, half;          // S' then K (written over S' by the state pass); m per chunk and head
   explicit FactoredWork(const Shape& s) : states(state_size(s)), half(slots(s) * s.rep) {}
 };
 

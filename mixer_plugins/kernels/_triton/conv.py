@@ -21,7 +21,7 @@ of programs (a few per SM) each take one channel block and a contiguous range of
 their sums in registers and write one float32 partial each; :func:`_sum_partials_kernel` adds the partials in a
 fixed order and writes both gradients in their parameters' dtypes (no atomics: reproducible).
 
-Offsets are 64-bit before any multiplication by a stride (:func:`.norm.row_offset`); the grids are one-dimensional
+Offsets are 64-bit before any multiplication by a stride (:func:`._common.offset64`); the grids are one-dimensional
 (CUDA allows 2^31 - 1 programs on the first grid dimension, 65,535 on the others).
 
 Both directions are ``torch.library`` custom ops with fake kernels and FLOP formulas, so ``torch.compile`` sees one
@@ -38,8 +38,8 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from ..conv.torch import depthwise_conv1d_flops
-from ._common import available, tl, triton
-from .norm import check_grid, on_device, persistent_programs
+from ._common import available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
+from .norm import persistent_programs
 
 __all__ = ["MAX_TAPS", "available", "backward_layout", "depthwise_conv1d_triton", "forward_layout"]
 
@@ -51,27 +51,21 @@ FORWARD_TILE = (32, 64, 4)
 BACKWARD_TILE = (16, 64, 4)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _tiles(length: int, channels: int, tile: tuple[int, int, int]) -> tuple[int, int, int, int, int]:
     """``(BLOCK_T, BLOCK_C, num_warps, time tiles, channel blocks)``: ``tile`` narrowed to small inputs."""
     block_t, block_c, warps = tile
-    block_t = min(block_t, max(8, _pow2(length)))
-    block_c = min(block_c, max(8, _pow2(channels)))
-    return block_t, block_c, warps, _cdiv(length, block_t), _cdiv(channels, block_c)
+    block_t = min(block_t, max(8, pow2(length)))
+    block_c = min(block_c, max(8, pow2(channels)))
+    return block_t, block_c, warps, cdiv(length, block_t), cdiv(channels, block_c)
 
 
 def forward_layout(batch: int, length: int, channels: int) -> tuple[tuple[int], dict[str, int]]:
     """The forward's one-dimensional grid (one program per sequence, time tile and channel block) and its block
     sizes, ``num_warps`` and tile counts."""
     block_t, block_c, warps, nt, ncb = _tiles(length, channels, FORWARD_TILE)
-    grid = check_grid(batch * nt * ncb, "depthwise_conv1d (triton)")
+    grid = grid_1d(batch * nt * ncb, "depthwise_conv1d (triton)")
     return grid, dict(BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps, NT=nt, NCB=ncb)
 
 
@@ -81,15 +75,14 @@ def backward_layout(batch: int, length: int, channels: int, programs: int) -> tu
     block_t, block_c, warps, nt, ncb = _tiles(length, channels, BACKWARD_TILE)
     items = batch * nt
     splits = min(max(1, programs // ncb), max(items, 1))
-    per = max(1, _cdiv(items, splits))
-    splits = max(1, _cdiv(items, per))
-    grid = check_grid(ncb * splits, "depthwise_conv1d backward (triton)")
+    per = max(1, cdiv(items, splits))
+    splits = max(1, cdiv(items, per))
+    grid = grid_1d(ncb * splits, "depthwise_conv1d backward (triton)")
     return grid, dict(BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps, NT=nt, NCB=ncb, ITEMS=items,
                       items_per_program=per, splits=splits)
 
 
 if triton is not None:
-    from .norm import row_offset
 
     @triton.jit
     def _pre_activation(x_base, w_ptr, bias_ptr, t, c, cmask, L, C, stride_xt, K, LEFT, HAS_BIAS: tl.constexpr):
@@ -108,7 +101,7 @@ if triton is not None:
         while tap < K:
             src = t + (tap - LEFT)
             m = ((src >= 0) & (src < L))[:, None] & cmask[None, :]
-            xv = tl.load(x_base + row_offset(src, stride_xt)[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            xv = tl.load(x_base + offset64(src, stride_xt)[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
             wv = tl.load(w_ptr + tap * C + c, mask=cmask, other=0.0).to(tl.float32)
             acc += xv * wv[None, :]
             tap += 1
@@ -129,12 +122,12 @@ if triton is not None:
         t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = c < C
-        acc = _pre_activation(x_ptr + row_offset(b, stride_xb), w_ptr, bias_ptr, t, c, cmask, L, C, stride_xt, K,
+        acc = _pre_activation(x_ptr + offset64(b, stride_xb), w_ptr, bias_ptr, t, c, cmask, L, C, stride_xt, K,
                               LEFT, HAS_BIAS)
         if SILU:
             acc = acc * tl.sigmoid(acc)
         m = (t < L)[:, None] & cmask[None, :]
-        out = out_ptr + row_offset(b, stride_ob) + row_offset(t, stride_ot)[:, None] + c[None, :]
+        out = out_ptr + offset64(b, stride_ob) + offset64(t, stride_ot)[:, None] + c[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -154,19 +147,19 @@ if triton is not None:
         cmask = c < C
         kk = tl.arange(0, BLOCK_K)[:, None]
         sums = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
-        item = row_offset(split, items_per_program)
+        item = offset64(split, items_per_program)
         end = tl.minimum(item + items_per_program, ITEMS)
         while item < end:
             b = item // NT
             s = (item % NT) * BLOCK_T + tl.arange(0, BLOCK_T)
-            x_base = x_ptr + row_offset(b, stride_xb)
-            g_base = g_ptr + row_offset(b, stride_gb)
+            x_base = x_ptr + offset64(b, stride_xb)
+            g_base = g_ptr + offset64(b, stride_gb)
             dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             j = 0
             while j < K:   # g' at rows t = s + LEFT - j, which tap j carries into row s of dx
                 t = s + (LEFT - j)
                 tm = ((t >= 0) & (t < L))[:, None] & cmask[None, :]
-                gt = tl.load(g_base + row_offset(t, stride_gt)[:, None] + c[None, :], mask=tm, other=0.0).to(tl.float32)
+                gt = tl.load(g_base + offset64(t, stride_gt)[:, None] + c[None, :], mask=tm, other=0.0).to(tl.float32)
                 if SILU:
                     pre = _pre_activation(x_base, w_ptr, bias_ptr, t, c, cmask, L, C, stride_xt, K, LEFT, HAS_BIAS)
                     sig = tl.sigmoid(pre)
@@ -180,17 +173,17 @@ if triton is not None:
                     while tap < K:
                         src = s + (tap - LEFT)
                         xm = ((src >= 0) & (src < L))[:, None] & cmask[None, :]
-                        xv = tl.load(x_base + row_offset(src, stride_xt)[:, None] + c[None, :], mask=xm,
+                        xv = tl.load(x_base + offset64(src, stride_xt)[:, None] + c[None, :], mask=xm,
                                      other=0.0).to(tl.float32)
                         sums += tl.where(kk == tap, tl.sum(gt * xv, 0)[None, :], 0.0)
                         tap += 1
                 j += 1
             dm = (s < L)[:, None] & cmask[None, :]
-            dst = dx_ptr + row_offset(b, stride_db) + row_offset(s, stride_dt)[:, None] + c[None, :]
+            dst = dx_ptr + offset64(b, stride_db) + offset64(s, stride_dt)[:, None] + c[None, :]
             tl.store(dst, dx.to(dx_ptr.dtype.element_ty), mask=dm)
             item += 1
         pm = (kk <= K) & cmask[None, :]
-        tl.store(part_ptr + row_offset(split, (K + 1) * C) + kk * C + c[None, :], sums, mask=pm)
+        tl.store(part_ptr + offset64(split, (K + 1) * C) + kk * C + c[None, :], sums, mask=pm)
 
     @triton.jit
     def _sum_partials_kernel(part_ptr, dw_ptr, db_ptr, SPLITS, C, K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -203,7 +196,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
         i = 0
         while i < SPLITS:
-            acc += tl.load(part_ptr + row_offset(i, (K + 1) * C) + kk * C + c[None, :], mask=m, other=0.0)
+            acc += tl.load(part_ptr + offset64(i, (K + 1) * C) + kk * C + c[None, :], mask=m, other=0.0)
             i += 1
         wm = (kk < K) & (c < C)[None, :]
         tl.store(dw_ptr + c[None, :] * K + kk, acc.to(dw_ptr.dtype.element_ty), mask=wm)
@@ -261,7 +254,7 @@ def _conv_bwd(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], l
     grid, blocks = backward_layout(batch, length, channels, persistent_programs(x.device))
     splits, nt, ncb = blocks.pop("splits"), blocks.pop("NT"), blocks.pop("NCB")
     items, per = blocks.pop("ITEMS"), blocks.pop("items_per_program")
-    block_k = _pow2(k + 1)
+    block_k = pow2(k + 1)
     part = torch.empty(splits, k + 1, channels, dtype=torch.float32, device=x.device)
     grad, x, taps = _channels_last(grad), _channels_last(x), _taps_first(weight)
     with on_device(x.device):
@@ -269,7 +262,7 @@ def _conv_bwd(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], l
             grad, x, taps, taps if bias is None else bias, dx, part, length, channels, nt, ncb, items, per,
             grad.stride(0), grad.stride(1), x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), k, left,
             HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_K=block_k, **blocks)
-        _sum_partials_kernel[(_cdiv(channels, blocks["BLOCK_C"]),)](
+        _sum_partials_kernel[(cdiv(channels, blocks["BLOCK_C"]),)](
             part, dw, dw if bias is None else db, splits, channels, K=k, HAS_BIAS=bias is not None,
             BLOCK_C=blocks["BLOCK_C"], BLOCK_K=block_k)
     return dx, dw, db

@@ -44,13 +44,12 @@ import torch
 from torch import Tensor
 
 from ..mlr_attention.plan import TilePlan, tile_classes, tile_plan
-from ._common import INTERPRET, available, dot_precision_split, tl, triton
+from ._common import INTERPRET, available, dot_precision_split, grid_1d, on_device, tl, triton
 from ._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
 from ._common import dot as _dot
 
 __all__ = ["MLRSpec", "Tiles", "available", "mlr_attention_triton", "mlr_triton"]
 
-LOG2E = 1.4426950408889634
 
 
 if triton is not None:
@@ -631,12 +630,12 @@ def mlr_forward(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | None, spec: M
     plan = _plan(spec, L, rows, cols, False, q.device)
     o = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
     lse = torch.empty(b * H, L, dtype=torch.float32, device=v.device)
-    grid = (plan.n_rows * b * H,)
-    _mlr_fwd_kernel[grid](
-        q, k, v, o, lse, key_len if key_len is not None else lse, *_plan_args(plan), L, H, plan.n_rows,
-        *_strides(q), *_strides(k), *_strides(v), *_band(spec), **_constants(spec, E, P),
-        HAS_KEYLEN=key_len is not None, DOT=dot_precision_split(v.dtype), BLOCK_M=rows, BLOCK_N=cols, num_warps=warps,
-        num_stages=stages)
+    with on_device(q.device):
+        _mlr_fwd_kernel[grid_1d(plan.n_rows * b * H, "mlr attention")](
+            q, k, v, o, lse, key_len if key_len is not None else lse, *_plan_args(plan), L, H, plan.n_rows,
+            *_strides(q), *_strides(k), *_strides(v), *_band(spec), **_constants(spec, E, P),
+            HAS_KEYLEN=key_len is not None, DOT=dot_precision_split(v.dtype), BLOCK_M=rows, BLOCK_N=cols,
+            num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -653,16 +652,17 @@ def mlr_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | 
     common = dict(**_constants(spec, E, P), HAS_KEYLEN=key_len is not None, DOT=dot_precision_split(v.dtype))
     kl = key_len if key_len is not None else lse
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_band(spec))
-    rows, cols, warps, stages = tiles.dq
-    plan = _plan(spec, L, rows, cols, False, q.device)
-    _mlr_bwd_dq_kernel[(plan.n_rows * b * H,)](
-        q, k, v, do, lse, delta, kl, dq, *_plan_args(plan), L, H, plan.n_rows, *strides, **common, BLOCK_M=rows,
-        BLOCK_N=cols, num_warps=warps, num_stages=stages)
-    rows, cols, warps, stages = tiles.dkdv
-    plan = _plan(spec, L, rows, cols, True, q.device)
-    _mlr_bwd_dkdv_kernel[(plan.n_rows * b * H,)](
-        q, k, v, do, lse, delta, kl, dk, dv, *_plan_args(plan), L, H, plan.n_rows, *strides, **common,
-        BLOCK_M=cols, BLOCK_N=rows, num_warps=warps, num_stages=stages)
+    with on_device(q.device):
+        rows, cols, warps, stages = tiles.dq
+        plan = _plan(spec, L, rows, cols, False, q.device)
+        _mlr_bwd_dq_kernel[grid_1d(plan.n_rows * b * H, "mlr attention backward")](
+            q, k, v, do, lse, delta, kl, dq, *_plan_args(plan), L, H, plan.n_rows, *strides, **common, BLOCK_M=rows,
+            BLOCK_N=cols, num_warps=warps, num_stages=stages)
+        rows, cols, warps, stages = tiles.dkdv
+        plan = _plan(spec, L, rows, cols, True, q.device)
+        _mlr_bwd_dkdv_kernel[grid_1d(plan.n_rows * b * H, "mlr attention backward")](
+            q, k, v, do, lse, delta, kl, dk, dv, *_plan_args(plan), L, H, plan.n_rows, *strides, **common,
+            BLOCK_M=cols, BLOCK_N=rows, num_warps=warps, num_stages=stages)
     return dq.to(q.dtype), dk.to(k.dtype), dv
 
 

@@ -18,7 +18,7 @@ a fixed number of programs (a few per SM) each walk a contiguous range of row ti
 registers, writing one float32 row of partial sums each; one ``sum`` over those rows finishes it. No atomics, so the
 result does not depend on the order programs run in.
 
-Offsets: row indices are 64-bit before they are multiplied by a row stride (:func:`row_offset`), so tensors past
+Offsets: row indices are 64-bit before they are multiplied by a row stride (:func:`._common.offset64`), so tensors past
 2^31 elements are addressed correctly; the launch grids are one-dimensional (CUDA allows 2^31 - 1 programs on the
 first grid dimension, 65,535 on the others).
 
@@ -28,15 +28,13 @@ Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this modul
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
-from ._common import available, tl, triton
+from ._common import MAX_GRID, available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
 
-__all__ = ["MAX_GRID", "MAX_WIDTH", "available", "backward_programs", "check_grid", "forward_grid", "forward_layout",
-           "gated_rmsnorm_triton", "on_device", "persistent_programs"]
+__all__ = ["MAX_GRID", "MAX_WIDTH", "available", "backward_programs", "forward_grid", "forward_layout",
+           "gated_rmsnorm_triton", "persistent_programs"]
 
 #: widest row the kernels take (a row is one register tile); wider rows run on the ``torch`` backend
 MAX_WIDTH = 4096
@@ -48,16 +46,6 @@ ELEMENTS_PER_THREAD = 4
 PROGRAMS_PER_SM = 4
 #: programs of a persistent grid off CUDA (the interpreter, or the compile check on CPU tensors)
 PROGRAMS_OFF_CUDA = 4
-#: CUDA's limit on the first grid dimension (the only one our grids use)
-MAX_GRID = 2**31 - 1
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def forward_layout(width: int) -> tuple[int, int, int]:
@@ -65,22 +53,15 @@ def forward_layout(width: int) -> tuple[int, int, int]:
     fill :data:`TILE_ELEMENTS`, and the warps that give each thread :data:`ELEMENTS_PER_THREAD` of them (1 to 16)."""
     if width > MAX_WIDTH:
         raise ValueError(f"gated_rmsnorm (triton): width {width} is over the kernels' limit {MAX_WIDTH}")
-    block_w = max(16, _pow2(width))
+    block_w = max(16, pow2(width))
     block_r = max(1, TILE_ELEMENTS // block_w)
     warps = min(16, max(1, block_r * block_w // (32 * ELEMENTS_PER_THREAD)))
     return block_r, block_w, warps
 
 
-def check_grid(programs: int, what: str) -> tuple[int]:
-    """The one-dimensional grid ``(programs,)``, or a clear error if it is past CUDA's limit."""
-    if programs > MAX_GRID:
-        raise ValueError(f"{what}: {programs} programs are over CUDA's grid limit {MAX_GRID}")
-    return (max(int(programs), 0),)
-
-
 def forward_grid(rows: int, block_r: int) -> tuple[int]:
     """The forward's grid: one program per tile of ``block_r`` rows, on the first grid dimension."""
-    return check_grid(_cdiv(rows, block_r), "gated_rmsnorm (triton)")
+    return grid_1d(cdiv(rows, block_r), "gated_rmsnorm (triton)")
 
 
 def persistent_programs(device: torch.device) -> int:
@@ -90,25 +71,15 @@ def persistent_programs(device: torch.device) -> int:
     return PROGRAMS_OFF_CUDA
 
 
-def on_device(device: torch.device):
-    """The context in which to launch kernels on ``device``'s tensors: Triton launches on the current CUDA device."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def backward_programs(rows: int, block_r: int, programs: int) -> tuple[int, int]:
     """``(programs, rows_per_program)`` of the backward: at most ``programs`` programs, each taking a contiguous
     range of whole row tiles (``rows_per_program`` is a multiple of ``block_r``), none empty."""
-    tiles = _cdiv(rows, block_r)
-    per = max(1, _cdiv(tiles, max(1, programs))) * block_r
-    return _cdiv(rows, per), per
+    tiles = cdiv(rows, block_r)
+    per = max(1, cdiv(tiles, max(1, programs))) * block_r
+    return cdiv(rows, per), per
 
 
 if triton is not None:
-
-    @triton.jit
-    def row_offset(row, stride):
-        """``row * stride`` in 64 bits (the element offset of a row, exact past 2^31)."""
-        return row.to(tl.int64) * stride
 
     @triton.jit
     def _norm_fwd_kernel(
@@ -119,8 +90,8 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_W)
         cmask = cols < W
         m = (rows < R)[:, None] & cmask[None, :]
-        y = tl.load(y_ptr + row_offset(rows, stride_y)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + row_offset(rows, stride_z)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + offset64(rows, stride_y)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offset64(rows, stride_z)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         s = z * tl.sigmoid(z)
         v = y if BEFORE else y * s
@@ -128,7 +99,7 @@ if triton is not None:
         out = v * r[:, None] * w[None, :]
         if BEFORE:
             out = out * s
-        tl.store(out_ptr + row_offset(rows, stride_o)[:, None] + cols[None, :], out.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + offset64(rows, stride_o)[:, None] + cols[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=m)
 
     @triton.jit
@@ -144,16 +115,16 @@ if triton is not None:
         cmask = cols < W
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_W], dtype=tl.float32)
-        start = row_offset(pid, rows_per_program)
+        start = offset64(pid, rows_per_program)
         end = tl.minimum(start + rows_per_program, R)
-        # a while loop: the interpreter cannot run range() over runtime scalars (see scan.py's state pass)
+        # a while loop: the interpreter cannot run range() over runtime scalars
         lo = start
         while lo < end:
             rows = lo + tl.arange(0, BLOCK_R)
             m = (rows < end)[:, None] & cmask[None, :]
-            g = tl.load(g_ptr + row_offset(rows, stride_g)[:, None] + cols[None, :], mask=m, other=0.0)
-            y = tl.load(y_ptr + row_offset(rows, stride_y)[:, None] + cols[None, :], mask=m, other=0.0)
-            z = tl.load(z_ptr + row_offset(rows, stride_z)[:, None] + cols[None, :], mask=m, other=0.0)
+            g = tl.load(g_ptr + offset64(rows, stride_g)[:, None] + cols[None, :], mask=m, other=0.0)
+            y = tl.load(y_ptr + offset64(rows, stride_y)[:, None] + cols[None, :], mask=m, other=0.0)
+            z = tl.load(z_ptr + offset64(rows, stride_z)[:, None] + cols[None, :], mask=m, other=0.0)
             g = g.to(tl.float32)
             y = y.to(tl.float32)
             z = z.to(tl.float32)
@@ -178,12 +149,12 @@ if triton is not None:
             else:
                 dy = dv * s
                 dz = dv * y * dsilu
-            tl.store(dy_ptr + row_offset(rows, stride_dy)[:, None] + cols[None, :], dy.to(dy_ptr.dtype.element_ty),
+            tl.store(dy_ptr + offset64(rows, stride_dy)[:, None] + cols[None, :], dy.to(dy_ptr.dtype.element_ty),
                      mask=m)
-            tl.store(dz_ptr + row_offset(rows, stride_dz)[:, None] + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
+            tl.store(dz_ptr + offset64(rows, stride_dz)[:, None] + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
                      mask=m)
             lo += BLOCK_R
-        tl.store(dw_ptr + row_offset(pid, W) + cols, dw, mask=cmask)
+        tl.store(dw_ptr + offset64(pid, W) + cols, dw, mask=cmask)
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
@@ -220,7 +191,7 @@ def _norm_bwd(grad: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float,
     programs, per = backward_programs(rows, block_r, persistent_programs(y.device))
     partial = torch.empty(programs, width, dtype=torch.float32, device=y.device)
     with on_device(y.device):
-        _norm_bwd_kernel[check_grid(programs, "gated_rmsnorm backward (triton)")](
+        _norm_bwd_kernel[grid_1d(programs, "gated_rmsnorm backward (triton)")](
             g2, y2, z2, weight.contiguous(), dy2, dz2, partial, rows, width, per,
             g2.stride(0), y2.stride(0), z2.stride(0), dy2.stride(0), dz2.stride(0), float(eps),
             BEFORE=bool(norm_before_gate), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)

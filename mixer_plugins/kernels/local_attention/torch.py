@@ -170,6 +170,7 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: i
     if not G:
         return y, probs, no_rows
     # the global queries see every key: dense rows
+    assert blocks.rows_allowed is not None   # set whenever there are global queries
     r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, blocks.rows_allowed)
     return torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1), probs, r_probs
 
@@ -249,8 +250,8 @@ def local_attention_blocked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tens
                                      probs: Tensor, row_probs: Tensor, window: int, num_global: int, causal: bool,
                                      scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of :func:`local_attention_blocked` from its kept probabilities."""
-    grads = _blocked_backward(dout, q, k, v, key_real, probs, row_probs, window, num_global, causal, scale)
-    return tuple(g.contiguous() for g in grads)
+    dq, dk, dv = _blocked_backward(dout, q, k, v, key_real, probs, row_probs, window, num_global, causal, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @local_attention_blocked_backward.register_fake

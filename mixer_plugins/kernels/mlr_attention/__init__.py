@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Optional
 
-import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
 
 from .._checks import check_qkv, check_right_padded_mask
@@ -101,8 +100,7 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
         (batch, length, heads, value width).
     """
     ranks, sizes, scales = check_mlr_arguments(q, k, v, ranks, block_sizes, scales, mask)
-    # the call's bundle lets the triton backend refuse float64 (under torch.compile the choice is made without it)
-    bundle = None if _torch.compiler.is_compiling() else SimpleNamespace(dtype=q.dtype)
+    bundle = SimpleNamespace(dtype=q.dtype)   # lets the triton backend refuse float64, in eager and compiled calls
     impl = resolve_backend("mlr_attention", backend, q.device, bundle)
     return impl(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
                 block_divide=block_divide)

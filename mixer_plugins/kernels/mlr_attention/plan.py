@@ -87,10 +87,15 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
     num_global = next((i for i, s in enumerate(sizes) if s is not None), n)
     widths = [sum(ranks[: m + 1]) for m in range(n)]
 
+    def block(m: int) -> int:   # the block size of a level past the global ones (the levels nest: all are sized)
+        size = sizes[m]
+        assert size is not None, "a global level has no block size"
+        return size
+
     def divisor(m: int) -> float:
         return 1.0 / (m + 1) if block_divide and m >= 0 else 1.0
 
-    def child_tasks(parents, child):
+    def child_tasks(parents: list[tuple[int, int, int]], child: int) -> list[Task]:
         tasks = []
         for start, count, plen in parents:
             for a in range(math.ceil(plen / child)):
@@ -103,11 +108,11 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
                     tasks.append(Task(start, count, plen, q0, q_len, q0 + q_len, after, False))
         return tasks
 
-    leaf = next((j for j in range(num_global, n - 1) if sizes[j] <= leaf_max), None)
+    leaf = next((j for j in range(num_global, n - 1) if block(j) <= leaf_max), None)
     groups = []
     # group m: parents at level m (the whole sequence for m = num_global - 1), children at level m + 1
     for m in range(num_global - 1, n - 1 if leaf is None else leaf):
-        child = sizes[m + 1]
+        child = block(m + 1)
         if m < num_global and dyadic:
             # One parent, the whole sequence, with many children: split it dyadically instead (virtual levels of
             # child * 2^k tokens, same width and scale), so a few large batched rectangles cover its pairs.
@@ -119,13 +124,13 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
             for parent, sub in zip(chain[:-1], chain[1:]):
                 tasks += child_tasks(_segments(0, length, parent), sub)
         else:
-            parents = [(0, 1, length)] if m < num_global else _segments(0, length, sizes[m])
+            parents = [(0, 1, length)] if m < num_global else _segments(0, length, block(m))
             tasks = child_tasks(parents, child)
         groups.append(Group(m, widths[m] if m >= 0 else 0, divisor(m), tuple(tasks)))
     if leaf is not None:
-        inner = tuple((widths[l - 1], widths[l], sizes[l]) for l in range(leaf + 1, n))
+        inner = tuple((widths[l - 1], widths[l], block(l)) for l in range(leaf + 1, n))
         groups.append(Group(leaf, widths[leaf], divisor(leaf), tuple(
-            Task(s, c, p, 0, p, 0, p, causal) for s, c, p in _segments(0, length, sizes[leaf])), inner))
+            Task(s, c, p, 0, p, 0, p, causal) for s, c, p in _segments(0, length, block(leaf))), inner))
         return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
     finest = sizes[-1]
     diag = [(0, 1, length)] if finest is None else _segments(0, length, finest)

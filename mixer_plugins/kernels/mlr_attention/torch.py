@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -67,8 +67,8 @@ from .reference import mlr_attention_reference
 __all__ = ["AUTO_ENGINE", "ENGINES", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops",
            "plan_tasks"]
 
-_FLASH_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_FLASH_FWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 #: the engine ``engine="auto"`` prefers where it can run (measured, see docs/structured_attention.md); the others
 #: follow in the order of :data:`ENGINES`
@@ -163,15 +163,21 @@ def _leaf_constants(n: int, level: int, sizes: tuple[int, ...], block_divide: bo
     return scale, same
 
 
+def _inner(group: Group) -> tuple[tuple[int, int, int], ...]:
+    """A leaf group's finer levels (first feature, end feature, block size)."""
+    assert group.inner is not None, "not a leaf group"
+    return group.inner
+
+
 def _leaf_parts(q, k, group: Group, block_divide: bool):
     n = q.shape[-2]
-    scale, same = _leaf_constants(n, group.level, tuple(s for _, _, s in group.inner), block_divide)
+    scale, same = _leaf_constants(n, group.level, tuple(s for _, _, s in _inner(group)), block_divide)
     return scale.to(q.device, q.dtype), same.to(q.device, q.dtype)
 
 
 def _leaf_scores(q, k, bias, group: Group, task: Task, scale, same):
     s = torch.matmul(q[..., : group.width], k[..., : group.width].transpose(-1, -2))
-    for (c0, c1, _), m in zip(group.inner, same):
+    for (c0, c1, _), m in zip(_inner(group), same):
         s = s + m * torch.matmul(q[..., c0:c1], k[..., c0:c1].transpose(-1, -2))
     s = s * scale
     if bias is not None:
@@ -201,7 +207,7 @@ def _leaf_backward(dout, q, k, v, out, lse, bias, group: Group, task: Task, *, b
     w = group.width
     dq[..., :w] = torch.matmul(ds, k[..., :w])
     dk[..., :w] = torch.matmul(ds.transpose(-1, -2), q[..., :w])
-    for (c0, c1, _), m in zip(group.inner, same):
+    for (c0, c1, _), m in zip(_inner(group), same):
         dsl = ds * m
         dq[..., c0:c1] = torch.matmul(dsl, k[..., c0:c1])
         dk[..., c0:c1] = torch.matmul(dsl.transpose(-1, -2), q[..., c0:c1])
@@ -221,7 +227,7 @@ def _kernel_layout(t: Tensor) -> Tensor:
 
 
 def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, plan: MLRPlan,
-                   flash: tuple[bool, ...]) -> tuple[Tensor, Tensor, list[Tensor]]:
+                   flash: tuple[bool, ...]) -> tuple[Tensor, Tensor]:
     """Per-task engines (flash, per-task matmul, leaf): output at the padded value width, log-sum-exp (B, L, H),
     for :func:`_tiled_backward`.
 
@@ -307,6 +313,7 @@ def _group_key(k: Tensor, group: Group, use_flash: bool, width: int | None) -> T
         return k
     if not use_flash:
         return k[..., : group.width]
+    assert width is not None, "the flash engine's keys are padded to one width"
     return torch.nn.functional.pad(k[..., : group.width], (0, width - group.width))
 
 
@@ -337,7 +344,8 @@ def _pad(t: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
-def _task_inputs(qg, kg, vw, bias, task: Task):
+def _task_inputs(qg: Tensor, kg: Tensor, vw: Tensor, bias: Tensor | None,
+                 task: Task) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     rows = slice(task.q0, task.q0 + task.q_len)
     keys = slice(task.k0, task.k0 + task.k_len)
     qt = _kernel_layout(_parents(qg, task)[:, :, rows])

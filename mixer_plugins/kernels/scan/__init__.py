@@ -144,11 +144,11 @@ def quasiseparable(
     segment (neither the scans nor the shift cross one). The same in every backend.
     ``backend``: see :mod:`mixer_plugins.kernels`.
     """
-    check_generators("quasiseparable", x, dt, A, B, C)
+    b, l, h = check_generators("quasiseparable", x, dt, A, B, C)[:3]
     backward = Direction(dt if dt_bwd is None else dt_bwd, A if A_bwd is None else A_bwd,
                          B if B_bwd is None else B_bwd, C if C_bwd is None else C_bwd)
-    check_generators("quasiseparable (backward direction)", x, backward.dt, backward.A, backward.B, backward.C)
-    b, l, h = dt.shape
+    if any(t is not None for t in (dt_bwd, A_bwd, B_bwd, C_bwd)):   # else it is the forward's, checked just above
+        check_generators("quasiseparable (backward direction)", x, backward.dt, backward.A, backward.B, backward.C)
     if diag is not None:
         check(tuple(diag.shape) == (b, l, h), f"quasiseparable: diag must be (batch, length, heads) = {(b, l, h)}, "
                                               f"got {tuple(diag.shape)}")

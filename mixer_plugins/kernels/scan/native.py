@@ -118,6 +118,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form = inputs
     ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init)
     ctx.shift, ctx.chunk, ctx.form = shift, chunk, form
+    ctx.set_materialize_grads(False)   # an unused output's gradient stays None: no zero-filled work
 
 
 def _backward(ctx: Any, dy: Tensor | None, dfinal: Tensor | None) -> Grads:

@@ -41,24 +41,25 @@ def impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
     """The ``scan`` op's call on the fused kernels: raw step sizes (prepared in the kernels), a per-head skip as the
     diagonal (a broadcast view), every tensor in its own dtype and strides (accumulated in float32)."""
 
-    def generators(d: Direction | None) -> tuple:
-        return (None,) * 4 if d is None else (d.dt, d.A, d.B, d.C)
+    def generators(d: Direction | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        return (None, None, None, None) if d is None else (d.dt, d.A, d.B, d.C)
 
-    prepare = dict(dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
+    (dt_f, A_f, B_f, C_f), (dt_b, A_b, B_b, C_b) = generators(args.forward), generators(args.backward)
     diag = args.skip_as_diag(args.diag)
     if uses_one_chunk(args):
         from .triton_one_chunk import scan_one_chunk
 
-        y = scan_one_chunk(args.x, *generators(args.forward), *generators(args.backward), diag, args.seq_idx,
-                           shift=args.shift, **prepare)
+        y = scan_one_chunk(args.x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, args.seq_idx, shift=args.shift,
+                           dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
         return args.finish(y, None)
     from .triton_kernels import scan_triton
 
-    out = scan_triton(args.x, *generators(args.forward), *generators(args.backward), diag, args.seq_idx,
-                      args.initial_state, shift=args.shift, chunk_size=args.chunk_size,
-                      return_final_state=args.return_final_state, **prepare)
-    y, final = out if args.return_final_state else (out, None)
-    return args.finish(y, final)
+    out = scan_triton(args.x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, args.seq_idx, args.initial_state,
+                      shift=args.shift, chunk_size=args.chunk_size, return_final_state=args.return_final_state,
+                      dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
+    if isinstance(out, tuple):
+        return args.finish(*out)
+    return args.finish(out, None)
 
 
 BACKEND = register(Backend(op="scan", name="triton", impl=impl, priority=40, check=triton_unavailable,

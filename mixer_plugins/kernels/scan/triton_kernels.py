@@ -48,7 +48,7 @@ Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this modul
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, overload
 
 import torch
 from torch import Tensor
@@ -768,7 +768,10 @@ if triton is not None:
 
 def _s3(t: Tensor | None) -> tuple[int, int, int]:
     """The first three strides of a (batch, length, k[, width]) tensor (zeros for an absent one)."""
-    return (0, 0, 0) if t is None else tuple(t.stride()[:3])
+    if t is None:
+        return (0, 0, 0)
+    stride = t.stride()
+    return stride[0], stride[1], stride[2]
 
 
 def _param(t: Tensor | None) -> Tensor | None:
@@ -778,6 +781,10 @@ def _param(t: Tensor | None) -> Tensor | None:
     return t.contiguous()
 
 
+@overload
+def _unit_last(t: Tensor) -> Tensor: ...
+@overload
+def _unit_last(t: None) -> None: ...
 def _unit_last(t: Tensor | None) -> Tensor | None:
     """``t`` with a unit stride along its last dimension (a copy only if it has none): the kernels' vector loads."""
     if t is None or t.stride(-1) == 1 or t.shape[-1] == 1:
@@ -851,8 +858,10 @@ class _Call:
 
 
 def _fill(f: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor]:
-    """A forward/backward pair, the present one standing in for an absent one (never read)."""
-    return (b if f is None else f), (f if b is None else b)
+    """A forward/backward pair, the present one standing in for an absent one (never read); one must be present."""
+    first, second = (b if f is None else f), (f if b is None else b)
+    assert first is not None and second is not None, "neither direction is present"
+    return first, second
 
 
 def _padded(t: Tensor, pad: tuple[int, int]) -> Tensor:

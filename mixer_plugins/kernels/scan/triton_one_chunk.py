@@ -568,8 +568,12 @@ if triton is not None:
 class _Call(_chunked._Call):
     """:class:`.triton_kernels._Call` with the one-chunk geometry."""
 
-    def __init__(self, *args, tile: int | None = None):
-        super().__init__(*args, 64)
+    def __init__(self, x: Tensor, dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
+                 dt_b: Tensor | None, A_b: Tensor | None, B_b: Tensor | None, C_b: Tensor | None,
+                 diag: Tensor | None, seg: Tensor | None, dt_bias: Tensor | None, dt_lo: float, dt_hi: float,
+                 softplus: bool, shift: bool, tile: int | None = None):
+        super().__init__(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+                         _chunked.ScanGeometry.MAX_CHUNK)
         g = self.geo
         self.one = OneChunkGeometry(g.batch, g.length, g.heads, g.groups, g.head_dim, g.state, tile)
         self.oblocks = self.one.blocks(self.x.dtype)
@@ -589,7 +593,7 @@ def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo,
     if x.numel() == 0:
         return y, cb, dtc
     x = k.x
-    flags = dict(k.flags, SHIFT=k.flags["SHIFT"])
+    flags = k.flags
     with on_device(dev):
         _prep_kernel[geo.tile_grid(G)](
             *k.generators()[:8], *_chunked._s3(k.dt[0]), *_chunked._s3(k.B[0]), k.ptr(k.bias), cb, dtc,

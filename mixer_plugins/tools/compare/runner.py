@@ -346,7 +346,7 @@ def _lr_factor(step: int, total: int, warmup: float) -> float:
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
-    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
+    """A tqdm progress bar, or None when disabled (:class:`MissingExtraError` without tqdm)."""
     if not enabled:
         return None
     try:
