@@ -76,6 +76,14 @@ def _runs_anywhere(device: torch.device, args: Any) -> str | None:
 
 
 @dataclass(frozen=True)
+class DtypeArgs:
+    """The argument bundle the checks see for an op whose backends take ``q, k, v`` (the attention ops): the
+    inputs' dtype, all a check needs (the triton backends refuse float64). A dataclass, so dynamo traces it."""
+
+    dtype: Any
+
+
+@dataclass(frozen=True)
 class Backend:
     """One backend of one op, as its module declares it.
 

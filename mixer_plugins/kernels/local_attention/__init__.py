@@ -24,13 +24,12 @@ Backends (see :mod:`mixer_plugins.kernels._dispatch`):
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
 
 from .._checks import check_qkv, check_right_padded_mask
-from .._dispatch import discover_backends, resolve_backend
+from .._dispatch import DtypeArgs, discover_backends, resolve_backend
 from .reference import local_attention_reference
 from .torch import LocalPlan, local_attention_blocked, local_attention_flops, local_attention_torch
 
@@ -87,7 +86,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: boo
         real = mask[:, :, None, None]
         zero = _torch.zeros((), dtype=q.dtype, device=q.device)
         q, k, v = (_torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
-    bundle = SimpleNamespace(dtype=q.dtype)   # lets the triton backend refuse float64, in eager and compiled calls
+    bundle = DtypeArgs(q.dtype)   # lets the triton backend refuse float64, in eager and compiled calls
     impl = resolve_backend("local_attention", backend, q.device, bundle)
     out = impl(q, k, v, window=window, causal=causal, mask=mask, scale=scale, num_global=num_global)
     if mask is not None:

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Optional
 
 from torch import Tensor
 
 from .._checks import check_qkv, check_right_padded_mask
-from .._dispatch import discover_backends, resolve_backend
+from .._dispatch import DtypeArgs, discover_backends, resolve_backend
 from .reference import mlr_attention_reference
 from .torch import mlr_attention_tiled, mlr_attention_torch, paper_flops, plan_tasks
 
@@ -100,7 +99,7 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
         (batch, length, heads, value width).
     """
     ranks, sizes, scales = check_mlr_arguments(q, k, v, ranks, block_sizes, scales, mask)
-    bundle = SimpleNamespace(dtype=q.dtype)   # lets the triton backend refuse float64, in eager and compiled calls
+    bundle = DtypeArgs(q.dtype)   # lets the triton backend refuse float64, in eager and compiled calls
     impl = resolve_backend("mlr_attention", backend, q.device, bundle)
     return impl(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
                 block_divide=block_divide)

@@ -164,8 +164,10 @@ ONE_CHUNK_STATES = 4
 
 
 def chunk_length(length: int, chunk_size: int, heads: int, head_dim: int, state: int) -> int:
-    """Tokens per chunk that a scan of ``length`` tokens with the requested ``chunk_size`` uses (every backend that
-    chunks, and the FLOP count, ask this function). It changes speed only, never the result (up to rounding).
+    """Tokens per chunk that a scan of ``length`` tokens with the requested ``chunk_size`` uses: the ``torch`` and
+    ``native`` backends, the choice of the Triton one-chunk kernels, and the FLOP count ask this function (the Triton
+    chunked kernels take chunks of at most 64 tokens, ``ScanGeometry``). It changes speed only, never the result (up
+    to rounding).
 
     A sequence no longer than ``chunk_size`` is one chunk of ``length`` tokens. Scans of at least
     :data:`AUTO_CHUNK_MIN_STATE` state elements per token are tuned: up to ``chunk_size + ONE_CHUNK_STATES * state``
