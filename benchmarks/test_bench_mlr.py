@@ -124,8 +124,7 @@ def test_target_time_follows_flops(benchmark, benchmarking_enabled):
         pytest.skip("timing target: runs with benchmarking enabled")
     run_mlr, run_attn, mlr_flops, attn_flops = _steps(4096)
     fns = {"mlr": run_mlr, "attention": run_attn,
-           "mlr_native": _with_engine(run_mlr, "native"), "mlr_matmul": _with_engine(run_mlr, "matmul"),
-           "mlr_flash": _with_engine(run_mlr, "flash")}
+           "mlr_native": _with_engine(run_mlr, "native"), "mlr_matmul": _with_engine(run_mlr, "matmul")}
     with _threads(THREADS):
         times = _interleaved(fns, repeats=5)
     ratios = {name: [m / a for m, a in zip(times[name], times["attention"])] for name in fns if name != "attention"}

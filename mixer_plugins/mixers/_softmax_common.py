@@ -28,7 +28,7 @@ from ..layers.masks import (
 from ..layers.mup import attention_logit_scale
 from ..registry.spec import MixerConfig
 from .base import MatrixMixer, QKContext
-from .cache import MixerCache, kv_positions, kv_write
+from .cache import MixerCache, append_kv, fill_kv, init_kv
 
 __all__ = [
     "AttentionLinkOptions",
@@ -302,23 +302,16 @@ class QKVSoftmaxMixer(MatrixMixer[QKContext]):
     # -- decoding (causal): a KV cache of every token; subclasses score against it ------------------
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
                    device: torch.device) -> None:
-        shape = (batch, max_len, self.num_heads, self.head_dim)
-        cache.state["k"] = torch.zeros(shape, dtype=dtype, device=device)
-        cache.state["v"] = torch.zeros(shape, dtype=dtype, device=device)
+        init_kv(cache, batch, max_len, self.num_heads, self.head_dim, self.head_dim, dtype, device)
 
     def fill_cache(self, cache: MixerCache, ctx: QKContext, x: Tensor, lengths: Tensor) -> Tensor:
-        length = ctx.values.shape[1]
-        cache.state["k"][:, :length] = ctx.k.detach()
-        cache.state["v"][:, :length] = ctx.values.detach()
+        fill_kv(cache, ctx.k, ctx.values)
         return self.mix(ctx)
 
     def append_kv(self, ctx: QKContext, cache: MixerCache) -> tuple[Tensor, Tensor]:
         """Write a step's keys and values into the KV cache; returns the positions (batch, t) and the allowed
         slots (batch, t, max_len) of its queries (slot ``j <= position``)."""
-        positions = cache.positions(ctx.values.shape[1])
-        kv_write(cache.state["k"], ctx.k.detach(), positions)
-        kv_write(cache.state["v"], ctx.values.detach(), positions)
-        return positions, kv_positions(positions, cache.max_len)
+        return append_kv(cache, ctx.k, ctx.values)
 
     def projection_flops(self, batch: int, length: int) -> dict[str, int]:
         """FLOPs of the q/k/v and output projections."""

@@ -21,7 +21,7 @@ from ..kernels import flop_formulas  # noqa: F401  (so FlopCounterMode counts CP
 from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerConfig, MixerSpec
 from .base import MatrixMixer, QKContext
-from .cache import MixerCache, kv_positions, kv_write
+from .cache import MixerCache, append_kv, fill_kv, init_kv
 
 __all__ = ["AttentionConfig", "SoftmaxAttention", "SPEC"]
 
@@ -88,23 +88,17 @@ class SoftmaxAttention(MatrixMixer[QKContext]):
     # -- decoding (causal) ----------------------------------------------------------------------------
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
                    device: torch.device) -> None:
-        shape = (batch, max_len, self.num_heads, self.head_dim)
-        cache.state["k"] = torch.zeros(shape, dtype=dtype, device=device)
-        cache.state["v"] = torch.zeros(shape, dtype=dtype, device=device)
+        init_kv(cache, batch, max_len, self.num_heads, self.head_dim, self.head_dim, dtype, device)
 
     def fill_cache(self, cache: MixerCache, ctx: QKContext, x: Tensor, lengths: Tensor) -> Tensor:
-        length = ctx.values.shape[1]
-        cache.state["k"][:, :length] = ctx.k.detach()
-        cache.state["v"][:, :length] = ctx.values.detach()
+        fill_kv(cache, ctx.k, ctx.values)
         return self.mix(ctx)
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
-        positions = cache.positions(ctx.values.shape[1])
-        kv_write(cache.state["k"], ctx.k.detach(), positions)
-        kv_write(cache.state["v"], ctx.values.detach(), positions)
-        allowed = kv_positions(positions, cache.max_len)[:, None]                 # (b, 1, t, max_len)
+        _, allowed = append_kv(cache, ctx.k, ctx.values)
         y = F.scaled_dot_product_attention(ctx.q.transpose(1, 2), cache.state["k"].transpose(1, 2),
-                                           cache.state["v"].transpose(1, 2), attn_mask=allowed, scale=self.scale)
+                                           cache.state["v"].transpose(1, 2), attn_mask=allowed[:, None],
+                                           scale=self.scale)
         return y.transpose(1, 2)
 
     def matrix(self, ctx: QKContext) -> Tensor:

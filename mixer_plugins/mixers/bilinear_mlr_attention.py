@@ -40,7 +40,7 @@ from ._softmax_common import (
     tensor_sum,
 )
 from .base import MatrixMixer, MixerContext
-from .cache import MixerCache, kv_positions, kv_write
+from .cache import MixerCache, append_kv, fill_kv, init_kv
 
 __all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "LevelsContext", "SPEC"]
 
@@ -213,22 +213,16 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
                    device: torch.device) -> None:
         width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
-        cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, width, dtype=dtype, device=device)
-        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+        init_kv(cache, batch, max_len, self.num_heads, width, self.head_dim, dtype, device)
 
     def fill_cache(self, cache: MixerCache, ctx: LevelsContext, x: Tensor, lengths: Tensor) -> Tensor:
-        length = ctx.values.shape[1]
-        cache.state["k"][:, :length] = self._fused_qk(ctx)[1].detach()
-        cache.state["v"][:, :length] = ctx.values.detach()
+        fill_kv(cache, self._fused_qk(ctx)[1], ctx.values)
         return self.mix(ctx)
 
     def mix_step(self, ctx: LevelsContext, cache: MixerCache) -> Tensor:
         q, k = self._fused_qk(ctx)
-        positions = cache.positions(q.shape[1])
-        kv_write(cache.state["k"], k.detach(), positions)
-        kv_write(cache.state["v"], ctx.values.detach(), positions)
-        return cached_attention(q, cache.state["k"], cache.state["v"], kv_positions(positions, cache.max_len), 1.0,
-                                self.link_function)
+        _, allowed = append_kv(cache, k, ctx.values)
+        return cached_attention(q, cache.state["k"], cache.state["v"], allowed, 1.0, self.link_function)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length

@@ -42,7 +42,7 @@ from ._softmax_common import (
     fused_attention,
 )
 from .base import MatrixMixer, MixerContext
-from .cache import MixerCache, kv_positions, kv_write
+from .cache import MixerCache, append_kv, fill_kv, init_kv
 
 __all__ = ["BTTAttention", "BTTAttentionConfig", "BTTContext", "SPEC"]
 
@@ -168,23 +168,17 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer[BTTContext]):
     # -- decoding (causal) ----------------------------------------------------------------------------
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
                    device: torch.device) -> None:
-        cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.dim, dtype=dtype, device=device)
-        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+        init_kv(cache, batch, max_len, self.num_heads, self.dim, self.head_dim, dtype, device)
 
     def fill_cache(self, cache: MixerCache, ctx: BTTContext, x: Tensor, lengths: Tensor) -> Tensor:
-        length = ctx.values.shape[1]
-        cache.state["k"][:, :length] = self.keys(ctx).detach()
-        cache.state["v"][:, :length] = ctx.values.detach()
+        fill_kv(cache, self.keys(ctx), ctx.values)
         return self.mix(ctx)
 
     def mix_step(self, ctx: BTTContext, cache: MixerCache) -> Tensor:
         b, t = ctx.values.shape[:2]
-        positions = cache.positions(t)
-        kv_write(cache.state["k"], self.keys(ctx).detach(), positions)
-        kv_write(cache.state["v"], ctx.values.detach(), positions)
+        _, allowed = append_kv(cache, self.keys(ctx), ctx.values)
         query = ctx.query[:, :, None, :].expand(b, t, self.num_heads, self.dim)
-        return cached_attention(query, cache.state["k"], cache.state["v"], kv_positions(positions, cache.max_len),
-                                self.scale, self.link_function)
+        return cached_attention(query, cache.state["k"], cache.state["v"], allowed, self.scale, self.link_function)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from ..errors import StepNotSupportedError
 
-__all__ = ["MixerCache", "StepNotSupportedError", "kv_positions", "kv_write", "ring_write"]
+__all__ = ["MixerCache", "StepNotSupportedError", "append_kv", "fill_kv", "init_kv", "kv_positions", "kv_write",
+           "ring_write"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,3 +91,29 @@ def kv_write(cache: Tensor, new: Tensor, positions: Tensor) -> None:
 def ring_write(ring: Tensor, new: Tensor, positions: Tensor) -> None:
     """Write ``new`` (batch, tokens, ...) into the ring ``ring`` (batch, size, ...) at slots ``positions % size``."""
     kv_write(ring, new, positions % ring.shape[1])
+
+
+# -- a KV cache of every token: ``state["k"]`` (batch, max_len, heads, key width), ``state["v"]`` (..., value width) --
+
+def init_kv(cache: MixerCache, batch: int, max_len: int, heads: int, key_width: int, value_width: int,
+            dtype: torch.dtype, device: torch.device) -> None:
+    """Allocate the KV cache's keys and values (zeros)."""
+    cache.state["k"] = torch.zeros(batch, max_len, heads, key_width, dtype=dtype, device=device)
+    cache.state["v"] = torch.zeros(batch, max_len, heads, value_width, dtype=dtype, device=device)
+
+
+def fill_kv(cache: MixerCache, keys: Tensor, values: Tensor) -> None:
+    """Write a prompt's keys and values (batch, length, heads, width) into the first ``length`` slots."""
+    length = values.shape[1]
+    cache.state["k"][:, :length] = keys.detach()
+    cache.state["v"][:, :length] = values.detach()
+
+
+def append_kv(cache: MixerCache, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Write a step's keys and values (batch, t, heads, width) at each row's next positions; returns those
+    positions (batch, t) and the slots each of the step's queries may read (batch, t, max_len; slot ``j <=
+    position``)."""
+    positions = cache.positions(values.shape[1])
+    kv_write(cache.state["k"], keys.detach(), positions)
+    kv_write(cache.state["v"], values.detach(), positions)
+    return positions, kv_positions(positions, cache.max_len)

@@ -59,8 +59,7 @@ def _close(a, b, tol=1e-10):
     assert err <= tol * (1 + b.abs().max().item()), err
 
 
-ENGINES = {"native": dict(engine="native"), "flash": dict(engine="flash"), "matmul": dict(engine="matmul"),
-           "flash-leaf": dict(engine="flash", leaf_max=64), "matmul-leaf": dict(engine="matmul", leaf_max=64)}
+ENGINES = {"native": dict(engine="native"), "matmul": dict(engine="matmul")}
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -182,8 +181,8 @@ def test_float32_close_to_float64():
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("length", [1, 7, 64, 100, 129])
 def test_plan_covers_every_pair_once(causal, length):
-    for (ranks, sizes), dyadic, leaf_max in itertools.product(LEVELS, [False, True], [0, 4, 64]):
-        plan = plan_tasks(length, ranks, sizes, causal=causal, block_divide=True, dyadic=dyadic, leaf_max=leaf_max)
+    for (ranks, sizes), dyadic in itertools.product(LEVELS, [False, True]):
+        plan = plan_tasks(length, ranks, sizes, causal=causal, block_divide=True, dyadic=dyadic)
         seen = torch.zeros(length, length, dtype=torch.long)
         for group in plan.groups:
             for t in group.tasks:
@@ -195,7 +194,7 @@ def test_plan_covers_every_pair_once(causal, length):
         assert torch.equal(seen, expected.tril() if causal else expected)
 
 
-@pytest.mark.parametrize("engine", ["flash", "matmul", "matmul-leaf"])
+@pytest.mark.parametrize("engine", ["native", "matmul"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 def test_no_quadratic_tensor(engine, causal):
     """Forward and backward never build a tensor near ``L x L`` per head (the reference does)."""
@@ -237,8 +236,10 @@ def test_argument_checks():
         mlr_attention(q, k, v, mask=torch.ones(1, 8), **ok)
     with pytest.raises(ValueError, match="right-padded"):
         mlr_attention(q, k, v, mask=torch.tensor([[True, False] * 4]), **ok)
-    with pytest.raises(ValueError, match="flash engine"):
-        mlr_attention_torch(q.half(), k.half(), v.half(), scales=[0.5, 0.5], engine="flash", **ok)
+    with pytest.raises(ValueError, match="native engine takes float32 or float64"):
+        mlr_attention_torch(q.half(), k.half(), v.half(), scales=[0.5, 0.5], engine="native", **ok)
+    with pytest.raises(ValueError, match="engine must be"):
+        mlr_attention_torch(q, k, v, scales=[0.5, 0.5], engine="flash", **ok)
 
 
 def _paper_count(batch, heads, length, ranks, sizes, value_width):
@@ -250,7 +251,7 @@ def _paper_count(batch, heads, length, ranks, sizes, value_width):
     return 2 * batch * heads * macs, 2 * batch * heads * length * length * value_width
 
 
-@pytest.mark.parametrize("engine", ["native", "flash", "matmul"])
+@pytest.mark.parametrize("engine", ["native", "matmul"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])
 @pytest.mark.parametrize("levels", [0, 1, 2])
 def test_flops_match_the_flop_counter(engine, causal, levels):
@@ -274,23 +275,18 @@ def test_flops_match_the_flop_counter(engine, causal, levels):
     assert counter.get_total_flops() == 4 * scores + 3 * values
 
 
-def test_executed_flops_of_the_engines():
-    """What the engines really multiply (documented): flash pads every pair to the head width, matmul does not."""
+def test_executed_flops_of_the_matmul_engine():
+    """What the matmul engine really multiplies (documented): every pair at the width of the levels it shares;
+    bidirectional, exactly the counted FLOPs; causal, the full rectangles of the tasks on or below the diagonal
+    (more than half of the bidirectional count, less than all of it)."""
     ranks, sizes = LEVELS[0]
-    for causal in (False, True):
-        flash = mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal,
-                                    executed="flash")
-        matmul = mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, causal=causal,
-                                     executed="matmul")
-        pairs = 64 * 64 if not causal else None
-        if pairs:
-            assert flash == {"scores": 2 * pairs * 8, "weighted_values": 2 * pairs * 8}
-        assert matmul["scores"] < flash["scores"] and matmul["weighted_values"] == flash["weighted_values"]
-    with pytest.warns(DeprecationWarning, match="executed"):
-        old = mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, engine="flash")
-    assert old == mlr_attention_flops(1, 1, 64, ranks=ranks, block_sizes=sizes, value_width=8, executed="flash")
-    with pytest.raises(ValueError, match="executed"):
-        mlr_attention_flops(1, 1, 8, ranks=[2], block_sizes=[None], value_width=2, executed="cuda")
+    kw = dict(ranks=ranks, block_sizes=sizes, value_width=8)
+    counted = mlr_attention_flops(1, 1, 64, **kw)
+    assert mlr_attention_flops(1, 1, 64, executed=True, **kw) == counted
+    causal = mlr_attention_flops(1, 1, 64, causal=True, executed=True, **kw)
+    for part in ("scores", "weighted_values"):
+        assert counted[part] / 2 < causal[part] < counted[part]
+    assert mlr_attention_flops(1, 1, 64, causal=True, **kw) == counted  # the count does not subtract the mask
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])

@@ -22,7 +22,6 @@ and the dispatcher runs the ``torch`` backend).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -107,7 +106,7 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
 
 def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], value_width: int, causal: bool = False,
-                        executed: str | None = None, engine: str | None = None) -> dict[str, int]:
+                        executed: bool = False) -> dict[str, int]:
     """Forward FLOPs (2 per multiply-add) of :func:`mlr_attention`: ``{"scores": ..., "weighted_values": ...}``.
 
     By default the count ``FlopCounterMode`` reports for the op (its registered formula) and the ``mlr_attention``
@@ -115,29 +114,19 @@ def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[
     Each (query, key) pair of the ``L x L`` matrix costs the features of the levels whose block holds both, plus
     ``value_width`` for ``A V``; causal masking is not subtracted (PyTorch's SDPA formula does not either).
 
-    ``executed="flash"`` or ``"matmul"``: what that engine of the ``torch`` backend actually multiplies (every task a
-    full rectangle, causal pairs only). ``flash`` takes one width for q, k and v, so each computed pair costs
-    ``max(sum(ranks), value_width)`` for its score and as many for its value (the padding); ``matmul`` costs the
-    group's own width ``r_0 + ... + r_m`` and ``value_width``. (``engine=``: the former name of ``executed``,
-    deprecated.)
+    ``executed=True``: what the ``matmul`` engine of the ``torch`` backend actually multiplies: every task's full
+    rectangle (with ``causal``, only the tasks the mask keeps), each pair at the width of the levels it shares,
+    ``r_0 + ... + r_m``, and ``value_width`` for its value.
     """
-    if engine is not None:
-        warnings.warn("mlr_attention_flops(engine=...) is now executed=...; without it the function returns the "
-                      "counted (paper) FLOPs", DeprecationWarning, stacklevel=2)
-        executed = executed or engine
-    if executed is None:
+    if not executed:
         return paper_flops(batch, heads, length, list(ranks), list(block_sizes), value_width)
-    if executed not in ("flash", "matmul"):
-        raise ValueError(f"executed must be None, 'flash' or 'matmul', got {executed!r}")
-    flash = executed == "flash"
     plan = plan_tasks(length, list(ranks), list(block_sizes), causal=causal, block_divide=True, dyadic=True)
-    width = max(sum(ranks), value_width)
     scores = values = 0
     for group in plan.groups:
         for task in group.tasks:
             pairs = task.count * task.q_len * task.k_len
-            scores += pairs * (width if flash else group.width)
-            values += pairs * (width if flash else value_width)
+            scores += pairs * group.width
+            values += pairs * value_width
     return {"scores": 2 * batch * heads * scores, "weighted_values": 2 * batch * heads * values}
 
 

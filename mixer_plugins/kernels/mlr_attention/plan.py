@@ -10,13 +10,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LEAF_MAX", "Group", "MLRPlan", "Task", "TilePlan", "plan_tasks", "tile_classes", "tile_plan"]
-
-#: blocks of at most this many tokens, with their finer levels, form one leaf group (see :func:`plan_tasks`). Off
-#: (0) by default: on CPU the leaf's per-block matmuls and elementwise passes measured slower than one flash group
-#: per level (L=4096, paper levels: leaf of 64 2.1-2.4 s against 1.3-1.5 s for the four groups it replaces).
-LEAF_MAX = 0
-
+__all__ = ["Group", "MLRPlan", "Task", "TilePlan", "plan_tasks", "tile_classes", "tile_plan"]
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -41,9 +35,6 @@ class Group:
     width: int
     scale: float
     tasks: tuple[Task, ...]
-    #: a *leaf* group (not None) covers every pair inside the level-``level`` blocks, finer levels included, with
-    #: matmuls on each block: per finer level ``l``, (first feature, end feature, block size).
-    inner: Optional[tuple[tuple[int, int, int], ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +66,11 @@ def _segments(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
 
 
 def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional[int]], *, causal: bool,
-               block_divide: bool, dyadic: bool = True, leaf_max: int = LEAF_MAX) -> MLRPlan:
+               block_divide: bool, dyadic: bool = True) -> MLRPlan:
     """The groups and tasks that cover every allowed (query, key) pair of a length-``length`` sequence once.
 
     ``dyadic``: cover the global parent with a few large rectangles (halving virtual levels) instead of one query
-    tile per child (the flash engine never materializes a rectangle's scores; the matmul engine does, so it keeps
-    rectangles of ``child x length``). Levels inside blocks of at most ``leaf_max`` tokens are computed together,
-    block by block (a leaf group), instead of one group per level: their blocks are too small to repay a group."""
+    tile per child (rectangles of ``child x length``)."""
     sizes = [None if s is None or s >= length else int(s) for s in block_sizes]
     n = len(sizes)
     num_global = next((i for i, s in enumerate(sizes) if s is not None), n)
@@ -108,10 +97,9 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
                     tasks.append(Task(start, count, plen, q0, q_len, q0 + q_len, after, False))
         return tasks
 
-    leaf = next((j for j in range(num_global, n - 1) if block(j) <= leaf_max), None)
     groups = []
     # group m: parents at level m (the whole sequence for m = num_global - 1), children at level m + 1
-    for m in range(num_global - 1, n - 1 if leaf is None else leaf):
+    for m in range(num_global - 1, n - 1):
         child = block(m + 1)
         if m < num_global and dyadic:
             # One parent, the whole sequence, with many children: split it dyadically instead (virtual levels of
@@ -127,11 +115,6 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
             parents = [(0, 1, length)] if m < num_global else _segments(0, length, block(m))
             tasks = child_tasks(parents, child)
         groups.append(Group(m, widths[m] if m >= 0 else 0, divisor(m), tuple(tasks)))
-    if leaf is not None:
-        inner = tuple((widths[l - 1], widths[l], block(l)) for l in range(leaf + 1, n))
-        groups.append(Group(leaf, widths[leaf], divisor(leaf), tuple(
-            Task(s, c, p, 0, p, 0, p, causal) for s, c, p in _segments(0, length, block(leaf))), inner))
-        return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
     finest = sizes[-1]
     diag = [(0, 1, length)] if finest is None else _segments(0, length, finest)
     groups.append(Group(n - 1, widths[-1], divisor(n - 1),

@@ -72,15 +72,18 @@ def state_passing(states: Tensor, log_carry: Tensor, carries: Tensor | None, ini
     from ``H_0 = initial`` (zero when None). ``states`` (b, c, h, P, N); ``log_carry`` (b, c, h); ``carries``
     (b, c) bool or None: False where chunk c does not continue the segment of the state entering it (the state
     is then dropped, by selection). Returns (entering (b, c, h, P, N), final (b, h, P, N))."""
-    decay = torch.exp(log_carry)[..., None, None]                                    # (b, c, h, 1, 1)
+    decay = torch.exp(log_carry)[..., None, None].unbind(1)                          # c x (b, h, 1, 1)
+    keeps = [None] * len(decay) if carries is None else carries[:, :, None, None, None].unbind(1)
     h = torch.zeros_like(states[:, 0]) if initial is None else initial.to(states.dtype)
     entering = []
-    for c in range(states.shape[1]):
+    # unbind, not states[:, c]: its backward stacks the chunks' gradients once (an index's backward would build a
+    # full-size gradient per chunk)
+    for state, dc, keep in zip(states.unbind(1), decay, keeps):
         entering.append(h)
-        kept = decay[:, c] * h
-        if carries is not None:
-            kept = torch.where(carries[:, c, None, None, None], kept, _zero(kept))
-        h = kept + states[:, c]
+        kept = dc * h
+        if keep is not None:
+            kept = torch.where(keep, kept, _zero(kept))
+        h = kept + state
     return torch.stack(entering, dim=1), h
 
 
