@@ -1,4 +1,5 @@
-"""The MLM recipe's batches: BERT-style masking of byte tokens, and a deterministic, resumable data reader.
+"""The recipes' batches: a deterministic, resumable data reader of shuffled examples, and the MLM recipe's
+BERT-style masking of byte tokens.
 
 Kept apart from the recipe itself so it can be used (and tested) without importing fairseq2's recipe stack.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import final
+from typing import TypeVar, final
 
 import torch
 from fairseq2.datasets import DataReader, SequenceBatch
@@ -20,12 +21,14 @@ from typing_extensions import Self, override
 
 from .corpus import ByteTokenizer
 
-__all__ = ["MlmDataSection", "MlmBatch", "MlmDataReader", "mask_tokens"]
+__all__ = ["EpochReader", "MlmBatch", "MlmDataReader", "MlmDataSection", "TextDataSection", "mask_tokens", "pad_rows"]
+
+BatchT = TypeVar("BatchT")
 
 
 @dataclass(kw_only=True)
-class MlmDataSection:
-    """The ``data`` section of the recipe config."""
+class TextDataSection:
+    """The ``data`` fields both recipes share: the corpus, the batch size and the shuffling seed."""
 
     text_file: Path | None = None
     """A UTF-8 text file, one example per line; ``None``: the generated corpus."""
@@ -40,14 +43,11 @@ class MlmDataSection:
     """Tokens per example, including the ``<s>`` and ``</s>`` tokens (longer texts are truncated)."""
 
     batch_size: int = 16
-    """Examples per batch per data-parallel rank: the global batch (``batch_size * ranks`` examples, the
-    same ones and the same masks for any number of ranks) is split between the ranks."""
-
-    mask_prob: float = 0.15
-    """Fraction of byte tokens chosen as MLM targets (at least one per example)."""
+    """Examples per batch per data-parallel rank: the global batch (``batch_size * ranks`` examples, the same ones
+    for any number of ranks) is split between the ranks."""
 
     seed: int = 0
-    """Seed of the shuffling and of the masking (batch ``k`` of epoch ``e`` is the same on every run)."""
+    """Seed of the shuffling (batch ``k`` of epoch ``e`` is the same on every run)."""
 
     def validate(self) -> ValidationResult:
         result = ValidationResult()
@@ -57,11 +57,24 @@ class MlmDataSection:
             result.add_error(f"`max_seq_len` must be >= 3 (<s>, a byte, </s>), but is {self.max_seq_len}.")
         if self.batch_size < 1:
             result.add_error(f"`batch_size` must be >= 1, but is {self.batch_size}.")
-        if not 0.0 < self.mask_prob < 1.0:
-            result.add_error(f"`mask_prob` must be in (0, 1), but is {self.mask_prob}.")
         if self.text_file is not None and not Path(self.text_file).is_file():
             what = "is a folder, not a file" if Path(self.text_file).is_dir() else "does not exist"
             result.add_error(f"`text_file` {str(self.text_file)!r} {what} (one example per line, UTF-8).")
+        return result
+
+
+@dataclass(kw_only=True)
+class MlmDataSection(TextDataSection):
+    """The ``data`` section of the MLM recipe (the masks of batch ``k`` of epoch ``e`` are the same on every run,
+    for any number of ranks)."""
+
+    mask_prob: float = 0.15
+    """Fraction of byte tokens chosen as MLM targets (at least one per example)."""
+
+    def validate(self) -> ValidationResult:
+        result = super().validate()
+        if not 0.0 < self.mask_prob < 1.0:
+            result.add_error(f"`mask_prob` must be in (0, 1), but is {self.mask_prob}.")
         return result
 
 
@@ -118,21 +131,28 @@ def _share(n: int, rank: int, world_size: int) -> tuple[int, int]:
     return lo, lo + base + (1 if rank < extra else 0)
 
 
-@final
-class MlmDataReader(DataReader[MlmBatch]):
-    """Shuffled, padded, masked batches over a list of encoded examples; one data epoch per pass.
+def pad_rows(examples: list[list[int]], pad_idx: int) -> tuple[Tensor, list[int]]:
+    """Right-padded token rows (len(examples), longest) and each row's length."""
+    seq_lens = [len(e) for e in examples]
+    tokens = torch.full((len(examples), max(seq_lens)), pad_idx, dtype=torch.long)
+    for row, example in enumerate(examples):
+        tokens[row, : len(example)] = torch.tensor(example)
+    return tokens, seq_lens
 
-    Deterministic: the order of epoch ``e`` and the masks of its batch ``k`` depend only on
-    ``(seed, e, k)``, so the state is just ``(epoch, batch)`` and a resumed run sees the same batches.
+
+class EpochReader(DataReader[BatchT]):
+    """Shuffled batches over a list of encoded examples; one data epoch per pass.
+
+    Deterministic: the order of epoch ``e`` depends only on ``(seed, e)``, so the state is just ``(epoch, batch)``
+    and a resumed run sees the same batches. Batch ``k`` of the run is the same *global* batch (``batch_size *
+    world_size`` examples) whatever the number of ranks; rank ``r`` reads its contiguous share of it, so a run on
+    N ranks follows the single-process run at the same global batch. Every rank runs the same number of steps per
+    epoch (a rank with one batch more would wait forever in DDP): a last global batch too small to give every rank
+    an example is dropped. Subclasses build their batch from :meth:`_next_global`.
     """
 
-    def __init__(self, examples: list[list[int]], section: MlmDataSection, tokenizer: ByteTokenizer,
+    def __init__(self, examples: list[list[int]], section: TextDataSection, tokenizer: ByteTokenizer,
                  *, rank: int = 0, world_size: int = 1) -> None:
-        # Batch k of the run is the same *global* batch (batch_size * world_size examples, with the same masks)
-        # whatever the number of ranks; rank r reads its contiguous share of it. So a run on N ranks follows the
-        # single-process run at the same global batch. Every rank runs the same number of steps per epoch (a
-        # rank with one batch more would wait forever in DDP): a last global batch too small to give every
-        # rank an example is dropped.
         if len(examples) < world_size:
             raise ValueError(f"the corpus has {len(examples)} examples: too few for {world_size} ranks")
         self._examples = examples
@@ -149,32 +169,23 @@ class MlmDataReader(DataReader[MlmBatch]):
         random.Random(self._section.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    @override
-    def __iter__(self) -> Self:
-        return self
-
-    @override
-    def __next__(self) -> list[MlmBatch]:
+    def _next_global(self) -> tuple[int, list[list[int]]]:
+        """The next global batch: its number in the epoch and its examples (StopIteration at the epoch's end)."""
         size = self._section.batch_size * self._world_size
         start = self._batch * size
         chosen_ids = self._order[start:start + size]
         if len(chosen_ids) < self._world_size:
             raise StopIteration
-        chosen = [self._examples[i] for i in chosen_ids]
-        seq_lens = [len(e) for e in chosen]
-        tokens = torch.full((len(chosen), max(seq_lens)), self._tokenizer.pad_idx, dtype=torch.long)
-        for row, example in enumerate(chosen):
-            tokens[row, : len(example)] = torch.tensor(example)
-        batch_seed = ((self._section.seed * 1_000_003 + self._epoch) * 1_000_003 + self._batch) % 2**63
-        generator = torch.Generator().manual_seed(batch_seed)
-        inputs, target_mask = mask_tokens(tokens, self._tokenizer, self._section.mask_prob, generator)
         self._batch += 1
-        if self._world_size > 1:  # this rank's contiguous share of the global batch, trimmed to its longest row
-            lo, hi = _share(len(chosen), self._rank, self._world_size)
-            seq_lens = seq_lens[lo:hi]
-            width = max(seq_lens)
-            inputs, tokens, target_mask = (t[lo:hi, :width] for t in (inputs, tokens, target_mask))
-        return [MlmBatch(inputs, tokens, target_mask, seq_lens)]
+        return self._batch - 1, [self._examples[i] for i in chosen_ids]
+
+    def _share(self, n: int) -> tuple[int, int]:
+        """This rank's rows ``[lo, hi)`` of a global batch of ``n`` rows."""
+        return _share(n, self._rank, self._world_size)
+
+    @override
+    def __iter__(self) -> Self:
+        return self
 
     @override
     def reset(self) -> None:
@@ -197,3 +208,28 @@ class MlmDataReader(DataReader[MlmBatch]):
     @override
     def num_accumulate(self) -> int:
         return 1
+
+
+@final
+class MlmDataReader(EpochReader[MlmBatch]):
+    """:class:`EpochReader`'s batches, masked: the masks of batch ``k`` of epoch ``e`` depend only on
+    ``(seed, e, k)`` and are drawn for the global batch, so every number of ranks sees the same ones."""
+
+    def __init__(self, examples: list[list[int]], section: MlmDataSection, tokenizer: ByteTokenizer,
+                 *, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(examples, section, tokenizer, rank=rank, world_size=world_size)
+        self._mask_prob = section.mask_prob
+
+    @override
+    def __next__(self) -> list[MlmBatch]:
+        number, chosen = self._next_global()
+        tokens, seq_lens = pad_rows(chosen, self._tokenizer.pad_idx)
+        batch_seed = ((self._section.seed * 1_000_003 + self._epoch) * 1_000_003 + number) % 2**63
+        generator = torch.Generator().manual_seed(batch_seed)
+        inputs, target_mask = mask_tokens(tokens, self._tokenizer, self._mask_prob, generator)
+        if self._world_size > 1:  # this rank's contiguous share of the global batch, trimmed to its longest row
+            lo, hi = self._share(len(chosen))
+            seq_lens = seq_lens[lo:hi]
+            width = max(seq_lens)
+            inputs, tokens, target_mask = (t[lo:hi, :width] for t in (inputs, tokens, target_mask))
+        return [MlmBatch(inputs, tokens, target_mask, seq_lens)]

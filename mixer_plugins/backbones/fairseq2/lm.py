@@ -16,13 +16,11 @@ that differ from fairseq2's (``trainer.mixed_precision.mode=off``, ``common.no_s
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, final
 
-import torch
-from fairseq2.datasets import DataReader, SequenceBatch
+from fairseq2.datasets import SequenceBatch
 from fairseq2.device import Device, SupportsDeviceTransfer
 from fairseq2.logging import log
 from fairseq2.metrics import MetricBag
@@ -36,31 +34,22 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 from fairseq2.recipe import Recipe, RecipeContext
 from fairseq2.recipe.config import (
-    AdamWConfig,
-    CommonSection,
-    GangSection,
-    LRSchedulerSection,
     ModelSection,
-    OptimizerSection,
-    RegimeSection,
-    TrainerSection,
 )
 from fairseq2.recipe.error import RecipeError
 from fairseq2.runtime.dependency import DependencyContainer, DependencyResolver
 from fairseq2.task import Task
 from fairseq2.trainer import TrainUnit
-from fairseq2.utils.validation import ValidationResult
 from torch import Tensor
 from torch.nn import Module
-from typing_extensions import Self, override
+from typing_extensions import override
 
-from .config import MixerSection
 from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
-from .data import _share
+from .data import EpochReader, TextDataSection, pad_rows
 from .decoder import MIXER_DECODER_FAMILY
 from .recipe import (
     NonFiniteLossError,
-    _default_trainer,
+    RecipeSections,
     _PreflightHandler,
     check_checkpoint_dir,
     register_mixer_cli_errors,
@@ -74,39 +63,8 @@ DEFAULT_ARCH: Final = "tiny"
 
 
 @dataclass(kw_only=True)
-class LmDataSection:
+class LmDataSection(TextDataSection):
     """The ``data`` section of the language-model recipe."""
-
-    text_file: Path | None = None
-    """A UTF-8 text file, one example per line; ``None``: the generated corpus."""
-
-    num_examples: int = 4000
-    """Size of the generated corpus (ignored with ``text_file``)."""
-
-    corpus_seed: int = 0
-    """Seed of the generated corpus."""
-
-    max_seq_len: int = 96
-    """Tokens per example, including ``<s>`` and ``</s>`` (longer texts are truncated)."""
-
-    batch_size: int = 16
-    """Examples per batch per data-parallel rank (the global batch is split between the ranks)."""
-
-    seed: int = 0
-    """Seed of the shuffling (batch ``k`` of epoch ``e`` is the same on every run)."""
-
-    def validate(self) -> ValidationResult:
-        result = ValidationResult()
-        if self.num_examples < 1:
-            result.add_error(f"`num_examples` must be >= 1, but is {self.num_examples}.")
-        if self.max_seq_len < 3:
-            result.add_error(f"`max_seq_len` must be >= 3 (<s>, a byte, </s>), but is {self.max_seq_len}.")
-        if self.batch_size < 1:
-            result.add_error(f"`batch_size` must be >= 1, but is {self.batch_size}.")
-        if self.text_file is not None and not Path(self.text_file).is_file():
-            what = "is a folder, not a file" if Path(self.text_file).is_dir() else "does not exist"
-            result.add_error(f"`text_file` {str(self.text_file)!r} {what} (one example per line, UTF-8).")
-        return result
 
 
 @final
@@ -133,90 +91,26 @@ class LmBatch(SupportsDeviceTransfer):
 
 
 @final
-class LmDataReader(DataReader[LmBatch]):
-    """Shuffled, padded batches over a list of encoded examples; one data epoch per pass, deterministic (the state is
-    ``(epoch, batch)``), each rank reading its contiguous share of the same global batch."""
-
-    def __init__(self, examples: list[list[int]], section: LmDataSection, tokenizer: ByteTokenizer, *,
-                 rank: int = 0, world_size: int = 1) -> None:
-        if len(examples) < world_size:
-            raise ValueError(f"the corpus has {len(examples)} examples: too few for {world_size} ranks")
-        self._examples, self._section, self._tokenizer = examples, section, tokenizer
-        self._rank, self._world_size = rank, world_size
-        self._epoch = self._batch = 0
-        self._order = self._epoch_order(0)
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self._examples)))
-        random.Random(self._section.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    @override
-    def __iter__(self) -> Self:
-        return self
+class LmDataReader(EpochReader[LmBatch]):
+    """:class:`~mixer_plugins.backbones.fairseq2.data.EpochReader`'s batches of right-padded token rows: each rank
+    pads its share of the global batch to its longest row."""
 
     @override
     def __next__(self) -> list[LmBatch]:
-        size = self._section.batch_size * self._world_size
-        chosen = [self._examples[i] for i in self._order[self._batch * size:(self._batch + 1) * size]]
-        if len(chosen) < self._world_size:
-            raise StopIteration
-        self._batch += 1
-        lo, hi = _share(len(chosen), self._rank, self._world_size)
-        chosen = chosen[lo:hi]
-        seq_lens = [len(e) for e in chosen]
-        tokens = torch.full((len(chosen), max(seq_lens)), self._tokenizer.pad_idx, dtype=torch.long)
-        for row, example in enumerate(chosen):
-            tokens[row, :len(example)] = torch.tensor(example)
+        _, chosen = self._next_global()
+        lo, hi = self._share(len(chosen))
+        tokens, seq_lens = pad_rows(chosen[lo:hi], self._tokenizer.pad_idx)
         return [LmBatch(tokens, seq_lens)]
-
-    @override
-    def reset(self) -> None:
-        self._epoch += 1
-        self._batch = 0
-        self._order = self._epoch_order(self._epoch)
-
-    @override
-    def state_dict(self) -> dict[str, object]:
-        return {"epoch": self._epoch, "batch": self._batch}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, object]) -> None:
-        self._epoch = int(state_dict["epoch"])  # type: ignore[call-overload]
-        self._batch = int(state_dict["batch"])  # type: ignore[call-overload]
-        self._order = self._epoch_order(self._epoch)
-
-    @property
-    @override
-    def num_accumulate(self) -> int:
-        return 1
 
 
 @dataclass(kw_only=True)
-class MixerLmConfig:
+class MixerLmConfig(RecipeSections):
     """Config of :class:`MixerLmRecipe`; every field can be overridden with ``--config a.b=value``."""
 
     model: ModelSection = field(
         default_factory=lambda: ModelSection(family=MIXER_DECODER_FAMILY, arch=DEFAULT_ARCH)
     )
     data: LmDataSection = field(default_factory=LmDataSection)
-    trainer: TrainerSection = field(default_factory=_default_trainer)
-    optimizer: OptimizerSection = field(
-        default_factory=lambda: OptimizerSection(config=AdamWConfig(lr=1e-3, weight_decay=0.01))
-    )
-    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
-    regime: RegimeSection = field(
-        default_factory=lambda: RegimeSection(num_steps=300, publish_metrics_every_n_steps=10)
-    )
-    common: CommonSection = field(default_factory=lambda: CommonSection(no_sweep_dir=True))
-    gang: GangSection = field(default_factory=GangSection)
-    overwrite_checkpoints: bool = False
-    """Delete the output folder's checkpoints when they belong to another model config (refused otherwise)."""
-    mixer: MixerSection = field(default_factory=MixerSection)
-    """The token mixer (``mixer.name``, ``mixer.options``), folded into ``model.config_overrides``."""
-
-    def __post_init__(self) -> None:
-        self.model.config_overrides = self.mixer.apply_to(self.model.config_overrides)
 
 
 @final

@@ -72,7 +72,7 @@ from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
 from .data import MlmBatch, MlmDataReader, MlmDataSection
 from .model import MixerEncoderModel
 
-__all__ = ["MixerMlmConfig", "MlmTrainUnit", "MixerMlmRecipe", "CheckpointConfigMismatchError",
+__all__ = ["MixerMlmConfig", "RecipeSections", "MlmTrainUnit", "MixerMlmRecipe", "CheckpointConfigMismatchError",
            "NonFiniteLossError"]
 
 #: Arch used when the command line names none.
@@ -85,13 +85,11 @@ def _default_trainer() -> TrainerSection:
 
 
 @dataclass(kw_only=True)
-class MixerMlmConfig:
-    """Config of :class:`MixerMlmRecipe`; every field can be overridden with ``--config a.b=value``."""
+class RecipeSections:
+    """The config sections both recipes share, with the defaults that differ from fairseq2's; every field can be
+    overridden with ``--config a.b=value``."""
 
-    model: ModelSection = field(
-        default_factory=lambda: ModelSection(family=MIXER_ENCODER_FAMILY, arch=DEFAULT_ARCH)
-    )
-    data: MlmDataSection = field(default_factory=MlmDataSection)
+    model: ModelSection
     trainer: TrainerSection = field(default_factory=_default_trainer)
     optimizer: OptimizerSection = field(
         default_factory=lambda: OptimizerSection(config=AdamWConfig(lr=1e-3, weight_decay=0.01))
@@ -109,6 +107,16 @@ class MixerMlmConfig:
 
     def __post_init__(self) -> None:
         self.model.config_overrides = self.mixer.apply_to(self.model.config_overrides)
+
+
+@dataclass(kw_only=True)
+class MixerMlmConfig(RecipeSections):
+    """Config of :class:`MixerMlmRecipe`; every field can be overridden with ``--config a.b=value``."""
+
+    model: ModelSection = field(
+        default_factory=lambda: ModelSection(family=MIXER_ENCODER_FAMILY, arch=DEFAULT_ARCH)
+    )
+    data: MlmDataSection = field(default_factory=MlmDataSection)
 
 
 class CheckpointConfigMismatchError(RuntimeError):
