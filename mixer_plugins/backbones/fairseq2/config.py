@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from fairseq2.models.transformer import TransformerNormOrder
 from fairseq2.runtime.config_registry import ConfigRegistrar
@@ -107,38 +107,49 @@ class MixerEncoderConfig:
 
     def structural_problems(self) -> list[str]:
         """Problems with the non-mixer fields (sizes, probabilities), as messages."""
-        problems = []
-        for name in ("model_dim", "num_layers", "vocab_size", "max_seq_len"):
-            if getattr(self, name) < 1:
-                problems.append(f"`{name}` must be >= 1, but is {getattr(self, name)}.")
-        if self.num_heads is not None and self.num_heads < 1:
-            problems.append(f"`num_heads` must be >= 1 or None, but is {self.num_heads}.")
+        problems = common_problems(self, ("model_dim", "num_layers", "vocab_size", "max_seq_len"))
         if self.ffn_inner_dim < 0:
             problems.append(
                 f"`ffn_inner_dim` must be >= 0 (0 drops the feed-forward block), but is {self.ffn_inner_dim}."
             )
-        if not 0 <= self.pad_idx < max(self.vocab_size, 1):
-            problems.append(f"`pad_idx` must be in [0, vocab_size={self.vocab_size}), but is {self.pad_idx}.")
-        if not 0.0 <= self.dropout_p < 1.0:
-            problems.append(f"`dropout_p` must be in [0, 1), but is {self.dropout_p}.")
-        if self.layer_norm_eps <= 0:
-            problems.append(f"`layer_norm_eps` must be > 0, but is {self.layer_norm_eps}.")
         if self.num_classes < 0:
             problems.append(f"`num_classes` must be >= 0 (0: no classification head), but is {self.num_classes}.")
-        if self.pos_encoder == "sinusoidal" and self.model_dim % 2:
-            problems.append(f"`pos_encoder=sinusoidal` needs an even `model_dim`, but it is {self.model_dim}.")
         return problems
 
     def validate(self) -> ValidationResult:
         """Called by fairseq2 on asset-card and recipe configs: our registry's messages on a bad mixer."""
-        result = ValidationResult()
-        for problem in self.structural_problems():
+        return validation(self, causal=False)
+
+
+def common_problems(config: Any, positive: tuple[str, ...]) -> list[str]:
+    """The checks the encoder and decoder configs share: the ``positive`` fields >= 1, ``num_heads``, ``pad_idx``,
+    ``dropout_p``, ``layer_norm_eps`` and the sinusoidal encoder's even ``model_dim``; messages."""
+    problems = [f"`{name}` must be >= 1, but is {getattr(config, name)}." for name in positive
+                if getattr(config, name) < 1]
+    if config.num_heads is not None and config.num_heads < 1:
+        problems.append(f"`num_heads` must be >= 1 or None, but is {config.num_heads}.")
+    if not 0 <= config.pad_idx < max(config.vocab_size, 1):
+        problems.append(f"`pad_idx` must be in [0, vocab_size={config.vocab_size}), but is {config.pad_idx}.")
+    if not 0.0 <= config.dropout_p < 1.0:
+        problems.append(f"`dropout_p` must be in [0, 1), but is {config.dropout_p}.")
+    if config.layer_norm_eps <= 0:
+        problems.append(f"`layer_norm_eps` must be > 0, but is {config.layer_norm_eps}.")
+    if config.pos_encoder == "sinusoidal" and config.model_dim % 2:
+        problems.append(f"`pos_encoder=sinusoidal` needs an even `model_dim`, but it is {config.model_dim}.")
+    return problems
+
+
+def validation(config: Any, *, causal: bool) -> ValidationResult:
+    """A model config's ``validate``: its :meth:`structural_problems` and, with a valid width, our registry's
+    messages on a bad mixer (``causal``: the decoder's)."""
+    result = ValidationResult()
+    for problem in config.structural_problems():
+        result.add_error(problem)
+    if config.model_dim >= 1:
+        for problem in mixer_problems(config.mixer, config.mixer_options, dim=config.model_dim,
+                                      host_options=config.host_options(), causal=causal):
             result.add_error(problem)
-        if self.model_dim >= 1:
-            for problem in mixer_problems(self.mixer, self.mixer_options, dim=self.model_dim,
-                                          host_options=self.host_options()):
-                result.add_error(problem)
-        return result
+    return result
 
 
 @dataclass(kw_only=True)

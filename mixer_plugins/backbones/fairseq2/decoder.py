@@ -44,8 +44,8 @@ from fairseq2.utils.validation import ValidationResult
 from torch.nn import GELU
 
 from .attention import MixerAttention
-from .config import BYTE_VOCAB_SIZE
-from .options import ResolvedMixer, mixer_problems, resolve_mixer
+from .config import BYTE_VOCAB_SIZE, common_problems, validation
+from .options import ResolvedMixer, resolve_mixer
 
 __all__ = [
     "GPT2_VOCAB_SIZE",
@@ -126,32 +126,11 @@ class MixerDecoderConfig:
 
     def structural_problems(self) -> list[str]:
         """Problems with the non-mixer fields (sizes, probabilities), as messages."""
-        problems = []
-        for name in ("model_dim", "num_layers", "vocab_size", "max_seq_len", "ffn_inner_dim"):
-            if getattr(self, name) < 1:
-                problems.append(f"`{name}` must be >= 1, but is {getattr(self, name)}.")
-        if self.num_heads is not None and self.num_heads < 1:
-            problems.append(f"`num_heads` must be >= 1 or None, but is {self.num_heads}.")
-        if not 0 <= self.pad_idx < max(self.vocab_size, 1):
-            problems.append(f"`pad_idx` must be in [0, vocab_size={self.vocab_size}), but is {self.pad_idx}.")
-        if not 0.0 <= self.dropout_p < 1.0:
-            problems.append(f"`dropout_p` must be in [0, 1), but is {self.dropout_p}.")
-        if self.layer_norm_eps <= 0:
-            problems.append(f"`layer_norm_eps` must be > 0, but is {self.layer_norm_eps}.")
-        if self.pos_encoder == "sinusoidal" and self.model_dim % 2:
-            problems.append(f"`pos_encoder=sinusoidal` needs an even `model_dim`, but it is {self.model_dim}.")
-        return problems
+        return common_problems(self, ("model_dim", "num_layers", "vocab_size", "max_seq_len", "ffn_inner_dim"))
 
     def validate(self) -> ValidationResult:
         """Called by fairseq2 on asset-card and recipe configs: our registry's messages on a bad mixer."""
-        result = ValidationResult()
-        for problem in self.structural_problems():
-            result.add_error(problem)
-        if self.model_dim >= 1:
-            for problem in mixer_problems(self.mixer, self.mixer_options, dim=self.model_dim,
-                                          host_options=self.host_options(), causal=True):
-                result.add_error(problem)
-        return result
+        return validation(self, causal=True)
 
 
 def _layer_norm(config: MixerDecoderConfig) -> StandardLayerNorm:
