@@ -303,22 +303,34 @@ def run_decode(args: argparse.Namespace) -> int:
     if timings:
         print(decode_table(timings, baseline=baseline if any(t.mixer == baseline for t in timings) else None,
                            markdown=args.markdown))
+    plot = None
+    if timings and plot_path is not None:
+        title = f"decoding, dim {args.dim}, batch {args.batch}, {device}"
+        plot = lambda: save_decode_plot(timings, plot_path, title=title)  # noqa: E731
+    return _finish(problems, json_path, lambda: write_json(timings, problems, complete=True), plot_path, plot,
+                   bool(timings))
+
+
+def _finish(problems: list, json_path: Path | None, write_final_json: Callable[[], object],
+            plot_path: Path | None, plot: Callable[[], Path] | None, any_result: bool) -> int:
+    """A run's last part: its problems on stderr, the JSON (first: the numbers are never lost to a plotting
+    problem), then the plot; the exit status: non-zero when anything attempted failed (skipped directions are not
+    failures) or nothing was measured."""
     for p in problems:
         print(f"{p.kind}: {p.mixer} at L={p.length}: {p.reason}", file=sys.stderr)
     written = []
     if json_path is not None:
-        write_json(timings, problems, complete=True)
+        write_final_json()
         written.append(json_path)
-    if timings and plot_path is not None:
-        title = f"decoding, dim {args.dim}, batch {args.batch}, {device}"
+    if plot is not None and plot_path is not None:
         with writing(plot_path, "--plot"):
-            written.append(save_decode_plot(timings, plot_path, title=title))
+            written.append(plot())
     if written:
         print("\nwrote " + ", ".join(str(p) for p in written))
     failed = [p for p in problems if p.kind == "failed"]
     if failed:
         print(f"mixer-plugins: {len(failed)} run(s) failed", file=sys.stderr)
-    return 1 if failed or not timings else 0
+    return 1 if failed or not any_result else 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -378,25 +390,14 @@ def run(args: argparse.Namespace) -> int:
     rows = [m.as_dict() for m in results]
     if rows:
         print(results_table(rows, baseline=baseline, markdown=args.markdown))
-    for p in problems:
-        print(f"{p.kind}: {p.mixer} at L={p.length}: {p.reason}", file=sys.stderr)
-    written = []
-    if json_path is not None:  # first: the numbers are never lost to a plotting problem
-        write_json(results, problems, complete=True)
-        written.append(json_path)
+    plot = None
     if rows and plot_path is not None:
         from ..plotting import save_scaling_plot
 
         title = f"{args.mode}, dim {args.dim}, batch {args.batch}, {device}"
-        with writing(plot_path, "--plot"):
-            written.append(save_scaling_plot(rows, plot_path, title=title))
-    if written:
-        print("\nwrote " + ", ".join(str(p) for p in written))
-    failed = [p for p in problems if p.kind == "failed"]
-    if failed:
-        print(f"mixer-plugins: {len(failed)} run(s) failed", file=sys.stderr)
-    # Like flops: non-zero when anything that was attempted failed (skipped directions are not failures).
-    return 1 if failed or not rows else 0
+        plot = lambda: save_scaling_plot(rows, plot_path, title=title)  # noqa: E731
+    return _finish(problems, json_path, lambda: write_json(results, problems, complete=True), plot_path, plot,
+                   bool(rows))
 
 
 COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot", run,
