@@ -41,6 +41,7 @@ from ..backbones.options import head_dim_for
 from ..errors import MissingExtraError, MixerError, NotMaterializableError
 from ..registry import default_registry
 from .benchmarking import count_flops, error_summary, format_flops
+from .progress import progress_bar
 
 __all__ = [
     "DEFAULT_MIXERS",
@@ -247,17 +248,6 @@ def _evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float
     return correct / len(x)
 
 
-def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
-    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # progress bars are a nicety: without tqdm the run is silent until the table
-        return None
-    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
-
-
 def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     """Build, train and evaluate the model with mixer ``name``; then materialize its first block's matrix."""
     result = MixerResult(mixer=name)
@@ -270,7 +260,7 @@ def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.epochs * batches,
                                                    pct_start=0.15)
     order = torch.Generator().manual_seed(config.seed)  # the same batches in the same order for every mixer
-    bar = _progress_bar(config.epochs * batches, f"{name:>24s}", config.progress)
+    bar = progress_bar(config.epochs * batches, enabled=config.progress, desc=f"{name:>24s}", unit="step")
     train_seconds = 0.0
     try:
         for epoch in range(1, config.epochs + 1):

@@ -66,7 +66,7 @@ except ImportError:  # not POSIX: builds are still renamed into place, but two m
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["CFLAGS", "ENV_VAR", "HEADERS", "LIBRARY", "OPS", "SOURCES", "build_folder", "cache_root", "is_loaded",
-           "load", "takes", "unavailable_reason"]
+           "load", "unavailable_reason"]
 
 #: set to ``0`` (or ``false``/``no``/``off``) to never build or load the kernels
 ENV_VAR = "MIXER_PLUGINS_NATIVE"
@@ -128,15 +128,6 @@ def load() -> bool:
         _STATE["error"] = error
         _STATE["tried"] = True
         return error is None
-
-
-def takes(*tensors: torch.Tensor) -> bool:
-    """Whether a native kernel may run on ``tensors``: all CPU tensors of one dtype, float32 or float64, and the
-    library loaded (the first such call loads it, building it if this machine has no build yet). The gate every
-    caller shares; each adds its own layout checks."""
-    first = tensors[0]
-    return (first.device.type == "cpu" and first.dtype in (torch.float32, torch.float64)
-            and all(t.device == first.device and t.dtype == first.dtype for t in tensors[1:]) and load())
 
 
 def _summary(message: str) -> str:

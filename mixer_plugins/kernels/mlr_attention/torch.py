@@ -48,9 +48,9 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .. import _native as _native_lib
 from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
+from .._native_check import native_unavailable
 from . import native
 from .chunked import chunked_backward, chunked_forward
 from .plan import MLRPlan, Task, plan_tasks
@@ -70,7 +70,7 @@ def _native_usable(q: Tensor) -> bool:
     """Can the native engine take ``q``? (Under ``torch.compile`` only if already loaded: tracing never builds.)"""
     if torch.compiler.is_compiling():
         return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and native.is_loaded()
-    return _native_lib.takes(q)
+    return native_unavailable(q.device, [q]) is None
 
 
 def _engine(q: Tensor, engine: str) -> str:

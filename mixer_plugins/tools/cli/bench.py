@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..progress import progress_bar
 from .args import (
     CliError,
     Command,
@@ -107,17 +108,6 @@ def check_device(device: str) -> str:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
     return str(dev)
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    """A tqdm progress bar, or None (disabled, or tqdm not installed)."""
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # progress is optional
-        return None
-    return tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
 
 
 # -- decoding --------------------------------------------------------------------------------------------
@@ -369,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
 
     write_json([], [], complete=False)
 
-    bar = _progress(len(run_list) * len(args.lengths), not args.no_progress)
+    bar = progress_bar(len(run_list) * len(args.lengths), enabled=not args.no_progress, unit="run", file=sys.stderr)
 
     def on_start(name: str, length: int) -> None:
         if bar is not None:

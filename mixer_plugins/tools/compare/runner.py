@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ...errors import MixerError
+from ..progress import progress_bar
 from .models import (
     MixerEntry,
     SequenceModel,
@@ -345,20 +346,6 @@ def _lr_factor(step: int, total: int, warmup: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    """A tqdm progress bar, or None when disabled (:class:`MissingExtraError` without tqdm)."""
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        from ...errors import MissingExtraError
-
-        raise MissingExtraError("progress bars need tqdm (pip install 'mixer-plugins[demo]'); or pass "
-                                "--no-progress / progress=False") from None
-    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
-
-
 def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, test: Batch,
               *, on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """Train one model (``entry`` in the backbone) for ``config.steps`` steps with ``seed``; evaluate on ``test``
@@ -483,7 +470,8 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
                 record(index, seed, *future.result())
     else:
         for number, (index, entry, seed) in enumerate(jobs_list, 1):
-            bar = _progress(config.steps, f"[{number}/{total}] {entry.label} seed {seed}", config.progress)
+            bar = progress_bar(config.steps, enabled=config.progress, unit="step", leave=False,
+                               desc=f"[{number}/{total}] {entry.label} seed {seed}")
 
             def on_step(step: int, metric: float, bar: Any = bar) -> None:
                 bar.update(1)
