@@ -78,9 +78,11 @@ def _runs_anywhere(device: torch.device, args: Any) -> str | None:
 @dataclass(frozen=True)
 class DtypeArgs:
     """The argument bundle the checks see for an op whose backends take ``q, k, v`` (the attention ops): the
-    inputs' dtype, all a check needs (the triton backends refuse float64). A dataclass, so dynamo traces it."""
+    inputs' dtype (the triton backends refuse float64) and ``row_span``, the elements one (batch, head)'s rows span
+    in the largest of the tensors (length x row stride; 0: not given). A dataclass, so dynamo traces it."""
 
     dtype: Any
+    row_span: int = 0
 
 
 @dataclass(frozen=True)

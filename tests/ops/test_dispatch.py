@@ -189,6 +189,37 @@ def test_requirements_say_why(monkeypatch):
     assert triton_unavailable(torch.device("cpu")) is None
 
 
+def test_mlr_sequences_too_long_for_the_triton_offsets_run_on_torch(monkeypatch):
+    """The MLR Triton kernels index a sequence's rows in 32 bits: the public op passes ``length x row stride`` to
+    the dispatcher, which then runs the torch backend on CUDA (a shape rule, no value read); asked for by name, the
+    triton backend says why it cannot."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
+
+    cuda = torch.device("cuda")
+    assert _dispatch._reason("mlr_attention", "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31 - 1)) is None
+    reason = _dispatch._reason("mlr_attention", "triton", cuda, _dispatch.DtypeArgs(torch.bfloat16, 2**31))
+    assert reason is not None and "32 bits" in reason
+    impl = kernels.resolve_backend("mlr_attention", None, cuda, _dispatch.DtypeArgs(torch.float32, 2**31))
+    assert impl is mlr_torch.impl
+    with pytest.raises(errors.BackendUnavailableError, match="32 bits"):
+        kernels.resolve_backend("mlr_attention", "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31))
+
+    seen = []
+    real = kernels.mlr_attention.__globals__["resolve_backend"]
+
+    def spy(op, backend, device, args=None):
+        seen.append(args)
+        return real(op, backend, device, args)
+
+    monkeypatch.setitem(kernels.mlr_attention.__globals__, "resolve_backend", spy)
+    qkv = torch.randn(1, 12, 3, 2, 6)  # (b, l, q/k/v, h, e): views with a row stride of 36
+    q, k, v = qkv.unbind(2)
+    kernels.mlr_attention(q, k, v, ranks=[4, 2], block_sizes=[None, 4])
+    assert seen[-1].row_span == 12 * 36
+
+
 def test_every_check_reads_no_tensor_value():
     """The dispatcher chooses from devices, dtypes, shapes and options: no check may run an op that reads values
     (on a GPU each such read would be a device sync)."""

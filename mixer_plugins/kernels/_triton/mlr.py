@@ -727,6 +727,10 @@ def mlr_attention_triton(
     e = q.shape[-1]
     if sum(ranks) != e or len(ranks) != len(block_sizes) or len(ranks) != len(level_scales):
         raise ValueError(f"ranks {list(ranks)} must sum to the q/k width {e} and match block_sizes/level_scales")
+    span = q.shape[1] * max(q.shape[2] * e, v.shape[2] * v.shape[3], *(t.stride(1) for t in (q, k, v)))
+    if span >= 2**31:
+        raise ValueError(f"the Triton MLR kernels index a sequence's rows in 32 bits: length x row stride = {span} "
+                         f">= 2^31; run this call on the torch backend (backend='torch')")
     spec = MLRSpec(tuple(int(r) for r in ranks), tuple(0 if s is None else int(s) for s in block_sizes),
                    tuple(float(s) for s in level_scales), bool(block_divide), bool(causal))
     tiles = None if tile_size is None else Tiles.uniform(_tile_size(tile_size))
