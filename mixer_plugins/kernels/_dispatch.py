@@ -84,6 +84,18 @@ class DtypeArgs:
     dtype: Any
     row_span: int = 0
 
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> DtypeArgs:
+        """The bundle of a call on q, k (b, L, H, e) and v (b, L, H, p), read from shapes and strides only."""
+        return cls(q.dtype, row_span=row_span(q, k, v))
+
+
+def row_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """The elements one (batch, head)'s rows span in the largest of q, k, v and their gradients: ``L`` times the
+    largest row stride (a view of a fused projection has a row stride above its own width)."""
+    widths = (q.shape[2] * q.shape[3], v.shape[2] * v.shape[3], *(t.stride(1) for t in (q, k, v)))
+    return q.shape[1] * max(widths)
+
 
 @dataclass(frozen=True)
 class Backend:

@@ -12,7 +12,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["TRITON_INSTALLED", "triton_unavailable"]
+__all__ = ["MAX_ROW_SPAN", "TRITON_INSTALLED", "triton_attention_unavailable", "triton_unavailable"]
+
+#: The attention kernels index a sequence's rows with 32-bit offsets: ``length x row stride`` stays below this.
+MAX_ROW_SPAN = 2**31
 
 #: Whether Triton is installed (found without importing it).
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
@@ -33,3 +36,13 @@ def triton_unavailable(device: torch.device, args: Any = None) -> str | None:
     if args is not None and getattr(args, "dtype", None) == torch.float64:
         return "the Triton kernels compute in float32 at most; float64 inputs run on the torch backend"
     return None
+
+
+def triton_attention_unavailable(device: torch.device, args: Any = None) -> str | None:
+    """:func:`triton_unavailable`, and the attention kernels' 32-bit row offsets: a call whose ``args.row_span``
+    (length x row stride, :func:`._dispatch.row_span`) reaches :data:`MAX_ROW_SPAN` runs on the ``torch`` backend."""
+    reason = triton_unavailable(device, args)
+    if reason is None and getattr(args, "row_span", 0) >= MAX_ROW_SPAN:
+        return (f"the Triton attention kernels index a sequence's rows in 32 bits (length x row stride = "
+                f"{args.row_span} >= 2^31); such a call runs on the torch backend")
+    return reason

@@ -189,35 +189,49 @@ def test_requirements_say_why(monkeypatch):
     assert triton_unavailable(torch.device("cpu")) is None
 
 
-def test_mlr_sequences_too_long_for_the_triton_offsets_run_on_torch(monkeypatch):
-    """The MLR Triton kernels index a sequence's rows in 32 bits: the public op passes ``length x row stride`` to
-    the dispatcher, which then runs the torch backend on CUDA (a shape rule, no value read); asked for by name, the
-    triton backend says why it cannot."""
+@pytest.mark.parametrize("op", ["mlr_attention", "local_attention"])
+def test_attention_sequences_too_long_for_the_triton_offsets_run_on_torch(op, monkeypatch):
+    """The attention Triton kernels index a sequence's rows in 32 bits: the public ops pass ``length x row stride``
+    to the dispatcher, which then runs the torch backend on CUDA (a shape rule, no value read); asked for by name,
+    the triton backend says why it cannot."""
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
+    torch_impl = importlib.import_module(f"mixer_plugins.kernels.{op}.torch").impl
 
     cuda = torch.device("cuda")
-    assert _dispatch._reason("mlr_attention", "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31 - 1)) is None
-    reason = _dispatch._reason("mlr_attention", "triton", cuda, _dispatch.DtypeArgs(torch.bfloat16, 2**31))
+    assert _dispatch._reason(op, "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31 - 1)) is None
+    reason = _dispatch._reason(op, "triton", cuda, _dispatch.DtypeArgs(torch.bfloat16, 2**31))
     assert reason is not None and "32 bits" in reason
-    impl = kernels.resolve_backend("mlr_attention", None, cuda, _dispatch.DtypeArgs(torch.float32, 2**31))
-    assert impl is mlr_torch.impl
+    assert kernels.resolve_backend(op, None, cuda, _dispatch.DtypeArgs(torch.float32, 2**31)) is torch_impl
     with pytest.raises(errors.BackendUnavailableError, match="32 bits"):
-        kernels.resolve_backend("mlr_attention", "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31))
+        kernels.resolve_backend(op, "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31))
 
     seen = []
-    real = kernels.mlr_attention.__globals__["resolve_backend"]
+    public = getattr(kernels, op)
+    real = public.__globals__["resolve_backend"]
 
-    def spy(op, backend, device, args=None):
+    def spy(name, backend, device, args=None):
         seen.append(args)
-        return real(op, backend, device, args)
+        return real(name, backend, device, args)
 
-    monkeypatch.setitem(kernels.mlr_attention.__globals__, "resolve_backend", spy)
+    monkeypatch.setitem(public.__globals__, "resolve_backend", spy)
     qkv = torch.randn(1, 12, 3, 2, 6)  # (b, l, q/k/v, h, e): views with a row stride of 36
     q, k, v = qkv.unbind(2)
-    kernels.mlr_attention(q, k, v, ranks=[4, 2], block_sizes=[None, 4])
+    if op == "mlr_attention":
+        public(q, k, v, ranks=[4, 2], block_sizes=[None, 4])
+    else:
+        public(q, k, v, window=3)
     assert seen[-1].row_span == 12 * 36
+
+
+def test_the_triton_attention_launcher_refuses_rows_past_32_bit_offsets():
+    pytest.importorskip("triton")
+    from mixer_plugins.kernels._triton.mlr import MLRSpec, mlr_triton
+
+    q = torch.zeros(1, 1, 1, 8).expand(1, 2**28, 1, 8)  # 2^28 rows of 8 features: a span of 2^31, no memory
+    spec = MLRSpec(ranks=(8,), sizes=(0,), taus=(1.0,), block_divide=False, causal=False)
+    with pytest.raises(ValueError, match="32 bits"):
+        mlr_triton(q, q, q, spec)
 
 
 def test_every_check_reads_no_tensor_value():

@@ -43,6 +43,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._dispatch import row_span
+from .._requirements import MAX_ROW_SPAN
 from ..mlr_attention.plan import TilePlan, tile_classes, tile_plan
 from ._common import INTERPRET, available, dot_precision_split, grid_1d, on_device, tl, triton
 from ._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
@@ -699,6 +701,10 @@ def mlr_triton(q: Tensor, k: Tensor, v: Tensor, spec: MLRSpec, *, mask: Tensor |
     with unit feature stride), differentiable in all three: ``softmax(S + masks) v`` in v's dtype. ``mask``: bool
     (b, L), True on real tokens, right-padded (pad keys are excluded; pad outputs are not zeroed, the caller does
     that). ``tiles``: None = :meth:`Tiles.default`."""
+    span = row_span(q, k, v)
+    if span >= MAX_ROW_SPAN:
+        raise ValueError(f"the Triton attention kernels index a sequence's rows in 32 bits: length x row stride = "
+                         f"{span} >= 2^31; run this call on the torch backend (backend='torch')")
     reason = available(q.device)
     if reason is not None:
         raise RuntimeError(f"triton MLR attention unavailable: {reason}")
@@ -727,10 +733,6 @@ def mlr_attention_triton(
     e = q.shape[-1]
     if sum(ranks) != e or len(ranks) != len(block_sizes) or len(ranks) != len(level_scales):
         raise ValueError(f"ranks {list(ranks)} must sum to the q/k width {e} and match block_sizes/level_scales")
-    span = q.shape[1] * max(q.shape[2] * e, v.shape[2] * v.shape[3], *(t.stride(1) for t in (q, k, v)))
-    if span >= 2**31:
-        raise ValueError(f"the Triton MLR kernels index a sequence's rows in 32 bits: length x row stride = {span} "
-                         f">= 2^31; run this call on the torch backend (backend='torch')")
     spec = MLRSpec(tuple(int(r) for r in ranks), tuple(0 if s is None else int(s) for s in block_sizes),
                    tuple(float(s) for s in level_scales), bool(block_divide), bool(causal))
     tiles = None if tile_size is None else Tiles.uniform(_tile_size(tile_size))

@@ -86,7 +86,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: boo
         real = mask[:, :, None, None]
         zero = _torch.zeros((), dtype=q.dtype, device=q.device)
         q, k, v = (_torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
-    bundle = DtypeArgs(q.dtype)   # lets the triton backend refuse float64, in eager and compiled calls
+    bundle = DtypeArgs.of(q, k, v)  # lets the triton backend refuse float64 and too long rows, eager or compiled
     impl = resolve_backend("local_attention", backend, q.device, bundle)
     out = impl(q, k, v, window=window, causal=causal, mask=mask, scale=scale, num_global=num_global)
     if mask is not None:

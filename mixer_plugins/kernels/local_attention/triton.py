@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._dispatch import Backend, register
-from .._requirements import triton_unavailable
+from .._requirements import triton_attention_unavailable
 
 
 def local_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool = False,
@@ -33,5 +33,6 @@ def impl(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool = False, 
                                   num_global=num_global)
 
 
-BACKEND = register(Backend(op="local_attention", name="triton", impl=impl, priority=40, check=triton_unavailable,
+BACKEND = register(Backend(op="local_attention", name="triton", impl=impl, priority=40,
+                           check=triton_attention_unavailable,
                            automatic_devices=("cuda",)))

@@ -98,9 +98,7 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
         (batch, length, heads, value width).
     """
     ranks, sizes, scales = check_mlr_arguments(q, k, v, ranks, block_sizes, scales, mask)
-    # lets the triton backend refuse float64 and sequences too long for its offsets, in eager and compiled calls
-    width = max(q.shape[2] * q.shape[3], v.shape[2] * v.shape[3], *(t.stride(1) for t in (q, k, v)))
-    bundle = DtypeArgs(q.dtype, row_span=q.shape[1] * width)
+    bundle = DtypeArgs.of(q, k, v)  # lets the triton backend refuse float64 and too long rows, eager or compiled
     impl = resolve_backend("mlr_attention", backend, q.device, bundle)
     return impl(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
                 block_divide=block_divide)

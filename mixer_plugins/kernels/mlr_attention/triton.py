@@ -6,24 +6,13 @@ and float16 (float64 goes to the ``torch`` backend)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .._dispatch import Backend, register
-from .._requirements import triton_unavailable
-
-#: The kernels index one (batch, head)'s rows with 32-bit offsets: ``length x row stride`` must stay below this.
-MAX_ROW_SPAN = 2**31
-
-
-def _unavailable(device: torch.device, args: Any = None) -> str | None:
-    reason = triton_unavailable(device, args)
-    if reason is None and getattr(args, "row_span", 0) >= MAX_ROW_SPAN:
-        return (f"the Triton kernels index a sequence's rows in 32 bits (length x row stride = {args.row_span} "
-                f">= 2^31); this call runs on the torch backend")
-    return reason
+from .._requirements import triton_attention_unavailable
 
 
 def impl(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
@@ -42,5 +31,6 @@ def impl(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], block_sizes: 
     return out
 
 
-BACKEND = register(Backend(op="mlr_attention", name="triton", impl=impl, priority=40, check=_unavailable,
+BACKEND = register(Backend(op="mlr_attention", name="triton", impl=impl, priority=40,
+                           check=triton_attention_unavailable,
                            automatic_devices=("cuda",)))
