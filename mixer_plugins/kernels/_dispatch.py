@@ -78,8 +78,8 @@ def _runs_anywhere(device: torch.device, args: Any) -> str | None:
 @dataclass(frozen=True)
 class DtypeArgs:
     """The argument bundle the checks see for an op whose backends take ``q, k, v`` (the attention ops): the
-    inputs' dtype (the triton backends refuse float64) and ``row_span``, the elements one (batch, head)'s rows span
-    in the largest of the tensors (length x row stride; 0: not given). A dataclass, so dynamo traces it."""
+    inputs' dtype (the triton backends refuse float64) and ``row_span``, the largest offset from a batch's base in
+    q, k, v or their gradients (:func:`row_span`; 0: not given). A dataclass, so dynamo traces it."""
 
     dtype: Any
     row_span: int = 0
@@ -90,11 +90,15 @@ class DtypeArgs:
         return cls(q.dtype, row_span=row_span(q, k, v))
 
 
-def row_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """The elements one (batch, head)'s rows span in the largest of q, k, v and their gradients: ``L`` times the
-    largest row stride (a view of a fused projection has a row stride above its own width)."""
-    widths = (q.shape[2] * q.shape[3], v.shape[2] * v.shape[3], *(t.stride(1) for t in (q, k, v)))
-    return q.shape[1] * max(widths)
+def row_span(*tensors: torch.Tensor) -> int:
+    """The most elements one (batch)'s slice spans in any of ``tensors`` (b, L, H, width) or in a contiguous
+    (b, L, H, width) gradient of each: ``(L-1) s_L + (H-1) s_H + (width-1) s_w + 1``, the largest offset a kernel
+    forms from a batch's base (a view of a fused projection has strides above its own shape's)."""
+    spans = []
+    for t in tensors:
+        spans.append(sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:])) + 1)
+        spans.append(t.shape[1] * t.shape[2] * t.shape[3])  # its gradient's or output's contiguous buffer
+    return max(spans)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import torch
 
 __all__ = ["MAX_ROW_SPAN", "TRITON_INSTALLED", "triton_attention_unavailable", "triton_unavailable"]
 
-#: The attention kernels index a sequence's rows with 32-bit offsets: ``length x row stride`` stays below this.
+#: The attention kernels index within a batch's slice with 32-bit offsets: :func:`._dispatch.row_span` stays below
+#: this.
 MAX_ROW_SPAN = 2**31
 
 #: Whether Triton is installed (found without importing it).
@@ -39,10 +40,11 @@ def triton_unavailable(device: torch.device, args: Any = None) -> str | None:
 
 
 def triton_attention_unavailable(device: torch.device, args: Any = None) -> str | None:
-    """:func:`triton_unavailable`, and the attention kernels' 32-bit row offsets: a call whose ``args.row_span``
-    (length x row stride, :func:`._dispatch.row_span`) reaches :data:`MAX_ROW_SPAN` runs on the ``torch`` backend."""
+    """:func:`triton_unavailable`, and the attention kernels' 32-bit offsets: a call whose ``args.row_span`` (the
+    largest offset within a batch's slice, :func:`._dispatch.row_span`) reaches :data:`MAX_ROW_SPAN` runs on the
+    ``torch`` backend."""
     reason = triton_unavailable(device, args)
     if reason is None and getattr(args, "row_span", 0) >= MAX_ROW_SPAN:
-        return (f"the Triton attention kernels index a sequence's rows in 32 bits (length x row stride = "
-                f"{args.row_span} >= 2^31); such a call runs on the torch backend")
+        return (f"the Triton attention kernels index a batch's slice in 32 bits (its span is {args.row_span} "
+                f">= 2^31 elements); such a call runs on the torch backend")
     return reason

@@ -190,10 +190,10 @@ def test_requirements_say_why(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["mlr_attention", "local_attention"])
-def test_attention_sequences_too_long_for_the_triton_offsets_run_on_torch(op, monkeypatch):
-    """The attention Triton kernels index a sequence's rows in 32 bits: the public ops pass ``length x row stride``
-    to the dispatcher, which then runs the torch backend on CUDA (a shape rule, no value read); asked for by name,
-    the triton backend says why it cannot."""
+def test_attention_inputs_too_long_for_the_triton_offsets_run_on_torch(op, monkeypatch):
+    """The attention Triton kernels offset within a batch's slice in 32 bits: from a bundle whose ``row_span``
+    reaches 2^31 the dispatcher runs the torch backend on CUDA (a shape rule, no value read); asked for by name, the
+    triton backend says why it cannot."""
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     torch_impl = importlib.import_module(f"mixer_plugins.kernels.{op}.torch").impl
@@ -206,6 +206,11 @@ def test_attention_sequences_too_long_for_the_triton_offsets_run_on_torch(op, mo
     with pytest.raises(errors.BackendUnavailableError, match="32 bits"):
         kernels.resolve_backend(op, "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31))
 
+
+@pytest.mark.parametrize("op", ["mlr_attention", "local_attention"])
+def test_attention_ops_pass_their_inputs_span_to_the_dispatcher(op, monkeypatch):
+    """The bundle's ``row_span`` is the largest offset + 1 a kernel forms within one batch of q, k, v (views of a
+    fused projection included) or of their contiguous gradients."""
     seen = []
     public = getattr(kernels, op)
     real = public.__globals__["resolve_backend"]
@@ -215,13 +220,22 @@ def test_attention_sequences_too_long_for_the_triton_offsets_run_on_torch(op, mo
         return real(name, backend, device, args)
 
     monkeypatch.setitem(public.__globals__, "resolve_backend", spy)
-    qkv = torch.randn(1, 12, 3, 2, 6)  # (b, l, q/k/v, h, e): views with a row stride of 36
+    qkv = torch.randn(1, 12, 3, 2, 6)  # (b, l, q/k/v, h, e): views with strides (36, 6, 1) within a batch
     q, k, v = qkv.unbind(2)
     if op == "mlr_attention":
         public(q, k, v, ranks=[4, 2], block_sizes=[None, 4])
     else:
         public(q, k, v, window=3)
-    assert seen[-1].row_span == 12 * 36
+    assert seen[-1].row_span == 11 * 36 + 1 * 6 + 5 * 1 + 1  # the last element of a view, counted from its base
+
+
+def test_the_span_counts_a_head_major_layout():
+    """Head-major views (b, H, L, 3E).transpose(1, 2): the head stride, not the row stride, is the large one."""
+    heads, length, e = 16, 2**20, 64
+    base = torch.empty(1, heads, length, 3 * e, device="meta")
+    q = base.transpose(1, 2)[..., :e]
+    assert q.stride(1) * length < 2**31 <= (heads - 1) * q.stride(2)  # length x row stride alone would pass
+    assert _dispatch.row_span(q, q, q) >= 2**31
 
 
 def test_the_triton_attention_launcher_refuses_rows_past_32_bit_offsets():

@@ -287,6 +287,8 @@ def test_executed_flops_of_the_matmul_engine():
     for part in ("scores", "weighted_values"):
         assert counted[part] / 2 < causal[part] < counted[part]
     assert mlr_attention_flops(1, 1, 64, causal=True, **kw) == counted  # the count does not subtract the mask
+    with pytest.raises(TypeError, match="executed"):
+        mlr_attention_flops(1, 1, 64, executed="matmul", **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidir", "causal"])

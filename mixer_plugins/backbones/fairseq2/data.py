@@ -71,6 +71,9 @@ class MlmDataSection(TextDataSection):
     mask_prob: float = 0.15
     """Fraction of byte tokens chosen as MLM targets (at least one per example)."""
 
+    seed: int = 0
+    """Seed of the shuffling and of the masking (batch ``k`` of epoch ``e`` is the same on every run)."""
+
     def validate(self) -> ValidationResult:
         result = super().validate()
         if not 0.0 < self.mask_prob < 1.0:

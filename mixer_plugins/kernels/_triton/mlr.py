@@ -647,6 +647,8 @@ def mlr_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | 
     b, L, H, E = q.shape
     P = v.shape[-1]
     do = _rows_last(do)
+    if row_span(do) >= MAX_ROW_SPAN:  # a gradient arriving as a narrow view of a wider tensor
+        do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).reshape(b * H, L).contiguous()  # D_i = dO_i . O_i
     dq = torch.zeros(b, L, H, E, dtype=torch.float32, device=q.device)
     dk = torch.zeros_like(dq)
@@ -703,8 +705,8 @@ def mlr_triton(q: Tensor, k: Tensor, v: Tensor, spec: MLRSpec, *, mask: Tensor |
     that). ``tiles``: None = :meth:`Tiles.default`."""
     span = row_span(q, k, v)
     if span >= MAX_ROW_SPAN:
-        raise ValueError(f"the Triton attention kernels index a sequence's rows in 32 bits: length x row stride = "
-                         f"{span} >= 2^31; run this call on the torch backend (backend='torch')")
+        raise ValueError(f"the Triton attention kernels index a batch's slice in 32 bits: its span is {span} >= 2^31 "
+                         f"elements; run this call on the torch backend (backend='torch')")
     reason = available(q.device)
     if reason is not None:
         raise RuntimeError(f"triton MLR attention unavailable: {reason}")

@@ -118,6 +118,8 @@ def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[
     rectangle (with ``causal``, only the tasks the mask keeps), each pair at the width of the levels it shares,
     ``r_0 + ... + r_m``, and ``value_width`` for its value.
     """
+    if not isinstance(executed, bool):
+        raise TypeError(f"executed must be True or False, got {executed!r}")
     if not executed:
         return paper_flops(batch, heads, length, list(ranks), list(block_sizes), value_width)
     plan = plan_tasks(length, list(ranks), list(block_sizes), causal=causal, block_divide=True, dyadic=True)

@@ -2,11 +2,11 @@
 built on first use by :mod:`mixer_plugins.kernels._native`).
 
 One pass over the (query tile, key range) pieces that share a level, each piece's scores from one BLAS product at
-its own width ``r_0 + ... + r_m`` (no zero padding, unlike the ``flash`` engine; no Python per task, unlike the
-``matmul`` engine), a vectorized ``exp`` and an online softmax; the backward recomputes the scores from the row
-log-sum-exp (flash attention's split-KV backward). Memory is linear in the length; float32 and float64. q, k and
-v are read in place (any strides with a unit feature stride: the mixer's views need no copy); the level scales are
-applied as each query tile is read, not by a pass over q.
+its own width ``r_0 + ... + r_m`` (no Python per task, unlike the ``matmul`` engine), a vectorized ``exp`` and an
+online softmax; the backward recomputes the scores from the row log-sum-exp (flash attention's split-KV backward).
+Memory is linear in the length; float32 and float64. q, k and v are read in place (any strides with a unit feature
+stride: the mixer's views need no copy); the level scales are applied as each query tile is read, not by a pass over
+q.
 """
 
 from __future__ import annotations

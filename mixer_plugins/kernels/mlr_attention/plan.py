@@ -12,6 +12,7 @@ import torch
 
 __all__ = ["Group", "MLRPlan", "Task", "TilePlan", "plan_tasks", "tile_classes", "tile_plan"]
 
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """Queries ``[q0, q0 + q_len)`` against keys ``[k0, k0 + k_len)`` inside each of ``count`` parents of ``plen``
