@@ -185,7 +185,7 @@ def _one_chunk_cases() -> Iterator[tuple[str, Callable[[], None]]]:
 def _mlr_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     import torch
 
-    from mixer_plugins.kernels._triton import mlr
+    from mixer_plugins.kernels.mlr_attention import triton_kernels as mlr
 
     def case(dtype, causal, masked, ranks, block_sizes, length=300, heads=2, p=64, window=None, num_global=0):
         def go():
@@ -215,7 +215,7 @@ def _local_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     """``kernels.local_attention``'s Triton backend: the MLR kernels with a band (one global level)."""
     import torch
 
-    from mixer_plugins.kernels._triton import mlr
+    from mixer_plugins.kernels.mlr_attention import triton_kernels as mlr
 
     def case(dtype, causal, masked, num_global, length=300, heads=2, e=64, window=100):
         def go():
@@ -238,7 +238,7 @@ def _norm_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     """``kernels.gated_rmsnorm``'s Triton kernels, at the block's widths and the widest row they take."""
     import torch
 
-    from mixer_plugins.kernels._triton import norm
+    from mixer_plugins.kernels.norm import triton_kernels as norm
 
     def case(dtype, width, before, rows=64):
         def go():
@@ -258,7 +258,7 @@ def _conv_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     """``kernels.depthwise_conv1d``'s Triton kernels: the block's centred kernel 7 and Mamba's causal 4."""
     import torch
 
-    from mixer_plugins.kernels._triton import conv
+    from mixer_plugins.kernels.conv import triton_kernels as conv
 
     def case(dtype, k, causal, silu, bias, length=197, channels=1664):
         def go():

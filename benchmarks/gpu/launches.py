@@ -94,7 +94,8 @@ def _implementations() -> dict[str, Callable]:
                       "quasiseparable_triton_one_chunk": lambda *a: tuple(one._fwd(*a)),
                       "quasiseparable_triton_one_chunk_backward": one._bwd})
     with contextlib.suppress(ImportError):
-        from mixer_plugins.kernels._triton import conv, norm
+        from mixer_plugins.kernels.conv import triton_kernels as conv
+        from mixer_plugins.kernels.norm import triton_kernels as norm
 
         impls.update({"gated_rmsnorm_triton": norm._norm_fwd, "gated_rmsnorm_triton_backward": norm._norm_bwd,
                       "depthwise_conv1d_triton": conv._conv_fwd, "depthwise_conv1d_triton_backward": conv._conv_bwd})

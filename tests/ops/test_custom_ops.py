@@ -134,7 +134,7 @@ def test_every_custom_op_is_opchecked():
 
     for name in mp.list_mixers():  # every mixer's module, and the kernels they import
         mp.get_spec(name)
-    for module in ("scan.triton_kernels", "scan.triton_one_chunk", "_triton.norm", "_triton.conv"):
+    for module in ("scan.triton_kernels", "scan.triton_one_chunk", "norm.triton_kernels", "conv.triton_kernels"):
         with __import__("contextlib").suppress(ImportError):
             importlib.import_module(f"mixer_plugins.kernels.{module}")
     ops = {op for op in torch._C._dispatch_get_all_op_names() if op.startswith("mixer_plugins::")}
@@ -209,8 +209,8 @@ _TRITON_NORM_CONV_OPCHECK = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
-import mixer_plugins.kernels._triton.conv  # registers the ops (kernels defined in interpreter mode)
-import mixer_plugins.kernels._triton.norm
+import mixer_plugins.kernels.conv.triton_kernels  # registers the ops (kernels defined in interpreter mode)
+import mixer_plugins.kernels.norm.triton_kernels
 
 def same_layout(op, args):
     real = op(*args)

@@ -240,7 +240,7 @@ def test_the_span_counts_a_head_major_layout():
 
 def test_the_triton_attention_launcher_refuses_rows_past_32_bit_offsets():
     pytest.importorskip("triton")
-    from mixer_plugins.kernels._triton.mlr import MLRSpec, mlr_triton
+    from mixer_plugins.kernels.mlr_attention.triton_kernels import MLRSpec, mlr_triton
 
     q = torch.zeros(1, 1, 1, 8).expand(1, 2**28, 1, 8)  # 2^28 rows of 8 features: a span of 2^31, no memory
     spec = MLRSpec(ranks=(8,), sizes=(0,), taus=(1.0,), block_divide=False, causal=False)

@@ -1,7 +1,8 @@
-"""The MLR attention Triton kernels (``kernels/_triton/mlr.py``) against the materialized float64 reference: values
-and every gradient, for level lists with and without a global level, blocks that are no multiple of the tiles,
-square and rectangular tiles smaller than the blocks (uniform runs of several classes and mixed pairs), partial last
-tiles, causal and bidirectional, right padding with NaN pads, ``block_divide`` off, half-precision inputs.
+"""The MLR attention Triton kernels (``kernels/mlr_attention/triton_kernels.py``) against the materialized float64
+reference: values and every gradient, for level lists with and without a global level, blocks that are no multiple of
+the tiles, square and rectangular tiles smaller than the blocks (uniform runs of several classes and mixed pairs),
+partial last tiles, causal and bidirectional, right padding with NaN pads, ``block_divide`` off, half-precision
+inputs.
 
 Like ``tests/ops/test_local_attention_triton.py``, the CPU checks run under ``TRITON_INTERPRET=1`` in a fresh
 interpreter (``MIXER_PLUGINS_TRITON_FRESH=1``), started by :func:`test_mlr_kernels_under_the_interpreter`; with CUDA
@@ -54,7 +55,7 @@ def _inputs(L, ranks, *, masked, seed=0, p=3, batch=2):
 
 
 def _tiles(rows_cols):
-    from mixer_plugins.kernels._triton.mlr import Tiles
+    from mixer_plugins.kernels.mlr_attention.triton_kernels import Tiles
 
     fwd, dq, dkdv = rows_cols
     return Tiles(forward=(*fwd, 4, 2), dq=(*dq, 4, 2), dkdv=(*dkdv, 4, 2))
@@ -62,7 +63,7 @@ def _tiles(rows_cols):
 
 def _kernel(q, k, v, mask, ranks, sizes, scales, causal, block_divide, tiles, dtype=torch.float32):
     """The kernels on ``dtype`` copies (pads selected to 0 first, as the op does), pad outputs selected to 0."""
-    from mixer_plugins.kernels._triton.mlr import MLRSpec, mlr_triton
+    from mixer_plugins.kernels.mlr_attention.triton_kernels import MLRSpec, mlr_triton
 
     if mask is not None:
         q, k, v = (torch.where(mask[:, :, None, None], t, torch.zeros((), dtype=t.dtype)) for t in (q, k, v))
@@ -155,7 +156,7 @@ def test_op_backend_with_default_tiles(causal):
 @needs_kernels
 def test_strided_inputs_are_read_in_place():
     """q, k, v as slices of one packed projection (non-contiguous, unit feature stride) give the contiguous result."""
-    from mixer_plugins.kernels._triton.mlr import MLRSpec, mlr_triton
+    from mixer_plugins.kernels.mlr_attention.triton_kernels import MLRSpec, mlr_triton
 
     g = torch.Generator().manual_seed(3)
     packed = torch.randn(2, 15, 2, 8 + 8 + 3, generator=g).to(DEVICE)

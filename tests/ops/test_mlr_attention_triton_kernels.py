@@ -25,7 +25,7 @@ if not FRESH and not torch.cuda.is_available():
                 allow_module_level=True)
 
 triton = pytest.importorskip("triton")
-mlr_triton = pytest.importorskip("mixer_plugins.kernels._triton.mlr")
+mlr_triton = pytest.importorskip("mixer_plugins.kernels.mlr_attention.triton_kernels")
 
 pytestmark = [
     pytest.mark.triton,
@@ -51,7 +51,7 @@ def test_mlr_attention_matches_mixer(causal, masked, tile, options):
     """The fused kernels (values and dq, dk, dv) equal the mixer's own ``mix`` (blocked scores, masked softmax,
     values), for tiles smaller and larger than the blocks, odd lengths (partial last tile and block), right padding."""
     from mixer_plugins import create_mixer
-    from mixer_plugins.kernels._triton.mlr import mlr_attention_triton
+    from mixer_plugins.kernels.mlr_attention.triton_kernels import mlr_attention_triton
 
     L = 9 if tile == 4 else 13
     mixer = create_mixer("mlr_attention", dim=16, num_heads=2, ranks=[4, 2, 1, 1], block_sizes=[None, 8, 4, 2],
@@ -81,7 +81,7 @@ def test_mlr_attention_matches_mixer(causal, masked, tile, options):
 def test_mlr_attention_half_inputs():
     """bfloat16 q, k, v: float32 accumulation, bfloat16 output and gradients close to the float32 mixer."""
     from mixer_plugins import create_mixer
-    from mixer_plugins.kernels._triton.mlr import mlr_attention_triton
+    from mixer_plugins.kernels.mlr_attention.triton_kernels import mlr_attention_triton
 
     mixer = create_mixer("mlr_attention", dim=16, num_heads=2, ranks=[4, 2, 1, 1], block_sizes=[None, 8, 4, 2])
     with torch.no_grad():

@@ -124,7 +124,7 @@ def test_norm_strided_and_mixed_dtype_inputs():
 @needs_kernels
 def test_norm_planted_bug_is_caught(monkeypatch):
     """The checks fail on a wrong epsilon inside the kernel (the comparison can fail)."""
-    from mixer_plugins.kernels._triton import norm
+    from mixer_plugins.kernels.norm import triton_kernels as norm
 
     real = norm._norm_fwd
     monkeypatch.setattr(norm, "_norm_fwd", lambda y, z, w, eps, before: real(y, z, w, eps + 0.5, before))
@@ -149,7 +149,7 @@ def test_norm_empty_rows_and_deterministic_weight_gradient():
 
 @needs_kernels
 def test_norm_backend_refuses_float64_and_too_wide_rows():
-    from mixer_plugins.kernels._triton.norm import MAX_WIDTH
+    from mixer_plugins.kernels.norm.triton_kernels import MAX_WIDTH
 
     y = torch.randn(2, 8, dtype=torch.float64, device=DEVICE)
     with pytest.raises(kernels.BackendUnavailableError, match="float64"):
@@ -223,7 +223,7 @@ def test_conv_mixed_dtypes_as_under_autocast():
 @needs_kernels
 def test_conv_planted_bug_is_caught(monkeypatch):
     """The checks fail on a kernel shifted by one tap (the comparison can fail)."""
-    from mixer_plugins.kernels._triton import conv
+    from mixer_plugins.kernels.conv import triton_kernels as conv
 
     real = conv._conv_fwd
     monkeypatch.setattr(conv, "_conv_fwd", lambda x, w, b, left, right, silu: real(x, w, b, left - 1, right + 1, silu))
@@ -233,7 +233,7 @@ def test_conv_planted_bug_is_caught(monkeypatch):
 
 @needs_kernels
 def test_conv_empty_and_refusals():
-    from mixer_plugins.kernels._triton.conv import MAX_TAPS
+    from mixer_plugins.kernels.conv.triton_kernels import MAX_TAPS
 
     x = torch.zeros(2, 0, 4, device=DEVICE, requires_grad=True)
     w = torch.ones(4, 3, device=DEVICE, requires_grad=True)
@@ -309,7 +309,8 @@ def test_grids_stay_one_dimensional_and_cover_every_row():
     """The launch grids at sizes past CUDA's limits on the other grid dimensions (65,535) and past 2^31 elements:
     one dimension, within 2^31 - 1 programs, covering every row / (sequence, time tile) exactly, no empty program."""
     pytest.importorskip("triton")
-    from mixer_plugins.kernels._triton import conv, norm
+    from mixer_plugins.kernels.conv import triton_kernels as conv
+    from mixer_plugins.kernels.norm import triton_kernels as norm
 
     for rows, width in [(1, 16), (150, 37), (70_000 * 197, 1536), (2**31 + 5, 64), (2**30, 4096)]:
         block_r, block_w, warps = norm.forward_layout(width)

@@ -1,6 +1,6 @@
-"""``triton`` backend of :func:`..depthwise_conv1d`: our fused kernels (:mod:`.._triton.conv`), the SiLU fused in,
+"""``triton`` backend of :func:`..depthwise_conv1d`: our fused kernels (:mod:`.triton_kernels`), the SiLU fused in,
 one launch forward and two backward (the kernel and a small sum of the weight and bias gradients' partials).
-Loaded on first use; chosen first on CUDA for kernels of up to :data:`.._triton.conv.MAX_TAPS` taps (longer ones,
+Loaded on first use; chosen first on CUDA for kernels of up to :data:`.triton_kernels.MAX_TAPS` taps (longer ones,
 and float64, run on the ``torch`` backend)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _check(device: torch.device, args: Any = None) -> str | None:
     reason = triton_unavailable(device, args)
     if reason is not None or args is None:
         return reason
-    from .._triton.conv import MAX_TAPS
+    from .triton_kernels import MAX_TAPS
 
     taps = args.weight.shape[1]
     if taps > MAX_TAPS:
@@ -30,7 +30,7 @@ def _check(device: torch.device, args: Any = None) -> str | None:
 
 
 def impl(args: ConvArgs) -> Tensor:
-    from .._triton.conv import depthwise_conv1d_triton
+    from .triton_kernels import depthwise_conv1d_triton
 
     return depthwise_conv1d_triton(args.x, args.weight, args.bias, args.left, args.right, args.silu)
 

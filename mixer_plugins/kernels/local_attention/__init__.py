@@ -15,9 +15,9 @@ Backends (see :mod:`mixer_plugins.kernels._dispatch`):
   rows. A ``torch.library`` custom op (:data:`local_attention_blocked`), so ``torch.compile(fullgraph=True)`` keeps
   it whole and ``FlopCounterMode`` counts the executed pairs (:func:`local_attention_flops`).
 * ``triton`` (chosen first on CUDA, float32/bfloat16/float16): the fused MLR attention kernel
-  (:mod:`mixer_plugins.kernels._triton.mlr`) with one global level of rank = head dim and a band: a key tile
-  entirely outside a query tile's band that holds no global token is never visited (the tile loops start and stop
-  at the band), a per-entry mask cuts the band inside the visited tiles. Forward and backward.
+  (:mod:`mixer_plugins.kernels.mlr_attention.triton_kernels`) with one global level of rank = head dim and a band: a
+  key tile entirely outside a query tile's band that holds no global token is never visited (the tile loops start and
+  stop at the band), a per-entry mask cuts the band inside the visited tiles. Forward and backward.
 * ``reference``: the dense ``L x L`` masked softmax, float64-capable, the independent oracle.
 """
 

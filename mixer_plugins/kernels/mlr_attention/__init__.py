@@ -11,13 +11,13 @@ scores only pairs inside a block::
 (a pair sharing no level scores 0); then the causal mask (optional), pad keys excluded, softmax over keys, times
 ``v``. Blocks must nest: each size divides the previous one, global levels come first.
 
-Backends (see :mod:`mixer_plugins.kernels._dispatch`): ``torch`` (tiled, flash-style, memory linear in the length;
-the default; on CPU its ``native`` engine is our fused C++ kernel, :mod:`.native`, compiled on first use; a
-``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` keeps it whole (an export traces
-the reference) and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
-``L x L`` oracle, float64-capable); ``triton`` (our fused kernel, :mod:`mixer_plugins.kernels._triton.mlr`; CUDA,
-chosen first there for float32, bfloat16 and float16: it computes in float32 at most, so it refuses float64 inputs
-and the dispatcher runs the ``torch`` backend).
+Backends (see :mod:`mixer_plugins.kernels._dispatch`): ``torch`` (tiled, flash-style, memory linear in the length; the
+default; on CPU its ``native`` engine is our fused C++ kernel, :mod:`.native`, compiled on first use; a
+``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` keeps it whole (an export traces the
+reference) and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
+``L x L`` oracle, float64-capable); ``triton`` (our fused kernel, :mod:`.triton_kernels`; CUDA, chosen first there for
+float32, bfloat16 and float16: it computes in float32 at most, so it refuses float64 inputs and the dispatcher runs
+the ``torch`` backend).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``triton`` backend of :func:`..mlr_attention`: our fused kernels (:mod:`.._triton.mlr`): flash-style, each tile
+"""``triton`` backend of :func:`..mlr_attention`: our fused kernels (:mod:`.triton_kernels`): flash-style, each tile
 pair's scores one dot of the width of the levels it shares (a per-entry mask only where a block boundary, the causal
 diagonal or the partial last tile crosses the pair). Loaded on first use; chosen first on CUDA for float32, bfloat16
 and float16 (float64 goes to the ``torch`` backend)."""
@@ -18,7 +18,7 @@ from .._requirements import triton_attention_unavailable
 def impl(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], block_sizes: Sequence[Optional[int]],
          scales: Sequence[float], causal: bool = False, mask: Tensor | None = None,
          block_divide: bool = True) -> Tensor:
-    from .._triton.mlr import mlr_attention_triton
+    from .triton_kernels import mlr_attention_triton
 
     if mask is not None:  # select the pads away: NaN there must reach no real output or gradient
         real = mask[:, :, None, None]

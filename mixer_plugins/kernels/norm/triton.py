@@ -1,6 +1,6 @@
-"""``triton`` backend of :func:`..gated_rmsnorm`: our fused kernels (:mod:`.._triton.norm`), one launch forward and
+"""``triton`` backend of :func:`..gated_rmsnorm`: our fused kernels (:mod:`.triton_kernels`), one launch forward and
 one backward (plus one small sum of the gain gradient's per-program partials), float32 inside, y's dtype out.
-Loaded on first use; chosen first on CUDA for rows up to :data:`.._triton.norm.MAX_WIDTH` wide (wider rows, and
+Loaded on first use; chosen first on CUDA for rows up to :data:`.triton_kernels.MAX_WIDTH` wide (wider rows, and
 float64, run on the ``torch`` backend)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _check(device: torch.device, args: Any = None) -> str | None:
     reason = triton_unavailable(device, args)
     if reason is not None or args is None:
         return reason
-    from .._triton.norm import MAX_WIDTH
+    from .triton_kernels import MAX_WIDTH
 
     width = args.y.shape[-1]
     if width > MAX_WIDTH:
@@ -30,7 +30,7 @@ def _check(device: torch.device, args: Any = None) -> str | None:
 
 
 def impl(args: NormArgs) -> Tensor:
-    from .._triton.norm import gated_rmsnorm_triton
+    from .triton_kernels import gated_rmsnorm_triton
 
     return gated_rmsnorm_triton(args.y, args.z, args.weight, args.eps, args.norm_before_gate)
 

@@ -45,10 +45,10 @@ from torch import Tensor
 
 from .._dispatch import row_span
 from .._requirements import MAX_ROW_SPAN
-from ..mlr_attention.plan import TilePlan, tile_classes, tile_plan
-from ._common import INTERPRET, available, dot_precision_split, grid_1d, on_device, tl, triton
-from ._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
-from ._common import dot as _dot
+from .._triton._common import INTERPRET, available, dot_precision_split, grid_1d, on_device, tl, triton
+from .._triton._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
+from .._triton._common import dot as _dot
+from .plan import TilePlan, tile_classes, tile_plan
 
 __all__ = ["MLRSpec", "Tiles", "available", "mlr_attention_triton", "mlr_triton"]
 

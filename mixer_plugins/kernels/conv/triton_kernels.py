@@ -37,9 +37,9 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from ..conv.torch import depthwise_conv1d_flops
-from ._common import available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
-from .norm import persistent_programs
+from .._triton._common import available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
+from ..norm.triton_kernels import persistent_programs
+from .torch import depthwise_conv1d_flops
 
 __all__ = ["MAX_TAPS", "available", "backward_layout", "depthwise_conv1d_triton", "forward_layout"]
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import MAX_GRID, available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
+from .._triton._common import MAX_GRID, available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
 
 __all__ = ["MAX_GRID", "MAX_WIDTH", "available", "backward_programs", "forward_grid", "forward_layout",
            "gated_rmsnorm_triton", "persistent_programs"]
