@@ -118,17 +118,20 @@ def assert_passes_fresh(test_file: str, env: dict[str, str], timeout: int, *, al
 # -- what an op allocates ------------------------------------------------------------------------------------
 
 class LargestTensor(TorchDispatchMode):
-    """Records ``largest``: the most elements of any tensor an op returned while the mode was active."""
+    """Records ``largest``, the most elements of any tensor an op returned while the mode was active, and ``total``,
+    the elements of all of them (views included: an upper bound of what was allocated)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.largest = 0
+        self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
+                self.total += t.numel()
         return out
 
 

@@ -468,19 +468,6 @@ def test_the_torch_backend_never_builds_an_l_by_l_tensor():
     assert mode.largest < l * l
 
 
-class _AllocatedElements(TorchDispatchMode):
-    """Sums the elements of every tensor an op returns (views included: an upper bound of what was allocated)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.total += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-        return out
-
-
 def test_the_torch_backward_work_is_linear_in_the_chunks():
     """The backward of the state pass touches each chunk's state a bounded number of times: doubling the chunks
     doubles what its ops return (an indexed chunk's gradient the size of all the states, per chunk, would make it
@@ -489,7 +476,7 @@ def test_the_torch_backward_work_is_linear_in_the_chunks():
         x, dt, A, B, C = random_inputs(b=1, l=length, h=2, p=4, g=1, n=4, dtype=torch.float32,
                                        requires_grad=True)
         y = kernels.ssd(x, dt, A, B, C, 4, backend="torch")
-        with _AllocatedElements() as mode:
+        with LargestTensor() as mode:
             y.sum().backward()
         return mode.total
 
