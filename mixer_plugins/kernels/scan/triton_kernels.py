@@ -134,6 +134,17 @@ class ScanGeometry:
 if triton is not None:
 
     @triton.jit
+    def _chunk_program(PER, NC, Q, L):
+        """This program's (sequence b, chunk c, index i, first token t0, tokens left rem) for a grid of one program
+        per (sequence, chunk, one of ``PER``): heads or groups, the fastest-moving index."""
+        pid = tl.program_id(0).to(tl.int64)
+        i = pid % PER
+        c = (pid // PER) % NC
+        b = pid // PER // NC
+        t0 = c * Q
+        return b, c, i, t0, (L - t0).to(tl.int32)
+
+    @triton.jit
     def _prefix(a, ok):
         """A chunk's inclusive sums ``p = cumsum(a)``, exclusive sums ``e`` and total ``plast`` (``p`` at the last valid
         row). ``e`` and ``plast`` are selected from ``p`` (gathered, never formed as ``p - a``, which would carry one
@@ -299,12 +310,7 @@ if triton is not None:
     ):
         """Per (sequence, chunk, group), direction by direction: ``C~ B^T`` once, then head by head the prepared step
         sizes and their chunk-local cumsums (kept for the other kernels), each chunk's own state and log carry."""
-        pid = tl.program_id(0).to(tl.int64)
-        g = pid % G
-        c = (pid // G) % NC
-        b = pid // G // NC
-        t0 = c * Q
-        rem = (L - t0).to(tl.int32)
+        b, c, g, t0, rem = _chunk_program(G, NC, Q, L)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
@@ -400,13 +406,8 @@ if triton is not None:
         EVEN_P: tl.constexpr, EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
         """Per (sequence, chunk, head): ``y = (lower + upper + diag) @ x + both read-outs of the entering states``."""
-        pid = tl.program_id(0).to(tl.int64)
-        h = pid % H
-        c = (pid // H) % NC
-        b = pid // H // NC
+        b, c, h, t0, rem = _chunk_program(H, NC, Q, L)
         g = h // HG
-        t0 = c * Q
-        rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
@@ -451,12 +452,7 @@ if triton is not None:
         respect to the entering state, ``(w dy)^T C~`` (into ``ds``), the read-out's share of the log-decay gradient
         (``rr``, per head and row), and its share of dC~, ``sum_heads w (dy H)``, into ``tacc`` (directions, batch,
         L, G, N), float32."""
-        pid = tl.program_id(0).to(tl.int64)
-        g = pid % G
-        c = (pid // G) % NC
-        b = pid // G // NC
-        t0 = c * Q
-        rem = (L - t0).to(tl.int32)
+        b, c, g, t0, rem = _chunk_program(G, NC, Q, L)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
@@ -583,13 +579,8 @@ if triton is not None:
         d dt_bias). The intra block's share of the log-decay gradient comes without ``dy x^T``: with
         ``M~ = C~B^T * decay``, ``Z = M~^T dy`` gives ``dx += dt Z`` and ``kd_j = x_j . Z_j`` (summed over queries),
         and ``W = (M~ dt) x`` gives ``qd_i = dy_i . W_i`` (summed over keys)."""
-        pid = tl.program_id(0).to(tl.int64)
-        h = pid % H
-        c = (pid // H) % NC
-        b = pid // H // NC
+        b, c, h, t0, rem = _chunk_program(H, NC, Q, L)
         g = h // HG
-        t0 = c * Q
-        rem = (L - t0).to(tl.int32)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         ok = (offs_q < Q) & (offs_q < rem)
@@ -718,12 +709,7 @@ if triton is not None:
         """Per (sequence, chunk, group). First, head by head, ``dy x^T`` (once for both directions) and the group's
         ``d(C~ B^T)``; from it dC (its own dtype; with the read-out's share from ``tacc``) and the intra share of dB.
         Then, head by head, the own states' share of dB, ``sum_heads w (x dS)``; dB last, in its own dtype."""
-        pid = tl.program_id(0).to(tl.int64)
-        g = pid % G
-        c = (pid // G) % NC
-        b = pid // G // NC
-        t0 = c * Q
-        rem = (L - t0).to(tl.int32)
+        b, c, g, t0, rem = _chunk_program(G, NC, Q, L)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_n = tl.arange(0, BLOCK_N)
         ok = (offs_q < Q) & (offs_q < rem)

@@ -184,6 +184,39 @@ if triton is not None:
                 tl.store(dtc_ptr + plane + vbase + offs, p, mask=ok)
 
     @triton.jit
+    def _sweep_keys(acc, d: tl.constexpr, m, q, tot_m, ok, seg_m, b, h, g, slot, vrow, L, NT, BATCH, G, plane,
+                    dtc_ptr, seg_ptr, cb_ptr, x_ptr, sxb, sxl, sxh, offs, offs_p, P, HAS_SEG: tl.constexpr,
+                    SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr):
+        """``acc + sum_n M_mn x_n`` over direction ``d``'s key tiles, from the diagonal tile ``m`` outwards (down for
+        the forward side, up for the backward one), the decay between tiles carried along (``seg_m``: the query
+        tile's segment ids, read only with ``HAS_SEG``)."""
+        between = 0.0
+        n = m
+        while (n >= 0) & (n < NT):
+            s0 = n * BLOCK_T
+            rem_n = (L - s0).to(tl.int32)
+            okn = offs < rem_n
+            dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+            if n == m:
+                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+            else:
+                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+            if HAS_SEG:
+                seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
+                decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
+            cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+            M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
+            xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+            acc += _mm(M, xn, DOT)
+            if n != m:
+                between += tot_n
+            if d == 0:
+                n -= 1
+            else:
+                n += 1
+        return acc
+
+    @triton.jit
     def _out_kernel(
         x_ptr, sxb, sxl, sxh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr, y_ptr,
         BATCH, L, H, G, P, N, NT,
@@ -203,6 +236,7 @@ if triton is not None:
         offs_p = tl.arange(0, BLOCK_P)
         ok = offs < rem
         plane = (D1 - D0) * BATCH * H * L
+        seg_m = offs  # the query tile's segment ids (with HAS_SEG)
         if HAS_SEG:
             seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
         acc = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
@@ -215,29 +249,9 @@ if triton is not None:
             vrow = ((slot * BATCH + b) * H + h) * L
             dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
             q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
-            between = 0.0
-            n = m
-            while (n >= 0) & (n < NT):
-                s0 = n * BLOCK_T
-                okn = offs < (L - s0).to(tl.int32)
-                dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, (L - s0).to(tl.int32), plane)
-                if n == m:
-                    decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
-                else:
-                    decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
-                if HAS_SEG:
-                    seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, (L - s0).to(tl.int32) - 1))
-                    decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
-                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
-                M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
-                xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
-                acc += _mm(M, xn, DOT)
-                if n != m:
-                    between += tot_n
-                if d == 0:
-                    n -= 1
-                else:
-                    n += 1
+            acc = _sweep_keys(acc, d, m, q, tot_m, ok, seg_m, b, h, g, slot, vrow, L, NT, BATCH, G, plane, dtc_ptr,
+                              seg_ptr, cb_ptr, x_ptr, sxb, sxl, sxh, offs, offs_p, P, HAS_SEG, SHIFT, BLOCK_T, EVEN_P,
+                              DOT)
         _store_tile(y_ptr + ((b * L + t0) * H + h) * P, offs, ok, offs_p, P, H * P, acc, EVEN_P)
 
     @triton.jit
@@ -440,6 +454,7 @@ if triton is not None:
             rem = (L - t0).to(tl.int32)
             ok = offs < rem
             dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P).to(tl.float32)
+            seg_m = offs  # the query tile's segment ids (with HAS_SEG)
             if HAS_SEG:
                 seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
             for d in tl.static_range(D0, D1):
@@ -447,31 +462,9 @@ if triton is not None:
                 vrow = ((slot * BATCH + b) * H + h) * L
                 dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
                 q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
-                W = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
-                between = 0.0
-                n = m
-                while (n >= 0) & (n < NT):
-                    s0 = n * BLOCK_T
-                    rem_n = (L - s0).to(tl.int32)
-                    okn = offs < rem_n
-                    dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
-                    if n == m:
-                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
-                    else:
-                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
-                    if HAS_SEG:
-                        seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
-                        decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
-                    cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
-                    M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
-                    xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
-                    W += _mm(M, xn, DOT)
-                    if n != m:
-                        between += tot_n
-                    if d == 0:
-                        n -= 1
-                    else:
-                        n += 1
+                W = _sweep_keys(tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32), d, m, q, tot_m, ok, seg_m, b, h, g,
+                                slot, vrow, L, NT, BATCH, G, plane, dtc_ptr, seg_ptr, cb_ptr, x_ptr, sxb, sxl, sxh,
+                                offs, offs_p, P, HAS_SEG, SHIFT, BLOCK_T, EVEN_P, DOT)
                 tl.store(kq_ptr + plane + vrow + t0 + offs, tl.sum(dym * W, 1), mask=ok)
             m += 1
 
