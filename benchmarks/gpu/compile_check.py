@@ -108,6 +108,24 @@ def compile_only(arch: int, record: Callable[[str, float, object], None]) -> Ite
         driver._active = previous
 
 
+def _scan_inputs(dtype, seg, diag, directions, groups, state, head_dim, heads, length, softplus):
+    """One sequence's scan inputs as the Triton backends take them: x, the forward and backward generators (dt, A,
+    B, C; ``None`` for an absent direction), the diagonal, the segment ids and the step-size bias."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, length, heads, head_dim, generator=g).to(dtype)
+    dt = torch.rand(1, length, heads, generator=g).to(dtype)
+    A = -torch.rand(heads, generator=g)
+    B = torch.randn(1, length, groups, state, generator=g).to(dtype)
+    C = torch.randn(1, length, groups, state, generator=g).to(dtype)
+    fwd = (dt, A, B, C) if "f" in directions else (None,) * 4
+    bwd = (dt, A, B, C) if "b" in directions else (None,) * 4
+    d = torch.randn(1, length, heads, generator=g).to(dtype) if diag else None
+    s = torch.zeros(1, length, dtype=torch.int32) if seg else None
+    return x, fwd, bwd, d, s, (torch.zeros(heads) if softplus else None)
+
+
 def _scan_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     """The chunked scan's kernels (``kernels.scan.triton_kernels``), forward and backward, as the backend launches
     them: raw step sizes prepared in the kernels, inputs read through their strides."""
@@ -119,19 +137,9 @@ def _scan_cases() -> Iterator[tuple[str, Callable[[], None]]]:
 
     def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, heads=4, length=200, softplus=True):
         def go():
-            g = torch.Generator().manual_seed(0)
-            b, h = 1, heads
-            x = torch.randn(b, length, h, head_dim, generator=g).to(dtype)
-            dt = torch.rand(b, length, h, generator=g).to(dtype)
-            A = -torch.rand(h, generator=g)
-            B = torch.randn(b, length, groups, state, generator=g).to(dtype)
-            C = torch.randn(b, length, groups, state, generator=g).to(dtype)
-            bias = torch.zeros(h) if softplus else None
-            fwd = (dt, A, B, C) if "f" in directions else (None,) * 4
-            bwd = (dt, A, B, C) if "b" in directions else (None,) * 4
-            d = torch.randn(b, length, h, generator=g).to(dtype) if diag else None
-            s = torch.zeros(b, length, dtype=torch.int32) if seg else None
-            st = torch.zeros(b, h, head_dim, state) if init else None
+            x, fwd, bwd, d, s, bias = _scan_inputs(dtype, seg, diag, directions, groups, state, head_dim, heads,
+                                                   length, softplus)
+            st = torch.zeros(1, heads, head_dim, state) if init else None
             prep = (bias, 0.0, math.inf, softplus, shift, 64)
             y, states, lg, cb, dtc, final = scan._scan_fwd(x, *fwd, *bwd, d, st, s, *prep, init)
             scan._scan_bwd(torch.randn_like(x), final if init else None, x, *fwd, *bwd, d, s, *prep, states, lg, cb,
@@ -158,18 +166,8 @@ def _one_chunk_cases() -> Iterator[tuple[str, Callable[[], None]]]:
 
     def case(dtype, shift, seg, diag, directions, groups, state, head_dim, heads=4, length=197, softplus=True):
         def go():
-            g = torch.Generator().manual_seed(0)
-            b, h = 1, heads
-            x = torch.randn(b, length, h, head_dim, generator=g).to(dtype)
-            dt = torch.rand(b, length, h, generator=g).to(dtype)
-            A = -torch.rand(h, generator=g)
-            B = torch.randn(b, length, groups, state, generator=g).to(dtype)
-            C = torch.randn(b, length, groups, state, generator=g).to(dtype)
-            bias = torch.zeros(h) if softplus else None
-            fwd = (dt, A, B, C) if "f" in directions else (None,) * 4
-            bwd = (dt, A, B, C) if "b" in directions else (None,) * 4
-            d = torch.randn(b, length, h, generator=g).to(dtype) if diag else None
-            s = torch.zeros(b, length, dtype=torch.int32) if seg else None
+            x, fwd, bwd, d, s, bias = _scan_inputs(dtype, seg, diag, directions, groups, state, head_dim, heads,
+                                                   length, softplus)
             prep = (bias, 0.0, math.inf, softplus, shift)
             y, cb, dtc = one._fwd(x, *fwd, *bwd, d, s, *prep)
             one._bwd(torch.randn_like(x), x, *fwd, *bwd, d, s, *prep, cb, dtc)
