@@ -47,22 +47,6 @@ REPO = Path(__file__).resolve().parents[2]
 # -- fixtures ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def resolver():
-    """fairseq2's resolver, initialised once per process through the entry points only (no extras)."""
-    from fairseq2.runtime.dependency import get_dependency_resolver
-
-    return get_dependency_resolver()
-
-
-@pytest.fixture(scope="module")
-def fs2(resolver):
-    """The adapter package, imported after fairseq2 is initialised."""
-    import mixer_plugins.backbones.fairseq2 as fs2
-
-    return fs2
-
-
-@pytest.fixture(scope="module")
 def hub(fs2):
     return fs2.get_mixer_encoder_hub()
 

@@ -36,20 +36,6 @@ STEPPING = [n for n in default_registry.names() if default_registry.get_spec(n).
 
 
 @pytest.fixture(scope="module")
-def resolver():
-    from fairseq2.runtime.dependency import get_dependency_resolver
-
-    return get_dependency_resolver()
-
-
-@pytest.fixture(scope="module")
-def fs2(resolver):
-    import mixer_plugins.backbones.fairseq2 as fs2
-
-    return fs2
-
-
-@pytest.fixture(scope="module")
 def hub(fs2):
     return fs2.get_mixer_decoder_hub()
 

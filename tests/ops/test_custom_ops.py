@@ -144,10 +144,23 @@ def test_every_custom_op_is_opchecked():
         assert test in globals(), test
 
 
-_TRITON_OPCHECK = """
+#: what both interpreter scripts start with: a check that an op's real and fake outputs have the same layout
+_SAME_LAYOUT = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+
+def same_layout(op, args):
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
+    for r, f in zip(tree_leaves(real), tree_leaves(fake), strict=True):
+        assert (r.shape, r.dtype, r.stride(), r.storage_offset()) == (f.shape, f.dtype, f.stride(),
+                                                                       f.storage_offset()), (op, r.shape, f.shape)
+    return real
+"""
+
+_TRITON_OPCHECK = _SAME_LAYOUT + """
 import mixer_plugins.kernels.scan.triton_kernels  # registers the ops (kernels defined in interpreter mode)
 
 g = torch.Generator().manual_seed(0)
@@ -158,15 +171,6 @@ A, A_b = (-torch.rand(h, generator=g) - 0.2 for _ in range(2))
 B, C, B_b, C_b = (torch.randn(b, l, 1, n, generator=g) for _ in range(4))
 diag = torch.randn(b, l, h, generator=g)
 seg = torch.tensor([[0] * 4 + [1] * 5], dtype=torch.int32)
-
-def same_layout(op, args):
-    real = op(*args)
-    with FakeTensorMode() as mode:
-        fake = op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
-    for r, f in zip(tree_leaves(real), tree_leaves(fake), strict=True):
-        assert (r.shape, r.dtype, r.stride(), r.storage_offset()) == (f.shape, f.dtype, f.stride(),
-                                                                       f.storage_offset()), (op, r.shape, f.shape)
-    return real
 
 fwd = torch.ops.mixer_plugins.quasiseparable_triton.default
 bwd = torch.ops.mixer_plugins.quasiseparable_triton_backward.default
@@ -205,20 +209,9 @@ def _run_script_under_the_interpreter(script: str) -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
 
 
-_TRITON_NORM_CONV_OPCHECK = """
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+_TRITON_NORM_CONV_OPCHECK = _SAME_LAYOUT + """
 import mixer_plugins.kernels.conv.triton_kernels  # registers the ops (kernels defined in interpreter mode)
 import mixer_plugins.kernels.norm.triton_kernels
-
-def same_layout(op, args):
-    real = op(*args)
-    with FakeTensorMode() as mode:
-        fake = op(*tree_map_only(torch.Tensor, mode.from_tensor, args))
-    for r, f in zip(tree_leaves(real), tree_leaves(fake), strict=True):
-        assert (r.shape, r.dtype, r.stride(), r.storage_offset()) == (f.shape, f.dtype, f.stride(),
-                                                                       f.storage_offset()), (op, r.shape, f.shape)
 
 g = torch.Generator().manual_seed(0)
 ops = torch.ops.mixer_plugins
