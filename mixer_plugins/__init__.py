@@ -122,7 +122,7 @@ def get_spec(name: str) -> MixerSpec:
     return _registry().get_spec(name)
 
 
-def create_mixer(name: str, dim: int | None = None, /, **options: Any) -> MatrixMixer:
+def create_mixer(name: str, dim: int | None = None, /, **options: Any) -> MatrixMixer[Any]:
     """Build a mixer by name or alias; ``options`` are validated by the mixer's config model.
 
     Raises :class:`UnknownMixerError` (with "did you mean") for an unknown name and

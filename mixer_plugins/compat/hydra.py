@@ -156,7 +156,8 @@ def roll_released_toeplitz_taps(conv_params: Tensor) -> Tensor:
 
 def matrix_mixer_options(matrix_mixer_type: str, is_data_dependent: bool, d_model: int, qk_dim: int, *,
                          max_seq_len: Optional[int] = None, d_conv: int = 7, expand: int = 2, headdim: int = 128,
-                         bias: bool = False, conv_bias: bool = True, chunk_size: int = 256) -> tuple[str, dict]:
+                         bias: bool = False, conv_bias: bool = True,
+                         chunk_size: int = 256) -> tuple[str, dict[str, Any]]:
     """Our mixer and its options for the released ``MatrixMixer(matrix_mixer_type, is_data_dependent, d_model,
     qk_dim, max_seq_len, d_conv, expand=..., headdim=..., bias=..., conv_bias=..., chunk_size=...)``: build it with
     ``mixer_plugins.create_mixer(name, d_model, **options)`` and load :func:`convert_matrix_mixer_state_dict` of the
@@ -164,7 +165,7 @@ def matrix_mixer_options(matrix_mixer_type: str, is_data_dependent: bool, d_mode
     if matrix_mixer_type not in _OUR_MIXER:
         raise ValueError(f"unknown released matrix mixer {matrix_mixer_type!r}; released types: {sorted(_OUR_MIXER)}")
     dd = is_data_dependent and matrix_mixer_type != "dense"
-    options: dict = {"head_dim": headdim, "expand": expand, "d_conv": d_conv, "proj_bias": bias,
+    options: dict[str, Any] = {"head_dim": headdim, "expand": expand, "d_conv": d_conv, "proj_bias": bias,
                      "conv_bias": conv_bias}
     if matrix_mixer_type == "dense":
         return "dense", {**options, "max_seq_len": max_seq_len}

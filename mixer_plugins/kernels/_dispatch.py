@@ -238,7 +238,7 @@ def _onnx_exporter() -> str | None:
     return "dynamo" if torch.compiler.is_exporting() else "torchscript"
 
 
-def resolve_backend(op: str, backend: str | None, device: torch.device | str, args: Any = None) -> Callable:
+def resolve_backend(op: str, backend: str | None, device: torch.device | str, args: Any = None) -> Callable[..., Any]:
     """The implementation of ``op`` to run: ``backend``, the preferred one, or the automatic choice (see the
     module notes). ``args``, the call's argument bundle, lets a backend refuse inputs it cannot handle."""
     impls = _backends_of(op)

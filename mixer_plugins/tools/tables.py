@@ -116,7 +116,7 @@ def results_table(rows: Sequence[Mapping[str, Any]], *, baseline: str | None = "
                   markdown: bool = False) -> str:
     """The comparison table of ``rows`` (see the module docstring); ``markdown`` for a pipe table; no ratio
     columns when ``baseline`` is None."""
-    sections: dict[tuple, list[Mapping[str, Any]]] = {}
+    sections: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for row in rows:
         key = (row.get("run"), row.get("mode"), row.get("dim"), row.get("batch"))
         sections.setdefault(key, []).append(row)

@@ -261,7 +261,7 @@ def check_checkpoint_dir(resolver: DependencyResolver, config_kls: type | None =
     [round_tripped] = _yaml_round_trip(resolver, {
         "name": "checkpoint", "model_family": family.name,
         "model_config": resolver.resolve(ValueConverter).unstructure(model_config)})
-    wanted: dict = round_tripped if isinstance(round_tripped, dict) else {}
+    wanted: dict[str, Any] = round_tripped if isinstance(round_tripped, dict) else {}
     saved, source = step_metadata(resolver, ckpt_dir, steps[-1], fields=set(wanted["model_config"]))
     if saved is None:
         log.warning("The model config of step {} in {} cannot be read (no intact model.yaml); resuming from it, and "

@@ -25,6 +25,10 @@ import os
 
 import torch
 
+__all__ = ["DOT_PRECISION_NAME", "IMPORT_ERROR", "INTERPRET", "INTERPRET_AT_IMPORT", "MAX_GRID", "available", "cdiv",
+           "dot", "dot_precision", "dot_precision_split", "grid_1d", "mm", "offset64", "on_device", "pow2", "tl",
+           "triton"]
+
 try:  # the ``triton`` package
     import triton
     import triton.language as tl

@@ -175,7 +175,7 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: i
     return torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1), probs, r_probs
 
 
-def _prob_shapes(q_shape, plan: LocalPlan) -> tuple[tuple, tuple]:
+def _prob_shapes(q_shape, plan: LocalPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the probabilities the forward keeps for the backward: the chunks' (b, n, h, c, K + G) (dense:
     (b, h, L, L)) and the global rows' (b, h, G, L) (dense: (b, h, 0, L))."""
     b, length, h = q_shape[:3]

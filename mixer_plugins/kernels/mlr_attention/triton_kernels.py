@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -581,7 +581,7 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 @functools.lru_cache(maxsize=128)
-def _constants(spec: MLRSpec, e: int, p: int) -> dict:
+def _constants(spec: MLRSpec, e: int, p: int) -> dict[str, Any]:
     """The kernels' compile-time arguments for ``spec`` at head widths ``e`` (q, k) and ``p`` (v)."""
     n = len(spec.ranks)
     offs = tuple(sum(spec.ranks[:i]) for i in range(n))

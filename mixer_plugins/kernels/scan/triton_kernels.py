@@ -48,7 +48,7 @@ Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this modul
 from __future__ import annotations
 
 import math
-from typing import Optional, overload
+from typing import Any, Optional, overload
 
 import torch
 from torch import Tensor
@@ -100,7 +100,7 @@ class ScanGeometry:
         self.Q = max(1, min(int(chunk), self.length, self.MAX_CHUNK))
         self.nchunks = cdiv(self.length, self.Q)
 
-    def blocks(self, dtype: torch.dtype) -> dict:
+    def blocks(self, dtype: torch.dtype) -> dict[str, Any]:
         """Block sizes of the chunk, head and state dimensions (and whether the last two fill their blocks), and the
         matmul precision for inputs of ``dtype``."""
         bp, bn = _block(self.head_dim), _block(self.state)
@@ -827,19 +827,19 @@ class _Call:
         """A tensor argument (x stands in for an absent one: never read)."""
         return self.x if t is None else t
 
-    def generators(self) -> tuple:
+    def generators(self) -> tuple[Any, ...]:
         """dt, A, B, C of the forward then the backward direction, then the strides of dt and of B and C."""
         (dtf, dtb), (Af, Ab), (Bf, Bb), (Cf, Cb) = self.dt, self.A, self.B, self.C
         return (dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, *_s3(dtf), *_s3(Bf))
 
-    def C_pair(self) -> tuple:
+    def C_pair(self) -> tuple[Any, ...]:
         return (*self.C, *_s3(self.B[0]))
 
-    def B_pair(self) -> tuple:
+    def B_pair(self) -> tuple[Any, ...]:
         return (*self.B, *_s3(self.B[0]))
 
     @property
-    def dims(self) -> tuple:
+    def dims(self) -> tuple[int, ...]:
         return self.geo.dims
 
 
@@ -1096,7 +1096,7 @@ def _seg_arg(seq_idx: Tensor | None) -> Tensor | None:
         seq_idx.to(torch.int32).contiguous()
 
 
-def _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b) -> tuple:
+def _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b) -> tuple[Any, ...]:
     """The backward direction's generators as the kernels take them: in the forward's dtypes (one dtype per
     generator), and ``A_b`` None when it is the forward's tensor itself (then its gradient is one sum, not two
     added)."""

@@ -30,7 +30,7 @@ on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -63,7 +63,7 @@ class OneChunkGeometry:
         self.tile = min(int(tile or TILE), max(16, pow2(self.length)))
         self.ntiles = cdiv(self.length, self.tile)
 
-    def blocks(self, dtype: torch.dtype) -> dict:
+    def blocks(self, dtype: torch.dtype) -> dict[str, Any]:
         bp, bn = max(16, pow2(self.head_dim)), max(16, pow2(self.state))
         return dict(BLOCK_T=self.tile, BLOCK_P=bp, BLOCK_N=bn, EVEN_P=bp == self.head_dim, EVEN_N=bn == self.state,
                     DOT=dot_precision(dtype))

@@ -138,7 +138,8 @@ def allocation_guard(what: str, hint: str) -> Iterator[None]:
 
 
 def set_threads(threads: int | None) -> None:
-    """``torch.set_num_threads(threads)`` unless ``threads`` is None."""
+    """Set torch's intra-op thread count for this process (the commands' ``--threads`` option; compare's workers
+    get the parent's count through it); None leaves it as it is."""
     if threads is not None:
         import torch
 

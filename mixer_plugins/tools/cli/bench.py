@@ -135,7 +135,7 @@ class DecodeTiming:
     def median(self) -> float:
         return self.quantile(0.5)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "median_seconds": self.median,
                 **{f"p{q}_seconds": self.quantile(q / 100) for q in (10, 25, 75, 90)}}
 
@@ -301,7 +301,7 @@ def run_decode(args: argparse.Namespace) -> int:
                    bool(timings))
 
 
-def _finish(problems: list, json_path: Path | None, write_final_json: Callable[[], object],
+def _finish(problems: list[SweepProblem], json_path: Path | None, write_final_json: Callable[[], object],
             plot_path: Path | None, plot: Callable[[], Path] | None, any_result: bool) -> int:
     """A run's last part: its problems on stderr, the JSON (first: the numbers are never lost to a plotting
     problem), then the plot; the exit status: non-zero when anything attempted failed (skipped directions are not

@@ -162,12 +162,12 @@ def run_compare(args: argparse.Namespace) -> int:
     """Run ``compare`` from parsed arguments; returns the exit status (0, or 2 after printing a usage error)."""
     import sys
 
-    import torch
+    from ..cli.args import set_threads
 
     if args.list:
         print(_listing())
         return 0
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     try:
         config = config_from_args(args)
         from .runner import compare

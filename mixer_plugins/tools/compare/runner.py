@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ...errors import MixerError
+from ..cli.args import set_threads
 from ..progress import progress_bar
 from .models import (
     MixerEntry,
@@ -399,10 +400,6 @@ def _run_or_record(config: CompareConfig, task: Task, entry: MixerEntry, seed: i
                 f"== {entry.label} seed {seed}\n{traceback.format_exc()}")
 
 
-def _worker_setup(threads: int) -> None:
-    torch.set_num_threads(threads)
-
-
 def _worker_run(config: CompareConfig, index: int, seed: int) -> tuple[RunResult, str | None]:
     """One (entry, seed) run in a worker process: the task and test set are rebuilt from the config and seed."""
     task = config.build_task()
@@ -460,7 +457,7 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
         # spawn, not fork: a forked child of a process whose OpenMP pool has started can hang in it
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(min(config.jobs, total), mp_context=context,
-                                                    initializer=_worker_setup,
+                                                    initializer=set_threads,
                                                     initargs=(torch.get_num_threads(),)) as pool:
             # seed-major submission: an interrupted comparison has every entry for the first seeds
             order = sorted(jobs_list, key=lambda job: (config.seeds.index(job[2]), job[0]))
@@ -527,7 +524,7 @@ def _ordered(finished: Mapping[tuple[int, int], RunResult]) -> list[RunResult]:
     return [finished[key] for key in sorted(finished)]
 
 
-def _timing(config: CompareConfig, wall_start: float, finished: Mapping[tuple[int, int], RunResult]) -> dict:
+def _timing(config: CompareConfig, wall_start: float, finished: Mapping[tuple[int, int], RunResult]) -> dict[str, Any]:
     return {"wall_seconds": round(time.perf_counter() - wall_start, 3),
             "cpu_seconds": round(sum(r.cpu_seconds or 0.0 for r in finished.values()), 3),
             "jobs": config.jobs, "threads": torch.get_num_threads()}
