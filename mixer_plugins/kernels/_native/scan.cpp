@@ -62,6 +62,9 @@ struct Shape {
   int64_t B, L, H, P, G, N, Q, rep;
 };
 
+// Row i (direction order) of a direction's sequence, in time order.
+inline int64_t time_row(const Shape& s, bool reverse, int64_t i) { return reverse ? s.L - 1 - i : i; }
+
 // One direction's inputs for one (batch, head), read in the direction's order.
 template <typename T>
 struct DirIn {
@@ -178,19 +181,15 @@ void direction_forward(const Shape& s, const T* x, const DirIn<T>& d, bool shift
   if (final != nullptr) std::copy_n(Hc.data(), s.N * s.P, final);
 }
 
-// Backward of one direction for (b, h). dy (B, L, H, P); dfinal (N x P) or null; adds into dx (B, L, H, P) and
-// ddt (B, L, H); writes dB, dC (B, L, H, N) for this head (added, the caller zeroes them), dA_out (this (b, h)'s
-// share) and dH0 (N x P, the entering state's gradient) when non-null.
+// The entering state of every chunk of one direction for (b, h): states (nchunks x N x P) from H0 (N x P; zero
+// when null), nonzero[c] set where chunk c's entering state may be nonzero.
 template <typename T>
-void direction_backward(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64_t b, int64_t h,
-                        const T* H0, const T* dy, const T* dfinal, T* dx, T* ddt, T* dB, T* dC, T* dA_out, T* dH0,
-                        Scratch<T>& w, std::vector<T>& states) {
+void entering_states(const Shape& s, const T* x, const DirIn<T>& d, int64_t b, int64_t h, const T* H0,
+                     Scratch<T>& w, std::vector<T>& states, std::vector<char>& nonzero) {
   const int64_t nchunks = (s.L + s.Q - 1) / s.Q;
   const int64_t NP = s.N * s.P;
-  auto row = [&](int64_t i) { return d.reverse ? s.L - 1 - i : i; };
-  // the entering state of every chunk
   states.assign(static_cast<size_t>(nchunks) * NP, T(0));
-  std::vector<char> nonzero(nchunks, 0);
+  nonzero.assign(nchunks, 0);
   if (H0 != nullptr) {
     std::copy_n(H0, NP, states.data());
     nonzero[0] = 1;
@@ -202,7 +201,7 @@ void direction_backward(const Shape& s, const T* x, const DirIn<T>& d, bool shif
     const T* cur = states.data() + c * NP;
     T acc = 0;
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = row(i0 + r);
+      const int64_t t = time_row(s, d.reverse, i0 + r);
       w.dt[r] = d.dt[(b * s.L + t) * s.H + h];
       acc += w.dt[r] * d.A;
       w.p[r] = acc;
@@ -218,7 +217,134 @@ void direction_backward(const Shape& s, const T* x, const DirIn<T>& d, bool shif
     gemm<T>(true, false, s.N, s.P, n, T(1), w.Bc.data(), s.N, w.Fx.data(), s.P, T(1), next, s.P);
     nonzero[c + 1] = 1;
   }
-  std::vector<T> dH(NP, T(0)), dHc(NP, T(0));
+}
+
+// (1) of a chunk's backward, y = M X (w loaded, w.dY the chunk's dy, w.dq, w.dp, w.ddt zero): dM = dY X^T
+// (masked), dX = M^T dY; dCB_ij = dM_ij E_ij dt_j, s_ij = dM_ij M_ij: dq_i += sum_j s_ij, dp_j -= sum_i s_ij,
+// ddt_j += sum_i dM_ij CB_ij E_ij; dC~ = dCB B, dB = dCB^T C~.
+template <typename T>
+void intra_chunk_grads(const Shape& s, bool shift, int64_t n, Scratch<T>& w) {
+  T* dm = w.dM.data();
+  gemm<T>(false, true, n, n, s.P, T(1), w.dY.data(), s.P, w.X.data(), s.P, T(0), dm, n);
+  gemm<T>(true, false, n, s.P, n, T(1), w.M.data(), n, w.dY.data(), s.P, T(0), w.dX.data(), s.P);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t allowed = shift ? i : i + 1;
+    T* dmi = dm + i * n;
+    const T* mi = w.M.data() + i * n;
+    const T* ei = w.E.data() + i * n;
+    const T* cbi = w.CB.data() + i * n;
+    T rowsum = 0;
+    for (int64_t j = 0; j < allowed; ++j) {
+      const T sij = dmi[j] * mi[j];
+      rowsum += sij;
+      w.dp[j] -= sij;
+      w.ddt[j] += dmi[j] * cbi[j] * ei[j];
+      dmi[j] = dmi[j] * ei[j] * w.dt[j];
+    }
+    for (int64_t j = allowed; j < n; ++j) dmi[j] = T(0);
+    w.dq[i] += rowsum;
+  }
+  gemm<T>(false, false, n, s.N, n, T(1), dm, n, w.Bc.data(), s.N, T(0), w.dC.data(), s.N);
+  gemm<T>(true, false, n, s.N, n, T(1), dm, n, w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
+}
+
+// (2) of a chunk's backward, y_i += exp(q_i) C~_i H_c (H_c N x P): dq_i += exp(q_i) (C~_i H_c) . dY_i,
+// dC~ += dR H_c^T and dH_c = C~^T dR with dR_i = exp(q_i) dY_i.
+template <typename T>
+void readout_grads(const Shape& s, int64_t n, const T* Hc, Scratch<T>& w, std::vector<T>& dHc) {
+  gemm<T>(false, false, n, s.P, s.N, T(1), w.Cc.data(), s.N, Hc, s.P, T(0), w.R.data(), s.P);
+  for (int64_t i = 0; i < n; ++i) {
+    const T eq = std::exp(w.q[i]);
+    T dot = 0;
+    T* dri = w.Fx.data() + i * s.P;  // dR_i (Fx is free until (3))
+    for (int64_t k = 0; k < s.P; ++k) {
+      dot += w.R[i * s.P + k] * w.dY[i * s.P + k];
+      dri[k] = eq * w.dY[i * s.P + k];
+    }
+    w.dq[i] += eq * dot;
+  }
+  gemm<T>(false, true, n, s.N, s.P, T(1), w.Fx.data(), s.P, Hc, s.P, T(1), w.dC.data(), s.N);
+  gemm<T>(true, false, s.N, s.P, n, T(1), w.Cc.data(), s.N, w.Fx.data(), s.P, T(0), dHc.data(), s.P);
+}
+
+// (3) of a chunk's backward, H_{c+1} = exp(p_last) H_c + B^T (F x) with F_j = exp(p_last - p_j) dt_j, given dH
+// (N x P), the gradient reaching H_{c+1}: d(Fx) = B dH, dB += (Fx) dH^T, then dX, ddt, dp; returns p_last's
+// gradient (its share through H_c only where `with_Hc`).
+template <typename T>
+T state_update_grads(const Shape& s, int64_t n, const T* Hc, bool with_Hc, const std::vector<T>& dH, Scratch<T>& w) {
+  const T last = w.p[n - 1], el = std::exp(last);
+  T dlast = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    w.F[j] = std::exp(last - w.p[j]) * w.dt[j];
+    for (int64_t k = 0; k < s.P; ++k) w.Fx[j * s.P + k] = w.F[j] * w.X[j * s.P + k];
+  }
+  gemm<T>(false, false, n, s.P, s.N, T(1), w.Bc.data(), s.N, dH.data(), s.P, T(0), w.dFx.data(), s.P);
+  gemm<T>(false, true, n, s.N, s.P, T(1), w.Fx.data(), s.P, dH.data(), s.P, T(1), w.dB.data(), s.N);
+  for (int64_t j = 0; j < n; ++j) {
+    T dF = 0;
+    for (int64_t k = 0; k < s.P; ++k) {
+      dF += w.X[j * s.P + k] * w.dFx[j * s.P + k];
+      w.dX[j * s.P + k] += w.F[j] * w.dFx[j * s.P + k];
+    }
+    w.ddt[j] += std::exp(last - w.p[j]) * dF;
+    dlast += w.F[j] * dF;
+    w.dp[j] -= w.F[j] * dF;
+  }
+  if (with_Hc) {
+    T dot = 0;
+    for (int64_t k = 0; k < s.N * s.P; ++k) dot += dH[k] * Hc[k];
+    dlast += el * dot;
+  }
+  return dlast;
+}
+
+// The cumulative sums' backward (q_i = p_i, or p_i - a_i with shift; p_i = sum_{k <= i} a_k; a_i = dt_i A): adds
+// into w.ddt, and A's gradient into dA.
+template <typename T>
+void cumsum_grads(bool shift, int64_t n, T A, T dlast, Scratch<T>& w, T& dA) {
+  w.dp[n - 1] += dlast;
+  T run = 0;
+  for (int64_t i = n - 1; i >= 0; --i) {
+    run += w.dp[i] + w.dq[i];
+    T da = run;
+    if (shift) da -= w.dq[i];
+    w.ddt[i] += da * A;
+    dA += da * w.dt[i];
+  }
+}
+
+// Adds a chunk's row gradients into dx (B, L, H, P), ddt (B, L, H), dB and dC (B, L, H, N; C's at the row its
+// C~ came from).
+template <typename T>
+void scatter_rows(const Shape& s, const DirIn<T>& d, bool shift, int64_t b, int64_t h, int64_t i0, int64_t n,
+                  const Scratch<T>& w, T* dx, T* ddt, T* dB, T* dC) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = time_row(s, d.reverse, i0 + i);
+    T* dxo = dx + ((b * s.L + t) * s.H + h) * s.P;
+    for (int64_t k = 0; k < s.P; ++k) dxo[k] += w.dX[i * s.P + k];
+    ddt[(b * s.L + t) * s.H + h] += w.ddt[i];
+    T* dbo = dB + ((b * s.L + t) * s.H + h) * s.N;
+    for (int64_t k = 0; k < s.N; ++k) dbo[k] += w.dB[i * s.N + k];
+    const int64_t ci = shift ? i0 + i - 1 : i0 + i;
+    if (ci >= 0) {
+      T* dco = dC + ((b * s.L + time_row(s, d.reverse, ci)) * s.H + h) * s.N;
+      for (int64_t k = 0; k < s.N; ++k) dco[k] += w.dC[i * s.N + k];
+    }
+  }
+}
+
+// Backward of one direction for (b, h). dy (B, L, H, P); dfinal (N x P) or null; adds into dx (B, L, H, P) and
+// ddt (B, L, H); writes dB, dC (B, L, H, N) for this head (added, the caller zeroes them), dA_out (this (b, h)'s
+// share) and dH0 (N x P, the entering state's gradient) when non-null.
+template <typename T>
+void direction_backward(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64_t b, int64_t h,
+                        const T* H0, const T* dy, const T* dfinal, T* dx, T* ddt, T* dB, T* dC, T* dA_out, T* dH0,
+                        Scratch<T>& w, std::vector<T>& states) {
+  const int64_t nchunks = (s.L + s.Q - 1) / s.Q;
+  const int64_t NP = s.N * s.P;
+  std::vector<char> nonzero;
+  entering_states(s, x, d, b, h, H0, w, states, nonzero);
+  std::vector<T> dH(NP, T(0)), dHc(NP, T(0));  // the gradient reaching the state after the chunk; before it
   bool dH_zero = true;
   if (dfinal != nullptr) {
     std::copy_n(dfinal, NP, dH.data());
@@ -230,108 +356,19 @@ void direction_backward(const Shape& s, const T* x, const DirIn<T>& d, bool shif
     load_chunk(s, x, d, shift, b, h, i0, n, w);
     const T* Hc = states.data() + c * NP;
     for (int64_t i = 0; i < n; ++i) {
-      std::copy_n(dy + ((b * s.L + row(i0 + i)) * s.H + h) * s.P, s.P, w.dY.data() + i * s.P);
+      std::copy_n(dy + ((b * s.L + time_row(s, d.reverse, i0 + i)) * s.H + h) * s.P, s.P, w.dY.data() + i * s.P);
       w.dq[i] = w.dp[i] = w.ddt[i] = T(0);
     }
-    T dlast = 0;
-    // (1) y = M X: dM = dY X^T (masked), dX = M^T dY
-    T* dm = w.dM.data();
-    gemm<T>(false, true, n, n, s.P, T(1), w.dY.data(), s.P, w.X.data(), s.P, T(0), dm, n);
-    gemm<T>(true, false, n, s.P, n, T(1), w.M.data(), n, w.dY.data(), s.P, T(0), w.dX.data(), s.P);
-    // dCB_ij = dM_ij E_ij dt_j (kept in dm); s_ij = dM_ij M_ij: dq_i += sum_j s_ij, dp_j -= sum_i s_ij;
-    // ddt_j += sum_i dM_ij CB_ij E_ij
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t allowed = shift ? i : i + 1;
-      T* dmi = dm + i * n;
-      const T* mi = w.M.data() + i * n;
-      const T* ei = w.E.data() + i * n;
-      const T* cbi = w.CB.data() + i * n;
-      T rowsum = 0;
-      for (int64_t j = 0; j < allowed; ++j) {
-        const T sij = dmi[j] * mi[j];
-        rowsum += sij;
-        w.dp[j] -= sij;
-        w.ddt[j] += dmi[j] * cbi[j] * ei[j];
-        dmi[j] = dmi[j] * ei[j] * w.dt[j];
-      }
-      for (int64_t j = allowed; j < n; ++j) dmi[j] = T(0);
-      w.dq[i] += rowsum;
-    }
-    // dC~ = dCB B, dB = dCB^T C~
-    gemm<T>(false, false, n, s.N, n, T(1), dm, n, w.Bc.data(), s.N, T(0), w.dC.data(), s.N);
-    gemm<T>(true, false, n, s.N, n, T(1), dm, n, w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
-    // (2) y_i += exp(q_i) C~_i H_c
+    intra_chunk_grads(s, shift, n, w);
     std::fill(dHc.begin(), dHc.end(), T(0));
-    if (nonzero[c]) {
-      gemm<T>(false, false, n, s.P, s.N, T(1), w.Cc.data(), s.N, Hc, s.P, T(0), w.R.data(), s.P);
-      for (int64_t i = 0; i < n; ++i) {
-        const T eq = std::exp(w.q[i]);
-        T dot = 0;
-        T* dri = w.Fx.data() + i * s.P;  // dR_i = exp(q_i) dY_i (Fx free until (3))
-        for (int64_t k = 0; k < s.P; ++k) {
-          dot += w.R[i * s.P + k] * w.dY[i * s.P + k];
-          dri[k] = eq * w.dY[i * s.P + k];
-        }
-        w.dq[i] += eq * dot;
-      }
-      // dC~ += dR H_c^T; dH_c = C~^T dR
-      gemm<T>(false, true, n, s.N, s.P, T(1), w.Fx.data(), s.P, Hc, s.P, T(1), w.dC.data(), s.N);
-      gemm<T>(true, false, s.N, s.P, n, T(1), w.Cc.data(), s.N, w.Fx.data(), s.P, T(0), dHc.data(), s.P);
-    }
-    // (3) H_{c+1} = exp(p_last) H_c + B^T (F x), with dH the gradient reaching H_{c+1}
-    const T last = w.p[n - 1], el = std::exp(last);
-    if (!dH_zero) {
-      for (int64_t j = 0; j < n; ++j) {
-        w.F[j] = std::exp(last - w.p[j]) * w.dt[j];
-        for (int64_t k = 0; k < s.P; ++k) w.Fx[j * s.P + k] = w.F[j] * w.X[j * s.P + k];
-      }
-      // d(Fx) = B dH; dB += (Fx) dH^T
-      gemm<T>(false, false, n, s.P, s.N, T(1), w.Bc.data(), s.N, dH.data(), s.P, T(0), w.dFx.data(), s.P);
-      gemm<T>(false, true, n, s.N, s.P, T(1), w.Fx.data(), s.P, dH.data(), s.P, T(1), w.dB.data(), s.N);
-      for (int64_t j = 0; j < n; ++j) {
-        T dF = 0;
-        for (int64_t k = 0; k < s.P; ++k) {
-          dF += w.X[j * s.P + k] * w.dFx[j * s.P + k];
-          w.dX[j * s.P + k] += w.F[j] * w.dFx[j * s.P + k];
-        }
-        // F_j = exp(p_last - p_j) dt_j
-        w.ddt[j] += std::exp(last - w.p[j]) * dF;
-        dlast += w.F[j] * dF;
-        w.dp[j] -= w.F[j] * dF;
-      }
-      if (nonzero[c]) {
-        T dot = 0;
-        for (int64_t k = 0; k < NP; ++k) dot += dH[k] * Hc[k];
-        dlast += el * dot;
-      }
-    }
+    if (nonzero[c]) readout_grads(s, n, Hc, w, dHc);
+    const T dlast = dH_zero ? T(0) : state_update_grads(s, n, Hc, nonzero[c] != 0, dH, w);
     // the gradient reaching H_c: exp(p_last) dH + dH_c
+    const T el = std::exp(w.p[n - 1]);
     for (int64_t k = 0; k < NP; ++k) dH[k] = (dH_zero ? T(0) : el * dH[k]) + dHc[k];
     dH_zero = false;
-    // cumulative sums: q_i = p_i (- a_i with shift); p_i = sum_{k <= i} a_k
-    w.dp[n - 1] += dlast;
-    T run = 0;
-    for (int64_t i = n - 1; i >= 0; --i) {
-      run += w.dp[i] + w.dq[i];
-      T da = run;
-      if (shift) da -= w.dq[i];
-      w.ddt[i] += da * d.A;
-      dA += da * w.dt[i];
-    }
-    // scatter
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = row(i0 + i);
-      T* dxo = dx + ((b * s.L + t) * s.H + h) * s.P;
-      for (int64_t k = 0; k < s.P; ++k) dxo[k] += w.dX[i * s.P + k];
-      ddt[(b * s.L + t) * s.H + h] += w.ddt[i];
-      T* dbo = dB + ((b * s.L + t) * s.H + h) * s.N;
-      for (int64_t k = 0; k < s.N; ++k) dbo[k] += w.dB[i * s.N + k];
-      const int64_t ci = shift ? i0 + i - 1 : i0 + i;
-      if (ci >= 0) {
-        T* dco = dC + ((b * s.L + row(ci)) * s.H + h) * s.N;
-        for (int64_t k = 0; k < s.N; ++k) dco[k] += w.dC[i * s.N + k];
-      }
-    }
+    cumsum_grads(shift, n, d.A, dlast, w, dA);
+    scatter_rows(s, d, shift, b, h, i0, n, w, dx, ddt, dB, dC);
   }
   *dA_out += dA;
   if (dH0 != nullptr) std::copy_n(dH.data(), NP, dH0);
@@ -741,6 +778,110 @@ struct FactoredGradWork : FactoredWork<T> {
       : FactoredWork<T>(s), dKs(FactoredWork<T>::state_size(s)), dms(FactoredWork<T>::slots(s) * s.rep) {}
 };
 
+// y (B, L, H, P) += u Z over the chunk's rows [i0, i0 + n) and group g's heads.
+template <typename T>
+void add_u_z(const Shape& s, const GroupChunk<T>& w, bool reverse, int64_t b, int64_t g, int64_t i0, int64_t n, T* y) {
+  const int64_t RP = s.rep * s.P;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = time_row(s, reverse, i0 + r);
+    for (int64_t k = 0; k < s.rep; ++k) {
+      T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+      const T uk = w.u[k * s.Q + r];
+      const T* z = w.Z.data() + r * RP + k * s.P;
+      for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
+    }
+  }
+}
+
+// w.dZ = u dy over the chunk's rows [i0, i0 + n) and group g's heads (dy (B, L, H, P)).
+template <typename T>
+void gather_u_dy(const Shape& s, const T* dy, bool reverse, int64_t b, int64_t g, int64_t i0, int64_t n,
+                 GroupChunk<T>& w) {
+  const int64_t RP = s.rep * s.P;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = time_row(s, reverse, i0 + r);
+    for (int64_t k = 0; k < s.rep; ++k) {
+      const T* src = dy + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+      T* dst = w.dZ.data() + r * RP + k * s.P;
+      const T uk = w.u[k * s.Q + r];
+      for (int64_t c2 = 0; c2 < s.P; ++c2) dst[c2] = uk * src[c2];
+    }
+  }
+}
+
+// The scaled states of one (batch, head), in place over its chunk slots (N x P each, leading dimension rep P):
+// slot(c) holds S'_c on entry and K_c on return, with K_0 = e^{m_0} init (init (P, N); zero when null) and
+// K_{c+1} = e^{m_c + m_{c+1}} (K_c + S'_c); m(c) is m_c. On return K holds K_last and S holds S'_last: the final
+// state is e^{m_last} (K_last + S'_last).
+template <typename T, typename Slot, typename M>
+void scaled_state_pass(const Shape& s, int64_t nC, const Slot& slot, const M& m, const T* init, std::vector<T>& K,
+                       std::vector<T>& S) {
+  const int64_t RP = s.rep * s.P, NP = s.N * s.P;
+  if (init != nullptr) {
+    const T e0 = std::exp(m(0));
+    for (int64_t pp = 0; pp < s.P; ++pp)
+      for (int64_t nn = 0; nn < s.N; ++nn) K[nn * s.P + pp] = e0 * init[pp * s.N + nn];
+  } else {
+    std::fill(K.begin(), K.end(), T(0));
+  }
+  for (int64_t c = 0; c < nC; ++c) {
+    T* sc = slot(c);
+    for (int64_t nn = 0; nn < s.N; ++nn) {  // S <- S'_c, slot <- K_c
+      std::copy_n(sc + nn * RP, s.P, S.data() + nn * s.P);
+      std::copy_n(K.data() + nn * s.P, s.P, sc + nn * RP);
+    }
+    if (c + 1 < nC) {
+      const T link = std::exp(m(c) + m(c + 1));
+      for (int64_t e = 0; e < NP; ++e) K[e] = link * (K[e] + S[e]);
+    }
+  }
+}
+
+// The backward of scaled_state_pass for one (batch, head), over the chunks from the last: G_c, the gradient
+// reaching K_c, is G_last = dK_last + e^{m_last} dH and G_c = dK_c + e^{m_c + m_{c+1}} G_{c+1}. dK(c) holds dK_c (the
+// read-out's) on entry and dS'_c on return (each element read before it is written); K(c) holds K_c; dm(c) receives
+// m_c's gradient. dH (N x P, the final state's gradient) with Hf (the final state), or dH null. G holds G_0 on return.
+template <typename T, typename DKSlot, typename KSlot, typename M, typename DM>
+void scaled_state_grads(const Shape& s, int64_t nC, const DKSlot& dK, const KSlot& K, const M& m, const DM& dm,
+                        const T* dH, const T* Hf, std::vector<T>& G) {
+  const int64_t RP = s.rep * s.P;
+  T r_next = 0;
+  for (int64_t c = nC - 1; c >= 0; --c) {
+    T* dsc = dK(c);
+    const T* dkc = dsc;
+    const T* kc = K(c);
+    if (c == nC - 1) {  // dS'_last = e^{m_last} dH
+      const T el = std::exp(m(c));
+      T fin = 0;
+      for (int64_t nn = 0; nn < s.N; ++nn)
+        for (int64_t pp = 0; pp < s.P; ++pp) {
+          const T d = dH != nullptr ? el * dH[nn * s.P + pp] : T(0);
+          G[nn * s.P + pp] = dkc[nn * RP + pp] + d;
+          dsc[nn * RP + pp] = d;
+          if (dH != nullptr) fin += dH[nn * s.P + pp] * Hf[nn * s.P + pp];
+        }
+      T r = 0;
+      for (int64_t nn = 0; nn < s.N; ++nn)
+        for (int64_t pp = 0; pp < s.P; ++pp) r += G[nn * s.P + pp] * kc[nn * RP + pp];
+      dm(c) = r + fin;
+      r_next = r;
+    } else {
+      const T link = std::exp(m(c) + m(c + 1));
+      T r = 0;
+      for (int64_t nn = 0; nn < s.N; ++nn)
+        for (int64_t pp = 0; pp < s.P; ++pp) {
+          const T dnext = link * G[nn * s.P + pp];  // dS'_c = link_c G_{c+1}
+          const T gc = dkc[nn * RP + pp] + dnext;
+          dsc[nn * RP + pp] = dnext;
+          G[nn * s.P + pp] = gc;
+          r += gc * kc[nn * RP + pp];
+        }
+      dm(c) = r + r_next;
+      r_next = r;
+    }
+  }
+}
+
 template <typename T>
 void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
                       bool shift, const T* init /* (B, H, P, N) or null */, T* y, T* final /* or null */,
@@ -749,7 +890,6 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   // S' then K, per (b, g, c): N x rep P; m per (b, g, c, head)
   Buffer<T>& states = work.states;
   Buffer<T>& half = work.half;
-  auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   // phase 1: Z = T W into y (scaled later), S'_c = B^T W
   for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, true,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
@@ -758,47 +898,21 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
       gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP,
               RP);
     lower_times(n, RP, w.Tm.data(), w.W.data(), RP, T(0), w.Z.data(), RP);
-    for (int64_t r = 0; r < n; ++r) {  // y += u Z (the read-out is added in phase 3)
-      const int64_t t = row(i0 + r);
-      for (int64_t k = 0; k < s.rep; ++k) {
-        T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
-        const T uk = w.u[k * s.Q + r];
-        const T* z = w.Z.data() + r * RP + k * s.P;
-        for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
-      }
-    }
+    add_u_z(s, w, reverse, b, g, i0, n, y);  // (the read-out is added in phase 3)
   });
-  // phase 2: K_0 = e^{m_0} init, K_{c+1} = e^{m_c + m_{c+1}} (K_c + S'_c), in place over S' (K_c replaces S'_c
-  // once S'_c has been used); per (b, head)
+  // phase 2: the scaled states K_c over S'_c, per (b, head)
   parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
     std::vector<T> K(NP), S(NP);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep;
-      auto slot = [&](int64_t c) { return states.data() + ((b * s.G + g) * nC + c) * NRP + k * s.P; };
-      auto mh = [&](int64_t c) { return half[((b * s.G + g) * nC + c) * s.rep + k]; };
-      if (init != nullptr) {
-        const T e0 = std::exp(mh(0));
-        const T* src = init + (b * s.H + h) * NP;  // (P, N)
+      const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep, base = (b * s.G + g) * nC;
+      auto m = [&](int64_t c) { return half[(base + c) * s.rep + k]; };
+      scaled_state_pass(s, nC, [&](int64_t c) { return states.data() + (base + c) * NRP + k * s.P; }, m,
+                        init != nullptr ? init + (b * s.H + h) * NP : nullptr, K, S);
+      if (final != nullptr) {
+        const T el = std::exp(m(nC - 1));
+        T* dst = final + (b * s.H + h) * NP;  // (P, N)
         for (int64_t pp = 0; pp < s.P; ++pp)
-          for (int64_t nn = 0; nn < s.N; ++nn) K[nn * s.P + pp] = e0 * src[pp * s.N + nn];
-      } else {
-        std::fill(K.begin(), K.end(), T(0));
-      }
-      for (int64_t c = 0; c < nC; ++c) {
-        T* sc = slot(c);
-        for (int64_t nn = 0; nn < s.N; ++nn) {  // S <- S'_c, slot <- K_c
-          std::copy_n(sc + nn * RP, s.P, S.data() + nn * s.P);
-          std::copy_n(K.data() + nn * s.P, s.P, sc + nn * RP);
-        }
-        if (c + 1 < nC) {
-          const T link = std::exp(mh(c) + mh(c + 1));
-          for (int64_t e = 0; e < NP; ++e) K[e] = link * (K[e] + S[e]);
-        } else if (final != nullptr) {
-          const T el = std::exp(mh(c));
-          T* dst = final + (b * s.H + h) * NP;  // (P, N)
-          for (int64_t pp = 0; pp < s.P; ++pp)
-            for (int64_t nn = 0; nn < s.N; ++nn) dst[pp * s.N + nn] = el * (K[nn * s.P + pp] + S[nn * s.P + pp]);
-        }
+          for (int64_t nn = 0; nn < s.N; ++nn) dst[pp * s.N + nn] = el * (K[nn * s.P + pp] + S[nn * s.P + pp]);
       }
     }
   });
@@ -807,16 +921,102 @@ void factored_forward(const Shape& s, const T* x, const T* dtp, const T* Ap, con
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
     gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, states.data() + item * NRP, RP, T(0), w.Z.data(),
             RP);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = row(i0 + r);
-      for (int64_t k = 0; k < s.rep; ++k) {
-        T* out = y + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
-        const T uk = w.u[k * s.Q + r];
-        const T* z = w.Z.data() + r * RP + k * s.P;
-        for (int64_t c2 = 0; c2 < s.P; ++c2) out[c2] += uk * z[c2];
-      }
-    }
+    add_u_z(s, w, reverse, b, g, i0, n, y);
   });
+}
+
+// One chunk's products in the factored backward (w loaded with T, dZ = u dy): Z = T W + C~ K_c, and
+// dT = dZ W^T (masked), dW = T^T dZ + B dS', dC~ = dZ K^T + dT B, dB = dT^T C~ + W dS'^T. K_c (kc) is skipped
+// where it is zero (`with_K` false: the first chunk without an initial state), dS'_c (dsc) likewise (`with_dS`
+// false: the last chunk without a final state's gradient).
+template <typename T>
+void chunk_product_grads(const Shape& s, int64_t n, const T* kc, const T* dsc, bool with_K, bool with_dS,
+                         bool shift, GroupChunk<T>& w) {
+  const int64_t RP = s.rep * s.P;
+  lower_times(n, RP, w.Tm.data(), w.W.data(), RP, T(0), w.Z.data(), RP);
+  if (with_K) gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, kc, RP, T(1), w.Z.data(), RP);
+  lower_product(n, RP, w.dZ.data(), RP, w.W.data(), RP, w.dT.data(), shift);
+  lower_t_times(n, RP, w.Tm.data(), w.dZ.data(), RP, T(0), w.dW.data(), RP);
+  if (with_dS) gemm<T>(false, false, n, RP, s.N, T(1), w.Bc.data(), s.N, dsc, RP, T(1), w.dW.data(), RP);
+  if (with_K) {
+    gemm<T>(false, true, n, s.N, RP, T(1), w.dZ.data(), RP, kc, RP, T(0), w.dC.data(), s.N);
+    lower_times(n, s.N, w.dT.data(), w.Bc.data(), s.N, T(1), w.dC.data(), s.N);
+  } else {
+    lower_times(n, s.N, w.dT.data(), w.Bc.data(), s.N, T(0), w.dC.data(), s.N);
+  }
+  lower_t_times(n, s.N, w.dT.data(), w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
+  if (with_dS) gemm<T>(false, true, n, s.N, RP, T(1), w.W.data(), RP, dsc, RP, T(1), w.dB.data(), s.N);
+}
+
+// One chunk's decay gradients in the factored backward, per head k of group g (w after chunk_product_grads):
+// from u_r = exp(q_r - m) and v_r = exp(m - p_r) dt_r, through the cumulative sums, into w.ddt (dt's gradient at
+// each row) and dA_k (this chunk's share of A's gradient, added into dA_part[k]); dm[k] is m's gradient from the
+// state pass.
+template <typename T>
+void chunk_decay_grads(const Shape& s, const T* Ap, const T* dy, bool reverse, bool shift, int64_t b, int64_t g,
+                       int64_t i0, int64_t n, const T* dm_in, T* dA_part, GroupChunk<T>& w) {
+  const int64_t RP = s.rep * s.P;
+  for (int64_t k = 0; k < s.rep; ++k) {
+    const T A = Ap[g * s.rep + k];
+    const T* u = w.u.data() + k * s.Q;
+    const T* v = w.v.data() + k * s.Q;
+    const T* p = w.p.data() + k * s.Q;
+    const T* dt = w.dt.data() + k * s.Q;
+    T* dq = w.dq.data() + k * s.Q;
+    T* dp = w.dp.data() + k * s.Q;
+    T* gdt = w.ddt.data() + k * s.Q;
+    const T m = w.m[k];
+    T dm = dm_in[k];
+    for (int64_t r = 0; r < n; ++r) {
+      const T* dyr = dy + ((b * s.L + time_row(s, reverse, i0 + r)) * s.H + g * s.rep + k) * s.P;
+      const T* zr = w.Z.data() + r * RP + k * s.P;
+      const T* dwr = w.dW.data() + r * RP + k * s.P;
+      const T* xr = w.X.data() + r * RP + k * s.P;
+      T du = 0, dv = 0;
+      for (int64_t c2 = 0; c2 < s.P; ++c2) {
+        du += dyr[c2] * zr[c2];
+        dv += dwr[c2] * xr[c2];
+      }
+      dq[r] = du * u[r];
+      dm -= du * u[r];
+      const T vr = v[r] * dv;
+      dm += vr;
+      dp[r] = -vr;
+      gdt[r] = dv * std::exp(m - p[r]);
+    }
+    dp[n - 1] += dm * T(0.5);
+    T run = 0, dA = 0;
+    for (int64_t r = n - 1; r >= 0; --r) {
+      run += dp[r] + dq[r];
+      const T da = shift ? run - dq[r] : run;
+      gdt[r] += da * A;
+      dA += da * dt[r];
+    }
+    dA_part[k] += dA;
+  }
+}
+
+// Adds one chunk's row gradients into dx (B, L, H, P), ddt (B, L, H), dB and dCt (B, L, G, N).
+template <typename T>
+void scatter_chunk_grads(const Shape& s, const GroupChunk<T>& w, bool reverse, int64_t b, int64_t g, int64_t i0,
+                         int64_t n, T* dx, T* ddt, T* dB, T* dCt) {
+  const int64_t RP = s.rep * s.P;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = time_row(s, reverse, i0 + r);
+    for (int64_t k = 0; k < s.rep; ++k) {
+      T* dxo = dx + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
+      const T* dwr = w.dW.data() + r * RP + k * s.P;
+      const T vk = w.v[k * s.Q + r];
+      for (int64_t c2 = 0; c2 < s.P; ++c2) dxo[c2] += vk * dwr[c2];
+      ddt[(b * s.L + t) * s.H + g * s.rep + k] += w.ddt[k * s.Q + r];
+    }
+    T* dbo = dB + ((b * s.L + t) * s.G + g) * s.N;
+    T* dco = dCt + ((b * s.L + t) * s.G + g) * s.N;
+    for (int64_t nn = 0; nn < s.N; ++nn) {
+      dbo[nn] += w.dB[r * s.N + nn];
+      dco[nn] += w.dC[r * s.N + nn];
+    }
+  }
 }
 
 // The backward of factored_forward for one direction. Adds into dx (B, L, H, P), ddt (B, L, H), dB (B, L, G, N),
@@ -831,18 +1031,6 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
   Buffer<T>& half = work.half;      // m
   Buffer<T>& dKs = work.dKs;        // dK_c (the read-out's), then dS'_c (written over dK_c once read)
   Buffer<T>& dms = work.dms;        // dm from the state pass
-  auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
-  auto gather_dz = [&](GroupChunk<T>& w, int64_t b, int64_t g, int64_t i0, int64_t n) {  // dZ = u dy
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = row(i0 + r);
-      for (int64_t k = 0; k < s.rep; ++k) {
-        const T* src = dy + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
-        T* dst = w.dZ.data() + r * RP + k * s.P;
-        const T uk = w.u[k * s.Q + r];
-        for (int64_t c2 = 0; c2 < s.P; ++c2) dst[c2] = uk * src[c2];
-      }
-    }
-  };
   // phase A: S'_c = B^T W, m, dK_c = C~^T dZ
   for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, false,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
@@ -851,88 +1039,33 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
       gemm<T>(true, false, s.N, RP, n, T(1), w.Bc.data(), s.N, w.W.data(), RP, T(0), states.data() + item * NRP,
               RP);
     if (c > 0 || init != nullptr) {  // K_0 = 0 without an initial state: its gradient is never used
-      gather_dz(w, b, g, i0, n);
+      gather_u_dy(s, dy, reverse, b, g, i0, n, w);
       gemm<T>(true, false, s.N, RP, n, T(1), w.Cc.data(), s.N, w.dZ.data(), RP, T(0), dKs.data() + item * NRP, RP);
     } else {
       std::fill_n(dKs.data() + item * NRP, NRP, T(0));
     }
   });
-  // phase B: the states K_c (over S'_c), then the state gradients G_c backwards; dS'_c over dK_c, dm into `dms`
+  // phase B: the states K_c (over S'_c), then the state gradients backwards (dS'_c over dK_c, dm into `dms`)
   parallel_dynamic(s.B * s.H, [&](int64_t begin, int64_t end) {
     std::vector<T> K(NP), S(NP), G(NP), Hf(NP), dH(NP);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep;
-      const int64_t base = (b * s.G + g) * nC;
-      auto at_ = [&](Buffer<T>& buf, int64_t c) { return buf.data() + (base + c) * NRP + k * s.P; };
-      auto mh = [&](int64_t c) { return half[(base + c) * s.rep + k]; };
-      // forward: K_c over S'_c
-      if (init != nullptr) {
-        const T e0 = std::exp(mh(0));
-        const T* src = init + (b * s.H + h) * NP;
-        for (int64_t pp = 0; pp < s.P; ++pp)
-          for (int64_t nn = 0; nn < s.N; ++nn) K[nn * s.P + pp] = e0 * src[pp * s.N + nn];
-      } else {
-        std::fill(K.begin(), K.end(), T(0));
-      }
-      for (int64_t c = 0; c < nC; ++c) {
-        T* kc = at_(states, c);  // S'_c, read into S, then K_c
-        for (int64_t nn = 0; nn < s.N; ++nn) {
-          std::copy_n(kc + nn * RP, s.P, S.data() + nn * s.P);
-          std::copy_n(K.data() + nn * s.P, s.P, kc + nn * RP);
-        }
-        if (c + 1 < nC) {
-          const T link = std::exp(mh(c) + mh(c + 1));
-          for (int64_t e = 0; e < NP; ++e) K[e] = link * (K[e] + S[e]);
-        } else if (dfinal != nullptr) {  // (without it, S'_last was not computed: phase A)
-          const T el = std::exp(mh(c));
-          for (int64_t e = 0; e < NP; ++e) Hf[e] = el * (K[e] + S[e]);
-        }
-      }
-      bool has_dH = false;
-      if (dfinal != nullptr) {
+      const int64_t b = bh / s.H, h = bh % s.H, g = h / s.rep, k = h % s.rep, base = (b * s.G + g) * nC;
+      auto m = [&](int64_t c) { return half[(base + c) * s.rep + k]; };
+      auto slot = [&](Buffer<T>& buf) { return [&buf, base, k, NRP, &s](int64_t c) {
+        return buf.data() + (base + c) * NRP + k * s.P; }; };
+      scaled_state_pass(s, nC, slot(states), m, init != nullptr ? init + (b * s.H + h) * NP : nullptr, K, S);
+      if (dfinal != nullptr) {  // (without it, S'_last was not computed: phase A)
+        const T el = std::exp(m(nC - 1));
+        for (int64_t e = 0; e < NP; ++e) Hf[e] = el * (K[e] + S[e]);
         const T* src = dfinal + (b * s.H + h) * NP;
         for (int64_t pp = 0; pp < s.P; ++pp)
           for (int64_t nn = 0; nn < s.N; ++nn) dH[nn * s.P + pp] = src[pp * s.N + nn];
-        has_dH = true;
       }
-      // G_last = dK_last + e^{m_last} dH; dS'_last = e^{m_last} dH
-      T r_next = 0;
-      for (int64_t c = nC - 1; c >= 0; --c) {
-        T* dsc = at_(dKs, c);  // dK_c, read element by element before dS'_c is written over it
-        const T* dkc = dsc;
-        const T* kc = at_(states, c);
-        if (c == nC - 1) {
-          const T el = std::exp(mh(c));
-          T fin = 0;
-          for (int64_t nn = 0; nn < s.N; ++nn)
-            for (int64_t pp = 0; pp < s.P; ++pp) {
-              const T d = has_dH ? el * dH[nn * s.P + pp] : T(0);
-              G[nn * s.P + pp] = dkc[nn * RP + pp] + d;
-              dsc[nn * RP + pp] = d;
-              if (has_dH) fin += dH[nn * s.P + pp] * Hf[nn * s.P + pp];
-            }
-          T r = 0;
-          for (int64_t nn = 0; nn < s.N; ++nn)
-            for (int64_t pp = 0; pp < s.P; ++pp) r += G[nn * s.P + pp] * kc[nn * RP + pp];
-          dms[(base + c) * s.rep + k] = r + fin;
-          r_next = r;
-        } else {
-          const T link = std::exp(mh(c) + mh(c + 1));
-          T r = 0;
-          for (int64_t nn = 0; nn < s.N; ++nn)
-            for (int64_t pp = 0; pp < s.P; ++pp) {
-              const T dnext = link * G[nn * s.P + pp];  // dS'_c = link_c G_{c+1}
-              const T gc = dkc[nn * RP + pp] + dnext;
-              dsc[nn * RP + pp] = dnext;
-              G[nn * s.P + pp] = gc;
-              r += gc * kc[nn * RP + pp];
-            }
-          dms[(base + c) * s.rep + k] = r + r_next;
-          r_next = r;
-        }
-      }
+      scaled_state_grads(s, nC, slot(dKs), slot(states), m,
+                         [&](int64_t c) -> T& { return dms[(base + c) * s.rep + k]; },
+                         dfinal != nullptr ? dH.data() : static_cast<const T*>(nullptr), Hf.data(), G);
       if (dinit != nullptr) {
-        const T e0 = std::exp(mh(0));
+        const T e0 = std::exp(m(0));
         T* dst = dinit + (b * s.H + h) * NP;
         for (int64_t pp = 0; pp < s.P; ++pp)
           for (int64_t nn = 0; nn < s.N; ++nn) dst[pp * s.N + nn] = e0 * G[nn * s.P + pp];
@@ -942,81 +1075,12 @@ void factored_backward(const Shape& s, const T* x, const T* dtp, const T* Ap, co
   // phase C: everything of each chunk
   for_each_group_chunk(s, nC, x, dtp, Ap, Bm, Cm, reverse, shift, false, true,
                        [&](int64_t item, int64_t b, int64_t g, int64_t c, int64_t i0, int64_t n, GroupChunk<T>& w) {
-    gather_dz(w, b, g, i0, n);
-    const T* kc = states.data() + item * NRP;
-    const T* dsc = dKs.data() + item * NRP;
-    // Z = T W + C~ K_c
-    // K_0 = 0 without an initial state, dS'_last = 0 without a final state's gradient: their products are skipped
-    const bool with_K = c > 0 || init != nullptr, with_dS = c + 1 < nC || dfinal != nullptr;
-    lower_times(n, RP, w.Tm.data(), w.W.data(), RP, T(0), w.Z.data(), RP);
-    if (with_K) gemm<T>(false, false, n, RP, s.N, T(1), w.Cc.data(), s.N, kc, RP, T(1), w.Z.data(), RP);
-    // dT = dZ W^T (masked); dW = T^T dZ + B dS'; dC~ = dZ K^T + dT B; dB = dT^T C~ + W dS'^T
-    lower_product(n, RP, w.dZ.data(), RP, w.W.data(), RP, w.dT.data(), shift);
-    lower_t_times(n, RP, w.Tm.data(), w.dZ.data(), RP, T(0), w.dW.data(), RP);
-    if (with_dS) gemm<T>(false, false, n, RP, s.N, T(1), w.Bc.data(), s.N, dsc, RP, T(1), w.dW.data(), RP);
-    if (with_K) {
-      gemm<T>(false, true, n, s.N, RP, T(1), w.dZ.data(), RP, kc, RP, T(0), w.dC.data(), s.N);
-      lower_times(n, s.N, w.dT.data(), w.Bc.data(), s.N, T(1), w.dC.data(), s.N);
-    } else {
-      lower_times(n, s.N, w.dT.data(), w.Bc.data(), s.N, T(0), w.dC.data(), s.N);
-    }
-    lower_t_times(n, s.N, w.dT.data(), w.Cc.data(), s.N, T(0), w.dB.data(), s.N);
-    if (with_dS) gemm<T>(false, true, n, s.N, RP, T(1), w.W.data(), RP, dsc, RP, T(1), w.dB.data(), s.N);
-    for (int64_t k = 0; k < s.rep; ++k) {
-      const T A = Ap[g * s.rep + k];
-      const T* u = w.u.data() + k * s.Q;
-      const T* v = w.v.data() + k * s.Q;
-      const T* p = w.p.data() + k * s.Q;
-      const T* dt = w.dt.data() + k * s.Q;
-      T* dq = w.dq.data() + k * s.Q;
-      T* dp = w.dp.data() + k * s.Q;
-      T* gdt = w.ddt.data() + k * s.Q;
-      const T m = w.m[k];
-      T dm = dms[item * s.rep + k];
-      for (int64_t r = 0; r < n; ++r) {
-        const T* dyr = dy + ((b * s.L + row(i0 + r)) * s.H + g * s.rep + k) * s.P;
-        const T* zr = w.Z.data() + r * RP + k * s.P;
-        const T* dwr = w.dW.data() + r * RP + k * s.P;
-        const T* xr = w.X.data() + r * RP + k * s.P;
-        T du = 0, dv = 0;
-        for (int64_t c2 = 0; c2 < s.P; ++c2) {
-          du += dyr[c2] * zr[c2];
-          dv += dwr[c2] * xr[c2];
-        }
-        // u_r = exp(q_r - m); v_r = exp(m - p_r) dt_r
-        dq[r] = du * u[r];
-        dm -= du * u[r];
-        const T vr = v[r] * dv;
-        dm += vr;
-        dp[r] = -vr;
-        gdt[r] = dv * std::exp(m - p[r]);
-      }
-      dp[n - 1] += dm * T(0.5);
-      T run = 0, dA = 0;
-      for (int64_t r = n - 1; r >= 0; --r) {
-        run += dp[r] + dq[r];
-        const T da = shift ? run - dq[r] : run;
-        gdt[r] += da * A;
-        dA += da * dt[r];
-      }
-      dA_part[(b * nC + c) * s.H + g * s.rep + k] += dA;
-    }
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = row(i0 + r);
-      for (int64_t k = 0; k < s.rep; ++k) {
-        T* dxo = dx + ((b * s.L + t) * s.H + g * s.rep + k) * s.P;
-        const T* dwr = w.dW.data() + r * RP + k * s.P;
-        const T vk = w.v[k * s.Q + r];
-        for (int64_t c2 = 0; c2 < s.P; ++c2) dxo[c2] += vk * dwr[c2];
-        ddt[(b * s.L + t) * s.H + g * s.rep + k] += w.ddt[k * s.Q + r];
-      }
-      T* dbo = dB + ((b * s.L + t) * s.G + g) * s.N;
-      T* dco = dCt + ((b * s.L + t) * s.G + g) * s.N;
-      for (int64_t nn = 0; nn < s.N; ++nn) {
-        dbo[nn] += w.dB[r * s.N + nn];
-        dco[nn] += w.dC[r * s.N + nn];
-      }
-    }
+    gather_u_dy(s, dy, reverse, b, g, i0, n, w);
+    chunk_product_grads(s, n, states.data() + item * NRP, dKs.data() + item * NRP, c > 0 || init != nullptr,
+                        c + 1 < nC || dfinal != nullptr, shift, w);
+    chunk_decay_grads(s, Ap, dy, reverse, shift, b, g, i0, n, dms.data() + item * s.rep,
+                      dA_part + (b * nC + c) * s.H + g * s.rep, w);
+    scatter_chunk_grads(s, w, reverse, b, g, i0, n, dx, ddt, dB, dCt);
   });
 }
 
