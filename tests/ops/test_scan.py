@@ -5,6 +5,7 @@ its own file (``test_scan_triton.py``), run under the interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,9 +20,10 @@ from torch.utils.flop_counter import FlopCounterMode
 import mixer_plugins as mp
 from mixer_plugins import kernels
 from mixer_plugins.kernels import _dispatch
+from mixer_plugins.kernels._native_check import require_native
 from mixer_plugins.kernels.scan import Direction, ScanArgs, chunk_length, chunked_scan_flops, run_scan
 from mixer_plugins.kernels.scan import mamba_ssm as mamba_backend
-from mixer_plugins.kernels.scan.native import run_native
+from mixer_plugins.kernels.scan.native import FORMS, run_native
 
 CPU_BACKENDS = ["reference", "torch", "native"]
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -152,6 +154,13 @@ def test_quasiseparable_gradients_match_the_reference(backend, shift):
 
 # -- the native engine's two forms ------------------------------------------------------------------------
 
+@pytest.fixture
+def native_ops():
+    """The native kernels' raw ops (built or loaded first)."""
+    require_native()
+    return torch.ops.mixer_plugins_native
+
+
 def _prepared(length, chunk, *, scale=1.0, shift=True, dirs="fb", init=True):
     x, dt, A, B, C = random_inputs(l=length, requires_grad=True)
     dt = (dt.detach() * scale).requires_grad_()
@@ -225,15 +234,55 @@ def test_chunk_length_rule():
         assert q <= 64 and -(-length // q) == -(-length // 64)   # the fewest chunks, balanced
 
 
-def test_native_op_argument_checks():
+@pytest.mark.parametrize("form", ["factored", "exact"])
+def test_the_native_engine_reads_x_in_place_from_wider_rows(form, native_ops):
+    # x as a projection hands it over: a slice of wider rows (batch and row strides of its own, heads and channels
+    # dense). The op takes the view as it is and gives what a contiguous copy gives, bit for bit; through autograd,
+    # the gradient reaches the wide tensor's slice.
+    args, leaves = _prepared(11, 4, dirs="fb", init=False)
+    inputs = args.prepare()
+    gens = [t.detach() for d in (inputs.forward, inputs.backward) for t in (d.dt, d.A, d.B, d.C)]
+    wide = torch.randn(2, 11, 17, dtype=F64)
+    view = wide[..., 2:14].unflatten(-1, (4, 3))
+    assert not view.is_contiguous()
+    ops = native_ops
+    dy = torch.randn(view.shape, dtype=F64)
+    for x in (view, view[1:]):                   # a batch stride of its own, then an offset view
+        dense = x.contiguous()
+        n = x.shape[0]
+        g = [t[-n:] if t.dim() > 1 else t for t in gens]
+        for got, want in zip(ops.scan_forward(x, *g, None, True, 4, False, FORMS[form]),
+                             ops.scan_forward(dense, *g, None, True, 4, False, FORMS[form])):
+            assert torch.equal(got, want)
+        for got, want in zip(ops.scan_backward(dy[-n:], None, x, *g, None, True, 4, FORMS[form]),
+                             ops.scan_backward(dy[-n:], None, dense, *g, None, True, 4, FORMS[form])):
+            assert torch.equal(got, want)
+    wide.requires_grad_()
+    x_leaf = inputs.x.detach().clone().requires_grad_()
+    with torch.no_grad():
+        wide[..., 2:14] = x_leaf.flatten(-2)
+    strided = dataclasses.replace(inputs, x=wide[..., 2:14].unflatten(-1, (4, 3)))
+    contiguous = dataclasses.replace(inputs, x=x_leaf)
+    y_strided, _ = run_native(strided, want_final=False, form=form)
+    y_contiguous, _ = run_native(contiguous, want_final=False, form=form)
+    assert torch.equal(y_strided, y_contiguous)
+    (y_strided * dy).sum().backward()
+    (y_contiguous * dy).sum().backward()
+    assert torch.equal(wide.grad[..., 2:14].unflatten(-1, (4, 3)), x_leaf.grad)
+    assert not wide.grad[..., :2].any() and not wide.grad[..., 14:].any()
+
+
+def test_native_op_argument_checks(native_ops):
     args, _ = _prepared(8, 4, dirs="f")
     inputs = args.prepare()
     d = inputs.forward
-    ops = torch.ops.mixer_plugins_native
+    ops = native_ops
     gens = (d.dt.detach(), d.A.detach(), d.B.detach(), d.C.detach(), None, None, None, None)
     x = inputs.x.detach()
-    with pytest.raises(RuntimeError, match="contiguous float32/float64"):
+    with pytest.raises(RuntimeError, match="heads and channels must be dense"):
         ops.scan_forward(x.transpose(1, 2), *gens, None, False, 4, False, 0)
+    with pytest.raises(RuntimeError, match="float32/float64 CPU tensor"):
+        ops.scan_forward(x.to(torch.float16), *gens, None, False, 4, False, 0)
     with pytest.raises(RuntimeError, match="initial state needs the forward direction"):
         ops.scan_forward(x, None, None, None, None, *gens[:4], torch.zeros(2, 4, 3, 5, dtype=F64), False, 4, False, 0)
     with pytest.raises(RuntimeError, match="initial state \\(B, H, P, N\\)"):

@@ -60,6 +60,7 @@ inline void exp_inplace(T* s, int64_t n, bool nonpositive) {
 
 struct Shape {
   int64_t B, L, H, P, G, N, Q, rep;
+  int64_t xb, xl;  // x's batch and row strides (its heads and channels are dense: x need not be contiguous)
 };
 
 // Row i (direction order) of a direction's sequence, in time order.
@@ -97,7 +98,7 @@ void load_chunk(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64
   auto row = [&](int64_t i) { return d.reverse ? s.L - 1 - i : i; };
   for (int64_t r = 0; r < n; ++r) {
     const int64_t t = row(i0 + r);
-    std::copy_n(x + ((b * s.L + t) * s.H + h) * s.P, s.P, w.X.data() + r * s.P);
+    std::copy_n(x + b * s.xb + t * s.xl + h * s.P, s.P, w.X.data() + r * s.P);
     std::copy_n(d.Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
     const int64_t ci = shift ? i0 + r - 1 : i0 + r;
     if (ci < 0) {
@@ -205,7 +206,7 @@ void entering_states(const Shape& s, const T* x, const DirIn<T>& d, int64_t b, i
       w.dt[r] = d.dt[(b * s.L + t) * s.H + h];
       acc += w.dt[r] * d.A;
       w.p[r] = acc;
-      std::copy_n(x + ((b * s.L + t) * s.H + h) * s.P, s.P, w.X.data() + r * s.P);
+      std::copy_n(x + b * s.xb + t * s.xl + h * s.P, s.P, w.X.data() + r * s.P);
       std::copy_n(d.Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
     }
     const T last = w.p[n - 1], el = std::exp(last);
@@ -384,6 +385,8 @@ Shape shape_of(const at::Tensor& x, const at::Tensor& Bm, int64_t chunk) {
   s.N = Bm.size(3);
   s.Q = chunk;
   s.rep = s.H / s.G;
+  s.xb = x.stride(0);
+  s.xl = x.stride(1);
   return s;
 }
 
@@ -407,9 +410,10 @@ void check_scan(const at::Tensor& x, const at::Tensor* dy, const c10::optional<a
                 const c10::optional<at::Tensor>& Cf, const c10::optional<at::Tensor>& dtb,
                 const c10::optional<at::Tensor>& Ab, const c10::optional<at::Tensor>& Bb,
                 const c10::optional<at::Tensor>& Cb, const c10::optional<at::Tensor>& init, int64_t chunk) {
-  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
-              "native scan: x must be a contiguous float32/float64 CPU tensor (B, L, H, P)");
+  TORCH_CHECK(x.dim() == 4 && x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+              "native scan: x must be a float32/float64 CPU tensor (B, L, H, P)");
+  TORCH_CHECK((x.size(3) <= 1 || x.stride(3) == 1) && (x.size(2) <= 1 || x.stride(2) == x.size(3)),
+              "native scan: x's heads and channels must be dense (any batch and row strides)");
   if (dy != nullptr)
     TORCH_CHECK(dy->sizes() == x.sizes() && dy->is_contiguous() && dy->scalar_type() == x.scalar_type(),
                 "native scan: dy must be contiguous, of x's shape and dtype");
@@ -688,7 +692,7 @@ void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   for (int64_t r = 0; r < n; ++r) {
     const int64_t t = row(i0 + r);
-    std::copy_n(x + ((b * s.L + t) * s.H + g * s.rep) * s.P, RP, w.X.data() + r * RP);  // the group's heads
+    std::copy_n(x + b * s.xb + t * s.xl + g * s.rep * s.P, RP, w.X.data() + r * RP);  // the group's heads
     std::copy_n(Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
     const int64_t ci = shift ? i0 + r - 1 : i0 + r;
     if (ci < 0) {

@@ -59,16 +59,27 @@ def _dense(*tensors: Tensor | None) -> list[Tensor | None]:
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+def _rows_dense(x: Tensor) -> Tensor:
+    """``x`` (B, L, H, P) as the engine reads it: any batch and row strides (a slice of a wider projection is read
+    in place), heads and channels dense; copied only otherwise."""
+    _, _, heads, head_dim = x.shape
+    if (head_dim <= 1 or x.stride(3) == 1) and (heads <= 1 or x.stride(2) == head_dim):
+        return x
+    return x.contiguous()
+
+
 @torch.library.custom_op("mixer_plugins::native_scan", mutates_args=())
 def native_scan(x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor],
                 C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor],
                 C_b: Optional[Tensor], diag: Optional[Tensor], init: Optional[Tensor], shift: bool, chunk: int,
                 want_final: bool, form: int) -> tuple[Tensor, Tensor]:
     """The engine's forward (inputs of one dtype, any strides): y and the final state (empty unless
-    ``want_final``). Contiguous copies are made here, for the call only: autograd keeps the inputs as given (views
-    of a projection share its storage), and the backward makes its own copies."""
+    ``want_final``). ``x`` is read in place when its heads and channels are dense (a slice of a projection); other
+    inputs get contiguous copies, made here for the call only: autograd keeps the inputs as given (views of a
+    projection share its storage), and the backward makes its own copies."""
     require_native()
-    y, final = torch.ops.mixer_plugins_native.scan_forward(*_dense(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init),
+    y, final = torch.ops.mixer_plugins_native.scan_forward(_rows_dense(x),
+                                                           *_dense(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init),
                                                            shift, chunk, want_final, form)
     if diag is not None:
         y.addcmul_(x, diag[..., None])
@@ -93,8 +104,9 @@ def native_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: 
                          init: Optional[Tensor], shift: bool, chunk: int, form: int) -> list[Tensor]:
     """The gradients of :func:`native_scan` with respect to ``x, dt_f, ..., C_b, diag, init`` (an empty tensor for
     an input that is None)."""
-    out = torch.ops.mixer_plugins_native.scan_backward(*_dense(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b,
-                                                              init), shift, chunk, form)
+    out = torch.ops.mixer_plugins_native.scan_backward(*_dense(dy, dfinal), _rows_dense(x),
+                                                       *_dense(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init),
+                                                       shift, chunk, form)
     dx, ddiag = out[0], x.new_empty(0)
     if diag is not None:
         dx.addcmul_(dy, diag[..., None])
