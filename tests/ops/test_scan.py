@@ -235,7 +235,7 @@ def test_chunk_length_rule():
 
 
 @pytest.mark.parametrize("form", ["factored", "exact"])
-def test_the_native_engine_reads_x_in_place_from_wider_rows(form, native_ops):
+def test_the_native_engine_reads_x_in_place_from_wider_rows(form, native_ops, monkeypatch):
     # x as a projection hands it over: a slice of wider rows (batch and row strides of its own, heads and channels
     # dense). The op takes the view as it is and gives what a contiguous copy gives, bit for bit; through autograd,
     # the gradient reaches the wide tensor's slice.
@@ -263,13 +263,46 @@ def test_the_native_engine_reads_x_in_place_from_wider_rows(form, native_ops):
         wide[..., 2:14] = x_leaf.flatten(-2)
     strided = dataclasses.replace(inputs, x=wide[..., 2:14].unflatten(-1, (4, 3)))
     contiguous = dataclasses.replace(inputs, x=x_leaf)
+    seen = []                                    # the x each raw op gets: the slice itself, forward and backward
+
+    def recording(op, position):
+        def call(*op_args):
+            seen.append((op_args[position].data_ptr(), op_args[position].stride()))
+            return op(*op_args)
+        return call
+
+    monkeypatch.setattr(ops, "scan_forward", recording(ops.scan_forward, 0))
+    monkeypatch.setattr(ops, "scan_backward", recording(ops.scan_backward, 2))   # (dy, dfinal, x, ...)
     y_strided, _ = run_native(strided, want_final=False, form=form)
+    (y_strided * dy).sum().backward()
+    monkeypatch.undo()
+    assert seen == [(strided.x.data_ptr(), strided.x.stride())] * 2
     y_contiguous, _ = run_native(contiguous, want_final=False, form=form)
     assert torch.equal(y_strided, y_contiguous)
-    (y_strided * dy).sum().backward()
     (y_contiguous * dy).sum().backward()
     assert torch.equal(wide.grad[..., 2:14].unflatten(-1, (4, 3)), x_leaf.grad)
     assert not wide.grad[..., :2].any() and not wide.grad[..., 14:].any()
+
+
+@pytest.mark.parametrize("form", ["factored", "exact"])
+def test_the_native_engine_copies_x_whose_channels_are_not_dense(form):
+    # every other channel of wider rows: the engine cannot read it in place, so it gets a copy (same values and
+    # gradients as a contiguous x, and as the reference)
+    args, leaves = _prepared(11, 4, dirs="fb", init=False)
+    inputs = args.prepare()
+    wide = torch.randn(2, 11, 4, 6, dtype=F64, requires_grad=True)
+    x = wide[..., ::2]
+    dense = x.detach().clone().requires_grad_()
+    y, _ = run_native(dataclasses.replace(inputs, x=x), want_final=False, form=form)
+    want, _ = run_native(dataclasses.replace(inputs, x=dense), want_final=False, form=form)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    want_ref, _ = run_scan(dataclasses.replace(args, x=dense.detach()), "reference")   # (y, final state)
+    torch.testing.assert_close(y, want_ref, **TIGHT)
+    dy = torch.randn(y.shape, dtype=F64)
+    (y * dy).sum().backward()
+    (want * dy).sum().backward()
+    torch.testing.assert_close(wide.grad[..., ::2], dense.grad, rtol=0, atol=0)
+    assert not wide.grad[..., 1::2].any()
 
 
 def test_native_op_argument_checks(native_ops):
@@ -283,6 +316,9 @@ def test_native_op_argument_checks(native_ops):
         ops.scan_forward(x.transpose(1, 2), *gens, None, False, 4, False, 0)
     with pytest.raises(RuntimeError, match="float32/float64 CPU tensor"):
         ops.scan_forward(x.to(torch.float16), *gens, None, False, 4, False, 0)
+    with pytest.raises(RuntimeError, match="the sequence is empty"):
+        ops.scan_forward(x[:, :0], *(t[:, :0] if t.dim() > 1 else t for t in gens[:4]), *gens[4:], None, False, 4,
+                         True, 0)
     with pytest.raises(RuntimeError, match="initial state needs the forward direction"):
         ops.scan_forward(x, None, None, None, None, *gens[:4], torch.zeros(2, 4, 3, 5, dtype=F64), False, 4, False, 0)
     with pytest.raises(RuntimeError, match="initial state \\(B, H, P, N\\)"):

@@ -414,6 +414,7 @@ void check_scan(const at::Tensor& x, const at::Tensor* dy, const c10::optional<a
               "native scan: x must be a float32/float64 CPU tensor (B, L, H, P)");
   TORCH_CHECK((x.size(3) <= 1 || x.stride(3) == 1) && (x.size(2) <= 1 || x.stride(2) == x.size(3)),
               "native scan: x's heads and channels must be dense (any batch and row strides)");
+  TORCH_CHECK(x.size(1) > 0, "native scan: the sequence is empty (L = 0)");
   if (dy != nullptr)
     TORCH_CHECK(dy->sizes() == x.sizes() && dy->is_contiguous() && dy->scalar_type() == x.scalar_type(),
                 "native scan: dy must be contiguous, of x's shape and dtype");
