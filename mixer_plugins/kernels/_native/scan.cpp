@@ -95,16 +95,15 @@ template <typename T>
 void load_chunk(const Shape& s, const T* x, const DirIn<T>& d, bool shift, int64_t b, int64_t h, int64_t i0,
                 int64_t n, Scratch<T>& w) {
   const int64_t g = h / s.rep;
-  auto row = [&](int64_t i) { return d.reverse ? s.L - 1 - i : i; };
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t t = row(i0 + r);
+    const int64_t t = time_row(s, d.reverse, i0 + r);
     std::copy_n(x + b * s.xb + t * s.xl + h * s.P, s.P, w.X.data() + r * s.P);
     std::copy_n(d.Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
     const int64_t ci = shift ? i0 + r - 1 : i0 + r;
     if (ci < 0) {
       std::fill_n(w.Cc.data() + r * s.N, s.N, T(0));
     } else {
-      std::copy_n(d.Cm + ((b * s.L + row(ci)) * s.G + g) * s.N, s.N, w.Cc.data() + r * s.N);
+      std::copy_n(d.Cm + ((b * s.L + time_row(s, d.reverse, ci)) * s.G + g) * s.N, s.N, w.Cc.data() + r * s.N);
     }
     w.dt[r] = d.dt[(b * s.L + t) * s.H + h];
     w.a[r] = w.dt[r] * d.A;
@@ -145,7 +144,6 @@ void direction_forward(const Shape& s, const T* x, const DirIn<T>& d, bool shift
     std::copy_n(H0, s.N * s.P, Hc.data());
     zero = false;
   }
-  auto row = [&](int64_t i) { return d.reverse ? s.L - 1 - i : i; };
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
     load_chunk(s, x, d, shift, b, h, i0, n, w);
@@ -161,7 +159,7 @@ void direction_forward(const Shape& s, const T* x, const DirIn<T>& d, bool shift
       }
     }
     for (int64_t i = 0; i < n; ++i) {
-      T* out = y + ((b * s.L + row(i0 + i)) * s.H + h) * s.P;
+      T* out = y + ((b * s.L + time_row(s, d.reverse, i0 + i)) * s.H + h) * s.P;
       const T* yi = w.dY.data() + i * s.P;
       for (int64_t k = 0; k < s.P; ++k) out[k] += yi[k];
     }
@@ -690,16 +688,15 @@ template <typename T>
 void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, const T* Bm, const T* Cm, bool reverse,
                       bool shift, int64_t b, int64_t g, int64_t i0, int64_t n, GroupChunk<T>& w, bool with_T) {
   const int64_t RP = s.rep * s.P;
-  auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t t = row(i0 + r);
+    const int64_t t = time_row(s, reverse, i0 + r);
     std::copy_n(x + b * s.xb + t * s.xl + g * s.rep * s.P, RP, w.X.data() + r * RP);  // the group's heads
     std::copy_n(Bm + ((b * s.L + t) * s.G + g) * s.N, s.N, w.Bc.data() + r * s.N);
     const int64_t ci = shift ? i0 + r - 1 : i0 + r;
     if (ci < 0) {
       std::fill_n(w.Cc.data() + r * s.N, s.N, T(0));
     } else {
-      std::copy_n(Cm + ((b * s.L + row(ci)) * s.G + g) * s.N, s.N, w.Cc.data() + r * s.N);
+      std::copy_n(Cm + ((b * s.L + time_row(s, reverse, ci)) * s.G + g) * s.N, s.N, w.Cc.data() + r * s.N);
     }
     for (int64_t k = 0; k < s.rep; ++k) w.dt[k * s.Q + r] = dtp[(b * s.L + t) * s.H + g * s.rep + k];
   }
@@ -1168,19 +1165,18 @@ bool factored_fits(const Shape& s, const T* dtp, const T* Ap, bool reverse, bool
   const T limit = factored_limit<T>();
   std::atomic<bool> ok{true};
   at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
-    auto row = [&](int64_t i) { return reverse ? s.L - 1 - i : i; };
     for (int64_t bh = begin; bh < end && ok.load(std::memory_order_relaxed); ++bh) {
       const int64_t b = bh / s.H, h = bh % s.H;
       const T A = Ap[h];
       for (int64_t c = 0; c < nC; ++c) {
         const int64_t i0 = c * s.Q, n = std::min(s.Q, s.L - i0);
         T last = 0;
-        for (int64_t r = 0; r < n; ++r) last += dtp[(b * s.L + row(i0 + r)) * s.H + h] * A;
+        for (int64_t r = 0; r < n; ++r) last += dtp[(b * s.L + time_row(s, reverse, i0 + r)) * s.H + h] * A;
         const T m = last * T(0.5);
         T acc = 0;
         for (int64_t r = 0; r < n; ++r) {
           const T before = acc;
-          acc += dtp[(b * s.L + row(i0 + r)) * s.H + h] * A;
+          acc += dtp[(b * s.L + time_row(s, reverse, i0 + r)) * s.H + h] * A;
           const T q = shift ? before : acc;
           if (!(std::abs(q - m) <= limit && std::abs(m - acc) <= limit)) {
             ok.store(false, std::memory_order_relaxed);
