@@ -44,7 +44,7 @@ from ..kernels import chunked_scan_flops, depthwise_conv1d, gated_rmsnorm, scan_
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from ..kernels.scan.step import ssd_step
 from ..layers.conv import ShortConv
-from ..mixers._ssm import init_dt_bias
+from ..mixers._ssm import compute_dtype, init_dt_bias
 from ..mixers.base import MatrixMixer, MixerContext
 from ..mixers.cache import MixerCache
 from ..registry import MixerConfig
@@ -200,8 +200,7 @@ class Mamba2(MatrixMixer[Mamba2Context]):
 
     # -- the generators ---------------------------------------------------------------------------------
     def _A(self, dtype: torch.dtype) -> Tensor:
-        work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        return -torch.exp(self.A_log.to(work))
+        return -torch.exp(self.A_log.to(compute_dtype(dtype)))
 
     def _skip(self) -> Tensor:
         return self.D.view(self.nheads, self.headdim) if self.D_has_hdim else self.D
@@ -212,6 +211,7 @@ class Mamba2(MatrixMixer[Mamba2Context]):
     def _context(self, z0: Tensor, x0: Tensor, z: Tensor, xBC: Tensor, dt: Tensor, mask: Tensor | None
                  ) -> Mamba2Context:
         xs, B, C = xBC.split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        dt = dt.to(compute_dtype(dt.dtype))      # step sizes in float32 under autocast, as released
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         lo, hi = self.dt_limit
         if lo > 0.0 or hi < math.inf:

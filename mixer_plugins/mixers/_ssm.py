@@ -33,6 +33,7 @@ __all__ = [
     "SSMBlockConfig",
     "SSMParameters",
     "ScanContext",
+    "compute_dtype",
     "init_dt_bias",
 ]
 
@@ -112,16 +113,26 @@ class SSMParameters(nn.Module):
             self.D.fill_(1.0)
 
     def A(self, dtype: torch.dtype) -> Tensor:
-        """The per-head decay rates ``A = -exp(A_log)`` (negative)."""
-        return -torch.exp(self.A_log.to(dtype))
+        """The per-head decay rates ``A = -exp(A_log)`` (negative), in float32 for half-precision ``dtype`` (as
+        mamba-ssm keeps them: a bfloat16 ``A`` would be off by up to 0.4%, and every decay with it)."""
+        return -torch.exp(self.A_log.to(compute_dtype(dtype)))
 
     def dt(self, raw: Tensor) -> Tensor:
-        """Step sizes ``clamp(softplus(raw + dt_bias), *dt_limit)`` from the raw per-token, per-head projections."""
+        """Step sizes ``clamp(softplus(raw + dt_bias), *dt_limit)`` from the raw per-token, per-head projections, in
+        float32 when ``raw`` is half precision (under autocast the projections are bfloat16; the step sizes and
+        every decay formed from them stay float32, as in mamba-ssm and the released Hydra)."""
+        raw = raw.to(compute_dtype(raw.dtype))
         dt = nn.functional.softplus(raw + self.dt_bias.to(raw.dtype))
         lo, hi = self.dt_limit
         if lo > 0.0 or hi < math.inf:
             dt = dt.clamp(min=lo, max=hi)
         return dt
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype step sizes and decays are formed in for inputs of ``dtype``: float32 for half precision, else
+    ``dtype`` itself (float32 or float64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)

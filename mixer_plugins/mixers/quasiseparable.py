@@ -81,7 +81,7 @@ class QuasiseparableMixer(BidirectionalSSMBlock):
         if ctx.mask is not None:
             keep = ctx.mask[..., None].to(dt_b.dtype)
             dt_f, dt_b = dt_f * keep, dt_b * keep
-        A = ctx.A.to(ctx.x.dtype)
+        A = ctx.A.to(dt_f.dtype)                                     # the decays in the step sizes' dtype
         decay_f = torch.exp(A * torch.cumsum(dt_f, dim=1))                         # sum_{k<=t}
         decay_b = torch.exp(A * torch.flip(torch.cumsum(torch.flip(dt_b, (1,)), dim=1), (1,)))  # sum_{k>=t}
         read_f = torch.einsum("blhn,hpn->blhp", ctx.C_f.repeat_interleave(rep, dim=2), s0) * decay_f[..., None]

@@ -9,14 +9,15 @@ it needs from the other ranks:
   row on each side for the shift below, and runs the block's own ``prepare`` on the widened segment;
 * the shifted scans (Hydra) read ``C_{i-1}`` (forward) and ``C_{i+1}`` (backward) across the segment
   border: they come from that extra halo row;
-* the scans themselves: with ``a = A dt`` and segment-local cumulative sums ``p`` (inclusive) and
-  ``e = p - a`` (exclusive), the part of query ``i`` in segment ``r`` that comes from the other segments
-  is ``C~_i exp(q_i) H_r`` (forward; ``q = e`` shifted, ``p`` otherwise) and
-  ``C~_i exp(p_last - q_i) G_r`` (backward; ``q = p`` shifted, ``e`` otherwise), where ``H_r``/``G_r`` are
-  the (head_dim x state) states entering the segment from the left/right. Each rank computes its segment's
-  total decay ``T = exp(p_last)`` and outgoing states ``S = sum_j exp(p_last - p_j) dt_j B_j x_j^T``
-  (forward) and ``R = sum_j exp(e_j) dt_j B_j x_j^T`` (backward); one all-gather shares them and each
-  rank combines the prefix ``H_r = T_{r-1} H_{r-1} + S_{r-1}`` (and the suffix for ``G_r``).
+* the scans themselves: with ``a = A dt``, the part of query ``i`` in segment ``r`` that comes from the other
+  segments is ``C~_i exp(q_i) H_r`` (forward; ``q_i`` the segment's sum of ``a`` up to ``i - 1`` shifted, up to
+  ``i`` otherwise) and ``C~_i exp(q_i) G_r`` (backward; ``q_i`` the sum from ``i + 1`` shifted, from ``i``
+  otherwise, to the segment's end), where ``H_r``/``G_r`` are the (head_dim x state) states entering the segment
+  from the left/right. Each rank computes its segment's total decay ``T`` and outgoing states
+  ``S = sum_j exp(a_{j+1} + ... + a_last) dt_j B_j x_j^T`` (forward) and ``R = sum_j exp(a_0 + ... + a_{j-1}) dt_j
+  B_j x_j^T`` (backward); one all-gather shares them and each rank combines the prefix
+  ``H_r = T_{r-1} H_{r-1} + S_{r-1}`` (and the suffix for ``G_r``). Every exponent is a sum over its own tokens,
+  never a difference of two long sums, so it keeps its precision at any decay.
 
 The segment's own part is the mixer's usual local scan (the public ops :func:`~mixer_plugins.kernels.
 quasiseparable`, :func:`~mixer_plugins.kernels.directional_scan`, :func:`~mixer_plugins.kernels.ssd`), so
@@ -123,27 +124,31 @@ def gather_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 
 
 # -- per-segment algebra ------------------------------------------------------------------------------
 
-def _decays(dt: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Segment-local inclusive ``p`` and exclusive ``e`` cumulative log-decays (b, l, h), and the total (b, h).
-    ``e`` is ``p`` moved by one token (not ``p - a``, which would carry one more rounding)."""
-    p = (dt * A.to(dt.dtype)).cumsum(1)
-    return p, torch.cat([torch.zeros_like(p[:, :1]), p[:, :-1]], dim=1), p[:, -1]
+def _decays(dt: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Segment-local cumulative log-decays (b, l, h): inclusive ``p`` and exclusive ``e`` prefix sums, inclusive
+    ``r`` and exclusive ``s`` suffix sums, each summed over its own tokens (``e``, ``s`` are ``p``, ``r`` moved by one
+    token, never ``p - a``; a suffix is never ``total - p``, a difference of two long sums)."""
+    a = dt * A.to(dt.dtype)
+    p = a.cumsum(1)
+    r = a.flip(1).cumsum(1).flip(1)
+    zero = torch.zeros_like(p[:, :1])
+    return p, torch.cat([zero, p[:, :-1]], dim=1), r, torch.cat([r[:, 1:], zero], dim=1)
 
 
 def _outgoing(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, *, reverse: bool) -> Tensor:
     """The state a segment sends on: its tokens decayed to its end (to its start, ``reverse``)."""
-    p, e, total = _decays(dt, A)
-    weight = torch.exp(total[:, None] - p) * dt if not reverse else torch.exp(e) * dt
+    p, e, r, s = _decays(dt, A)
+    weight = torch.exp(s) * dt if not reverse else torch.exp(e) * dt
     return _outgoing_state(x, weight, B)
 
 
 def _incoming(C: Tensor, state: Tensor, dt: Tensor, A: Tensor, *, shift: bool, reverse: bool) -> Tensor:
     """This segment's outputs from the state entering it (from the left, or the right when ``reverse``)."""
-    p, e, total = _decays(dt, A)
+    p, e, r, s = _decays(dt, A)
     if not reverse:
         log_decay = e if shift else p
     else:
-        log_decay = total[:, None] - (p if shift else e)
+        log_decay = s if shift else r
     return _read_state(C, state, log_decay)
 
 

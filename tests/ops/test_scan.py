@@ -23,7 +23,7 @@ from mixer_plugins.kernels import _dispatch
 from mixer_plugins.kernels._native_check import require_native
 from mixer_plugins.kernels.scan import Direction, ScanArgs, chunk_length, chunked_scan_flops, run_scan
 from mixer_plugins.kernels.scan import mamba_ssm as mamba_backend
-from mixer_plugins.kernels.scan.native import FORMS, run_native
+from mixer_plugins.kernels.scan.native import run_native
 
 CPU_BACKENDS = ["reference", "torch", "native"]
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -152,7 +152,7 @@ def test_quasiseparable_gradients_match_the_reference(backend, shift):
         torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-9)
 
 
-# -- the native engine's two forms ------------------------------------------------------------------------
+# -- the native engine -----------------------------------------------------------------------------------------
 
 @pytest.fixture
 def native_ops():
@@ -174,16 +174,15 @@ def _prepared(length, chunk, *, scale=1.0, shift=True, dirs="fb", init=True):
     return args, leaves
 
 
-@pytest.mark.parametrize("form", ["factored", "exact"])
 @pytest.mark.parametrize("dirs", ["f", "b", "fb"])
 @pytest.mark.parametrize("shift", [True, False])
 @pytest.mark.parametrize("length, chunk", [(1, 4), (11, 4), (16, 4), (23, 64)])
-def test_both_native_forms_match_the_reference_values_and_gradients(form, dirs, shift, length, chunk):
+def test_the_native_engine_matches_the_reference_values_and_gradients(dirs, shift, length, chunk):
     args, leaves = _prepared(length, chunk, shift=shift, dirs=dirs)
     want_final = args.forward is not None
 
     def native():
-        y, final = run_native(args.prepare(), want_final=want_final, form=form)
+        y, final = run_native(args.prepare(), want_final=want_final)
         return (y, final) if want_final else y
 
     def reference():
@@ -197,9 +196,9 @@ def test_both_native_forms_match_the_reference_values_and_gradients(form, dirs, 
 
 
 @pytest.mark.parametrize("dtype, scale", [(torch.float32, 30.0), (F64, 300.0)])
-def test_wide_decays_run_the_exact_form_and_match_the_reference(dtype, scale):
-    # chunks whose decays pass the factored form's range (e^40 in float32, e^300 in float64): "auto" runs the exact
-    # form, "factored" is refused, and the result is the reference's
+def test_wide_decays_match_the_reference(dtype, scale):
+    # chunks whose decays sum past e^-40 (float32) and e^-300 (float64): every exponent is a sum over its own
+    # tokens, so nothing leaves the dtype's range and the result is the reference's
     args, _ = _prepared(24, 8, scale=scale, dirs="fb", init=False)
     cast = ScanArgs(x=args.x.detach().to(dtype), forward=Direction(*(t.detach().to(dtype) for t in (
         args.forward.dt, args.forward.A, args.forward.B, args.forward.C))), backward=Direction(*(
@@ -209,8 +208,6 @@ def test_wide_decays_run_the_exact_form_and_match_the_reference(dtype, scale):
     want = run_scan(cast, "reference")
     torch.testing.assert_close(y, want, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-5)
     assert torch.isfinite(y).all()
-    with pytest.raises(RuntimeError, match="factored form was asked for"):
-        run_native(cast.prepare(), want_final=False, form="factored")
 
 
 def test_a_tuned_short_sequence_runs_as_one_chunk_on_every_backend():
@@ -234,8 +231,7 @@ def test_chunk_length_rule():
         assert q <= 64 and -(-length // q) == -(-length // 64)   # the fewest chunks, balanced
 
 
-@pytest.mark.parametrize("form", ["factored", "exact"])
-def test_the_native_engine_reads_x_in_place_from_wider_rows(form, native_ops, monkeypatch):
+def test_the_native_engine_reads_x_in_place_from_wider_rows(native_ops, monkeypatch):
     # x as a projection hands it over: a slice of wider rows (batch and row strides of its own, heads and channels
     # dense). The op takes the view as it is and gives what a contiguous copy gives, bit for bit; through autograd,
     # the gradient reaches the wide tensor's slice.
@@ -251,11 +247,11 @@ def test_the_native_engine_reads_x_in_place_from_wider_rows(form, native_ops, mo
         dense = x.contiguous()
         n = x.shape[0]
         g = [t[-n:] if t.dim() > 1 else t for t in gens]
-        for got, want in zip(ops.scan_forward(x, *g, None, True, 4, False, FORMS[form]),
-                             ops.scan_forward(dense, *g, None, True, 4, False, FORMS[form])):
+        for got, want in zip(ops.scan_forward(x, *g, None, True, 4, False),
+                             ops.scan_forward(dense, *g, None, True, 4, False)):
             assert torch.equal(got, want)
-        for got, want in zip(ops.scan_backward(dy[-n:], None, x, *g, None, True, 4, FORMS[form]),
-                             ops.scan_backward(dy[-n:], None, dense, *g, None, True, 4, FORMS[form])):
+        for got, want in zip(ops.scan_backward(dy[-n:], None, x, *g, None, True, 4),
+                             ops.scan_backward(dy[-n:], None, dense, *g, None, True, 4)):
             assert torch.equal(got, want)
     wide.requires_grad_()
     x_leaf = inputs.x.detach().clone().requires_grad_()
@@ -273,19 +269,18 @@ def test_the_native_engine_reads_x_in_place_from_wider_rows(form, native_ops, mo
 
     monkeypatch.setattr(ops, "scan_forward", recording(ops.scan_forward, 0))
     monkeypatch.setattr(ops, "scan_backward", recording(ops.scan_backward, 2))   # (dy, dfinal, x, ...)
-    y_strided, _ = run_native(strided, want_final=False, form=form)
+    y_strided, _ = run_native(strided, want_final=False)
     (y_strided * dy).sum().backward()
     monkeypatch.undo()
     assert seen == [(strided.x.data_ptr(), strided.x.stride())] * 2
-    y_contiguous, _ = run_native(contiguous, want_final=False, form=form)
+    y_contiguous, _ = run_native(contiguous, want_final=False)
     assert torch.equal(y_strided, y_contiguous)
     (y_contiguous * dy).sum().backward()
     assert torch.equal(wide.grad[..., 2:14].unflatten(-1, (4, 3)), x_leaf.grad)
     assert not wide.grad[..., :2].any() and not wide.grad[..., 14:].any()
 
 
-@pytest.mark.parametrize("form", ["factored", "exact"])
-def test_the_native_engine_copies_x_whose_channels_are_not_dense(form):
+def test_the_native_engine_copies_x_whose_channels_are_not_dense():
     # every other channel of wider rows: the engine cannot read it in place, so it gets a copy (same values and
     # gradients as a contiguous x, and as the reference)
     args, leaves = _prepared(11, 4, dirs="fb", init=False)
@@ -293,8 +288,8 @@ def test_the_native_engine_copies_x_whose_channels_are_not_dense(form):
     wide = torch.randn(2, 11, 4, 6, dtype=F64, requires_grad=True)
     x = wide[..., ::2]
     dense = x.detach().clone().requires_grad_()
-    y, _ = run_native(dataclasses.replace(inputs, x=x), want_final=False, form=form)
-    want, _ = run_native(dataclasses.replace(inputs, x=dense), want_final=False, form=form)
+    y, _ = run_native(dataclasses.replace(inputs, x=x), want_final=False)
+    want, _ = run_native(dataclasses.replace(inputs, x=dense), want_final=False)
     torch.testing.assert_close(y, want, rtol=0, atol=0)
     want_ref, _ = run_scan(dataclasses.replace(args, x=dense.detach()), "reference")   # (y, final state)
     torch.testing.assert_close(y, want_ref, **TIGHT)
@@ -313,22 +308,20 @@ def test_native_op_argument_checks(native_ops):
     gens = (d.dt.detach(), d.A.detach(), d.B.detach(), d.C.detach(), None, None, None, None)
     x = inputs.x.detach()
     with pytest.raises(RuntimeError, match="heads and channels must be dense"):
-        ops.scan_forward(x.transpose(1, 2), *gens, None, False, 4, False, 0)
+        ops.scan_forward(x.transpose(1, 2), *gens, None, False, 4, False)
     with pytest.raises(RuntimeError, match="float32/float64 CPU tensor"):
-        ops.scan_forward(x.to(torch.float16), *gens, None, False, 4, False, 0)
+        ops.scan_forward(x.to(torch.float16), *gens, None, False, 4, False)
     with pytest.raises(RuntimeError, match="the sequence is empty"):
         ops.scan_forward(x[:, :0], *(t[:, :0] if t.dim() > 1 else t for t in gens[:4]), *gens[4:], None, False, 4,
-                         True, 0)
+                         True)
     with pytest.raises(RuntimeError, match="initial state needs the forward direction"):
-        ops.scan_forward(x, None, None, None, None, *gens[:4], torch.zeros(2, 4, 3, 5, dtype=F64), False, 4, False, 0)
+        ops.scan_forward(x, None, None, None, None, *gens[:4], torch.zeros(2, 4, 3, 5, dtype=F64), False, 4, False)
     with pytest.raises(RuntimeError, match="initial state \\(B, H, P, N\\)"):
-        ops.scan_forward(x, *gens, torch.zeros(2, 4, 5, 3, dtype=F64), False, 4, False, 0)
+        ops.scan_forward(x, *gens, torch.zeros(2, 4, 5, 3, dtype=F64), False, 4, False)
     with pytest.raises(RuntimeError, match="dy must be contiguous"):
-        ops.scan_backward(x[:, :4], None, x, *gens, None, False, 4, 0)
+        ops.scan_backward(x[:, :4], None, x, *gens, None, False, 4)
     with pytest.raises(RuntimeError, match="chunk > 0"):
-        ops.scan_backward(x, None, x, *gens, None, False, 0, 0)
-    with pytest.raises(RuntimeError, match="form must be"):
-        ops.scan_forward(x, *gens, None, False, 4, False, 3)
+        ops.scan_backward(x, None, x, *gens, None, False, 0)
 
 
 # -- packed sequences ------------------------------------------------------------------------------------------

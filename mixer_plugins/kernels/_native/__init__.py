@@ -7,8 +7,8 @@
   ``kernels.depthwise_conv1d``, :mod:`..conv.native`);
 * ``norm_forward`` / ``norm_backward``: the gated RMSNorm (the ``native`` backend of ``kernels.gated_rmsnorm``,
   :mod:`..norm.native`);
-* ``scan_forward`` / ``scan_backward``: the chunked (bi)directional scan, the factored form where every chunk's
-  decays allow it and the exact form elsewhere (see :mod:`..scan.native`).
+* ``scan_forward`` / ``scan_backward``: the chunked (bi)directional scan, every log decay summed over its own tokens
+  (see :mod:`..scan.native`).
 
 Each is called from inside our ``torch.library`` custom ops or autograd Functions, so ``torch.compile``,
 ``torch.export`` and ``FlopCounterMode`` see our registered ops, whichever code runs inside. Outputs are plain

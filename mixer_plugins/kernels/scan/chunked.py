@@ -2,14 +2,19 @@
 
 O(L) memory (no L x L tensor), any device, any floating dtype, differentiable by autograd, traceable by
 ``torch.compile`` and ``torch.export``. One direction runs left to right in chunks of Q tokens (:func:`chunk_length`),
-with ``a = A dt`` and chunk-local cumulative sums:
+with ``a = A dt`` per token. Every log decay is a sum over its own tokens, never a difference of two chunk-wide
+cumulative sums (:func:`chunk_decays`): so its rounding is relative to its own size, and autograd's gradient with
+respect to each ``a_k`` adds only the terms whose decay spans ``k``, each with its own bounded weight (no large sums
+that cancel, however strong the decay):
 
-1. :func:`chunk_cumsum` — ``p`` (inclusive) and the query-side sums ``q`` (``p``, or the exclusive sums when
-   shifted: each formed by a shift of ``p``, never as ``p - a``, so the nearest pair keeps decay 1 exactly);
-2. :func:`chunk_states` — what each chunk leaves behind: ``S_c = sum_j exp(p_last - p_j) dt_j B_j x_j^T``;
-3. :func:`state_passing` — the state entering each chunk: ``H_{c+1} = exp(p_last,c) H_c + S_c`` from the initial
+1. :func:`chunk_decays` — per chunk, the pair sums ``S_ij = a_{j+1} + ... + a_i`` (``... + a_{i-1}`` shifted), the
+   prefix sums ``q_i`` (``a_0 + ... + a_i``, or up to ``a_{i-1}`` shifted) with which query rows read the entering
+   state, the suffix sums ``s_j = a_{j+1} + ... + a_last`` with which tokens enter the chunk's own state, and the
+   chunk's total;
+2. :func:`chunk_states` — what each chunk leaves behind: ``S_c = sum_j exp(s_j) dt_j B_j x_j^T``;
+3. :func:`state_passing` — the state entering each chunk: ``H_{c+1} = exp(total_c) H_c + S_c`` from the initial
    state (a short loop over chunks);
-4. :func:`chunk_output` — ``y_i = sum_{j<=i} (C~_i . B_j) exp(q_i - p_j) dt_j x_j + exp(q_i) C~_i . H_c``
+4. :func:`chunk_output` — ``y_i = sum_{j<=i} (C~_i . B_j) exp(S_ij) dt_j x_j + exp(q_i) C~_i . H_c``
    (``j < i`` and ``C~_i = C_{i-1}`` when shifted).
 
 The backward (upper) direction is the forward one on the time-reversed sequence, read back in original order. With
@@ -20,12 +25,31 @@ never a multiplication by zero, so a non-finite ``dt``, ``B`` or ``C`` of a toke
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from .inputs import Direction, ScanInputs, chunk_length
 
-__all__ = ["chunk_cumsum", "chunk_output", "chunk_states", "scan_chunked", "state_passing"]
+__all__ = ["ChunkDecays", "chunk_decays", "chunk_output", "chunk_states", "scan_chunked", "state_passing"]
+
+
+class ChunkDecays(NamedTuple):
+    """The log decays of one direction's chunks, each summed over its own tokens (b, c chunks of Q tokens, h heads):
+
+    * ``pair`` (b, c, Q, Q, h): ``a_{j+1} + ... + a_i`` at (i, j) for ``j < i`` (``... + a_{i-1}`` when shifted),
+      0 on and above the diagonal (where the mask of :func:`chunk_output` excludes or keeps the pair);
+    * ``prefix`` (b, c, Q, h): ``a_0 + ... + a_i`` (``... + a_{i-1}`` when shifted), what row i's read-out of the
+      entering state decays by;
+    * ``suffix`` (b, c, Q, h): ``a_{j+1} + ... + a_last``, what token j decays by until it leaves the chunk;
+    * ``total`` (b, c, h): the whole chunk's sum, the carry of the entering state.
+    """
+
+    pair: Tensor
+    prefix: Tensor
+    suffix: Tensor
+    total: Tensor
 
 
 def _zero(t: Tensor) -> Tensor:
@@ -46,19 +70,34 @@ def _shift_right(t: Tensor, dim: int) -> Tensor:
     return torch.cat([first, t.narrow(dim, 0, t.shape[dim] - 1)], dim=dim)
 
 
-def chunk_cumsum(dt: Tensor, A: Tensor, q: int, shift: bool) -> tuple[Tensor, Tensor]:
-    """Chunk-local cumulative log decays of one direction: ``p`` (inclusive) and ``q`` (what query rows read: the
-    exclusive sums when ``shift``), both (b, c, Q, h). ``dt`` (b, l, h) prepared, ``A`` (h,)."""
-    a = _chunks(dt * A.to(dt.dtype), q)
-    p = a.cumsum(2)
-    return p, (_shift_right(p, 2) if shift else p)
+def _shift_left(t: Tensor, dim: int) -> Tensor:
+    """``t`` moved one step back along ``dim``, a zero entering last."""
+    last = torch.zeros_like(t.narrow(dim, 0, 1))
+    return torch.cat([t.narrow(dim, 1, t.shape[dim] - 1), last], dim=dim)
 
 
-def chunk_states(x: Tensor, B: Tensor, dt: Tensor, p: Tensor, same_as_last: Tensor | None) -> Tensor:
-    """Each chunk's own state ``S_c = sum_j exp(p_last - p_j) dt_j B_j x_j^T``: x (b, c, Q, h, P), B (b, c, Q, g, N),
-    dt and p (b, c, Q, h) -> (b, c, h, P, N). ``same_as_last`` (b, c, Q): tokens in the segment of the chunk's last
-    token (the others leave nothing)."""
-    weight = torch.exp(p[:, :, -1:] - p) * dt
+def chunk_decays(dt: Tensor, A: Tensor, q: int, shift: bool) -> ChunkDecays:
+    """The log decays of one direction in chunks of ``q`` tokens (:class:`ChunkDecays`): ``dt`` (b, l, h) prepared,
+    ``A`` (h,). The pair sums are cumulative sums down each column of the masked ``a`` (as the reference's
+    :func:`.reference.segment_sums`); exclusive sums are inclusive ones moved by one token, never ``p - a``, so the
+    nearest shifted pair keeps decay 1 exactly."""
+    a = _chunks(dt * A.to(dt.dtype), q)                                             # (b, c, Q, h)
+    Q = a.shape[2]
+    below = torch.ones(Q, Q, dtype=torch.bool, device=a.device).tril(-1)[:, :, None]  # k > j, (Q_k, Q_j, 1)
+    pair = torch.where(below, a[:, :, :, None, :], _zero(a)).cumsum(2)             # (b, c, Q_i, Q_j, h)
+    prefix = a.cumsum(2)
+    total = prefix[:, :, -1]
+    suffix = _shift_left(a.flip(2).cumsum(2).flip(2), 2)
+    if shift:
+        pair, prefix = _shift_right(pair, 2), _shift_right(prefix, 2)
+    return ChunkDecays(pair=pair, prefix=prefix, suffix=suffix, total=total)
+
+
+def chunk_states(x: Tensor, B: Tensor, dt: Tensor, suffix: Tensor, same_as_last: Tensor | None) -> Tensor:
+    """Each chunk's own state ``S_c = sum_j exp(s_j) dt_j B_j x_j^T``: x (b, c, Q, h, P), B (b, c, Q, g, N),
+    dt and the suffix sums ``s`` (b, c, Q, h) -> (b, c, h, P, N). ``same_as_last`` (b, c, Q): tokens in the segment
+    of the chunk's last token (the others leave nothing)."""
+    weight = torch.exp(suffix) * dt
     if same_as_last is not None:
         weight = torch.where(same_as_last[..., None], weight, _zero(weight))
     g = B.shape[3]
@@ -87,21 +126,21 @@ def state_passing(states: Tensor, log_carry: Tensor, carries: Tensor | None, ini
     return torch.stack(entering, dim=1), h
 
 
-def chunk_output(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, p: Tensor, q: Tensor, shift: bool,
+def chunk_output(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, decays: ChunkDecays, shift: bool,
                  entering: Tensor | None, same: Tensor | None, reads_entering: Tensor | None) -> Tensor:
-    """``y_i = sum_{j<=i} (C~_i . B_j) exp(q_i - p_j) dt_j x_j + exp(q_i) C~_i . H_c`` per chunk (``j < i`` when
-    ``shift``): x (b, c, Q, h, P), B and C~ (b, c, Q, g, N), dt, p, q (b, c, Q, h); ``entering`` (b, c, h, P, N) or
-    None (nothing enters); ``same`` (b, c, Q, Q) pairs in one segment, ``reads_entering`` (b, c, Q) rows in the
-    segment of the entering state (None: all)."""
+    """``y_i = sum_{j<=i} (C~_i . B_j) exp(S_ij) dt_j x_j + exp(q_i) C~_i . H_c`` per chunk (``j < i`` when
+    ``shift``): x (b, c, Q, h, P), B and C~ (b, c, Q, g, N), dt (b, c, Q, h), ``decays`` the chunks' pair sums
+    ``S`` and prefix sums ``q``; ``entering`` (b, c, h, P, N) or None (nothing enters); ``same`` (b, c, Q, Q) pairs
+    in one segment, ``reads_entering`` (b, c, Q) rows in the segment of the entering state (None: all)."""
     Q, g = x.shape[2], B.shape[3]
     idx = torch.arange(Q, device=x.device)
     allowed = idx[:, None] > idx[None, :] if shift else idx[:, None] >= idx[None, :]      # (Q_i, Q_j)
     if same is not None:
         allowed = allowed & same
     allowed = allowed[..., None]                                                      # (…, Q_i, Q_j, 1)
-    log_decay = q[:, :, :, None, :] - p[:, :, None, :, :]                             # (b, c, Q_i, Q_j, h)
-    decay = torch.exp(torch.where(allowed, log_decay, torch.full((), float("-inf"), dtype=p.dtype,
-                                                                  device=p.device)))
+    log_decay = decays.pair
+    decay = torch.exp(torch.where(allowed, log_decay, torch.full((), float("-inf"), dtype=log_decay.dtype,
+                                                                  device=log_decay.device)))
     cb = torch.einsum("bcign,bcjgn->bcijg", C, B)                                     # (b, c, Q, Q, g)
     weights = cb.repeat_interleave(x.shape[3] // g, dim=-1) * decay * dt[:, :, None, :, :]
     weights = torch.where(allowed, weights, _zero(weights))
@@ -109,7 +148,7 @@ def chunk_output(x: Tensor, B: Tensor, C: Tensor, dt: Tensor, p: Tensor, q: Tens
     if entering is None:
         return y
     read = torch.einsum("bcign,bcgrpn->bcigrp", C, entering.unflatten(2, (g, -1))).flatten(3, 4)
-    scale = torch.exp(q)
+    scale = torch.exp(decays.prefix)
     if reads_entering is not None:
         scale = torch.where(reads_entering[..., None], scale, _zero(scale))
     return y + read * scale[..., None]
@@ -121,7 +160,7 @@ def _one_direction(x: Tensor, d: Direction, seq_idx: Tensor | None, initial: Ten
     b, length, heads, _ = x.shape
     C = _shift_right(d.C, 1) if shift else d.C
     xc, Bc, Cc, dtc = (_chunks(t, Q) for t in (x, d.B, C, d.dt))
-    p, q = chunk_cumsum(d.dt, d.A, Q, shift)
+    decays = chunk_decays(d.dt, d.A, Q, shift)
     nchunks = xc.shape[1]
     same = same_as_last = carries = reads_entering = None
     if seq_idx is not None:
@@ -137,11 +176,11 @@ def _one_direction(x: Tensor, d: Direction, seq_idx: Tensor | None, initial: Ten
         reads_entering = seq == before[..., None]
     entering = final = None
     if nchunks > 1 or want_final:
-        states = chunk_states(xc, Bc, dtc, p, same_as_last)
-        entering, final = state_passing(states, p[:, :, -1], carries, initial)
+        states = chunk_states(xc, Bc, dtc, decays.suffix, same_as_last)
+        entering, final = state_passing(states, decays.total, carries, initial)
     if nchunks == 1:  # one chunk: nothing enters it but the initial state
         entering = None if initial is None else initial[:, None].to(x.dtype)
-    y = chunk_output(xc, Bc, Cc, dtc, p, q, shift, entering, same, reads_entering)
+    y = chunk_output(xc, Bc, Cc, dtc, decays, shift, entering, same, reads_entering)
     return y.flatten(1, 2)[:, :length], final
 
 

@@ -2,10 +2,11 @@
 
 The engine runs the chunked algorithm of :mod:`.chunked` with its per-chunk work in small thread-local buffers and
 a written-out backward (it stores only its inputs: training memory is linear in the length with a small constant).
-Within a chunk it shares one product per (batch, group, chunk) between the group's heads by factoring the decays,
-wherever every chunk's decays fit the dtype's range, and computes every decay itself otherwise; the engine decides
-that from its inputs on each call (no Python-side probe of values), and either way the result is the reference's
-up to rounding. A short sequence runs as one chunk with no state work at all (:func:`.inputs.chunk_length`).
+Every log decay is summed over its own tokens (each pair's, each read-out's prefix, each state's suffix), never
+formed as a difference of chunk-wide cumulative sums, so float32 keeps the reference's accuracy at any chunk size
+and the decay gradient stays right at any decay. The products that do not depend on a head (``C~ B^T``, the
+chunks' states and read-outs) are shared by a group's heads. A short sequence runs as one chunk with no state work
+at all (:func:`.inputs.chunk_length`).
 
 It takes eager CPU calls in float32 or float64 (every tensor of ``x``'s dtype) without ``seq_idx``; elsewhere (and
 under ``torch.compile``, which traces the ``torch`` backend) it says why not and the dispatcher moves on
@@ -26,11 +27,7 @@ from .._native_check import native_unavailable, require_native
 from .flops import chunked_scan_flops
 from .inputs import ScanArgs, ScanInputs, chunk_length
 
-__all__ = ["FORMS", "native_scan", "native_scan_backward", "run_native"]
-
-#: The engine's forms: ``auto`` (factored where every chunk's decays allow it, else exact), ``factored`` (an error
-#: where they do not) and ``exact``.
-FORMS = {"auto": 0, "factored": 1, "exact": 2}
+__all__ = ["native_scan", "native_scan_backward", "run_native"]
 
 OptTensor = Optional[Tensor]
 OptShape = Optional[Shape]
@@ -72,7 +69,7 @@ def _rows_dense(x: Tensor) -> Tensor:
 def native_scan(x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor],
                 C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor],
                 C_b: Optional[Tensor], diag: Optional[Tensor], init: Optional[Tensor], shift: bool, chunk: int,
-                want_final: bool, form: int) -> tuple[Tensor, Tensor]:
+                want_final: bool) -> tuple[Tensor, Tensor]:
     """The engine's forward (inputs of one dtype, any strides): y and the final state (empty unless
     ``want_final``). ``x`` is read in place when its heads and channels are dense (a slice of a projection); other
     inputs get contiguous copies, made here for the call only: autograd keeps the inputs as given (views of a
@@ -80,7 +77,7 @@ def native_scan(x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: O
     require_native()
     y, final = torch.ops.mixer_plugins_native.scan_forward(_rows_dense(x),
                                                            *_dense(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init),
-                                                           shift, chunk, want_final, form)
+                                                           shift, chunk, want_final)
     if diag is not None:
         y.addcmul_(x, diag[..., None])
     return y, final
@@ -89,7 +86,7 @@ def native_scan(x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: O
 @native_scan.register_fake
 def _native_scan_fake(x: Tensor, dt_f: OptTensor, A_f: OptTensor, B_f: OptTensor, C_f: OptTensor, dt_b: OptTensor,
                       A_b: OptTensor, B_b: OptTensor, C_b: OptTensor, diag: OptTensor, init: OptTensor, shift: bool,
-                      chunk: int, want_final: bool, form: int) -> tuple[Tensor, Tensor]:
+                      chunk: int, want_final: bool) -> tuple[Tensor, Tensor]:
     B = B_f if B_f is not None else B_b
     assert B is not None, "a scan has at least one direction"
     state = B.shape[-1]
@@ -101,12 +98,12 @@ def _native_scan_fake(x: Tensor, dt_f: OptTensor, A_f: OptTensor, B_f: OptTensor
 def native_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: Optional[Tensor],
                          A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor], dt_b: Optional[Tensor],
                          A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor], diag: Optional[Tensor],
-                         init: Optional[Tensor], shift: bool, chunk: int, form: int) -> list[Tensor]:
+                         init: Optional[Tensor], shift: bool, chunk: int) -> list[Tensor]:
     """The gradients of :func:`native_scan` with respect to ``x, dt_f, ..., C_b, diag, init`` (an empty tensor for
     an input that is None)."""
     out = torch.ops.mixer_plugins_native.scan_backward(*_dense(dy, dfinal), _rows_dense(x),
                                                        *_dense(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, init),
-                                                       shift, chunk, form)
+                                                       shift, chunk)
     dx, ddiag = out[0], x.new_empty(0)
     if diag is not None:
         dx.addcmul_(dy, diag[..., None])
@@ -118,8 +115,8 @@ def native_scan_backward(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt_f: 
 @native_scan_backward.register_fake
 def _native_scan_backward_fake(dy: Tensor, dfinal: OptTensor, x: Tensor, dt_f: OptTensor, A_f: OptTensor,
                                B_f: OptTensor, C_f: OptTensor, dt_b: OptTensor, A_b: OptTensor, B_b: OptTensor,
-                               C_b: OptTensor, diag: OptTensor, init: OptTensor, shift: bool, chunk: int,
-                               form: int) -> list[Tensor]:
+                               C_b: OptTensor, diag: OptTensor, init: OptTensor, shift: bool, chunk: int
+                               ) -> list[Tensor]:
     def like(t: OptTensor) -> Tensor:
         return x.new_empty(0) if t is None else t.new_empty(t.shape)   # contiguous, as the real kernel's
     return [like(x), like(dt_f), like(A_f), like(B_f), like(C_f), like(dt_b), like(A_b), like(B_b), like(C_b),
@@ -127,9 +124,9 @@ def _native_scan_backward_fake(dy: Tensor, dfinal: OptTensor, x: Tensor, dt_f: O
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final, form = inputs
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, shift, chunk, want_final = inputs
     ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init)
-    ctx.shift, ctx.chunk, ctx.form = shift, chunk, form
+    ctx.shift, ctx.chunk = shift, chunk
     ctx.set_materialize_grads(False)   # an unused output's gradient stays None: no zero-filled work
 
 
@@ -139,8 +136,8 @@ def _backward(ctx: Any, dy: Tensor | None, dfinal: Tensor | None) -> Grads:
     dy = torch.zeros_like(x) if dy is None else dy
     if dfinal is not None and dfinal.numel() == 0:
         dfinal = None
-    grads = native_scan_backward(dy, dfinal, *saved, ctx.shift, ctx.chunk, ctx.form)
-    return (*[None if t is None else g for g, t in zip(grads, saved)], None, None, None, None)
+    grads = native_scan_backward(dy, dfinal, *saved, ctx.shift, ctx.chunk)
+    return (*[None if t is None else g for g, t in zip(grads, saved)], None, None, None)
 
 
 native_scan.register_autograd(_backward, setup_context=_setup_context)
@@ -160,26 +157,26 @@ def _scan_flops(x_shape: Shape, dt_f_shape: Shape | None, B_f_shape: Shape | Non
 @register_flop_formula(torch.ops.mixer_plugins.native_scan)
 def _forward_flops(x: Shape, dt_f: OptShape, A_f: OptShape, B_f: OptShape, C_f: OptShape, dt_b: OptShape,
                    A_b: OptShape, B_b: OptShape, C_b: OptShape, diag: OptShape, init: OptShape, shift: bool,
-                   chunk: int, want_final: bool, form: int, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+                   chunk: int, want_final: bool, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return _scan_flops(x, dt_f, B_f, dt_b, B_b, init, chunk, want_final)
 
 
 @register_flop_formula(torch.ops.mixer_plugins.native_scan_backward)
 def _backward_flops(dy: Shape, dfinal: OptShape, x: Shape, dt_f: OptShape, A_f: OptShape, B_f: OptShape,
                     C_f: OptShape, dt_b: OptShape, A_b: OptShape, B_b: OptShape, C_b: OptShape, diag: OptShape,
-                    init: OptShape, shift: bool, chunk: int, form: int, *args: Any, out_shape: Any = None,
+                    init: OptShape, shift: bool, chunk: int, *args: Any, out_shape: Any = None,
                     **kwargs: Any) -> int:
     # the engine's backward does about twice the forward's products
     return 2 * _scan_flops(x, dt_f, B_f, dt_b, B_b, init, chunk, dfinal is not None)
 
 
-def run_native(inputs: ScanInputs, *, want_final: bool, form: str = "auto") -> tuple[Tensor, Tensor | None]:
+def run_native(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor | None]:
     """The scan of ``inputs`` on the native engine: (y, the forward direction's final state when ``want_final``,
-    else None). Differentiable once. ``form``: one of :data:`FORMS` (tests compare both forms with the reference)."""
+    else None). Differentiable once."""
     _, length, heads, head_dim = inputs.x.shape
     chunk = chunk_length(length, inputs.chunk_size, heads, head_dim, inputs.state_size)
     y, final = native_scan(inputs.x, *_generators(inputs), inputs.diag, inputs.initial_state, inputs.shift, chunk,
-                           want_final, FORMS[form])
+                           want_final)
     return y, (final if want_final else None)
 
 
