@@ -237,7 +237,7 @@ def test_bad_decoder_mixers_fail_with_our_message(fs2, hub, mixer, options, mess
 # -- the recipe end to end --------------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # a fresh fairseq2 process: ~15-25 s
-def test_recipe_trains_checkpoints_and_generates(fs2, tmp_path, capsys):
+def test_recipe_trains_checkpoints_and_generates(fs2, tmp_path, capsys, monkeypatch):
     """A tiny semiseparable decoder trains a few steps (a fresh fairseq2 process), checkpoints, and ``generate``
     continues prompts from the checkpoint with sampling and with beam search."""
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -267,3 +267,12 @@ def test_recipe_trains_checkpoints_and_generates(fs2, tmp_path, capsys):
     assert len(beams) == 3 and all(line.startswith("The cat") for line in beams)
     assert main([str(tmp_path), "--prompt", "x"]) == 2  # not a checkpoints folder: one line on stderr
     assert "error:" in capsys.readouterr().err
+
+    # as the docs write the commands: a folder relative to the working directory
+    from mixer_plugins.backbones.fairseq2 import load_mixer_checkpoint
+
+    monkeypatch.chdir(tmp_path.parent)
+    relative = f"{tmp_path.name}/checkpoints"
+    assert main([relative, "--prompt", "The cat", "--max-gen-len", "4"]) == 0
+    assert capsys.readouterr().out.startswith("The cat")
+    assert type(load_mixer_checkpoint(relative)).__name__ == type(load_mixer_checkpoint(ckpt)).__name__

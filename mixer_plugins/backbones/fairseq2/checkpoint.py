@@ -48,9 +48,9 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
     ``ModelMetadataLoader``, the metadata ``register_checkpoint_models`` exposes as ``checkpoint_step_N`` /
     ``last_checkpoint``). So family, config (the mixer included) and weights all come from the checkpoint, and a
     cut or empty ``checkpoints/model.yaml`` (fairseq2 rewrites it at every start) does not lose the run.
-    Initialises fairseq2 if needed.
+    A relative ``checkpoint_dir`` is taken from the current working directory. Initialises fairseq2 if needed.
     """
-    folder = Path(checkpoint_dir)
+    folder = Path(checkpoint_dir).expanduser().resolve()   # fairseq2's asset cards take absolute paths only
     resolver = get_dependency_resolver()
     steps = sorted(int(p.name[5:]) for p in folder.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
     chosen = (steps[-1] if steps else None) if step is None else step
