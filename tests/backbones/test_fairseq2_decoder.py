@@ -276,3 +276,17 @@ def test_recipe_trains_checkpoints_and_generates(fs2, tmp_path, capsys, monkeypa
     assert main([relative, "--prompt", "The cat", "--max-gen-len", "4"]) == 0
     assert capsys.readouterr().out.startswith("The cat")
     assert type(load_mixer_checkpoint(relative)).__name__ == type(load_mixer_checkpoint(ckpt)).__name__
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--temperature", "0"), ("--temperature", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
+    ("--top-p", "-0.1"), ("--top-p", "1.5"), ("--top-p", "nan"), ("--top-p", "0"), ("--top-k", "-1"), ("--top-k", "0"),
+    ("--beam-size", "0"), ("--num-gens", "0"), ("--max-gen-len", "0"),
+])
+def test_generate_refuses_a_bad_option_in_one_line_before_loading_anything(option, value, tmp_path, capsys):
+    # the folder does not even exist: the option is checked first, with exit status 2 and no traceback
+    from mixer_plugins.backbones.fairseq2.generate import main
+
+    assert main([str(tmp_path / "missing"), "--prompt", "x", option, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and option.lstrip("-").replace("-", "_") in err[0]

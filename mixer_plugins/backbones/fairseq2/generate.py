@@ -13,6 +13,7 @@ tokenizer (``<s>`` then the bytes); generation is ``SamplingSequenceGenerator`` 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -43,6 +44,25 @@ class GenerationSettings:
     beam_size: int = 4
     num_gens: int = 1
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in ("sampling", "beam"):
+            problems.append(f"mode must be 'sampling' or 'beam', got {self.mode!r}")
+        if self.max_gen_len < 1:
+            problems.append(f"max_gen_len must be at least 1, got {self.max_gen_len}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            problems.append(f"temperature must be a finite number above 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            problems.append(f"top_k must be at least 1 (leave it unset for top-p sampling), got {self.top_k}")
+        if not 0 < self.top_p <= 1:   # (NaN fails)
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.beam_size < 1:
+            problems.append(f"beam_size must be at least 1, got {self.beam_size}")
+        if self.num_gens < 1:
+            problems.append(f"num_gens must be at least 1, got {self.num_gens}")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 class _BytesOnly:
@@ -90,7 +110,7 @@ def generate_text(model: TransformerLM, prompts: Sequence[str], settings: Genera
             model, vocab, StandardBeamSearchAlgorithm(), beam_size=settings.beam_size,
             max_gen_len=settings.max_gen_len, step_processors=processors)
     elif settings.mode == "sampling":
-        sampler = TopKSampler(settings.top_k) if settings.top_k else TopPSampler(settings.top_p)
+        sampler = TopKSampler(settings.top_k) if settings.top_k is not None else TopPSampler(settings.top_p)
         generator = SamplingSequenceGenerator(
             model, vocab, sampler, num_gens=settings.num_gens, max_gen_len=settings.max_gen_len,
             temperature=settings.temperature, step_processors=processors)
@@ -127,14 +147,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; prints each prompt followed by its continuations. Returns the exit status."""
     args = _parser().parse_args(argv)
+    try:   # the options first, before fairseq2 is imported: a bad one answers at once
+        settings = GenerationSettings(mode=args.mode, max_gen_len=args.max_gen_len, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, beam_size=args.beam_size,
+                                      num_gens=args.num_gens, seed=args.seed)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     os.environ.setdefault("FAIRSEQ2_NO_PROGRESS", "1")
     from fairseq2.models.transformer_lm import TransformerLM
 
     from .checkpoint import load_mixer_checkpoint
 
-    settings = GenerationSettings(mode=args.mode, max_gen_len=args.max_gen_len, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, beam_size=args.beam_size,
-                                  num_gens=args.num_gens, seed=args.seed)
     try:
         model = load_mixer_checkpoint(args.checkpoint_dir, step=args.step).eval()
         if not isinstance(model, TransformerLM):
