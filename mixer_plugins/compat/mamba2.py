@@ -44,7 +44,7 @@ from ..kernels import chunked_scan_flops, depthwise_conv1d, gated_rmsnorm, scan_
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from ..kernels.scan.step import ssd_step
 from ..layers.conv import ShortConv
-from ..mixers._ssm import compute_dtype, init_dt_bias
+from ..mixers._ssm import StepOptions, compute_dtype, init_dt_bias, step_sizes
 from ..mixers.base import MatrixMixer, MixerContext
 from ..mixers.cache import MixerCache
 from ..registry import MixerConfig
@@ -104,16 +104,22 @@ class Mamba2Config(MixerConfig):
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class Mamba2Context(MixerContext):
-    """The SSD generators (``dt`` (b, L, h), ``A`` (h,), ``B``/``C`` (b, L, g, n)), the gate ``z`` (b, L, d_ssm) and
-    the MLP branch ``z0``, ``x0`` (b, L, d_mlp)."""
+    """The SSD generators (``dt`` (b, L, h) as the scan op takes it, with ``steps``, how the op turns it into step
+    sizes (:meth:`step_sizes`); ``A`` (h,), ``B``/``C`` (b, L, g, n)), the gate ``z`` (b, L, d_ssm) and the MLP branch
+    ``z0``, ``x0`` (b, L, d_mlp)."""
 
     dt: Tensor
+    steps: StepOptions | None
     A: Tensor
     B: Tensor
     C: Tensor
     z: Tensor
     z0: Tensor
     x0: Tensor
+
+    def step_sizes(self) -> Tensor:
+        """The step sizes ``clamp(softplus(dt + dt_bias), *dt_limit)`` (float32 or wider), as the scan op forms them."""
+        return step_sizes(self.dt, self.steps)
 
 
 class Mamba2(MatrixMixer[Mamba2Context]):
@@ -211,13 +217,9 @@ class Mamba2(MatrixMixer[Mamba2Context]):
     def _context(self, z0: Tensor, x0: Tensor, z: Tensor, xBC: Tensor, dt: Tensor, mask: Tensor | None
                  ) -> Mamba2Context:
         xs, B, C = xBC.split([self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
-        dt = dt.to(compute_dtype(dt.dtype))      # step sizes in float32 under autocast, as released
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
-        lo, hi = self.dt_limit
-        if lo > 0.0 or hi < math.inf:
-            dt = dt.clamp(min=lo, max=hi)
         gn = (self.ngroups, self.d_state)
         return Mamba2Context(values=xs.unflatten(-1, (self.nheads, self.headdim)), mask=mask, dt=dt,
+                             steps=StepOptions(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit),
                              A=self._A(xs.dtype), B=B.unflatten(-1, gn), C=C.unflatten(-1, gn), z=z, z0=z0, x0=x0)
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> Mamba2Context:
@@ -236,11 +238,14 @@ class Mamba2(MatrixMixer[Mamba2Context]):
                 "Mamba2 with D_has_hdim=True adds a different skip D to each channel of a head: the heads' "
                 "channels do not share one L x L matrix"
             )
-        diag = self.D.to(ctx.values.dtype).expand_as(ctx.dt)
-        return scan_matrix(ctx.dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
+        dt = ctx.step_sizes()
+        diag = self.D.to(ctx.values.dtype).expand_as(dt)
+        return scan_matrix(dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
 
     def mix(self, ctx: Mamba2Context) -> Tensor:
-        return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip())
+        # the raw step sizes go to the op, which forms them in float32 (inside the kernels on the GPU), as released
+        return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip(),
+                   **(ctx.steps or {}))
 
     def finish(self, ctx: Mamba2Context, y: Tensor) -> Tensor:
         y = y.flatten(2)
@@ -356,7 +361,8 @@ class Mamba2(MatrixMixer[Mamba2Context]):
         started = (lengths[:, None] - self.d_conv + torch.arange(self.d_conv, device=x.device)) >= 0
         xBC = torch.where(started[..., None], xBC, xBC.new_zeros(()))
         cache.state["conv"].copy_(xBC.transpose(1, 2).detach())
-        dt = ctx.dt if ctx.mask is None else torch.where(ctx.mask[..., None], ctx.dt, ctx.dt.new_zeros(()))
+        dt = ctx.step_sizes()
+        dt = dt if ctx.mask is None else torch.where(ctx.mask[..., None], dt, dt.new_zeros(()))
         y, state = ssd(ctx.values, dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip(),
                        return_final_states=True)
         cache.state["ssm"].copy_(state.detach())
@@ -372,10 +378,10 @@ class Mamba2(MatrixMixer[Mamba2Context]):
     def mix_step(self, ctx: Mamba2Context, cache: MixerCache) -> Tensor:
         state = cache.state["ssm"]
         if ctx.values.shape[1] == 1:
-            y, new = ssd_step(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, state, D=self._skip())
+            y, new = ssd_step(ctx.values, ctx.step_sizes(), ctx.A, ctx.B, ctx.C, state, D=self._skip())
         else:
             y, new = ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self._skip(),
-                         initial_states=state, return_final_states=True)
+                         initial_states=state, return_final_states=True, **(ctx.steps or {}))
         state.copy_(new.detach())
         return y
 

@@ -3,20 +3,21 @@
 ``semiseparable`` (causal SSD), ``quasiseparable`` (Hydra) and the bidirectional ablations
 (:mod:`.bidirectional_ablations`) all build on the pieces here; no concrete mixer module imports another.
 
-Names: ``dt`` are the step sizes (``softplus(raw + dt_bias)``), ``diag`` is Hydra's data-dependent diagonal
-``D + W_D x``; ``D``/``fc_D``/``A_log``/``dt_bias`` keep Mamba's parameter names.
+Names: ``dt`` are the step sizes (``clamp(softplus(raw + dt_bias), *dt_limit)``), ``diag`` is Hydra's
+data-dependent diagonal ``D + W_D x``; ``D``/``fc_D``/``A_log``/``dt_bias`` keep Mamba's parameter names.
 
 Most of a Hydra block's time is the two-direction scan, then ``in_proj``; the glue here is kept to a few small ops
-per forward: both directions' step sizes come from one ``softplus`` over the (b, L, 2, h) raw projections (two
-strided views out), and the diagonal ``W_D x + D`` is one fused multiply-add (``D`` rides as the bias of the
-product).
+per forward: the scan op receives the raw step-size projections (two strided views of in_proj's output) with
+``dt_bias`` and ``dt_limit`` and forms the step sizes itself, in float32 (inside the kernels on the GPU), as mamba-ssm
+does; ``A = -exp(A_log)`` is formed in float32; the diagonal ``W_D x + D`` is one fused multiply-add (``D`` rides as
+the bias of the product).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Annotated, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from ..errors import NotMaterializableError
 from ..kernels import chunked_scan_flops, directional_scan, quasiseparable, scan_matrix
+from ..kernels.scan.inputs import prepare_dt
 from .block import BlockConfig, BlockContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
 
 __all__ = [
@@ -33,8 +35,10 @@ __all__ = [
     "SSMBlockConfig",
     "SSMParameters",
     "ScanContext",
+    "StepOptions",
     "compute_dtype",
     "init_dt_bias",
+    "step_sizes",
 ]
 
 
@@ -97,7 +101,8 @@ class SSMParameters(nn.Module):
         super().__init__()
         self.A_init_range = tuple(config.A_init_range)
         self.dt_init = (config.dt_min, config.dt_max, config.dt_init_floor)
-        self.dt_limit = tuple(float(v) for v in config.dt_limit)
+        lo, hi = config.dt_limit
+        self.dt_limit = (float(lo), float(hi))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads))
         self.D = nn.Parameter(torch.empty(heads)) if with_d else None
@@ -120,13 +125,22 @@ class SSMParameters(nn.Module):
     def dt(self, raw: Tensor) -> Tensor:
         """Step sizes ``clamp(softplus(raw + dt_bias), *dt_limit)`` from the raw per-token, per-head projections, in
         float32 when ``raw`` is half precision (under autocast the projections are bfloat16; the step sizes and
-        every decay formed from them stay float32, as in mamba-ssm and the released Hydra)."""
-        raw = raw.to(compute_dtype(raw.dtype))
-        dt = nn.functional.softplus(raw + self.dt_bias.to(raw.dtype))
-        lo, hi = self.dt_limit
-        if lo > 0.0 or hi < math.inf:
-            dt = dt.clamp(min=lo, max=hi)
-        return dt
+        every decay formed from them stay float32, as in mamba-ssm and the released Hydra). The scan ops form them
+        the same way from :meth:`step_options`."""
+        return prepare_dt(raw, self.dt_bias, True, self.dt_limit)
+
+    def step_options(self) -> StepOptions:
+        """What the scan ops take to form the step sizes from raw projections themselves (``dt_bias``,
+        ``dt_softplus``, ``dt_limit``)."""
+        return StepOptions(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+
+
+class StepOptions(TypedDict):
+    """Keyword arguments of the scan ops that turn raw step-size projections into step sizes."""
+
+    dt_bias: Tensor
+    dt_softplus: bool
+    dt_limit: tuple[float, float]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -137,18 +151,38 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class ScanContext(BlockContext):
-    """Generators of a two-direction scan: per direction the step sizes ``dt`` (b, L, h) and ``B``/``C``
-    (b, L, groups, N); one ``A`` (h,); the optional diagonal ``diag`` (b, L, h); ``x`` the value heads."""
+    """Generators of a two-direction scan: per direction ``dt_f``/``dt_b`` (b, L, h) as the scan op takes them and
+    ``B``/``C`` (b, L, groups, N); one ``A`` (h,); the optional diagonal ``diag`` (b, L, h); ``x`` the value heads.
+    ``steps``: how the op turns ``dt_f``/``dt_b`` into step sizes (the raw projections with ``dt_bias``, softplus and
+    ``dt_limit``), or None when they are the step sizes already; :meth:`step_sizes` gives the step sizes."""
 
     x: Tensor
     A: Tensor
     dt_f: Tensor
     dt_b: Tensor
+    steps: StepOptions | None
     B_f: Tensor
     C_f: Tensor
     B_b: Tensor
     C_b: Tensor
     diag: Tensor | None = None
+
+    def step_sizes(self) -> tuple[Tensor, Tensor]:
+        """Both directions' step sizes (float32 or wider), as the scan op forms them."""
+        return step_sizes(self.dt_f, self.steps), step_sizes(self.dt_b, self.steps)
+
+    def with_step_sizes(self) -> ScanContext:
+        """This context with the step sizes formed once (for callers that read them besides the scan)."""
+        dt_f, dt_b = self.step_sizes()
+        return dataclasses.replace(self, dt_f=dt_f, dt_b=dt_b, steps=None)
+
+
+def step_sizes(dt: Tensor, steps: StepOptions | None) -> Tensor:
+    """The step sizes from ``dt`` as a context holds it: through :func:`~mixer_plugins.kernels.scan.inputs.prepare_dt`
+    with ``steps``, as the scan op forms them, or ``dt`` itself when ``steps`` is None."""
+    if steps is None:
+        return dt
+    return prepare_dt(dt, steps["dt_bias"], steps["dt_softplus"], steps["dt_limit"])
 
 
 def bidirectional_groups(config: BidirectionalConfig) -> list[ChannelGroup]:
@@ -211,8 +245,8 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
         b, length = x.shape[:2]
         gn = (self.ngroups, self.d_state)
         if self.BC is None:  # the data-dependent form
-            # both directions' step sizes in one softplus (and one clamp): (b, L, 2, h) -> two strided views
-            dt_f, dt_b = self.ssm.dt(parts["dt"].unflatten(-1, (2, self.scan_heads))).unbind(dim=2)
+            # both directions' raw step sizes: (b, L, 2, h) -> two strided views (the scan op prepares them)
+            dt_f, dt_b = parts["dt"].unflatten(-1, (2, self.scan_heads)).unbind(dim=2)
             if self.shared_bc:
                 B_f = B_b = parts["B"].unflatten(-1, gn)
                 C_f = C_b = parts["C"].unflatten(-1, gn)
@@ -222,14 +256,14 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
             bc = self.BC[:length].to(x.dtype)[None].expand(b, -1, -1)
             B_f, C_f = (t.unflatten(-1, gn) for t in bc.chunk(2, dim=-1))
             B_b, C_b = B_f, C_f
-            dt_f = dt_b = self.ssm.dt(x.new_zeros(b, length, self.scan_heads))  # time-invariant steps
+            dt_f = dt_b = x.new_zeros(b, length, self.scan_heads)  # time-invariant steps: softplus(dt_bias)
         diag = None
         if self.fc_D is not None and self.ssm.D is not None:  # use_diag
             # diag = W_D x + D as one fused multiply-add (D is the bias of the product)
             diag = F.linear(parts["x"], self.fc_D.weight, self.ssm.D.to(x.dtype))
         values = torch.cat([x, x], dim=2) if self.combine == "concat" else x
         return ScanContext(values=values, mask=mask, x=x, A=self.ssm.A(x.dtype), dt_f=dt_f, dt_b=dt_b,
-                           B_f=B_f, C_f=C_f, B_b=B_b, C_b=C_b, diag=diag)
+                           steps=self.ssm.step_options(), B_f=B_f, C_f=C_f, B_b=B_b, C_b=C_b, diag=diag)
 
     # -- the matrix and the fast path ---------------------------------------------------------------
     def matrix(self, ctx: ScanContext) -> Tensor:
@@ -238,8 +272,9 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
                 f"{type(self).__name__} multiplies the two scan directions elementwise: it is not linear in its "
                 "values, so it has no L x L matrix (each direction alone has one)"
             )
-        fwd = (ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f)
-        bwd = (ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b)
+        dt_f, dt_b = ctx.step_sizes()
+        fwd = (dt_f, ctx.A, ctx.B_f, ctx.C_f)
+        bwd = (dt_b, ctx.A, ctx.B_b, ctx.C_b)
         if self.combine == "concat":
             lower = scan_matrix(*fwd, shift=self.shift)
             upper = scan_matrix(None, None, None, None, *bwd, shift=self.shift)
@@ -248,14 +283,16 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
 
     def mix(self, ctx: ScanContext) -> Tensor:
         x = ctx.x
+        steps: dict[str, Any] = dict(ctx.steps or {})
         if self.combine == "sum":
             return quasiseparable(
                 x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, dt_bwd=ctx.dt_b, B_bwd=ctx.B_b, C_bwd=ctx.C_b,
-                diag=ctx.diag, shift=self.shift, chunk_size=self.chunk_size,
+                diag=ctx.diag, shift=self.shift, chunk_size=self.chunk_size, **steps,
             )
-        y_f = directional_scan(x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, shift=self.shift, chunk_size=self.chunk_size)
+        y_f = directional_scan(x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, shift=self.shift, chunk_size=self.chunk_size,
+                               **steps)
         y_b = directional_scan(x, ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, shift=self.shift,
-                               chunk_size=self.chunk_size)
+                               chunk_size=self.chunk_size, **steps)
         if self.combine == "product":
             return y_f * y_b
         return torch.cat([y_f, y_b], dim=2)

@@ -77,7 +77,7 @@ class QuasiseparableMixer(BidirectionalSSMBlock):
             raise RuntimeError(f"{type(self).__name__} was built without learnable_init_states: no initial state")
         s0 = self.init_states.to(ctx.x.dtype)                        # (h, p, n)
         rep = self.scan_heads // self.ngroups
-        dt_f, dt_b = ctx.dt_f, ctx.dt_b
+        dt_f, dt_b = ctx.step_sizes()
         if ctx.mask is not None:
             keep = ctx.mask[..., None].to(dt_b.dtype)
             dt_f, dt_b = dt_f * keep, dt_b * keep

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..kernels import chunked_scan_flops, scan_matrix, ssd
 from ..kernels.scan.step import ssd_step
 from ..registry.spec import MixerSpec
-from ._ssm import SSMBlockConfig, SSMParameters
+from ._ssm import SSMBlockConfig, SSMParameters, StepOptions, step_sizes
 from .block import BlockContext, ChannelGroup, MatrixMixerBlock
 from .cache import MixerCache
 
@@ -42,12 +42,23 @@ class SemiseparableConfig(SSMBlockConfig):
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class SSDContext(BlockContext):
-    """Generators of the causal scan: step sizes ``dt`` (b, L, h), ``A`` (h,), ``B``/``C`` (b, L, groups, N)."""
+    """Generators of the causal scan: ``dt`` (b, L, h) as the scan op takes it, ``A`` (h,), ``B``/``C`` (b, L, groups,
+    N). ``steps``: how the op turns ``dt`` into step sizes (the raw projections with ``dt_bias``, softplus and
+    ``dt_limit``), or None when it holds the step sizes already; :meth:`step_sizes` gives the step sizes."""
 
     dt: Tensor
+    steps: StepOptions | None
     A: Tensor
     B: Tensor
     C: Tensor
+
+    def step_sizes(self) -> Tensor:
+        """The step sizes (float32 or wider), as the scan op forms them."""
+        return step_sizes(self.dt, self.steps)
+
+    def with_step_sizes(self) -> SSDContext:
+        """This context with the step sizes formed once (for callers that read them besides the scan)."""
+        return dataclasses.replace(self, dt=self.step_sizes(), steps=None)
 
 
 class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
@@ -74,17 +85,19 @@ class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
         x = self.heads(parts["x"])
         gn = (self.ngroups, self.d_state)
         return SSDContext(
-            values=x, mask=mask, dt=self.ssm.dt(parts["dt"]), A=self.ssm.A(x.dtype),
+            values=x, mask=mask, dt=parts["dt"], steps=self.ssm.step_options(), A=self.ssm.A(x.dtype),
             B=parts["B"].unflatten(-1, gn), C=parts["C"].unflatten(-1, gn),
         )
 
     def matrix(self, ctx: SSDContext) -> Tensor:
         assert self.ssm.D is not None, "built with_d=True"
-        diag = self.ssm.D.to(ctx.values.dtype).expand_as(ctx.dt)
-        return scan_matrix(ctx.dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
+        dt = ctx.step_sizes()
+        diag = self.ssm.D.to(ctx.values.dtype).expand_as(dt)
+        return scan_matrix(dt, ctx.A, ctx.B, ctx.C, diag=diag).to(ctx.values.dtype)
 
     def mix(self, ctx: SSDContext) -> Tensor:
-        return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D)
+        return ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D,
+                   **(ctx.steps or {}))
 
     # -- decoding ------------------------------------------------------------------------------------
     def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
@@ -93,7 +106,8 @@ class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
                                          device=device)
 
     def mix_prefill(self, ctx: SSDContext, cache: MixerCache, lengths: Tensor) -> Tensor:
-        dt = ctx.dt if ctx.mask is None else torch.where(ctx.mask[..., None], ctx.dt, ctx.dt.new_zeros(()))
+        dt = ctx.step_sizes()
+        dt = dt if ctx.mask is None else torch.where(ctx.mask[..., None], dt, dt.new_zeros(()))
         y, state = ssd(ctx.values, dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D,
                        return_final_states=True)
         cache.state["ssm"].copy_(state.detach())
@@ -102,10 +116,10 @@ class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
     def mix_step(self, ctx: SSDContext, cache: MixerCache) -> Tensor:
         state = cache.state["ssm"]
         if ctx.values.shape[1] == 1:
-            y, new = ssd_step(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, state, D=self.ssm.D)
+            y, new = ssd_step(ctx.values, ctx.step_sizes(), ctx.A, ctx.B, ctx.C, state, D=self.ssm.D)
         else:
             y, new = ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D,
-                         initial_states=state, return_final_states=True)
+                         initial_states=state, return_final_states=True, **(ctx.steps or {}))
         state.copy_(new.detach())
         return y
 

@@ -348,7 +348,8 @@ class ContextParallelMixer(nn.Module):
                                n_left: int, n_right: int, length: int) -> Tensor:
         ctx_ext = mixer.prepare(x_ext, mask_ext)
         assert isinstance(ctx_ext, ScanContext)
-        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length)
+        # the step sizes formed once: the cross terms and the local scan read the same ones
+        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length).with_step_sizes()
         work = torch.promote_types(ctx.values.dtype, torch.float32)
         prev_C = ctx_ext.C_f[:, n_left - 1] if (self.shift and n_left > 0) else None
         next_C = ctx_ext.C_b[:, n_left + length] if (self.shift and n_right > 0) else None
@@ -367,7 +368,7 @@ class ContextParallelMixer(nn.Module):
                         length: int) -> Tensor:
         ctx_ext = mixer.prepare(x_ext, mask_ext)
         assert isinstance(ctx_ext, SSDContext)
-        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length)
+        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length).with_step_sizes()
         work = torch.promote_types(ctx.values.dtype, torch.float32)
         fwd = _Direction(ctx.values.to(work), ctx.dt.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
                          reverse=False, shift=False, neighbour_C=None)

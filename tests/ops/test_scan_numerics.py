@@ -186,39 +186,50 @@ def test_hydra_decay_gradient_at_strong_decay_matches_float64(length):
     assert err <= 1e-4, f"A_log gradient off by {err:.2e} of its size at L = {length}"
 
 
-@pytest.mark.parametrize("name", ["quasiseparable", "semiseparable"])
+@pytest.mark.parametrize("name", ["quasiseparable", "semiseparable", "mamba2_compat"])
 def test_bf16_autocast_keeps_step_sizes_decay_rates_and_decays_in_float32(name, monkeypatch):
-    # the projections are bfloat16 under autocast; dt = softplus(raw + dt_bias) and A = -exp(A_log) must be formed
-    # from them in float32, as the float32 path forms them (mamba-ssm and the released Hydra keep both in float32)
-    from mixer_plugins.mixers import _ssm, semiseparable
+    # the projections are bfloat16 under autocast; the blocks hand the scan op the raw step sizes with dt_bias, and
+    # the op forms dt = softplus(raw + dt_bias) and every decay in float32 from A = -exp(A_log) in float32, as the
+    # float32 path forms them (mamba-ssm and the released Hydra keep both in float32)
+    from mixer_plugins.compat import Mamba2
+    from mixer_plugins.kernels.scan.inputs import ScanArgs
 
     torch.manual_seed(0)
-    mixer = mp.create_mixer(name, dim=32, d_state=8, head_dim=8)
-    seen: dict[str, Tensor] = {}
-    module = _ssm if name == "quasiseparable" else semiseparable
-    op_name = "quasiseparable" if name == "quasiseparable" else "ssd"
-    op = getattr(module, op_name)
+    if name == "mamba2_compat":
+        mixer = Mamba2(32, d_state=8, headdim=8, chunk_size=16)
+        bias, A_log, heads = mixer.dt_bias, mixer.A_log, mixer.nheads
+    else:
+        mixer = mp.create_mixer(name, dim=32, d_state=8, head_dim=8)
+        bias, A_log, heads = mixer.ssm.dt_bias, mixer.ssm.A_log, mixer.ssm.dt_bias.shape[0]
+    projections: list[Tensor] = []
+    mixer.in_proj.register_forward_hook(lambda module, args, out: projections.append(out))
+    seen = []
+    prepare = ScanArgs.prepare
 
-    def recording(x: Tensor, dt: Tensor, A: Tensor, *args: object, **kwargs: object) -> Tensor:
-        seen.update(dt=dt, A=A)
-        return op(x, dt, A, *args, **kwargs)
+    def recording(args: ScanArgs):   # what every backend of the scan op receives
+        inputs = prepare(args)
+        seen.append(inputs)
+        return inputs
 
-    monkeypatch.setattr(module, op_name, recording)
+    monkeypatch.setattr(ScanArgs, "prepare", recording)
     x = torch.randn(2, 40, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        raw = mixer._in_proj_pieces(x)[-1]                       # the bfloat16 step-size projections
         mixer(x)
-    assert raw.dtype == torch.bfloat16
-    assert seen["dt"].dtype == torch.float32 and seen["A"].dtype == torch.float32
-    heads = mixer.ssm.dt_bias.shape[0]
-    raw = raw.float().unflatten(-1, (-1, heads))[..., 0, :] if name == "quasiseparable" else raw.float()
-    want_dt = torch.nn.functional.softplus(raw + mixer.ssm.dt_bias.float())
-    want_A = -torch.exp(mixer.ssm.A_log.float())
-    torch.testing.assert_close(seen["dt"], want_dt, rtol=1e-6, atol=0)
-    torch.testing.assert_close(seen["A"], want_A, rtol=1e-6, atol=0)
-    # the decay factors over the whole row, as the float32 path forms them
-    torch.testing.assert_close(torch.exp(seen["A"] * seen["dt"].cumsum(1)), torch.exp(want_A * want_dt.cumsum(1)),
-                               rtol=1e-6, atol=1e-30)
+        if not projections:   # the blocks call in_proj's weight themselves (one product, split into views)
+            projections.append(mixer._in_proj_pieces(x)[-1])
+    (raw_all,) = projections
+    assert raw_all.dtype == torch.bfloat16
+    raw = raw_all[..., -(2 if name == "quasiseparable" else 1) * heads:].float()
+    want_A = -torch.exp(A_log.float())
+    (inputs,) = seen
+    for k, direction in enumerate(inputs.directions):
+        assert direction.dt.dtype == torch.float32 and direction.A.dtype == torch.float32
+        want_dt = torch.nn.functional.softplus(raw[..., k * heads:(k + 1) * heads] + bias.float())
+        torch.testing.assert_close(direction.dt, want_dt, rtol=1e-6, atol=0)
+        torch.testing.assert_close(direction.A, want_A, rtol=1e-6, atol=0)
+        # the decay factors over the whole row, as the float32 path forms them
+        torch.testing.assert_close(torch.exp(direction.A * direction.dt.cumsum(1)),
+                                   torch.exp(want_A * want_dt.cumsum(1)), rtol=1e-6, atol=1e-30)
 
 
 def main() -> None:
