@@ -7,16 +7,25 @@ diagonal parts and is applied with one matmul; between chunks two light state pa
 right and the backward state right to left. No flipped copy of the input and no doubled batch. Sequences that fit one
 chunk run on the stateless kernels of :mod:`.triton_one_chunk` (the backend chooses by shape).
 
-Per head, with ``a = A * dt`` and chunk-local cumsums ``p`` (inclusive) and ``e`` (exclusive, selected from ``p``):
+Per head, with the log decays ``a = A * dt`` of a chunk's rows ``0 .. last`` (kept per token: every log decay and
+log weight below is a sum of ``a`` over its own span, formed where it is used as a cumsum that starts at the span's
+edge, never as the difference of two cumulative sums of the chunk, so it is rounded relative to its own size and an
+empty span, the decay between neighbours when shifted, is exactly 0):
 
-* forward (lower) entries inside a chunk: ``C~_i.B_j exp(q_i - p_j) dt_j`` (``j < i`` shifted, ``j <= i``
-  not; ``q = e`` shifted, ``p`` not; ``C~_i = C_{i-1}`` shifted);
-* backward (upper) entries: ``C~_i.B_j exp(e_j - q_i) dt_j`` (``j > i`` / ``j >= i``; ``q = p`` shifted,
-  ``e`` not; ``C~_i = C_{i+1}`` shifted);
-* forward state entering chunk c: ``H_{c+1} = exp(p_last) H_c + sum_j exp(p_last - p_j) dt_j x_j B_j^T``,
-  read as ``exp(q_i) H_c C~_i``;
-* backward state entering chunk c from the right: ``G_{c-1} = exp(p_last) G_c + sum_j exp(e_j) dt_j x_j B_j^T``,
-  read as ``exp(p_last - q_i) G_c C~_i``.
+* forward (lower) entries inside a chunk: ``C~_i.B_j exp(L_ij) dt_j``, ``L_ij = a_{j+1} + ... + a_i`` (``j <= i``),
+  ``... + a_{i-1}`` shifted (``j < i``, ``C~_i = C_{i-1}``): per pair, a masked cumsum along each query's keys;
+* backward (upper) entries: ``L_ij = a_i + ... + a_{j-1}`` (``j >= i``), ``a_{i+1} + ...`` shifted (``j > i``,
+  ``C~_i = C_{i+1}``);
+* forward state entering chunk c: ``H_{c+1} = exp(a_0 + ... + a_last) H_c + sum_j exp(a_{j+1} + ... + a_last) dt_j
+  x_j B_j^T``, read as ``exp(a_0 + ... + a_i) H_c C~_i`` (``... + a_{i-1}`` shifted);
+* backward state entering chunk c from the right: ``G_{c-1} = exp(a_0 + ... + a_last) G_c + sum_j exp(a_0 + ... +
+  a_{j-1}) dt_j x_j B_j^T``, read as ``exp(a_i + ... + a_last) G_c C~_i`` (``a_{i+1} + ...`` shifted).
+
+The gradient of the log decays, ``da_k``, collects what every log weight containing ``a_k`` is given, term by term:
+each intra pair's ``S_ij = (dy_i . x_j) M_ij = dLoss/dL_ij`` (from one ``dy x^T`` per chunk, head and direction:
+:func:`_dlog_pairs`), each read-out row's and own-state row's term (:func:`_dlog_query`, :func:`_dlog_key`) and the
+log carry's; every term enters through one-sided cumsums, never as a total minus a prefix, so it keeps float32
+accuracy at any decay. Then ``d dt += A da`` and ``dA = sum_k dt_k da_k``.
 
 Step sizes are prepared inside the kernels (``clamp(softplus(dt + dt_bias), *dt_limit)``, each part optional), and
 their gradient is taken back through it there, so the raw ``dt`` goes in and its gradient comes out.
@@ -27,13 +36,15 @@ is one-dimensional, so ``batch * heads`` may pass 65,535):
 * forward, 3: ``_states_kernel`` (per group: ``C~ B^T`` of both directions once per group and chunk, kept for the
   output and the backward; per head of the group, each chunk's own states and log carries), ``_pass_kernel`` (the
   inter-chunk recurrence ``S <- exp(lg_c) S + S_c`` of both directions, in place: each chunk's own state is replaced by
-  the state entering it), ``_out_kernel`` (per head: y = (lower + upper + diagonal block) @ x + both read-outs);
+  the state entering it), ``_out_kernel`` (per head: y = (lower + upper + diagonal block) @ x + both read-outs, and
+  the read-outs' log weights kept for the backward);
 * backward, 4 (+ one small sum of per-chunk partials of dA and d dt_bias): ``_dstate_kernel`` (per group: the
   gradient of each read-out with respect to the entering state, and the read-out's share of dC~, summed over the
   group's heads), ``_pass_kernel`` (the state gradients, the same recurrence run the other way, in place; it also
-  forms the gradient of each log carry), ``_dx_kernel`` (per group, head by head: dx in x's dtype, d diag, and each
-  own state's share of dB summed over the group), ``_dbc_kernel`` (per group, head by head: ``dy x^T`` once per head
-  and chunk for both directions, the step-size gradients, and dB, dC finished per group in their own dtypes).
+  forms the gradient of each log carry), ``_dx_kernel`` (per head: dx in x's dtype, d diag, and per direction the
+  step-size gradients, with the intra pairs' share of the log-decay gradient from ``dy x^T``, and the chunk's
+  partials of dA and d dt_bias), ``_dbc_kernel`` (per group, head by head: ``dy x^T`` once per head and chunk for
+  both directions, and dB, dC finished per group in their own dtypes).
 
 Passed states and their gradients are stored in bfloat16 where the inputs are half precision (float32 otherwise);
 every sum runs in float32. Offsets are 64-bit (``tokens * heads * head_dim * state / chunk`` and ``tokens * width``
@@ -145,19 +156,6 @@ if triton is not None:
         return b, c, i, t0, (L - t0).to(tl.int32)
 
     @triton.jit
-    def _prefix(a, ok):
-        """A chunk's inclusive sums ``p = cumsum(a)``, exclusive sums ``e`` and total ``plast`` (``p`` at the last valid
-        row). ``e`` and ``plast`` are selected from ``p`` (gathered, never formed as ``p - a``, which would carry one
-        more rounding of the size of ``p``'s last bit), so ``e_i`` is ``p_{i-1}`` bit for bit: the decay between
-        neighbours is exactly 1 however large ``|p|`` grows within the chunk."""
-        p = tl.cumsum(a, 0)
-        idx = tl.arange(0, a.shape[0])
-        e = tl.where(idx == 0, 0.0, tl.gather(p, tl.maximum(idx - 1, 0), 0))
-        last = tl.sum(ok.to(tl.int32), 0) - 1
-        plast = tl.sum(tl.where(idx == last, p, 0.0), 0)
-        return p, e, plast
-
-    @triton.jit
     def _softplus(v):
         """``log(1 + exp(v))`` as PyTorch computes it (``v`` itself above 20), with log1p's accuracy where ``exp(v)``
         is small (``log(u) * x / (u - 1)`` with ``u = 1 + x``)."""
@@ -242,60 +240,154 @@ if triton is not None:
         return seg, first, last, before, after
 
     @triton.jit
-    def _decays(dtc_ptr, base, offs_q, ok, Q, rem, plane):
-        """A chunk's prepared step sizes ``dt``, inclusive and exclusive log-decay sums ``p``, ``e`` and total
-        ``plast`` of one head and direction, read from what the states kernel stored at ``dtc`` (step sizes) and
-        ``dtc + plane`` (sums); ``e`` is ``p`` one row up, selected, never recomputed."""
+    def _decays(dtc_ptr, base, offs_q, ok, plane):
+        """A chunk's prepared step sizes ``dt`` and log decays ``a = A dt`` of one head and direction (0 outside
+        ``ok``), as the states kernel stored them at ``dtc`` and ``dtc + plane``. Every log decay and log weight is a
+        sum of ``a`` over its own span, formed from these where it is needed (:func:`_pair_logs`,
+        :func:`_read_log_weight`, :func:`_own_log_weight`): never a difference of two long cumulative sums."""
         dt = tl.load(dtc_ptr + base + offs_q, mask=ok, other=0.0)
-        p = tl.load(dtc_ptr + plane + base + offs_q, mask=ok, other=0.0)
-        e = tl.load(dtc_ptr + plane + base + offs_q - 1, mask=ok & (offs_q > 0), other=0.0)
-        plast = tl.load(dtc_ptr + plane + base + tl.minimum(Q, rem) - 1)
-        return dt, p, e, plast
+        a = tl.load(dtc_ptr + plane + base + offs_q, mask=ok, other=0.0)
+        return dt, a
 
     @triton.jit
-    def _query(d: tl.constexpr, offs_q, ok, t0, rem, p, e, plast, SHIFT: tl.constexpr):
-        """What query rows read in direction ``d`` (0 forward, 1 backward): their log decay ``q``, the rows of C they
-        read relative to the chunk's first row (``-+ 1`` when shifted) and the mask of those rows, and the log weight
-        of the entering state's read-out (``q`` forward, ``p_last - q`` backward)."""
+    def _down(v):
+        """``v`` one row down: ``w_k = v_{k-1}``, ``w_0 = 0`` (selected, never recomputed)."""
+        idx = tl.arange(0, v.shape[0])
+        return tl.where(idx == 0, 0.0, tl.gather(v, tl.maximum(idx - 1, 0), 0))
+
+    @triton.jit
+    def _up(v):
+        """``v`` one row up: ``w_k = v_{k+1}``, 0 in the last row (selected, never recomputed)."""
+        idx = tl.arange(0, v.shape[0])
+        last = v.shape[0] - 1
+        return tl.where(idx == last, 0.0, tl.gather(v, tl.minimum(idx + 1, last), 0))
+
+    @triton.jit
+    def _c_rows(d: tl.constexpr, offs_q, ok, t0, rem, SHIFT: tl.constexpr):
+        """The rows of C that query rows read in direction ``d`` (0 forward, 1 backward), relative to the chunk's
+        first row (``-+ 1`` when shifted), and the mask of those rows."""
         if d == 0:
             if SHIFT:
-                return e, offs_q - 1, ok & ((offs_q >= 1) | (t0 > 0)), e
+                return offs_q - 1, ok & ((offs_q >= 1) | (t0 > 0))
             else:
-                return p, offs_q, ok, p
+                return offs_q, ok
         else:
             if SHIFT:
-                return p, offs_q + 1, ok & (offs_q + 1 < rem), plast - p
+                return offs_q + 1, ok & (offs_q + 1 < rem)
             else:
-                return e, offs_q, ok, plast - e
+                return offs_q, ok
 
     @triton.jit
-    def _own_log_weight(d: tl.constexpr, p, e, plast):
-        """Log weight (before ``dt``) of each row in its chunk's own state: ``p_last - p`` (forward), ``e``."""
+    def _read_log_weight(d: tl.constexpr, a, SHIFT: tl.constexpr):
+        """Log weight of each query row's read-out of the state entering its chunk in direction ``d``: ``a`` summed
+        from the chunk's edge on the keys' side to the row, a cumsum from that edge: forward ``a_0 + ... + a_i``
+        (``... + a_{i-1}`` shifted: the sums one row down, selected), backward ``a_i + ... + a_last`` (``a_{i+1} +
+        ...`` shifted). ``a`` is 0 outside the chunk's rows."""
         if d == 0:
-            return plast - p
-        else:
-            return e
-
-    @triton.jit
-    def _intra_decay(d: tl.constexpr, p, e, q, ok, SHIFT: tl.constexpr):
-        """The decays of direction ``d``'s intra-chunk block: ``exp(q_i - p_j)`` below the diagonal (forward),
-        ``exp(e_j - q_i)`` above it (backward), the diagonal itself unless shifted; 0 where a pair is not allowed.
-        Rows and columns outside ``ok`` get an infinite log sum (so no (Q, Q) mask is kept)."""
-        ii = tl.arange(0, p.shape[0])[:, None]
-        jj = tl.arange(0, p.shape[0])[None, :]
-        if d == 0:
-            expo = tl.where(ok, q, float("-inf"))[:, None] - tl.where(ok, p, float("inf"))[None, :]
+            p = tl.cumsum(a, 0)
             if SHIFT:
+                return _down(p)
+            else:
+                return p
+        else:
+            r = tl.cumsum(a, 0, reverse=True)
+            if SHIFT:
+                return _up(r)
+            else:
+                return r
+
+    @triton.jit
+    def _own_log_weight(d: tl.constexpr, a):
+        """Log weight (before ``dt``) of each row in its chunk's own state in direction ``d``: ``a`` summed from the
+        row (excluded) to the chunk's edge on the queries' side, a cumsum from that edge, one row over (selected):
+        ``a_{j+1} + ... + a_last`` (forward), ``a_0 + ... + a_{j-1}`` (backward)."""
+        if d == 0:
+            return _up(tl.cumsum(a, 0, reverse=True))
+        else:
+            return _down(tl.cumsum(a, 0))
+
+    @triton.jit
+    def _pair_logs(d: tl.constexpr, a, ok, SHIFT: tl.constexpr):
+        """The log decays ``L_ij`` of direction ``d``'s pairs inside one chunk (or tile) from its log decays ``a``, each
+        summed over its own span: ``a_{j+1} + ... + a_i`` (``... + a_{i-1}`` shifted) below the diagonal (forward),
+        ``a_i + ... + a_{j-1}`` (``a_{i+1} + ...`` shifted) above it (backward), 0 on the diagonal unless shifted;
+        ``-inf`` where a pair is not allowed or a row or column is outside ``ok``. Each row is a masked cumsum of
+        ``a`` (one column over) along the keys, toward the query: no difference of two long sums, so an empty span
+        (a neighbour, shifted) is exactly 0 and every entry is rounded relative to its own size."""
+        ii = tl.arange(0, a.shape[0])[:, None]
+        jj = tl.arange(0, a.shape[0])[None, :]
+        if d == 0:      # column c holds a_{c+1}; row i sums columns j..i-1 (j..i-2 shifted)
+            if SHIFT:
+                logs = tl.cumsum(tl.where(jj + 1 < ii, _up(a)[None, :], 0.0), 1, reverse=True)
                 allowed = jj < ii
             else:
+                logs = tl.cumsum(tl.where(jj < ii, _up(a)[None, :], 0.0), 1, reverse=True)
                 allowed = jj <= ii
-        else:
-            expo = tl.where(ok, e, float("-inf"))[None, :] - tl.where(ok, q, float("inf"))[:, None]
+        else:           # column c holds a_{c-1}; row i sums columns i+1..j (i+2..j shifted)
             if SHIFT:
+                logs = tl.cumsum(tl.where(jj > ii + 1, _down(a)[None, :], 0.0), 1)
                 allowed = jj > ii
             else:
+                logs = tl.cumsum(tl.where(jj > ii, _down(a)[None, :], 0.0), 1)
                 allowed = jj >= ii
-        return tl.exp(tl.where(allowed, expo, float("-inf")))
+        return tl.where(allowed & ok[:, None] & ok[None, :], logs, float("-inf"))
+
+    @triton.jit
+    def _intra_decay(d: tl.constexpr, a, ok, SHIFT: tl.constexpr):
+        """The decays ``exp(L_ij)`` of direction ``d``'s intra-chunk block (:func:`_pair_logs`); 0 where a pair is
+        not allowed."""
+        return tl.exp(_pair_logs(d, a, ok, SHIFT))
+
+    @triton.jit
+    def _dlog_pairs(d: tl.constexpr, S, SHIFT: tl.constexpr):
+        """The share ``da_k`` of the log-decay gradient of direction ``d`` that the pairs of one block (chunk or tile)
+        give its rows. ``S_ij = dLoss/dL_ij`` of the block's allowed pairs (0 elsewhere); ``a_k`` is in the span of
+        pair (i, j) when ``j < k <= i`` (forward; ``j < k < i`` shifted) or ``i <= k < j`` (backward; ``i < k < j``
+        shifted), so ``da_k`` sums the pairs whose key is on one side of ``k`` and query on the other: a cumsum of
+        ``S`` along each query's keys toward ``k``, summed over the queries beyond ``k``, then moved one row over
+        (selected). Every pair enters once, with its own decay: no total minus a prefix."""
+        ii = tl.arange(0, S.shape[0])[:, None]
+        jj = tl.arange(0, S.shape[0])[None, :]
+        if d == 0:      # column c: keys j <= c, queries i >= c + 1 (c + 2 shifted); a_{c+1} gets it
+            keys = tl.cumsum(S, 1)
+            if SHIFT:
+                return _down(tl.sum(tl.where(ii > jj + 1, keys, 0.0), 0))
+            else:
+                return _down(tl.sum(tl.where(ii > jj, keys, 0.0), 0))
+        else:           # column c: keys j >= c, queries i <= c - 1 (c - 2 shifted); a_{c-1} gets it
+            keys = tl.cumsum(S, 1, reverse=True)
+            if SHIFT:
+                return _up(tl.sum(tl.where(ii + 1 < jj, keys, 0.0), 0))
+            else:
+                return _up(tl.sum(tl.where(ii < jj, keys, 0.0), 0))
+
+    @triton.jit
+    def _dlog_query(d: tl.constexpr, pairs, qv, SHIFT: tl.constexpr):
+        """The log-decay gradient ``da_k`` of direction ``d`` from the pairs of one block (``pairs``, from
+        :func:`_dlog_pairs`) and from terms ``qv_i`` of its query rows whose keys lie beyond the block (before it
+        forward, after it backward): ``qv_i``'s log weight runs from the block's edge on the keys' side to row ``i``
+        (``i - 1`` forward shifted, ``i + 1`` backward shifted), so ``a_k`` gets a cumsum of ``qv`` over the rows on
+        the queries' side of ``k`` (beyond ``k`` shifted: selected one row over)."""
+        if d == 0:
+            rows = tl.cumsum(qv, 0, reverse=True)     # queries i >= k
+            if SHIFT:
+                rows = _up(rows)
+        else:
+            rows = tl.cumsum(qv, 0)                   # queries i <= k
+            if SHIFT:
+                rows = _down(rows)
+        return pairs + rows
+
+    @triton.jit
+    def _dlog_key(d: tl.constexpr, kv):
+        """The log-decay gradient ``da_k`` of direction ``d`` from terms of a block's key rows whose queries lie
+        beyond the block (after it forward, before it backward): ``kv_j``'s log weight runs from row ``j`` (excluded)
+        to the block's edge on the queries' side, so ``da_k`` sums ``kv_j`` over ``j < k`` (forward) or ``j > k``
+        (backward): an exclusive cumsum, selected one row over, never a sum minus its own term."""
+        if d == 0:
+            return _down(tl.cumsum(kv, 0))
+        else:
+            return _up(tl.cumsum(kv, 0, reverse=True))
 
     @triton.jit
     def _states_kernel(
@@ -309,7 +401,8 @@ if triton is not None:
         EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
         """Per (sequence, chunk, group), direction by direction: ``C~ B^T`` once, then head by head the prepared step
-        sizes and their chunk-local cumsums (kept for the other kernels), each chunk's own state and log carry."""
+        sizes and their log decays ``a = A dt`` (kept for the other kernels), each chunk's own state and log carry
+        (the chunk's sum of ``a``)."""
         b, c, g, t0, rem = _chunk_program(G, NC, Q, L)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
@@ -322,7 +415,7 @@ if triton is not None:
         for d in tl.static_range(D0, D1):
             slot = d - D0
             Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, t0, g, sbb, sbl, sbg), offs_q, ok, offs_n, N, sbl, EVEN_N)
-            q_unused, rc, c_ok, r_unused = _query(d, offs_q, ok, t0, rem, offs_q, offs_q, 0, SHIFT)
+            rc, c_ok = _c_rows(d, offs_q, ok, t0, rem, SHIFT)
             Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
             cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
             tl.store(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :], _mm(Ct, tl.trans(Bt), DOT))
@@ -335,15 +428,15 @@ if triton is not None:
                 h = g * HG + hh
                 dt, unused = _step(_at(dt_ptr, b, t0, h, sdb, sdl, sdh), offs_q, ok, sdl, bias_ptr, h, lo, hi,
                                    HAS_BIAS, SOFTPLUS, CLAMP)
-                p, e, plast = _prefix(dt * tl.load(A_ptr + h).to(tl.float32), ok)
+                a = dt * tl.load(A_ptr + h).to(tl.float32)
                 vbase = ((slot * BATCH + b) * H + h) * L + t0
                 tl.store(dtc_ptr + vbase + offs_q, dt, mask=ok)
-                tl.store(dtc_ptr + plane + vbase + offs_q, p, mask=ok)
-                w = tl.exp(_own_log_weight(d, p, e, plast)) * dt
-                lg = plast
+                tl.store(dtc_ptr + plane + vbase + offs_q, a, mask=ok)
+                w = tl.exp(_own_log_weight(d, a)) * dt
+                lg = tl.sum(a, 0)
                 if HAS_SEG:
                     w = tl.where(seg == seg_own, w, 0.0)
-                    lg = tl.where(carried, plast, float("-inf"))
+                    lg = tl.where(carried, lg, float("-inf"))
                 x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
                 base = ((slot * BATCH + b) * NC + c) * H + h
                 _square(st_ptr + base * BLOCK_P * BLOCK_N, offs_p, offs_n,
@@ -405,7 +498,8 @@ if triton is not None:
         SHIFT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
         EVEN_P: tl.constexpr, EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
-        """Per (sequence, chunk, head): ``y = (lower + upper + diag) @ x + both read-outs of the entering states``."""
+        """Per (sequence, chunk, head): ``y = (lower + upper + diag) @ x + both read-outs of the entering states``;
+        the read-outs' log weights are kept at ``dtc + 2 plane`` for the backward (:func:`_dstate_kernel`)."""
         b, c, h, t0, rem = _chunk_program(H, NC, Q, L)
         g = h // HG
         offs_q = tl.arange(0, BLOCK_Q)
@@ -419,10 +513,13 @@ if triton is not None:
         M = tl.zeros([BLOCK_Q, BLOCK_Q], dtype=tl.float32)
         for d in tl.static_range(D0, D1):
             slot = d - D0
-            dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-            q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+            vbase = ((slot * BATCH + b) * H + h) * L + t0
+            dt, a = _decays(dtc_ptr, vbase, offs_q, ok, plane)
+            rc, c_ok = _c_rows(d, offs_q, ok, t0, rem, SHIFT)
+            read = _read_log_weight(d, a, SHIFT)
+            tl.store(dtc_ptr + 2 * plane + vbase + offs_q, read, mask=ok)     # for the backward's read-out gradient
             cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
-            decay = _intra_decay(d, p, e, q, ok, SHIFT)
+            decay = _intra_decay(d, a, ok, SHIFT)
             if HAS_SEG:
                 decay = tl.where(seg[:, None] == seg[None, :], decay, 0.0)
             M += tl.load(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :]) * decay * dt[None, :]
@@ -451,7 +548,7 @@ if triton is not None:
         """Per (sequence, chunk, group), direction by direction and head by head: the gradient of the read-out with
         respect to the entering state, ``(w dy)^T C~`` (into ``ds``), the read-out's share of the log-decay gradient
         (``rr``, per head and row), and its share of dC~, ``sum_heads w (dy H)``, into ``tacc`` (directions, batch,
-        L, G, N), float32."""
+        L, G, N), float32. The read-out's weights ``w = exp(read)`` take the log weights the output kernel kept."""
         b, c, g, t0, rem = _chunk_program(G, NC, Q, L)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
@@ -462,13 +559,12 @@ if triton is not None:
             seg, seg_first, seg_last, seg_before, seg_after = _segments(seg_ptr, b, t0, offs_q, rem, L, Q)
         for d in tl.static_range(D0, D1):
             slot = d - D0
-            q_unused, rc, c_ok, r_unused = _query(d, offs_q, ok, t0, rem, offs_q, offs_q, 0, SHIFT)
+            rc, c_ok = _c_rows(d, offs_q, ok, t0, rem, SHIFT)
             Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
             acc = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
             for hh in range(HG):
                 h = g * HG + hh
-                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-                q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+                read = tl.load(dtc_ptr + 2 * plane + ((slot * BATCH + b) * H + h) * L + t0 + offs_q, mask=ok, other=0.0)
                 wq = tl.where(ok, tl.exp(read), 0.0)
                 if HAS_SEG:
                     wq = tl.where(seg == _pick(d, seg_before, seg_after), wq, 0.0)
@@ -483,33 +579,19 @@ if triton is not None:
                         EVEN_N)
 
     @triton.jit
-    def _dt_grads(d: tl.constexpr, dt, gdt, A, p, e, plast, kd, qd, rr, val, ws_raw, dlg, ok, SHIFT: tl.constexpr):
-        """Direction ``d``'s step-size gradients of one head in one chunk, from the sums over the intra block
-        (``kd`` per key, ``qd`` per query), the read-out's ``rr``, the own state's ``val = rowsum((x dS) B)`` and the
-        log carry's ``dlg``: the raw step sizes' (through the decays and weights, then through their preparation,
-        whose derivative is ``gdt``) and the chunk's partial of dA.
+    def _dt_grads(d: tl.constexpr, dt, gdt, A, kd, pairs, rr, val, ws_raw, dlg, ok, SHIFT: tl.constexpr):
+        """Direction ``d``'s step-size gradients of one head in one chunk: the raw step sizes' (through the decays and
+        weights, then through their preparation, whose derivative is ``gdt``) and the chunk's partial of dA.
 
-        Log weights: forward ``q_i - p_j`` (intra), ``q_i`` (read-out), ``p_last - p_j`` (own state); backward
-        ``e_j - q_i``, ``p_last - q_i``, ``e_j``."""
+        ``dt_j`` enters directly through ``kd`` (per key: ``x_j . (M~^T dy)_j``) and the own state's weight
+        (``val = rowsum((x dS) B)``), and through ``a = A dt`` into every log weight, each a sum of ``a`` over its own
+        span. The log-decay gradient ``da_k`` collects, term by term, what each log weight containing ``a_k`` is
+        given: the intra pairs (``pairs``, :func:`_dlog_pairs`), the read-out's ``rr_i`` (log weight from the chunk's
+        edge on the keys' side to row ``i``: :func:`_dlog_query`), the own state's ``Rs_j`` (from row ``j`` to the
+        edge on the queries' side: :func:`_dlog_key`) and the log carry's ``dlg`` (the whole chunk: every row)."""
         Rs = ws_raw * dt * val
         ddt = kd + ws_raw * val
-        d_key = dt * kd
-        if d == 0:
-            dq = qd + rr
-            dp = -d_key - Rs
-            de = tl.zeros_like(dp)
-            dplast = dlg + tl.sum(Rs, 0)
-        else:
-            dq = -qd - rr
-            de = d_key + Rs
-            dp = tl.zeros_like(de)
-            dplast = dlg + tl.sum(rr, 0)
-        if SHIFT == (d == 0):    # q is e (forward shifted, backward unshifted), else p
-            de += dq
-        else:
-            dp += dq
-        # p_i = sum_{k<=i} a_k, e_i = sum_{k<i} a_k, p_last = sum_k a_k
-        da = (tl.sum(dp, 0) - tl.cumsum(dp, 0) + dp) + (tl.sum(de, 0) - tl.cumsum(de, 0)) + dplast
+        da = _dlog_query(d, pairs, rr, SHIFT) + _dlog_key(d, Rs) + dlg
         da = tl.where(ok, da, 0.0)
         return (ddt + A * da) * gdt, tl.sum(dt * da, 0)
 
@@ -530,17 +612,18 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         ok = (offs_q < Q) & (offs_q < rem)
         slot = d - D0
-        dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-        q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
+        vbase = ((slot * BATCH + b) * H + h) * L + t0
+        dt, a = _decays(dtc_ptr, vbase, offs_q, ok, plane)
         cbp = cb_ptr + (((slot * BATCH + b) * NC + c) * G + g) * BLOCK_Q * BLOCK_Q
-        Mt = tl.load(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :]) * _intra_decay(d, p, e, q, ok, SHIFT)
+        Mt = tl.load(cbp + offs_q[:, None] * BLOCK_Q + offs_q[None, :]) * _intra_decay(d, a, ok, SHIFT)
         if HAS_SEG:
             Mt = tl.where(seg[:, None] == seg[None, :], Mt, 0.0)
         Z = _mm(tl.trans(Mt), dy, DOT)                   # (Q, P): Z_j = sum_i M~_ij dy_i
         dx += dt[:, None] * Z
         kd = tl.sum(x.to(tl.float32) * Z, 1)
-        qd = tl.sum(dy.to(tl.float32) * _mm(Mt * dt[None, :], x, DOT), 1)   # dy_i . (M x)_i
-        ws_raw = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0)
+        # the intra pairs' share of the log-decay gradient, from S_ij = (dy_i . x_j) M_ij = dLoss/dL_ij
+        pairs = _dlog_pairs(d, _mm(dy, tl.trans(x), DOT) * Mt * dt[None, :], SHIFT)
+        ws_raw = tl.where(ok, tl.exp(_own_log_weight(d, a)), 0.0)
         if HAS_SEG:
             ws_raw = tl.where(seg == _pick(d, seg_last, seg_first), ws_raw, 0.0)
         sbase = ((slot * BATCH + b) * NC + c) * H + h
@@ -556,7 +639,7 @@ if triton is not None:
         rr = tl.load(rr_ptr + ((slot * BATCH + b) * L + t0) * H + h + offs_q * H, mask=ok, other=0.0)
         dlg = tl.sum(tl.load(dlg_ptr + sbase * NBLK + offs_k, mask=offs_k < NBLK, other=0.0), 0)
         A = tl.load(_pick(d, Af_ptr, Ab_ptr) + h).to(tl.float32)
-        ddt, dA = _dt_grads(d, dt, gdt, A, p, e, plast, kd, qd, rr, val, ws_raw, dlg, ok, SHIFT)
+        ddt, dA = _dt_grads(d, dt, gdt, A, kd, pairs, rr, val, ws_raw, dlg, ok, SHIFT)
         ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
         tl.store(ddt_ptr + (b * L + t0) * H + h + offs_q * H, ddt.to(ddt_ptr.dtype.element_ty), mask=ok)
         return dx, tl.sum(ddt, 0), dA
@@ -576,9 +659,10 @@ if triton is not None:
     ):
         """Per (sequence, chunk, head): ``dx`` (x's dtype), d diag, and each direction's raw step-size gradient (dt's
         dtype) with the chunk's partials of dA and d dt_bias (``part`` (batch * NC, 3, H): dA forward, dA backward,
-        d dt_bias). The intra block's share of the log-decay gradient comes without ``dy x^T``: with
-        ``M~ = C~B^T * decay``, ``Z = M~^T dy`` gives ``dx += dt Z`` and ``kd_j = x_j . Z_j`` (summed over queries),
-        and ``W = (M~ dt) x`` gives ``qd_i = dy_i . W_i`` (summed over keys)."""
+        d dt_bias). Per direction, with ``M~ = C~B^T * decay`` (the intra block without ``dt``): ``Z = M~^T dy`` gives
+        ``dx += dt Z`` and dt's direct gradient ``kd_j = x_j . Z_j``; ``dy x^T`` gives the pairs' ``S_ij = (dy_i .
+        x_j) M~_ij dt_j = dLoss/dL_ij`` and from them the intra share of the log-decay gradient
+        (:func:`_dlog_pairs`)."""
         b, c, h, t0, rem = _chunk_program(H, NC, Q, L)
         g = h // HG
         offs_q = tl.arange(0, BLOCK_Q)
@@ -659,9 +743,9 @@ if triton is not None:
                 DYX = tl.where(seg[:, None] == seg[None, :], DYX, 0.0)
             for d in tl.static_range(D0, D1):
                 slot = d - D0
-                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-                q, rc, c_ok, read = _query(d, offs_q, ok, t0, rem, p, e, plast, SHIFT)
-                E = DYX * _intra_decay(d, p, e, q, ok, SHIFT) * dt[None, :]
+                vbase = ((slot * BATCH + b) * H + h) * L + t0
+                dt, a = _decays(dtc_ptr, vbase, offs_q, ok, plane)
+                E = DYX * _intra_decay(d, a, ok, SHIFT) * dt[None, :]
                 if d == 0:
                     dCB_f += E
                 else:
@@ -685,8 +769,9 @@ if triton is not None:
             x = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs_q, ok, offs_p, P, sxl, EVEN_P)
             for d in tl.static_range(D0, D1):
                 slot = d - D0
-                dt, p, e, plast = _decays(dtc_ptr, ((slot * BATCH + b) * H + h) * L + t0, offs_q, ok, Q, rem, plane)
-                ws = tl.where(ok, tl.exp(_own_log_weight(d, p, e, plast)), 0.0) * dt
+                vbase = ((slot * BATCH + b) * H + h) * L + t0
+                dt, a = _decays(dtc_ptr, vbase, offs_q, ok, plane)
+                ws = tl.where(ok, tl.exp(_own_log_weight(d, a)), 0.0) * dt
                 if HAS_SEG:
                     ws = tl.where(seg == _pick(d, seg_last, seg_first), ws, 0.0)
                 sbase = ((slot * BATCH + b) * NC + c) * H + h
@@ -730,7 +815,7 @@ if triton is not None:
         for d in tl.static_range(D0, D1):
             slot = d - D0
             dCB = _pick(d, dCB_f, dCB_b)
-            q_unused, rc, c_ok, r_unused = _query(d, offs_q, ok, t0, rem, offs_q, offs_q, 0, SHIFT)
+            rc, c_ok = _c_rows(d, offs_q, ok, t0, rem, SHIFT)
             Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, t0, g, sbb, sbl, sbg), offs_q, ok, offs_n, N, sbl, EVEN_N)
             Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
             dC_ptr = _pick(d, dCf_ptr, dCb_ptr)
@@ -860,8 +945,8 @@ def _padded(t: Tensor, pad: tuple[int, int]) -> Tensor:
 def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
               chunk_size, return_final):
     """Forward pass: (y, the passed states (directions, b, NC, h, BLOCK_P, BLOCK_N), log carries (directions, b, NC,
-    h), ``C~ B^T`` (directions, b, NC, g, BLOCK_Q, BLOCK_Q), prepared step sizes and their chunk-local cumsums (2,
-    directions, b, h, L), the final state (b, h, p, n) float32 or an empty tensor)."""
+    h), ``C~ B^T`` (directions, b, NC, g, BLOCK_Q, BLOCK_Q), prepared step sizes, their log decays ``A dt`` and the
+    read-outs' log weights (3, directions, b, h, L), the final state (b, h, p, n) float32 or an empty tensor)."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
               chunk_size)
     geo, blocks = k.geo, k.blocks
@@ -871,7 +956,7 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_b
     st = torch.empty(k.ndirs, bsz, NC, H, BP, BN, device=dev, dtype=k.st_dtype)
     lg = torch.empty(k.ndirs, bsz, NC, H, device=dev, dtype=torch.float32)
     cb = torch.empty(k.ndirs, bsz, NC, G, BQ, BQ, device=dev, dtype=torch.float32)
-    dtc = torch.empty(2, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
+    dtc = torch.empty(3, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
     final = torch.empty((bsz, H, BP, BN) if return_final else (0,), device=dev, dtype=torch.float32)
     y = torch.empty(x.shape, device=dev, dtype=x.dtype)
     if x.numel() == 0:
@@ -958,9 +1043,10 @@ def _qs_op(
     dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int, return_final: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Fused scan forward: (y, passed states (directions, b, NC, h, p, n), log carries (directions, b, NC, h),
-    ``C~ B^T`` (directions, b, NC, g, Q, Q), prepared step sizes and their chunk-local cumsums (2, directions, b, h,
-    L), final state (b, h, p, n) or an empty tensor). ``dt_*`` are raw step sizes, prepared in the kernels as
-    ``clamp(softplus?(dt + dt_bias), dt_lo, dt_hi)``; the two directions' generators share dtypes."""
+    ``C~ B^T`` (directions, b, NC, g, Q, Q), prepared step sizes, their log decays ``A dt`` and the read-outs' log
+    weights (3, directions, b, h, L), final state (b, h, p, n) or an empty tensor). ``dt_*`` are raw step sizes,
+    prepared in the kernels as ``clamp(softplus?(dt + dt_bias), dt_lo, dt_hi)``; the two directions' generators share
+    dtypes."""
     return tuple(_scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi,
                            softplus, shift, chunk_size, return_final))
 
@@ -978,7 +1064,7 @@ def _qs_op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt
     return (x.new_empty(x.shape), x.new_empty(nd, bsz, geo.nchunks, H, bp, bn, dtype=state_dtype(x.dtype)),
             x.new_empty(nd, bsz, geo.nchunks, H, dtype=f32),
             x.new_empty(nd, bsz, geo.nchunks, geo.groups, bq, bq, dtype=f32),
-            x.new_empty(2, nd, bsz, H, L, dtype=f32),
+            x.new_empty(3, nd, bsz, H, L, dtype=f32),
             x.new_empty((bsz, H, P, geo.state) if return_final else (0,), dtype=f32))
 
 

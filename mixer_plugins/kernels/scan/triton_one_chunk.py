@@ -2,26 +2,31 @@
 states at all: flash-style tiles over the keys with both directions' decays, the shift and the diagonal.
 
 The sequence is cut into tiles of :data:`TILE` rows (the last one partial). The kernels keep what the chunked kernels
-keep per chunk, per tile: the prepared step sizes and their tile-local inclusive cumsums ``c`` (exclusive ones are
-``c`` one row up, selected, never ``c - a``), so the log decay between a query row ``i`` of tile m and a key row ``j``
-of tile n is formed from pieces that all have the sign of the whole:
+keep per chunk: the prepared step sizes and their log decays ``a = A dt`` per token; every log decay is a sum of ``a``
+over its own span, from pieces that all have the sign of the whole, each a cumsum that starts at its own edge (see
+:mod:`.triton_kernels`). Between a query row ``i`` of tile m and a key row ``j`` of tile n:
 
-* forward, n < m: ``q_i + (sum of the totals of the tiles strictly between) + (tot_n - c_j)``;
-* backward, n > m: ``(tot_m - q_i) + (sum of the totals between) + e_j``;
-* n = m: as inside a chunk (``q_i - c_j``, ``e_j - q_i``).
+* n = m: as inside a chunk, a masked cumsum per pair (:func:`.triton_kernels._pair_logs`);
+* forward, n < m: ``read_i + (sum of a over the tiles strictly between) + own_j``, ``read_i = a`` from tile m's first
+  row to row ``i`` (``i - 1`` shifted), ``own_j = a`` after row ``j`` to tile n's last;
+* backward, n > m: the mirror: ``read_i`` from row ``i`` (``i + 1`` shifted) to tile m's last, ``own_j`` from tile
+  n's first row to row ``j - 1``.
 
 So the decay between neighbours is exactly 1 across a tile boundary too, and the precision is the chunked kernels'.
+The log-decay gradient likewise takes each term once (:func:`_dx_kernel`): the diagonal tile pairs' ``dLoss/dL_ij``
+from ``dy x^T``, the other tile pairs' row sums on the query side and on the key side, and their totals on the tiles
+strictly between.
 
 Launches:
 
 * forward, 2: ``_prep_kernel`` (per sequence, group and query tile: ``C~ B^T`` of every tile pair a direction needs,
-  once per group, and the heads' prepared step sizes and cumsums), ``_out_kernel`` (per sequence, head and query tile:
-  y over the key tiles, both directions and the diagonal);
+  once per group, and the heads' prepared step sizes and log decays), ``_out_kernel`` (per sequence, head and query
+  tile: y over the key tiles, both directions and the diagonal);
 * backward, 3 (+ one small sum of per-sequence partials of dA and d dt_bias): ``_dcb_kernel`` (per sequence, group
   and query tile: ``dy x^T`` once per head and tile pair, the group's ``d(C~ B^T)`` kept, and dC), ``_db_kernel``
-  (per sequence, group and key tile: dB from it), ``_dx_kernel`` (per sequence and head: dx over the key tiles, the
-  two sums of the log-decay gradient, ``x_j . (M~^T dy)_j`` and ``dy_i . (M x)_i``, which need no ``dy x^T``, then
-  the step-size gradients over the whole sequence).
+  (per sequence, group and key tile: dB from it), ``_dx_kernel`` (per sequence and head: dx and the key side of the
+  log-decay gradient over the key tiles, its query side over the query tiles (``dy x^T`` of the diagonal tile pair
+  only), then the step-size gradients over the whole sequence).
 
 Every grid is one-dimensional and every offset of a whole tensor 64-bit (see :mod:`.triton_kernels`). Run on CUDA, or
 on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
@@ -82,57 +87,43 @@ class OneChunkGeometry:
 
 
 if triton is not None:
-    _at, _tile, _store_tile, _decays, _query = (_chunked._at, _chunked._tile, _chunked._store_tile,
-                                                _chunked._decays, _chunked._query)
-    _pick, _step, _prefix, _store_dc = _chunked._pick, _chunked._step, _chunked._prefix, _chunked._store_dc
+    _at, _tile, _store_tile, _decays, _c_rows = (_chunked._at, _chunked._tile, _chunked._store_tile,
+                                                 _chunked._decays, _chunked._c_rows)
+    _pick, _step, _store_dc, _intra_decay = _chunked._pick, _chunked._step, _chunked._store_dc, _chunked._intra_decay
+    _read_log_weight, _own_log_weight = _chunked._read_log_weight, _chunked._own_log_weight
+    _dlog_pairs, _dlog_query, _dlog_key = _chunked._dlog_pairs, _chunked._dlog_query, _chunked._dlog_key
 
     @triton.jit
-    def _tile_total(dtc_ptr, plane, vrow, n, T, L):
-        """Tile ``n``'s total log decay (its cumsum at its last row) of the head and direction at ``vrow``."""
-        return tl.load(dtc_ptr + plane + vrow + tl.minimum(n * T + T, L) - 1)
-
-    @triton.jit
-    def _between(dtc_ptr, plane, vrow, lo, hi, T, L):
-        """Sum of the totals of the tiles strictly between ``lo`` and ``hi`` (added one by one: same signs)."""
+    def _between(dtc_ptr, plane, vrow, lo, hi, L, BLOCK_T: tl.constexpr):
+        """Sum of ``a`` over the tiles strictly between ``lo`` and ``hi`` of the head and direction at ``vrow``, tile
+        by tile (every term has the sign of the whole)."""
+        offs = tl.arange(0, BLOCK_T)
         s = 0.0
         k = lo + 1
         while k < hi:
-            s += _tile_total(dtc_ptr, plane, vrow, k, T, L)
+            rows = k * BLOCK_T + offs
+            s += tl.sum(tl.load(dtc_ptr + plane + vrow + rows, mask=rows < L, other=0.0), 0)
             k += 1
         return s
 
     @triton.jit
-    def _pair_decay(d: tl.constexpr, q, c_n, e_n, tot_n, ok_m, ok_n, tot_m, between, same: tl.constexpr,
-                    SHIFT: tl.constexpr):
-        """Decays of direction ``d`` between the rows of query tile m and key tile n (0 where not allowed): ``q`` the
-        query rows' tile-local log sums, ``c_n`` / ``e_n`` the key rows' inclusive / exclusive ones, ``tot_m`` and
-        ``tot_n`` the tiles' totals, ``between`` the totals of the tiles strictly between; ``same``: n = m. For n != m
-        the caller only asks the direction whose side it is on (forward n < m, backward n > m)."""
-        ii = tl.arange(0, q.shape[0])[:, None]
-        jj = tl.arange(0, q.shape[0])[None, :]
-        if d == 0:
-            qv = tl.where(ok_m, q, float("-inf"))
-            if same:
-                kv = tl.where(ok_n, -c_n, float("-inf"))
-                if SHIFT:
-                    allowed = jj < ii
-                else:
-                    allowed = jj <= ii
-            else:
-                kv = tl.where(ok_n, between + (tot_n - c_n), float("-inf"))
-                allowed = jj >= 0
-        else:
-            kv = tl.where(ok_n, between + e_n, float("-inf"))
-            if same:
-                qv = tl.where(ok_m, -q, float("-inf"))
-                if SHIFT:
-                    allowed = jj > ii
-                else:
-                    allowed = jj >= ii
-            else:
-                qv = tl.where(ok_m, tot_m - q, float("-inf"))
-                allowed = jj >= 0
-        return tl.exp(tl.where(allowed, qv[:, None] + kv[None, :], float("-inf")))
+    def _tile_logs(d: tl.constexpr, dtc_ptr, base, offs, ok, plane, SHIFT: tl.constexpr):
+        """A tile's prepared step sizes ``dt`` and log decays ``a`` (one head, direction ``d``), its rows' log
+        weights to the tile's edges, and its total: as query rows, ``read`` (``a`` from the tile's edge on the keys'
+        side to the row, :func:`.triton_kernels._read_log_weight`); as key rows, ``own`` (from the row, excluded, to
+        the edge on the queries' side, :func:`.triton_kernels._own_log_weight`). Each is a one-sided sum."""
+        dt, a = _decays(dtc_ptr, base, offs, ok, plane)
+        return dt, a, _read_log_weight(d, a, SHIFT), _own_log_weight(d, a), tl.sum(a, 0)
+
+    @triton.jit
+    def _pair_decay(read_m, own_n, ok_m, ok_n, between):
+        """Decays between the rows of query tile m and another key tile n of a direction's side (n < m forward,
+        n > m backward): ``exp(read_i + between + own_j)``, the query row's and the key row's log weights to their
+        tiles' edges (:func:`_tile_logs`) and ``between`` the totals of the tiles strictly between; 0 outside
+        ``ok_m`` and ``ok_n``. (The pairs of one tile take :func:`.triton_kernels._intra_decay`.)"""
+        qv = tl.where(ok_m, read_m, float("-inf"))
+        kv = tl.where(ok_n, between + own_n, float("-inf"))
+        return tl.exp(qv[:, None] + kv[None, :])
 
     @triton.jit
     def _prep_kernel(
@@ -143,8 +134,8 @@ if triton is not None:
         EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
         """Per (sequence, group, query tile m): ``C~_m B_n^T`` for every key tile n of each direction's side (n <= m
-        forward, n >= m backward), once per group; then head by head the prepared step sizes of tile m and their
-        tile-local inclusive cumsums."""
+        forward, n >= m backward), once per group; then head by head the prepared step sizes of tile m and their log
+        decays ``a = A dt``."""
         pid = tl.program_id(0).to(tl.int64)
         m = pid % NT
         g = (pid // NT) % G
@@ -157,7 +148,7 @@ if triton is not None:
         plane = (D1 - D0) * BATCH * H * L
         for d in tl.static_range(D0, D1):
             slot = d - D0
-            q_unused, rc, c_ok, r_unused = _query(d, offs, ok, t0, rem, offs, offs, 0, SHIFT)
+            rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
             Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
             if d == 0:
                 n = 0
@@ -178,13 +169,12 @@ if triton is not None:
                 h = g * HG + hh
                 dt, unused = _step(_at(dt_ptr, b, t0, h, sdb, sdl, sdh), offs, ok, sdl, bias_ptr, h, lo, hi,
                                    HAS_BIAS, SOFTPLUS, CLAMP)
-                p, e, plast = _prefix(dt * tl.load(A_ptr + h).to(tl.float32), ok)
                 vbase = ((slot * BATCH + b) * H + h) * L + t0
                 tl.store(dtc_ptr + vbase + offs, dt, mask=ok)
-                tl.store(dtc_ptr + plane + vbase + offs, p, mask=ok)
+                tl.store(dtc_ptr + plane + vbase + offs, dt * tl.load(A_ptr + h).to(tl.float32), mask=ok)
 
     @triton.jit
-    def _sweep_keys(acc, d: tl.constexpr, m, q, tot_m, ok, seg_m, b, h, g, slot, vrow, L, NT, BATCH, G, plane,
+    def _sweep_keys(acc, d: tl.constexpr, m, read_m, ok, seg_m, b, h, g, slot, vrow, L, NT, BATCH, G, plane,
                     dtc_ptr, seg_ptr, cb_ptr, x_ptr, sxb, sxl, sxh, offs, offs_p, P, HAS_SEG: tl.constexpr,
                     SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr):
         """``acc + sum_n M_mn x_n`` over direction ``d``'s key tiles, from the diagonal tile ``m`` outwards (down for
@@ -196,11 +186,11 @@ if triton is not None:
             s0 = n * BLOCK_T
             rem_n = (L - s0).to(tl.int32)
             okn = offs < rem_n
-            dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+            dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
             if n == m:
-                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+                decay = _intra_decay(d, a_n, okn, SHIFT)
             else:
-                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+                decay = _pair_decay(read_m, own_n, ok, okn, between)
             if HAS_SEG:
                 seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
                 decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
@@ -247,9 +237,8 @@ if triton is not None:
         for d in tl.static_range(D0, D1):
             slot = d - D0
             vrow = ((slot * BATCH + b) * H + h) * L
-            dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
-            q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
-            acc = _sweep_keys(acc, d, m, q, tot_m, ok, seg_m, b, h, g, slot, vrow, L, NT, BATCH, G, plane, dtc_ptr,
+            dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
+            acc = _sweep_keys(acc, d, m, read_m, ok, seg_m, b, h, g, slot, vrow, L, NT, BATCH, G, plane, dtc_ptr,
                               seg_ptr, cb_ptr, x_ptr, sxb, sxl, sxh, offs, offs_p, P, HAS_SEG, SHIFT, BLOCK_T, EVEN_P,
                               DOT)
         _store_tile(y_ptr + ((b * L + t0) * H + h) * P, offs, ok, offs_p, P, H * P, acc, EVEN_P)
@@ -274,17 +263,16 @@ if triton is not None:
         for hh in range(HG):
             h = g * HG + hh
             vrow = ((slot * BATCH + b) * H + h) * L
-            dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
-            q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
-            dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+            dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
             if n == m:
-                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
+                decay = _intra_decay(d, a_n, okn, SHIFT)
             else:
+                dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
                 if d == 0:
-                    between = _between(dtc_ptr, plane, vrow, n, m, BLOCK_T, L)
+                    between = _between(dtc_ptr, plane, vrow, n, m, L, BLOCK_T)
                 else:
-                    between = _between(dtc_ptr, plane, vrow, m, n, BLOCK_T, L)
-                decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+                    between = _between(dtc_ptr, plane, vrow, m, n, L, BLOCK_T)
+                decay = _pair_decay(read_m, own_n, ok, okn, between)
             dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
             xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
             dCB += _mm(dy, tl.trans(xn), DOT) * decay * dt_n[None, :]
@@ -337,7 +325,7 @@ if triton is not None:
                 Bn = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, s0, g, sbb, sbl, sbg), offs, okn, offs_n, N, sbl, EVEN_N)
                 dC += _mm(dCB, Bn, DOT)
                 n += 1
-            q_unused, rc, c_ok, r_unused = _query(d, offs, ok, t0, rem, offs, offs, 0, SHIFT)
+            rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
             dC_ptr = _pick(d, dCf_ptr, dCb_ptr)
             _store_dc(dC_ptr + out_rows, dC, rc, c_ok, d, m, NT, rem, N, G * N, SHIFT, BLOCK_T, BLOCK_N, EVEN_N)
 
@@ -370,7 +358,7 @@ if triton is not None:
                 t0 = m * BLOCK_T
                 rem = (L - t0).to(tl.int32)
                 ok = offs < rem
-                q_unused, rc, c_ok, r_unused = _query(d, offs, ok, t0, rem, offs, offs, 0, SHIFT)
+                rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
                 Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
                 dcbp = dcb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
                 dB += _mm(tl.trans(tl.load(dcbp + offs[:, None] * BLOCK_T + offs[None, :])), Ct, DOT)
@@ -385,7 +373,12 @@ if triton is not None:
         D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
     ):
-        """:func:`_dx_kernel`'s key tiles: ``dx`` and ``kd`` of one (sequence, head)."""
+        """:func:`_dx_kernel`'s key tiles, for one (sequence, head): ``dx``, ``kd`` and the key rows' share of the
+        log-decay gradient. Per key tile n and direction: first the other query tiles of the direction's side, from
+        the nearest outwards (the decay between tiles carried along), ``Z_n = sum_{m != n} M~_mn^T dy_m``, whose
+        ``kx_j = dt_j x_j . Z_j`` (pairs whose query lies beyond tile n) gives the tile rows' ``da`` on the keys' side
+        (:func:`.triton_kernels._dlog_key`, into ``kq + plane``); then the diagonal tile's ``M~_nn^T dy_n`` is added,
+        ``dx_n += dt_n Z_n`` and ``kd_j = x_j . Z_j`` (into ``kq``)."""
         offs = tl.arange(0, BLOCK_T)
         offs_p = tl.arange(0, BLOCK_P)
         n = 0
@@ -406,20 +399,20 @@ if triton is not None:
             for d in tl.static_range(D0, D1):
                 slot = d - D0
                 vrow = ((slot * BATCH + b) * H + h) * L
-                dt_n, c_n, e_n, tot_n = _decays(dtc_ptr, vrow + s0, offs, okn, BLOCK_T, rem_n, plane)
+                dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
+                # the other query tiles of the direction's side, the decay between tiles carried along
                 Z = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
                 between = 0.0
-                m = n
+                if d == 0:
+                    m = n + 1
+                else:
+                    m = n - 1
                 while (m >= 0) & (m < NT):
                     t0 = m * BLOCK_T
                     rem = (L - t0).to(tl.int32)
                     ok = offs < rem
-                    dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
-                    q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
-                    if m == n:
-                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, 0.0, True, SHIFT)
-                    else:
-                        decay = _pair_decay(d, q, c_n, e_n, tot_n, ok, okn, tot_m, between, False, SHIFT)
+                    dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
+                    decay = _pair_decay(read_m, own_n, ok, okn, between)
                     if HAS_SEG:
                         seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
                         decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
@@ -427,12 +420,21 @@ if triton is not None:
                     Mt = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay
                     dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
                     Z += _mm(tl.trans(Mt), dym, DOT)
-                    if m != n:
-                        between += tot_m
+                    between += tot_m
                     if d == 0:
                         m += 1
                     else:
                         m -= 1
+                # the key rows' share of da: their pairs with queries beyond the tile
+                kx = dt_n * tl.sum(xn.to(tl.float32) * Z, 1)
+                tl.store(kq_ptr + plane + vrow + s0 + offs, _dlog_key(d, kx), mask=okn)
+                # the diagonal tile pair
+                decay = _intra_decay(d, a_n, okn, SHIFT)
+                if HAS_SEG:
+                    decay = tl.where(seg_n[:, None] == seg_n[None, :], decay, 0.0)
+                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + n) * NT + n) * BLOCK_T * BLOCK_T
+                dyn = _tile(_at(dy_ptr, b, s0, h, syb, syl, syh), offs, okn, offs_p, P, syl, EVEN_P)
+                Z += _mm(tl.trans(tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay), dyn, DOT)
                 dx += dt_n[:, None] * Z
                 tl.store(kq_ptr + vrow + s0 + offs, tl.sum(xn.to(tl.float32) * Z, 1), mask=okn)
             _store_tile(dx_ptr + ((b * L + s0) * H + h) * P, offs, okn, offs_p, P, H * P, dx, EVEN_P)
@@ -443,39 +445,96 @@ if triton is not None:
         x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr, b, h, g, plane,
         BATCH, L, H, G, P, NT,
         D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
+        DOT: tl.constexpr,
     ):
-        """:func:`_dx_kernel`'s query tiles: ``qd`` of one (sequence, head)."""
+        """:func:`_dx_kernel`'s query tiles, for one (sequence, head): the rest of the log-decay gradient, each term
+        once. Per query tile m and direction: the diagonal tile pair's ``S_ij = (dy_i . x_j) M_ij = dLoss/dL_ij``
+        (``dy_m x_m^T``, the one product the gradient adds), and from the other key tiles, ``qx_i = dy_i .
+        (sum_{n != m} M_mn x_n)_i``: the tile rows' ``da`` on the queries' side (:func:`.triton_kernels._dlog_query`,
+        into ``kq + 2 plane``). A pair's total ``sum(dy_m . M_mn x_n)`` reaches every row of the tiles strictly
+        between m and n; returns those sums per row of the sequence, forward and backward ((BLOCK_L,) each)."""
         offs = tl.arange(0, BLOCK_T)
         offs_p = tl.arange(0, BLOCK_P)
+        rows = tl.arange(0, BLOCK_L)
+        span_f = tl.zeros([BLOCK_L], dtype=tl.float32)
+        span_b = tl.zeros([BLOCK_L], dtype=tl.float32)
         m = 0
         while m < NT:
             t0 = m * BLOCK_T
             rem = (L - t0).to(tl.int32)
             ok = offs < rem
-            dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P).to(tl.float32)
+            dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
+            xm = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs, ok, offs_p, P, sxl, EVEN_P)
+            DYX = _mm(dym, tl.trans(xm), DOT)                  # [i, j] = dy_i . x_j, for both directions
             seg_m = offs  # the query tile's segment ids (with HAS_SEG)
             if HAS_SEG:
                 seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+                DYX = tl.where(seg_m[:, None] == seg_m[None, :], DYX, 0.0)
+            # the diagonal tile pair's share, both directions first (then the (T, T) tiles are done with)
+            pairs_f = tl.zeros([BLOCK_T], dtype=tl.float32)
+            pairs_b = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for d in tl.static_range(D0, D1):
+                slot = d - D0
+                vbase = ((slot * BATCH + b) * H + h) * L + t0
+                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + m) * BLOCK_T * BLOCK_T
+                dt_m, a_m = _decays(dtc_ptr, vbase, offs, ok, plane)
+                S = DYX * tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * _intra_decay(d, a_m, ok, SHIFT)
+                S = S * dt_m[None, :]
+                if d == 0:
+                    pairs_f = _dlog_pairs(d, S, SHIFT)
+                else:
+                    pairs_b = _dlog_pairs(d, S, SHIFT)
+            # the other key tiles
             for d in tl.static_range(D0, D1):
                 slot = d - D0
                 vrow = ((slot * BATCH + b) * H + h) * L
-                dt_m, c_m, e_m, tot_m = _decays(dtc_ptr, vrow + t0, offs, ok, BLOCK_T, rem, plane)
-                q, rc, c_ok, read = _query(d, offs, ok, t0, rem, c_m, e_m, tot_m, SHIFT)
-                W = _sweep_keys(tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32), d, m, q, tot_m, ok, seg_m, b, h, g,
-                                slot, vrow, L, NT, BATCH, G, plane, dtc_ptr, seg_ptr, cb_ptr, x_ptr, sxb, sxl, sxh,
-                                offs, offs_p, P, HAS_SEG, SHIFT, BLOCK_T, EVEN_P, DOT)
-                tl.store(kq_ptr + plane + vrow + t0 + offs, tl.sum(dym * W, 1), mask=ok)
+                dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
+                qx = tl.zeros([BLOCK_T], dtype=tl.float32)
+                between = 0.0
+                if d == 0:
+                    n = m - 1
+                else:
+                    n = m + 1
+                while (n >= 0) & (n < NT):
+                    s0 = n * BLOCK_T
+                    rem_n = (L - s0).to(tl.int32)
+                    okn = offs < rem_n
+                    dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
+                    decay = _pair_decay(read_m, own_n, ok, okn, between)
+                    if HAS_SEG:
+                        seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
+                        decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
+                    cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                    M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
+                    xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+                    qn = tl.sum(dym.to(tl.float32) * _mm(M, xn, DOT), 1)
+                    qx += qn
+                    # the tiles strictly between m and n lie in the span of every pair of this tile pair
+                    if d == 0:
+                        span_f += tl.where((rows >= s0 + BLOCK_T) & (rows < t0), tl.sum(qn, 0), 0.0)
+                    else:
+                        span_b += tl.where((rows >= t0 + BLOCK_T) & (rows < s0), tl.sum(qn, 0), 0.0)
+                    between += tot_n
+                    if d == 0:
+                        n -= 1
+                    else:
+                        n += 1
+                tl.store(kq_ptr + 2 * plane + vrow + t0 + offs, _dlog_query(d, _pick(d, pairs_f, pairs_b), qx, SHIFT),
+                         mask=ok)
             m += 1
+        return span_f, span_b
 
     @triton.jit
     def _dx_step_grads(
         dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr, part_ptr,
-        b, h, plane, BATCH, L, H, lo, hi,
+        span_f, span_b, b, h, plane, BATCH, L, H, lo, hi,
         D0: tl.constexpr, D1: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
-        SHIFT: tl.constexpr, SHARED_A: tl.constexpr, BLOCK_L: tl.constexpr,
+        SHARED_A: tl.constexpr, BLOCK_L: tl.constexpr,
     ):
-        """:func:`_dx_kernel`'s last step, over the whole sequence: the step sizes' gradients and the partials."""
+        """:func:`_dx_kernel`'s last step, over the whole sequence: the log-decay gradient ``da`` (the key rows' and
+        the query rows' shares from ``kq``, and the tile pairs' sums ``span_*`` over the tiles between them), then
+        the step sizes' gradients ``(kd + A da)`` through their preparation, and the partials."""
         offs_l = tl.arange(0, BLOCK_L)
         okl = offs_l < L
         part = part_ptr + b * 3 * H + h
@@ -486,21 +545,8 @@ if triton is not None:
             vrow = ((slot * BATCH + b) * H + h) * L
             dt = tl.load(dtc_ptr + vrow + offs_l, mask=okl, other=0.0)
             kd = tl.load(kq_ptr + vrow + offs_l, mask=okl, other=0.0)
-            qd = tl.load(kq_ptr + plane + vrow + offs_l, mask=okl, other=0.0)
-            d_key = dt * kd
-            if d == 0:
-                dq = qd
-                dp = -d_key
-                de = tl.zeros_like(dp)
-            else:
-                dq = -qd
-                de = d_key
-                dp = tl.zeros_like(de)
-            if SHIFT == (d == 0):    # q is e (forward shifted, backward unshifted), else p
-                de += dq
-            else:
-                dp += dq
-            da = (tl.sum(dp, 0) - tl.cumsum(dp, 0) + dp) + (tl.sum(de, 0) - tl.cumsum(de, 0))
+            da = (tl.load(kq_ptr + plane + vrow + offs_l, mask=okl, other=0.0) +
+                  tl.load(kq_ptr + 2 * plane + vrow + offs_l, mask=okl, other=0.0) + _pick(d, span_f, span_b))
             da = tl.where(okl, da, 0.0)
             if HAS_BIAS or SOFTPLUS or CLAMP:
                 unused, gdt = _step(_at(_pick(d, dtf_ptr, dtb_ptr), b, b * 0, h, sdb, sdl, sdh), offs_l, okl, sdl,
@@ -521,7 +567,6 @@ if triton is not None:
         if HAS_BIAS:
             tl.store(part + 2 * H, dbias)
 
-
     @triton.jit
     def _dx_kernel(
         x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh,
@@ -533,27 +578,37 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
         DOT: tl.constexpr,
     ):
-        """Per (sequence, head). Key tile by key tile: ``dx_n = dt_n Z_n + diag dy_n`` with ``Z_n = sum_m M~_mn^T
-        dy_m`` per direction, and ``kd_j = x_j . Z_j``; query tile by query tile: ``qd_i = dy_i . (M x)_i`` per
-        direction (``kd``, ``qd`` kept in ``kq`` (2, directions, batch, H, L)); then over the whole sequence the step
-        sizes' gradients (dt's dtype) and this sequence's partials of dA and d dt_bias (``part`` (batch, 3, H))."""
+        """Per (sequence, head), in three steps, the log-decay gradient ``da`` taking each pair's term once with its
+        own decay (never a total minus a prefix):
+
+        1. key tile by key tile (:func:`_dx_key_tiles`): ``dx_n = dt_n Z_n + diag dy_n`` with ``Z_n = sum_m
+           M~_mn^T dy_m`` per direction, dt's direct gradient ``kd_j = x_j . Z_j``, and the key rows' share of
+           ``da`` from the pairs with queries in other tiles;
+        2. query tile by query tile (:func:`_dx_query_tiles`): the diagonal tile pair's share of ``da`` (from ``dy
+           x^T``), the query rows' share from the pairs with keys in other tiles, and each such tile pair's total,
+           which every row of the tiles between gets;
+        3. over the whole sequence (:func:`_dx_step_grads`): ``da``, then the step sizes' gradients (dt's dtype) and
+           this sequence's partials of dA and d dt_bias (``part`` (batch, 3, H)).
+
+        ``kq`` (3, directions, batch, H, L) keeps ``kd`` and the two shares between the steps."""
         pid = tl.program_id(0).to(tl.int64)
         h = pid % H
         b = pid // H
         g = h // HG
         plane = (D1 - D0) * BATCH * H * L
-        # 1. key tiles: dx and kd
+        # 1. key tiles: dx, kd, the key rows' share of da
         _dx_key_tiles(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr,
                       kq_ptr, dx_ptr, ddiag_ptr, b, h, g, plane, BATCH, L, H, G, P, NT, D0, D1, HAS_DIAG, HAS_SEG,
                       SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
-        # 2. query tiles: qd
-        _dx_query_tiles(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr, b, h, g, plane,
-                        BATCH, L, H, G, P, NT, D0, D1, HAS_SEG, SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
+        # 2. query tiles: the intra-tile pairs' and the query rows' shares of da, the sums over the tiles between
+        span_f, span_b = _dx_query_tiles(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
+                                         b, h, g, plane, BATCH, L, H, G, P, NT, D0, D1, HAS_SEG, SHIFT, BLOCK_T,
+                                         BLOCK_P, BLOCK_L, EVEN_P, DOT)
         tl.debug_barrier()
-        # 3. the whole sequence: step-size gradients through the global sums p (inclusive) and e (exclusive)
+        # 3. the whole sequence: da, then the step sizes' gradients
         _dx_step_grads(dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr,
-                       part_ptr, b, h, plane, BATCH, L, H, lo, hi, D0, D1, HAS_BIAS, SOFTPLUS, CLAMP, SHIFT, SHARED_A,
-                       BLOCK_L)
+                       part_ptr, span_f, span_b, b, h, plane, BATCH, L, H, lo, hi, D0, D1, HAS_BIAS, SOFTPLUS, CLAMP,
+                       SHARED_A, BLOCK_L)
 
 
 # -- host side ----------------------------------------------------------------------------------------
@@ -573,8 +628,8 @@ class _Call(_chunked._Call):
 
 
 def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift):
-    """Forward: (y, ``C~ B^T`` of the tile pairs (directions, b, g, NT, NT, T, T), prepared step sizes and their
-    tile-local cumsums (2, directions, b, h, L))."""
+    """Forward: (y, ``C~ B^T`` of the tile pairs (directions, b, g, NT, NT, T, T), prepared step sizes and their log
+    decays ``A dt`` (2, directions, b, h, L))."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift)
     geo, blocks = k.one, k.oblocks
     bsz, L, H, G, P, N, NT = geo.dims
@@ -621,7 +676,7 @@ def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt
         return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
     x, dy = k.x, _chunked._unit_last(dy)
     dcb = torch.empty_like(cb)
-    kq = torch.empty(2, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
+    kq = torch.empty(3, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
     flags = k.flags
     s3 = _chunked._s3
     fill = _chunked._fill
@@ -652,7 +707,7 @@ def _op(
     diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float,
     softplus: bool, shift: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One-chunk scan forward: (y, ``C~ B^T`` of the tile pairs, prepared step sizes and their tile-local cumsums).
+    """One-chunk scan forward: (y, ``C~ B^T`` of the tile pairs, prepared step sizes and their log decays).
     Raw step sizes, prepared in the kernels; the two directions' generators share dtypes."""
     return tuple(_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                       shift))
