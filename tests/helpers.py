@@ -115,6 +115,22 @@ def assert_passes_fresh(test_file: str, env: dict[str, str], timeout: int, *, al
         assert "skipped" not in result.stdout, tail
 
 
+def triton_kernels_module(name: str) -> tuple[Any, str, list[pytest.MarkDecorator]]:
+    """The module prelude of a Triton kernel test file: on a machine without CUDA it runs only in the fresh
+    interpreter the Triton suite starts (``tests/ops/test_triton_suite.py`` sets ``MIXER_PLUGINS_TRITON_FRESH=1``
+    and ``TRITON_INTERPRET=1``) and is skipped in any other process. Returns the kernels module ``name``, the device
+    its tensors live on (CPU under the interpreter, else CUDA) and the module's ``pytestmark``."""
+    if os.environ.get("MIXER_PLUGINS_TRITON_FRESH") != "1" and not torch.cuda.is_available():
+        pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite.py)",
+                    allow_module_level=True)
+    pytest.importorskip("triton")
+    module = pytest.importorskip(name)
+    device = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+    why = module.available(device)
+    return module, device, [pytest.mark.triton,
+                            pytest.mark.skipif(why is not None, reason=f"triton kernels cannot run on {device}: {why}")]
+
+
 # -- what an op allocates ------------------------------------------------------------------------------------
 
 class LargestTensor(TorchDispatchMode):

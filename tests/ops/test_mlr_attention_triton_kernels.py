@@ -13,25 +13,12 @@ in a fresh interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
+from helpers import fast_interpreter, triton_kernels_module  # noqa: F401  (fast_interpreter: an autouse fixture)
 
-FRESH = os.environ.get("MIXER_PLUGINS_TRITON_FRESH") == "1"
-if not FRESH and not torch.cuda.is_available():
-    pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite.py)",
-                allow_module_level=True)
-
+mlr_triton, _, pytestmark = triton_kernels_module("mixer_plugins.kernels.mlr_attention.triton_kernels")
 triton = pytest.importorskip("triton")
-mlr_triton = pytest.importorskip("mixer_plugins.kernels.mlr_attention.triton_kernels")
-
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.skipif(mlr_triton.available("cpu") is not None,
-                       reason=f"triton kernels cannot run on CPU here: {mlr_triton.available('cpu')}"),
-]
 
 
 

@@ -16,31 +16,16 @@ run); collected in any other process it is skipped.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
+from helpers import fast_interpreter, triton_kernels_module  # noqa: F401  (fast_interpreter: an autouse fixture)
 
 from mixer_plugins.kernels import directional_scan, quasiseparable, ssd
 
-FRESH = os.environ.get("MIXER_PLUGINS_TRITON_FRESH") == "1"
-if not FRESH and not torch.cuda.is_available():
-    pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite.py)",
-                allow_module_level=True)
-
-triton = pytest.importorskip("triton")
-qs_triton = pytest.importorskip("mixer_plugins.kernels.scan.triton_kernels")
+#: the kernels, where they run (CPU tensors under the interpreter, CUDA ones otherwise) and the module's marks
+qs_triton, DEVICE, pytestmark = triton_kernels_module("mixer_plugins.kernels.scan.triton_kernels")
 one_chunk = pytest.importorskip("mixer_plugins.kernels.scan.triton_one_chunk")
-
-#: where the kernels run: CPU tensors under the interpreter, CUDA ones otherwise
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
-
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.skipif(qs_triton.available(DEVICE) is not None,
-                       reason=f"triton kernels cannot run on {DEVICE} here: {qs_triton.available(DEVICE)}"),
-]
 
 #: ``A dt`` of each head: A = -1 and dt = |A dt| * uniform(0.5, 1.5) per token
 DECAYS = (-0.1, -1.0, -5.0, -10.0, -25.0, -40.0)

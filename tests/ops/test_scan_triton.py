@@ -15,34 +15,21 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fast_interpreter  # noqa: F401  (autouse fixture: interpreter speed shims)
+from helpers import fast_interpreter, triton_kernels_module  # noqa: F401  (fast_interpreter: an autouse fixture)
 
 from mixer_plugins import kernels
 from mixer_plugins.kernels import directional_scan, quasiseparable, ssd
 
-FRESH = os.environ.get("MIXER_PLUGINS_TRITON_FRESH") == "1"
-if not FRESH and not torch.cuda.is_available():
-    pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite.py)",
-                allow_module_level=True)
-
+#: the kernels, where they run (CPU tensors under the interpreter, CUDA ones otherwise: every tensor of a test is
+#: made there) and the module's marks
+qs_triton, DEVICE, pytestmark = triton_kernels_module("mixer_plugins.kernels.scan.triton_kernels")
 triton = pytest.importorskip("triton")
-qs_triton = pytest.importorskip("mixer_plugins.kernels.scan.triton_kernels")
-
-#: where the kernels run: CPU tensors under the interpreter, CUDA ones otherwise (every tensor of a test is made there)
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
-
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.skipif(qs_triton.available(DEVICE) is not None,
-                       reason=f"triton kernels cannot run on {DEVICE} here: {qs_triton.available(DEVICE)}"),
-]
 
 
 @pytest.fixture(autouse=True)
