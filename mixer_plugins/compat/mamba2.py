@@ -335,7 +335,7 @@ class Mamba2(MatrixMixer[Mamba2Context]):
         return super().step(hidden_states, cache), conv_state, ssm_state
 
     def _wrap(self, conv_state: Tensor, ssm_state: Tensor, tokens: int) -> MixerCache:
-        """The released states as a cache (the states are shared, not copied)."""
+        """The released states as a cache of this module (the states are shared, not copied)."""
         b = conv_state.shape[0]
         for name, state, shape in (("conv_state", conv_state, (b, self.conv_dim, self.d_conv)),
                                    ("ssm_state", ssm_state, (b, self.nheads, self.headdim, self.d_state))):
@@ -344,7 +344,7 @@ class Mamba2(MatrixMixer[Mamba2Context]):
         device = conv_state.device
         return MixerCache(lengths=torch.zeros(b, dtype=torch.long, device=device),
                           poisoned=torch.zeros(b, dtype=torch.bool, device=device), max_len=tokens,
-                          state={"conv": conv_state, "ssm": ssm_state})
+                          state={"conv": conv_state, "ssm": ssm_state}, owner=self._owner_key())
 
     # -- the decoding hooks (shared by both APIs) -------------------------------------------------------
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,

@@ -96,8 +96,9 @@ class SoftmaxAttention(MatrixMixer[QKContext]):
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         _, allowed = append_kv(cache, ctx.k, ctx.values)
-        y = F.scaled_dot_product_attention(ctx.q.transpose(1, 2), cache.state["k"].transpose(1, 2),
-                                           cache.state["v"].transpose(1, 2), attn_mask=allowed[:, None],
+        dtype = ctx.q.dtype
+        y = F.scaled_dot_product_attention(ctx.q.transpose(1, 2), cache.read("k", dtype).transpose(1, 2),
+                                           cache.read("v", dtype).transpose(1, 2), attn_mask=allowed[:, None],
                                            scale=self.scale)
         return y.transpose(1, 2)
 

@@ -40,11 +40,29 @@ generates token by token::
     y_t = mixer.step(x_t, cache)                        # (batch, t, dim) new tokens -> their outputs
 
 ``prefill`` + ``step`` equal ``forward`` over the whole sequence (the conformance kit checks it, float64 and float32,
-rows of different lengths included). Right-padded prompt rows each continue from their own length. Steps are for
-inference (``torch.no_grad()``): the cache keeps no autograd history. They run no value-dependent control flow and
-update the cache in place, so a CUDA graph can capture ``step``. Subclasses implement :meth:`~MatrixMixer.init_cache`,
-:meth:`~MatrixMixer.fill_cache` and :meth:`~MatrixMixer.mix_step` (and :meth:`~MatrixMixer.prepare_step` where their
-``prepare`` is not per token).
+rows of different lengths included). Right-padded prompt rows each continue from their own length. They run no
+value-dependent control flow and update the cache in place, so a CUDA graph can capture ``step``. Subclasses
+implement :meth:`~MatrixMixer.init_cache`, :meth:`~MatrixMixer.fill_cache` and :meth:`~MatrixMixer.mix_step` (and
+:meth:`~MatrixMixer.prepare_step` where their ``prepare`` is not per token).
+
+What ``prefill`` and ``step`` refuse, with a :class:`MixerInputError`, before touching the cache:
+
+* **A cache of another mixer.** A cache records its owner, the :meth:`~MatrixMixer.cache_key` of the mixer that
+  allocated it: the mixer's class and its options, those that never change its state (``chunk_size``, dropout,
+  initialisation; :data:`CHECKPOINT_FREE_OPTIONS`) excepted. Another mixer's state has other shapes or another
+  meaning (a window of 3 read as a window of 5 gives wrong outputs, silently), so a cache whose owner differs is
+  refused, naming both. Identically configured mixers share caches (a copy of the module, beam search). The check is
+  one string comparison per call.
+* **Recording autograd.** Steps are for inference: the cache keeps no autograd history and is updated in place, so
+  gradients through ``step`` would be wrong (or fail with an in-place version error). With grad enabled and an input
+  or a parameter that requires grad, both refuse: call them under ``torch.no_grad()`` or ``torch.inference_mode()``
+  (to train, run ``forward`` over whole sequences). Under ``no_grad`` the check is one ``torch.is_grad_enabled()``
+  call; a mixer with nothing that requires grad steps with grad enabled.
+
+``allocate_cache(dtype=...)`` takes any of :data:`~mixer_plugins.mixers.cache.CACHE_DTYPES` whatever the mixer's
+dtype (a bfloat16 KV cache under a float32 model halves its memory): prefill and steps round what they write to the
+cache's dtype and read it back in the dtype they compute in, so outputs are those of a float32 cache within the
+cache dtype's accuracy. Another dtype (integer, complex, float8) is refused.
 
 Checkpoint records
 ------------------
@@ -76,7 +94,7 @@ from torch import Tensor, nn
 from ..errors import MixerCheckpointMismatchError, MixerInputError, SequenceLengthError
 from ..layers.masks import causal_nonfinite_guard, padding_mask_to_bool, poison_after, zero_pads
 from ..registry.spec import MixerConfig
-from .cache import MixerCache, StepNotSupportedError
+from .cache import CACHE_DTYPES, MixerCache, StepNotSupportedError
 
 __all__ = [
     "CHECKPOINT_FREE_OPTIONS",
@@ -404,15 +422,23 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
 
     def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> MixerCache:
-        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens each (prompt and steps).
+        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens each (prompt and steps), owned by
+        this mixer (and usable by any mixer of the same :meth:`cache_key`).
 
-        ``dtype`` and ``device`` default to the mixer's parameters'. Raises :class:`StepNotSupportedError` for a
-        mixer that cannot step and :class:`SequenceLengthError` past a data-independent mixer's ``max_seq_len``.
+        ``dtype`` and ``device`` default to the mixer's parameters'. ``dtype`` may differ from the mixer's: any of
+        :data:`~mixer_plugins.mixers.cache.CACHE_DTYPES` (the state is stored in it and read back in the compute
+        dtype). Raises :class:`StepNotSupportedError` for a mixer that cannot step, :class:`MixerInputError` for
+        another ``dtype`` and :class:`SequenceLengthError` past a data-independent mixer's ``max_seq_len``.
         """
         self._require_step()
         for label, value, low in (("batch", batch, 0), ("max_len", max_len, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise MixerInputError(f"allocate_cache: {label} must be an integer >= {low}, got {value!r}")
+        if dtype is not None and dtype not in CACHE_DTYPES:
+            raise MixerInputError(
+                f"allocate_cache: dtype must be one of {', '.join(map(str, CACHE_DTYPES))} (the precision the state "
+                f"is stored in), got {dtype!r}"
+            )
         self.check_length(max_len)
         param = next(iter(self.parameters()), None)
         if dtype is None:
@@ -421,13 +447,39 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
             device = param.device if param is not None else torch.get_default_device()
         device = torch.device(device)
         cache = MixerCache(lengths=torch.zeros(batch, dtype=torch.long, device=device),
-                           poisoned=torch.zeros(batch, dtype=torch.bool, device=device), max_len=max_len)
+                           poisoned=torch.zeros(batch, dtype=torch.bool, device=device), max_len=max_len,
+                           owner=self._owner_key())
         self.init_cache(cache, batch, max_len, dtype, device)
         return cache
+
+    def cache_key(self) -> str:
+        """What a decoding cache of this mixer records as its owner, and what ``prefill`` and ``step`` compare with
+        the cache's: the mixer's class and its options (JSON), those that never change its state excepted
+        (:data:`CHECKPOINT_FREE_OPTIONS`; ``max_seq_len`` of a mixer that runs at any length).
+
+        Two mixers with equal keys keep states of the same shapes and meaning, so they share caches. Override it
+        (calling ``super().cache_key()`` and adding to it) when the state depends on something the config does not
+        hold. It is computed once per mixer (the options are fixed when it is built).
+        """
+        record = mixer_record(self)
+        free = CHECKPOINT_FREE_OPTIONS | ({"max_seq_len"} if self.max_seq_len is None else set())
+        options = {k: v for k, v in record["options"].items() if k not in free}
+        return json.dumps({"class": f"{type(self).__module__}.{type(self).__qualname__}", "options": options},
+                          sort_keys=True)
+
+    def _owner_key(self) -> str:
+        """:meth:`cache_key`, computed on the first call and kept (the per-call check is then a string comparison)."""
+        key = self.__dict__.get("_cache_owner_key")
+        if key is None:
+            key = self.cache_key()
+            self.__dict__["_cache_owner_key"] = key
+        return key
 
     def _check_cache(self, cache: MixerCache, x: Tensor) -> None:
         if not isinstance(cache, MixerCache):
             raise MixerInputError(f"cache must be a MixerCache (from allocate_cache), got {type(cache).__name__}")
+        if cache.owner is not None and cache.owner != self._owner_key():
+            raise MixerInputError(self._owner_mismatch(cache.owner))
         if cache.batch != x.shape[0]:
             raise MixerInputError(f"the cache has {cache.batch} rows but the input has batch {x.shape[0]}")
         if cache.lengths.device != x.device:
@@ -438,9 +490,55 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
                 f"{x.shape[1]} more do not fit. Allocate a longer cache"
             )
 
+    def _owner_mismatch(self, owner: str) -> str:
+        """The message refusing a cache owned by ``owner`` (another :meth:`cache_key`): both mixers, and the options
+        in which they differ."""
+        name = getattr(self, "mixer_name", None)
+        ours = self._owner_key()
+        try:
+            theirs_record, ours_record = json.loads(owner), json.loads(ours)
+            theirs_class, ours_class = str(theirs_record["class"]), str(ours_record["class"])
+            theirs_opts, ours_opts = dict(theirs_record["options"]), dict(ours_record["options"])
+        except (ValueError, KeyError, TypeError):
+            theirs_desc, ours_desc = repr(owner), repr(ours)
+        else:
+            theirs_short, ours_short = theirs_class.rsplit(".", 1)[-1], ours_class.rsplit(".", 1)[-1]
+            missing = "(unset)"
+            differ = [k for k in sorted(set(theirs_opts) | set(ours_opts))
+                      if theirs_opts.get(k, missing) != ours_opts.get(k, missing)]
+            if theirs_class != ours_class or not differ:
+                theirs_desc, ours_desc = theirs_short, ours_short
+            else:
+                theirs_desc = f"{theirs_short}({', '.join(f'{k}={theirs_opts.get(k, missing)!r}' for k in differ)})"
+                ours_desc = f"{ours_short}({', '.join(f'{k}={ours_opts.get(k, missing)!r}' for k in differ)})"
+        return (
+            f"the cache belongs to another mixer: it was allocated by {theirs_desc}, and this is {ours_desc}"
+            f"{f' ({name!r})' if name else ''}. A cache holds the state of the mixer that allocated it (mixers of the "
+            "same class and options share caches); allocate one with this mixer's allocate_cache"
+        )
+
+    def _refuse_autograd(self, x: Tensor) -> None:
+        """Raise :class:`MixerInputError` when autograd would record ``prefill``/``step`` (grad enabled, and the input
+        or a parameter requires grad): the cache keeps no history and is updated in place, so gradients through
+        steps would be wrong. Under ``no_grad``/``inference_mode`` this is one ``torch.is_grad_enabled()`` call."""
+        if not torch.is_grad_enabled():
+            return
+        if not x.requires_grad and not any(p.requires_grad for p in self.parameters()):
+            return  # nothing would be recorded
+        culprit = "the input requires grad" if x.requires_grad else next(
+            f"parameter {n!r} requires grad" for n, p in self.named_parameters() if p.requires_grad)
+        raise MixerInputError(
+            f"prefill and step are for inference, and autograd is recording ({culprit}): the cache keeps no autograd "
+            "history and is updated in place, so gradients through the steps would be wrong. Call prefill/step under "
+            "torch.no_grad() or torch.inference_mode() (to train, run forward over whole sequences)"
+        )
+
     def prefill(self, x: Tensor, cache: MixerCache, *, mask: Tensor | None = None) -> Tensor:
         """Run a prompt ``x`` (batch, length, dim) in one parallel pass: returns its outputs (what :meth:`forward`
         gives) and fills the empty ``cache``. With a right-padded ``mask``, each row continues from its own length.
+
+        Raises :class:`MixerInputError` for a cache of another mixer (see :meth:`cache_key`) and when autograd would
+        record it (run it under ``torch.no_grad()`` or ``torch.inference_mode()``).
         """
         self._require_step()
         x, mask, poisoned = self._begin(x, mask)
@@ -448,6 +546,7 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
         if cache.offset:
             raise MixerInputError(f"prefill needs an empty cache; this one holds {cache.offset} tokens (use step to "
                                   "continue it, or allocate a new one)")
+        self._refuse_autograd(x)
         b, length = x.shape[:2]
         lengths = (mask.sum(dim=1) if mask is not None
                    else torch.full((b,), length, dtype=torch.long, device=x.device))
@@ -462,14 +561,18 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
 
     def step(self, x: Tensor, cache: MixerCache) -> Tensor:
         """Outputs of ``t`` new tokens ``x`` (batch, t, dim) of every row, each row continuing from its own length
-        in ``cache`` (updated in place). ``prefill`` + ``step`` equal :meth:`forward` over the whole sequence."""
+        in ``cache`` (updated in place). ``prefill`` + ``step`` equal :meth:`forward` over the whole sequence.
+
+        Raises :class:`MixerInputError`, leaving the cache as it was, for a cache of another mixer and when autograd
+        would record the step (run it under ``torch.no_grad()`` or ``torch.inference_mode()``)."""
         self._require_step()
         x, _ = check_mixer_input(self, x, None, self.dim)
         self._check_cache(cache, x)
+        self._refuse_autograd(x)
         t = x.shape[1]
         x, bad = causal_nonfinite_guard(x)
         ctx = self.prepare_step(x, cache)
-        y = self.mix_step(ctx, cache)
+        y = self.mix_step(ctx, cache).to(ctx.values.dtype)   # a state of a wider dtype may have widened it
         out = self.finish(ctx, y)
         poisoned = (bad | cache.poisoned[:, None]).cummax(dim=1).values
         cache.poisoned.copy_(poisoned[:, -1])
@@ -480,7 +583,8 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
     # -- decoding hooks ------------------------------------------------------------------------------
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
                    device: torch.device) -> None:
-        """Put the mixer's zero-initialised state tensors into ``cache.state``."""
+        """Put the mixer's zero-initialised state tensors into ``cache.state``, floating ones in ``dtype`` (which may
+        differ from the mixer's)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement init_cache")
 
     def fill_cache(self, cache: MixerCache, ctx: CtxT, x: Tensor, lengths: Tensor) -> Tensor:
@@ -495,7 +599,9 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
 
     def mix_step(self, ctx: CtxT, cache: MixerCache) -> Tensor:
         """Mixed values of the new tokens (at positions ``cache.positions(t)``), updating ``cache.state`` in place
-        (``cache.lengths`` is advanced by the caller)."""
+        (``cache.lengths`` is advanced by the caller). The state may be in another dtype than the context: read it
+        in the compute dtype (``cache.read(name, dtype)``) and write through ``kv_write``/``copy_`` (which round to
+        the cache's dtype)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement mix_step")
 
     def extra_repr(self) -> str:

@@ -222,7 +222,8 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
     def mix_step(self, ctx: LevelsContext, cache: MixerCache) -> Tensor:
         q, k = self._fused_qk(ctx)
         _, allowed = append_kv(cache, k, ctx.values)
-        return cached_attention(q, cache.state["k"], cache.state["v"], allowed, 1.0, self.link_function)
+        return cached_attention(q, cache.read("k", q.dtype), cache.read("v", q.dtype), allowed, 1.0,
+                                self.link_function)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length

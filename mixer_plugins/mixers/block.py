@@ -318,7 +318,9 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         z, u, *rest = self._in_proj_pieces(x)
         pieces: dict[str, Tensor] = {}
         if self.conv1d is not None:
-            u, state = causal_conv1d_step(u, cache.state["conv"], self.conv1d.weight[:, 0, :], self.conv1d.bias,
+            # the convolution runs in the wider of the state's and the inputs' dtypes
+            tail = cache.read("conv", torch.promote_types(cache.state["conv"].dtype, u.dtype))
+            u, state = causal_conv1d_step(u, tail, self.conv1d.weight[:, 0, :], self.conv1d.bias,
                                           silu=self._conv_all_activated)
             cache.state["conv"].copy_(state.detach())
             pieces.update(zip([g.name for g in self._conv_groups],

@@ -85,8 +85,8 @@ class BlockAttentionMixer(QKMixerBlock):
         kv_write(cache.state["v"], v.detach(), positions)
         allowed = kv_positions(positions, cache.max_len)[:, None]                 # (b, 1, t, max_len)
         y = F.scaled_dot_product_attention(
-            q.expand(b, -1, -1, -1).transpose(1, 2), cache.state["k"].transpose(1, 2),
-            cache.state["v"].transpose(1, 2), attn_mask=allowed, scale=1.0 / math.sqrt(self.qk_dim),
+            q.expand(b, -1, -1, -1).transpose(1, 2), cache.read("k", q.dtype).transpose(1, 2),
+            cache.read("v", q.dtype).transpose(1, 2), attn_mask=allowed, scale=1.0 / math.sqrt(self.qk_dim),
         )
         return y.transpose(1, 2) + v
 

@@ -178,7 +178,9 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer[BTTContext]):
         b, t = ctx.values.shape[:2]
         _, allowed = append_kv(cache, self.keys(ctx), ctx.values)
         query = ctx.query[:, :, None, :].expand(b, t, self.num_heads, self.dim)
-        return cached_attention(query, cache.state["k"], cache.state["v"], allowed, self.scale, self.link_function)
+        dtype = query.dtype
+        return cached_attention(query, cache.read("k", dtype), cache.read("v", dtype), allowed, self.scale,
+                                self.link_function)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length

@@ -12,6 +12,13 @@ bookkeeping every mixer shares:
 * ``max_len``: the most tokens a row may hold (the KV caches are allocated that long); ``offset`` counts the tokens
   given so far (the padded prompt length plus the steps), a bound on every row's length known without reading a
   tensor, so a full cache is a clear error and no step reads a value to decide anything.
+* ``owner``: the :meth:`~mixer_plugins.MatrixMixer.cache_key` of the mixer that allocated it (its class and the
+  options that shape its state). ``prefill`` and ``step`` refuse a cache whose owner is another mixer's; mixers of the
+  same class and options (a copy of the module, the same layer rebuilt) share caches.
+
+The state tensors may be in another floating dtype than the mixer (``allocate_cache(dtype=...)``, e.g. a bfloat16 KV
+cache under a float32 model): writes round to the cache's dtype (:func:`kv_write`), and a step reads the state in its
+compute dtype (:meth:`MixerCache.read`).
 
 Steps update the tensors in place (fixed addresses and shapes, what a CUDA-graph capture of ``step`` needs);
 :meth:`MixerCache.reorder` (beam search) replaces them.
@@ -26,8 +33,11 @@ from torch import Tensor
 
 from ..errors import StepNotSupportedError
 
-__all__ = ["MixerCache", "StepNotSupportedError", "append_kv", "fill_kv", "init_kv", "kv_positions", "kv_write",
-           "ring_write"]
+__all__ = ["CACHE_DTYPES", "MixerCache", "StepNotSupportedError", "append_kv", "fill_kv", "init_kv", "kv_positions",
+           "kv_write", "ring_write"]
+
+#: The dtypes a cache's state may have (``allocate_cache(dtype=...)``); any of them under a mixer of any of them.
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,6 +51,8 @@ class MixerCache:
         max_len: the most tokens a row may hold.
         offset: tokens given so far (prompt width + steps); every row's length is at most this.
         state: the mixer's own tensors by name, each with the batch first.
+        owner: the ``cache_key()`` of the mixer that allocated the cache; ``prefill`` and ``step`` of a mixer with
+            another key refuse it. None for a cache made by hand (not checked).
     """
 
     lengths: Tensor
@@ -48,6 +60,7 @@ class MixerCache:
     max_len: int
     offset: int = 0
     state: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    owner: str | None = None
 
     @property
     def batch(self) -> int:
@@ -57,6 +70,11 @@ class MixerCache:
     def positions(self, tokens: int) -> Tensor:
         """(batch, tokens) int64: the positions the next ``tokens`` tokens of each row take."""
         return self.lengths[:, None] + torch.arange(tokens, device=self.lengths.device)
+
+    def read(self, name: str, dtype: torch.dtype) -> Tensor:
+        """The state tensor ``name`` in ``dtype`` (the step's compute dtype): the tensor itself when it has that dtype
+        (no copy), else a converted copy."""
+        return self.state[name].to(dtype)
 
     def reorder(self, new_order: Tensor) -> None:
         """Keep the rows ``new_order`` (batch',) in that order (beam search; the batch may shrink or grow)."""

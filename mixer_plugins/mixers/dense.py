@@ -78,7 +78,7 @@ class DenseMixer(MatrixMixerBlock[BlockContext]):
         kv_write(cache.state["v"], v.detach(), positions)
         rows = self.weight[:, positions, :cache.max_len].to(v.dtype)                  # (h, b, t, J)
         rows = torch.where(kv_positions(positions, cache.max_len), rows, rows.new_zeros(()))
-        return torch.einsum("hbtj,bjhp->bthp", rows, cache.state["v"]) / math.sqrt(self.max_seq_len) + v
+        return torch.einsum("hbtj,bjhp->bthp", rows, cache.read("v", v.dtype)) / math.sqrt(self.max_seq_len) + v
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         return {"apply": 2 * batch * self.num_heads * length * length * self.head_dim}

@@ -105,7 +105,7 @@ class GlobalLocalAttention(QKVSoftmaxMixer):
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         positions, allowed = self.append_kv(ctx, cache)
-        keys, values = cache.state["k"], cache.state["v"]
+        keys, values = cache.read("k", ctx.q.dtype), cache.read("v", ctx.q.dtype)
         (qg, ql), (kg, kl) = self._split(ctx.q), self._split(keys)
         slots = torch.arange(cache.max_len, device=positions.device)
         in_window = allowed & (slots[None, None, :] >= positions[:, :, None] - self.window)

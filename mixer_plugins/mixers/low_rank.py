@@ -88,10 +88,12 @@ class LowRankMixer(QKMixerBlock):
 
     def mix_step(self, ctx: BlockQKContext, cache: MixerCache) -> Tensor:
         state = cache.state["kv"]
+        # the sum runs in the wider of the state's and the inputs' dtypes (a float32 state accumulates a bf16 model)
+        start = cache.read("kv", torch.promote_types(state.dtype, ctx.values.dtype))
         if ctx.values.shape[1] == 1:
-            y, new = ssd_step(*self._scan_args(ctx), state)
+            y, new = ssd_step(*self._scan_args(ctx), start)
         else:
-            y, new = ssd(*self._scan_args(ctx), chunk_size=_CHUNK, initial_states=state, return_final_states=True)
+            y, new = ssd(*self._scan_args(ctx), chunk_size=_CHUNK, initial_states=start, return_final_states=True)
         state.copy_(new.detach())
         return self.output_scale() * y + ctx.values
 

@@ -323,8 +323,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         slots = torch.arange(cache.max_len, device=positions.device)
         levels = []
         counts: Tensor | int = 0
-        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(cache.state["k"]), self.level_scales,
-                                     self.block_sizes):
+        keys = cache.read("k", ctx.q.dtype)
+        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(keys), self.level_scales, self.block_sizes):
             level = torch.einsum("bthe,bjhe->bhtj", q, k) * scale
             if size is not None:
                 same = (positions[:, :, None] // size == slots[None, None, :] // size)[:, None]   # (b, 1, t, J)
@@ -337,7 +337,7 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         if self.block_divide:
             scores = scores / torch.as_tensor(counts).clamp(min=1)
         weights = attention_weights(scores, allowed[:, None], self.link_function)
-        return torch.einsum("bhtj,bjhp->bthp", weights, cache.state["v"])
+        return torch.einsum("bhtj,bjhp->bthp", weights, cache.read("v", weights.dtype))
 
     def score_pairs(self, length: int) -> list[int]:
         """Per level, the number of (query, key) products computed per (batch, head): ``sum over blocks of size^2``."""

@@ -160,12 +160,12 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
         keys = None
         if ctx.k is not None:  # the cache holds keys
             kv_write(cache.state["k"], ctx.k.expand(b, -1, -1, -1).detach(), positions)
-            keys = cache.state["k"]
+            keys = cache.read("k", v.dtype)
         kv_write(cache.state["v"], v.detach(), positions)
         q = None if ctx.q is None else ctx.q.expand(b, -1, -1, -1)
         rows = self.qk_rows(q, keys, positions, cache.max_len)
         rows = torch.where(kv_positions(positions, cache.max_len)[:, None], rows, rows.new_zeros(()))
-        return self.output_scale() * torch.einsum("bhtj,bjhp->bthp", rows, cache.state["v"]) + v
+        return self.output_scale() * torch.einsum("bhtj,bjhp->bthp", rows, cache.read("v", v.dtype)) + v
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         # Materialized form: build M (about 2 * qk_dim multiply-adds per entry, counted as one contraction)

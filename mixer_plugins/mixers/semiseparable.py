@@ -115,11 +115,13 @@ class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
 
     def mix_step(self, ctx: SSDContext, cache: MixerCache) -> Tensor:
         state = cache.state["ssm"]
+        # the scan runs in the wider of the state's and the inputs' dtypes (a float32 state accumulates a bf16 model)
+        start = cache.read("ssm", torch.promote_types(state.dtype, ctx.values.dtype))
         if ctx.values.shape[1] == 1:
-            y, new = ssd_step(ctx.values, ctx.step_sizes(), ctx.A, ctx.B, ctx.C, state, D=self.ssm.D)
+            y, new = ssd_step(ctx.values, ctx.step_sizes(), ctx.A, ctx.B, ctx.C, start, D=self.ssm.D)
         else:
             y, new = ssd(ctx.values, ctx.dt, ctx.A, ctx.B, ctx.C, chunk_size=self.chunk_size, D=self.ssm.D,
-                         initial_states=state, return_final_states=True, **(ctx.steps or {}))
+                         initial_states=start, return_final_states=True, **(ctx.steps or {}))
         state.copy_(new.detach())
         return y
 

@@ -92,8 +92,8 @@ class SlidingWindowAttention(QKVSoftmaxMixer):
             ring_write(cache.state["pos"], pos, pos)
             held = cache.state["pos"]
             allowed = ((held >= 0) & (held >= pos - self.window))[:, None]           # (b, 1, size)
-            outputs.append(cached_attention(ctx.q[:, i:i + 1], cache.state["k"], cache.state["v"], allowed,
-                                            self.scale))
+            outputs.append(cached_attention(ctx.q[:, i:i + 1], cache.read("k", ctx.q.dtype),
+                                            cache.read("v", ctx.q.dtype), allowed, self.scale))
         return torch.cat(outputs, dim=1)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:

@@ -134,7 +134,7 @@ class ToeplitzMixer(MatrixMixerBlock[ToeplitzContext]):
         kv_write(cache.state["v"], v.detach(), positions)
         if self.data_dependent:
             kv_write(cache.state["taps"], ctx.taps.detach(), positions)
-            taps = cache.state["taps"]                                              # (b, max_len, h): offset d
+            taps = cache.read("taps", v.dtype)                                      # (b, max_len, h): offset d
         else:
             free, centre = self._free_taps()
             taps = free[:, centre:centre + cache.max_len].T[None].to(v.dtype)  # (1, max_len, h)
@@ -143,7 +143,7 @@ class ToeplitzMixer(MatrixMixerBlock[ToeplitzContext]):
         source = positions[:, :, None] - offsets                                    # (b, t, max_len): i - d
         seen = source >= 0
         index = source.clamp(min=0).flatten(1)[..., None, None].expand(-1, -1, self.num_heads, self.head_dim)
-        history = cache.state["v"].gather(1, index).unflatten(1, (t, cache.max_len))  # (b, t, d, h, p)
+        history = cache.state["v"].gather(1, index).unflatten(1, (t, cache.max_len)).to(v.dtype)  # (b, t, d, h, p)
         weights = torch.where(seen[..., None], taps[:, None], taps.new_zeros(()))   # (b, t, d, h)
         return self.scale * torch.einsum("btdh,btdhp->bthp", weights, history) + v
 

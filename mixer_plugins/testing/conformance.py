@@ -37,8 +37,13 @@ Checks (each one a function in :data:`CHECKS`):
   after the export are unchanged (no tensor made while tracing survives in a cache);
 * ``step``: a mixer whose spec says ``stepping=True`` decodes in its causal form: ``prefill`` of right-padded prompts
   of different lengths then ``step`` of one or a few tokens at a time equal ``forward`` over the whole sequences
-  (float64 within 1e-10, float32 within 1e-5); a mixer whose spec says ``stepping=False`` (or a bidirectional form)
-  refuses to step with ``StepNotSupportedError``.
+  (float64 within 1e-10, float32 within 1e-5); a cache allocated by a copy of the module gives the same outputs, and
+  one of the same mixer at another width is refused with ``MixerInputError`` (by ``prefill`` and by ``step``, the
+  cache left as it was); a bfloat16 cache under a float32 mixer steps within bfloat16's accuracy of a float32 cache
+  (or ``allocate_cache`` refuses the dtype with ``MixerInputError``); under grad (an input and parameters that
+  require grad) prefill and steps either give forward's gradients or refuse with a ``MixerInputError`` that says to
+  call them under ``torch.no_grad()`` or ``torch.inference_mode()``, leaving the cache as it was; a mixer whose spec
+  says ``stepping=False`` (or a bidirectional form) refuses to step with ``StepNotSupportedError``.
 """
 
 from __future__ import annotations
@@ -480,6 +485,153 @@ def check_step(h: MixerHarness) -> None:
                             f"from positions {position.tolist()}")
                 position += t
                 given += t
+    prompt = max(1, length // 2)
+    _check_step_owner(h, causal, length, prompt)
+    _check_step_cache_dtype(h, causal, length, prompt)
+    _check_step_under_grad(h, causal, length, prompt)
+
+
+#: Relative accuracy of steps with a bfloat16 cache under a float32 mixer (bfloat16's machine epsilon, 2^-7, with a
+#: margin): the state is rounded to bfloat16 once per token, the arithmetic stays in float32.
+_BF16_CACHE_TOL = 1e-2
+
+
+def _decode(mixer: Any, x: Tensor, prompt: int, cache: Any) -> Tensor:
+    """Prefill ``x[:, :prompt]`` into ``cache``, then step the rest in pieces of :data:`_STEP_SIZES` tokens (as long
+    as they fit): every output, concatenated. Runs in the caller's grad mode."""
+    outputs = [mixer.prefill(x[:, :prompt], cache)]
+    given = prompt
+    for t in _STEP_SIZES:
+        if given + t > x.shape[1]:
+            break
+        outputs.append(mixer.step(x[:, given:given + t], cache))
+        given += t
+    return torch.cat(outputs, dim=1)
+
+
+def _cache_snapshot(cache: Any) -> dict[str, Any]:
+    return {"offset": cache.offset, "lengths": cache.lengths.clone(), "poisoned": cache.poisoned.clone(),
+            **{f"state[{name!r}]": t.clone() for name, t in cache.state.items()}}
+
+
+def _assert_cache_kept(cache: Any, before: Mapping[str, Any], what: str) -> None:
+    after = _cache_snapshot(cache)
+    changed = [k for k, v in before.items()
+               if k not in after or (not torch.equal(after[k], v) if isinstance(v, Tensor) else after[k] != v)]
+    assert not changed, f"{what} was refused but changed the cache's {', '.join(changed)}: refuse before touching it"
+
+
+def _check_step_owner(h: MixerHarness, causal: Mapping[str, Any], length: int, prompt: int) -> None:
+    """A cache belongs to its mixer: shared by a copy of the module, refused by the same mixer at another width."""
+    mixer = h.build(**causal)
+    x = h.inputs(length, seed=4)
+    with torch.no_grad():
+        expected = _decode(mixer, x, prompt, mixer.allocate_cache(h.batch, length))
+        got = _decode(mixer, x, prompt, copy.deepcopy(mixer).allocate_cache(h.batch, length))
+    ok, err = _close(got, expected, rtol=1e-12, atol=1e-12)
+    assert ok, f"decoding with a cache allocated by a copy of the module differs by {err:.3e}"
+    wide = dataclasses.replace(h, dim=2 * h.dim)
+    try:
+        wider = wide.build(**causal)
+    except InvalidMixerOptions:
+        return  # the options do not fit twice the width: nothing to compare with
+    foreign = wider.allocate_cache(h.batch, length)
+    with torch.no_grad():
+        _expect_raises(MixerInputError, lambda: mixer.prefill(x[:, :prompt], foreign),
+                       "prefill with the cache of this mixer at another width")
+        wider.prefill(wide.inputs(prompt), foreign)
+        before = _cache_snapshot(foreign)
+        _expect_raises(MixerInputError, lambda: mixer.step(x[:, prompt:prompt + 1], foreign),
+                       "step with the cache of this mixer at another width")
+    _assert_cache_kept(foreign, before, "a step with the cache of this mixer at another width")
+
+
+def _check_step_cache_dtype(h: MixerHarness, causal: Mapping[str, Any], length: int, prompt: int) -> None:
+    """A bfloat16 cache under a float32 mixer steps within bfloat16's accuracy, or allocate_cache refuses it."""
+    mixer = h.build(dtype=torch.float32, **causal)
+    x = h.inputs(length, dtype=torch.float32, seed=4)
+    with torch.no_grad():
+        expected = _decode(mixer, x, prompt, mixer.allocate_cache(h.batch, length))
+    try:
+        cache = mixer.allocate_cache(h.batch, length, dtype=torch.bfloat16)
+    except MixerInputError:
+        return  # refused clearly
+    except Exception as err:  # noqa: BLE001
+        raise AssertionError(f"allocate_cache(dtype=torch.bfloat16) of a float32 mixer raised {type(err).__name__}: "
+                             f"{err}; step with it, or refuse the dtype with MixerInputError") from err
+    try:
+        with torch.no_grad():
+            got = _decode(mixer, x, prompt, cache)
+    except Exception as err:  # noqa: BLE001
+        raise AssertionError(
+            f"decoding with a bfloat16 cache under a float32 mixer raised {type(err).__name__}: {err}; read the state "
+            "in the compute dtype (cache.read(name, dtype)), or refuse the dtype in allocate_cache with "
+            "MixerInputError"
+        ) from err
+    assert got.dtype == torch.float32, f"a bfloat16 cache under a float32 mixer gave {got.dtype} outputs"
+    ok, diff = _close(got, expected, rtol=_BF16_CACHE_TOL, atol=0.0)
+    assert ok, (f"decoding with a bfloat16 cache under a float32 mixer differs from a float32 cache's by {diff:.3e}, "
+                "more than bfloat16's accuracy")
+
+
+_NO_GRAD_ADVICE = "call prefill/step under torch.no_grad() or torch.inference_mode()"
+
+
+def _check_step_under_grad(h: MixerHarness, causal: Mapping[str, Any], length: int, prompt: int) -> None:
+    """Under grad, prefill + steps give forward's gradients, or refuse (saying to use no_grad) and keep the cache."""
+    mixer = h.build(**causal)
+    x = h.inputs(length, seed=4)
+    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
+    params = [p for p in mixer.parameters() if p.requires_grad]
+    xg = x.clone().requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            y = _decode(mixer, xg, prompt, mixer.allocate_cache(h.batch, length))
+    except MixerInputError as err:
+        assert "torch.no_grad()" in str(err) and "torch.inference_mode()" in str(err), (
+            f"prefill/step under grad: the MixerInputError must say how to fix it ({_NO_GRAD_ADVICE}): {err}"
+        )
+        _check_step_refusal_keeps_the_cache(mixer, x, prompt, length, h.batch)
+        return
+    except Exception as err:  # noqa: BLE001
+        raise AssertionError(f"prefill/step under grad raised {type(err).__name__}: {err}; give correct gradients, "
+                             f"or refuse with MixerInputError ({_NO_GRAD_ADVICE})") from err
+    n = y.shape[1]
+    try:
+        with torch.enable_grad():
+            got = torch.autograd.grad((y * probe[:, :n]).sum(), [xg, *params], allow_unused=True)
+    except RuntimeError as err:
+        raise AssertionError(f"backward through prefill/step under grad failed ({err}); give correct gradients, or "
+                             f"refuse with MixerInputError ({_NO_GRAD_ADVICE})") from err
+    xr = x.clone().requires_grad_(True)
+    with torch.enable_grad():
+        ref = mixer(xr)[:, :n]
+        expected = torch.autograd.grad((ref * probe[:, :n]).sum(), [xr, *params], allow_unused=True)
+    names = ["the input", *(name for name, p in mixer.named_parameters() if p.requires_grad)]
+    for name, a, b in zip(names, got, expected):
+        a = torch.zeros(()) if a is None else a
+        b = torch.zeros(()) if b is None else b
+        ok, diff = _close(a.to(x.dtype), b.to(x.dtype), rtol=1e-8, atol=1e-10)
+        assert ok, (f"gradients through prefill + steps under grad differ from forward's (w.r.t. {name}, by "
+                    f"{diff:.3e}); give correct gradients, or refuse with MixerInputError ({_NO_GRAD_ADVICE})")
+
+
+def _check_step_refusal_keeps_the_cache(mixer: Any, x: Tensor, prompt: int, length: int, batch: int) -> None:
+    """A step refused under grad leaves the cache as it was: decoding continues under no_grad, equal to forward."""
+    cache = mixer.allocate_cache(batch, length)
+    with torch.no_grad():
+        mixer.prefill(x[:, :prompt], cache)
+        expected = mixer(x)[:, prompt:prompt + 1]
+    before = _cache_snapshot(cache)
+    xg = x.clone().requires_grad_(True)
+    with torch.enable_grad():
+        _expect_raises(MixerInputError, lambda: mixer.step(xg[:, prompt:prompt + 1], cache),
+                       "step under grad (after a prefill under no_grad)")
+    _assert_cache_kept(cache, before, "a step under grad")
+    with torch.no_grad():
+        got = mixer.step(x[:, prompt:prompt + 1], cache)
+    ok, err = _close(got, expected, rtol=1e-10, atol=1e-10)
+    assert ok, f"after a step refused under grad, the next step differs from forward by {err:.3e}"
 
 
 #: Every check, by name, in the order the kit runs them.
