@@ -4,18 +4,26 @@ Run (from the repository root)::
 
     python benchmarks/speed_ratios.py                                   # L = 1024, 4096, 16384; 2 threads
     python benchmarks/speed_ratios.py --lengths 1024 --rounds 7
-    python benchmarks/speed_ratios.py --json ratios.json
+    python benchmarks/speed_ratios.py --json benchmarks/results/DATE-cpu-speed-ratios/run1.json
+    python benchmarks/speed_ratios.py --table run1.json run2.json    # docs/performance.md's table from results
 
 Every round times one forward+backward of each mixer in turn (dim 256, batch 1 by default), so that a change in
 the machine's load touches all of them alike; the ratio ``attention time / mixer time`` is taken per round and
 reported as its median and [min, max] over the rounds. :mod:`benchmarks.test_bench_speed` asserts the targets on
 these figures.
+
+``--json`` writes the results file ``docs/performance.md`` quotes: the date, the command, torch's version, the
+threads, the allocator's environment and the rows. ``--table`` measures nothing: it prints the page's table from
+such files (one entry per file in each cell), and the documentation test checks that the page shows it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import resource
 import statistics
 import sys
@@ -103,6 +111,35 @@ def ratio_stats(reference: list[float], other: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
+#: the mixers of docs/performance.md's table and how its header names them
+TABLE_COLUMNS = {"quasiseparable": "attention / `quasiseparable` (Hydra)",
+                 "semiseparable": "attention / `semiseparable` (Mamba-2 SSD)"}
+
+
+def results_document(rows: list[dict], argv: list[str], threads: int) -> dict:
+    """What ``--json`` writes: the rows with when, how and with what they were measured."""
+    return {"recorded": datetime.date.today().isoformat(), "command": " ".join(["benchmarks/speed_ratios.py", *argv]),
+            "torch": torch.__version__, "threads": threads, "machine": platform.machine(),
+            "cpus": os.cpu_count(), "allocator_env": {k: v for k, v in os.environ.items()
+                                                      if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
+            "rows": rows}
+
+
+def markdown_table(documents: list[dict]) -> str:
+    """docs/performance.md's table: per length, each document's ``median [min, max]`` of attention / mixer."""
+    def cell(row: dict, name: str) -> str:
+        r = row["ratios"][name]
+        return f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]"
+
+    lengths = sorted({row["length"] for doc in documents for row in doc["rows"] if "length" in row})
+    lines = ["| L | " + " | ".join(TABLE_COLUMNS.values()) + " |", "|---" * (len(TABLE_COLUMNS) + 1) + "|"]
+    for length in lengths:
+        rows = [row for doc in documents for row in doc["rows"] if row.get("length") == length]
+        lines.append(f"| {length} | " + " | ".join(", ".join(cell(row, name) for row in rows)
+                                                   for name in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mixers", default="quasiseparable,semiseparable")
@@ -112,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--vit", action="store_true",
                         help="also time a ViT-S/16 training step (batch 32) with mixer='quasi' against attention")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the results file (see the module's docstring)")
+    parser.add_argument("--table", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: print docs/performance.md's table from these results files")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table([json.loads(path.read_text()) for path in args.table]))
+        return 0
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.mixers.split(",")]
     results = []
@@ -140,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ViT-S/16 training step, batch 32: quasi/attention time {ratio['median']:.2f} "
               f"[{ratio['min']:.2f}, {ratio['max']:.2f}]", flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        document = results_document(results, list(sys.argv[1:] if argv is None else argv), args.threads)
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
     return 0
 
 

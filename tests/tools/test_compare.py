@@ -205,27 +205,126 @@ def test_summaries_orderings_and_json():
     assert math.isclose(summaries["attention"].mean, mean)
     assert math.isclose(summaries["attention"].std, (sum((m - mean) ** 2 for m in metrics) / 2) ** 0.5)
     check = result.check_orderings()[0]
-    assert check["verdict"] in ("held", "held (within noise)", "did not hold")
+    assert check["verdict"] in ("held", "did not hold") or check["verdict"].startswith("inconclusive (")
     saved = json.loads(json.dumps(result.as_dict(), default=str))
     assert len(saved["runs"]) == 6 and saved["orderings"][0]["better"] == "attention"
     assert "± " in result.table() and "attention > long_conv" in result.orderings_table()
 
 
+def _set_metrics(result, values: dict[str, list[float]]) -> None:
+    """Give the runs of ``result`` these final metrics (per label, in seed order)."""
+    for label, metrics in values.items():
+        runs = [r for r in result.runs if r.label == label]
+        assert len(runs) == len(metrics)
+        for run, value in zip(runs, metrics):
+            run.metric = value
+
+
 def test_ordering_verdicts():
-    result = compare(_tiny(seeds=(0,)), log=_quiet)
-    for run, value in zip(result.runs, (0.9, 0.1)):
-        run.metric = value
-    result.config.orderings = (Ordering("attention", "long_conv"), Ordering("long_conv", "attention"))
-    assert [c["verdict"] for c in result.check_orderings()] == ["held (one seed: no spread)",
-                                                                 "did not hold (one seed)"]
-    two = compare(_tiny(), log=_quiet)
-    for run, value in zip(two.runs, (0.9, 0.8, 0.1, 0.2)):  # attention seeds 0, 1; long_conv seeds 0, 1
-        run.metric = value
-    two.config.orderings = (Ordering("attention", "long_conv"), Ordering("long_conv", "attention"))
-    assert [c["verdict"] for c in two.check_orderings()] == ["held", "did not hold"]
-    for run, value in zip(two.runs, (0.9, 0.3, 0.5, 0.6)):  # margin 0.05 < std sum
-        run.metric = value
-    assert two.check_orderings()[0]["verdict"] == "held (within noise)"
+    """Held only when significant (Welch, p < 0.05) over at least 3 seeds with the better entry above chance."""
+    both = (Ordering("attention", "long_conv"), Ordering("long_conv", "attention"))
+    one = compare(_tiny(seeds=(0,), orderings=both), log=_quiet)
+    _set_metrics(one, {"attention": [0.9], "long_conv": [0.1]})
+    assert [c["verdict"] for c in one.check_orderings()] == ["inconclusive (one seed)"] * 2
+    assert one.check_orderings()[0]["p_value"] is None
+    two = compare(_tiny(orderings=both), log=_quiet)
+    _set_metrics(two, {"attention": [0.9, 0.8], "long_conv": [0.1, 0.2]})  # far apart, but two seeds
+    assert [c["verdict"] for c in two.check_orderings()] == ["inconclusive (fewer than 3 seeds)"] * 2
+    three = compare(_tiny(seeds=(0, 1, 2), orderings=both), log=_quiet)
+    chance = three.task.chance
+    assert chance == pytest.approx(1 / 6)  # copying with vocabulary 8: six data tokens
+    _set_metrics(three, {"attention": [0.9, 0.8, 0.85], "long_conv": [0.3, 0.35, 0.32]})
+    checks = three.check_orderings()
+    assert [c["verdict"] for c in checks] == ["held", "did not hold"]
+    assert checks[0]["p_value"] < 0.05 and checks[0]["seeds"] == 3 and checks[0]["chance"] == chance
+    _set_metrics(three, {"attention": [0.7, 0.5, 0.6], "long_conv": [0.55, 0.6, 0.65]})
+    assert three.check_orderings()[0]["verdict"] == "inconclusive (within noise)"
+    _set_metrics(three, {"attention": [0.17, 0.18, 0.16], "long_conv": [0.1, 0.11, 0.1]})  # ahead, at chance
+    assert three.check_orderings()[0]["verdict"] == "inconclusive (both at chance)"
+    table = three.orderings_table()
+    assert "p (Welch)" in table and "seeds" in table
+
+
+def test_chance_levels_are_a_guess_among_the_answers():
+    assert make_task("mqar", seq_len=32, num_kv_pairs=4, vocab_size=32).chance == 1 / 16  # 16 values
+    assert make_task("copying", vocab_size=12).chance == 1 / 10                           # 10 data tokens
+    regression = make_task("regression", dim=4, num_examples=8)
+    assert regression.chance == 1.0 and not regression.higher_is_better                  # predicting 0
+    assert DigitsTask().chance == 0.1
+
+
+def test_welch_and_student_t_p_values():
+    """The p-values (plain Python, no SciPy) at tabulated two-sided 5% critical values of Student's t, and Welch's
+    test on worked numbers."""
+    from mixer_plugins.tools.compare.stats import one_sample_t_test, student_t_two_sided_p, welch_t_test
+
+    for df, critical in [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042)]:
+        assert student_t_two_sided_p(critical, df) == pytest.approx(0.05, abs=2e-4), df
+    assert student_t_two_sided_p(0.0, 3) == pytest.approx(1.0)
+    assert student_t_two_sided_p(float("inf"), 3) == 0.0
+    # Welch: means 2 and 5, variances 1 and 4, n = 3 and 3 -> t = -3 / sqrt(5/3), df = (5/3)^2 / ((1/9 + 16/9) / 2)
+    diff, p = welch_t_test([1.0, 2.0, 3.0], [3.0, 5.0, 7.0])
+    df = (5 / 3) ** 2 / ((1 / 9 + 16 / 9) / 2)
+    assert diff == -3.0 and p == pytest.approx(student_t_two_sided_p(3 / math.sqrt(5 / 3), df))
+    assert welch_t_test([1.0, 1.0], [1.0, 1.0])[1] == 1.0 and welch_t_test([1.0, 1.0], [2.0, 2.0])[1] == 0.0
+    assert one_sample_t_test([0.5, 0.5, 0.5], 0.5)[1] == 1.0
+    with pytest.raises(ValueError):
+        welch_t_test([1.0], [1.0, 2.0])
+
+
+def test_verdicts_on_the_numbers_of_a_two_step_run():
+    """Two steps, two seeds, both models near chance (0.063): no ordering is held, whatever the means say."""
+    from mixer_plugins.tools.compare.stats import judge
+
+    chance = 1 / 16
+    seeds2 = judge([0.073, 0.073], [0.057, 0.053], higher_is_better=True, chance=chance)
+    assert seeds2.verdict.startswith("inconclusive (fewer than 3 seeds") and seeds2.p_value is not None
+    assert judge([0.073], [0.055], higher_is_better=True, chance=chance).verdict == "inconclusive (one seed)"
+    seeds3 = judge([0.073, 0.066, 0.059], [0.055, 0.061, 0.052], higher_is_better=True, chance=chance)
+    assert seeds3.verdict.startswith("inconclusive (both at chance")
+    # lower is better (regression: predicting 0 scores 1)
+    assert judge([0.2, 0.25, 0.22], [0.6, 0.55, 0.62], higher_is_better=False, chance=1.0).verdict == "held"
+    assert judge([0.98, 1.01, 0.99], [1.0, 1.02, 1.01], higher_is_better=False,
+                 chance=1.0).verdict.startswith("inconclusive (both at chance")
+
+
+@pytest.mark.parametrize("seeds", ["0,1", "3"])
+def test_a_two_step_preset_run_holds_no_ordering(capsys, seeds):
+    """``mixer-plugins compare --preset hydra-classes --steps 2 --seeds 0,1``: every ordering is inconclusive (two
+    seeds; and with three, both models at chance)."""
+    from mixer_plugins.tools.cli import main
+
+    assert main(["compare", "--preset", "hydra-classes", "--steps", "2", "--seeds", seeds, "--no-plots",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("attention > ", "toeplitz > ", "low_rank > ",
+                                                                   "quasiseparable > "))]
+    assert len(rows) == len(PRESETS["hydra-classes"].orderings), out
+    assert all("inconclusive (" in row and " held " not in row for row in rows), out
+    reason = "fewer than 3 seeds" if seeds == "0,1" else "both at chance"
+    assert all(reason in row for row in rows), out
+
+
+def test_a_saved_result_is_judged_again_and_recounted(tmp_path, capsys):
+    """``--from``: a saved results.json's tables, its FLOPs counted by this version and its verdicts by this rule."""
+    result = compare(_tiny(orderings=(Ordering("attention", "long_conv", "claim"),), out=tmp_path, seeds=(0, 1, 2)),
+                     log=_quiet)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    for run in saved["runs"]:
+        run["flops"] = 1  # as an older version might have counted them
+    for summary_run, value in zip(saved["runs"], (0.9, 0.8, 0.85, 0.3, 0.35, 0.32)):
+        summary_run["metric"] = value
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    from mixer_plugins.tools.cli import main
+
+    assert main(["compare", "--from", str(tmp_path / "old.json")]) == 0
+    out = capsys.readouterr().out
+    from mixer_plugins.tools.compare.models import format_count
+
+    assert format_count(result.runs[0].flops) in out and "| 1 |" not in out
+    assert "| attention > long_conv | 0.850 ± 0.050 | 0.323 ± 0.025 | 3 | < 0.001 | held | claim |" in out
+    assert main(["compare", "--from", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_a_failing_mixer_is_reported_and_the_others_run(monkeypatch):
@@ -304,6 +403,9 @@ def test_presets_are_valid_and_name_their_entries(name):
     assert PRESETS[name].reports and PRESETS[name].paper
     quick = preset_config(name, quick=True)
     assert quick.steps < config.steps and len(quick.seeds) == 1
+    from mixer_plugins.tools.compare.stats import MIN_SEEDS
+
+    assert len(config.seeds) >= MIN_SEEDS  # a full run can call its orderings held
 
 
 def test_hydra_classes_includes_the_recall_outcome():

@@ -344,6 +344,16 @@ def test_mlbtc_cost_claim_holds(doc_env):
     assert "1,280 parameters, 24,576 multiply-adds" in (DOCS / "structured_attention.md").read_text()
 
 
+def test_timm_reload_example_restores_the_saved_weights(doc_env):
+    """The timm page's export-and-reload example gives back the model it saved, weights included (a reload without
+    ``pretrained=True`` would rebuild the architecture with fresh weights)."""
+    namespace = run_example(_example(DOCS / "timm.md", "import timm", "local-dir:exported"))
+    saved, reloaded = namespace["swapped"].state_dict(), namespace["reloaded"].state_dict()
+    assert saved.keys() == reloaded.keys()
+    differ = [name for name in saved if not torch.equal(saved[name], reloaded[name])]
+    assert not differ, f"the reloaded model differs from the saved one in {len(differ)} tensors, e.g. {differ[:3]}"
+
+
 def test_causal_command_examples_only_name_mixers_that_run_causally():
     """A ``--direction causal`` example must not name a mixer that would be skipped (e.g. a bidirectional one)."""
     checked = 0

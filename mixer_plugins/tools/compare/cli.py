@@ -24,6 +24,7 @@ examples:
   mixer-plugins compare --task mqar --task-option num_kv_pairs=8 \\
       --mixers 'attention,long_conv=toeplitz(data_dependent=False),quasiseparable(d_state=8)'
   mixer-plugins compare --list                                 # tasks, knobs and presets
+  mixer-plugins compare --from docs/compare/runs/hydra-classes.json   # a saved run's tables, judged again
 
 --mixers entries: NAME, NAME(key=value,...) or LABEL=NAME(key=value,...), comma-separated; any registered
 mixer (plugins included); 'all' = every registered mixer with its default options.
@@ -107,6 +108,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "do not depend on it. Cores used: jobs x threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--list", action="store_true", help="list the tasks (with their knobs) and the presets")
+    parser.add_argument("--from", dest="from_results", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="train nothing: print the tables of a saved results.json (or its folder) as markdown, "
+                        "its parameters and FLOPs counted again by this version and its orderings judged by the "
+                        "current rule; with --out, also write results.md and the plots there")
     parser.set_defaults(func=run_compare)
 
 
@@ -167,6 +172,8 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.list:
         print(_listing())
         return 0
+    if args.from_results is not None:
+        return _report_saved(args)
     set_threads(args.threads)
     try:
         config = config_from_args(args)
@@ -179,6 +186,26 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"mixer-plugins compare: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     return 0 if any(r.error is None for r in result.runs) else 1
+
+
+def _report_saved(args: argparse.Namespace) -> int:
+    """``--from``: the markdown report of a saved result, recounted and judged again (and written with ``--out``)."""
+    import sys
+
+    from ..cli.args import one_line
+    from .runner import CompareResult
+
+    try:
+        result = CompareResult.load(args.from_results).recount()
+    except (OSError, ValueError, KeyError, TypeError, MixerError) as err:  # JSON errors are ValueErrors
+        detail = str(err) if isinstance(err, MixerError) else f"{type(err).__name__}: {err}"
+        print(f"mixer-plugins compare: error: cannot read {args.from_results}: {one_line(detail)}", file=sys.stderr)
+        return 2
+    print(result.report())
+    if args.out is not None and not args.no_plots:
+        for path in result.write(args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

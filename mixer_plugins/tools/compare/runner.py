@@ -205,36 +205,56 @@ class CompareResult:
                                     note, sum(cpu) / len(cpu) if len(cpu) == len(done) else None))
         return out
 
-    def check_orderings(self) -> list[dict[str, Any]]:
-        """For each expected ordering: the two means and stds and a verdict.
+    def seed_metrics(self, label: str) -> list[float]:
+        """The final metric of every finished run of entry ``label``, in seed order."""
+        return [r.metric for r in self.runs if r.label == label and r.error is None and r.metric is not None]
 
-        ``held`` when the better entry's mean beats the worse one's by more than the sum of their stds;
-        ``held (within noise)`` when it beats it by less; ``did not hold`` otherwise. With a single seed there is
-        no spread and the verdict says so; when an entry failed, it is ``not measured``; a quick run (a few steps)
-        is ``not judged (quick run)``.
+    def check_orderings(self) -> list[dict[str, Any]]:
+        """For each expected ordering: the two means and stds, Welch's ``p`` and a verdict.
+
+        ``held`` only when each entry has at least 3 seeds, Welch's t-test finds the difference significant
+        (two-sided ``p < 0.05``) in the expected direction, and the better entry is above the task's chance level
+        (a one-sample t-test, ``p < 0.05``); ``did not hold`` when the same holds the other way round; otherwise
+        ``inconclusive (...)`` with the reasons (``one seed``, ``fewer than 3 seeds``, ``both at chance``,
+        ``within noise``): see :mod:`mixer_plugins.tools.compare.stats`. When an entry failed it is ``not
+        measured``; a quick run (a few steps) is ``not judged (quick run)``.
         """
+        from .stats import judge
+
         by_label = {s.label: s for s in self.summaries()}
-        sign = 1.0 if self.task.higher_is_better else -1.0
         checks = []
         for ordering in self.config.orderings:
             a, b = by_label[ordering.better], by_label[ordering.worse]
+            p_value: float | None = None
+            reasons: tuple[str, ...] = ()
             if self.config.quick:
                 verdict = "not judged (quick run)"
-            elif a.mean is None or b.mean is None or a.std is None or b.std is None:
+            elif a.mean is None or b.mean is None:
                 verdict = "not measured (a run failed)"
             else:
-                margin = sign * (a.mean - b.mean)
-                if min(a.seeds, b.seeds) < 2:
-                    verdict = "held (one seed: no spread)" if margin > 0 else "did not hold (one seed)"
-                elif margin > a.std + b.std:
-                    verdict = "held"
-                elif margin > 0:
-                    verdict = "held (within noise)"
-                else:
-                    verdict = "did not hold"
+                judgement = judge(self.seed_metrics(a.label), self.seed_metrics(b.label),
+                                  higher_is_better=self.task.higher_is_better, chance=self.task.chance)
+                verdict, p_value, reasons = judgement.verdict, judgement.p_value, judgement.reasons
             checks.append({"better": a.label, "worse": b.label, "claim": ordering.claim, "better_mean": a.mean,
-                           "better_std": a.std, "worse_mean": b.mean, "worse_std": b.std, "verdict": verdict})
+                           "better_std": a.std, "worse_mean": b.mean, "worse_std": b.std,
+                           "seeds": min(a.seeds, b.seeds), "p_value": p_value, "chance": self.task.chance,
+                           "verdict": verdict, "reasons": list(reasons)})
         return checks
+
+    def recount(self) -> CompareResult:
+        """This result with every run's parameters and FLOPs counted again by the installed code (the models are
+        built, not trained): a saved result's costs as this version counts them."""
+        counted: dict[str, tuple[int, int | None]] = {}
+        task = self.config.build_task()
+        for entry in self.config.entries:
+            model = SequenceModel(task, entry, width=self.config.width, depth=self.config.depth,
+                                  heads=self.config.heads, mlp_ratio=self.config.mlp_ratio,
+                                  positions=self.config.positions, token_shift=self.config.token_shift,
+                                  causal=self.config.causal)
+            counted[entry.label] = (parameter_count(model), model_flops(model))
+        runs = [dataclasses.replace(r, parameters=counted[r.label][0], flops=counted[r.label][1])
+                if r.error is None else r for r in self.runs]
+        return CompareResult(self.config, self.task, runs, dict(self.reference), dict(self.timing))
 
     # -- text ------------------------------------------------------------------------------------
     def _rows(self) -> list[tuple[str, ...]]:
@@ -264,9 +284,21 @@ class CompareResult:
         if not checks:
             return ""
         rows = [(f"{c['better']} > {c['worse']}", _fmt(c["better_mean"], c["better_std"]),
-                 _fmt(c["worse_mean"], c["worse_std"]), c["verdict"], c["claim"]) for c in checks]
-        headers = ("expected ordering", "better (mean ± std)", "worse (mean ± std)", "verdict", "what the paper says")
+                 _fmt(c["worse_mean"], c["worse_std"]), str(c["seeds"]), _fmt_p(c["p_value"]), c["verdict"],
+                 c["claim"]) for c in checks]
+        headers = ("expected ordering", "better (mean ± std)", "worse (mean ± std)", "seeds", "p (Welch)", "verdict",
+                   "what the paper says")
         return (markdown_table if markdown else format_table)(headers, rows)
+
+    def report(self) -> str:
+        """The settings, the table, the reference (if any) and the orderings' verdicts, as markdown (the body of
+        ``results.md``; ``mixer-plugins compare --from results.json`` prints it)."""
+        text = [self.describe(), "", self.table(markdown=True)]
+        if self.reference:
+            text += ["", "Reference: " + ", ".join(f"{k} = {v:.3f}" for k, v in self.reference.items())]
+        if self.config.orderings:
+            text += ["", self.orderings_table(markdown=True)]
+        return "\n".join(text)
 
     def describe(self) -> str:
         c = self.config
@@ -313,12 +345,7 @@ class CompareResult:
         written = [out / "results.json", out / "results.md"]
         written[0].write_text(json.dumps(self.as_dict(), indent=2, default=str))
         title = f"# compare: {self.config.preset or self.task.name}"
-        text = [title, "", self.describe(), "", self.table(markdown=True)]
-        if self.reference:
-            text += ["", "Reference: " + ", ".join(f"{k} = {v:.3f}" for k, v in self.reference.items())]
-        if self.config.orderings:
-            text += ["", self.orderings_table(markdown=True)]
-        written[1].write_text("\n".join(text) + "\n")
+        written[1].write_text(f"{title}\n\n{self.report()}\n")
         written.append(save_curves(self, out / "curves.png"))
         written.append(save_final(self, out / "final.png"))
         return written
@@ -326,6 +353,13 @@ class CompareResult:
 
 def _fmt(mean: float | None, std: float | None) -> str:
     return "-" if mean is None else f"{mean:.3f} ± {std:.3f}"
+
+
+def _fmt_p(p: float | None) -> str:
+    """Welch's p for the tables: ``-`` when not computed (fewer than two seeds), ``< 0.001`` when that small."""
+    if p is None:
+        return "-"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def _evaluate(model: SequenceModel, task: Task, test: Batch, batch: int = 256) -> float:

@@ -92,6 +92,12 @@ class Task:
         """Classes (a classification task) or 1 (regression)."""
         raise NotImplementedError
 
+    @property
+    def chance(self) -> float | None:
+        """The metric of a model that ignores the context (a uniform guess among the possible answers, or predicting
+        0 for regression): the verdicts call a model at chance unless it is significantly better. None: unknown."""
+        return None
+
     # -- data -------------------------------------------------------------------------------------
     def sample(self, n: int, generator: torch.Generator) -> Batch:
         """``n`` fresh examples drawn with ``generator``."""
@@ -205,6 +211,11 @@ class MultiQueryRecallTask(_TokenSequence, Task):
         return {"seq_len": self.seq_len_, "num_kv_pairs": self.num_kv_pairs, "vocab_size": self.vocab_size,
                 "num_queries": self.num_queries}
 
+    @property
+    def chance(self) -> float:
+        """One over the number of values (a guess among them)."""
+        return 1.0 / (self.vocab_size - 1 - (self.vocab_size - 1) // 2)
+
     def sample(self, n: int, generator: torch.Generator) -> Batch:
         pairs, length = self.num_kv_pairs, self.seq_len_
         queries = self.num_kv_pairs if self.num_queries is None else self.num_queries
@@ -250,6 +261,11 @@ class SelectiveCopyingTask(_TokenSequence, Task):
 
     def knobs(self) -> dict[str, Any]:
         return {"seq_len": self.seq_len_, "num_tokens": self.num_tokens, "vocab_size": self.vocab_size}
+
+    @property
+    def chance(self) -> float:
+        """One over the number of data tokens (a guess among them)."""
+        return 1.0 / (self.vocab_size - 2)
 
     def sample(self, n: int, generator: torch.Generator) -> Batch:
         count, length = self.num_tokens, self.seq_len_
@@ -303,6 +319,11 @@ class InContextRegressionTask(Task):
     @property
     def output_size(self) -> int:
         return 1
+
+    @property
+    def chance(self) -> float:
+        """Predicting 0 scores 1 (the metric is normalized by ``Var y``)."""
+        return 1.0
 
     def sample(self, n: int, generator: torch.Generator) -> Batch:
         length = self.seq_len
@@ -368,6 +389,11 @@ class DigitsTask(Task):
     @property
     def output_size(self) -> int:
         return 10
+
+    @property
+    def chance(self) -> float:
+        """One over the ten classes."""
+        return 0.1
 
     def knobs(self) -> dict[str, Any]:
         return {"patch_size": self.patch_size}
