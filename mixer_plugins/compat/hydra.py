@@ -242,7 +242,13 @@ def convert_matrix_mixer_state_dict(state_dict: Mapping[str, Tensor], matrix_mix
                 value = _cauchy_shift_raw(value)
             out[target] = value
         else:
-            raise KeyError(f"unexpected key {key!r} in a released {matrix_mixer_type} matrix-mixer state_dict")
+            hint = ""
+            if local is not None and local in _MIXER_KEYS.get((matrix_mixer_type, not dd), {}):
+                form = "data-dependent" if not dd else "data-independent"
+                hint = (f"; it is a key of the {form} {matrix_mixer_type} mixer: convert with "
+                        f"is_data_dependent={not dd}")
+            raise KeyError(f"unexpected key {key!r} in a released {'data-dependent' if dd else 'data-independent'} "
+                           f"{matrix_mixer_type} matrix-mixer state_dict{hint}")
     if matrix_mixer_type == "cauchy" and not dd:
         out["shift_raw"] = torch.tensor(NO_SHIFT_RAW, dtype=out["q_param"].dtype if "q_param" in out else None)
     return out

@@ -27,13 +27,15 @@ same way while tracing: a compiled model on CUDA runs our Triton custom ops, on 
 why not.
 
 ONNX: while ``torch.onnx.export(..., dynamo=True)`` traces, the automatic choice is the ``torch`` backend on every
-device, as only its exported form is made of standard ops (ONNX translates no custom op; see ``docs/onnx.md``); the
+device, as only its exported form is made of standard ops (ONNX translates no custom op; see ``docs/onnx.md``), or,
+for an op of :data:`SYMBOLIC_LENGTH_BACKENDS` traced with a dynamic sequence length, the backend named there; the
 TorchScript-based exporter (``dynamo=False``) gets a :class:`BackendUnavailableError` that says to use the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -51,6 +53,7 @@ from ..errors import BackendUnavailableError
 __all__ = [
     "BACKENDS",
     "ENV_VAR",
+    "SYMBOLIC_LENGTH_BACKENDS",
     "Backend",
     "BackendStatus",
     "BackendUnavailableError",
@@ -67,6 +70,12 @@ BACKENDS = ("reference", "torch", "native", "triton", "mamba_ssm")
 """Every backend name an op may have (a backend module's file name is one of these)."""
 
 ENV_VAR = "MIXER_PLUGINS_BACKEND"
+
+SYMBOLIC_LENGTH_BACKENDS = {"scan": "reference"}
+"""Per op, the backend the ONNX exporter traces when a size of the call is a symbol (a dynamic axis, such as the
+sequence length) instead of the ``torch`` one, whose graph would hold one size only: the chunked scan loops over its
+chunks in Python, so the exporter would fix their number (and with it the length) to the example's. The scan's
+``reference`` is its materialized ``L x L`` matrix, standard ops of any length."""
 
 Check = Callable[[torch.device, Any], "str | None"]
 
@@ -238,6 +247,15 @@ def _onnx_exporter() -> str | None:
     return "dynamo" if torch.compiler.is_exporting() else "torchscript"
 
 
+def _has_symbolic_size(args: Any) -> bool:
+    """Whether a tensor of the call's argument bundle (a dataclass) has a size that is a symbol of ``torch.export``
+    (a dynamic axis)."""
+    if not dataclasses.is_dataclass(args):
+        return False
+    return any(isinstance(value, torch.Tensor) and any(isinstance(n, torch.SymInt) for n in value.shape)
+               for value in (getattr(args, f.name) for f in dataclasses.fields(args)))
+
+
 def resolve_backend(op: str, backend: str | None, device: torch.device | str, args: Any = None) -> Callable[..., Any]:
     """The implementation of ``op`` to run: ``backend``, the preferred one, or the automatic choice (see the
     module notes). ``args``, the call's argument bundle, lets a backend refuse inputs it cannot handle."""
@@ -262,7 +280,8 @@ def resolve_backend(op: str, backend: str | None, device: torch.device | str, ar
     # automatic_on: the backend has a priority
     candidates = sorted((b for b in impls.values() if b.automatic_on(device)), key=lambda b: -(b.priority or 0))
     if onnx is not None and "torch" in impls:  # only the torch backends export as standard ops
-        candidates = [impls["torch"]]
+        symbolic = SYMBOLIC_LENGTH_BACKENDS.get(op)
+        candidates = [impls[symbolic] if symbolic in impls and _has_symbolic_size(args) else impls["torch"]]
     for candidate in candidates:
         if candidate.unavailable_reason(device, args) is None:
             return candidate.impl

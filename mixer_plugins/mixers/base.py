@@ -369,7 +369,7 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
                 poisoned = poisoned & mask
         return x, mask, poisoned
 
-    def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """``finish(prepare(x), mix(...))`` on the checked input, pads zeroed; outputs at pads are zero."""
         x, mask, poisoned = self._begin(x, mask)
         ctx = self.prepare(x, mask)

@@ -506,6 +506,34 @@ def test_plugin_mixer_survives_fairseq2_meta_device_loading(fs2, hub, tmp_path):
         mp.unregister_mixer(spec.name)
 
 
+def test_example_plugin_mixer_is_initialised_after_meta_to_empty_and_reset(fs2, hub):
+    """fairseq2 (and FSDP) build on the meta device, allocate with ``to_empty`` and call ``reset_parameters``: the
+    example plugin's own parameter, ``decay_logit``, comes out as a fresh build has it, not as uninitialised memory."""
+    pytest.importorskip("mixer_plugins_example", reason="the example plugin (examples/third_party_plugin) is not "
+                                                        "installed")
+    torch.manual_seed(0)
+    fresh = mp.create_mixer("ema", 32, num_heads=4)
+    with torch.device("meta"):
+        mixer = mp.create_mixer("ema", 32, num_heads=4)
+    mixer.to_empty(device="cpu")
+    with torch.no_grad():
+        mixer.decay_logit.fill_(float("nan"))  # what to_empty may leave there
+    torch.manual_seed(0)
+    mixer.reset_parameters()
+    state = mixer.state_dict()
+    assert [k for k, v in fresh.state_dict().items() if v.is_floating_point() and not torch.equal(state[k], v)] == []
+    # and in a fairseq2 model built on meta and materialised the same way
+    config = _tiny(fs2, mixer="ema")
+    model = hub.create_new_model(config, device=CPU, meta=True)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if isinstance(module, MatrixMixer):
+            with torch.no_grad():
+                module.decay_logit.fill_(float("nan"))
+            module.reset_parameters()
+            assert torch.equal(module.decay_logit, fresh.decay_logit)
+
+
 # -- 7a. the recipe's data: corpus, tokenizer, masking, reader ------------------------------------------
 
 def test_byte_tokenizer_and_generated_corpus(fs2):
@@ -735,11 +763,12 @@ def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, tmp_path):
     assert "cannot be read" in proc.stdout + proc.stderr and (ckpt / "step_4").is_dir()
 
 
-@pytest.mark.slow  # three fresh fairseq2 processes: ~1 min
+@pytest.mark.slow  # four fresh fairseq2 processes: ~1 min
 @pytest.mark.parametrize("override, message", [
     ("data.text_file=/no/such/file.txt", "`text_file` '/no/such/file.txt' does not exist"),
     ("data.mask_prob=abc", "`mask_prob` field cannot be structured"),
     ("bogus_key=3", "extra key(s) bogus_key"),
+    ("optimizer.config.lr=-1", "`optimizer.config.lr` must be a finite number >= 0, but is -1"),
 ])
 def test_recipe_bad_config_values_are_one_line_and_exit_2(tmp_path, override, message):
     proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN, override)
@@ -748,6 +777,71 @@ def test_recipe_bad_config_values_are_one_line_and_exit_2(tmp_path, override, me
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and message in errors[0], output[-3000:]
     assert "Traceback" not in output and len(proc.stderr.splitlines()) < 10
+
+
+@pytest.mark.slow  # a fresh fairseq2 process: ~15 s
+def test_recipe_model_too_large_to_allocate_is_one_line_and_exit_2(tmp_path):
+    """Found when fairseq2 builds the model (after its log has started): one error line naming the sizes."""
+    proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN,
+                       "model.config_overrides.model_dim=100000000")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "model_dim=100000000) cannot be allocated" in errors[0], output[-3000:]
+    assert "lower model.config_overrides.model_dim" in errors[0] and "Traceback" not in output
+
+
+@pytest.mark.parametrize("values, problems", [
+    ({"lr": -1.0}, ["`optimizer.config.lr` must be a finite number >= 0, but is -1.0."]),
+    ({"lr": float("nan"), "eps": -1e-8}, ["`optimizer.config.lr` must be a finite number >= 0, but is nan.",
+                                          "`optimizer.config.eps` must be a finite number >= 0, but is -1e-08."]),
+    ({"betas": [0.9, 1.0], "weight_decay": -0.1}, ["`optimizer.config.weight_decay` must be a finite number >= 0",
+                                                   "`optimizer.config.betas[1]` must be in [0, 1), but is 1.0."]),
+    ({"groups": [{"params": "encoder.*", "lr": -2.0}]}, ["`optimizer.config.groups[0].lr` must be a finite number"]),
+])
+def test_recipe_refuses_optimizer_values_torch_would_refuse(fs2, resolver, values, problems):
+    """Checked with the config, before anything is written (torch.optim would raise with a stack trace once the
+    trainer builds the optimizer); the values torch accepts pass."""
+    from fairseq2.utils.validation import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        _recipe_config(resolver, {"optimizer": {"config": values}})
+    for problem in problems:
+        assert problem in str(info.value), str(info.value)
+    _recipe_config(resolver, {"optimizer": {"config": {"lr": 0.0, "betas": [0.0, 0.5], "eps": 0.0}}})
+
+
+def test_a_model_too_large_to_allocate_is_a_config_error(fs2, resolver):
+    """The recipes build the model through ``create_model``: torch's allocation failure becomes one line (a
+    ``RecipeError``: exit status 2, no stack trace) naming the sizes; other errors pass through unchanged."""
+    from fairseq2.recipe.error import RecipeError
+
+    from mixer_plugins.backbones.fairseq2.recipe import create_model
+
+    config = _recipe_config(resolver, {"model": {"config_overrides": {"model_dim": 10**8}}})
+
+    class Context:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def get_model_as(self, kls):
+            raise self.error
+
+        def get_config_as(self, kls):
+            assert isinstance(config, kls)
+            return config
+
+    allocation = RuntimeError("[enforce fail at alloc_cpu.cpp:124] err == 0. DefaultCPUAllocator: can't allocate "
+                              "memory: you tried to allocate 105600000000 bytes. Error code 12 (Cannot allocate "
+                              "memory)")
+    with pytest.raises(RecipeError) as info:
+        create_model(Context(allocation), torch.nn.Module)
+    message = str(info.value)
+    assert info.value.__cause__ is None and "\n" not in message
+    assert "model.arch=tiny, model_dim=100000000" in message and "105600000000 bytes" in message
+    assert "enforce fail" not in message and "lower model.config_overrides.model_dim" in message
+    with pytest.raises(RuntimeError, match="something else"):
+        create_model(Context(RuntimeError("something else")), torch.nn.Module)
 
 
 def _write_recipe_checkpoint(folder: Path, model, config, state: dict, *, step: int = 1) -> None:
@@ -794,6 +888,41 @@ def test_load_model_checks_the_mixer_records_and_loads_checkpoints_without_them(
         error = error.__cause__ or error.__context__
     mismatch = [e for e in chain if isinstance(e, MixerCheckpointMismatchError)]
     assert mismatch and "'quasiseparable'" in str(mismatch[0]) and "'quasiseparable_no_shift'" in str(mismatch[0])
+
+
+def test_load_mixer_checkpoint_with_a_cut_step_model_yaml(fs2, hub, tmp_path):
+    """A step's copy of model.yaml cut before its ``mixer`` field (YAML cut between two lines still parses): the
+    folder's intact model.yaml stands in, with a warning, instead of a default ``attention`` config refused by the
+    mixer records; with both files cut, the error names both."""
+    from fairseq2.runtime.dependency import get_dependency_resolver
+    from fairseq2.utils.structured import ValueConverter
+
+    config = _tiny(fs2, mixer="quasi", mixer_options={"quasi": {"head_dim": 16, "d_state": 8}})
+    torch.manual_seed(0)
+    model = hub.create_new_model(config, device=CPU).eval()
+    _write_recipe_checkpoint(tmp_path, model, config, model.state_dict())
+    metadata = {"name": "checkpoint", "model_family": "mixer_encoder",
+                "model_config": get_dependency_resolver().resolve(ValueConverter).unstructure(config)}
+    text = yaml.safe_dump(metadata, sort_keys=False)  # fairseq2 writes the fields in the config's order
+    (tmp_path / "model.yaml").write_text(text)
+    cut = text[: text.index("\n  mixer:") + 1]
+    (tmp_path / "step_1" / "model.yaml").write_text(cut)
+    tokens = _padded_tokens([12, 5], seed=3)
+    layout = BatchLayout.of(tokens, [12, 5])
+    with pytest.warns(UserWarning, match=r"step_1/model\.yaml is cut \(its model_config lacks mixer, mixer_options"):
+        loaded = fs2.load_mixer_checkpoint(tmp_path).eval()
+    assert all(layer.self_attn.mixer_name == "quasiseparable" for layer in loaded.encoder.layers)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens, layout), model(tokens, layout), rtol=0, atol=0)
+
+    (tmp_path / "model.yaml").write_text(cut)
+    with pytest.raises(ValueError, match=r"step_1/model\.yaml is cut .* and .*model\.yaml is missing or cut too"):
+        fs2.load_mixer_checkpoint(tmp_path)
+    other = yaml.safe_dump({**metadata, "model_config": {**metadata["model_config"], "num_layers": 3}},
+                           sort_keys=False)
+    (tmp_path / "model.yaml").write_text(other)
+    with pytest.raises(ValueError, match="holds another model config"):
+        fs2.load_mixer_checkpoint(tmp_path)
 
 
 @pytest.mark.slow  # a fresh fairseq2 process: ~20 s
@@ -843,6 +972,105 @@ def test_recipe_help_describes_the_recipe(fs2, monkeypatch, capsys):
     from fairseq2.recipe import cli
 
     assert cli.ArgumentParser is __import__("argparse").ArgumentParser  # restored afterwards
+
+
+def _as_subcommands(text: str) -> str:
+    for module, command in (("python -m mixer_plugins.backbones.fairseq2.generate", "mixer-plugins generate"),
+                            ("python -m mixer_plugins.backbones.fairseq2.lm", "mixer-plugins lm"),
+                            ("python -m mixer_plugins.backbones.fairseq2", "mixer-plugins mlm")):
+        text = text.replace(module, command)
+    return text
+
+
+def _options(parser) -> dict:
+    """Each argument of ``parser`` but --help: its option strings (or name), nargs, default and choices."""
+    return {a.dest: (tuple(a.option_strings), a.nargs if a.option_strings else "positional", a.default,
+                     tuple(a.choices or ())) for a in parser._actions if a.dest != "help"}
+
+
+def test_mixer_plugins_recipe_commands_have_the_recipes_arguments_and_help(fs2, monkeypatch):
+    """``mixer-plugins mlm``, ``lm`` and ``generate`` read their arguments without fairseq2: the same arguments as
+    fairseq2's recipe command line and as ``generate``'s, and the recipes' own descriptions, naming these commands."""
+    import argparse
+    import importlib
+
+    from fairseq2.recipe import cli as recipe_cli
+
+    from mixer_plugins.backbones.fairseq2 import generate as generate_module
+    from mixer_plugins.backbones.fairseq2 import lm as lm_recipe
+    from mixer_plugins.tools.cli import build_parser
+    from mixer_plugins.tools.cli import generate as generate_cli
+    from mixer_plugins.tools.cli import lm as lm_cli
+    from mixer_plugins.tools.cli import mlm as mlm_cli
+
+    mlm_recipe = importlib.import_module("mixer_plugins.backbones.fairseq2.__main__")
+    assert (mlm_cli.DESCRIPTION, mlm_cli.EPILOG) == (_as_subcommands(mlm_recipe.DESCRIPTION),
+                                                     _as_subcommands(mlm_recipe.EPILOG))
+    assert (lm_cli.DESCRIPTION, lm_cli.EPILOG) == (_as_subcommands(lm_recipe.DESCRIPTION),
+                                                   _as_subcommands(lm_recipe.EPILOG))
+
+    class Captured(Exception):
+        pass
+
+    class Recording(argparse.ArgumentParser):
+        def parse_args(self, *args, **kwargs):
+            raise Captured(self)
+
+    monkeypatch.setattr(recipe_cli, "ArgumentParser", Recording)
+    with pytest.raises(Captured) as info:
+        recipe_cli._parse_args()
+    fairseq2_options = _options(info.value.args[0])
+    subcommands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name in ("mlm", "lm"):
+        assert _options(subcommands[name]) == fairseq2_options, name
+    assert _options(subcommands["generate"]) == _options(generate_module._parser())
+    assert generate_cli.MODULE == generate_module.__name__
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--temperature", "0"), ("--temperature", "nan"), ("--temperature", "-1"), ("--temperature", "inf"),
+    ("--top-p", "-0.1"), ("--top-p", "1.5"), ("--top-p", "nan"), ("--top-p", "0"), ("--top-k", "-1"), ("--top-k", "0"),
+    ("--beam-size", "0"), ("--num-gens", "0"), ("--max-gen-len", "0"), ("--temperature", "2.5"), ("--top-p", "1"),
+    ("--top-k", "5"), ("--beam-size", "1"),
+])
+def test_mixer_plugins_generate_refuses_what_generate_refuses(fs2, tmp_path, capsys, option, value):
+    """The values ``mixer-plugins generate`` refuses while parsing (before importing fairseq2) are exactly those
+    ``generate``'s own option checks refuse."""
+    from mixer_plugins.backbones.fairseq2.generate import main as generate_main
+    from mixer_plugins.tools.cli import main as cli_main
+
+    argv = [str(tmp_path / "missing"), "--prompt", "x", option, value]
+    assert generate_main(argv) == 2
+    refused = "missing" not in capsys.readouterr().err  # the option, not the folder (which does not exist)
+    assert cli_main(["generate", *argv]) == 2
+    assert ("mixer-plugins: error: argument " + option in capsys.readouterr().err) == refused
+
+
+@pytest.mark.slow  # three fresh fairseq2 processes: ~45 s
+def test_mixer_plugins_recipe_commands_run_the_recipes(tmp_path):
+    """``mixer-plugins lm`` trains, ``mixer-plugins generate`` continues a prompt from its checkpoint, and
+    ``mixer-plugins mlm --dump-config`` passes the options through, as the ``python -m`` forms do."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mixer_plugins", *args], capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=300)
+
+    out = tmp_path / "lm_run"
+    proc = cli("lm", str(out), "--no-rich", "--config", "common.torch.num_threads=1",
+               "common.metric_recorders.tensorboard.enabled=false", "mixer.name=semiseparable",
+               "mixer.options.head_dim=8", "mixer.options.d_state=8", "regime.num_steps=2", "data.num_examples=16",
+               "data.batch_size=8", "data.max_seq_len=24")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "checkpoints" / "step_2").is_dir()
+    proc = cli("generate", str(out / "checkpoints"), "--prompt", "-The cat", "--max-gen-len", "4", "--mode", "beam",
+               "--beam-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.startswith("-The cat") for line in proc.stdout.splitlines()] == [True, True]
+    proc = cli("mlm", "--dump-config", "--no-rich", "--config", "mixer.name=quasi", "mixer.options.d_state=32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert yaml.safe_load(proc.stdout)["mixer"] == {"name": "quasi", "options": {"d_state": 32}}
 
 
 @pytest.mark.slow  # a fresh fairseq2 process: ~10 s

@@ -139,6 +139,49 @@ def test_mixer_round_trip(mixer, options):
     assert _max_err(_run(program, x), expected) <= ATOL
 
 
+# A dynamic sequence length: the mixers whose graph came out with the example's length fixed (the scans: the chunked
+# scan loops over its chunks, and the exporter silently retried with the length it suggested) or that failed to export
+# (the blocked local attention), and one that always exported it.
+_SLOW = pytest.mark.slow
+DYNAMIC_LENGTH_MIXERS = [
+    pytest.param(name, options, id=f"{name}-{'-'.join(f'{k}{v}' for k, v in options.items())}".rstrip("-"))
+    for name, options in (("quasiseparable", {}), ("semiseparable", {}), ("sliding_window_attention", {}),
+                          ("global_local_attention", {}), ("toeplitz", {}),
+                          ("sliding_window_attention", {"window": 40, "causal": True}))  # a window past the length
+] + [pytest.param(name, {}, id=name, marks=_SLOW) for name in ("bidirectional_add", "bidirectional_mult",
+                                                               "bidirectional_concat", "quasiseparable_no_shift",
+                                                               "quasiseparable_no_diag")]
+
+
+@pytest.mark.parametrize("name, options", DYNAMIC_LENGTH_MIXERS)
+def test_dynamic_sequence_length_is_exported(name, options):
+    """Exported at one length with a symbolic length axis (the input and its right-padded mask, pads holding NaN),
+    the graph keeps the axis symbolic and runs at two other lengths (other remainders modulo the scans' chunk and
+    the local window) with the eager output."""
+    harness = MixerHarness(spec=mp.get_spec(name), options=options)
+    module = harness.build(dtype=torch.float32)
+    length = harness.lengths(module)["past_chunk"]
+
+    def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = harness.inputs(n, dtype=torch.float32, seed=n)
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, n - 3:] = False
+        x[1, n - 3:] = float("nan")
+        return x, mask
+
+    x, mask = inputs(length)
+    axis = torch.export.Dim("length", min=2, max=module.max_seq_len or 4096)
+    program = _export(module, x, kwargs={"mask": mask}, dynamic_shapes={"x": {1: axis}, "mask": {1: axis}})
+    _standard_ops_only(program)
+    sizes = [d.dim_param or d.dim_value for d in program.model_proto.graph.input[0].type.tensor_type.shape.dim]
+    assert isinstance(sizes[1], str), f"the length axis was exported as the fixed size {sizes[1]}"
+    for n in (length - 4, length + 7):
+        x, mask = inputs(n)
+        with torch.no_grad():
+            expected = module(x, mask=mask)
+        assert _max_err(_run(program, x, mask), expected) <= ATOL, n
+
+
 def test_onnx_export_takes_the_torch_backend_on_every_device(monkeypatch):
     """A backend the automatic choice prefers (here a stand-in for Triton on CUDA) runs eagerly, but while the ONNX
     exporter traces, the ``torch`` backend is taken: its exported form is made of standard ops."""
@@ -195,3 +238,11 @@ def test_torchscript_exporter_is_refused_with_a_clear_error(tmp_path):
             torch.onnx.export(model, (images,), str(tmp_path / "m.onnx"), dynamo=False)
     with torch.no_grad():  # and the refusal leaves nothing behind: eager runs as before
         assert torch.isfinite(model(images)).all()
+
+
+def test_torchscript_exporter_refuses_a_bare_mixer_with_the_documented_error(tmp_path):
+    module = mp.create_mixer("quasi", 32, chunk_size=8).eval()
+    with pytest.raises(BackendUnavailableError, match=r"dynamo=False.*export with dynamo=True"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, (torch.randn(2, 16, 32),), str(tmp_path / "m.onnx"), dynamo=False)

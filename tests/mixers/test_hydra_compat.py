@@ -384,3 +384,16 @@ def test_released_matrix_mixer_checkpoints_without_an_image_are_refused():
     released["matrix_mixer.q_bias"] = torch.zeros(4, 2, 10, dtype=F64)
     with pytest.raises(ValueError, match="diagonal"):
         convert_matrix_mixer_state_dict(released, "vandermonde", is_data_dependent=False)
+
+
+
+
+def test_converter_names_is_data_dependent_for_a_checkpoint_of_the_other_form():
+    """A data-independent quasiseparable checkpoint (its generators B, C in one learned ``BC``) converted with the
+    default is_data_dependent=True: the KeyError says to pass is_data_dependent=False, which converts it."""
+    released = {"out_proj.weight": torch.zeros(16, 32), "matrix_mixer.A_log": torch.zeros(4),
+                "matrix_mixer.dt_bias": torch.zeros(4), "matrix_mixer.D": torch.zeros(4),
+                "matrix_mixer.fc_D.weight": torch.zeros(4, 32), "matrix_mixer.BC": torch.zeros(12, 16)}
+    with pytest.raises(KeyError, match=r"'matrix_mixer\.BC'.*data-dependent.*is_data_dependent=False"):
+        convert_matrix_mixer_state_dict(released, "quasiseparable")
+    assert "BC" in convert_matrix_mixer_state_dict(released, "quasiseparable", is_data_dependent=False)

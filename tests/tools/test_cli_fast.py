@@ -56,11 +56,15 @@ def test_help_and_version_answer_fast():
 
 # Every subcommand's --help, and argument errors that argparse finds (exit 2), answered without importing torch.
 PARSE_ONLY = [*([name, "--help"] for name in ("list", "info", "demo", "bench", "bench-table", "show", "flops",
-                                              "compare", "env")),
+                                              "compare", "env", "mlm", "lm", "generate")),
               ["bench", "--lengths", "12x"], ["bench", "--mode", "sideways"], ["demo", "--epochs", "0"],
               ["demo", "--patch-size", "3"], ["show"], ["show", "quasi", "--scale", "cubic"], ["info"],
               ["flops", "--length", "-3"], ["env", "--bogus"], ["bench-table"], ["compare", "--seeds", "x"],
-              ["compare", "--task-option", "no_equals_sign"], ["compare", "--steps", "0"], ["list", "--bogus"]]
+              ["compare", "--task-option", "no_equals_sign"], ["compare", "--steps", "0"], ["list", "--bogus"],
+              ["mlm"], ["mlm", "OUT", "--config", "no_equals_sign"], ["lm", "OUT", "--config", "a=[1,"],
+              ["lm", "OUT", "--bogus"], ["generate", "OUT"], ["generate", "OUT", "--prompt", "a", "--top-k", "0"],
+              ["generate", "OUT", "--prompt", "a", "--top-p", "1.5"], ["generate", "OUT", "--prompt", "a",
+                                                                         "--temperature", "nan"]]
 
 
 def test_arguments_are_checked_before_torch_is_imported():
@@ -76,7 +80,35 @@ def test_arguments_are_checked_before_torch_is_imported():
         assert heavy == [], f"mixer-plugins {' '.join(argv)} imported {heavy}"
         assert rc == (0 if argv[-1] == "--help" else 2), (argv, rc)
     errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(errors) == len(PARSE_ONLY) - 9 and all(e.startswith("mixer-plugins: error: ") for e in errors)
+    helps = sum(argv[-1] == "--help" for argv in PARSE_ONLY)
+    assert len(errors) == len(PARSE_ONLY) - helps and all(e.startswith("mixer-plugins: error: ") for e in errors)
+
+
+# The fairseq2 entry points: --help and an argument error each, in a process of its own, answered without importing
+# fairseq2 or torch (what Python imported is read from -X importtime).
+FAIRSEQ2_ENTRY_POINTS = [
+    (["mlm", "--help"], 0, "Train a BERT-style encoder"),
+    (["mlm", "OUT", "--config", "mixer.name"], 2, "argument --config: expected NAME=VALUE"),
+    (["lm", "--help"], 0, "next-token prediction"),
+    (["lm"], 2, "required: OUT_DIR"),
+    (["generate", "--help"], 0, "--prompt PROMPT"),
+    (["generate", "OUT", "--prompt", "The cat", "--beam-size", "0"], 2, "argument --beam-size: expected a positive"),
+]
+
+
+@pytest.mark.parametrize("argv, status, fragment", FAIRSEQ2_ENTRY_POINTS, ids=[" ".join(a[0][:2]) + f" {a[1]}"
+                                                                                 for a in FAIRSEQ2_ENTRY_POINTS])
+def test_fairseq2_entry_points_answer_before_fairseq2_is_imported(argv, status, fragment):
+    out = _run(["-X", "importtime", "-m", "mixer_plugins", *argv])
+    assert out.returncode == status, out.stderr[-2000:]
+    timing = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in timing}
+    assert not {m for m in imported if m.split(".")[0] in ("fairseq2", "torch")}, sorted(imported)
+    answer = out.stdout if status == 0 else "\n".join(line for line in out.stderr.splitlines()
+                                                      if not line.startswith("import time:"))
+    assert fragment in answer, answer
+    if status:
+        assert answer.startswith("mixer-plugins: error: ") and len(answer.splitlines()) == 1, answer
 
 
 def test_help_and_argument_errors_return_within_a_second_and_a_half():
@@ -173,8 +205,14 @@ def test_top_level_help_lists_every_command(capsys):
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for name in ("list", "info", "demo", "bench", "bench-table", "show", "flops", "env"):
+    for name in ("list", "info", "demo", "bench", "bench-table", "show", "flops", "env", "mlm", "lm", "generate"):
         assert name in out
+    # the fairseq2 recipes and generation, with how to run them both ways
+    module = "python -m mixer_plugins.backbones.fairseq2"
+    for fragment in ("mixer-plugins mlm OUT_DIR --config mixer.name=", "mixer-plugins lm OUT_DIR",
+                     "mixer-plugins generate OUT_DIR/checkpoints --prompt", module, f"{module}.lm",
+                     f"{module}.generate"):
+        assert fragment in " ".join(out.split()), fragment
 
 
 def test_env_reports_versions_devices_and_backends(capsys):

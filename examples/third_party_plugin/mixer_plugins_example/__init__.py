@@ -37,7 +37,19 @@ class EMAMixer(MatrixMixer):
         self.num_heads = config.num_heads
         self.value = nn.Linear(config.dim, config.dim)
         self.proj = nn.Linear(config.dim, config.dim)
-        self.decay_logit = nn.Parameter(torch.linspace(-1.0, 3.0, config.num_heads))
+        self.decay_logit = nn.Parameter(self._initial_decay_logit())
+
+    def _initial_decay_logit(self) -> Tensor:
+        """Decays from fast to slow across the heads: ``sigmoid`` of -1 ... 3."""
+        return torch.linspace(-1.0, 3.0, self.num_heads)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-draw the projections and set the decays again: a parameter of the mixer's own is not a child module's,
+        so ``MatrixMixer.reset_parameters`` alone would leave it as it is (uninitialised memory after
+        ``to_empty``)."""
+        super().reset_parameters()
+        self.decay_logit.copy_(self._initial_decay_logit())
 
     def prepare(self, x: Tensor, mask: Tensor | None) -> MixerContext:
         values = self.value(x).unflatten(-1, (self.num_heads, -1))

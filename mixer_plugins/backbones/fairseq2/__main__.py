@@ -10,7 +10,8 @@ import contextlib
 import functools
 import logging
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 
 PROG = "python -m mixer_plugins.backbones.fairseq2"
 
@@ -105,13 +106,29 @@ def one_line_config_errors() -> Iterator[None]:
         logger.removeFilter(one_line)
 
 
-def main() -> None:
-    """Run the recipe on ``sys.argv`` (fairseq2's recipe command line, with this recipe's help)."""
+@contextlib.contextmanager
+def command_line(argv: Sequence[str] | None, prog: str) -> Iterator[None]:
+    """fairseq2's recipe command line reads ``sys.argv``: within the block it holds ``prog`` and ``argv`` (unchanged
+    when ``argv`` is None)."""
+    if argv is None:
+        yield
+        return
+    original = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        yield
+    finally:
+        sys.argv = original
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> None:
+    """Run the recipe on ``argv`` (default: ``sys.argv[1:]``) with fairseq2's recipe command line and this recipe's
+    help; ``prog`` is the command named in its messages (``mixer-plugins mlm`` runs it through here)."""
     from fairseq2.recipe import main as recipe_main
 
     from .recipe import MixerMlmRecipe
 
-    with described_parser(), one_line_config_errors():
+    with command_line(argv, prog), described_parser(prog), one_line_config_errors():
         recipe_main(MixerMlmRecipe())
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,30 @@ def read_model_metadata(resolver: DependencyResolver, path: Path) -> dict[str, A
     return saved
 
 
+def _missing_fields(resolver: DependencyResolver, saved: dict[str, Any]) -> list[str]:
+    """The fields of its family's model config that a ``model.yaml`` mapping lacks: YAML cut between two lines still
+    parses, with the last fields missing (empty for a family fairseq2 does not know: it reports that itself)."""
+    from fairseq2.models import ModelFamily
+    from fairseq2.runtime.dependency import DependencyLookup
+
+    family = DependencyLookup(resolver, ModelFamily).maybe_get(str(saved["model_family"]))
+    if family is None or not dataclasses.is_dataclass(family.config_kls):
+        return []
+    return [f.name for f in dataclasses.fields(family.config_kls) if f.name not in saved["model_config"]]
+
+
+def _stand_in_problem(resolver: DependencyResolver, cut: dict[str, Any], whole: dict[str, Any] | None) -> str | None:
+    """Why the folder's ``model.yaml`` (``whole``) cannot stand in for a step's cut copy (``cut``), or None when it
+    can: it is whole, of the same family, and agrees with every field of the cut copy but the last (which the cut
+    may have split)."""
+    if whole is None or _missing_fields(resolver, whole):
+        return "is missing or cut too"
+    kept = list(cut["model_config"].items())[:-1]
+    if whole["model_family"] != cut["model_family"] or any(whole["model_config"].get(k) != v for k, v in kept):
+        return "holds another model config"
+    return None
+
+
 def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, device: Device = CPU,
                           dtype: torch.dtype | None = None) -> Module:
     """Reload a model saved by a recipe, through fairseq2's own ``load_model``.
@@ -47,7 +73,9 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
     (``step_N/model.yaml``, which the recipe writes), else the folder's ``model.yaml`` (read by fairseq2's
     ``ModelMetadataLoader``, the metadata ``register_checkpoint_models`` exposes as ``checkpoint_step_N`` /
     ``last_checkpoint``). So family, config (the mixer included) and weights all come from the checkpoint, and a
-    cut or empty ``checkpoints/model.yaml`` (fairseq2 rewrites it at every start) does not lose the run.
+    cut or empty ``checkpoints/model.yaml`` (fairseq2 rewrites it at every start) does not lose the run. A cut
+    ``step_N/model.yaml`` (its config lacks fields) is replaced by the folder's ``model.yaml`` when that one is whole
+    and agrees with it (with a warning), else it is a ``ValueError`` naming both files.
     A relative ``checkpoint_dir`` is taken from the current working directory. Initialises fairseq2 if needed.
     """
     folder = Path(checkpoint_dir).expanduser().resolve()   # fairseq2's asset cards take absolute paths only
@@ -55,7 +83,19 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
     steps = sorted(int(p.name[5:]) for p in folder.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
     chosen = (steps[-1] if steps else None) if step is None else step
     if chosen is not None and chosen in steps:
-        saved = read_model_metadata(resolver, folder / f"step_{chosen}" / MODEL_METADATA)
+        step_file = folder / f"step_{chosen}" / MODEL_METADATA
+        saved = read_model_metadata(resolver, step_file)
+        missing = [] if saved is None else _missing_fields(resolver, saved)
+        if saved is not None and missing:  # cut: the folder's model.yaml stands in if it is whole and agrees
+            problem = _stand_in_problem(resolver, saved, read_model_metadata(resolver, folder / MODEL_METADATA))
+            if problem is not None:
+                raise ValueError(
+                    f"{step_file} is cut (its model_config lacks {', '.join(missing)}) and {folder / MODEL_METADATA} "
+                    f"{problem}: restore {step_file}, the model.yaml of the run that saved step {chosen}"
+                )
+            warnings.warn(f"{step_file} is cut (its model_config lacks {', '.join(missing)}); the model config is "
+                          f"read from {folder / MODEL_METADATA}, which agrees with the fields it has", stacklevel=2)
+            saved = None
         if saved is not None:
             base = {"model_family": saved["model_family"], "model_config": saved["model_config"],
                     "__base_path__": folder}

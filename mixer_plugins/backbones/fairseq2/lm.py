@@ -16,6 +16,7 @@ that differ from fairseq2's (``trainer.mixed_precision.mode=off``, ``common.no_s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, final
@@ -52,6 +53,7 @@ from .recipe import (
     RecipeSections,
     _PreflightHandler,
     check_checkpoint_dir,
+    create_model,
     register_mixer_cli_errors,
     save_step_metadata,
 )
@@ -160,7 +162,7 @@ class MixerLmRecipe(Recipe):
     def create_task(self, context: RecipeContext) -> Task:
         config = context.get_config_as(MixerLmConfig)
         tokenizer = ByteTokenizer()
-        model = context.get_model_as(TransformerLM)
+        model = create_model(context, TransformerLM)
         vocab_size = model.final_proj.output_dim
         if vocab_size < tokenizer.vocab_size or model.pad_idx != tokenizer.pad_idx:
             raise RecipeError(
@@ -221,13 +223,14 @@ examples:
       mixer.options.window=32 model.arch=small regime.num_steps=2000"""
 
 
-def main() -> None:
-    """Run the recipe on ``sys.argv`` (fairseq2's recipe command line, with this recipe's help)."""
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> None:
+    """Run the recipe on ``argv`` (default: ``sys.argv[1:]``) with fairseq2's recipe command line and this recipe's
+    help; ``prog`` is the command named in its messages (``mixer-plugins lm`` runs it through here)."""
     from fairseq2.recipe import main as recipe_main
 
-    from .__main__ import described_parser, one_line_config_errors
+    from .__main__ import command_line, described_parser, one_line_config_errors
 
-    with described_parser(PROG, DESCRIPTION, EPILOG), one_line_config_errors():
+    with command_line(argv, prog), described_parser(prog, DESCRIPTION, EPILOG), one_line_config_errors():
         recipe_main(MixerLmRecipe())
 
 

@@ -30,10 +30,12 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, final
+from typing import Any, Final, TypeGuard, TypeVar, final
 
 from fairseq2.cluster import ClusterHandler
 from fairseq2.logging import log
@@ -60,6 +62,7 @@ from fairseq2.recipe.error import RecipeError
 from fairseq2.runtime.dependency import DependencyContainer, DependencyResolver
 from fairseq2.task import Task
 from fairseq2.trainer import TrainUnit
+from fairseq2.utils.validation import ValidationResult
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
@@ -73,7 +76,7 @@ from .data import MlmBatch, MlmDataReader, MlmDataSection
 from .model import MixerEncoderModel
 
 __all__ = ["MixerMlmConfig", "RecipeSections", "MlmTrainUnit", "MixerMlmRecipe", "CheckpointConfigMismatchError",
-           "NonFiniteLossError"]
+           "NonFiniteLossError", "create_model", "optimizer_problems"]
 
 #: Arch used when the command line names none.
 DEFAULT_ARCH: Final = "tiny"
@@ -108,6 +111,14 @@ class RecipeSections:
     def __post_init__(self) -> None:
         self.model.config_overrides = self.mixer.apply_to(self.model.config_overrides)
 
+    def validate(self) -> ValidationResult:
+        """Called by fairseq2 on the recipe config, before anything is written: the optimizer settings that
+        ``torch.optim`` would refuse with a stack trace once training starts (:func:`optimizer_problems`)."""
+        result = ValidationResult()
+        for problem in optimizer_problems(self.optimizer.config):
+            result.add_error(problem)
+        return result
+
 
 @dataclass(kw_only=True)
 class MixerMlmConfig(RecipeSections):
@@ -117,6 +128,74 @@ class MixerMlmConfig(RecipeSections):
         default_factory=lambda: ModelSection(family=MIXER_ENCODER_FAMILY, arch=DEFAULT_ARCH)
     )
     data: MlmDataSection = field(default_factory=MlmDataSection)
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _setting(settings: object, name: str) -> object:
+    """A field of an optimizer config: an attribute of the structured config, or an entry of the mapping it is
+    structured from."""
+    return settings.get(name) if isinstance(settings, Mapping) else getattr(settings, name, None)
+
+
+def _hyperparameter_problems(settings: object, where: str) -> list[str]:
+    """What ``torch.optim`` refuses in one optimizer's (or parameter group's) ``lr``, ``eps``, ``weight_decay`` and
+    ``betas``: a negative or non-finite value, a beta outside [0, 1). Fields it does not have, or leaves to the
+    default, are skipped."""
+    problems = []
+    for name in ("lr", "eps", "weight_decay"):
+        value = _setting(settings, name)
+        if _is_number(value) and not (math.isfinite(value) and value >= 0):
+            problems.append(f"`{where}.{name}` must be a finite number >= 0, but is {value}.")
+    betas = _setting(settings, "betas")
+    if isinstance(betas, (tuple, list)):
+        for i, beta in enumerate(betas):
+            if _is_number(beta) and not 0 <= beta < 1:
+                problems.append(f"`{where}.betas[{i}]` must be in [0, 1), but is {beta}.")
+    return problems
+
+
+def optimizer_problems(config: object, where: str = "optimizer.config") -> list[str]:
+    """The optimizer config's values that ``torch.optim`` would refuse when the trainer builds it, as messages:
+    its own ``lr``, ``eps``, ``weight_decay`` and ``betas`` and those of each of its parameter ``groups``."""
+    problems = _hyperparameter_problems(config, where)
+    groups = _setting(config, "groups")
+    for i, group in enumerate(groups if isinstance(groups, (list, tuple)) else []):
+        problems += _hyperparameter_problems(group, f"{where}.groups[{i}]")
+    return problems
+
+
+def _allocation_failure(error: BaseException) -> str | None:
+    """torch's message (one line) when ``error`` says a tensor could not be allocated, else None."""
+    text = " ".join(str(error).split())
+    if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and any(
+            marker in text.lower() for marker in ("can't allocate", "cannot allocate", "out of memory", "overflow"))):
+        return re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", text)
+    return None
+
+
+ModelT = TypeVar("ModelT", bound=Module)
+
+
+def create_model(context: RecipeContext, kls: type[ModelT]) -> ModelT:
+    """``context.get_model_as(kls)``, where fairseq2 builds the model; a model too large to allocate is a config
+    error (one line, exit status 2) that names the sizes to lower, not a stack trace."""
+    try:
+        return context.get_model_as(kls)
+    except (RuntimeError, MemoryError) as ex:
+        reason = _allocation_failure(ex)
+        if reason is None:
+            raise
+        section = context.get_config_as(RecipeSections).model
+        overrides = section.config_overrides if isinstance(section.config_overrides, Mapping) else {}
+        given = ", ".join(f"{k}={v}" for k, v in overrides.items()
+                          if k in ("model_dim", "num_layers", "ffn_inner_dim", "vocab_size", "max_seq_len"))
+        raise RecipeError(
+            f"the model (model.arch={section.arch}{', ' + given if given else ''}) cannot be allocated: {reason}; "
+            "lower model.config_overrides.model_dim, num_layers, ffn_inner_dim or vocab_size"
+        ) from None
 
 
 class CheckpointConfigMismatchError(RuntimeError):
@@ -329,7 +408,7 @@ class MixerMlmRecipe(Recipe):
     def create_task(self, context: RecipeContext) -> Task:
         config = context.get_config_as(MixerMlmConfig)
         tokenizer = ByteTokenizer()
-        model = context.get_model_as(MixerEncoderModel)
+        model = create_model(context, MixerEncoderModel)
         if model.vocab_size < tokenizer.vocab_size or model.pad_idx != tokenizer.pad_idx:
             raise RecipeError(
                 f"the recipe's byte-level tokenizer needs vocab_size >= {tokenizer.vocab_size} and pad_idx = "

@@ -12,7 +12,8 @@ probabilities the forward keeps, ``O(L * window)``, as autograd through the bloc
 ``torch.compile(fullgraph=True)`` sees one node and
 ``FlopCounterMode`` counts the executed pairs (:func:`local_attention_flops`). Under ``torch.export`` (and so
 ``torch.onnx.export(..., dynamo=True)``) the same blocked formula is traced as plain ops instead of the custom op, so
-an exported graph holds standard ops only.
+an exported graph holds standard ops only; with a symbolic length (a dynamic axis) its chunks are gathered by index
+(:func:`_blocked_by_index`), so that the graph runs at every length.
 """
 
 from __future__ import annotations
@@ -175,6 +176,63 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: i
     return torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1), probs, r_probs
 
 
+def _blocked_by_index(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: int, num_global: int,
+                      causal: bool, scale: float) -> Tensor:
+    """The forward of :func:`_blocked` for a symbolic length (a dynamic axis of ``torch.export``), ``O(L * window)``
+    as that one: chunks of ``window`` tokens, one or two more than the tokens need (``L // window + 2``), each
+    scoring the keys of its neighbour chunks and the global keys. The chunks are gathered by index from the inputs
+    padded by a fixed number of tokens, and the output rows gathered back, so no shape of the graph depends on the
+    length but through that chunk count: cutting padded tensors into chunks (:class:`_Blocks`) needs the padded
+    length, a multiple of the chunk, which the exporter cannot bound for every length and so fixes to the
+    example's."""
+    length = q.shape[1]
+    device = q.device
+    G = num_global
+    c = max(1, window)
+    offsets = (-1, 0) if causal else (-1, 0, 1)
+    n = length // c + 2  # at least 2 at any length: a chunk count of 1 would be fixed as that size
+    qpos = torch.arange(n * c, device=device).view(n, c)                    # (n, c): n * c <= length + 2c
+    kpos = torch.cat([qpos + off * c for off in offsets], dim=1)            # (n, K): in [-c, length + 3c)
+    diff = qpos[:, :, None] - kpos[:, None, :]
+    allowed = (diff.abs() <= window) & (kpos >= G)[:, None, :] & (kpos < length)[:, None, :]
+    if causal:
+        allowed = allowed & (diff >= 0)
+    allowed = allowed[None]                                                  # (1, n, c, K)
+    if key_real is not None:
+        allowed = allowed & F.pad(key_real, (c, 3 * c))[:, kpos + c][:, :, None, :]
+
+    def neighbours(t: Tensor) -> Tensor:  # (b, L, h, e) -> (b, n, K, h, e)
+        return F.pad(t, (0, 0, 0, 0, c, 3 * c))[:, kpos + c]
+
+    qc = F.pad(q, (0, 0, 0, 0, 0, 2 * c))[:, qpos]                          # (b, n, c, h, e)
+    scores = torch.einsum("bnqhe,bnkhe->bnhqk", qc, neighbours(k))
+    if G:
+        g_allowed = (torch.arange(G, device=device) <= qpos[:, :, None]) if causal else torch.ones(
+            n, c, G, dtype=torch.bool, device=device)
+        g_allowed = g_allowed[None]
+        if key_real is not None:
+            g_allowed = g_allowed & key_real[:, None, None, :G]
+        allowed = torch.cat([allowed.expand(g_allowed.shape[0], -1, -1, -1),
+                             g_allowed.expand(allowed.shape[0], -1, -1, -1)], dim=-1)
+        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bnhqk", qc, k[:, :G])], dim=-1)
+    probs = _softmax(scores * scale, allowed[:, :, None])
+    K = kpos.shape[1]
+    y = torch.einsum("bnhqk,bnkhp->bnqhp", probs[..., :K], neighbours(v))
+    if G:
+        y = y + torch.einsum("bnhqk,bkhp->bnqhp", probs[..., K:], v[:, :G])
+    y = y.flatten(1, 2)[:, torch.arange(length, device=device)]            # the real rows, (b, L, h, p)
+    if not G:
+        return y
+    # the global queries see every key: dense rows
+    pos = torch.arange(length, device=device)
+    rows = (pos[None, :] <= pos[:G, None]) if causal else torch.ones(G, length, dtype=torch.bool, device=device)
+    rows = rows[None, None]
+    if key_real is not None:
+        rows = rows & key_real[:, None, None, :]
+    r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, rows)
+    return torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1)
+
+
 def _prob_shapes(q_shape, plan: LocalPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the probabilities the forward keeps for the backward: the chunks' (b, n, h, c, K + G) (dense:
     (b, h, L, L)) and the global rows' (b, h, G, L) (dense: (b, h, 0, L))."""
@@ -299,7 +357,10 @@ def local_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, window: int, causa
     """The blocked path (see the module docstring); arguments as :func:`mixer_plugins.kernels.local_attention`
     (pads already selected away by it)."""
     if torch.compiler.is_exporting():
-        return _blocked(q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))[0]
+        arguments = (q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))
+        if isinstance(q.shape[1], torch.SymInt):  # a dynamic length axis
+            return _blocked_by_index(*arguments)
+        return _blocked(*arguments)[0]
     return local_attention_blocked(q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))[0]
 
 

@@ -9,11 +9,15 @@
     mixer-plugins flops              analytic FLOPs of every mixer against PyTorch's FlopCounterMode
     mixer-plugins compare            train mixers on synthetic tasks (recall, copying, regression, digits) and compare
     mixer-plugins env                versions, devices and which kernel backends can run here (and why not)
+    mixer-plugins mlm OUT_DIR        fairseq2's masked-LM recipe (python -m mixer_plugins.backbones.fairseq2)
+    mixer-plugins lm OUT_DIR         fairseq2's causal-LM recipe (python -m mixer_plugins.backbones.fairseq2.lm)
+    mixer-plugins generate CKPT_DIR  text from an lm checkpoint (python -m mixer_plugins.backbones.fairseq2.generate)
 
 One module per subcommand (``list_mixers``, ``info``, ``demo``, ``bench``, ``bench_table``, ``show``, ``flops``,
-``compare``, ``env``), each exposing ``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console
-script. Bad arguments exit with status 2 and a one-line reason on stderr. Importing this package imports no
-subcommand module (and so neither torch nor pydantic): ``--help`` and ``--version`` answer at once.
+``compare``, ``env``, ``mlm``, ``lm``, ``generate``; the two recipes share :mod:`.recipes`), each exposing
+``COMMAND``; :mod:`.main` holds the parser and :func:`main`, the console script. Bad arguments exit with status 2
+and a one-line reason on stderr. Importing this package imports no subcommand module (and so neither torch nor
+pydantic): ``--help`` and ``--version`` answer at once.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import NoReturn
 from ...errors import MixerError
 from .args import CliError, Command, one_line
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "EPILOG", "build_parser", "main"]
 
 #: Subcommand -> (its module in this package, its help line), in the order ``--help`` lists them. The help line is
 #: the module's ``COMMAND.help`` (a test keeps the two equal); it is repeated here so ``--help`` imports nothing.
@@ -35,7 +35,20 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("compare", "train mixers on a synthetic task (several seeds) and compare them; presets check the "
                            "papers' orderings"),
     "env": ("env", "versions, devices and which kernel backends can run here (and why not)"),
+    "mlm": ("mlm", "train a BERT-style encoder with any mixer by masked language modelling on fairseq2 (the fairseq2 "
+                   "extra; also python -m mixer_plugins.backbones.fairseq2)"),
+    "lm": ("lm", "train a decoder-only language model with any causal mixer on fairseq2 (the fairseq2 extra; also "
+                 "python -m mixer_plugins.backbones.fairseq2.lm)"),
+    "generate": ("generate", "generate text from a language-model checkpoint with fairseq2's sequence generators (the "
+                             "fairseq2 extra; also python -m mixer_plugins.backbones.fairseq2.generate)"),
 }
+
+#: After the list of subcommands in ``mixer-plugins --help``: how to run the fairseq2 recipes.
+EPILOG = """fairseq2 recipes and generation (pip install 'mixer-plugins[fairseq2]'; each has --help):
+  mixer-plugins mlm OUT_DIR --config mixer.name=quasi          masked-LM training of an encoder
+  mixer-plugins lm OUT_DIR --config mixer.name=semiseparable   causal-LM training of a decoder
+  mixer-plugins generate OUT_DIR/checkpoints --prompt TEXT      text from the lm recipe's checkpoints
+The same as python -m mixer_plugins.backbones.fairseq2 (mlm), ...fairseq2.lm and ...fairseq2.generate."""
 
 
 class _Commands(MutableMapping[str, Command]):
@@ -100,7 +113,8 @@ def build_parser(only: str | None | object = _ALL) -> argparse.ArgumentParser:
     the full arguments to that subcommand alone (``None``: to none); the others get their help line only, which
     is all ``mixer-plugins --help`` shows, so parsing imports only the subcommand that runs.
     """
-    parser = _Parser(prog="mixer-plugins", description="Matrix mixers as pluggable PyTorch modules.")
+    parser = _Parser(prog="mixer-plugins", description="Matrix mixers as pluggable PyTorch modules.", epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
