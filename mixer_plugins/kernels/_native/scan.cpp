@@ -112,6 +112,7 @@ template <typename T>
 struct GroupChunk {
   std::vector<T> X, W, Z, DY, dZ, dW, dX, Bc, Cc, dC, dB, Tm, E, M, dM, S, dT;
   std::vector<T> dt, a, q, sfx, u, v, da, dq, dsfx, ddt, total;  // (rep, Q) or (rep)
+  std::vector<T> seg;                                              // (Q): one row of pair sums
   std::vector<char> decaying;                                       // (rep)
   void size(int64_t Q, int64_t N, int64_t P, int64_t rep) {  // every entry read is written first: no zeroing
     const size_t RP = static_cast<size_t>(rep) * P;
@@ -121,6 +122,7 @@ struct GroupChunk {
     for (auto* x : {&dt, &a, &q, &sfx, &u, &v, &da, &dq, &dsfx, &ddt}) x->resize(rep * Q);
     total.resize(rep);
     decaying.resize(rep);
+    seg.resize(Q);
   }
 };
 
@@ -183,22 +185,24 @@ void load_group_chunk(const Shape& s, const T* x, const T* dtp, const T* Ap, con
   lower_product(n, s.N, w.Cc.data(), s.N, w.Bc.data(), s.N, w.Tm.data(), shift);
 }
 
-// Head k's intra-chunk weights (w loaded with T): E_ij = exp(a_{j+1} + ... + a_i~), each exponent summed from its
-// own pair's end, and M_ij = T_ij E_ij dt_j for the allowed pairs j <= i~; zero elsewhere.
+// Head k's intra-chunk weights (w loaded with T): E_ij = exp(a_{j+1} + ... + a_i~), each exponent summed over its
+// own pair's tokens, and M_ij = T_ij E_ij dt_j for the allowed pairs j <= i~; zero elsewhere. The sums of row i are
+// those of row i - 1 plus a_i (seg[j], j < i, one vector add a row), each accumulated from its own pair's first token.
 template <typename T>
 void head_weights(bool shift, int64_t n, int64_t k, int64_t Q, GroupChunk<T>& w) {
   const T* a = w.a.data() + k * Q;
   const T* dt = w.dt.data() + k * Q;
+  T* seg = w.seg.data();  // seg[j] = a_{j+1} + ... + a_i for j <= i (0 at j = i), as row i is reached
   for (int64_t i = 0; i < n; ++i) {
     T* e = w.E.data() + i * n;
     T* m = w.M.data() + i * n;
     const T* t = w.Tm.data() + i * n;
     const int64_t allowed = shift ? i : i + 1;  // columns j < allowed
-    T seg = 0;
-    for (int64_t j = allowed - 1; j >= 0; --j) {
-      e[j] = seg;
-      seg += a[j];
-    }
+    if (shift) std::copy_n(seg, allowed, e);    // row i - 1's sums: the span (j, i - 1]
+    const T ai = a[i];
+    for (int64_t j = 0; j < i; ++j) seg[j] += ai;
+    seg[i] = T(0);
+    if (!shift) std::copy_n(seg, allowed, e);
     exp_inplace(e, allowed, w.decaying[k] != 0);
     for (int64_t j = 0; j < allowed; ++j) m[j] = t[j] * e[j] * dt[j];
     for (int64_t j = allowed; j < n; ++j) e[j] = m[j] = T(0);  // by selection: a non-finite C.B or dt stays out
@@ -443,6 +447,18 @@ void state_product_grads(const Shape& s, int64_t n, const T* hc, const T* dsc, b
   }
 }
 
+// r[0] + ... + r[len - 1], in eight running sums (independent adds the compiler keeps in vector registers).
+template <typename T>
+T row_sum(const T* r, int64_t len) {
+  T acc[8] = {T(0), T(0), T(0), T(0), T(0), T(0), T(0), T(0)};
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += r[j + l];
+  T total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; j < len; ++j) total += r[j];
+  return total;
+}
+
 // Head k's intra-chunk gradients (after state_product_grads; w.E, w.M from head_weights): dM = dy x^T (masked),
 // dX += M^T dY, ddt_j += sum_i dM_ij T_ij E_ij, dT (the group's C~ B^T gradient) += dM E dt (assigned for the first
 // head), and the pairs' share of each a_k's gradient: s_ij = dM_ij M_ij is the gradient of pair (i, j)'s exponent
@@ -484,12 +500,7 @@ void head_intra_grads(const Shape& s, bool shift, int64_t n, int64_t k, GroupChu
   T* da = w.da.data() + k * s.Q;
   for (int64_t kk = 0; kk < n; ++kk) {
     const int64_t row = kk + (shift ? 1 : 0);
-    T acc = 0;
-    if (row < n) {
-      const T* r = sm + row * n;
-      for (int64_t j = 0; j < kk; ++j) acc += r[j];
-    }
-    da[kk] = acc;
+    da[kk] = row < n ? row_sum(sm + row * n, kk) : T(0);
   }
 }
 
