@@ -95,7 +95,9 @@ class Hydra(QuasiseparableMixer):
         assert self.ssm.D is not None, "Hydra's diagonal has D"
         return self.ssm.D
 
-    def forward(self, u: Tensor, seq_idx: Optional[Tensor] = None, *, mask: Optional[Tensor] = None) -> Tensor:
+    # the released module's signature (its second argument is seq_idx, not the contract's mask)
+    def forward(self, u: Tensor, seq_idx: Optional[Tensor] = None, *,  # type: ignore[override]
+                mask: Optional[Tensor] = None) -> Tensor:
         if seq_idx is not None:
             raise MixerInputError(
                 "Hydra: seq_idx (packed sequences) is not supported: the released module mixes segments through "

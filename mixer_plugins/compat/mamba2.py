@@ -265,7 +265,8 @@ class Mamba2(MatrixMixer[Mamba2Context]):
         }
 
     # -- forward with the released arguments ------------------------------------------------------------
-    def forward(self, u: Tensor, seqlen: Optional[int] = None, seq_idx: Optional[Tensor] = None,
+    # the released module's signature (its second argument is seqlen, not the contract's mask)
+    def forward(self, u: Tensor, seqlen: Optional[int] = None, seq_idx: Optional[Tensor] = None,  # type: ignore[override]
                 cu_seqlens: Optional[Tensor] = None, inference_params: Any = None, *,
                 mask: Optional[Tensor] = None) -> Tensor:
         """(batch, length, d_model) -> same shape; ``seqlen``: ``u`` is (batch * seqlen, d_model), as released.
