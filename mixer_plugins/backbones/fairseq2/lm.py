@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from ..recipe_help import PYTHON_M, recipe_help
 from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
 from .data import EpochReader, TextDataSection, pad_rows
 from .decoder import MIXER_DECODER_FAMILY
@@ -200,27 +201,9 @@ class MixerLmRecipe(Recipe):
         return MixerLmConfig
 
 
-PROG = "python -m mixer_plugins.backbones.fairseq2.lm"
+PROG = PYTHON_M["lm"]
 
-DESCRIPTION = """\
-Train a decoder-only language model (the mixer_decoder model family) whose token mixer is any causal mixer, on
-next-token prediction, on fairseq2's recipe machinery. CPU is fine and nothing is downloaded: it trains on a small
-generated corpus (or on data.text_file, one example per line) with a byte-level tokenizer.
-
-OUT_DIR receives config.yaml, the logs, metrics/train.jsonl and checkpoints/; generate text from them with
-python -m mixer_plugins.backbones.fairseq2.generate OUT_DIR/checkpoints --prompt TEXT.
-
-Choosing the mixer (any name or alias of `mixer-plugins list` with a causal form):
-  --config mixer.name=NAME                  the mixer (null, the default: the arch's own, attention)
-  --config mixer.options.OPTION=VALUE       one of its options (the model supplies dim, num_heads, max_seq_len,
-                                            causal=true)
-Archs (model.arch): tiny (default, 32 wide), small (256), base (GPT-2 small's shape)."""
-
-EPILOG = """\
-examples:
-  python -m mixer_plugins.backbones.fairseq2.lm OUT --config mixer.name=semiseparable
-  python -m mixer_plugins.backbones.fairseq2.lm OUT --config mixer.name=sliding_window_attention \\
-      mixer.options.window=32 model.arch=small regime.num_steps=2000"""
+DESCRIPTION, EPILOG = recipe_help("lm", PYTHON_M)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> None:

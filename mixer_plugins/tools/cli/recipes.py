@@ -12,9 +12,10 @@ import argparse
 from pathlib import Path
 from typing import Literal
 
-from .args import CliError
+from ...backbones.recipe_help import SUBCOMMANDS, recipe_help
+from .args import CliError, Command
 
-__all__ = ["MODULES", "add_recipe_arguments", "config_item", "recipe_argv", "run_recipe"]
+__all__ = ["MODULES", "add_recipe_arguments", "config_item", "recipe_argv", "recipe_command", "run_recipe"]
 
 #: Recipe -> the module ``python -m`` runs for it.
 MODULES = {"mlm": "mixer_plugins.backbones.fairseq2", "lm": "mixer_plugins.backbones.fairseq2.lm"}
@@ -91,3 +92,20 @@ def run_recipe(recipe: Literal["mlm", "lm"], args: argparse.Namespace, prog: str
         from ...backbones.fairseq2.lm import main
     main(argv, prog=prog)
     return 0
+
+
+def recipe_command(recipe: Literal["mlm", "lm"], help_text: str) -> Command:
+    """The ``mixer-plugins`` subcommand of ``recipe``: the recipe's arguments and help (naming the subcommands), run
+    through :func:`run_recipe`."""
+    description, epilog = recipe_help(recipe, SUBCOMMANDS)
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.description = description
+        parser.epilog = epilog
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        add_recipe_arguments(parser)
+
+    def run(args: argparse.Namespace) -> int:
+        return run_recipe(recipe, args, prog=SUBCOMMANDS[recipe])
+
+    return Command(help_text, run, add_arguments)
