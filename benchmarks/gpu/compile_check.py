@@ -38,7 +38,7 @@ from pathlib import Path
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 #: kernel families that must not spill: no stack frame and no local memory per thread
-SPILL_FREE = ("norm", "conv", "scan", "scan1", "mlr", "local")
+SPILL_FREE = ("norm", "conv", "scan", "scan1", "mlr", "local", "decode")
 #: cases of those families that may: the scans on float32 inputs, whose 3xTF32 matmuls (three products on split
 #: operands, for float32 accuracy) do not fit in registers at these tiles (their spills are printed)
 SPILLS_ALLOWED = ("scan: float32", "scan1: float32")
@@ -275,11 +275,42 @@ def _conv_cases() -> Iterator[tuple[str, Callable[[], None]]]:
     yield case(torch.bfloat16, conv.MAX_TAPS, True, True, True)
 
 
+def _decode_cases() -> Iterator[tuple[str, Callable[[], None]]]:
+    """``kernels.decode.ssd_decode_step``'s Triton kernels (the step, the windows' roll) at Mamba-2 blocks of width
+    256 to 768 (heads 8 to 24 of 64, conv width up to 1792, kernel 4), float32 states under bfloat16 or float32
+    inputs."""
+    import torch
+
+    from mixer_plugins.kernels.decode import triton_kernels as dec
+
+    def case(dtype, heads, d_state, groups=1, mamba=True, batch=4, p=64, k=4):
+        def go():
+            g = torch.Generator().manual_seed(0)
+            width = heads * p + 2 * groups * d_state
+            proj = torch.randn(batch, width + heads, generator=g).to(dtype)   # xbc and dt: views of a projection
+            w, bias = torch.randn(width, k, generator=g).to(dtype), torch.randn(width, generator=g).to(dtype)
+            conv_state, state = torch.zeros(batch, width, k, dtype=dtype), torch.zeros(batch, heads, p, d_state)
+            if mamba:   # softplus(dt + dt_bias), decay, D per head, B then C
+                dec._decode_step(proj[:, :width], conv_state, w, bias, state, proj[:, width:], -torch.rand(heads),
+                                 torch.ones(heads), None, torch.zeros(heads), True, 0.0, float("inf"), 1.0, True,
+                                 False)
+            else:       # linear attention: no dt, no decay, no bias, no SiLU, D per channel, C before B
+                dec._decode_step(proj[:, :width], conv_state, w, None, state, None, None, torch.ones(heads, p), None,
+                                 None, False, 0.0, float("inf"), 1.0, False, True)
+        return (f"{str(dtype).removeprefix('torch.')} state=float32 heads={heads} p={p} n={d_state} g={groups} k={k} "
+                f"{'mamba2' if mamba else 'linear'}"), go
+
+    yield case(torch.bfloat16, 24, 128)                  # d_model 768: conv width 1792
+    yield case(torch.float32, 24, 128)
+    yield case(torch.bfloat16, 8, 64)                    # d_model 256
+    yield case(torch.bfloat16, 16, 64, groups=2, mamba=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90)")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--only", choices=("scan", "scan1", "mlr", "local", "norm", "conv"),
+    parser.add_argument("--only", choices=("scan", "scan1", "mlr", "local", "norm", "conv", "decode"),
                         help="compile one kernel family")
     parser.add_argument("--case", default="", help="compile only the cases whose name holds this text")
     parser.add_argument("--shared-limit", type=int, default=None,
@@ -302,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failures: list[str] = []
     families = {"scan": _scan_cases, "scan1": _one_chunk_cases, "mlr": _mlr_cases, "local": _local_cases,
-                "norm": _norm_cases, "conv": _conv_cases}
+                "norm": _norm_cases, "conv": _conv_cases, "decode": _decode_cases}
     with compile_only(args.arch, record):
         for family, cases in families.items():
             if args.only and family != args.only:

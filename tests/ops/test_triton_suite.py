@@ -16,7 +16,7 @@ pytestmark = pytest.mark.triton
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, the Triton tests run in this process")
 @pytest.mark.parametrize("test_file", ["ops/test_scan_triton.py", "ops/test_scan_numerics_triton.py",
-                                       "ops/test_mlr_attention_triton_kernels.py"])
+                                       "ops/test_mlr_attention_triton_kernels.py", "ops/test_decode_triton.py"])
 def test_triton_kernels_under_the_interpreter(test_file):
     pytest.importorskip("triton")
     assert_passes_fresh(test_file, {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=1200)
