@@ -90,6 +90,33 @@ def test_extension_is_declared_by_the_installed_package():
     assert eps[0].dist is not None and eps[0].dist.metadata["Name"] == "mixer-plugins"
 
 
+
+def test_the_package_loads_its_names_on_first_use(fs2):
+    """Importing the package imports neither fairseq2 nor torch (so the python -m commands answer --help at once);
+    the entry point fairseq2 loads still finds setup_fairseq2_extension, and every name of __all__ resolves to its
+    module's object."""
+    import importlib
+
+    code = ("import sys\nimport mixer_plugins.backbones.fairseq2 as fs2\n"
+            "print(sorted(m for m in ('fairseq2', 'torch') if m in sys.modules))\n"
+            "from importlib.metadata import entry_points\n"
+            "ep = next(e for e in entry_points(group='fairseq2.extension') if e.value.startswith('mixer_plugins.'))\n"
+            "print(ep.load() is fs2.setup_fairseq2_extension)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
+    for name in fs2.__all__:
+        value = getattr(fs2, name)
+        if name != "setup_fairseq2_extension":
+            assert value is getattr(importlib.import_module(f"{fs2.__name__}.{fs2._LAZY[name]}"), name), name
+    assert set(fs2.__all__) <= set(dir(fs2))
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        fs2.nonexistent  # noqa: B018
+    from mixer_plugins.backbones.fairseq2 import generate, lm  # submodules are still found
+
+    assert generate.main and lm.MixerLmRecipe.__module__ == f"{fs2.__name__}.lm_recipe"
+
 def test_families_and_archs_come_from_the_entry_point(resolver):
     from fairseq2.models import ModelFamily
     from fairseq2.models.nllb import get_nllb_model_hub
@@ -954,8 +981,8 @@ def _recipe_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_recipe_help_describes_the_recipe(fs2, monkeypatch, capsys):
-    """``python -m mixer_plugins.backbones.fairseq2 --help``, in this process: fairseq2 parses the command line
-    before anything else, and ``--help`` prints and exits there."""
+    """``python -m mixer_plugins.backbones.fairseq2 --help``, in this process: the recipe's command line is read
+    before anything else (before fairseq2 is imported), and ``--help`` prints and exits there."""
     import importlib
 
     entry = importlib.import_module("mixer_plugins.backbones.fairseq2.__main__")

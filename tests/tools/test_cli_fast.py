@@ -96,19 +96,57 @@ FAIRSEQ2_ENTRY_POINTS = [
 ]
 
 
-@pytest.mark.parametrize("argv, status, fragment", FAIRSEQ2_ENTRY_POINTS, ids=[" ".join(a[0][:2]) + f" {a[1]}"
-                                                                                 for a in FAIRSEQ2_ENTRY_POINTS])
-def test_fairseq2_entry_points_answer_before_fairseq2_is_imported(argv, status, fragment):
-    out = _run(["-X", "importtime", "-m", "mixer_plugins", *argv])
+def _answer_without_fairseq2(module: str, argv: list[str], status: int) -> str:
+    """Run ``python -m module argv`` under ``-X importtime``: it exits with ``status`` having imported neither fairseq2
+    nor torch; returns what it answered (stdout for status 0, else stderr without the import times)."""
+    out = _run(["-X", "importtime", "-m", module, *argv])
     assert out.returncode == status, out.stderr[-2000:]
     timing = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
     imported = {line.rsplit("|", 1)[-1].strip() for line in timing}
     assert not {m for m in imported if m.split(".")[0] in ("fairseq2", "torch")}, sorted(imported)
-    answer = out.stdout if status == 0 else "\n".join(line for line in out.stderr.splitlines()
+    return out.stdout if status == 0 else "\n".join(line for line in out.stderr.splitlines()
                                                       if not line.startswith("import time:"))
+
+
+@pytest.mark.parametrize("argv, status, fragment", FAIRSEQ2_ENTRY_POINTS, ids=[" ".join(a[0][:2]) + f" {a[1]}"
+                                                                                 for a in FAIRSEQ2_ENTRY_POINTS])
+def test_fairseq2_entry_points_answer_before_fairseq2_is_imported(argv, status, fragment):
+    answer = _answer_without_fairseq2("mixer_plugins", argv, status)
     assert fragment in answer, answer
     if status:
         assert answer.startswith("mixer-plugins: error: ") and len(answer.splitlines()) == 1, answer
+
+
+# The same for the python -m forms (the package mixer_plugins.backbones.fairseq2 loads its names on first use):
+# --help is the recipe's, an argument error is argparse's usage and one line.
+FAIRSEQ2 = "mixer_plugins.backbones.fairseq2"
+PYTHON_M_ENTRY_POINTS = [
+    (FAIRSEQ2, ["--help"], 0, "Train a BERT-style encoder"),
+    (FAIRSEQ2, ["OUT", "--config", "mixer.name"], 2, "argument --config: expected NAME=VALUE"),
+    (f"{FAIRSEQ2}.lm", ["--help"], 0, "next-token prediction"),
+    (f"{FAIRSEQ2}.lm", [], 2, "required: OUT_DIR"),
+    (f"{FAIRSEQ2}.lm", ["OUT", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    (f"{FAIRSEQ2}.generate", ["--help"], 0, "--prompt PROMPT"),
+    (f"{FAIRSEQ2}.generate", ["OUT", "--prompt", "The cat", "--beam-size", "x"], 2, "argument --beam-size: invalid"),
+]
+
+
+@pytest.mark.parametrize("module, argv, status, fragment", PYTHON_M_ENTRY_POINTS,
+                         ids=[f"{m.rsplit('.', 1)[-1]} {' '.join(a[:1])} {s}" for m, a, s, _ in PYTHON_M_ENTRY_POINTS])
+def test_python_m_fairseq2_entry_points_answer_before_fairseq2_is_imported(module, argv, status, fragment):
+    answer = _answer_without_fairseq2(module, argv, status)
+    assert fragment in answer, answer
+    if status:
+        usage, error = answer.split(f"python -m {module}: error: ")
+        assert usage.startswith(f"usage: python -m {module} ") and len(error.splitlines()) == 1, answer
+    else:
+        assert answer.startswith(f"usage: python -m {module} "), answer
+
+
+def test_python_m_generate_checks_its_options_before_fairseq2_is_imported():
+    """A value generate's own checks refuse (GenerationSettings) is one line, exit status 2, before torch too."""
+    answer = _answer_without_fairseq2(f"{FAIRSEQ2}.generate", ["OUT", "--prompt", "a", "--top-k", "0"], 2)
+    assert answer == "error: top_k must be at least 1 (leave it unset for top-p sampling), got 0", answer
 
 
 def test_help_and_argument_errors_return_within_a_second_and_a_half():

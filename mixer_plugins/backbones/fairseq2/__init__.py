@@ -24,59 +24,70 @@ Swapping the mixer is one config field::
 
 and in a recipe: ``python -m mixer_plugins.backbones.fairseq2 OUT --config model.config_overrides.mixer=quasi``.
 
-``import mixer_plugins`` never imports this package (fairseq2 is an optional extra).
+``import mixer_plugins`` never imports this package (fairseq2 is an optional extra), and importing it imports no
+fairseq2 (nor torch): the names below are loaded on first use, so the ``python -m`` commands answer ``--help`` and
+argument errors at once. Without fairseq2 installed, importing it fails with one line naming the extra.
 """
 
-# ruff: noqa: E402  (the extra is checked before fairseq2 is imported)
 from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 from ..._extras import require_extra
 
-require_extra("fairseq2", "fairseq2", "mixer_plugins.backbones.fairseq2")  # one line, not a traceback
+# Finding fairseq2 imports nothing; when it is not installed, require_extra raises (or, while python -m locates one
+# of our modules, exits 2) with one line naming the extra, not a traceback.
+if importlib.util.find_spec("fairseq2") is None:
+    require_extra("fairseq2", "fairseq2", __name__)
 
-from fairseq2.composition import register_model_family
-from fairseq2.models import ModelFamily
-from fairseq2.models.transformer_lm import (
-    TransformerLM,
-    apply_ac_to_transformer_lm,
-    apply_fsdp_to_transformer_lm,
-    compile_transformer_lm,
-)
-from fairseq2.runtime.dependency import DependencyContainer
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from fairseq2.runtime.dependency import DependencyContainer
 
-from .attention import MixerAttention, MixerDecodingState, RecomputeState, padding_mask, unpack_layout
-from .checkpoint import load_mixer_checkpoint, with_mixer_records
-from .config import (
-    BERT_VOCAB_SIZE,
-    BYTE_VOCAB_SIZE,
-    MIXER_ENCODER_FAMILY,
-    MixerEncoderConfig,
-    register_mixer_encoder_archs,
-)
-from .decoder import (
-    GPT2_VOCAB_SIZE,
-    MIXER_DECODER_FAMILY,
-    MixerDecoderConfig,
-    create_mixer_decoder_model,
-    get_mixer_decoder_hub,
-    register_mixer_decoder_archs,
-)
-from .model import (
-    MixerEncoderModel,
-    apply_ac_to_mixer_encoder,
-    apply_fsdp_to_mixer_encoder,
-    create_mixer_encoder_model,
-    get_mixer_encoder_hub,
-)
-from .nllb import (
-    NLLB_MIXER_FAMILY,
-    NllbMixerConfig,
-    NllbMixerFactory,
-    create_nllb_mixer_model,
-    get_nllb_mixer_hub,
-    register_nllb_mixer_family,
-)
-from .options import ResolvedMixer, mixer_problems, resolve_mixer
+    from .attention import MixerAttention, MixerDecodingState, RecomputeState, padding_mask, unpack_layout
+    from .checkpoint import load_mixer_checkpoint
+    from .config import BERT_VOCAB_SIZE, BYTE_VOCAB_SIZE, MIXER_ENCODER_FAMILY, MixerEncoderConfig
+    from .decoder import (
+        GPT2_VOCAB_SIZE,
+        MIXER_DECODER_FAMILY,
+        MixerDecoderConfig,
+        create_mixer_decoder_model,
+        get_mixer_decoder_hub,
+    )
+    from .model import MixerEncoderModel, create_mixer_encoder_model, get_mixer_encoder_hub
+    from .nllb import NLLB_MIXER_FAMILY, NllbMixerConfig, NllbMixerFactory, create_nllb_mixer_model, get_nllb_mixer_hub
+    from .options import ResolvedMixer, mixer_problems, resolve_mixer
+
+#: public name -> the module of this package that defines it (imported on first access)
+_LAZY: dict[str, str] = {
+    "MixerAttention": "attention",
+    "MixerDecodingState": "attention",
+    "RecomputeState": "attention",
+    "padding_mask": "attention",
+    "unpack_layout": "attention",
+    "load_mixer_checkpoint": "checkpoint",
+    "BERT_VOCAB_SIZE": "config",
+    "BYTE_VOCAB_SIZE": "config",
+    "MIXER_ENCODER_FAMILY": "config",
+    "MixerEncoderConfig": "config",
+    "GPT2_VOCAB_SIZE": "decoder",
+    "MIXER_DECODER_FAMILY": "decoder",
+    "MixerDecoderConfig": "decoder",
+    "create_mixer_decoder_model": "decoder",
+    "get_mixer_decoder_hub": "decoder",
+    "MixerEncoderModel": "model",
+    "create_mixer_encoder_model": "model",
+    "get_mixer_encoder_hub": "model",
+    "NLLB_MIXER_FAMILY": "nllb",
+    "NllbMixerConfig": "nllb",
+    "NllbMixerFactory": "nllb",
+    "create_nllb_mixer_model": "nllb",
+    "get_nllb_mixer_hub": "nllb",
+    "ResolvedMixer": "options",
+    "mixer_problems": "options",
+    "resolve_mixer": "options",
+}
 
 __all__ = [
     "setup_fairseq2_extension",
@@ -117,6 +128,31 @@ def setup_fairseq2_extension(container: DependencyContainer) -> None:
     ``init_fairseq2(extras=...)`` while the entry point also runs is harmless. It only registers providers
     (cheap, no side effects): it runs in every fairseq2 process once mixer-plugins is installed.
     """
+    from fairseq2.composition import register_model_family
+    from fairseq2.models import ModelFamily
+    from fairseq2.models.transformer_lm import (
+        TransformerLM,
+        apply_ac_to_transformer_lm,
+        apply_fsdp_to_transformer_lm,
+        compile_transformer_lm,
+    )
+
+    from .checkpoint import with_mixer_records
+    from .config import MIXER_ENCODER_FAMILY, MixerEncoderConfig, register_mixer_encoder_archs
+    from .decoder import (
+        MIXER_DECODER_FAMILY,
+        MixerDecoderConfig,
+        create_mixer_decoder_model,
+        register_mixer_decoder_archs,
+    )
+    from .model import (
+        MixerEncoderModel,
+        apply_ac_to_mixer_encoder,
+        apply_fsdp_to_mixer_encoder,
+        create_mixer_encoder_model,
+    )
+    from .nllb import NLLB_MIXER_FAMILY, register_nllb_mixer_family
+
     registered = set(container.iter_keys(ModelFamily))  # iter_keys does not freeze the container
     if MIXER_ENCODER_FAMILY not in registered:
         register_model_family(
@@ -145,3 +181,16 @@ def setup_fairseq2_extension(container: DependencyContainer) -> None:
         register_mixer_decoder_archs(container)
     if NLLB_MIXER_FAMILY not in registered:
         register_nllb_mixer_family(container)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,6 +1,7 @@
 """``python -m mixer_plugins.backbones.fairseq2 OUT_DIR [--config key=value ...]``: the MLM recipe.
 
 See :mod:`mixer_plugins.backbones.fairseq2.recipe`; ``--help`` describes it, ``--dump-config`` prints every option.
+``--help`` and argument errors answer before fairseq2 is imported.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 
-from ..recipe_help import PYTHON_M, recipe_help
+from ..recipe_help import PYTHON_M, parse_recipe_arguments, recipe_help
 
 PROG = PYTHON_M["mlm"]
 
@@ -22,9 +23,10 @@ DESCRIPTION, EPILOG = recipe_help("mlm", PYTHON_M)
 
 @contextlib.contextmanager
 def described_parser(prog: str = PROG, description: str = DESCRIPTION, epilog: str = EPILOG) -> Iterator[None]:
-    """Make fairseq2's recipe command line (``fairseq2.recipe.cli``, which builds a bare ``ArgumentParser``) print
-    a recipe's name, description and examples in ``--help`` (by default this one's). A fairseq2 without that module
-    attribute keeps its own parser (a test notices)."""
+    """Make fairseq2's recipe command line (``fairseq2.recipe.cli``, which builds a bare ``ArgumentParser``) name
+    a recipe's command and carry its description and examples (by default this one's), as the parser of
+    :func:`~mixer_plugins.backbones.recipe_help.parse_recipe_arguments` does, which answers ``--help`` and argument
+    errors first. A fairseq2 without that module attribute keeps its own parser (a test notices)."""
     from fairseq2.recipe import cli
 
     original = getattr(cli, "ArgumentParser", None)
@@ -100,6 +102,7 @@ def command_line(argv: Sequence[str] | None, prog: str) -> Iterator[None]:
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> None:
     """Run the recipe on ``argv`` (default: ``sys.argv[1:]``) with fairseq2's recipe command line and this recipe's
     help; ``prog`` is the command named in its messages (``mixer-plugins mlm`` runs it through here)."""
+    parse_recipe_arguments("mlm", argv, prog)  # --help and argument errors exit here, before fairseq2 is imported
     from fairseq2.recipe import main as recipe_main
 
     from .recipe import MixerMlmRecipe

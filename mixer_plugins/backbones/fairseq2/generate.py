@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import torch
-from torch import Tensor
-
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover - torch and fairseq2 are imported when used: --help answers without them
     from fairseq2.models.transformer_lm import TransformerLM
+    from torch import Tensor
 
     from .corpus import ByteTokenizer
 
@@ -72,6 +70,8 @@ class _BytesOnly:
         self._tokenizer = tokenizer
 
     def __call__(self, seqs: Tensor, probs: Tensor, lprob: bool = False) -> None:
+        import torch
+
         banned = torch.ones(probs.shape[-1], dtype=torch.bool, device=probs.device)
         banned[self._tokenizer.byte_offset:self._tokenizer.vocab_size] = False
         banned[self._tokenizer.eos_idx] = False
@@ -81,6 +81,7 @@ class _BytesOnly:
 def generate_text(model: TransformerLM, prompts: Sequence[str], settings: GenerationSettings = GenerationSettings()
                   ) -> list[list[str]]:
     """Continuations of each prompt (``num_gens`` with sampling, ``beam_size`` with beam search, best first)."""
+    import torch
     from fairseq2.data.tokenizers import VocabularyInfo
     from fairseq2.generation import SequenceGenerator
     from fairseq2.generation.beam_search import BeamSearchSequenceGenerator, StandardBeamSearchAlgorithm
