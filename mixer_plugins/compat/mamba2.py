@@ -42,10 +42,12 @@ from torch import Tensor, nn
 from ..errors import MixerInputError, NotMaterializableError
 from ..kernels import chunked_scan_flops, depthwise_conv1d, gated_rmsnorm, scan_matrix, ssd
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
+from ..kernels.decode import ssd_decode_step
 from ..kernels.scan.step import ssd_step
 from ..layers.conv import ShortConv
 from ..mixers._ssm import StepOptions, compute_dtype, init_dt_bias, step_sizes
 from ..mixers.base import MatrixMixer, MixerContext
+from ..mixers.block import rows_linear
 from ..mixers.cache import MixerCache
 from ..registry import MixerConfig
 
@@ -375,6 +377,23 @@ class Mamba2(MatrixMixer[Mamba2Context]):
                                        silu=True)
         cache.state["conv"].copy_(conv.detach())
         return self._context(z0, x0, z, xBC, dt, None)
+
+    def step_tokens(self, x: Tensor, cache: MixerCache) -> Tensor:
+        conv, ssm = cache.state["conv"], cache.state["ssm"]
+        if x.shape[1] != 1 or (ssm.dtype != x.dtype and ssm.dtype.itemsize <= x.dtype.itemsize):
+            return super().step_tokens(x, cache)
+        # one token, in the states' dtype (at least as wide as the input's): the fused step
+        b = x.shape[0]
+        z0, x0, z, xBC, dt = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias).split(
+            [self.d_mlp, self.d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
+        weight = self.conv1d.weight
+        y = ssd_decode_step(xBC, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt,
+                            -torch.exp(self.A_log.to(ssm.dtype)), self._skip(), dt_bias=self.dt_bias,
+                            dt_softplus=True, dt_limit=self.dt_limit)
+        y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
+        if self.d_mlp > 0:
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return rows_linear(y, self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
 
     def mix_step(self, ctx: Mamba2Context, cache: MixerCache) -> Tensor:
         state = cache.state["ssm"]

@@ -7,6 +7,7 @@
 * :func:`toeplitz_mix` — Toeplitz (long convolution) product by FFT; :func:`toeplitz_matrix` its matrix;
 * :func:`depthwise_conv1d` — the blocks' short convolution (optionally with SiLU fused), tiled along time;
 * :func:`gated_rmsnorm` — the blocks' output norm, tiled, with a hand-written backward;
+* :func:`ssd_decode_step` — one decoding step of an SSD-style block (short convolution and state update, fused);
 * :func:`mlr_attention` — MLR softmax attention (Kuang et al. 2025), tiled by shared level, O(L) memory;
 * :func:`local_attention` — sliding-window softmax attention (+ optional global tokens), blocked, O(L * window);
   on CUDA the MLR Triton kernel with the tiles outside the band skipped.
@@ -33,6 +34,7 @@ from ._dispatch import (
     use_backend,
 )
 from .conv import depthwise_conv1d, depthwise_conv1d_flops
+from .decode import ssd_decode_step
 from .local_attention import LocalPlan, local_attention, local_attention_flops
 from .mlr_attention import mlr_attention, mlr_attention_flops
 from .norm import gated_rmsnorm
@@ -65,6 +67,7 @@ __all__ = [
     "toeplitz_mix",
     "depthwise_conv1d",
     "gated_rmsnorm",
+    "ssd_decode_step",
     "chunked_scan_flops",
     "toeplitz_fft_flops",
     "toeplitz_causal_flops",

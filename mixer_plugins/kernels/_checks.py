@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -10,10 +12,11 @@ from ..errors import MixerInputError
 __all__ = ["check", "check_qkv", "check_right_padded_mask"]
 
 
-def check(cond: bool, message: str) -> None:
-    """Raise :class:`MixerInputError` with ``message`` unless ``cond``."""
+def check(cond: bool, message: str | Callable[[], str]) -> None:
+    """Raise :class:`MixerInputError` with ``message`` unless ``cond``; a callable message is formed only then (for
+    the ops called once a token, where formatting every message would cost more than the op)."""
     if not cond:
-        raise MixerInputError(message)
+        raise MixerInputError(message if isinstance(message, str) else message())
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -242,6 +242,10 @@ def _onnx_exporter() -> str | None:
     ``torch.export``), ``"torchscript"`` (``dynamo=False``) or ``None``. Under ``torch.compile`` always ``None``."""
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return None
+    # neither exporter traces (the TorchScript one traces with torch.jit, the dynamo one exports); is_tracing is
+    # public, though torch.jit does not list it
+    if not (torch.jit.is_tracing() or torch.compiler.is_exporting()):  # type: ignore[attr-defined]
+        return None
     if "torch.onnx" not in sys.modules or not torch.onnx.is_in_onnx_export():
         return None
     return "dynamo" if torch.compiler.is_exporting() else "torchscript"

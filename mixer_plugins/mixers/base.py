@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
@@ -569,16 +570,33 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
         x, _ = check_mixer_input(self, x, None, self.dim)
         self._check_cache(cache, x)
         self._refuse_autograd(x)
-        t = x.shape[1]
-        x, bad = causal_nonfinite_guard(x)
-        ctx = self.prepare_step(x, cache)
-        y = self.mix_step(ctx, cache).to(ctx.values.dtype)   # a state of a wider dtype may have widened it
-        out = self.finish(ctx, y)
-        poisoned = (bad | cache.poisoned[:, None]).cummax(dim=1).values
-        cache.poisoned.copy_(poisoned[:, -1])
+        b, t = x.shape[:2]
+        if t == 1:
+            # One token: a non-finite one reaches only its own row (its state, its output), and that row's outputs
+            # are NaN from here on. x - x is NaN exactly where x is not finite (0 elsewhere), so its sum flags the row.
+            flag = (x - x).sum(-1)
+            bad = flag.ne(flag).view(b)
+            out = self.step_tokens(x, cache)
+            poisoned = torch.logical_or(cache.poisoned, bad, out=cache.poisoned)
+            out.masked_fill_(poisoned.view(b, 1, 1), math.nan)
+        else:
+            # Several tokens are mixed together: a non-finite one is zeroed first, so it cannot reach earlier ones.
+            x, bad = causal_nonfinite_guard(x)
+            out = self.step_tokens(x, cache)
+            poisoned = (bad | cache.poisoned[:, None]).cummax(dim=1).values
+            cache.poisoned.copy_(poisoned[:, -1])
+            out = poison_after(out, poisoned)
         cache.lengths.add_(t)
         cache.offset += t
-        return poison_after(out, poisoned)
+        return out
+
+    def step_tokens(self, x: Tensor, cache: MixerCache) -> Tensor:
+        """Outputs (batch, t, dim) of the new tokens ``x``, updating ``cache.state`` in place (:meth:`step` has
+        checked the call, and keeps ``lengths`` and ``poisoned``). The default runs :meth:`prepare_step`,
+        :meth:`mix_step` and :meth:`finish`; a mixer with a fused one-token path overrides it."""
+        ctx = self.prepare_step(x, cache)
+        y = self.mix_step(ctx, cache).to(ctx.values.dtype)   # a state of a wider dtype may have widened it
+        return self.finish(ctx, y)
 
     # -- decoding hooks ------------------------------------------------------------------------------
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,

@@ -19,8 +19,8 @@ tokens; the mixer adds its own state through :meth:`MatrixMixerBlock.init_mixer_
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import ClassVar, Generic, Optional, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..kernels import gated_rmsnorm
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
+from ..kernels.decode import ssd_decode_step
 from ..layers.conv import ShortConv
 from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
@@ -169,6 +170,11 @@ class _ShortConv(ShortConv):
             self._draw_bounded(self.init_bound)
 
 
+def rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` of (rows, in) ``x``, as one ``mm`` without a bias (fewer dispatched ops: a decoding step)."""
+    return torch.mm(x, weight.t()) if bias is None else F.linear(x, weight, bias)
+
+
 class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
     """Base of the structured mixers: the shared block around a per-head L x L matrix.
 
@@ -201,6 +207,9 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         self._conv_groups = groups[:n_conv]
         self._conv_all_activated = all(g.activation for g in self._conv_groups)
         self.out_width = out_width or self.d_inner
+        # in_proj's output split as z, the convolved slice, the other groups
+        self._step_widths = [self.out_width, sum(g.width for g in self._conv_groups)]
+        self._step_widths += [g.width for g in groups[n_conv:]]
         self.in_proj = nn.Linear(config.dim, self.out_width + sum(g.width for g in groups), bias=config.proj_bias)
         conv_width = sum(g.width for g in groups if g.conv)
         self.conv1d = (
@@ -296,9 +305,29 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
 
     def _in_proj_pieces(self, x: Tensor) -> list[Tensor]:
         """in_proj of ``x`` split into ``z``, the convolved slice and the other groups, in that order."""
-        widths = [self.out_width, sum(g.width for g in self._conv_groups)]
-        widths += [g.width for g in self.groups[len(self._conv_groups):]]
-        return list(F.linear(x, self.in_proj.weight, self.in_proj.bias).split(widths, dim=-1))
+        return list(F.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._step_widths, dim=-1))
+
+    def fused_ssd_step(self, x: Tensor, cache: MixerCache, state: str, *, A_log: Tensor | None,
+                       D: Tensor | float | None, steps: Mapping[str, Any] | None = None, bc_order: str = "BC",
+                       scale: float = 1.0) -> Tensor | None:
+        """One token (batch, 1, dim) through the whole block with :func:`~mixer_plugins.kernels.decode.ssd_decode_step`
+        (the short convolution's and the SSD state's updates in one op), for mixers whose convolved groups are the
+        scan's ``x | B | C`` (all activated) and whose only other group is the raw step sizes (``steps``: the op's
+        ``dt_bias``/``dt_softplus``/``dt_limit``) or none (no step sizes). ``A = -exp(A_log)`` (None: no decay).
+
+        Returns None where the cache's states are narrower than the input (the general path then computes in the
+        wider dtype and rounds only what it stores)."""
+        conv, ssm = cache.state["conv"], cache.state[state]
+        if ssm.dtype != x.dtype and ssm.dtype.itemsize <= x.dtype.itemsize:
+            return None
+        b = x.shape[0]
+        z, xbc, *dt = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias).split(self._step_widths, -1)
+        assert self.conv1d is not None and self._conv_all_activated, "a block whose convolved groups are x | B | C"
+        weight = self.conv1d.weight
+        A = None if A_log is None else -torch.exp(A_log.to(ssm.dtype))
+        y = ssd_decode_step(xbc, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt[0] if dt else None,
+                            A, D, bc_order=bc_order, scale=scale, **(steps or {}))  # type: ignore[arg-type]
+        return rows_linear(self.gated_norm(y, z), self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
 
     def fill_cache(self, cache: MixerCache, ctx: BlockCtxT, x: Tensor, lengths: Tensor) -> Tensor:
         if self.conv1d is not None:

@@ -86,6 +86,13 @@ class LowRankMixer(QKMixerBlock):
         cache.state["kv"].copy_(state.detach())
         return self.output_scale() * y + v
 
+    def step_tokens(self, x: Tensor, cache: MixerCache) -> Tensor:
+        if x.shape[1] == 1 and self.data_dependent:   # one token: the fused step (q is the read-out, k the input)
+            out = self.fused_ssd_step(x, cache, "kv", A_log=None, D=1.0, bc_order="CB", scale=self.output_scale())
+            if out is not None:
+                return out
+        return super().step_tokens(x, cache)
+
     def mix_step(self, ctx: BlockQKContext, cache: MixerCache) -> Tensor:
         state = cache.state["kv"]
         # the sum runs in the wider of the state's and the inputs' dtypes (a float32 state accumulates a bf16 model)

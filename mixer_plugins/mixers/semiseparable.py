@@ -113,6 +113,14 @@ class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
         cache.state["ssm"].copy_(state.detach())
         return y
 
+    def step_tokens(self, x: Tensor, cache: MixerCache) -> Tensor:
+        if x.shape[1] == 1:   # one token: the fused step
+            out = self.fused_ssd_step(x, cache, "ssm", A_log=self.ssm.A_log, D=self.ssm.D,
+                                      steps=self.ssm.step_options())
+            if out is not None:
+                return out
+        return super().step_tokens(x, cache)
+
     def mix_step(self, ctx: SSDContext, cache: MixerCache) -> Tensor:
         state = cache.state["ssm"]
         # the scan runs in the wider of the state's and the inputs' dtypes (a float32 state accumulates a bf16 model)

@@ -70,3 +70,53 @@ def test_fullgraph_fails_on_a_graph_break():
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(mixer, fullgraph=True, backend="aot_eager")(torch.randn(1, 5, 16))
+
+
+def _stepping():
+    return [name for name in mp.list_mixers() if mp.get_spec(name).stepping]
+
+
+@pytest.mark.parametrize("name", _stepping())
+def test_step_compiles_with_fullgraph(name):
+    """``torch.compile(mixer.step, fullgraph=True)`` traces a decoding step (cache bookkeeping, in-place state
+    updates) and its steps equal eager ones, the cache included."""
+    import copy
+
+    spec = mp.get_spec(name)
+    options = dict(spec.test_options)
+    if "causal" in spec.config.model_fields:
+        options["causal"] = True
+    torch.manual_seed(0)
+    mixer = spec.build(spec.make_config(32, **options)).eval()
+    cache = mixer.allocate_cache(2, 12)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        mixer.prefill(torch.randn(2, 5, 32, generator=gen), cache)
+        twin = copy.deepcopy(cache)
+        torch._dynamo.reset()
+        compiled = torch.compile(mixer.step, fullgraph=True, backend="eager")
+        for _ in range(3):
+            x = torch.randn(2, 1, 32, generator=gen)
+            torch.testing.assert_close(compiled(x, twin), mixer.step(x, cache), rtol=1e-5, atol=1e-6)
+    for key, tensor in cache.state.items():
+        torch.testing.assert_close(twin.state[key], tensor, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(twin.lengths, cache.lengths)
+
+
+def test_compat_mamba2_step_compiles_with_fullgraph():
+    """The released API's step (``step(hidden_states, conv_state, ssm_state)``) traces as one graph too."""
+    from mixer_plugins.compat import Mamba2
+
+    torch.manual_seed(0)
+    mixer = Mamba2(32, d_state=8, headdim=8, ngroups=2).eval()
+    conv_state, ssm_state = mixer.allocate_inference_cache(2, 0)
+    twin = conv_state.clone(), ssm_state.clone()
+    compiled = torch.compile(mixer.step, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 1, 32)
+            out, *_ = mixer.step(x, conv_state, ssm_state)
+            out_c, *_ = compiled(x, *twin)
+            torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(twin[1], ssm_state, rtol=1e-5, atol=1e-6)

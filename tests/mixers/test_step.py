@@ -273,3 +273,27 @@ def test_the_conv_tail_of_a_short_prompt_starts_from_zeros():
     """With in_proj biases, the convolution's inputs before a row's start are zeros (its padding), not the bias."""
     spec = default_registry.get_spec("semiseparable")
     check_step(MixerHarness(spec=spec, options={"proj_bias": True, "d_conv": 6}))
+
+
+@pytest.mark.parametrize("name", ["semiseparable", "low_rank"])
+def test_one_token_step_is_a_few_ops(name):
+    """A one-token step of the SSD-style mixers is the fused decoding op between the projections: at most 40 aten ops
+    as the profiler records them (views and nested calls included), no value read on the host."""
+    from mixer_plugins.kernels import available_backends
+
+    if "native" not in available_backends("decode", "cpu"):
+        pytest.skip("the native kernels are not built here")
+    torch.manual_seed(0)
+    mixer = mp.create_mixer(name, 256, **({"causal": True} if name == "low_rank" else {})).eval()
+    cache = mixer.allocate_cache(1, 64)
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        mixer.prefill(torch.randn(1, 16, 256), cache)
+        mixer.step(x, cache)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            mixer.step(x, cache)
+    names = [e.name for e in prof.events()]
+    ops = [n for n in names if "::" in n]
+    assert "mixer_plugins_native::ssd_decode" in ops, ops
+    assert len(ops) <= 40, f"{len(ops)} ops: {sorted(set(ops))}"
+    assert "aten::item" not in ops and "aten::_local_scalar_dense" not in ops

@@ -18,9 +18,9 @@ from mixer_plugins.kernels import _dispatch
 from mixer_plugins.kernels._requirements import triton_unavailable
 
 KERNELS = Path(kernels.__file__).parent
-OPS = ("scan", "toeplitz", "conv", "norm", "mlr_attention", "local_attention")
+OPS = ("scan", "toeplitz", "conv", "norm", "mlr_attention", "local_attention", "decode")
 #: the ops with a native (C++) backend, the CPU default where it applies
-NATIVE = {"scan", "conv", "norm"}
+NATIVE = {"scan", "conv", "norm", "decode"}
 
 
 def _module(name: str):

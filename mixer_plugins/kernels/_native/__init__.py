@@ -1,5 +1,6 @@
 """Our native CPU kernels: C++ beside this file (``mlr_attention.cpp``, ``conv.cpp``, ``norm.cpp``, ``scan.cpp``,
-``common.h``), compiled once per machine into one library that registers ``torch.ops.mixer_plugins_native``.
+``decode.cpp``, ``common.h``), compiled once per machine into one library that registers
+``torch.ops.mixer_plugins_native``.
 
 * ``mlr_forward`` / ``mlr_backward``: fused MLR attention, each group of levels at its own score width (the
   ``native`` engine of ``kernels.mlr_attention``'s ``torch`` backend, :mod:`..mlr_attention.native`);
@@ -8,7 +9,9 @@
 * ``norm_forward`` / ``norm_backward``: the gated RMSNorm (the ``native`` backend of ``kernels.gated_rmsnorm``,
   :mod:`..norm.native`);
 * ``scan_forward`` / ``scan_backward``: the chunked (bi)directional scan, every log decay summed over its own tokens
-  (see :mod:`..scan.native`).
+  (see :mod:`..scan.native`);
+* ``ssd_decode``: one decoding step of an SSD-style block, the short convolution's and the state's updates fused
+  (the ``native`` backend of ``kernels.ssd_decode_step``, :mod:`..decode.native`).
 
 Each is called from inside our ``torch.library`` custom ops or autograd Functions, so ``torch.compile``,
 ``torch.export`` and ``FlopCounterMode`` see our registered ops, whichever code runs inside. Outputs are plain
@@ -72,9 +75,10 @@ __all__ = ["CFLAGS", "ENV_VAR", "HEADERS", "LIBRARY", "OPS", "SOURCES", "build_f
 ENV_VAR = "MIXER_PLUGINS_NATIVE"
 #: the ops the library registers under ``torch.ops.mixer_plugins_native``
 OPS = ("mlr_forward", "mlr_backward", "conv_forward", "conv_backward", "norm_forward", "norm_backward", "scan_forward",
-       "scan_backward")
+       "scan_backward", "ssd_decode")
 #: the C++ sources of the library, compiled one object each
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp", "scan.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mlr_attention.cpp", "conv.cpp", "norm.cpp", "scan.cpp",
+                                                                "decode.cpp"))
 #: headers the sources include (part of the build's key)
 HEADERS = (Path(__file__).with_name("common.h"),)
 #: compiler flags besides torch's include folders and its C++ ABI

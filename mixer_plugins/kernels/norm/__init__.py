@@ -47,8 +47,9 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_
     ``backend``: see :mod:`mixer_plugins.kernels`.
     """
     check(y.shape == z.shape,
-          f"gated_rmsnorm: y and z must have the same shape, got {tuple(y.shape)} and {tuple(z.shape)}")
-    check(weight.shape == (y.shape[-1],), f"gated_rmsnorm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
+          lambda: f"gated_rmsnorm: y and z must have the same shape, got {tuple(y.shape)} and {tuple(z.shape)}")
+    check(weight.shape == (y.shape[-1],),
+          lambda: f"gated_rmsnorm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
     args = NormArgs(y=y, z=z, weight=weight, eps=eps, norm_before_gate=norm_before_gate)
     return resolve_backend("norm", backend, y.device, args)(args)
 

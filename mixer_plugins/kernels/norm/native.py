@@ -31,7 +31,7 @@ def _unavailable(device: torch.device, args: Any = None) -> str | None:
 
 
 def _rows(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class _NativeNorm(torch.autograd.Function):
@@ -40,8 +40,8 @@ class _NativeNorm(torch.autograd.Function):
         weight = weight.contiguous()
         ctx.save_for_backward(y, z, weight)
         ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
-        return torch.ops.mixer_plugins_native.norm_forward(_rows(y), _rows(z), weight, eps,
-                                                           norm_before_gate).view(y.shape)
+        out = torch.ops.mixer_plugins_native.norm_forward(_rows(y), _rows(z), weight, eps, norm_before_gate)
+        return out if y.dim() == 2 else out.view(y.shape)
 
     @staticmethod
     @once_differentiable

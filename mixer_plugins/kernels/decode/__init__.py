@@ -1,0 +1,117 @@
+"""One decoding step of an SSD-style block, fused: the short convolution's update and the state update in one op.
+
+For one new token per row, with the rolling convolution state (batch, channels, kernel) and the SSD state (batch,
+heads, head_dim, d_state), both updated in place::
+
+    u      = conv(conv_state <- [conv_state[1:], xbc]) + bias, then SiLU     the new token's x | B | C
+    dt     = clamp(softplus(dt + dt_bias), *dt_limit)                       float32 (or float64), per head
+    state <- exp(A dt) state + dt x B^T                                     per head (B, C of the head's group)
+    y      = scale * state C + D x
+
+what mamba-ssm's ``causal_conv1d_update`` and ``selective_state_update`` do in two kernels. Linear attention is the
+case without step sizes or decay (``dt=None``, ``A=None``: ``state <- state + x B^T``).
+
+Backends: ``reference`` (the formulas as written, batched; never chosen automatically), ``torch`` (the short
+convolution's and the scan's steps as plain ops: any device, what ``torch.compile`` traces), ``native`` (our C++
+kernel: one pass per row; the CPU default), ``triton`` (the CUDA default). Each is a module of this folder that
+registers itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .._checks import check
+from .._dispatch import discover_backends, resolve_backend
+
+__all__ = ["DecodeArgs", "ssd_decode_step"]
+
+
+@dataclass(frozen=True)
+class DecodeArgs:
+    """The arguments of one :func:`ssd_decode_step` call (see there); ``groups`` is derived from the widths."""
+
+    xbc: Tensor
+    conv_state: Tensor
+    conv_weight: Tensor
+    conv_bias: Tensor | None
+    state: Tensor
+    dt: Tensor | None
+    A: Tensor | None
+    D: Tensor | float | None
+    groups: int
+    bc_order: str = "BC"
+    dt_bias: Tensor | None = None
+    dt_softplus: bool = False
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    scale: float = 1.0
+    silu: bool = True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the step computes in: the states' (the inputs are read in it)."""
+        return self.state.dtype
+
+
+def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, state: Tensor,
+                    dt: Tensor | None, A: Tensor | None, D: Tensor | float | None = None, *,
+                    bc_order: Literal["BC", "CB"] = "BC", dt_bias: Tensor | None = None, dt_softplus: bool = False,
+                    dt_limit: tuple[float, float] = (0.0, math.inf), scale: float = 1.0, silu: bool = True,
+                    backend: str | None = None) -> Tensor:
+    """Advance the short convolution's and the SSD state over one new token per row; returns ``y`` (batch,
+    heads * head_dim) in ``xbc``'s dtype. ``conv_state`` and ``state`` are updated in place.
+
+    Args:
+        xbc: (batch, channels) the new token's convolution inputs: ``x`` (heads * head_dim channels), then ``B`` and
+            ``C`` (groups * d_state each, in ``bc_order``). Any row stride (a view into a fused projection).
+        conv_state: (batch, channels, kernel), the last ``kernel`` inputs, oldest first (mamba-ssm's layout).
+        conv_weight: (channels, kernel); conv_bias: (channels,) or None.
+        state: (batch, heads, head_dim, d_state); its dtype is the one the step computes in (a float32 state
+            accumulates a bfloat16 model).
+        dt: (batch, heads) step sizes, raw when ``dt_bias``/``dt_softplus``/``dt_limit`` say so (formed as
+            :func:`~mixer_plugins.kernels.prepare_dt` does); None: every step size 1.
+        A: (heads,) decay rates (negative); None: no decay.
+        D: the skip, (heads,), (heads, head_dim), a number, or None (no skip).
+        bc_order: ``"BC"`` (Mamba-2's in_proj) or ``"CB"`` (read-out vectors first: linear attention's q, k).
+        scale: multiplies the read-out ``state C`` (before the skip is added).
+        silu: SiLU after the convolution.
+        backend: see :mod:`mixer_plugins.kernels`.
+    """
+    # messages formed only on failure: this op runs once a token
+    check(state.dim() == 4,
+          lambda: f"ssd_decode_step: state must be (batch, heads, head_dim, d_state), got {tuple(state.shape)}")
+    b, h, p, n = state.shape
+    check(xbc.dim() == 2 and xbc.shape[0] == b and xbc.stride(-1) == 1,
+          lambda: f"ssd_decode_step: xbc must be (batch={b}, channels) with contiguous channels, got "
+                  f"{tuple(xbc.shape)}")
+    width = xbc.shape[1]
+    groups, rest = divmod(width - h * p, 2 * n)
+    check(width > h * p and rest == 0 and groups > 0 and h % groups == 0,
+          lambda: f"ssd_decode_step: xbc has {width} channels; x needs heads*head_dim = {h * p} and B, C "
+                  f"groups*d_state each (d_state {n}, heads a multiple of groups)")
+    check(conv_weight.dim() == 2 and conv_weight.shape[0] == width,
+          lambda: f"ssd_decode_step: conv_weight must be ({width}, kernel), got {tuple(conv_weight.shape)}")
+    kernel = conv_weight.shape[1]
+    check(conv_state.shape == (b, width, kernel),
+          lambda: f"ssd_decode_step: conv_state must be {(b, width, kernel)}, got {tuple(conv_state.shape)}")
+    check(conv_bias is None or conv_bias.shape == (width,),
+          lambda: f"ssd_decode_step: conv_bias must be ({width},), got {tuple(conv_bias.shape)}")  # type: ignore
+    check(dt is None or dt.shape == (b, h),
+          lambda: f"ssd_decode_step: dt must be {(b, h)}, got {tuple(dt.shape)}")  # type: ignore[union-attr]
+    check(A is None or A.shape == (h,), lambda: f"ssd_decode_step: A must be ({h},), got {tuple(A.shape)}")  # type: ignore
+    check(dt_bias is None or dt_bias.shape == (h,), lambda: f"ssd_decode_step: dt_bias must be ({h},)")
+    check(not isinstance(D, Tensor) or D.shape in ((h,), (h, p)),
+          lambda: f"ssd_decode_step: D must be ({h},) or ({h}, {p}), got {tuple(D.shape)}")  # type: ignore
+    check(bc_order in ("BC", "CB"), lambda: f"ssd_decode_step: bc_order must be 'BC' or 'CB', got {bc_order!r}")
+    args = DecodeArgs(xbc=xbc, conv_state=conv_state, conv_weight=conv_weight, conv_bias=conv_bias, state=state,
+                      dt=dt, A=A, D=D, groups=groups, bc_order=bc_order, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                      dt_limit=(float(dt_limit[0]), float(dt_limit[1])), scale=float(scale), silu=silu)
+    return resolve_backend("decode", backend, xbc.device, args)(args)
+
+
+discover_backends("decode", __name__)
