@@ -1,33 +1,43 @@
-"""MLR attention and sliding-window rows for the GPU script: correctness of the Triton kernels first, then
-forward+backward times of the mixers against ``attention`` (SDPA).
+"""MLR attention and sliding-window rows for the GPU script: forward+backward times of the mixers against
+``attention`` (SDPA), with the targets' verdicts, then the correctness of the Triton kernels.
 
-    python benchmarks/gpu/mlr_rows.py --out DIR            # on a CUDA machine (a few minutes, compiles included)
-    TRITON_INTERPRET=1 python benchmarks/gpu/mlr_rows.py --smoke --out DIR   # CPU dry run, tiny shapes
+    python benchmarks/gpu/mlr_rows.py --out DIR            # on a CUDA machine (a minute, compiles included)
+    TRITON_INTERPRET=1 python benchmarks/gpu/mlr_rows.py --dry --out DIR   # CPU dry run, tiny shapes
 
 Writes ``DIR/mlr_rows.json`` and ``DIR/mlr_rows.md`` (after every row, so a cut run keeps what it measured):
 
+* ``rows``: d_model 768, heads of 64, bf16, 65,536 tokens a batch, L = 16k first (the targets), then 4k,
+  forward+backward (gradients cleared between timed calls), the median of the timed calls: at each length
+  ``mlr_attention`` with its default options and ``sliding_window_attention`` with a window of 512 against
+  bidirectional ``attention``, then ``mlr_attention`` with the paper's levels (causal) against causal ``attention``;
+  each with the ratio and its target's verdict (``targets.py``: MLR <= 2.0x SDPA, stretch 1.3x; the window <= 0.25x
+  at 16k);
+* ``targets``: those verdicts, as ``summary.py`` reads them;
 * ``checks``: the ``triton`` backend of ``kernels.mlr_attention`` (the mixer's default levels, bidirectional and
   padded; the paper's levels, causal) and of ``kernels.local_attention`` (window 512, 4 global tokens) against the
   ``torch`` backend in float32: the largest error of the output and of each gradient, relative to the reference's
-  largest value;
-* ``rows``: d_model 768, heads of 64, bf16, 65,536 tokens a batch, L = 4k and 16k, forward+backward (gradients
-  cleared between timed calls), the median of the timed calls: ``mlr_attention`` with its default options and with
-  the paper's levels (causal), ``sliding_window_attention`` with a window of 512, each with the ``attention`` row it
-  is compared to (same direction) and the ratio, with the GPU targets beside them.
+  largest value.
 
-``benchmarks/gpu/run.sh`` runs this file. Not collected by pytest.
+The step's deadline (``--deadline-at``, ``--budget-s`` or ``MIXER_PLUGINS_GPU_DEADLINE_AT``; ``deadline.py``) is
+checked inside the timing loops and between rows. ``benchmarks/gpu/run.sh`` runs this file. Not collected by pytest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import deadline as deadlines  # noqa: E402  (benchmarks/gpu/deadline.py)
+import targets as target_list  # noqa: E402  (benchmarks/gpu/targets.py)
 
 PAPER_RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
 
@@ -38,9 +48,9 @@ class Setup:
     dtype: torch.dtype = torch.bfloat16
     d_model: int = 768
     head_dim: int = 64
-    tokens: int = 65536
-    lengths: tuple[int, ...] = (4096, 16384)
-    window: int = 512
+    tokens: int = target_list.TOKENS
+    lengths: tuple[int, ...] = (target_list.LONG, target_list.SHORT)   # the targets' long length first
+    window: int = target_list.WINDOW
     reps: int = 10
     check_length: int = 1024
     paper_blocks: int = 512  # the paper's level-1 block (then halving down to 8)
@@ -50,7 +60,7 @@ class Setup:
         return self.d_model // self.head_dim
 
 
-SMOKE = Setup(device="cpu", dtype=torch.float32, d_model=32, head_dim=8, tokens=32, lengths=(16,), window=4, reps=1,
+SMOKE = Setup(device="cpu", dtype=torch.float32, d_model=32, head_dim=8, tokens=32, lengths=(16, 8), window=4, reps=1,
               check_length=24, paper_blocks=8)
 
 
@@ -63,6 +73,7 @@ class Row:
     attention_ms: float | None = None
     ratio: float | None = None
     target: str = ""
+    verdict: str = ""
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -72,16 +83,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+#: the step's deadline (set by main; see deadline.py)
+DEADLINE = deadlines.Deadline()
+
+
 def _median_ms(fn, reps: int, device: str) -> float:
-    fn()  # warm-up (compiles)
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    """The median of up to ``reps`` timed calls after one warm-up (compiles); fewer past the step's deadline."""
+    times, _ = deadlines.timed_calls(fn, warmup=1, iters=reps, deadline=DEADLINE, sync=lambda: _sync(device))
+    return deadlines.median(times)
 
 
 def _paper_ranks(head_dim: int) -> list[int]:
@@ -153,74 +162,119 @@ def _mixer_ms(name: str, length: int, batch: int, setup: Setup, causal: bool | N
     return _median_ms(step, setup.reps, setup.device)
 
 
-def rows(setup: Setup, on_row=None) -> list[Row]:
-    """The timed rows; ``on_row(rows)`` is called after each one."""
-    candidates = [
-        ("mlr_attention defaults", "mlr_attention", None, {}, "<= 2.0 (stretch 1.3)"),
-        ("mlr_attention paper levels, causal", "mlr_attention", True,
-         {"ranks": _paper_ranks(setup.head_dim), "block_sizes": _paper_blocks(setup)}, "<= 2.0 (stretch 1.3)"),
+def rows(setup: Setup, on_row=None, dry: bool = False) -> tuple[list[Row], list[dict]]:
+    """The timed rows, long length first, and the targets' measurements; ``on_row(rows, measurements)`` is called
+    after each row. Past the step's deadline the rows left are reported as not measured."""
+    candidates = [  # (label, mixer, causal, options, target key at the long and the short length)
+        ("mlr_attention defaults", "mlr_attention", None, {}, ("mlr_16k", "mlr_4k")),
         (f"sliding_window_attention w={setup.window}", "sliding_window_attention", None, {"window": setup.window},
-         "<= 0.25 at 16k"),
+         ("window_16k", None)),
+        ("mlr_attention paper levels, causal", "mlr_attention", True,
+         {"ranks": _paper_ranks(setup.head_dim), "block_sizes": _paper_blocks(setup)},
+         ("mlr_paper_16k", "mlr_paper_4k")),
     ]
+    gpu = torch.cuda.get_device_name() if setup.device == "cuda" else None
     out: list[Row] = []
+    measured: list[dict] = []
     attention: dict[tuple[int, bool | None], float] = {}
-    for length in setup.lengths:
+    for index, length in enumerate(setup.lengths):
         batch = max(1, setup.tokens // length)
-        for label, name, causal, options, target in candidates:
-            row = Row(label, length, batch, target=target)
-            try:
-                key = (length, causal)
-                if key not in attention:
-                    attention[key] = _mixer_ms("attention", length, batch, setup, causal)
-                row.attention_ms = round(attention[key], 3)
-                row.ms = round(_mixer_ms(name, length, batch, setup, causal, **options), 3)
-                row.ratio = round(row.ms / row.attention_ms, 3)
-            except Exception as err:
-                row.note = f"{type(err).__name__}: {err}"[:300]
+        for label, name, causal, options, keys in candidates:
+            key = keys[index] if index < len(keys) else None
+            target = target_list.BY_KEY[key] if key else None
+            row = Row(label, length, batch, target=target.bound_text() if target else "")
+            if DEADLINE.passed():
+                row.note = deadlines.NOT_STARTED
+            else:
+                try:
+                    if (length, causal) not in attention:
+                        attention[(length, causal)] = _mixer_ms("attention", length, batch, setup, causal)
+                    row.attention_ms = round(attention[(length, causal)], 3)
+                    row.ms = round(_mixer_ms(name, length, batch, setup, causal, **options), 3)
+                    row.ratio = round(row.ms / row.attention_ms, 3)
+                except Exception as err:
+                    row.note = f"{type(err).__name__}: {err}"[:300]
+                    if setup.device == "cuda":
+                        torch.cuda.empty_cache()
+            if key:
+                m = target_list.measurement(key, row.ratio, note=row.note, dry=dry, gpu=gpu, length=length)
+                row.verdict = m["verdict"] + (" (dry run)" if dry else f" (stretch {m['stretch']})" if m["stretch"]
+                                              else "")
+                measured.append(m)
             out.append(row)
             if on_row is not None:
-                on_row(out)
-    return out
+                on_row(out, measured)
+    return out, measured
 
 
 def _markdown(setup: Setup, check_rows: list[dict], time_rows: list[Row]) -> str:
     lines = [f"# MLR attention on {setup.device} ({str(setup.dtype).removeprefix('torch.')}, d_model {setup.d_model}, "
-             f"heads of {setup.head_dim}, {setup.tokens} tokens a batch)", "", "## checks (triton vs torch, float32)",
-             "", "| case | out | dq | dk | dv | ok |", "|---|---|---|---|---|---|"]
+             f"heads of {setup.head_dim}, {setup.tokens} tokens a batch)", "", "## forward+backward", "",
+             "| mixer | L | batch | ms | attention ms | ratio | target | verdict | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in time_rows:
+        lines.append(f"| {r.name} | {r.length} | {r.batch} | {r.ms if r.ms is not None else '-'} | "
+                     f"{r.attention_ms if r.attention_ms is not None else '-'} | "
+                     f"{r.ratio if r.ratio is not None else '-'} | {r.target} | {r.verdict} | {r.note} |")
+    lines += ["", "## checks (triton vs torch, float32)", "", "| case | out | dq | dk | dv | ok |",
+              "|---|---|---|---|---|---|"]
     for c in check_rows:
         if "error" in c:
             lines.append(f"| {c['case']} | {c['error']} | | | | no |")
         else:
             lines.append(f"| {c['case']} | {c['out']} | {c['dq']} | {c['dk']} | {c['dv']} | "
                          f"{'yes' if c['ok'] else 'no'} |")
-    lines += ["", "## forward+backward", "", "| mixer | L | batch | ms | attention ms | ratio | target | note |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in time_rows:
-        lines.append(f"| {r.name} | {r.length} | {r.batch} | {r.ms if r.ms is not None else '-'} | "
-                     f"{r.attention_ms if r.attention_ms is not None else '-'} | "
-                     f"{r.ratio if r.ratio is not None else '-'} | {r.target} | {r.note} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for mlr_rows.json and mlr_rows.md")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (set TRITON_INTERPRET=1)")
+    parser.add_argument("--dry", "--smoke", dest="dry", action="store_true",
+                        help="tiny shapes on CPU (set TRITON_INTERPRET=1)")
+    parser.add_argument("--deadline-at", type=float, default=None,
+                        help=f"seconds since the epoch after which nothing more is measured (default: "
+                             f"${deadlines.ENV} where set)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds from now after which nothing more is measured")
     args = parser.parse_args(argv)
-    setup = SMOKE if args.smoke else Setup()
+    setup = SMOKE if args.dry else Setup()
+    if not args.dry and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --dry to check the script on the CPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    check_rows = checks(setup)
+    DEADLINE.at = deadlines.Deadline.from_args(args.deadline_at, args.budget_s).at
+    deadlines.interrupt_on_term()
+    info = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(setup).items()}
+    info["gpu"] = torch.cuda.get_device_name() if setup.device == "cuda" else None
+    state: dict = {"rows": [], "targets": [], "checks": []}
 
-    def write(time_rows: list[Row]) -> None:
-        info = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(setup).items()}
+    def write() -> None:
         (args.out / "mlr_rows.json").write_text(json.dumps(
-            {"setup": info, "checks": check_rows, "rows": [asdict(r) for r in time_rows]}, indent=2))
-        (args.out / "mlr_rows.md").write_text(_markdown(setup, check_rows, time_rows))
+            {"setup": info, "rows": [asdict(r) for r in state["rows"]], "targets": state["targets"],
+             "checks": state["checks"]}, indent=2))
+        (args.out / "mlr_rows.md").write_text(_markdown(setup, state["checks"], state["rows"]))
 
-    write([])
-    time_rows = rows(setup, on_row=write)
-    print(_markdown(setup, check_rows, time_rows))
-    return 0 if all(c.get("ok") for c in check_rows) and all(r.ms is not None for r in time_rows) else 1
+    def on_row(time_rows: list[Row], measured: list[dict]) -> None:
+        state["rows"], state["targets"] = list(time_rows), list(measured)
+        r = time_rows[-1]
+        print(f"{r.name} L={r.length}: {r.ms} ms, attention {r.attention_ms} ms, ratio {r.ratio} {r.verdict} {r.note}",
+              flush=True)
+        write()
+
+    write()
+    try:
+        rows(setup, on_row=on_row, dry=args.dry)
+        if DEADLINE.passed():
+            state["checks"] = [{"case": "(all)", "error": deadlines.NOT_STARTED}]
+        else:
+            state["checks"] = checks(setup)
+    except KeyboardInterrupt:   # the step's hard limit (run.sh's timeout): keep what was measured
+        write()
+        print("stopped at the step's limit: the rows left not measured", flush=True)
+        return 130
+    write()
+    print(_markdown(setup, state["checks"], state["rows"]))
+    return 0 if all(c.get("ok") for c in state["checks"]) and all(r.ms is not None for r in state["rows"]) else 1
 
 
 if __name__ == "__main__":

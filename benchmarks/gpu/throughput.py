@@ -1,46 +1,59 @@
 """Throughput tables of the GPU check (run by ``benchmarks/gpu/run.sh``; ``--dry`` runs tiny shapes on the CPU).
 
-Tables, for d_model 768, head dim 64, state 64, bf16, 65,536 tokens per batch, forward and forward+backward (gradients
-taken with ``torch.autograd.grad``, so nothing accumulates between timed calls), with peak memory:
+d_model 768, head dim 64, state 64, bf16, 65,536 tokens per batch unless said otherwise; forward and forward+backward
+(gradients taken with ``torch.autograd.grad`` for a fixed output gradient, so nothing accumulates between timed calls),
+with peak memory. The tables of the check, in run.sh's order (each is one step, with its own deadline):
 
-* ``vit``: a timm ViT-B/16 training step (bf16 autocast, batch 64, AdamW, gradients set to None each step) with
-  attention and with ``mixer='quasi'`` (eager, and under ``torch.compile`` last, as the budget allows);
-* ``launches``: the CUDA kernels one mixer launches forward and backward at ViT-B's sizes (Hydra against attention;
-  ``benchmarks/gpu/launches.py``);
-* ``parts``: where a Hydra mixer's forward+backward time goes at ViT-B's sizes (scan, short conv, norm, projections,
-  the rest as glue), against attention's (projections, SDPA);
-* ``scan``: our fused quasiseparable (``backend="triton"``); the released Hydra's computation (mamba-ssm's causal
-  kernel in one call on the batch doubled with its time-reversed copy, then the shifts and the diagonal) and causal
-  Mamba-2 SSD (mamba-ssm), both at chunk 64 and 256; our chunked PyTorch quasiseparable (``backend="torch"``); SDPA
-  attention (flash) at the same width; L = 4k and 16k first (the targets), then 1k and 64k;
-* ``attention``, ``window`` (not measured by default; ``benchmarks/gpu/mlr_rows.py`` measures MLR and sliding-window
-  attention): ``mlr_attention`` and ``sliding_window_attention`` against ``attention`` (SDPA).
+* ``qs16k``: our fused quasiseparable scan (``backend="triton"``, Hydra's: shift, diagonal, raw dt with softplus) at
+  L = 16k, then SDPA attention (flash) at the same width for reference; forward+backward first;
+* ``vit``: a ViT-B/16 training step (bf16 autocast, batch 64, AdamW, gradients set to None each step), eager: timm's
+  own ``vit_base_patch16_224``, our ``vit_base`` with ``mixer='attention'``, and ``vit_base`` with ``mixer='quasi'``;
+* ``launches``: the CUDA kernels one Hydra mixer launches forward and backward at ViT-B's width, one chunk
+  (197 tokens) and chunked (1024), in float32 and under bf16 autocast, and attention's (``benchmarks/gpu/launches.py``:
+  the profiler on CUDA, the trace in ``--dry``);
+* ``vit_compiled``: the quasi ViT-B/16 step under ``torch.compile`` (inductor);
+* ``mamba``: mamba-ssm at L = 16k, each of its Triton kernels pinned to one config (no autotuning): causal Mamba-2
+  SSD and the released Hydra's computation (mamba-ssm's causal kernel in one call on the batch doubled with its
+  time-reversed copy, then the shifts and the diagonal), at chunk ``targets.MAMBA_CHUNK``.
 
-mamba-ssm is loaded through ``tests/mamba_files.py`` (a wheel without its CUDA extensions). A candidate that cannot run
-here (no mamba-ssm, out of memory) is reported with its reason, never silently dropped. Results go to
-``OUT/throughput.json`` and ``OUT/throughput.md``, rewritten after every row, so a run stopped from outside keeps what
-it measured. ``--budget-s``: once that many seconds have passed, the candidates left are reported as not run.
+Further tables, not run by the check unless asked (``MIXER_PLUGINS_GPU_EXTRAS``): ``parts`` (where a Hydra mixer's
+forward+backward time goes at ViT-B's sizes, against attention's), ``scan`` (the scans at L = 4k, 16k, 1k, 64k: ours,
+mamba-ssm at chunk 64 and 256, our chunked PyTorch scan, SDPA), ``attention`` and ``window`` (``mlr_attention`` and
+``sliding_window_attention`` against ``attention``; ``benchmarks/gpu/mlr_rows.py`` is the check's MLR step).
+
+The values judged against the targets (``benchmarks/gpu/targets.py``) are written beside the rows. mamba-ssm is loaded
+through ``tests/mamba_files.py`` (a wheel without its CUDA extensions). A candidate that cannot run here (no mamba-ssm,
+out of memory) is reported with its reason, never silently dropped. Results go to ``OUT/NAME.json`` and ``OUT/NAME.md``
+(``--name``, default ``throughput``), rewritten after every row, so a run stopped from outside keeps what it measured.
+The step's deadline (``--deadline-at``, ``--budget-s`` or ``MIXER_PLUGINS_GPU_DEADLINE_AT``; ``deadline.py``) is
+checked inside the timing loops and between rows: once it has passed, the rows left are reported as not measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
 import platform
 import sys
-import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+if str(HERE) not in sys.path:   # loaded from its file by benchmarks/test_bench_gpu.py: its siblings' folder
+    sys.path.insert(0, str(HERE))
+
+import deadline as deadlines  # noqa: E402  (benchmarks/gpu/deadline.py)
+import targets as target_list  # noqa: E402  (benchmarks/gpu/targets.py)
 
 
 @dataclass(frozen=True)
@@ -53,24 +66,37 @@ class Setup:
     head_dim: int = 64
     state: int = 64
     expand: int = 2
-    tokens: int = 65_536
-    lengths: tuple[int, ...] = (4096, 16384, 1024, 65536)
-    chunks: tuple[int, ...] = (64, 256)
+    tokens: int = target_list.TOKENS
+    lengths: tuple[int, ...] = (4096, 16384, 1024, 65536)   # the ``scan`` table's
+    long_length: int = target_list.LONG                      # the ``qs16k`` and ``mamba`` tables'
+    chunks: tuple[int, ...] = (64, 256)                      # mamba-ssm's chunks in the ``scan`` table
+    mamba_chunk: int = target_list.MAMBA_CHUNK               # and in the ``mamba`` table
     warmup: int = 2
     iters: int = 5
     vit_batch: int = 64
     vit_kwargs: dict = field(default_factory=dict)
     vit_length: int = 197
+    # the ``launches`` table: one Hydra mixer of width launch_dim (launch_options), one chunk and chunked:
+    # (length, batch, chunk_size or None for the mixer's default); one chunk at the ViT step's batch, whose kernels
+    # the ``vit`` step has compiled
+    launch_dim: int = 768
+    launch_options: dict = field(default_factory=dict)
+    launch_cases: tuple[tuple[int, int, int | None], ...] = ((197, 64, None), (1024, 8, None))
 
     @property
     def heads(self) -> int:
         return self.expand * self.d_model // self.head_dim
 
+    @property
+    def dry(self) -> bool:
+        return self.device == "cpu"
+
 
 GPU = Setup(device="cuda", dtype=torch.bfloat16)
 DRY = Setup(device="cpu", dtype=torch.float32, d_model=32, head_dim=8, state=4, tokens=64, lengths=(16, 32),
-            warmup=0, iters=1, vit_batch=2, vit_length=5,
-            vit_kwargs=dict(img_size=32, patch_size=16, embed_dim=32, depth=1, num_heads=2))
+            long_length=32, mamba_chunk=16, warmup=0, iters=1, vit_batch=2, vit_length=5,
+            vit_kwargs=dict(img_size=32, patch_size=16, embed_dim=32, depth=1, num_heads=2),
+            launch_dim=32, launch_options=dict(head_dim=16, d_state=8), launch_cases=((16, 1, 64), (32, 1, 16)))
 
 
 @dataclass
@@ -81,9 +107,10 @@ class Row:
     batch: int
     mode: str
     ms: float | None = None
-    peak_mib: float | None = None
+    peak_mib: float | None = None        # CUDA: the most allocated during the timed calls, above what was before
     note: str = ""
     flop_ratio: float | None = None  # attention table: the candidate's FLOPs / attention's at the same shape
+    peak_total_mib: float | None = None  # CUDA: the same, inputs included
 
 
 def _sync(device: str) -> None:
@@ -91,23 +118,23 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], object], setup: Setup) -> tuple[float, float | None]:
-    """Median milliseconds of ``fn`` and its peak memory (MiB, CUDA only)."""
-    for _ in range(setup.warmup):
-        fn()
-    _sync(setup.device)
+#: the step's deadline (set by main; see deadline.py)
+DEADLINE = deadlines.Deadline()
+
+
+def timed(fn: Callable[[], object], setup: Setup) -> tuple[float, float | None, float | None, str]:
+    """Median milliseconds of ``fn``, its peak memory above what was allocated before and in all (MiB, CUDA only),
+    and a note when the step's deadline cut the calls short."""
     if setup.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(setup.iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(setup.device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if setup.device == "cuda" else None
-    times.sort()
-    return times[len(times) // 2], peak
+    times, note = deadlines.timed_calls(fn, warmup=setup.warmup, iters=setup.iters, deadline=DEADLINE,
+                                        sync=lambda: _sync(setup.device))
+    peak = total = None
+    if setup.device == "cuda":
+        total = torch.cuda.max_memory_allocated() / 2**20
+        peak = total - base / 2**20
+    return deadlines.median(times), peak, total, note
 
 
 def _scan_inputs(setup: Setup, batch: int, length: int, requires_grad: bool) -> dict:
@@ -131,22 +158,28 @@ def _leaves(inputs: dict) -> list[torch.Tensor]:
 
 def _run(step: Callable[[], torch.Tensor], backward: bool, leaves: list[torch.Tensor] | None = None
          ) -> Callable[[], None]:
-    """``step`` timed as the forward, or as the forward and the gradients of ``leaves`` (``torch.autograd.grad``:
-    nothing accumulates between calls); without ``leaves``, ``backward()`` after setting the grads to None."""
+    """``step`` timed as the forward, or as the forward and the gradients of ``leaves`` for a fixed output gradient
+    (made at the first call; ``torch.autograd.grad``: nothing accumulates between calls); without ``leaves``,
+    ``backward()`` after setting the grads to None."""
+    cotangent: list[torch.Tensor] = []
+
     def fn():
         out = step()
         if not backward:
             return
+        if not cotangent:
+            cotangent.append(torch.randn_like(out))
         if leaves:
-            torch.autograd.grad(out.float().sum(), leaves)
+            torch.autograd.grad(out, leaves, cotangent[0])
             return
-        out.float().sum().backward()
+        out.backward(cotangent[0])
     return fn
 
 
-def _mamba():
+def _mamba(pinned: bool = False):
     """mamba-ssm's ``mamba_chunk_scan_combined``, imported through ``tests/mamba_files.py`` (a wheel built without
-    its CUDA extensions cannot be imported the ordinary way); ImportError says why not."""
+    its CUDA extensions cannot be imported the ordinary way); ImportError says why not. ``pinned``: each of its SSD
+    kernels runs one config, no autotuning (:func:`pin_mamba_autotune`, once)."""
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
     import mamba_files
@@ -154,14 +187,46 @@ def _mamba():
     module = mamba_files.install()
     if module is None:
         raise ImportError("mamba-ssm is not installed")
+    if pinned and not PINNED:
+        pin_mamba_autotune()
     return module.mamba_chunk_scan_combined
 
 
-def released_hydra(inputs: dict, chunk: int) -> torch.Tensor:
+#: the configs pin_mamba_autotune chose, by kernel
+PINNED: dict[str, str] = {}
+
+
+def _pinned_config(configs: list) -> object:
+    """The config a pinned mamba-ssm kernel runs: the first with 64 x 64 tiles (``BLOCK_SIZE_M`` and
+    ``BLOCK_SIZE_N`` where it has them; every matmul kernel of its SSD lists one), else its first."""
+    def tiles_64(config) -> bool:
+        return all(config.kwargs.get(k, 64) == 64 for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N"))
+
+    return next((c for c in configs if tiles_64(c)), configs[0])
+
+
+def pin_mamba_autotune() -> dict[str, str]:
+    """Every autotuned kernel of mamba-ssm's SSD modules keeps one config (:func:`_pinned_config`), so a cold run
+    compiles one specialization per kernel and benchmarks none (its autotuning compiles and times ~110 configs).
+    Returns and records (:data:`PINNED`) what each kernel runs."""
+    from triton.runtime.autotuner import Autotuner
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mamba_ssm.ops.triton.ssd") or module is None:
+            continue
+        for attr, value in vars(module).items():
+            if isinstance(value, Autotuner) and attr not in PINNED:
+                config = _pinned_config(list(value.configs))
+                value.configs = [config]
+                PINNED[attr] = str(config)
+    return PINNED
+
+
+def released_hydra(inputs: dict, chunk: int, pinned: bool = False) -> torch.Tensor:
     """The released Hydra's scan: one call of mamba-ssm's causal kernel on the batch doubled with its time-reversed
     copy (the backward direction's generators), then each half shifted one step, the backward half flipped back, and
     the diagonal added (here the forward generators serve both directions, as in the timed ``quasiseparable``)."""
-    scan = _mamba()
+    scan = inputs["mamba"] if "mamba" in inputs else _mamba(pinned)
     x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
     doubled = [torch.cat([t, t.flip(1)], dim=0) for t in (x, dt, B, C)]
     y = scan(doubled[0], doubled[1], A, doubled[2], doubled[3], chunk, dt_softplus=True)
@@ -171,52 +236,110 @@ def released_hydra(inputs: dict, chunk: int) -> torch.Tensor:
     return y_f + y_b + x * inputs["diag"][..., None]
 
 
-def scan_rows(setup: Setup) -> list[Row]:
+FUSED = "QS fused (ours, triton)"
+SDPA = "SDPA attention"
+
+
+def _released(chunk: int) -> str:
+    return f"released Hydra (mamba-ssm, one call, doubled batch) chunk {chunk}"
+
+
+def _ssd(chunk: int) -> str:
+    return f"causal SSD (mamba-ssm) chunk {chunk}"
+
+
+def _scan_candidates(setup: Setup, batch: int, length: int, backward: bool, which: tuple[str, ...],
+                     chunks: tuple[int, ...], pinned: bool = False) -> dict[str, tuple[Callable, list]]:
+    """name -> (step, leaves) of the scan candidates ``which`` (in that order: ``ours``, ``mamba`` at each of
+    ``chunks``, ``torch``, ``sdpa``) at (batch, length)."""
     from mixer_plugins import kernels
 
-    rows = []
-    for length in setup.lengths:
-        batch = max(1, setup.tokens // length)
-        for mode in ("forward", "forward_backward"):
-            backward = mode == "forward_backward"
-            inputs = _scan_inputs(setup, batch, length, backward)
-            inputs["diag"] = torch.randn(batch, length, setup.heads, device=setup.device).to(setup.dtype)
-            leaves = _leaves(inputs)
+    inputs = _scan_inputs(setup, batch, length, backward)
+    inputs["diag"] = torch.randn(batch, length, setup.heads, device=setup.device).to(setup.dtype)
+    leaves = _leaves(inputs)
 
-            def qs(backend, inputs=inputs):
-                return lambda: kernels.quasiseparable(
-                    inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], diag=inputs["diag"], shift=True,
-                    chunk_size=64, dt_softplus=True, backend=backend)
+    def qs(backend):
+        return lambda: kernels.quasiseparable(
+            inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], diag=inputs["diag"], shift=True,
+            chunk_size=64, dt_softplus=True, backend=backend)
 
-            def ssd(chunk, inputs=inputs):
-                return lambda: _mamba()(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk,
-                                        dt_softplus=True)
+    def ssd(chunk):
+        return lambda: inputs["mamba"](inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk,
+                                       dt_softplus=True)
 
+    candidates: dict[str, tuple[Callable, list]] = {}
+    for kind in which:
+        if kind == "ours":
+            candidates[FUSED] = (qs("triton"), leaves)
+        elif kind == "mamba":
+            try:   # resolved once, outside the timed calls
+                inputs["mamba"] = _mamba(pinned)
+            except ImportError as err:
+                def missing(err=err):
+                    raise err
+                inputs["mamba"] = lambda *args, **kwargs: missing()
+            for chunk in chunks:
+                candidates[_released(chunk)] = (lambda chunk=chunk: released_hydra(inputs, chunk, pinned), leaves)
+                candidates[_ssd(chunk)] = (ssd(chunk), leaves)
+        elif kind == "torch":
+            candidates["QS chunked (ours, torch)"] = (qs("torch"), leaves)
+        elif kind == "sdpa":
             heads_attn = setup.d_model // setup.head_dim
             q = torch.randn(batch, heads_attn, length, setup.head_dim, device=setup.device, dtype=setup.dtype,
                             requires_grad=backward)
+            candidates[SDPA] = (lambda q=q: F.scaled_dot_product_attention(q, q, q), [q] if backward else [])
+    return candidates
 
-            candidates = {"QS fused (ours, triton)": (qs("triton"), leaves)}
-            for chunk in setup.chunks:
-                candidates[f"released Hydra (mamba-ssm, one call, doubled batch) chunk {chunk}"] = (
-                    lambda chunk=chunk, inputs=inputs: released_hydra(inputs, chunk), leaves)
-                candidates[f"causal SSD (mamba-ssm) chunk {chunk}"] = (ssd(chunk), leaves)
-            candidates["QS chunked (ours, torch)"] = (qs("torch"), leaves)
-            candidates["SDPA attention"] = (lambda q=q: F.scaled_dot_product_attention(q, q, q),
-                                            [q] if backward else [])
+
+def _scan_table(table: str, setup: Setup, lengths: tuple[int, ...], modes: tuple[str, ...], which: tuple[str, ...],
+                chunks: tuple[int, ...], pinned: bool = False) -> list[Row]:
+    rows = []
+    for length in lengths:
+        batch = max(1, setup.tokens // length)
+        for mode in modes:
+            backward = mode == "forward_backward"
+            if DEADLINE.passed():   # no inputs made for rows that will not run
+                candidates = {name: (None, None) for name in _scan_names(which, chunks)}
+            else:
+                candidates = _scan_candidates(setup, batch, length, backward, which, chunks, pinned)
             for name, (step, grads_of) in candidates.items():
-                rows.append(_measure("scan", name, length, batch, mode, _run(step, backward, grads_of), setup))
+                fn = _run(step, backward, grads_of) if step is not None else None
+                rows.append(_measure(table, name, length, batch, mode, fn, setup))
+            del candidates
+            if setup.device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
-_DEADLINE: list[float] = []  # time.monotonic() after which nothing more is measured (set by main)
-OVER_BUDGET = "not run: the time budget (--budget-s) was spent"
+def _scan_names(which: tuple[str, ...], chunks: tuple[int, ...]) -> list[str]:
+    names = {"ours": [FUSED], "mamba": [n for c in chunks for n in (_released(c), _ssd(c))],
+             "torch": ["QS chunked (ours, torch)"], "sdpa": [SDPA]}
+    return [n for kind in which for n in names[kind]]
+
+
+def scan_rows(setup: Setup) -> list[Row]:
+    """The ``scan`` table: every scan candidate at each of ``setup.lengths``, forward, then forward+backward."""
+    return _scan_table("scan", setup, setup.lengths, ("forward", "forward_backward"),
+                       ("ours", "mamba", "torch", "sdpa"), setup.chunks)
+
+
+def qs16k_rows(setup: Setup) -> list[Row]:
+    """The fused scan at the long length (16k), then SDPA for reference; forward+backward first (the targets)."""
+    return _scan_table("qs16k", setup, (setup.long_length,), ("forward_backward", "forward"), ("ours", "sdpa"), ())
+
+
+def mamba_rows(setup: Setup) -> list[Row]:
+    """mamba-ssm at the long length, one chunk size, each kernel pinned to one config (no autotuning)."""
+    rows = _scan_table("mamba", setup, (setup.long_length,), ("forward_backward", "forward"), ("mamba",),
+                       (setup.mamba_chunk,), pinned=True)
+    if PINNED:
+        rows.append(_emit(Row("mamba", "(pinned configs)", setup.long_length, 0, "", note="; ".join(
+            f"{k}: {v}" for k, v in sorted(PINNED.items())))))
+    return rows
+
+
 #: called with each row as soon as it is measured (main writes the tables then)
 _ON_ROW: list[Callable[[Row], None]] = []
-
-
-def _over_budget() -> bool:
-    return bool(_DEADLINE) and time.monotonic() > _DEADLINE[0]
 
 
 def _emit(row: Row) -> Row:
@@ -225,13 +348,14 @@ def _emit(row: Row) -> Row:
     return row
 
 
-def _measure(table: str, name: str, length: int, batch: int, mode: str, fn: Callable[[], None], setup: Setup) -> Row:
+def _measure(table: str, name: str, length: int, batch: int, mode: str, fn: Callable[[], None] | None,
+             setup: Setup) -> Row:
     row = Row(table, name, length, batch, mode)
-    if _over_budget():
-        row.note = OVER_BUDGET
+    if fn is None or DEADLINE.passed():
+        row.note = deadlines.NOT_STARTED
         return _emit(row)
     try:
-        row.ms, row.peak_mib = timed(fn, setup)
+        row.ms, row.peak_mib, row.peak_total_mib, row.note = timed(fn, setup)
     except Exception as err:  # report, never drop
         row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
         if setup.device == "cuda":
@@ -283,34 +407,40 @@ def window_rows(setup: Setup) -> list[Row]:
     return rows
 
 
-def _vit(setup: Setup, mixer: str | None):
+#: the ViT-B/16 runs of each table: (label, timm model name, mixer or None, under torch.compile)
+VIT_RUNS: dict[str, tuple[tuple[str, str, str | None, bool], ...]] = {
+    "vit": (("ViT-B/16 attention (timm)", "vit_base_patch16_224", None, False),
+            ("ViT-B/16 attention (vit_base)", "vit_base", "attention", False),
+            ("ViT-B/16 quasi", "vit_base", "quasi", False)),
+    "vit_compiled": (("ViT-B/16 quasi (torch.compile)", "vit_base", "quasi", True),),
+}
+
+
+def _vit(setup: Setup, model_name: str, mixer: str | None):
     import timm
 
     import mixer_plugins  # noqa: F401  (registers our timm names)
 
     kwargs = setup.vit_kwargs or {}
     extra = {"mixer": mixer} if mixer else {}
-    return timm.create_model("vit_base_patch16_224" if not mixer else "vit_base", **extra, **kwargs).to(setup.device)
+    return timm.create_model(model_name, **extra, **kwargs).to(setup.device)
 
 
-def vit_rows(setup: Setup, compiled: bool = True) -> list[Row]:
-    """A timm ViT-B/16 training step with attention and with ``mixer='quasi'`` (eager), then the quasi model under
-    ``torch.compile`` (inductor; compiles first, within the budget)."""
+def _vit_table(table: str, setup: Setup) -> list[Row]:
+    """A ViT-B/16 training step (bf16 autocast on CUDA) for each of ``VIT_RUNS[table]``; a compiled model is
+    compiled by its first (warm-up) call, within the step's deadline."""
     from mixer_plugins import kernels
 
     rows = []
     kwargs = setup.vit_kwargs or {}
     size = kwargs.get("img_size", 224)
     length = (size // kwargs.get("patch_size", 16)) ** 2 + 1
-    runs = [("ViT-B/16 attention", None, False), ("ViT-B/16 quasi", "quasi", False)]
-    if compiled:
-        runs.append(("ViT-B/16 quasi (torch.compile)", "quasi", True))
-    for label, mixer, compile_it in runs:
+    for label, model_name, mixer, compile_it in VIT_RUNS[table]:
         try:
-            if _over_budget():
-                rows.append(_emit(Row("vit", label, length, setup.vit_batch, "train_step", note=OVER_BUDGET)))
+            if DEADLINE.passed():
+                rows.append(_measure(table, label, length, setup.vit_batch, "train_step", None, setup))
                 continue
-            model = _vit(setup, mixer)
+            model = _vit(setup, model_name, mixer)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             # inductor on CUDA; in the dry run (CPU) aot_eager traces the same graphs without C++ code generation
             forward = torch.compile(model, backend="inductor" if setup.device == "cuda" else "aot_eager") \
@@ -327,16 +457,29 @@ def vit_rows(setup: Setup, compiled: bool = True) -> list[Row]:
                 opt.step()
 
             # on CUDA the dispatcher picks the Triton kernels itself; the dry run asks for them (the interpreter)
-            ctx = kernels.use_backend("triton") if setup.device == "cpu" and mixer else contextlib.nullcontext()
+            ctx = kernels.use_backend("triton") if setup.dry and mixer == "quasi" else contextlib.nullcontext()
             with ctx:
-                row = _measure("vit", label, length, setup.vit_batch, "train_step", step, setup)
+                row = _measure(table, label, length, setup.vit_batch, "train_step", step, setup)
             if row.ms:
                 row.note = (row.note + f" {setup.vit_batch / (row.ms / 1e3):.1f} images/s").strip()
+            del model, opt, forward, step
         except Exception as err:
-            row = _emit(Row("vit", label, length, setup.vit_batch, "train_step",
+            row = _emit(Row(table, label, length, setup.vit_batch, "train_step",
                             note=f"{type(err).__name__}: {err}"[:200]))
+        if setup.device == "cuda":
+            torch.cuda.empty_cache()
         rows.append(row)
     return rows
+
+
+def vit_rows(setup: Setup) -> list[Row]:
+    """The eager ViT-B/16 training steps: timm's own model and our ``vit_base`` with attention, then with quasi."""
+    return _vit_table("vit", setup)
+
+
+def vit_compiled_rows(setup: Setup) -> list[Row]:
+    """The quasi ViT-B/16 training step under ``torch.compile`` (inductor on CUDA, aot_eager in ``--dry``)."""
+    return _vit_table("vit_compiled", setup)
 
 
 def _launches():
@@ -361,25 +504,52 @@ def _mixer_at_vit(setup: Setup, name: str) -> tuple[torch.nn.Module, torch.Tenso
     return mixer, x
 
 
+#: the Hydra mixer's launch rows: (candidate, which of Setup.launch_cases, autocast to bf16), then attention's;
+#: bf16 first (what users run, and what the earlier steps compiled)
+LAUNCH_ROWS = (("quasi one chunk bf16 autocast", 0, True), ("quasi chunked bf16 autocast", 1, True),
+               ("quasi one chunk fp32", 0, False), ("quasi chunked fp32", 1, False))
+
+
 def launch_rows(setup: Setup) -> list[Row]:
-    """Kernel launches of one mixer forward and backward at ViT-B's sizes (bf16 autocast on CUDA; the ``ms`` column
-    holds the count): Hydra (``quasi``) against attention. On CUDA from the profiler, in ``--dry`` from the trace."""
+    """Kernel launches of one Hydra mixer (``quasi``) forward and backward at ViT-B's width (the ``ms`` column holds
+    the count), for a sequence of one chunk and a chunked one, in float32 and under bf16 autocast; then attention's
+    (bf16 autocast, one chunk's length). On CUDA from the profiler (the trace's count in the note), in ``--dry`` from
+    the trace (as CI counts)."""
     from mixer_plugins import kernels
 
     launches = _launches()
+    cuda = setup.device == "cuda"
     rows = []
-    for name in ("quasi", "attention"):
-        row = Row("launches", name, setup.vit_length, setup.vit_batch, "forward_backward")
+    cases = [(label, *setup.launch_cases[case], bf16) for label, case, bf16 in LAUNCH_ROWS]
+    cases.append(("attention bf16 autocast", *setup.launch_cases[0][:2], None, True))
+    for label, length, batch, chunk, bf16 in cases:
+        row = Row("launches", label, length, batch, "forward_backward")
+        if DEADLINE.passed():
+            row.note = deadlines.NOT_STARTED
+            rows.append(_emit(row))
+            continue
         try:
-            mixer, x = _mixer_at_vit(setup, name)
-            step = launches.block_step(mixer, x, torch.bfloat16 if setup.device == "cuda" else None)
-            ctx = kernels.use_backend("triton") if setup.device == "cpu" else contextlib.nullcontext()
+            if label.startswith("quasi"):
+                options = dict(setup.launch_options, **({"chunk_size": chunk} if chunk else {}))
+                mixer = launches.hydra_block(setup.launch_dim, **options)
+            else:
+                import mixer_plugins as mp
+
+                mixer = mp.create_mixer("attention", setup.launch_dim, num_heads=setup.launch_dim // 64 or 1)
+            mixer = mixer.to(setup.device)
+            x = torch.randn(batch, length, setup.launch_dim, device=setup.device, requires_grad=True)
+            step = launches.block_step(mixer, x, torch.bfloat16 if bf16 else None)
+            # the dry run asks for the Triton kernels (the interpreter); on CUDA the dispatcher picks them itself
+            ctx = kernels.use_backend("triton") if setup.dry and label.startswith("quasi") else contextlib.nullcontext()
             with ctx:
-                step()   # compile first
-                counts = launches.count_launches(step, profiler=setup.device == "cuda")
+                if cuda:
+                    step()   # compile first
+                counts = launches.count_launches(step, profiler=cuda)
+                traced = launches.count_launches(step) if cuda else counts
             row.ms = float(counts.total)
             top = sorted(counts.by_name.items(), key=lambda kv: -kv[1])[:6]
-            row.note = f"launches (not ms); syncs {counts.syncs}; " + ", ".join(f"{k[:40]} {v}" for k, v in top)
+            row.note = (f"launches (not ms); {'profiler' if cuda else 'trace'}; trace {traced.total}; syncs "
+                        f"{traced.syncs}; " + ", ".join(f"{k[:40]} {v}" for k, v in top))
         except Exception as err:
             row.note = f"{type(err).__name__}: {err}"[:200]
         rows.append(_emit(row))
@@ -477,63 +647,67 @@ def environment(setup: Setup) -> dict:
     return info
 
 
-def _ms(rows: list[Row], candidate: str, length: int | None = None, mode: str = "forward_backward"):
+def _find(rows: list[Row], candidate: str, *, table: str | None = None, length: int | None = None,
+          mode: str = "forward_backward") -> Row | None:
     for r in rows:
-        if r.candidate == candidate and (length is None or r.length == length) and r.mode == mode:
-            return r.ms
+        if (r.candidate.startswith(candidate) and (table is None or r.table == table)
+                and (length is None or r.length == length) and r.mode == mode):
+            return r
     return None
 
 
-def targets(rows: list[Row]) -> list[dict]:
-    """The GPU targets, computed from the rows (asserted by benchmarks/test_bench_gpu.py on a GPU)."""
-    out = []
+def _why(*rows: Row | None) -> str:
+    return "; ".join(f"{r.candidate}: {r.note or 'no value'}" for r in rows if r is not None and r.ms is None)
 
-    def add(target, length, value, bound, held):
-        out.append({"target": target, "length": length, "value": value, "bound": bound, "held": held})
 
-    for length in sorted({r.length for r in rows if r.table == "scan"}):
-        fused = _ms(rows, "QS fused (ours, triton)", length)
-        if not fused:
-            continue
-        if length in (4096, 16384):
-            add("fused QS fwd+bwd <= 5.5 ms", length, fused, 5.5, fused <= 5.5)
-        ssd = [v for c in (64, 256) if (v := _ms(rows, f"causal SSD (mamba-ssm) chunk {c}", length))]
-        if ssd:
-            add("fused QS throughput >= 0.85x one causal SSD pass (mamba-ssm, its better chunk)", length,
-                min(ssd) / fused, 0.85, min(ssd) / fused >= 0.85)
-        released = [v for c in (64, 256)
-                    if (v := _ms(rows, f"released Hydra (mamba-ssm, one call, doubled batch) chunk {c}", length))]
-        if released:
-            add("fused QS fwd+bwd >= 1.5x faster than the released Hydra (better chunk)", length,
-                min(released) / fused, 1.5, min(released) / fused >= 1.5)
-        peak = [r.peak_mib for r in rows if r.candidate == "QS fused (ours, triton)" and r.length == length
-                and r.mode == "forward_backward" and r.peak_mib]
-        if peak and length in (4096, 16384):
-            add("fused QS peak memory fwd+bwd <= 3.5 GB", length, peak[0] / 1024, 3.5, peak[0] / 1024 <= 3.5)
-        sdpa = _ms(rows, "SDPA attention", length)
-        if sdpa and length == 16384:
-            add("fused QS fwd+bwd >= 5x faster than SDPA at 16k", length, sdpa / fused, 5.0, sdpa / fused >= 5.0)
-    attn, quasi = _ms(rows, "ViT-B/16 attention", mode="train_step"), _ms(rows, "ViT-B/16 quasi", mode="train_step")
-    if attn and quasi:
-        add("ViT-B/16 train step quasi / attention <= 2.0 (stretch 1.6)", 197, quasi / attn, 2.0, quasi / attn <= 2.0)
-    compiled = _ms(rows, "ViT-B/16 quasi (torch.compile)", mode="train_step")
-    if compiled and quasi:
-        add("compiled ViT-B/16 quasi step no slower than eager", 197, compiled / quasi, 1.0, compiled <= quasi)
-    hydra_launches = _ms(rows, "quasi")
-    if hydra_launches is not None:
-        add("launches per Hydra mixer fwd+bwd <= 40", 197, hydra_launches, 40, hydra_launches <= 40)
-    for length in (4096, 16384):
-        mlr = [r for r in rows if r.table == "attention" and r.candidate == "mlr_attention" and r.length == length
-               and r.mode == "forward_backward" and r.ms]
-        attention = _ms(rows, "attention", length)
-        if mlr and attention and mlr[0].flop_ratio:
-            # time ratio to SDPA within 1.2x of the FLOP ratio, i.e. (time ratio / FLOP ratio) <= 1.2
-            value = (mlr[0].ms / attention) / mlr[0].flop_ratio
-            add("MLR fwd+bwd time ratio to SDPA <= 1.2x its FLOP ratio", length, value, 1.2, value <= 1.2)
+def targets(rows: list[Row], *, dry: bool = False, gpu: str | None = None) -> list[dict]:
+    """The measurements of the targets (``targets.py``) that these rows bear on, one per target with a related row
+    (its value None, and why, where a row did not run). ``benchmarks/test_bench_gpu.py`` asserts them on a GPU."""
+    out: list[dict] = []
+
+    def add(key: str, value: float | None, note: str, length: int | None) -> None:
+        out.append(target_list.measurement(key, value, note=note, dry=dry, gpu=gpu, length=length))
+
+    def ratio(key: str, num: Row | None, den: Row | None) -> None:
+        if num is None and den is None:
+            return
+        value = num.ms / den.ms if num and den and num.ms and den.ms else None
+        add(key, value, _why(num, den), (num or den).length)
+
+    fused = [r for r in rows if r.candidate == FUSED and r.mode == "forward_backward"
+             and (r.table == "qs16k" or (r.table == "scan" and r.length == target_list.LONG))]
+    if fused:
+        r = fused[0]
+        add("qs16k_ms", r.ms, r.note, r.length)
+        peak = None if r.peak_total_mib is None else r.peak_total_mib * 2**20 / 1e9
+        note = r.note if r.ms is None else (f"{r.peak_mib / 1024:.2f} GiB above the inputs" if peak is not None
+                                             else "no peak memory off CUDA")
+        add("qs16k_peak_gb", peak, note, r.length)
+
+    quasi = _find(rows, "ViT-B/16 quasi", table="vit", mode="train_step")
+    ratio("vit_step_timm", quasi, _find(rows, "ViT-B/16 attention (timm)", mode="train_step"))
+    ratio("vit_step_ours", quasi, _find(rows, "ViT-B/16 attention (vit_base)", mode="train_step"))
+
+    for key, label in (("launches_one_chunk_fp32", "quasi one chunk fp32"),
+                       ("launches_one_chunk_bf16", "quasi one chunk bf16 autocast"),
+                       ("launches_chunked_fp32", "quasi chunked fp32"),
+                       ("launches_chunked_bf16", "quasi chunked bf16 autocast")):
+        r = _find(rows, label, table="launches")
+        if r is not None:
+            add(key, r.ms, _why(r), r.length)
+
+    for key, length in (("mlr_16k", target_list.LONG), ("mlr_4k", target_list.SHORT)):
+        ratio(key, _find(rows, "mlr_attention", table="attention", length=length),
+              _find(rows, "attention", table="attention", length=length))
+    window = _find(rows, "sliding_window_attention", table="window", length=target_list.LONG)
+    if window is not None:
+        ratio("window_16k", window, _find(rows, "attention", table="attention", length=target_list.LONG))
     return out
 
 
-TABLES = ("vit", "launches", "parts", "scan", "attention", "window")
+#: the tables of the GPU check, in run.sh's order, then the others
+CHECK_TABLES = ("qs16k", "vit", "launches", "vit_compiled", "mamba")
+TABLES = (*CHECK_TABLES, "parts", "scan", "attention", "window")
 
 
 def markdown(info: dict, rows: list[Row], checks: list[dict]) -> str:
@@ -548,63 +722,106 @@ def markdown(info: dict, rows: list[Row], checks: list[dict]) -> str:
             ["candidate", "L", "batch", "mode", "ms", "peak MiB", "note"],
             [[r.candidate, r.length, r.batch, r.mode, "-" if r.ms is None else f"{r.ms:.2f}",
               "-" if r.peak_mib is None else f"{r.peak_mib:.0f}", r.note] for r in chosen]), ""]
-    failed = [r for r in rows if r.candidate == "(part failed)"]
+    failed = [r for r in rows if r.candidate in ("(part failed)", "(cut)")]
     if failed:
-        lines += ["## parts that failed", "", *[f"* {r.table}: {r.note}" for r in failed], ""]
+        lines += ["## parts that failed or were cut", "", *[f"* {r.table}: {r.note}" for r in failed], ""]
     if checks:
         lines += ["## targets", "", markdown_table(
-            ["target", "L", "value", "bound", "held"],
-            [[c["target"], c["length"], f"{c['value']:.2f}", c["bound"], c["held"]] for c in checks]), ""]
+            ["target", "L", "value", "bound", "verdict", "stretch", "note"],
+            [[c["target"], c["length"], "-" if c["value"] is None else f"{c['value']:.3g}", c["bound"],
+              c["verdict"] + (" (dry run)" if c["dry"] else ""), c["stretch"], c["note"]] for c in checks]), ""]
     return "\n".join(lines)
 
 
-def write(out: Path, info: dict, rows: list[Row]) -> str:
-    """Writes ``out/throughput.json`` and ``out/throughput.md`` from the rows so far; returns the Markdown."""
-    checks = targets(rows)
-    (out / "throughput.json").write_text(json.dumps(
+def write(out: Path, info: dict, rows: list[Row], name: str = "throughput") -> str:
+    """Writes ``out/NAME.json`` and ``out/NAME.md`` from the rows so far; returns the Markdown."""
+    checks = targets(rows, dry=info.get("device") == "cpu", gpu=info.get("gpu"))
+    (out / f"{name}.json").write_text(json.dumps(
         {"environment": info, "rows": [asdict(r) for r in rows], "targets": checks}, indent=2, default=str))
     text = markdown(info, rows, checks)
-    (out / "throughput.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     return text
+
+
+@contextlib.contextmanager
+def fast_interpreter() -> Iterator[None]:
+    """The Triton interpreter's speed shims of the test suite (``tests/helpers.py``'s ``fast_interpreter``), for
+    ``--dry``: the language is patched once per kernel module instead of on every call, and int32 index operations
+    are not checked for overflow (tiny shapes). Semantics unchanged; a no-op where the interpreter differs."""
+    try:
+        from triton.runtime import interpreter as interp
+        original_patch = interp._patch_lang
+        original_options = interp.interpreter_builder.options
+        fast_options = dataclasses.replace(original_options, sanitize_overflow=False)
+    except (ImportError, AttributeError, TypeError):
+        yield
+        return
+    done: set[int] = set()
+
+    def patch_once(fn):
+        if id(fn.__globals__) not in done:
+            original_patch(fn)
+            done.add(id(fn.__globals__))
+
+    interp._patch_lang = patch_once
+    interp.interpreter_builder.options = fast_options
+    try:
+        yield
+    finally:
+        interp._patch_lang = original_patch
+        interp.interpreter_builder.options = original_options
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="folder for throughput.json and throughput.md")
+    parser.add_argument("--out", required=True, type=Path, help="folder for NAME.json and NAME.md")
+    parser.add_argument("--name", default="throughput", help="the results files' name (default: throughput)")
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
-    parser.add_argument("--tables", default="vit,launches,parts,scan",
-                        help=f"comma-separated tables to measure, in order (default: vit,launches,parts,scan; all: "
+    parser.add_argument("--tables", default=",".join(CHECK_TABLES),
+                        help=f"comma-separated tables to measure, in order (default: {','.join(CHECK_TABLES)}; all: "
                              f"{','.join(TABLES)})")
+    parser.add_argument("--deadline-at", type=float, default=None,
+                        help=f"seconds since the epoch after which nothing more is measured (default: "
+                             f"${deadlines.ENV} where set)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds after which the candidates left are reported as not run")
+                        help="seconds from now after which nothing more is measured")
     args = parser.parse_args(argv)
     if not args.dry and not torch.cuda.is_available():
         parser.error("no CUDA device: use --dry to check the script on the CPU")
     setup = DRY if args.dry else GPU
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.budget_s is not None:
-        _DEADLINE[:] = [time.monotonic() + args.budget_s]
+    DEADLINE.at = deadlines.Deadline.from_args(args.deadline_at, args.budget_s).at
+    deadlines.interrupt_on_term()
     info = environment(setup)
     rows: list[Row] = []
-    parts = {"scan": scan_rows, "attention": attention_rows, "window": window_rows, "vit": vit_rows,
-             "launches": launch_rows, "parts": part_rows}
+    parts = {"qs16k": qs16k_rows, "vit": vit_rows, "launches": launch_rows, "vit_compiled": vit_compiled_rows,
+             "mamba": mamba_rows, "scan": scan_rows, "attention": attention_rows, "window": window_rows,
+             "parts": part_rows}
     chosen = args.tables.split(",")
     unknown = set(chosen) - set(parts)
     if unknown:
         parser.error(f"unknown tables {sorted(unknown)}; choose from {sorted(parts)}")
-    _ON_ROW[:] = [lambda row: (rows.append(row), write(args.out, info, rows),
+    _ON_ROW[:] = [lambda row: (rows.append(row), write(args.out, info, rows, args.name),
                                print(f"{row.table}: {row.candidate} L={row.length} {row.mode}: "
                                      f"{'-' if row.ms is None else f'{row.ms:.3f}'} {row.note}", flush=True))]
-    write(args.out, info, rows)
-    for name in chosen:
-        try:
-            parts[name](setup)
-        except Exception:
-            traceback.print_exc()
-            _emit(Row(name, "(part failed)", 0, 0, "", note=traceback.format_exc(limit=1)[-200:]))
-        print(f"{name}: done", flush=True)
-    text = write(args.out, info, rows)
+    write(args.out, info, rows, args.name)
+    cut = False
+    with fast_interpreter() if args.dry else contextlib.nullcontext():
+        for name in chosen:
+            try:
+                parts[name](setup)
+            except KeyboardInterrupt:   # the step's hard limit (run.sh's timeout): keep what was measured
+                _emit(Row(name, "(cut)", 0, 0, "", note="stopped at the step's limit: the rows left not measured"))
+                cut = True
+                break
+            except Exception:
+                traceback.print_exc()
+                _emit(Row(name, "(part failed)", 0, 0, "", note=traceback.format_exc(limit=1)[-200:]))
+            print(f"{name}: done", flush=True)
+    text = write(args.out, info, rows, args.name)
     print(text)
+    if cut:
+        return 130
     failed_parts = [r for r in rows if r.candidate == "(part failed)"]
     return 1 if failed_parts or any(math.isnan(r.ms) for r in rows if r.ms is not None) else 0
 
