@@ -388,7 +388,7 @@ class Mamba2(MatrixMixer[Mamba2Context]):
             [self.d_mlp, self.d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
         weight = self.conv1d.weight
         y = ssd_decode_step(xBC, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt,
-                            -torch.exp(self.A_log.to(ssm.dtype)), self._skip(), dt_bias=self.dt_bias,
+                            self.A_log, self._skip(), dt_bias=self.dt_bias,
                             dt_softplus=True, dt_limit=self.dt_limit)
         y = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         if self.d_mlp > 0:

@@ -574,10 +574,9 @@ class MatrixMixer(nn.Module, Generic[CtxT]):
         if t == 1:
             # One token: a non-finite one reaches only its own row (its state, its output), and that row's outputs
             # are NaN from here on. x - x is NaN exactly where x is not finite (0 elsewhere), so its sum flags the row.
-            flag = (x - x).sum(-1)
-            bad = flag.ne(flag).view(b)
+            flag = (x - x).sum((1, 2))
             out = self.step_tokens(x, cache)
-            poisoned = torch.logical_or(cache.poisoned, bad, out=cache.poisoned)
+            poisoned = torch.logical_or(cache.poisoned, flag.ne(flag), out=cache.poisoned)
             out.masked_fill_(poisoned.view(b, 1, 1), math.nan)
         else:
             # Several tokens are mixed together: a non-finite one is zeroed first, so it cannot reach earlier ones.

@@ -324,10 +324,12 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         z, xbc, *dt = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias).split(self._step_widths, -1)
         assert self.conv1d is not None and self._conv_all_activated, "a block whose convolved groups are x | B | C"
         weight = self.conv1d.weight
-        A = None if A_log is None else -torch.exp(A_log.to(ssm.dtype))
         y = ssd_decode_step(xbc, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt[0] if dt else None,
-                            A, D, bc_order=bc_order, scale=scale, **(steps or {}))  # type: ignore[arg-type]
-        return rows_linear(self.gated_norm(y, z), self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
+                            A_log, D, bc_order=bc_order, scale=scale, **(steps or {}))  # type: ignore[arg-type]
+        norm = self.norm
+        normed = (gated_rmsnorm(y, z, norm.weight, norm.eps, norm.norm_before_gate) if self.norm_groups == 1
+                  else self.gated_norm(y, z))
+        return rows_linear(normed, self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
 
     def fill_cache(self, cache: MixerCache, ctx: BlockCtxT, x: Tensor, lengths: Tensor) -> Tensor:
         if self.conv1d is not None:

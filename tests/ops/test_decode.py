@@ -16,7 +16,7 @@ from mixer_plugins.kernels.decode import ssd_decode_step
 F64 = torch.float64
 
 
-def naive_step(xbc, conv_state, weight, bias, state, dt, A, D, *, bc_order, dt_bias, dt_softplus, dt_limit, scale,
+def naive_step(xbc, conv_state, weight, bias, state, dt, A_log, D, *, bc_order, dt_bias, dt_softplus, dt_limit, scale,
                silu):
     """One token, written out row by row and head by head in float64: returns (y, conv_state, state)."""
     b, h, p, n = state.shape
@@ -37,7 +37,7 @@ def naive_step(xbc, conv_state, weight, bias, state, dt, A, D, *, bc_order, dt_b
                 step = float(F.softplus(torch.tensor(step, dtype=F64)))
             if dt_limit != (0.0, math.inf):   # the default limits clamp nothing (mamba-ssm's convention)
                 step = min(max(step, dt_limit[0]), dt_limit[1])
-            decay = 1.0 if A is None else math.exp(float(A[head]) * step)
+            decay = 1.0 if A_log is None else math.exp(-math.exp(float(A_log[head])) * step)
             xs = x[head * p:(head + 1) * p]
             Bg, Cg = B[g * n:(g + 1) * n], C[g * n:(g + 1) * n]
             state[row, head] = decay * state[row, head] + step * torch.outer(xs, Bg)
@@ -64,10 +64,10 @@ def make(seed, *, b=2, h=4, p=3, n=5, k=4, groups=2, dtype=F64, state_dtype=None
     weight = (torch.randn(width, k, generator=g, dtype=F64) / 2).to(dtype)
     conv_bias = torch.randn(width, generator=g, dtype=F64).to(dtype) if bias else None
     dt = (torch.randn(b, h, generator=g, dtype=F64) + dt_shift).to(dtype) if decay else None
-    A = (-torch.rand(h, generator=g, dtype=F64) * 8).to(state_dtype) if decay else None
+    A_log = (torch.rand(h, generator=g, dtype=F64) * 4 - 2).to(state_dtype) if decay else None   # A in [-7.4, -0.14]
     D = {"head": torch.randn(h, generator=g, dtype=F64).to(dtype),
          "channel": torch.randn(h, p, generator=g, dtype=F64).to(dtype), "number": 1.0, "none": None}[d]
-    return xbc, conv_state, weight, conv_bias, state, dt, A, D
+    return xbc, conv_state, weight, conv_bias, state, dt, A_log, D
 
 
 CASES = {
@@ -140,8 +140,8 @@ def test_low_precision_inputs_over_a_float32_state():
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-2, atol=1e-2)
     from mixer_plugins.kernels._dispatch import _reason
     from mixer_plugins.kernels.decode import DecodeArgs
-    args = DecodeArgs(xbc=xbc, conv_state=conv_state, conv_weight=weight, conv_bias=bias, state=state, dt=dt, A=A, D=D,
-                      groups=2)
+    args = DecodeArgs(xbc=xbc, conv_state=conv_state, conv_weight=weight, conv_bias=bias, state=state, dt=dt,
+                      A_log=A, D=D, groups=2)
     assert "one dtype" in (_reason("decode", "native", torch.device("cpu"), args) or "")
 
 

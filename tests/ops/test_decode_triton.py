@@ -62,7 +62,7 @@ def _inputs(*, groups=1, dtype=torch.float32, conv_dtype=torch.float32, dt="raw"
         state=_rand(BATCH, h, p, n, seed=seed + 31),
         conv_weight=_rand(width, TAPS, seed=seed + 32, dtype=dtype, scale=0.5),
         conv_bias=_rand(width, seed=seed + 33, dtype=dtype) if bias else None,
-        A=-_rand(h, seed=seed + 34).abs() - 0.1 if A else None, D=skips[D],
+        A_log=_rand(h, seed=seed + 34) if A else None, D=skips[D],
     )
 
 
@@ -73,7 +73,7 @@ def _run_steps(t: dict, backend: str, **options) -> tuple[list[torch.Tensor], to
     pointers = conv_state.data_ptr(), state.data_ptr()
     ys = []
     for xbc, dt in zip(t["xbcs"], t["dts"], strict=True):
-        ys.append(ssd_decode_step(xbc, conv_state, t["conv_weight"], t["conv_bias"], state, dt, t["A"], t["D"],
+        ys.append(ssd_decode_step(xbc, conv_state, t["conv_weight"], t["conv_bias"], state, dt, t["A_log"], t["D"],
                                   backend=backend, **options))
         assert (conv_state.data_ptr(), state.data_ptr()) == pointers
     return ys, conv_state, state
@@ -166,7 +166,7 @@ def test_refuses_float64_with_a_reason():
     xbc32, state32 = t["xbcs"][0], t["state"]
     for xbc, state in ((xbc32, state32.double()), (xbc32.double(), state32)):
         with pytest.raises(BackendUnavailableError, match="float32 at most; float64 inputs run on the torch"):
-            ssd_decode_step(xbc, t["conv_state"], t["conv_weight"], t["conv_bias"], state, t["dts"][0], t["A"],
+            ssd_decode_step(xbc, t["conv_state"], t["conv_weight"], t["conv_bias"], state, t["dts"][0], t["A_log"],
                             t["D"], backend="triton")
 
 
@@ -178,7 +178,7 @@ def test_refuses_kernels_and_states_over_its_limits():
     taps, d_state = decode_triton.MAX_TAPS + 1, decode_triton.MAX_D_STATE + 1
     device = torch.device(DEVICE)
     base = dict(xbc=t["xbcs"][0], conv_state=t["conv_state"], conv_weight=t["conv_weight"], conv_bias=None,
-                state=t["state"], dt=None, A=None, D=None, groups=1)
+                state=t["state"], dt=None, A_log=None, D=None, groups=1)
     assert backend._check(device, DecodeArgs(**base)) is None
     long = dict(base, conv_weight=t["conv_weight"][:, :1].expand(-1, taps))
     assert "taps" in backend._check(device, DecodeArgs(**long))
@@ -213,7 +213,7 @@ def test_compile_fullgraph_sees_one_op_and_updates_the_states():
         return aot_autograd(fw_compiler=fw)(gm, example_inputs)
 
     def step(xbc, conv_state, state, dt):
-        return ssd_decode_step(xbc, conv_state, t["conv_weight"], t["conv_bias"], state, dt, t["A"], t["D"],
+        return ssd_decode_step(xbc, conv_state, t["conv_weight"], t["conv_bias"], state, dt, t["A_log"], t["D"],
                                bc_order="CB", dt_softplus=True, backend="triton")
 
     torch._dynamo.reset()

@@ -3,7 +3,7 @@
 // states the formulas).
 //
 // Per batch row: the convolution over every channel (the state shifted in place, the new input appended), then per
-// head the state rows s <- exp(A dt) s + (dt x_i) B and y_i = scale * s.C + D_i x_i. Rows run in parallel.
+// head the state rows s <- exp(A dt) s + (dt x_i) B (A = -exp(A_log)) and y_i = scale * s.C + D_i x_i. Rows run in parallel.
 // xbc and dt: (batch, width) with contiguous channels (any row stride); conv_state any strides (mamba-ssm allocates
 // it as a transposed view); the other tensors contiguous.
 
@@ -26,7 +26,7 @@ inline T softplus(T v) {
 
 template <typename T>
 void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor& weight, const T* bias,
-                 at::Tensor& state, const T* dt, int64_t dt_stride, const T* A, const T* D, bool d_per_channel,
+                 at::Tensor& state, const T* dt, int64_t dt_stride, const T* A_log, const T* D, bool d_per_channel,
                  double d_scalar, const T* dt_bias, bool softplus_dt, double lo, double hi, double scale,
                  bool silu, bool c_first, at::Tensor& y) {
   const int64_t batch = state.size(0), heads = state.size(1), P = state.size(2), N = state.size(3);
@@ -55,8 +55,9 @@ void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor
         }
         window[(K - 1) * s_k] = xr[c];
         acc += w[K - 1] * xr[c];
-        u[c] = silu ? acc * sigmoid_scalar(acc) : acc;
+        u[c] = acc;
       }
+      if (silu) silu_inplace(u.data(), width);
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t g = h / per_group;
         T step = T(1), decay = T(1);
@@ -65,19 +66,20 @@ void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor
           if (softplus_dt) step = softplus(step);
           if (lo > 0.0 || std::isfinite(hi)) step = std::min(std::max(step, static_cast<T>(lo)), static_cast<T>(hi));
         }
-        if (A) decay = std::exp(A[h] * step);
-        const T* x = u.data() + h * P;
-        const T* Bv = u.data() + b_off + g * N;
-        const T* Cv = u.data() + c_off + g * N;
-        T* s = sp + ((b * heads + h) * P) * N;
-        T* out = yp + (b * heads + h) * P;
-        for (int64_t i = 0; i < P; ++i, s += N) {
+        if (A_log) decay = std::exp(-std::exp(A_log[h]) * step);
+        const T* __restrict x = u.data() + h * P;
+        const T* __restrict Bv = u.data() + b_off + g * N;
+        const T* __restrict Cv = u.data() + c_off + g * N;
+        T* __restrict out = yp + (b * heads + h) * P;
+        for (int64_t i = 0; i < P; ++i) {
+          T* __restrict s = sp + ((b * heads + h) * P + i) * N;
           const T coef = step * x[i];
           T acc = 0;
 #pragma omp simd reduction(+ : acc)
           for (int64_t j = 0; j < N; ++j) {
-            s[j] = s[j] * decay + coef * Bv[j];
-            acc += s[j] * Cv[j];
+            const T v = s[j] * decay + coef * Bv[j];
+            s[j] = v;
+            acc += v * Cv[j];
           }
           const T skip = D ? (d_per_channel ? D[h * P + i] : D[h]) : dsc;
           out[i] = sc * acc + skip * x[i];
@@ -89,7 +91,7 @@ void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor
 
 at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Tensor& weight,
                       const c10::optional<at::Tensor>& bias, at::Tensor state, const c10::optional<at::Tensor>& dt,
-                      const c10::optional<at::Tensor>& A, const c10::optional<at::Tensor>& D, double d_scalar,
+                      const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& D, double d_scalar,
                       const c10::optional<at::Tensor>& dt_bias, bool dt_softplus, double dt_lo, double dt_hi,
                       double scale, bool silu, bool c_first) {
   TORCH_CHECK(state.dim() == 4 && state.is_contiguous() && weight.is_contiguous() && conv_state.dim() == 3,
@@ -98,7 +100,7 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
   const auto type = state.scalar_type();
   auto same = [&](const c10::optional<at::Tensor>& t) { return !t.has_value() || t->scalar_type() == type; };
   TORCH_CHECK(xbc.scalar_type() == type && conv_state.scalar_type() == type && weight.scalar_type() == type &&
-                  same(bias) && same(dt) && same(A) && same(D) && same(dt_bias),
+                  same(bias) && same(dt) && same(A_log) && same(D) && same(dt_bias),
               "native decode: every tensor in the state's dtype");
   TORCH_CHECK(!dt.has_value() || dt->stride(1) == 1, "native decode: dt must have contiguous heads");
   TORCH_CHECK(!D.has_value() || D->is_contiguous(), "native decode: D must be contiguous");
@@ -110,7 +112,7 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
       return t.has_value() ? t->data_ptr<scalar_t>() : nullptr;
     };
     decode_impl<scalar_t>(xbc, conv_state, weight, ptr(bias), state, ptr(dt), dt.has_value() ? dt->stride(0) : 0,
-                          ptr(A), ptr(D), d_per_channel, d_scalar, ptr(dt_bias), dt_softplus, dt_lo, dt_hi, scale,
+                          ptr(A_log), ptr(D), d_per_channel, d_scalar, ptr(dt_bias), dt_softplus, dt_lo, dt_hi, scale,
                           silu, c_first, y);
   });
   return y;
@@ -120,7 +122,7 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
   m.def("ssd_decode(Tensor xbc, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor(b!) state, Tensor? dt, "
-        "Tensor? A, Tensor? D, float d_scalar, Tensor? dt_bias, bool dt_softplus, float dt_lo, float dt_hi, "
+        "Tensor? A_log, Tensor? D, float d_scalar, Tensor? dt_bias, bool dt_softplus, float dt_lo, float dt_hi, "
         "float scale, bool silu, bool c_first) -> Tensor");
 }
 

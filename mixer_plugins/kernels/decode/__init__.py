@@ -5,11 +5,11 @@ heads, head_dim, d_state), both updated in place::
 
     u      = conv(conv_state <- [conv_state[1:], xbc]) + bias, then SiLU     the new token's x | B | C
     dt     = clamp(softplus(dt + dt_bias), *dt_limit)                       float32 (or float64), per head
-    state <- exp(A dt) state + dt x B^T                                     per head (B, C of the head's group)
+    state <- exp(A dt) state + dt x B^T,  A = -exp(A_log)                   per head (B, C of the head's group)
     y      = scale * state C + D x
 
 what mamba-ssm's ``causal_conv1d_update`` and ``selective_state_update`` do in two kernels. Linear attention is the
-case without step sizes or decay (``dt=None``, ``A=None``: ``state <- state + x B^T``).
+case without step sizes or decay (``dt=None``, ``A_log=None``: ``state <- state + x B^T``).
 
 Backends: ``reference`` (the formulas as written, batched; never chosen automatically), ``torch`` (the short
 convolution's and the scan's steps as plain ops: any device, what ``torch.compile`` traces), ``native`` (our C++
@@ -32,7 +32,7 @@ from .._dispatch import discover_backends, resolve_backend
 __all__ = ["DecodeArgs", "ssd_decode_step"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DecodeArgs:
     """The arguments of one :func:`ssd_decode_step` call (see there); ``groups`` is derived from the widths."""
 
@@ -42,7 +42,7 @@ class DecodeArgs:
     conv_bias: Tensor | None
     state: Tensor
     dt: Tensor | None
-    A: Tensor | None
+    A_log: Tensor | None
     D: Tensor | float | None
     groups: int
     bc_order: str = "BC"
@@ -59,7 +59,7 @@ class DecodeArgs:
 
 
 def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, state: Tensor,
-                    dt: Tensor | None, A: Tensor | None, D: Tensor | float | None = None, *,
+                    dt: Tensor | None, A_log: Tensor | None, D: Tensor | float | None = None, *,
                     bc_order: Literal["BC", "CB"] = "BC", dt_bias: Tensor | None = None, dt_softplus: bool = False,
                     dt_limit: tuple[float, float] = (0.0, math.inf), scale: float = 1.0, silu: bool = True,
                     backend: str | None = None) -> Tensor:
@@ -75,7 +75,8 @@ def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_b
             accumulates a bfloat16 model).
         dt: (batch, heads) step sizes, raw when ``dt_bias``/``dt_softplus``/``dt_limit`` say so (formed as
             :func:`~mixer_plugins.kernels.prepare_dt` does); None: every step size 1.
-        A: (heads,) decay rates (negative); None: no decay.
+        A_log: (heads,) the decay rates' logs, ``A = -exp(A_log)`` formed in the step's dtype (float32 or wider);
+            None: no decay.
         D: the skip, (heads,), (heads, head_dim), a number, or None (no skip).
         bc_order: ``"BC"`` (Mamba-2's in_proj) or ``"CB"`` (read-out vectors first: linear attention's q, k).
         scale: multiplies the read-out ``state C`` (before the skip is added).
@@ -103,14 +104,16 @@ def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_b
           lambda: f"ssd_decode_step: conv_bias must be ({width},), got {tuple(conv_bias.shape)}")  # type: ignore
     check(dt is None or dt.shape == (b, h),
           lambda: f"ssd_decode_step: dt must be {(b, h)}, got {tuple(dt.shape)}")  # type: ignore[union-attr]
-    check(A is None or A.shape == (h,), lambda: f"ssd_decode_step: A must be ({h},), got {tuple(A.shape)}")  # type: ignore
+    check(A_log is None or A_log.shape == (h,),
+          lambda: f"ssd_decode_step: A_log must be ({h},), got {tuple(A_log.shape)}")  # type: ignore[union-attr]
     check(dt_bias is None or dt_bias.shape == (h,), lambda: f"ssd_decode_step: dt_bias must be ({h},)")
     check(not isinstance(D, Tensor) or D.shape in ((h,), (h, p)),
           lambda: f"ssd_decode_step: D must be ({h},) or ({h}, {p}), got {tuple(D.shape)}")  # type: ignore
     check(bc_order in ("BC", "CB"), lambda: f"ssd_decode_step: bc_order must be 'BC' or 'CB', got {bc_order!r}")
     args = DecodeArgs(xbc=xbc, conv_state=conv_state, conv_weight=conv_weight, conv_bias=conv_bias, state=state,
-                      dt=dt, A=A, D=D, groups=groups, bc_order=bc_order, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                      dt_limit=(float(dt_limit[0]), float(dt_limit[1])), scale=float(scale), silu=silu)
+                      dt=dt, A_log=A_log, D=D, groups=groups, bc_order=bc_order, dt_bias=dt_bias,
+                      dt_softplus=dt_softplus, dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
+                      scale=float(scale), silu=silu)
     return resolve_backend("decode", backend, xbc.device, args)(args)
 
 

@@ -26,7 +26,7 @@ def _unavailable(device: torch.device, args: Any = None) -> str | None:
     if args.dt is not None and args.dt.stride(-1) != 1:
         return "the native kernel reads dt with contiguous heads"
     tensors = [args.state, args.xbc, args.conv_state, args.conv_weight]
-    tensors += [t for t in (args.conv_bias, args.dt, args.A, args.dt_bias) if t is not None]
+    tensors += [t for t in (args.conv_bias, args.dt, args.A_log, args.dt_bias) if t is not None]
     if isinstance(args.D, Tensor):
         tensors.append(args.D)
     return native_unavailable(device, tensors)
@@ -35,7 +35,7 @@ def _unavailable(device: torch.device, args: Any = None) -> str | None:
 def impl(args: DecodeArgs) -> Tensor:
     D = args.D if isinstance(args.D, Tensor) else None
     return torch.ops.mixer_plugins_native.ssd_decode(
-        args.xbc, args.conv_state, args.conv_weight.contiguous(), args.conv_bias, args.state, args.dt, args.A,
+        args.xbc, args.conv_state, args.conv_weight.contiguous(), args.conv_bias, args.state, args.dt, args.A_log,
         None if D is None else D.contiguous(), 0.0 if D is not None or args.D is None else float(args.D),
         args.dt_bias, args.dt_softplus, args.dt_limit[0], args.dt_limit[1], args.scale, args.silu,
         args.bc_order == "CB")

@@ -36,7 +36,7 @@ def impl(args: DecodeArgs) -> Tensor:
     x = x.view(b, h, p)
     dt = x.new_ones(b, h) if args.dt is None else prepare_dt(args.dt.to(work), args.dt_bias, args.dt_softplus,
                                                              args.dt_limit)
-    decay = torch.ones_like(dt) if args.A is None else torch.exp(args.A.to(work) * dt)
+    decay = torch.ones_like(dt) if args.A_log is None else torch.exp(-torch.exp(args.A_log.to(work)) * dt)
     new = decay[..., None, None] * state + torch.einsum("bh,bhp,bhn->bhpn", dt, x, B)
     state.copy_(new)
     y = args.scale * torch.einsum("bhpn,bhn->bhp", new, C)

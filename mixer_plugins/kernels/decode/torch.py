@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from .._dispatch import Backend, register
@@ -32,7 +33,7 @@ def impl(args: DecodeArgs) -> Tensor:
         dt = x.new_ones(b, 1, h)
     else:
         dt = prepare_dt(args.dt[:, None].to(work), args.dt_bias, args.dt_softplus, args.dt_limit)
-    A = x.new_zeros(h) if args.A is None else args.A.to(work)
+    A = x.new_zeros(h) if args.A_log is None else -torch.exp(args.A_log.to(work))
     y, new = ssd_step(x.view(b, 1, h, p), dt, A, B.view(b, 1, args.groups, n), C.view(b, 1, args.groups, n),
                       state, D=None)
     state.copy_(new)

@@ -21,7 +21,7 @@ def _check(device: torch.device, args: Any = None) -> str | None:
     reason = triton_unavailable(device, args)
     if reason is not None or args is None:
         return reason
-    tensors = [args.xbc, args.conv_state, args.conv_weight, args.conv_bias, args.dt, args.A, args.dt_bias, args.D]
+    tensors = [args.xbc, args.conv_state, args.conv_weight, args.conv_bias, args.dt, args.A_log, args.dt_bias, args.D]
     if any(isinstance(t, Tensor) and t.dtype == torch.float64 for t in tensors):
         return "the Triton kernels compute in float32 at most; float64 inputs run on the torch backend"
     from .triton_kernels import MAX_D_STATE, MAX_TAPS
@@ -38,7 +38,7 @@ def impl(args: DecodeArgs) -> Tensor:
     from .triton_kernels import ssd_decode_step_triton
 
     return ssd_decode_step_triton(args.xbc, args.conv_state, args.conv_weight, args.conv_bias, args.state, args.dt,
-                                  args.A, args.D, bc_order=args.bc_order, dt_bias=args.dt_bias,
+                                  args.A_log, args.D, bc_order=args.bc_order, dt_bias=args.dt_bias,
                                   dt_softplus=args.dt_softplus, dt_limit=args.dt_limit, scale=args.scale,
                                   silu=args.silu)
 

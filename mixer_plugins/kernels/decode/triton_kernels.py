@@ -105,7 +105,7 @@ if triton is not None:
                    HAS_DT: tl.constexpr, HAS_A: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                    CLAMP: tl.constexpr):
         """Head ``h``'s step size ``clamp(softplus(dt + dt_bias), lo, hi)`` (each part optional; 1 without dt) and
-        its decay ``exp(A dt)`` (1 without A), float32."""
+        its decay ``exp(A dt)`` with ``A = -exp(A_log)`` (1 without A_log), float32."""
         if HAS_DT:
             dt = tl.load(dt_ptr + offset64(b, s_dtb) + h * s_dth).to(tl.float32)
             if HAS_DT_BIAS:
@@ -117,7 +117,7 @@ if triton is not None:
         else:
             dt = 1.0
         if HAS_A:
-            decay = tl.exp(tl.load(A_ptr + h * s_A).to(tl.float32) * dt)
+            decay = tl.exp(-tl.exp(tl.load(A_ptr + h * s_A).to(tl.float32)) * dt)
         else:
             decay = 1.0
         return dt, decay
@@ -210,7 +210,7 @@ def _d_mode(D: Optional[Tensor], d_scalar: Optional[float]) -> int:
 
 
 def _decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], state: Tensor,
-                 dt: Optional[Tensor], A: Optional[Tensor], D: Optional[Tensor], d_scalar: Optional[float],
+                 dt: Optional[Tensor], A_log: Optional[Tensor], D: Optional[Tensor], d_scalar: Optional[float],
                  dt_bias: Optional[Tensor], dt_softplus: bool, dt_lo: float, dt_hi: float, scale: float, silu: bool,
                  c_first: bool) -> Tensor:
     """Both launches on checked arguments (:func:`..ssd_decode_step`'s shapes); returns y (batch, heads*head_dim)."""
@@ -230,17 +230,17 @@ def _decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias
     with on_device(xbc.device):
         _decode_step_kernel[grid](
             xbc, conv_state, conv_weight, dummy if conv_bias is None else conv_bias, state,
-            dummy if dt is None else dt, dummy if A is None else A, dummy if D is None else D,
+            dummy if dt is None else dt, dummy if A_log is None else A_log, dummy if D is None else D,
             dummy if dt_bias is None else dt_bias, y,
             h, p, n, k, blocks.pop("NPB"), h // groups, b_off, c_off,
             xbc.stride(0), *conv_state.stride(), *conv_weight.stride(),
             0 if conv_bias is None else conv_bias.stride(0), *state.stride(),
-            *((0, 0) if dt is None else dt.stride()), 0 if A is None else A.stride(0),
+            *((0, 0) if dt is None else dt.stride()), 0 if A_log is None else A_log.stride(0),
             *((0, 0) if D is None else (D.stride(0), D.stride(1) if D.dim() == 2 else 0)),
             0 if dt_bias is None else dt_bias.stride(0), y.stride(0),
             0.0 if d_scalar is None else float(d_scalar), float(dt_lo), float(dt_hi) if dt_hi != math.inf else 3.0e38,
             float(scale),
-            HAS_BIAS=conv_bias is not None, SILU=bool(silu), HAS_DT=dt is not None, HAS_A=A is not None,
+            HAS_BIAS=conv_bias is not None, SILU=bool(silu), HAS_DT=dt is not None, HAS_A=A_log is not None,
             HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), CLAMP=clamp, D_MODE=d_mode, **blocks)
         _roll_windows_kernel[roll_grid](
             xbc, conv_state, width, k, roll_blocks.pop("NCB"), xbc.stride(0), *conv_state.stride(), **roll_blocks)
@@ -251,23 +251,23 @@ def _decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias
 
 @torch.library.custom_op("mixer_plugins::ssd_decode_step_triton", mutates_args=("conv_state", "state"))
 def _decode_op(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], state: Tensor,
-               dt: Optional[Tensor], A: Optional[Tensor], D: Optional[Tensor], d_scalar: Optional[float],
+               dt: Optional[Tensor], A_log: Optional[Tensor], D: Optional[Tensor], d_scalar: Optional[float],
                dt_bias: Optional[Tensor], dt_softplus: bool, dt_lo: float, dt_hi: float, scale: float, silu: bool,
                c_first: bool) -> Tensor:
     """One fused decoding step; updates ``conv_state`` and ``state`` in place, returns y in xbc's dtype."""
-    return _decode_step(xbc, conv_state, conv_weight, conv_bias, state, dt, A, D, d_scalar, dt_bias, dt_softplus,
+    return _decode_step(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, d_scalar, dt_bias, dt_softplus,
                         dt_lo, dt_hi, scale, silu, c_first)
 
 
 @_decode_op.register_fake
-def _decode_op_fake(xbc, conv_state, conv_weight, conv_bias, state, dt, A, D, d_scalar, dt_bias, dt_softplus, dt_lo,
+def _decode_op_fake(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, d_scalar, dt_bias, dt_softplus, dt_lo,
                     dt_hi, scale, silu, c_first):
     b, h, p, _ = state.shape
     return xbc.new_empty(b, h * p)
 
 
 def ssd_decode_step_triton(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
-                           state: Tensor, dt: Optional[Tensor], A: Optional[Tensor],
+                           state: Tensor, dt: Optional[Tensor], A_log: Optional[Tensor],
                            D: Tensor | float | None = None, *, bc_order: str = "BC", dt_bias: Optional[Tensor] = None,
                            dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
                            scale: float = 1.0, silu: bool = True) -> Tensor:
@@ -279,6 +279,6 @@ def ssd_decode_step_triton(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor,
         raise RuntimeError(f"triton ssd_decode_step unavailable: {reason}")
     d_tensor = D if isinstance(D, Tensor) else None
     d_scalar = None if D is None or d_tensor is not None else float(D)
-    return _decode_op(xbc, conv_state, conv_weight, conv_bias, state, dt, A, d_tensor, d_scalar, dt_bias,
+    return _decode_op(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, d_tensor, d_scalar, dt_bias,
                       bool(dt_softplus), float(dt_limit[0]), float(dt_limit[1]), float(scale), bool(silu),
                       bc_order == "CB")

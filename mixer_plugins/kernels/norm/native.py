@@ -40,8 +40,7 @@ class _NativeNorm(torch.autograd.Function):
         weight = weight.contiguous()
         ctx.save_for_backward(y, z, weight)
         ctx.eps, ctx.norm_before_gate = eps, norm_before_gate
-        out = torch.ops.mixer_plugins_native.norm_forward(_rows(y), _rows(z), weight, eps, norm_before_gate)
-        return out if y.dim() == 2 else out.view(y.shape)
+        return _forward(y, z, weight, eps, norm_before_gate)
 
     @staticmethod
     @once_differentiable
@@ -54,7 +53,15 @@ class _NativeNorm(torch.autograd.Function):
                 gw if need_w else None, None, None)
 
 
+def _forward(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    out = torch.ops.mixer_plugins_native.norm_forward(_rows(y), _rows(z), weight, eps, norm_before_gate)
+    return out if y.dim() == 2 else out.view(y.shape)
+
+
 def impl(args: NormArgs) -> Tensor:
+    if not (torch.is_grad_enabled() and (args.y.requires_grad or args.z.requires_grad or args.weight.requires_grad)):
+        # nothing to differentiate (inference, a decoding step): the kernel without the autograd Function's cost
+        return _forward(args.y, args.z, args.weight.contiguous(), float(args.eps), bool(args.norm_before_gate))
     return _NativeNorm.apply(args.y, args.z, args.weight, float(args.eps), bool(args.norm_before_gate))
 
 
