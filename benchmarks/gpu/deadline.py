@@ -15,10 +15,13 @@ import signal
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 ENV = "MIXER_PLUGINS_GPU_DEADLINE_AT"
 #: the note of a row that was not started because the step's deadline had passed
 NOT_STARTED = "not measured: the step's deadline had passed"
+#: a table script's exit status when its deadline left rows not measured (and nothing failed)
+EXIT_CUT = 4
 
 
 class Deadline:
@@ -77,3 +80,10 @@ def interrupt_on_term() -> None:
     background job's children inherit that), so a step cut by ``timeout`` still writes its results and exits."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path.write_text(text)`` that a cut never leaves half written (a temporary file, then renamed)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -249,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     state: dict = {"rows": [], "targets": [], "checks": []}
 
     def write() -> None:
-        (args.out / "mlr_rows.json").write_text(json.dumps(
+        deadlines.write_text(args.out / "mlr_rows.json", json.dumps(
             {"setup": info, "rows": [asdict(r) for r in state["rows"]], "targets": state["targets"],
              "checks": state["checks"]}, indent=2))
-        (args.out / "mlr_rows.md").write_text(_markdown(setup, state["checks"], state["rows"]))
+        deadlines.write_text(args.out / "mlr_rows.md", _markdown(setup, state["checks"], state["rows"]))
 
     def on_row(time_rows: list[Row], measured: list[dict]) -> None:
         state["rows"], state["targets"] = list(time_rows), list(measured)
@@ -274,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     write()
     print(_markdown(setup, state["checks"], state["rows"]))
-    return 0 if all(c.get("ok") for c in state["checks"]) and all(r.ms is not None for r in state["rows"]) else 1
+    cut = deadlines.NOT_STARTED
+    if (any(r.ms is None and r.note != cut for r in state["rows"])
+            or any(not c.get("ok") and c.get("error") != cut for c in state["checks"])):
+        return 1
+    return deadlines.EXIT_CUT if any(r.note == cut for r in state["rows"]) or any(
+        c.get("error") == cut for c in state["checks"]) else 0
 
 
 if __name__ == "__main__":

@@ -103,8 +103,13 @@ record() {  # record NAME STATUS SECONDS LIMIT: a row of steps.tsv, then the sum
   "$PY" "$GPU/summary.py" --out "$OUT" --quiet 2>> "$OUT/summary.log" || true
 }
 
-limit_of() {  # limit_of DEFAULT: the step's limit, at most what is left of the run's (less 10 s: kill and summary)
-  local left=$((TOTAL - (SECONDS - START) - 10))
+left_s() {  # what is left of the run's time, less 10 s for a step's kill and the summary
+  echo $((TOTAL - (SECONDS - START) - 10))
+}
+
+limit_of() {  # limit_of DEFAULT: the step's limit, at most what is left of the run's
+  local left
+  left="$(left_s)"
   if [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi
 }
 
@@ -115,7 +120,7 @@ run_step() {  # run_step NAME LIMIT TAIL COMMAND...: COMMAND under the limit, ou
   limit="$(limit_of "$2")"
   shift 3
   if [ "$IMPORT_OK" != 1 ]; then record "$name" "not run: the import check failed" 0 "$limit"; status=1; return; fi
-  if [ "$limit" -lt 10 ]; then
+  if [ "$(left_s)" -lt 10 ]; then
     record "$name" "not run: the run's time (MIXER_PLUGINS_GPU_TOTAL_S=$TOTAL) was spent" 0 "$limit"
     status=1
     return
@@ -129,6 +134,7 @@ run_step() {  # run_step NAME LIMIT TAIL COMMAND...: COMMAND under the limit, ou
   tail -n "$tail" "$OUT/$name.log" | tee -a "$OUT/log.txt"
   case $rc in
     0) state=done ;;
+    4) state="stopped at its deadline: rows left not measured" ;;   # deadline.EXIT_CUT
     124|130|137) state="cut at its limit ($limit s)" ;;
     *) state="failed (exit $rc)" ;;
   esac

@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import deadline  # noqa: E402  (benchmarks/gpu/deadline.py)
 import targets as target_list  # noqa: E402  (benchmarks/gpu/targets.py)
 
 #: the table scripts' results files, by run.sh step
@@ -264,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     summary = summarize(args.out)
     text = markdown(summary)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (args.out / "summary.md").write_text(text + "\n")
+    deadline.write_text(args.out / "summary.json", json.dumps(summary, indent=2, default=str))
+    deadline.write_text(args.out / "summary.md", text + "\n")
     if not args.quiet:
         print(text)
     return 0

@@ -249,45 +249,63 @@ def _ssd(chunk: int) -> str:
 
 
 def _scan_candidates(setup: Setup, batch: int, length: int, backward: bool, which: tuple[str, ...],
-                     chunks: tuple[int, ...], pinned: bool = False) -> dict[str, tuple[Callable, list]]:
-    """name -> (step, leaves) of the scan candidates ``which`` (in that order: ``ours``, ``mamba`` at each of
-    ``chunks``, ``torch``, ``sdpa``) at (batch, length)."""
+                     chunks: tuple[int, ...], pinned: bool = False
+                     ) -> dict[str, Callable[[], tuple[Callable, list]]]:
+    """name -> a factory of (step, leaves) for the scan candidates ``which`` (in that order: ``ours``, ``mamba`` at
+    each of ``chunks``, ``torch``, ``sdpa``) at (batch, length). Inputs are made when a factory is first called (the
+    scans share theirs; SDPA's are its own), so a row's peak memory holds no later row's inputs and a row past the
+    deadline makes none."""
     from mixer_plugins import kernels
 
-    inputs = _scan_inputs(setup, batch, length, backward)
-    inputs["diag"] = torch.randn(batch, length, setup.heads, device=setup.device).to(setup.dtype)
-    leaves = _leaves(inputs)
+    inputs: dict = {}
+
+    def scan_inputs() -> tuple[dict, list]:
+        if not inputs:
+            inputs.update(_scan_inputs(setup, batch, length, backward))
+            inputs["diag"] = torch.randn(batch, length, setup.heads, device=setup.device).to(setup.dtype)
+            inputs["leaves"] = _leaves(inputs)
+        return inputs, inputs["leaves"]
 
     def qs(backend):
-        return lambda: kernels.quasiseparable(
-            inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], diag=inputs["diag"], shift=True,
-            chunk_size=64, dt_softplus=True, backend=backend)
+        def make():
+            t, leaves = scan_inputs()
+            return (lambda: kernels.quasiseparable(t["x"], t["dt"], t["A"], t["B"], t["C"], diag=t["diag"], shift=True,
+                                                   chunk_size=64, dt_softplus=True, backend=backend)), leaves
+        return make
 
-    def ssd(chunk):
-        return lambda: inputs["mamba"](inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk,
-                                       dt_softplus=True)
+    def mamba(chunk, released):
+        def make():
+            t, leaves = scan_inputs()
+            if "mamba" not in t:
+                try:   # resolved once, outside the timed calls
+                    t["mamba"] = _mamba(pinned)
+                except ImportError as err:
+                    def missing(*args, err=err, **kwargs):
+                        raise err
+                    t["mamba"] = missing
+            if released:
+                return (lambda: released_hydra(t, chunk, pinned)), leaves
+            return (lambda: t["mamba"](t["x"], t["dt"], t["A"], t["B"], t["C"], chunk, dt_softplus=True)), leaves
+        return make
 
-    candidates: dict[str, tuple[Callable, list]] = {}
+    def sdpa():
+        heads_attn = setup.d_model // setup.head_dim
+        q = torch.randn(batch, heads_attn, length, setup.head_dim, device=setup.device, dtype=setup.dtype,
+                        requires_grad=backward)
+        return (lambda: F.scaled_dot_product_attention(q, q, q)), ([q] if backward else [])
+
+    candidates: dict[str, Callable[[], tuple[Callable, list]]] = {}
     for kind in which:
         if kind == "ours":
-            candidates[FUSED] = (qs("triton"), leaves)
+            candidates[FUSED] = qs("triton")
         elif kind == "mamba":
-            try:   # resolved once, outside the timed calls
-                inputs["mamba"] = _mamba(pinned)
-            except ImportError as err:
-                def missing(err=err):
-                    raise err
-                inputs["mamba"] = lambda *args, **kwargs: missing()
             for chunk in chunks:
-                candidates[_released(chunk)] = (lambda chunk=chunk: released_hydra(inputs, chunk, pinned), leaves)
-                candidates[_ssd(chunk)] = (ssd(chunk), leaves)
+                candidates[_released(chunk)] = mamba(chunk, True)
+                candidates[_ssd(chunk)] = mamba(chunk, False)
         elif kind == "torch":
-            candidates["QS chunked (ours, torch)"] = (qs("torch"), leaves)
+            candidates["QS chunked (ours, torch)"] = qs("torch")
         elif kind == "sdpa":
-            heads_attn = setup.d_model // setup.head_dim
-            q = torch.randn(batch, heads_attn, length, setup.head_dim, device=setup.device, dtype=setup.dtype,
-                            requires_grad=backward)
-            candidates[SDPA] = (lambda q=q: F.scaled_dot_product_attention(q, q, q), [q] if backward else [])
+            candidates[SDPA] = sdpa
     return candidates
 
 
@@ -298,23 +316,21 @@ def _scan_table(table: str, setup: Setup, lengths: tuple[int, ...], modes: tuple
         batch = max(1, setup.tokens // length)
         for mode in modes:
             backward = mode == "forward_backward"
-            if DEADLINE.passed():   # no inputs made for rows that will not run
-                candidates = {name: (None, None) for name in _scan_names(which, chunks)}
-            else:
-                candidates = _scan_candidates(setup, batch, length, backward, which, chunks, pinned)
-            for name, (step, grads_of) in candidates.items():
-                fn = _run(step, backward, grads_of) if step is not None else None
+            for name, make in _scan_candidates(setup, batch, length, backward, which, chunks, pinned).items():
+                fn = None
+                if not DEADLINE.passed():
+                    try:
+                        step, grads_of = make()
+                        fn = _run(step, backward, grads_of)
+                    except Exception as err:   # inputs that do not fit: the row says so
+                        rows.append(_emit(Row(table, name, length, batch, mode,
+                                              note=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")))
+                        continue
                 rows.append(_measure(table, name, length, batch, mode, fn, setup))
-            del candidates
+            fn = make = None   # this mode's inputs freed before the next mode's are made
             if setup.device == "cuda":
                 torch.cuda.empty_cache()
     return rows
-
-
-def _scan_names(which: tuple[str, ...], chunks: tuple[int, ...]) -> list[str]:
-    names = {"ours": [FUSED], "mamba": [n for c in chunks for n in (_released(c), _ssd(c))],
-             "torch": ["QS chunked (ours, torch)"], "sdpa": [SDPA]}
-    return [n for kind in which for n in names[kind]]
 
 
 def scan_rows(setup: Setup) -> list[Row]:
@@ -736,10 +752,10 @@ def markdown(info: dict, rows: list[Row], checks: list[dict]) -> str:
 def write(out: Path, info: dict, rows: list[Row], name: str = "throughput") -> str:
     """Writes ``out/NAME.json`` and ``out/NAME.md`` from the rows so far; returns the Markdown."""
     checks = targets(rows, dry=info.get("device") == "cpu", gpu=info.get("gpu"))
-    (out / f"{name}.json").write_text(json.dumps(
+    deadlines.write_text(out / f"{name}.json", json.dumps(
         {"environment": info, "rows": [asdict(r) for r in rows], "targets": checks}, indent=2, default=str))
     text = markdown(info, rows, checks)
-    (out / f"{name}.md").write_text(text)
+    deadlines.write_text(out / f"{name}.md", text)
     return text
 
 
@@ -823,7 +839,9 @@ def main(argv: list[str] | None = None) -> int:
     if cut:
         return 130
     failed_parts = [r for r in rows if r.candidate == "(part failed)"]
-    return 1 if failed_parts or any(math.isnan(r.ms) for r in rows if r.ms is not None) else 0
+    if failed_parts or any(math.isnan(r.ms) for r in rows if r.ms is not None):
+        return 1
+    return deadlines.EXIT_CUT if any(r.note == deadlines.NOT_STARTED for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_past_the_deadline_the_rows_left_are_not_measured(tmp_path):
     result = subprocess.run([sys.executable, str(GPU / "throughput.py"), "--out", str(tmp_path), "--dry",
                              "--tables", "qs16k,launches", "--name", "cut"], env=env, capture_output=True, text=True,
                             timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == deadline.EXIT_CUT, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "cut.json").read_text())
     assert data["rows"] and all(r["ms"] is None and r["note"] == deadline.NOT_STARTED for r in data["rows"])
     assert data["targets"] and all(m["value"] is None and m["verdict"] == targets.NOT_MEASURED
