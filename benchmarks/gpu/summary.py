@@ -233,6 +233,8 @@ def markdown(summary: dict) -> str:
                                                      if env.get("capability") else "")
             + f"; Python {env.get('python', '?')}; " + ", ".join(f"{k} {versions.get(k) or 'missing'}"
                                                               for k in ("torch", "triton", "timm", "mamba-ssm")))
+    if summary["gpu"] and not summary["dry"] and "H100" not in summary["gpu"]:
+        head += f"  \nThe targets must hold on an H100; these verdicts are on {summary['gpu']}."
     if env.get("problem"):
         head += f"\n\nIMPORT CHECK FAILED: {env['problem']}"
     held = [r for r in summary["targets"] if r["verdict"] == target_list.HELD]
