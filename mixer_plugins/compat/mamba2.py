@@ -384,7 +384,7 @@ class Mamba2(MatrixMixer[Mamba2Context]):
             return super().step_tokens(x, cache)
         # one token, in the states' dtype (at least as wide as the input's): the fused step
         b = x.shape[0]
-        z0, x0, z, xBC, dt = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias).split(
+        z0, x0, z, xBC, dt = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias).split_with_sizes(
             [self.d_mlp, self.d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
         weight = self.conv1d.weight
         y = ssd_decode_step(xBC, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt,

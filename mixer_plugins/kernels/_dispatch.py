@@ -269,7 +269,7 @@ def resolve_backend(op: str, backend: str | None, device: torch.device | str, ar
         raise BackendUnavailableError(
             f"op {op!r} cannot be exported by torch.onnx.export(..., dynamo=False), the TorchScript-based exporter; "
             "export with dynamo=True (the default), which traces standard ops only (see docs/onnx.md)")
-    device = torch.device(device)
+    device = device if isinstance(device, torch.device) else torch.device(device)
     if backend is None:
         preferred = getattr(_local, "backend", None) or os.environ.get(ENV_VAR) or None
         if preferred is not None:

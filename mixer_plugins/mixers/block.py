@@ -321,7 +321,8 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         if ssm.dtype != x.dtype and ssm.dtype.itemsize <= x.dtype.itemsize:
             return None
         b = x.shape[0]
-        z, xbc, *dt = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias).split(self._step_widths, -1)
+        proj = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias)
+        z, xbc, *dt = proj.split_with_sizes(self._step_widths, dim=-1)
         assert self.conv1d is not None and self._conv_all_activated, "a block whose convolved groups are x | B | C"
         weight = self.conv1d.weight
         y = ssd_decode_step(xbc, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt[0] if dt else None,
