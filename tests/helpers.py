@@ -279,9 +279,10 @@ def assert_train_and_eval_match(module: nn.Module, inputs: tuple, loss_fn, *, fu
 
 # -- the Triton interpreter -----------------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_interpreter():
-    """Test-speed shims for the triton 3.5 interpreter (semantics unchanged); a module imports this fixture to use it.
+@contextlib.contextmanager
+def interpreter_shims() -> Iterator[None]:
+    """Test-speed shims for the triton 3.5 interpreter (semantics unchanged): the :func:`fast_interpreter` fixture of
+    the Triton test modules, and the GPU script's ``--dry`` tables.
 
     * it re-patches ``triton.language`` on every device-function call (``tl.sum``, ``tl.cumsum``, ...); the
       patch is permanent and idempotent, so it is done once per kernel module;
@@ -310,3 +311,10 @@ def fast_interpreter():
     finally:
         interp._patch_lang = original_patch
         interp.interpreter_builder.options = original_options
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_interpreter():
+    """The speed shims of :func:`interpreter_shims` around every test module that imports this fixture."""
+    with interpreter_shims():
+        yield

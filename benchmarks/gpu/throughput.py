@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import math
@@ -761,31 +760,14 @@ def write(out: Path, info: dict, rows: list[Row], name: str = "throughput") -> s
 
 @contextlib.contextmanager
 def fast_interpreter() -> Iterator[None]:
-    """The Triton interpreter's speed shims of the test suite (``tests/helpers.py``'s ``fast_interpreter``), for
-    ``--dry``: the language is patched once per kernel module instead of on every call, and int32 index operations
-    are not checked for overflow (tiny shapes). Semantics unchanged; a no-op where the interpreter differs."""
-    try:
-        from triton.runtime import interpreter as interp
-        original_patch = interp._patch_lang
-        original_options = interp.interpreter_builder.options
-        fast_options = dataclasses.replace(original_options, sanitize_overflow=False)
-    except (ImportError, AttributeError, TypeError):
-        yield
-        return
-    done: set[int] = set()
+    """The Triton interpreter's speed shims of the test suite (``tests/helpers.py``'s ``interpreter_shims``), for
+    ``--dry``: semantics unchanged, a no-op where the interpreter differs."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import helpers
 
-    def patch_once(fn):
-        if id(fn.__globals__) not in done:
-            original_patch(fn)
-            done.add(id(fn.__globals__))
-
-    interp._patch_lang = patch_once
-    interp.interpreter_builder.options = fast_options
-    try:
+    with helpers.interpreter_shims():
         yield
-    finally:
-        interp._patch_lang = original_patch
-        interp.interpreter_builder.options = original_options
 
 
 def main(argv: list[str] | None = None) -> int:
