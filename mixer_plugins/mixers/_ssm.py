@@ -9,8 +9,8 @@ data-dependent diagonal ``D + W_D x``; ``D``/``fc_D``/``A_log``/``dt_bias`` keep
 Most of a Hydra block's time is the two-direction scan, then ``in_proj``; the glue here is kept to a few small ops
 per forward: the scan op receives the raw step-size projections (two strided views of in_proj's output) with
 ``dt_bias`` and ``dt_limit`` and forms the step sizes itself, in float32 (inside the kernels on the GPU), as mamba-ssm
-does; ``A = -exp(A_log)`` is formed in float32; the diagonal ``W_D x + D`` is one fused multiply-add (``D`` rides as
-the bias of the product).
+does, and likewise ``A = -exp(A_log)`` from ``A_log`` (the bidirectional block passes ``A_log``); the diagonal
+``W_D x + D`` is one fused multiply-add (``D`` rides as the bias of the product).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import math
 from typing import Annotated, Any, ClassVar, Literal, Optional, TypedDict
 
 import torch
-import torch.nn.functional as F
 from pydantic import AllowInfNan, Field, model_validator
 from torch import Tensor, nn
 
@@ -152,12 +151,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 @dataclasses.dataclass(eq=False, kw_only=True)
 class ScanContext(BlockContext):
     """Generators of a two-direction scan: per direction ``dt_f``/``dt_b`` (b, L, h) as the scan op takes them and
-    ``B``/``C`` (b, L, groups, N); one ``A`` (h,); the optional diagonal ``diag`` (b, L, h); ``x`` the value heads.
-    ``steps``: how the op turns ``dt_f``/``dt_b`` into step sizes (the raw projections with ``dt_bias``, softplus and
-    ``dt_limit``), or None when they are the step sizes already; :meth:`step_sizes` gives the step sizes."""
+    ``B``/``C`` (b, L, groups, N); one ``A_log`` (h,) (:attr:`A` the rates ``-exp(A_log)``); the optional diagonal
+    ``diag`` (b, L, h); ``x`` the value heads. ``steps``: how the op turns ``dt_f``/``dt_b`` into step sizes (the raw
+    projections with ``dt_bias``, softplus and ``dt_limit``), or None when they are the step sizes already;
+    :meth:`step_sizes` gives the step sizes."""
 
     x: Tensor
-    A: Tensor
+    A_log: Tensor
     dt_f: Tensor
     dt_b: Tensor
     steps: StepOptions | None
@@ -166,6 +166,11 @@ class ScanContext(BlockContext):
     B_b: Tensor
     C_b: Tensor
     diag: Tensor | None = None
+
+    @property
+    def A(self) -> Tensor:
+        """The decay rates ``-exp(A_log)`` (float32 for half-precision ``x``), as the scan op forms them."""
+        return -torch.exp(self.A_log.to(compute_dtype(self.x.dtype)))
 
     def step_sizes(self) -> tuple[Tensor, Tensor]:
         """Both directions' step sizes (float32 or wider), as the scan op forms them."""
@@ -259,10 +264,12 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
             dt_f = dt_b = x.new_zeros(b, length, self.scan_heads)  # time-invariant steps: softplus(dt_bias)
         diag = None
         if self.fc_D is not None and self.ssm.D is not None:  # use_diag
-            # diag = W_D x + D as one fused multiply-add (D is the bias of the product)
-            diag = F.linear(parts["x"], self.fc_D.weight, self.ssm.D.to(x.dtype))
+            # diag = W_D x + D as one fused multiply-add (D is the bias of the product; the tokens flattened into the
+            # rows of a view, as F.linear would only for a contiguous x, which a slice of the conv's output is not)
+            rows = parts["x"].flatten(0, 1)
+            diag = torch.addmm(self.ssm.D.to(x.dtype), rows, self.fc_D.weight.t()).unflatten(0, (b, length))
         values = torch.cat([x, x], dim=2) if self.combine == "concat" else x
-        return ScanContext(values=values, mask=mask, x=x, A=self.ssm.A(x.dtype), dt_f=dt_f, dt_b=dt_b,
+        return ScanContext(values=values, mask=mask, x=x, A_log=self.ssm.A_log, dt_f=dt_f, dt_b=dt_b,
                            steps=self.ssm.step_options(), B_f=B_f, C_f=C_f, B_b=B_b, C_b=C_b, diag=diag)
 
     # -- the matrix and the fast path ---------------------------------------------------------------
@@ -286,12 +293,12 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
         steps: dict[str, Any] = dict(ctx.steps or {})
         if self.combine == "sum":
             return quasiseparable(
-                x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, dt_bwd=ctx.dt_b, B_bwd=ctx.B_b, C_bwd=ctx.C_b,
+                x, ctx.dt_f, None, ctx.B_f, ctx.C_f, A_log=ctx.A_log, dt_bwd=ctx.dt_b, B_bwd=ctx.B_b, C_bwd=ctx.C_b,
                 diag=ctx.diag, shift=self.shift, chunk_size=self.chunk_size, **steps,
             )
-        y_f = directional_scan(x, ctx.dt_f, ctx.A, ctx.B_f, ctx.C_f, shift=self.shift, chunk_size=self.chunk_size,
-                               **steps)
-        y_b = directional_scan(x, ctx.dt_b, ctx.A, ctx.B_b, ctx.C_b, reverse=True, shift=self.shift,
+        y_f = directional_scan(x, ctx.dt_f, None, ctx.B_f, ctx.C_f, A_log=ctx.A_log, shift=self.shift,
+                               chunk_size=self.chunk_size, **steps)
+        y_b = directional_scan(x, ctx.dt_b, None, ctx.B_b, ctx.C_b, A_log=ctx.A_log, reverse=True, shift=self.shift,
                                chunk_size=self.chunk_size, **steps)
         if self.combine == "product":
             return y_f * y_b

@@ -51,6 +51,13 @@ def run_scan(args: ScanArgs, backend: str | None = None) -> Tensor | tuple[Tenso
     return resolve_backend("scan", backend, args.x.device, args)(args)
 
 
+def _rates(name: str, A: Tensor | None, A_log: Tensor | None) -> Tensor:
+    """The tensor a direction carries as its ``A``: ``A``, or ``A_log`` (then :attr:`ScanArgs.A_is_log`); exactly one
+    of the two."""
+    check((A is None) != (A_log is None), f"{name}: pass A or A_log (A = -exp(A_log)), exactly one")
+    return A if A is not None else A_log  # type: ignore[return-value]
+
+
 def _run_scan_output(args: ScanArgs, backend: str | None) -> Tensor:
     """:func:`run_scan` of ``args`` that ask for no final state: the output alone."""
     out = run_scan(args, backend)
@@ -123,11 +130,11 @@ def ssd(
 
 
 def quasiseparable(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *,
+    x: Tensor, dt: Tensor, A: Tensor | None, B: Tensor, C: Tensor, *,
     dt_bwd: Tensor | None = None, B_bwd: Tensor | None = None, C_bwd: Tensor | None = None,
     A_bwd: Tensor | None = None, diag: Tensor | None = None, shift: bool = True, chunk_size: int = 64,
     dt_bias: Tensor | None = None, dt_softplus: bool = False, dt_limit: DtLimit = (0.0, math.inf),
-    seq_idx: Tensor | None = None, backend: str | None = None,
+    seq_idx: Tensor | None = None, A_log: Tensor | None = None, backend: str | None = None,
 ) -> Tensor:
     """Bidirectional scan: ``y = lower(x) + upper(x) + diag * x`` with a quasiseparable matrix.
 
@@ -142,8 +149,12 @@ def quasiseparable(
     seq_idx (b, l) integer segment ids of packed sequences: a new segment starts wherever the id changes along
     the row ([0, 0, 1, 1, 0, 0] is three segments; a reused id is a new segment); tokens interact only within a
     segment (neither the scans nor the shift cross one). The same in every backend.
+    ``A_log`` (h,), in place of ``A`` (then None) for both directions: ``A = -exp(A_log)``, formed in float32 (or
+    wider) by every backend, inside the kernels on the ``triton`` one (no ``A_bwd`` with it).
     ``backend``: see :mod:`mixer_plugins.kernels`.
     """
+    A = _rates("quasiseparable", A, A_log)
+    check(A_log is None or A_bwd is None, "quasiseparable: A_bwd cannot be combined with A_log")
     b, l, h = check_generators("quasiseparable", x, dt, A, B, C)[:3]
     backward = Direction(dt if dt_bwd is None else dt_bwd, A if A_bwd is None else A_bwd,
                          B if B_bwd is None else B_bwd, C if C_bwd is None else C_bwd)
@@ -155,28 +166,33 @@ def quasiseparable(
     check(chunk_size > 0, f"quasiseparable: chunk_size must be positive, got {chunk_size}")
     args = ScanArgs(x=x, forward=Direction(dt, A, B, C), backward=backward, diag=diag,
                     seq_idx=check_seq_idx("quasiseparable", seq_idx, b, l, x.device), shift=shift,
-                    chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+                    chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                    A_is_log=A_log is not None)
     return _run_scan_output(args, backend)
 
 
 def directional_scan(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, reverse: bool = False, shift: bool = False,
+    x: Tensor, dt: Tensor, A: Tensor | None, B: Tensor, C: Tensor, *, reverse: bool = False, shift: bool = False,
     chunk_size: int = 64, dt_bias: Tensor | None = None, dt_softplus: bool = False,
-    dt_limit: DtLimit = (0.0, math.inf), seq_idx: Tensor | None = None, backend: str | None = None,
+    dt_limit: DtLimit = (0.0, math.inf), seq_idx: Tensor | None = None, A_log: Tensor | None = None,
+    backend: str | None = None,
 ) -> Tensor:
     """One scan direction: the causal SSD (``reverse=False``) or its mirror image at original positions,
     ``flip(SS(flip x))`` (``reverse=True``); ``shift=True`` moves it one step off the diagonal (Hydra).
 
     Shapes as :func:`quasiseparable`; ``seq_idx`` (b, l) as there: a new segment starts wherever the id changes
-    along the row ([0, 0, 1, 1, 0, 0] is three segments), and no scan or shift crosses a segment start.
+    along the row ([0, 0, 1, 1, 0, 0] is three segments), and no scan or shift crosses a segment start. ``A_log``
+    in place of ``A`` as there.
     ``backend``: see :mod:`mixer_plugins.kernels`.
     """
+    A = _rates("directional_scan", A, A_log)
     b, l, *_ = check_generators("directional_scan", x, dt, A, B, C)
     check(chunk_size > 0, f"directional_scan: chunk_size must be positive, got {chunk_size}")
     direction = Direction(dt, A, B, C)
     args = ScanArgs(x=x, forward=None if reverse else direction, backward=direction if reverse else None,
                     seq_idx=check_seq_idx("directional_scan", seq_idx, b, l, x.device), shift=shift,
-                    chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+                    chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                    A_is_log=A_log is not None)
     return _run_scan_output(args, backend)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,9 +71,11 @@ class ScanArgs:
     or :func:`~mixer_plugins.kernels.directional_scan`, checked, as every backend of the ``scan`` op receives them.
 
     ``forward`` / ``backward``: the directions (raw ``dt``); ``dt_bias``, ``dt_softplus``, ``dt_limit`` say how
-    ``dt`` becomes a step size (:func:`prepare_dt`, the same for both directions). ``D`` (h,) or (h, p) and ``z``
-    (b, l, h, p) are SSD's skip and ``silu(z)`` gate, applied after the scan; ``return_final_state``: also return the
-    forward direction's state after the last token."""
+    ``dt`` becomes a step size (:func:`prepare_dt`, the same for both directions); ``A_is_log``: each direction's
+    ``A`` holds ``A_log`` and the decay rates are ``-exp(A_log)``, formed in the compute dtype (float32 for half
+    precision; inside the kernels on the ``triton`` backend, :meth:`with_rates` for backends that take ``A``).
+    ``D`` (h,) or (h, p) and ``z`` (b, l, h, p) are SSD's skip and ``silu(z)`` gate, applied after the scan;
+    ``return_final_state``: also return the forward direction's state after the last token."""
 
     x: Tensor
     forward: Direction | None = None
@@ -88,6 +91,7 @@ class ScanArgs:
     D: Tensor | None = None
     z: Tensor | None = None
     return_final_state: bool = False
+    A_is_log: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,12 +117,34 @@ class ScanArgs:
             if d is None:
                 return None
             dt = prepare_dt(d.dt, self.dt_bias, self.dt_softplus, self.dt_limit)
-            return Direction(dt=dt.to(compute), A=d.A.to(compute), B=up(d.B), C=up(d.C))
+            return Direction(dt=dt.to(compute), A=self._rate(d.A, compute), B=up(d.B), C=up(d.C))
 
         diag = up_optional(self.skip_as_diag(self.diag))
         return ScanInputs(x=up(self.x), forward=prepared(self.forward), backward=prepared(self.backward), diag=diag,
                           seq_idx=self.seq_idx, initial_state=up_optional(self.initial_state), shift=self.shift,
                           chunk_size=self.chunk_size)
+
+    def _rate(self, A: Tensor, dtype: torch.dtype) -> Tensor:
+        """A direction's decay rates in ``dtype``: ``A`` itself, or ``-exp(A_log)`` when :attr:`A_is_log`."""
+        return -torch.exp(A.to(dtype)) if self.A_is_log else A.to(dtype)
+
+    def with_rates(self) -> ScanArgs:
+        """These arguments with ``A`` in every direction (``-exp(A_log)`` in float32 or wider when
+        :attr:`A_is_log`; one tensor for a log both directions share), for backends that take ``A`` itself."""
+        if not self.A_is_log:
+            return self
+        dtype = torch.float32 if self.x.dtype in (torch.float16, torch.bfloat16) else self.x.dtype
+        rates: dict[int, Tensor] = {}
+
+        def formed(d: Direction | None) -> Direction | None:
+            if d is None:
+                return None
+            if id(d.A) not in rates:
+                rates[id(d.A)] = self._rate(d.A, dtype)
+            return dataclasses.replace(d, A=rates[id(d.A)])
+
+        return dataclasses.replace(self, forward=formed(self.forward), backward=formed(self.backward),
+                                   A_is_log=False)
 
     def skip_as_diag(self, diag: Tensor | None) -> Tensor | None:
         """``diag`` with a per-head skip ``D`` (h,) added: the scan then adds ``D x`` in place (a view, no copy)."""

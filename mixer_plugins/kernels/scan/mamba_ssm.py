@@ -85,6 +85,7 @@ def _direction(args: ScanArgs, d: Direction, *, reverse: bool) -> Tensor:
 
 
 def impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
+    args = args.with_rates()
     d = args.forward
     if _causal_ssd(args):
         assert d is not None

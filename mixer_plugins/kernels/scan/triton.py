@@ -9,8 +9,9 @@ Two kernel families, chosen by shape (never by values):
   the keys with both directions' decays, the shift and the diagonal, and no states at all;
 * :mod:`.triton_kernels` — the chunked scan with its state passes, for everything else.
 
-Both take the raw step sizes and prepare them inside the kernels (``dt_bias``, softplus, ``dt_limit``), read every
-input through its strides, and return gradients in the inputs' dtypes.
+Both take the raw step sizes and prepare them inside the kernels (``dt_bias``, softplus, ``dt_limit``), and ``A_log``
+where the op was given it (``A = -exp(A_log)`` formed inside the kernels), read every input through its strides, and
+return gradients in the inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ def impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
         from .triton_one_chunk import scan_one_chunk
 
         y = scan_one_chunk(args.x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, args.seq_idx, shift=args.shift,
-                           dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
+                           dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit,
+                           a_log=args.A_is_log)
         return args.finish(y, None)
     from .triton_kernels import scan_triton
 
     out = scan_triton(args.x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, args.seq_idx, args.initial_state,
                       shift=args.shift, chunk_size=args.chunk_size, return_final_state=args.return_final_state,
-                      dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
+                      dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit, a_log=args.A_is_log)
     if isinstance(out, tuple):
         return args.finish(*out)
     return args.finish(out, None)

@@ -182,6 +182,15 @@ if triton is not None:
         return tl.where(ok, v, 0.0), tl.where(ok, grad, 0.0)
 
     @triton.jit
+    def _rate(A_ptr, h, A_LOG: tl.constexpr):
+        """Head ``h``'s decay rate ``A`` in float32: read as it is, or formed from ``A_log`` as ``-exp(A_log)``
+        (``A_LOG``; then ``dA_log = A dA``)."""
+        v = tl.load(A_ptr + h).to(tl.float32)
+        if A_LOG:
+            v = -tl.exp(v)
+        return v
+
+    @triton.jit
     def _pick(d: tl.constexpr, forward, backward):
         """``forward`` for direction 0, ``backward`` for direction 1 (chosen when the kernel is compiled)."""
         if d == 0:
@@ -396,7 +405,7 @@ if triton is not None:
         sdb, sdl, sdh, sbb, sbl, sbg, bias_ptr, seg_ptr, st_ptr, lg_ptr, cb_ptr, dtc_ptr,
         BATCH, L, H, G, P, N, NC, Q, lo, hi,
         HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, HAS_BIAS: tl.constexpr,
-        SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, A_LOG: tl.constexpr, SHIFT: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_P: tl.constexpr,
         EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
@@ -428,7 +437,7 @@ if triton is not None:
                 h = g * HG + hh
                 dt, unused = _step(_at(dt_ptr, b, t0, h, sdb, sdl, sdh), offs_q, ok, sdl, bias_ptr, h, lo, hi,
                                    HAS_BIAS, SOFTPLUS, CLAMP)
-                a = dt * tl.load(A_ptr + h).to(tl.float32)
+                a = dt * _rate(A_ptr, h, A_LOG)
                 vbase = ((slot * BATCH + b) * H + h) * L + t0
                 tl.store(dtc_ptr + vbase + offs_q, dt, mask=ok)
                 tl.store(dtc_ptr + plane + vbase + offs_q, a, mask=ok)
@@ -600,12 +609,13 @@ if triton is not None:
         dx, x, dy, seg, seg_first, seg_last, dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, sdb, sdl, sdh,
         sbb, sbl, sbg, bias_ptr, cb_ptr, ds_ptr, dtc_ptr, rr_ptr, dlg_ptr, ddtf_ptr, ddtb_ptr, b, c, h, g, t0, rem,
         plane, BATCH, L, H, G, N, NC, Q, NBLK, lo, hi, d: tl.constexpr, D0: tl.constexpr, HAS_SEG: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, A_LOG: tl.constexpr, SHIFT: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
         """:func:`_dx_kernel`'s share of direction ``d`` in one chunk and head: ``dx`` with this direction's terms
-        added, the sum of its raw step-size gradients (stored here, in dt's dtype) and its partial of dA."""
+        added, the sum of its raw step-size gradients (stored here, in dt's dtype) and its partial of dA (of
+        ``A_log`` with ``A_LOG``)."""
         offs_q = tl.arange(0, BLOCK_Q)
         offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
@@ -638,8 +648,10 @@ if triton is not None:
             gdt = tl.where(ok, 1.0, 0.0)
         rr = tl.load(rr_ptr + ((slot * BATCH + b) * L + t0) * H + h + offs_q * H, mask=ok, other=0.0)
         dlg = tl.sum(tl.load(dlg_ptr + sbase * NBLK + offs_k, mask=offs_k < NBLK, other=0.0), 0)
-        A = tl.load(_pick(d, Af_ptr, Ab_ptr) + h).to(tl.float32)
+        A = _rate(_pick(d, Af_ptr, Ab_ptr), h, A_LOG)
         ddt, dA = _dt_grads(d, dt, gdt, A, kd, pairs, rr, val, ws_raw, dlg, ok, SHIFT)
+        if A_LOG:
+            dA *= A
         ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
         tl.store(ddt_ptr + (b * L + t0) * H + h + offs_q * H, ddt.to(ddt_ptr.dtype.element_ty), mask=ok)
         return dx, tl.sum(ddt, 0), dA
@@ -652,8 +664,8 @@ if triton is not None:
         dx_ptr, ddiag_ptr, ddtf_ptr, ddtb_ptr, part_ptr,
         BATCH, L, H, G, P, N, NC, Q, NBLK, lo, hi,
         HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
-        SHARED_A: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, A_LOG: tl.constexpr,
+        SHIFT: tl.constexpr, SHARED_A: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_P: tl.constexpr, EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
@@ -690,8 +702,8 @@ if triton is not None:
             dx, ddt_sum, dA = _dx_direction(
                 dx, x, dy, seg, seg_first, seg_last, dtf_ptr, Af_ptr, Bf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, sdb, sdl, sdh,
                 sbb, sbl, sbg, bias_ptr, cb_ptr, ds_ptr, dtc_ptr, rr_ptr, dlg_ptr, ddtf_ptr, ddtb_ptr, b, c, h, g, t0,
-                rem, plane, BATCH, L, H, G, N, NC, Q, NBLK, lo, hi, d, D0, HAS_SEG, HAS_BIAS, SOFTPLUS, CLAMP, SHIFT,
-                BLOCK_Q, BLOCK_P, BLOCK_N, BLOCK_K, EVEN_N, DOT)
+                rem, plane, BATCH, L, H, G, N, NC, Q, NBLK, lo, hi, d, D0, HAS_SEG, HAS_BIAS, SOFTPLUS, CLAMP, A_LOG,
+                SHIFT, BLOCK_Q, BLOCK_P, BLOCK_N, BLOCK_K, EVEN_N, DOT)
             if SHARED_A:   # one A for both directions: one gradient
                 dA_both += dA
             else:
@@ -881,7 +893,7 @@ class _Call:
     """What every launch of one scan shares: the present directions, the flags, the geometry, the strides."""
 
     def __init__(self, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
-                 softplus, shift, chunk_size):
+                 softplus, shift, chunk_size, a_log=False):
         self.has_f, self.has_b = dt_f is not None, dt_b is not None
         self.ndirs = int(self.has_f) + int(self.has_b)
         ref_B = B_f if self.has_f else B_b
@@ -901,7 +913,7 @@ class _Call:
                              f"({self.geo.Q}) passes 2^31; use a smaller chunk_size or the torch backend")
         clamp = dt_lo > 0.0 or dt_hi != math.inf
         self.lo_hi = (float(dt_lo), float(dt_hi) if dt_hi != math.inf else 3.0e38)
-        self.prep = dict(HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(softplus), CLAMP=bool(clamp))
+        self.prep = dict(HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(softplus), CLAMP=bool(clamp), A_LOG=bool(a_log))
         self.flags = dict(HG=H // self.geo.groups, D0=0 if self.has_f else 1, D1=2 if self.has_b else 1,
                           HAS_SEG=seg is not None, SHIFT=bool(shift))
         self.blocks = self.geo.blocks(x.dtype)
@@ -943,12 +955,12 @@ def _padded(t: Tensor, pad: tuple[int, int]) -> Tensor:
 
 
 def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-              chunk_size, return_final):
+              chunk_size, return_final, a_log=False):
     """Forward pass: (y, the passed states (directions, b, NC, h, BLOCK_P, BLOCK_N), log carries (directions, b, NC,
     h), ``C~ B^T`` (directions, b, NC, g, BLOCK_Q, BLOCK_Q), prepared step sizes, their log decays ``A dt`` and the
     read-outs' log weights (3, directions, b, h, L), the final state (b, h, p, n) float32 or an empty tensor)."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-              chunk_size)
+              chunk_size, a_log)
     geo, blocks = k.geo, k.blocks
     bsz, L, H, G, P, N, NC, Q = geo.dims
     BQ, (BP, BN) = blocks["BLOCK_Q"], k.pad
@@ -979,12 +991,12 @@ def _scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_b
 
 
 def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
-              shift, chunk_size, st, lg, cb, dtc, need_dinit):
+              shift, chunk_size, st, lg, cb, dtc, need_dinit, a_log=False):
     """Backward pass: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, partials], each gradient in its
     input's dtype (an empty tensor for an absent input); ``partials`` (b * NC, 3, h) float32 hold per-chunk sums of
     dA forward, dA backward and d dt_bias."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-              chunk_size)
+              chunk_size, a_log)
     geo, blocks = k.geo, k.blocks
     bsz, L, H, G, P, N, NC, Q = geo.dims
     BP, BN = k.pad
@@ -1040,20 +1052,20 @@ def _qs_op(
     x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor],
     dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor],
     diag: Optional[Tensor], init: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor],
-    dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int, return_final: bool,
+    dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int, return_final: bool, a_log: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Fused scan forward: (y, passed states (directions, b, NC, h, p, n), log carries (directions, b, NC, h),
     ``C~ B^T`` (directions, b, NC, g, Q, Q), prepared step sizes, their log decays ``A dt`` and the read-outs' log
     weights (3, directions, b, h, L), final state (b, h, p, n) or an empty tensor). ``dt_*`` are raw step sizes,
     prepared in the kernels as ``clamp(softplus?(dt + dt_bias), dt_lo, dt_hi)``; the two directions' generators share
-    dtypes."""
+    dtypes. ``a_log``: ``A_f``/``A_b`` hold ``A_log`` (``A = -exp(A_log)`` formed in the kernels)."""
     return tuple(_scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi,
-                           softplus, shift, chunk_size, return_final))
+                           softplus, shift, chunk_size, return_final, a_log))
 
 
 @_qs_op.register_fake
 def _qs_op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus,
-                shift, chunk_size, return_final):
+                shift, chunk_size, return_final, a_log=False):
     bsz, L, H, P = x.shape
     ref_B = B_f if B_f is not None else B_b
     geo = ScanGeometry(bsz, L, H, ref_B.shape[2], P, ref_B.shape[3], chunk_size)
@@ -1074,18 +1086,18 @@ def _qs_bwd_op(
     B_f: Optional[Tensor], C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor],
     B_b: Optional[Tensor], C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor],
     dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int,
-    states: Tensor, lg: Tensor, cb: Tensor, dtc: Tensor, need_dinit: bool,
+    states: Tensor, lg: Tensor, cb: Tensor, dtc: Tensor, need_dinit: bool, a_log: bool = False,
 ) -> list[Tensor]:
     """Fused scan backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, partials] in the inputs' dtypes
     (dinit float32; an empty tensor for each absent input); ``partials`` (b * NC, 3, h) float32: per-chunk sums of dA
     forward, dA backward and d dt_bias, summed by the caller."""
     return _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
-                     softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit)
+                     softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit, a_log)
 
 
 @_qs_bwd_op.register_fake
 def _qs_bwd_op_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
-                    softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit):
+                    softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit, a_log=False):
     def like(t):
         return x.new_empty(0) if t is None else t.new_empty(t.shape)
 
@@ -1101,10 +1113,11 @@ _INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag"
 
 def _qs_setup_context(ctx, inputs, output):
     (x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-     chunk_size, return_final) = inputs
+     chunk_size, return_final, a_log) = inputs
     _, states, lg, cb, dtc, final = output
     ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, states, lg, cb, dtc)
     ctx.options = (dt_lo, dt_hi, softplus, shift, chunk_size)
+    ctx.a_log = a_log
     # the auxiliary outputs carry no gradient, and absent gradients stay None (no zero-filled tensors)
     ctx.mark_non_differentiable(states, lg, cb, dtc)
     if not return_final:
@@ -1119,7 +1132,7 @@ def _qs_autograd_backward(ctx, dy, dstates, dlg, dcb, ddtc, dfinal):
     need = dict(zip(_INPUTS, ctx.needs_input_grad))
     dfinal = None if dfinal is None or dt_f is None else dfinal.contiguous()
     grads = _qs_bwd_op(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options,
-                       states, lg, cb, dtc, bool(need["init"]))
+                       states, lg, cb, dtc, bool(need["init"]), ctx.a_log)
     dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part = grads
     sums = part.sum(0)                                      # (3, h): dA forward, dA backward, d dt_bias
 
@@ -1131,7 +1144,7 @@ def _qs_autograd_backward(ctx, dy, dstates, dlg, dcb, ddtc, dfinal):
     return (keep("x", dx), keep("dt_f", ddt_f), keep("A_f", sums[0], A_f), keep("B_f", dB_f), keep("C_f", dC_f),
             keep("dt_b", ddt_b), keep("A_b", sums[1], A_b), keep("B_b", dB_b), keep("C_b", dC_b),
             keep("diag", ddiag), keep("init", dinit, init), None, keep("dt_bias", sums[2], dt_bias),
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 _qs_op.register_autograd(_qs_autograd_backward, setup_context=_qs_setup_context)
@@ -1161,7 +1174,7 @@ def _qs_op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shap
     b, l, h, p = x_shape
     g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
     directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_triton_flops(b, l, h, p, n, directions, args[-2], groups=g)
+    return scan_triton_flops(b, l, h, p, n, directions, args[9], groups=g)   # chunk_size
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_backward)
@@ -1170,7 +1183,7 @@ def _qs_bwd_op_flops(dy_shape, dfinal_shape, x_shape, dt_f_shape, A_f_shape, B_f
     b, l, h, p = x_shape
     g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
     directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_triton_flops(b, l, h, p, n, directions, args[-6], backward=True, groups=g)
+    return scan_triton_flops(b, l, h, p, n, directions, args[8], backward=True, groups=g)   # chunk_size
 
 
 def _seg_arg(seq_idx: Tensor | None) -> Tensor | None:
@@ -1200,10 +1213,11 @@ def scan_triton(
     dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
     diag: Tensor | None = None, seq_idx: Tensor | None = None, initial_state: Tensor | None = None, *,
     dt_bias: Tensor | None = None, dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
-    shift: bool = False, chunk_size: int = 64, return_final_state: bool = False,
+    shift: bool = False, chunk_size: int = 64, return_final_state: bool = False, a_log: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The fused chunked scan, differentiable: raw step sizes ``dt_*`` prepared in the kernels as
-    ``clamp(softplus?(dt + dt_bias), *dt_limit)``; ``seq_idx`` normalised segment ids (``normalize_seq_idx``).
+    ``clamp(softplus?(dt + dt_bias), *dt_limit)``; ``seq_idx`` normalised segment ids (``normalize_seq_idx``);
+    ``a_log``: ``A_f``/``A_b`` hold ``A_log``, and the kernels form ``A = -exp(A_log)`` (its gradient is A_log's).
 
     Either direction may be None (not both). ``initial_state`` / the final state belong to the forward direction.
     Every tensor is read through its strides. The result has ``x``'s dtype; the final state is float32.
@@ -1220,5 +1234,5 @@ def scan_triton(
     dt_b, A_b, B_b, C_b = _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
     y, _, _, _, _, final = _qs_op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, _seg_arg(seq_idx), dt_bias,
                                float(lo), float(hi), bool(dt_softplus), bool(shift), int(chunk_size),
-                               bool(return_final_state))
+                               bool(return_final_state), bool(a_log))
     return (y, final) if return_final_state else y

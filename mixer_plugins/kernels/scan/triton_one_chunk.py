@@ -90,6 +90,7 @@ if triton is not None:
     _at, _tile, _store_tile, _decays, _c_rows = (_chunked._at, _chunked._tile, _chunked._store_tile,
                                                  _chunked._decays, _chunked._c_rows)
     _pick, _step, _store_dc, _intra_decay = _chunked._pick, _chunked._step, _chunked._store_dc, _chunked._intra_decay
+    _rate = _chunked._rate
     _read_log_weight, _own_log_weight = _chunked._read_log_weight, _chunked._own_log_weight
     _dlog_pairs, _dlog_query, _dlog_key = _chunked._dlog_pairs, _chunked._dlog_query, _chunked._dlog_key
 
@@ -130,7 +131,7 @@ if triton is not None:
         dtf_ptr, Af_ptr, Bf_ptr, Cf_ptr, dtb_ptr, Ab_ptr, Bb_ptr, Cb_ptr, sdb, sdl, sdh, sbb, sbl, sbg,
         bias_ptr, cb_ptr, dtc_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
         HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-        CLAMP: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        CLAMP: tl.constexpr, A_LOG: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
         EVEN_N: tl.constexpr, DOT: tl.constexpr,
     ):
         """Per (sequence, group, query tile m): ``C~_m B_n^T`` for every key tile n of each direction's side (n <= m
@@ -171,7 +172,7 @@ if triton is not None:
                                    HAS_BIAS, SOFTPLUS, CLAMP)
                 vbase = ((slot * BATCH + b) * H + h) * L + t0
                 tl.store(dtc_ptr + vbase + offs, dt, mask=ok)
-                tl.store(dtc_ptr + plane + vbase + offs, dt * tl.load(A_ptr + h).to(tl.float32), mask=ok)
+                tl.store(dtc_ptr + plane + vbase + offs, dt * _rate(A_ptr, h, A_LOG), mask=ok)
 
     @triton.jit
     def _sweep_keys(acc, d: tl.constexpr, m, read_m, ok, seg_m, b, h, g, slot, vrow, L, NT, BATCH, G, plane,
@@ -530,11 +531,12 @@ if triton is not None:
         dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr, part_ptr,
         span_f, span_b, b, h, plane, BATCH, L, H, lo, hi,
         D0: tl.constexpr, D1: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
-        SHARED_A: tl.constexpr, BLOCK_L: tl.constexpr,
+        A_LOG: tl.constexpr, SHARED_A: tl.constexpr, BLOCK_L: tl.constexpr,
     ):
         """:func:`_dx_kernel`'s last step, over the whole sequence: the log-decay gradient ``da`` (the key rows' and
         the query rows' shares from ``kq``, and the tile pairs' sums ``span_*`` over the tiles between them), then
-        the step sizes' gradients ``(kd + A da)`` through their preparation, and the partials."""
+        the step sizes' gradients ``(kd + A da)`` through their preparation, and the partials (dA, or ``dA_log = A
+        dA`` with ``A_LOG``)."""
         offs_l = tl.arange(0, BLOCK_L)
         okl = offs_l < L
         part = part_ptr + b * 3 * H + h
@@ -553,14 +555,17 @@ if triton is not None:
                                     bias_ptr, h, lo, hi, HAS_BIAS, SOFTPLUS, CLAMP)
             else:
                 gdt = tl.where(okl, 1.0, 0.0)
-            A = tl.load(_pick(d, Af_ptr, Ab_ptr) + h).to(tl.float32)
+            A = _rate(_pick(d, Af_ptr, Ab_ptr), h, A_LOG)
             ddt = (kd + A * da) * gdt
             ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
             tl.store(ddt_ptr + b * L * H + h + offs_l * H, ddt.to(ddt_ptr.dtype.element_ty), mask=okl)
+            dA = tl.sum(dt * da, 0)
+            if A_LOG:
+                dA *= A
             if SHARED_A:   # one A for both directions: one gradient
-                dA_both += tl.sum(dt * da, 0)
+                dA_both += dA
             else:
-                tl.store(part + d * H, tl.sum(dt * da, 0))
+                tl.store(part + d * H, dA)
             dbias += tl.sum(ddt, 0)
         if SHARED_A:
             tl.store(part, dA_both)
@@ -573,8 +578,8 @@ if triton is not None:
         diag_ptr, sgb, sgl, sgh, bias_ptr, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
         dx_ptr, ddiag_ptr, ddtf_ptr, ddtb_ptr, part_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
         HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, SHIFT: tl.constexpr,
-        SHARED_A: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, A_LOG: tl.constexpr,
+        SHIFT: tl.constexpr, SHARED_A: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
         DOT: tl.constexpr,
     ):
@@ -608,7 +613,7 @@ if triton is not None:
         # 3. the whole sequence: da, then the step sizes' gradients
         _dx_step_grads(dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr,
                        part_ptr, span_f, span_b, b, h, plane, BATCH, L, H, lo, hi, D0, D1, HAS_BIAS, SOFTPLUS, CLAMP,
-                       SHARED_A, BLOCK_L)
+                       A_LOG, SHARED_A, BLOCK_L)
 
 
 # -- host side ----------------------------------------------------------------------------------------
@@ -619,18 +624,18 @@ class _Call(_chunked._Call):
     def __init__(self, x: Tensor, dt_f: Tensor | None, A_f: Tensor | None, B_f: Tensor | None, C_f: Tensor | None,
                  dt_b: Tensor | None, A_b: Tensor | None, B_b: Tensor | None, C_b: Tensor | None,
                  diag: Tensor | None, seg: Tensor | None, dt_bias: Tensor | None, dt_lo: float, dt_hi: float,
-                 softplus: bool, shift: bool, tile: int | None = None):
-        super().__init__(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-                         _chunked.ScanGeometry.MAX_CHUNK)
+                 softplus: bool, shift: bool, a_log: bool = False, tile: int | None = None):
+        super().__init__(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
+                         shift, _chunked.ScanGeometry.MAX_CHUNK, a_log)
         g = self.geo
         self.one = OneChunkGeometry(g.batch, g.length, g.heads, g.groups, g.head_dim, g.state, tile)
         self.oblocks = self.one.blocks(self.x.dtype)
 
 
-def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift):
+def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log=False):
     """Forward: (y, ``C~ B^T`` of the tile pairs (directions, b, g, NT, NT, T, T), prepared step sizes and their log
     decays ``A dt`` (2, directions, b, h, L))."""
-    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift)
+    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log)
     geo, blocks = k.one, k.oblocks
     bsz, L, H, G, P, N, NT = geo.dims
     T = geo.tile
@@ -656,10 +661,10 @@ def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo,
 
 
 def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, cb,
-         dtc):
+         dtc, a_log=False):
     """Backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes (an empty tensor
     for an absent input); ``partials`` (b, 3, h) float32: per-sequence dA forward, dA backward, d dt_bias."""
-    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift)
+    k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log)
     geo, blocks = k.one, k.oblocks
     bsz, L, H, G, P, N, NT = geo.dims
     T = geo.tile
@@ -705,16 +710,17 @@ def _op(
     x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor], C_f: Optional[Tensor],
     dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor], C_b: Optional[Tensor],
     diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float,
-    softplus: bool, shift: bool,
+    softplus: bool, shift: bool, a_log: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One-chunk scan forward: (y, ``C~ B^T`` of the tile pairs, prepared step sizes and their log decays).
     Raw step sizes, prepared in the kernels; the two directions' generators share dtypes."""
     return tuple(_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
-                      shift))
+                      shift, a_log))
 
 
 @_op.register_fake
-def _op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift):
+def _op_fake(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
+             a_log=False):
     bsz, L, H, P = x.shape
     ref_B = B_f if B_f is not None else B_b
     geo = OneChunkGeometry(bsz, L, H, ref_B.shape[2], P, ref_B.shape[3])
@@ -730,18 +736,18 @@ def _bwd_op(
     dy: Tensor, x: Tensor, dt_f: Optional[Tensor], A_f: Optional[Tensor], B_f: Optional[Tensor],
     C_f: Optional[Tensor], dt_b: Optional[Tensor], A_b: Optional[Tensor], B_b: Optional[Tensor],
     C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float,
-    dt_hi: float, softplus: bool, shift: bool, cb: Tensor, dtc: Tensor,
+    dt_hi: float, softplus: bool, shift: bool, cb: Tensor, dtc: Tensor, a_log: bool = False,
 ) -> list[Tensor]:
     """One-chunk scan backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes
     (an empty tensor for each absent input); ``partials`` (b, 3, h) float32: dA forward, dA backward, d dt_bias, per
     sequence, summed by the caller."""
-    return _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-                cb, dtc)
+    return _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
+                shift, cb, dtc, a_log)
 
 
 @_bwd_op.register_fake
-def _bwd_op_fake(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-                 cb, dtc):
+def _bwd_op_fake(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
+                 shift, cb, dtc, a_log=False):
     def like(t):
         return x.new_empty(0) if t is None else t.new_empty(t.shape)
 
@@ -753,10 +759,11 @@ _INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag"
 
 
 def _setup_context(ctx, inputs, output):
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift = inputs
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log = inputs
     _, cb, dtc = output
     ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc)
     ctx.options = (dt_lo, dt_hi, softplus, shift)
+    ctx.a_log = a_log
     ctx.mark_non_differentiable(cb, dtc)
     ctx.set_materialize_grads(False)
 
@@ -765,9 +772,9 @@ def _autograd_backward(ctx, dy, dcb, ddtc):
     x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc = ctx.saved_tensors
     need = dict(zip(_INPUTS, ctx.needs_input_grad))
     if dy is None:
-        return (None,) * 16
+        return (None,) * 17
     dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part = _bwd_op(
-        dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options, cb, dtc)
+        dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options, cb, dtc, ctx.a_log)
     sums = part.sum(0)                                      # (3, h): dA forward, dA backward, d dt_bias
 
     def keep(name, g, like=None):
@@ -777,7 +784,7 @@ def _autograd_backward(ctx, dy, dcb, ddtc):
 
     return (keep("x", dx), keep("dt_f", ddt_f), keep("A_f", sums[0], A_f), keep("B_f", dB_f), keep("C_f", dC_f),
             keep("dt_b", ddt_b), keep("A_b", sums[1], A_b), keep("B_b", dB_b), keep("C_b", dC_b),
-            keep("diag", ddiag), None, keep("dt_bias", sums[2], dt_bias), None, None, None, None)
+            keep("diag", ddiag), None, keep("dt_bias", sums[2], dt_bias), None, None, None, None, None)
 
 
 _op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -824,9 +831,11 @@ def scan_one_chunk(
     dt_b: Tensor | None = None, A_b: Tensor | None = None, B_b: Tensor | None = None, C_b: Tensor | None = None,
     diag: Tensor | None = None, seq_idx: Tensor | None = None, *, dt_bias: Tensor | None = None,
     dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf), shift: bool = False,
+    a_log: bool = False,
 ) -> Tensor:
     """The one-chunk scan (no states), differentiable; the arguments of :func:`.triton_kernels.scan_triton` without
-    the states (raw step sizes prepared in the kernels, ``seq_idx`` normalised segment ids)."""
+    the states (raw step sizes prepared in the kernels, ``seq_idx`` normalised segment ids, ``a_log``: the ``A``
+    arguments hold ``A_log``)."""
     reason = available(x.device)
     if reason is not None:
         raise RuntimeError(f"triton scan unavailable: {reason}")
@@ -835,5 +844,5 @@ def scan_one_chunk(
     dt_b, A_b, B_b, C_b = _chunked._backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
     lo, hi = dt_limit
     y, _, _ = _op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, _chunked._seg_arg(seq_idx), dt_bias, float(lo),
-                  float(hi), bool(dt_softplus), bool(shift))
+                  float(hi), bool(dt_softplus), bool(shift), bool(a_log))
     return y
