@@ -135,22 +135,24 @@ def _scan_cases() -> Iterator[tuple[str, Callable[[], None]]]:
 
     from mixer_plugins.kernels.scan import triton_kernels as scan
 
-    def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, heads=4, length=200, softplus=True):
+    def case(dtype, shift, seg, diag, directions, init, groups, state, head_dim, heads=4, length=200, softplus=True,
+             a_log=False):
         def go():
             x, fwd, bwd, d, s, bias = _scan_inputs(dtype, seg, diag, directions, groups, state, head_dim, heads,
                                                    length, softplus)
             st = torch.zeros(1, heads, head_dim, state) if init else None
             prep = (bias, 0.0, math.inf, softplus, shift, 64)
-            y, states, lg, cb, dtc, final = scan._scan_fwd(x, *fwd, *bwd, d, st, s, *prep, init)
+            y, states, lg, cb, dtc, final = scan._scan_fwd(x, *fwd, *bwd, d, st, s, *prep, init, a_log=a_log)
             scan._scan_bwd(torch.randn_like(x), final if init else None, x, *fwd, *bwd, d, s, *prep, states, lg, cb,
-                           dtc, init)
+                           dtc, init, a_log=a_log)
         name = (f"{str(dtype).removeprefix('torch.')} dirs={directions} shift={shift} seg={seg} diag={diag} "
-                f"init={init} g={groups} n={state} p={head_dim} heads={heads}")
+                f"init={init} g={groups} n={state} p={head_dim} heads={heads} a_log={a_log}")
         return name, go
 
-    # Hydra (both directions, shift, free diagonal, shared B/C) in both input dtypes, with and without segments
-    yield case(torch.bfloat16, True, False, True, "fb", False, 1, 64, 64)
-    yield case(torch.float32, True, True, True, "fb", False, 1, 64, 64)
+    # Hydra (both directions, shift, free diagonal, shared B/C; A formed from A_log in the kernels, as the block
+    # calls it) in both input dtypes, with and without segments
+    yield case(torch.bfloat16, True, False, True, "fb", False, 1, 64, 64, a_log=True)
+    yield case(torch.float32, True, True, True, "fb", False, 1, 64, 64, a_log=True)
     # causal SSD (forward alone, initial state), and the reversed single direction; odd sizes padded to blocks
     yield case(torch.bfloat16, False, True, False, "f", True, 2, 128, 64, softplus=False)
     yield case(torch.float16, False, False, False, "b", False, 2, 16, 24)
@@ -164,19 +166,20 @@ def _one_chunk_cases() -> Iterator[tuple[str, Callable[[], None]]]:
 
     from mixer_plugins.kernels.scan import triton_one_chunk as one
 
-    def case(dtype, shift, seg, diag, directions, groups, state, head_dim, heads=4, length=197, softplus=True):
+    def case(dtype, shift, seg, diag, directions, groups, state, head_dim, heads=4, length=197, softplus=True,
+             a_log=False):
         def go():
             x, fwd, bwd, d, s, bias = _scan_inputs(dtype, seg, diag, directions, groups, state, head_dim, heads,
                                                    length, softplus)
             prep = (bias, 0.0, math.inf, softplus, shift)
-            y, cb, dtc = one._fwd(x, *fwd, *bwd, d, s, *prep)
-            one._bwd(torch.randn_like(x), x, *fwd, *bwd, d, s, *prep, cb, dtc)
+            y, cb, dtc = one._fwd(x, *fwd, *bwd, d, s, *prep, a_log=a_log)
+            one._bwd(torch.randn_like(x), x, *fwd, *bwd, d, s, *prep, cb, dtc, a_log=a_log)
         name = (f"{str(dtype).removeprefix('torch.')} dirs={directions} shift={shift} seg={seg} diag={diag} "
-                f"g={groups} n={state} p={head_dim} heads={heads} L={length}")
+                f"g={groups} n={state} p={head_dim} heads={heads} L={length} a_log={a_log}")
         return name, go
 
-    yield case(torch.bfloat16, True, False, True, "fb", 1, 64, 64)      # a ViT-B Hydra block's scan
-    yield case(torch.float32, True, True, True, "fb", 1, 64, 64)
+    yield case(torch.bfloat16, True, False, True, "fb", 1, 64, 64, a_log=True)      # a ViT-B Hydra block's scan
+    yield case(torch.float32, True, True, True, "fb", 1, 64, 64, a_log=True)
     yield case(torch.float16, False, False, False, "f", 2, 16, 24, length=100)
 
 

@@ -25,7 +25,8 @@ class ShortConv(nn.Conv1d):
 
     def forward(self, u: Tensor, silu: bool = False) -> Tensor:
         """(batch, length, channels) -> (batch, length, channels), followed by SiLU when ``silu``."""
-        return depthwise_conv1d(u, self.weight[:, 0, :], self.bias, causal=self.causal, silu=silu)
+        # squeeze, a view whose backward is a view too (a select's backward would fill a zero tensor and copy)
+        return depthwise_conv1d(u, self.weight.squeeze(1), self.bias, causal=self.causal, silu=silu)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", causal={self.causal}"
