@@ -357,6 +357,16 @@ def test_one_chunk_kernels_match_reference(case, small_tiles):
     assert seen, "the one-chunk kernels did not run"
 
 
+def test_one_chunk_head_blocks_sum_to_the_reference(small_tiles, monkeypatch):
+    """The backward's d(C~ B^T) launch with a group's four heads in two blocks of two (the partial sums its next
+    launch adds up), and the step-size gradients of each block's heads, against the reference."""
+    monkeypatch.setattr(one_chunk, "MIN_PROGRAMS", 6)
+    assert one_chunk.OneChunkGeometry(1, 40, 4, 1, 3, 4, tile=16).head_blocks() == 2
+    leaves = _inputs(1, 40, 4, 3, 1, 4, separate=True, diag=True)
+    kw = dict(shift=True, chunk_size=64)
+    _compare(_qs(**kw), _qs("reference", **kw), leaves)
+
+
 def test_one_chunk_dt_preparation_and_directional_scans(small_tiles):
     """dt_bias, softplus and dt_limit inside the one-chunk kernels (dt_bias gets its gradient); single directions."""
     leaves = _inputs(2, 20, 2, 2, 1, 3, separate=True, diag=True)
@@ -529,8 +539,8 @@ def test_the_scan_launches_its_kernels_and_nothing_else(length, chunk, small_til
     kernels_run = {name for name in counts.by_name if name.startswith("triton.")}
     aten = {name: k for name, k in counts.by_name.items() if not name.startswith("triton.")}
     if length <= chunk:
-        assert kernels_run == {"triton._prep_kernel", "triton._out_kernel", "triton._dcb_kernel", "triton._db_kernel",
-                               "triton._dx_kernel"}
+        assert kernels_run == {"triton._prep_kernel", "triton._out_kernel", "triton._dx_kernel", "triton._dcb_kernel",
+                               "triton._dbc_kernel"}
     else:
         assert kernels_run == {"triton._states_kernel", "triton._pass_kernel", "triton._out_kernel",
                                "triton._dstate_kernel", "triton._dx_kernel", "triton._dbc_kernel"}
@@ -613,7 +623,8 @@ def test_grids_are_one_dimensional_past_65535_sequences_times_heads():
     assert geo.head_grid() == (8192 * 16 * 24,)
     assert ScanGeometry(batch=1, length=4096, heads=24, groups=1, head_dim=64, state=64, chunk=256).Q == 64
     one = one_chunk.OneChunkGeometry(batch=8192, length=197, heads=24, groups=1, head_dim=64, state=64)
-    assert one.tile_grid(24) == (8192 * 24 * 4,) and one.head_grid() == (8192 * 24,)
+    assert one.tile_grid(24) == (8192 * 24 * 4,) and one.head_blocks() == 1
+    assert one.grids() == {"dx": (8192 * 24 * 4,), "dcb": (8192 * 4,), "dbc": (8192 * 4 * 2,)}
     with pytest.raises(ValueError, match="grid limit"):
         ScanGeometry(batch=2**20, length=2**16, heads=32, groups=1, head_dim=64, state=64, chunk=64).head_grid()
 

@@ -22,11 +22,25 @@ Launches:
 * forward, 2: ``_prep_kernel`` (per sequence, group and query tile: ``C~ B^T`` of every tile pair a direction needs,
   once per group, and the heads' prepared step sizes and log decays), ``_out_kernel`` (per sequence, head and query
   tile: y over the key tiles, both directions and the diagonal);
-* backward, 3 (+ one small sum of per-sequence partials of dA and d dt_bias): ``_dcb_kernel`` (per sequence, group
-  and query tile: ``dy x^T`` once per head and tile pair, the group's ``d(C~ B^T)`` kept, and dC), ``_db_kernel``
-  (per sequence, group and key tile: dB from it), ``_dx_kernel`` (per sequence and head: dx and the key side of the
-  log-decay gradient over the key tiles, its query side over the query tiles (``dy x^T`` of the diagonal tile pair
-  only), then the step-size gradients over the whole sequence).
+* backward, 3 (+ one small sum of per-tile partials of dA and d dt_bias), each over many programs so that a ViT's
+  step fills the GPU, with no atomics (every output written by one program, every sum in a fixed order):
+
+  - ``_dx_kernel`` (per sequence, head and tile t): tile t as keys, ``dx_t``, dt's direct gradient and the key
+    rows' share of the log-decay gradient over the query tiles of each direction's side; tile t as queries, the
+    diagonal tile pair's and the query rows' shares, and each tile pair's total (a scalar per pair, ``tot``), which
+    the rows of the tiles strictly between its two tiles get;
+  - ``_dcb_kernel`` (per sequence, group, query tile and block of the group's heads,
+    :meth:`OneChunkGeometry.head_blocks` blocks: as few as give :data:`MIN_PROGRAMS` programs): the block's share
+    of ``d(C~ B^T)`` of every tile pair of the query tile (``dy x^T`` once per head and tile pair), one slab of
+    partial sums per block; then its heads' step-size gradients on the tile (the shares above plus the totals of
+    the pairs that straddle it) and the tile's partials of dA and d dt_bias;
+  - ``_dbc_kernel`` (per sequence, group, tile and which of dB or dC): the blocks' slabs summed in order, then
+    ``dC~_t`` over the tile's key tiles or ``dB_t`` over its query tiles.
+
+  A ViT-B step (batch 64, 197 tokens in 4 tiles, 24 heads, 1 group) runs 6,144 + 512 + 512 programs (two head
+  blocks); before, 256 (``d(C~ B^T)`` and dC per sequence and query tile, all 24 heads in turn) + 256 (dB) + 1,536
+  (dx per sequence and head, every tile in turn). The tile walks stay ``while`` loops: the 3.5 interpreter's
+  ``range()`` cannot take a bound computed from the program id.
 
 Every grid is one-dimensional and every offset of a whole tensor 64-bit (see :mod:`.triton_kernels`). Run on CUDA, or
 on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
@@ -53,9 +67,14 @@ TILE = 64
 #: Triton launch options of each kernel (see :data:`.triton_kernels.LAUNCH`)
 LAUNCH: dict[str, dict[str, int]] = {
     "prep": {"num_warps": 8, "num_stages": 1}, "out": {"num_warps": 8, "num_stages": 1},
-    "dcb": {"num_warps": 8, "num_stages": 1}, "db": {"num_warps": 8, "num_stages": 1},
-    "dx": {"num_warps": 8, "num_stages": 1},
+    "dx": {"num_warps": 8, "num_stages": 1}, "dcb": {"num_warps": 8, "num_stages": 1},
+    "dbc": {"num_warps": 8, "num_stages": 1},
 }
+
+#: the backward's ``d(C~ B^T)`` launch splits a group's heads into blocks until it has at least this many programs
+#: (at most :data:`MAX_HEAD_BLOCKS` blocks: each block adds a slab of partial sums the next launch reads)
+MIN_PROGRAMS = 512
+MAX_HEAD_BLOCKS = 8
 
 
 class OneChunkGeometry:
@@ -81,9 +100,18 @@ class OneChunkGeometry:
         """One program per (sequence, ``per`` (heads or groups), tile)."""
         return grid_1d(self.batch * per * self.ntiles, "triton scan (one chunk)")
 
-    def head_grid(self) -> tuple[int]:
-        """One program per (sequence, head)."""
-        return grid_1d(self.batch * self.heads, "triton scan (one chunk)")
+    def head_blocks(self) -> int:
+        """Blocks of a group's heads in the ``d(C~ B^T)`` launch: the fewest (a divisor of the heads per group, at
+        most :data:`MAX_HEAD_BLOCKS`) that give it :data:`MIN_PROGRAMS` programs."""
+        per = self.heads // self.groups
+        fits = [k for k in range(1, min(per, MAX_HEAD_BLOCKS) + 1) if per % k == 0]
+        return next((k for k in fits if self.batch * self.groups * self.ntiles * k >= MIN_PROGRAMS), fits[-1])
+
+    def grids(self) -> dict[str, tuple[int]]:
+        """The backward's launch grids: ``dx`` per (sequence, head, tile), ``dcb`` per (sequence, group, tile, head
+        block), ``dbc`` per (sequence, group, tile, dB or dC)."""
+        return {"dx": self.tile_grid(self.heads), "dcb": self.tile_grid(self.groups * self.head_blocks()),
+                "dbc": self.tile_grid(self.groups * 2)}
 
 
 if triton is not None:
@@ -246,12 +274,12 @@ if triton is not None:
 
     @triton.jit
     def _dcb_pair(
-        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, b, g, m, n, slot, plane, BATCH, L, H, P,
-        d: tl.constexpr, HG: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, b, h0, m, n, slot, plane, BATCH, L, H, P,
+        d: tl.constexpr, HPB: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
         EVEN_P: tl.constexpr, DOT: tl.constexpr,
     ):
-        """``d(C~ B^T)`` of one tile pair (query tile m, key tile n) of direction ``d``, summed over the group's
-        heads: ``sum_heads (dy_m x_n^T) * decay * dt_n``."""
+        """``d(C~ B^T)`` of one tile pair (query tile m, key tile n) of direction ``d``, summed over the ``HPB`` heads
+        from ``h0``: ``sum_heads (dy_m x_n^T) * decay * dt_n``."""
         t0 = m * BLOCK_T
         s0 = n * BLOCK_T
         rem = (L - t0).to(tl.int32)
@@ -261,8 +289,8 @@ if triton is not None:
         ok = offs < rem
         okn = offs < rem_n
         dCB = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
-        for hh in range(HG):
-            h = g * HG + hh
+        for hh in range(HPB):
+            h = h0 + hh
             vrow = ((slot * BATCH + b) * H + h) * L
             dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
             if n == m:
@@ -280,285 +308,48 @@ if triton is not None:
         return dCB
 
     @triton.jit
-    def _dcb_kernel(
-        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, Bf_ptr, Cf_ptr, Bb_ptr, Cb_ptr, sbb, sbl, sbg,
-        seg_ptr, cb_ptr, dtc_ptr, dcb_ptr, dCf_ptr, dCb_ptr, BATCH, L, H, G, P, N, NT,
-        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_P: tl.constexpr,
-        EVEN_N: tl.constexpr, DOT: tl.constexpr,
-    ):
-        """Per (sequence, group, query tile m), for each key tile n of each direction's side: ``d(C~ B^T)_mn =
-        sum_heads (dy_m x_n^T) * decay * dt_n`` (``dy x^T`` once per head and tile pair), kept in ``dcb``; then
-        ``dC~_m = sum_n d(C~ B^T)_mn B_n``, stored as dC in its own dtype."""
-        pid = tl.program_id(0).to(tl.int64)
-        m = pid % NT
-        g = (pid // NT) % G
-        b = pid // NT // G
-        t0 = m * BLOCK_T
-        rem = (L - t0).to(tl.int32)
-        offs = tl.arange(0, BLOCK_T)
-        offs_n = tl.arange(0, BLOCK_N)
-        ok = offs < rem
-        plane = (D1 - D0) * BATCH * H * L
-        if HAS_SEG:
-            seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
-        out_rows = ((b * L + t0) * G + g) * N
-        for d in tl.static_range(D0, D1):
-            slot = d - D0
-            dC = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            if d == 0:
-                n = 0
-                n_end = m + 1
-            else:
-                n = m
-                n_end = NT
-            while n < n_end:
-                s0 = n * BLOCK_T
-                rem_n = (L - s0).to(tl.int32)
-                okn = offs < rem_n
-                dCB = _dcb_pair(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, b, g, m, n, slot, plane, BATCH,
-                                L, H, P, d, HG, SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
-                if HAS_SEG:
-                    seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
-                    dCB = tl.where(seg_m[:, None] == seg_n[None, :], dCB, 0.0)
-                dcbp = dcb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
-                tl.store(dcbp + offs[:, None] * BLOCK_T + offs[None, :], dCB)
-                Bn = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, s0, g, sbb, sbl, sbg), offs, okn, offs_n, N, sbl, EVEN_N)
-                dC += _mm(dCB, Bn, DOT)
-                n += 1
-            rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
-            dC_ptr = _pick(d, dCf_ptr, dCb_ptr)
-            _store_dc(dC_ptr + out_rows, dC, rc, c_ok, d, m, NT, rem, N, G * N, SHIFT, BLOCK_T, BLOCK_N, EVEN_N)
-
-    @triton.jit
-    def _db_kernel(
-        Cf_ptr, Cb_ptr, sbb, sbl, sbg, dcb_ptr, dBf_ptr, dBb_ptr, BATCH, L, G, N, NT,
-        D0: tl.constexpr, D1: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-        EVEN_N: tl.constexpr, DOT: tl.constexpr,
-    ):
-        """Per (sequence, group, key tile n): ``dB_n = sum_m d(C~ B^T)_mn^T C~_m`` over the query tiles of each
-        direction's side, in B's dtype."""
-        pid = tl.program_id(0).to(tl.int64)
-        n = pid % NT
-        g = (pid // NT) % G
-        b = pid // NT // G
-        s0 = n * BLOCK_T
-        offs = tl.arange(0, BLOCK_T)
-        offs_n = tl.arange(0, BLOCK_N)
-        okn = offs < (L - s0).to(tl.int32)
-        for d in tl.static_range(D0, D1):
-            slot = d - D0
-            dB = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            if d == 0:
-                m = n
-                m_end = NT
-            else:
-                m = 0
-                m_end = n + 1
-            while m < m_end:
-                t0 = m * BLOCK_T
-                rem = (L - t0).to(tl.int32)
-                ok = offs < rem
-                rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
-                Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
-                dcbp = dcb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
-                dB += _mm(tl.trans(tl.load(dcbp + offs[:, None] * BLOCK_T + offs[None, :])), Ct, DOT)
-                m += 1
-            _store_tile(_pick(d, dBf_ptr, dBb_ptr) + ((b * L + s0) * G + g) * N, offs, okn, offs_n, N, G * N, dB,
-                        EVEN_N)
-
-    @triton.jit
-    def _dx_key_tiles(
-        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
-        dx_ptr, ddiag_ptr, b, h, g, plane, BATCH, L, H, G, P, NT,
-        D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
-    ):
-        """:func:`_dx_kernel`'s key tiles, for one (sequence, head): ``dx``, ``kd`` and the key rows' share of the
-        log-decay gradient. Per key tile n and direction: first the other query tiles of the direction's side, from
-        the nearest outwards (the decay between tiles carried along), ``Z_n = sum_{m != n} M~_mn^T dy_m``, whose
-        ``kx_j = dt_j x_j . Z_j`` (pairs whose query lies beyond tile n) gives the tile rows' ``da`` on the keys' side
-        (:func:`.triton_kernels._dlog_key`, into ``kq + plane``); then the diagonal tile's ``M~_nn^T dy_n`` is added,
-        ``dx_n += dt_n Z_n`` and ``kd_j = x_j . Z_j`` (into ``kq``)."""
-        offs = tl.arange(0, BLOCK_T)
-        offs_p = tl.arange(0, BLOCK_P)
-        n = 0
-        while n < NT:
-            s0 = n * BLOCK_T
-            rem_n = (L - s0).to(tl.int32)
-            okn = offs < rem_n
-            xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
-            dx = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
-            if HAS_DIAG:
-                dyn = _tile(_at(dy_ptr, b, s0, h, syb, syl, syh), offs, okn, offs_p, P, syl, EVEN_P).to(tl.float32)
-                dg = tl.load(_at(diag_ptr, b, s0, h, sgb, sgl, sgh) + offs * sgl, mask=okn, other=0.0)
-                dx += dg.to(tl.float32)[:, None] * dyn
-                tl.store(ddiag_ptr + (b * L + s0) * H + h + offs * H,
-                         tl.sum(dyn * xn.to(tl.float32), 1).to(ddiag_ptr.dtype.element_ty), mask=okn)
-            if HAS_SEG:
-                seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
-            for d in tl.static_range(D0, D1):
-                slot = d - D0
-                vrow = ((slot * BATCH + b) * H + h) * L
-                dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
-                # the other query tiles of the direction's side, the decay between tiles carried along
-                Z = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
-                between = 0.0
-                if d == 0:
-                    m = n + 1
-                else:
-                    m = n - 1
-                while (m >= 0) & (m < NT):
-                    t0 = m * BLOCK_T
-                    rem = (L - t0).to(tl.int32)
-                    ok = offs < rem
-                    dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
-                    decay = _pair_decay(read_m, own_n, ok, okn, between)
-                    if HAS_SEG:
-                        seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
-                        decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
-                    cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
-                    Mt = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay
-                    dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
-                    Z += _mm(tl.trans(Mt), dym, DOT)
-                    between += tot_m
-                    if d == 0:
-                        m += 1
-                    else:
-                        m -= 1
-                # the key rows' share of da: their pairs with queries beyond the tile
-                kx = dt_n * tl.sum(xn.to(tl.float32) * Z, 1)
-                tl.store(kq_ptr + plane + vrow + s0 + offs, _dlog_key(d, kx), mask=okn)
-                # the diagonal tile pair
-                decay = _intra_decay(d, a_n, okn, SHIFT)
-                if HAS_SEG:
-                    decay = tl.where(seg_n[:, None] == seg_n[None, :], decay, 0.0)
-                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + n) * NT + n) * BLOCK_T * BLOCK_T
-                dyn = _tile(_at(dy_ptr, b, s0, h, syb, syl, syh), offs, okn, offs_p, P, syl, EVEN_P)
-                Z += _mm(tl.trans(tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay), dyn, DOT)
-                dx += dt_n[:, None] * Z
-                tl.store(kq_ptr + vrow + s0 + offs, tl.sum(xn.to(tl.float32) * Z, 1), mask=okn)
-            _store_tile(dx_ptr + ((b * L + s0) * H + h) * P, offs, okn, offs_p, P, H * P, dx, EVEN_P)
-            n += 1
-
-    @triton.jit
-    def _dx_query_tiles(
-        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr, b, h, g, plane,
-        BATCH, L, H, G, P, NT,
-        D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
-        DOT: tl.constexpr,
-    ):
-        """:func:`_dx_kernel`'s query tiles, for one (sequence, head): the rest of the log-decay gradient, each term
-        once. Per query tile m and direction: the diagonal tile pair's ``S_ij = (dy_i . x_j) M_ij = dLoss/dL_ij``
-        (``dy_m x_m^T``, the one product the gradient adds), and from the other key tiles, ``qx_i = dy_i .
-        (sum_{n != m} M_mn x_n)_i``: the tile rows' ``da`` on the queries' side (:func:`.triton_kernels._dlog_query`,
-        into ``kq + 2 plane``). A pair's total ``sum(dy_m . M_mn x_n)`` reaches every row of the tiles strictly
-        between m and n; returns those sums per row of the sequence, forward and backward ((BLOCK_L,) each)."""
-        offs = tl.arange(0, BLOCK_T)
-        offs_p = tl.arange(0, BLOCK_P)
-        rows = tl.arange(0, BLOCK_L)
-        span_f = tl.zeros([BLOCK_L], dtype=tl.float32)
-        span_b = tl.zeros([BLOCK_L], dtype=tl.float32)
-        m = 0
-        while m < NT:
-            t0 = m * BLOCK_T
-            rem = (L - t0).to(tl.int32)
-            ok = offs < rem
-            dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
-            xm = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs, ok, offs_p, P, sxl, EVEN_P)
-            DYX = _mm(dym, tl.trans(xm), DOT)                  # [i, j] = dy_i . x_j, for both directions
-            seg_m = offs  # the query tile's segment ids (with HAS_SEG)
-            if HAS_SEG:
-                seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
-                DYX = tl.where(seg_m[:, None] == seg_m[None, :], DYX, 0.0)
-            # the diagonal tile pair's share, both directions first (then the (T, T) tiles are done with)
-            pairs_f = tl.zeros([BLOCK_T], dtype=tl.float32)
-            pairs_b = tl.zeros([BLOCK_T], dtype=tl.float32)
-            for d in tl.static_range(D0, D1):
-                slot = d - D0
-                vbase = ((slot * BATCH + b) * H + h) * L + t0
-                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + m) * BLOCK_T * BLOCK_T
-                dt_m, a_m = _decays(dtc_ptr, vbase, offs, ok, plane)
-                S = DYX * tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * _intra_decay(d, a_m, ok, SHIFT)
-                S = S * dt_m[None, :]
-                if d == 0:
-                    pairs_f = _dlog_pairs(d, S, SHIFT)
-                else:
-                    pairs_b = _dlog_pairs(d, S, SHIFT)
-            # the other key tiles
-            for d in tl.static_range(D0, D1):
-                slot = d - D0
-                vrow = ((slot * BATCH + b) * H + h) * L
-                dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
-                qx = tl.zeros([BLOCK_T], dtype=tl.float32)
-                between = 0.0
-                if d == 0:
-                    n = m - 1
-                else:
-                    n = m + 1
-                while (n >= 0) & (n < NT):
-                    s0 = n * BLOCK_T
-                    rem_n = (L - s0).to(tl.int32)
-                    okn = offs < rem_n
-                    dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
-                    decay = _pair_decay(read_m, own_n, ok, okn, between)
-                    if HAS_SEG:
-                        seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
-                        decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
-                    cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
-                    M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
-                    xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
-                    qn = tl.sum(dym.to(tl.float32) * _mm(M, xn, DOT), 1)
-                    qx += qn
-                    # the tiles strictly between m and n lie in the span of every pair of this tile pair
-                    if d == 0:
-                        span_f += tl.where((rows >= s0 + BLOCK_T) & (rows < t0), tl.sum(qn, 0), 0.0)
-                    else:
-                        span_b += tl.where((rows >= t0 + BLOCK_T) & (rows < s0), tl.sum(qn, 0), 0.0)
-                    between += tot_n
-                    if d == 0:
-                        n -= 1
-                    else:
-                        n += 1
-                tl.store(kq_ptr + 2 * plane + vrow + t0 + offs, _dlog_query(d, _pick(d, pairs_f, pairs_b), qx, SHIFT),
-                         mask=ok)
-            m += 1
-        return span_f, span_b
-
-    @triton.jit
-    def _dx_step_grads(
-        dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr, part_ptr,
-        span_f, span_b, b, h, plane, BATCH, L, H, lo, hi,
+    def _step_grads(
+        dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, tot_ptr, ddtf_ptr, ddtb_ptr,
+        part_ptr, b, h, m, plane, BATCH, L, H, NT, lo, hi,
         D0: tl.constexpr, D1: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr,
-        A_LOG: tl.constexpr, SHARED_A: tl.constexpr, BLOCK_L: tl.constexpr,
+        A_LOG: tl.constexpr, SHARED_A: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NT: tl.constexpr,
     ):
-        """:func:`_dx_kernel`'s last step, over the whole sequence: the log-decay gradient ``da`` (the key rows' and
-        the query rows' shares from ``kq``, and the tile pairs' sums ``span_*`` over the tiles between them), then
-        the step sizes' gradients ``(kd + A da)`` through their preparation, and the partials (dA, or ``dA_log = A
-        dA`` with ``A_LOG``)."""
-        offs_l = tl.arange(0, BLOCK_L)
-        okl = offs_l < L
-        part = part_ptr + b * 3 * H + h
+        """One head's step-size gradients on query tile m: the log-decay gradient ``da`` of the tile's rows (the key
+        rows' and the query rows' shares from ``kq``, and the totals ``tot`` of the tile pairs that straddle the
+        tile), then ``(kd + A da)`` through the step sizes' preparation (dt's dtype), and the tile's partials of dA
+        (or ``dA_log = A dA`` with ``A_LOG``) and d dt_bias (``part`` (batch * NT, 3, H))."""
+        t0 = m * BLOCK_T
+        offs = tl.arange(0, BLOCK_T)
+        ok = offs < (L - t0).to(tl.int32)
+        qi = tl.arange(0, BLOCK_NT)[:, None]
+        ki = tl.arange(0, BLOCK_NT)[None, :]
+        part = part_ptr + (b * NT + m) * 3 * H + h
         dbias = 0.0
         dA_both = 0.0
         for d in tl.static_range(D0, D1):
             slot = d - D0
             vrow = ((slot * BATCH + b) * H + h) * L
-            dt = tl.load(dtc_ptr + vrow + offs_l, mask=okl, other=0.0)
-            kd = tl.load(kq_ptr + vrow + offs_l, mask=okl, other=0.0)
-            da = (tl.load(kq_ptr + plane + vrow + offs_l, mask=okl, other=0.0) +
-                  tl.load(kq_ptr + 2 * plane + vrow + offs_l, mask=okl, other=0.0) + _pick(d, span_f, span_b))
-            da = tl.where(okl, da, 0.0)
+            # the tile pairs (query qi, key ki) whose span holds tile m
+            if d == 0:
+                straddle = (qi > m) & (qi < NT) & (ki < m)
+            else:
+                straddle = (qi < m) & (ki > m) & (ki < NT)
+            tot = tot_ptr + ((slot * BATCH + b) * H + h) * NT * NT
+            span = tl.sum(tl.sum(tl.load(tot + qi * NT + ki, mask=straddle, other=0.0), 1), 0)
+            dt = tl.load(dtc_ptr + vrow + t0 + offs, mask=ok, other=0.0)
+            kd = tl.load(kq_ptr + vrow + t0 + offs, mask=ok, other=0.0)
+            da = (tl.load(kq_ptr + plane + vrow + t0 + offs, mask=ok, other=0.0) +
+                  tl.load(kq_ptr + 2 * plane + vrow + t0 + offs, mask=ok, other=0.0) + span)
+            da = tl.where(ok, da, 0.0)
             if HAS_BIAS or SOFTPLUS or CLAMP:
-                unused, gdt = _step(_at(_pick(d, dtf_ptr, dtb_ptr), b, b * 0, h, sdb, sdl, sdh), offs_l, okl, sdl,
+                unused, gdt = _step(_at(_pick(d, dtf_ptr, dtb_ptr), b, t0, h, sdb, sdl, sdh), offs, ok, sdl,
                                     bias_ptr, h, lo, hi, HAS_BIAS, SOFTPLUS, CLAMP)
             else:
-                gdt = tl.where(okl, 1.0, 0.0)
+                gdt = tl.where(ok, 1.0, 0.0)
             A = _rate(_pick(d, Af_ptr, Ab_ptr), h, A_LOG)
             ddt = (kd + A * da) * gdt
             ddt_ptr = _pick(d, ddtf_ptr, ddtb_ptr)
-            tl.store(ddt_ptr + b * L * H + h + offs_l * H, ddt.to(ddt_ptr.dtype.element_ty), mask=okl)
+            tl.store(ddt_ptr + (b * L + t0) * H + h + offs * H, ddt.to(ddt_ptr.dtype.element_ty), mask=ok)
             dA = tl.sum(dt * da, 0)
             if A_LOG:
                 dA *= A
@@ -573,47 +364,310 @@ if triton is not None:
             tl.store(part + 2 * H, dbias)
 
     @triton.jit
-    def _dx_kernel(
-        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh,
-        diag_ptr, sgb, sgl, sgh, bias_ptr, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
-        dx_ptr, ddiag_ptr, ddtf_ptr, ddtb_ptr, part_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
-        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
+    def _dcb_kernel(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr,
+        seg_ptr, dtc_ptr, kq_ptr, tot_ptr, dcb_ptr, ddtf_ptr, ddtb_ptr, part_ptr, BATCH, L, H, G, P, N, NT, lo, hi,
+        HG: tl.constexpr, HB: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr,
         HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, CLAMP: tl.constexpr, A_LOG: tl.constexpr,
-        SHIFT: tl.constexpr, SHARED_A: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, EVEN_P: tl.constexpr,
-        DOT: tl.constexpr,
+        SHIFT: tl.constexpr, SHARED_A: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_NT: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
     ):
-        """Per (sequence, head), in three steps, the log-decay gradient ``da`` taking each pair's term once with its
-        own decay (never a total minus a prefix):
+        """Per (sequence, group, query tile m, block k of ``HG / HB`` of the group's heads), after
+        :func:`_dx_kernel`:
 
-        1. key tile by key tile (:func:`_dx_key_tiles`): ``dx_n = dt_n Z_n + diag dy_n`` with ``Z_n = sum_m
-           M~_mn^T dy_m`` per direction, dt's direct gradient ``kd_j = x_j . Z_j``, and the key rows' share of
-           ``da`` from the pairs with queries in other tiles;
-        2. query tile by query tile (:func:`_dx_query_tiles`): the diagonal tile pair's share of ``da`` (from ``dy
-           x^T``), the query rows' share from the pairs with keys in other tiles, and each such tile pair's total,
-           which every row of the tiles between gets;
-        3. over the whole sequence (:func:`_dx_step_grads`): ``da``, then the step sizes' gradients (dt's dtype) and
-           this sequence's partials of dA and d dt_bias (``part`` (batch, 3, H)).
-
-        ``kq`` (3, directions, batch, H, L) keeps ``kd`` and the two shares between the steps."""
+        1. for each key tile n of each direction's side, the block's share of ``d(C~ B^T)_mn = sum_heads (dy_m
+           x_n^T) * decay * dt_n``, kept in ``dcb`` (one slab per head block, summed by :func:`_dbc_kernel`);
+        2. the block's heads' step-size gradients on tile m (:func:`_step_grads`)."""
         pid = tl.program_id(0).to(tl.int64)
-        h = pid % H
-        b = pid // H
+        k = pid % HB
+        m = (pid // HB) % NT
+        g = (pid // HB // NT) % G
+        b = pid // HB // NT // G
+        HPB: tl.constexpr = HG // HB
+        h0 = g * HG + k * HPB
+        t0 = m * BLOCK_T
+        rem = (L - t0).to(tl.int32)
+        offs = tl.arange(0, BLOCK_T)
+        plane = (D1 - D0) * BATCH * H * L
+        if HAS_SEG:
+            seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            if d == 0:
+                n_first = m * 0
+                count = m + 1
+            else:
+                n_first = m
+                count = NT - m
+            i = count * 0
+            while i < count:
+                n = n_first + i
+                s0 = n * BLOCK_T
+                dCB = _dcb_pair(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, dtc_ptr, b, h0, m, n, slot, plane,
+                                BATCH, L, H, P, d, HPB, SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
+                if HAS_SEG:
+                    seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, (L - s0).to(tl.int32) - 1))
+                    dCB = tl.where(seg_m[:, None] == seg_n[None, :], dCB, 0.0)
+                pair = ((((k * (D1 - D0) + slot) * BATCH + b) * G + g) * NT + m) * NT + n
+                dcbp = dcb_ptr + pair * BLOCK_T * BLOCK_T
+                tl.store(dcbp + offs[:, None] * BLOCK_T + offs[None, :], dCB)
+                i += 1
+        for hh in range(HPB):
+            _step_grads(dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, tot_ptr, ddtf_ptr,
+                        ddtb_ptr, part_ptr, b, h0 + hh, m, plane, BATCH, L, H, NT, lo, hi, D0, D1, HAS_BIAS, SOFTPLUS,
+                        CLAMP, A_LOG, SHARED_A, BLOCK_T, BLOCK_NT)
+
+    @triton.jit
+    def _dcb_sum(dcb_ptr, k_stride, slot, b, g, m, n, BATCH, G, NT, HB: tl.constexpr, BLOCK_T: tl.constexpr):
+        """``d(C~ B^T)_mn`` of one tile pair: the ``HB`` head blocks' shares (``k_stride`` elements apart) summed in
+        a fixed order."""
+        offs = tl.arange(0, BLOCK_T)
+        p = dcb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+        p = p + offs[:, None] * BLOCK_T + offs[None, :]
+        acc = tl.load(p)
+        for k in range(1, HB):
+            acc += tl.load(p + k * k_stride)
+        return acc
+
+    @triton.jit
+    def _dbc_kernel(
+        Bf_ptr, Cf_ptr, Bb_ptr, Cb_ptr, sbb, sbl, sbg, dcb_ptr, dBf_ptr, dBb_ptr, dCf_ptr, dCb_ptr,
+        BATCH, L, G, N, NT,
+        HB: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """Per (sequence, group, tile t, which): ``which = 0``: ``dC~_t = sum_n d(C~ B^T)_tn B_n`` over the key tiles
+        of each direction's side, stored as dC; ``which = 1``: ``dB_t = sum_m d(C~ B^T)_mt^T C~_m`` over the query
+        tiles; each ``d(C~ B^T)`` the sum of its head blocks' shares (:func:`_dcb_sum`), in the generators' dtype."""
+        pid = tl.program_id(0).to(tl.int64)
+        which = pid % 2
+        t = (pid // 2) % NT
+        g = (pid // 2 // NT) % G
+        b = pid // 2 // NT // G
+        t0 = t * BLOCK_T
+        rem = (L - t0).to(tl.int32)
+        offs = tl.arange(0, BLOCK_T)
+        offs_n = tl.arange(0, BLOCK_N)
+        ok = offs < rem
+        k_stride = (D1 - D0) * BATCH * G * NT * NT * BLOCK_T * BLOCK_T
+        out_rows = ((b * L + t0) * G + g) * N
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            if which == 0:
+                # dC of query tile t: its key tiles n (n <= t forward, n >= t backward)
+                if d == 0:
+                    first = t * 0
+                    count = t + 1
+                else:
+                    first = t
+                    count = NT - t
+                i = count * 0
+                while i < count:
+                    n = first + i
+                    s0 = n * BLOCK_T
+                    Bn = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, s0, g, sbb, sbl, sbg), offs,
+                               offs < (L - s0).to(tl.int32), offs_n, N, sbl, EVEN_N)
+                    dCB = _dcb_sum(dcb_ptr, k_stride, slot, b, g, t, n, BATCH, G, NT, HB, BLOCK_T)
+                    acc += _mm(dCB, Bn, DOT)
+                    i += 1
+                rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
+                _store_dc(_pick(d, dCf_ptr, dCb_ptr) + out_rows, acc, rc, c_ok, d, t, NT, rem, N, G * N, SHIFT,
+                          BLOCK_T, BLOCK_N, EVEN_N)
+            else:
+                # dB of key tile t: its query tiles m (m >= t forward, m <= t backward)
+                if d == 0:
+                    first = t
+                    count = NT - t
+                else:
+                    first = t * 0
+                    count = t + 1
+                i = count * 0
+                while i < count:
+                    m = first + i
+                    q0 = m * BLOCK_T
+                    rem_m = (L - q0).to(tl.int32)
+                    rc, c_ok = _c_rows(d, offs, offs < rem_m, q0, rem_m, SHIFT)
+                    Cm = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, q0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl,
+                               EVEN_N)
+                    dCB = _dcb_sum(dcb_ptr, k_stride, slot, b, g, m, t, BATCH, G, NT, HB, BLOCK_T)
+                    acc += _mm(tl.trans(dCB), Cm, DOT)
+                    i += 1
+                _store_tile(_pick(d, dBf_ptr, dBb_ptr) + out_rows, offs, ok, offs_n, N, G * N, acc, EVEN_N)
+
+    @triton.jit
+    def _dx_key_tile(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
+        dx_ptr, ddiag_ptr, b, h, g, n, plane, BATCH, L, H, G, P, NT,
+        D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """:func:`_dx_kernel`'s key tile n: ``dx_n``, ``kd`` and the key rows' share of the log-decay gradient. Per
+        direction: first the other query tiles of the direction's side, from the nearest outwards (the decay between
+        tiles carried along), ``Z_n = sum_{m != n} M~_mn^T dy_m``, whose ``kx_j = dt_j x_j . Z_j`` (pairs whose query
+        lies beyond tile n) gives the tile rows' ``da`` on the keys' side (:func:`.triton_kernels._dlog_key`, into
+        ``kq + plane``); then the diagonal tile's ``M~_nn^T dy_n`` is added, ``dx_n += dt_n Z_n`` and ``kd_j = x_j .
+        Z_j`` (into ``kq``)."""
+        offs = tl.arange(0, BLOCK_T)
+        offs_p = tl.arange(0, BLOCK_P)
+        s0 = n * BLOCK_T
+        rem_n = (L - s0).to(tl.int32)
+        okn = offs < rem_n
+        xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+        dx = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+        if HAS_DIAG:
+            dyn = _tile(_at(dy_ptr, b, s0, h, syb, syl, syh), offs, okn, offs_p, P, syl, EVEN_P).to(tl.float32)
+            dg = tl.load(_at(diag_ptr, b, s0, h, sgb, sgl, sgh) + offs * sgl, mask=okn, other=0.0)
+            dx += dg.to(tl.float32)[:, None] * dyn
+            tl.store(ddiag_ptr + (b * L + s0) * H + h + offs * H,
+                     tl.sum(dyn * xn.to(tl.float32), 1).to(ddiag_ptr.dtype.element_ty), mask=okn)
+        if HAS_SEG:
+            seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            vrow = ((slot * BATCH + b) * H + h) * L
+            dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
+            # the other query tiles of the direction's side, the decay between tiles carried along
+            Z = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
+            between = 0.0
+            if d == 0:
+                count = NT - 1 - n
+            else:
+                count = n
+            i = count * 0
+            while i < count:
+                if d == 0:
+                    m = n + 1 + i
+                else:
+                    m = n - 1 - i
+                t0 = m * BLOCK_T
+                rem = (L - t0).to(tl.int32)
+                ok = offs < rem
+                dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
+                decay = _pair_decay(read_m, own_n, ok, okn, between)
+                if HAS_SEG:
+                    seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+                    decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
+                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                Mt = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay
+                dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
+                Z += _mm(tl.trans(Mt), dym, DOT)
+                between += tot_m
+                i += 1
+            # the key rows' share of da: their pairs with queries beyond the tile
+            kx = dt_n * tl.sum(xn.to(tl.float32) * Z, 1)
+            tl.store(kq_ptr + plane + vrow + s0 + offs, _dlog_key(d, kx), mask=okn)
+            # the diagonal tile pair
+            decay = _intra_decay(d, a_n, okn, SHIFT)
+            if HAS_SEG:
+                decay = tl.where(seg_n[:, None] == seg_n[None, :], decay, 0.0)
+            cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + n) * NT + n) * BLOCK_T * BLOCK_T
+            dyn = _tile(_at(dy_ptr, b, s0, h, syb, syl, syh), offs, okn, offs_p, P, syl, EVEN_P)
+            Z += _mm(tl.trans(tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay), dyn, DOT)
+            dx += dt_n[:, None] * Z
+            tl.store(kq_ptr + vrow + s0 + offs, tl.sum(xn.to(tl.float32) * Z, 1), mask=okn)
+        _store_tile(dx_ptr + ((b * L + s0) * H + h) * P, offs, okn, offs_p, P, H * P, dx, EVEN_P)
+
+    @triton.jit
+    def _dx_query_tile(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr, tot_ptr, b, h, g, m, plane,
+        BATCH, L, H, G, P, NT,
+        D0: tl.constexpr, D1: tl.constexpr, HAS_SEG: tl.constexpr, SHIFT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """:func:`_dx_kernel`'s query tile m: the rest of the log-decay gradient of its pairs, each term once. Per
+        direction: the diagonal tile pair's ``S_ij = (dy_i . x_j) M_ij = dLoss/dL_ij`` (``dy_m x_m^T``, the one
+        product the gradient adds), and from the other key tiles n, ``qx_i = dy_i . (sum_{n != m} M_mn x_n)_i``: the
+        tile rows' ``da`` on the queries' side (:func:`.triton_kernels._dlog_query`, into ``kq + 2 plane``). Each
+        such tile pair's total ``sum(dy_m . M_mn x_n)``, which every row of the tiles strictly between m and n gets,
+        goes to ``tot`` (directions, batch, H, NT, NT) at [m, n]."""
+        offs = tl.arange(0, BLOCK_T)
+        offs_p = tl.arange(0, BLOCK_P)
+        t0 = m * BLOCK_T
+        rem = (L - t0).to(tl.int32)
+        ok = offs < rem
+        dym = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
+        xm = _tile(_at(x_ptr, b, t0, h, sxb, sxl, sxh), offs, ok, offs_p, P, sxl, EVEN_P)
+        DYX = _mm(dym, tl.trans(xm), DOT)                  # [i, j] = dy_i . x_j, for both directions
+        seg_m = offs  # the query tile's segment ids (with HAS_SEG)
+        if HAS_SEG:
+            seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
+            DYX = tl.where(seg_m[:, None] == seg_m[None, :], DYX, 0.0)
+        # the diagonal tile pair's share, both directions first (then the (T, T) tiles are done with)
+        pairs_f = tl.zeros([BLOCK_T], dtype=tl.float32)
+        pairs_b = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            vbase = ((slot * BATCH + b) * H + h) * L + t0
+            cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + m) * BLOCK_T * BLOCK_T
+            dt_m, a_m = _decays(dtc_ptr, vbase, offs, ok, plane)
+            S = DYX * tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * _intra_decay(d, a_m, ok, SHIFT)
+            S = S * dt_m[None, :]
+            if d == 0:
+                pairs_f = _dlog_pairs(d, S, SHIFT)
+            else:
+                pairs_b = _dlog_pairs(d, S, SHIFT)
+        # the other key tiles
+        for d in tl.static_range(D0, D1):
+            slot = d - D0
+            vrow = ((slot * BATCH + b) * H + h) * L
+            tot = tot_ptr + ((slot * BATCH + b) * H + h) * NT * NT + m * NT
+            dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
+            qx = tl.zeros([BLOCK_T], dtype=tl.float32)
+            between = 0.0
+            if d == 0:
+                count = m
+            else:
+                count = NT - 1 - m
+            i = count * 0
+            while i < count:
+                if d == 0:
+                    n = m - 1 - i
+                else:
+                    n = m + 1 + i
+                s0 = n * BLOCK_T
+                rem_n = (L - s0).to(tl.int32)
+                okn = offs < rem_n
+                dt_n, a_n, read_n, own_n, tot_n = _tile_logs(d, dtc_ptr, vrow + s0, offs, okn, plane, SHIFT)
+                decay = _pair_decay(read_m, own_n, ok, okn, between)
+                if HAS_SEG:
+                    seg_n = tl.load(seg_ptr + b * L + s0 + tl.minimum(offs, rem_n - 1))
+                    decay = tl.where(seg_m[:, None] == seg_n[None, :], decay, 0.0)
+                cbp = cb_ptr + ((((slot * BATCH + b) * G + g) * NT + m) * NT + n) * BLOCK_T * BLOCK_T
+                M = tl.load(cbp + offs[:, None] * BLOCK_T + offs[None, :]) * decay * dt_n[None, :]
+                xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
+                qn = tl.sum(dym.to(tl.float32) * _mm(M, xn, DOT), 1)
+                qx += qn
+                tl.store(tot + n, tl.sum(qn, 0))
+                between += tot_n
+                i += 1
+            tl.store(kq_ptr + 2 * plane + vrow + t0 + offs, _dlog_query(d, _pick(d, pairs_f, pairs_b), qx, SHIFT),
+                     mask=ok)
+
+    @triton.jit
+    def _dx_kernel(
+        x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
+        tot_ptr, dx_ptr, ddiag_ptr, BATCH, L, H, G, P, N, NT,
+        HG: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_SEG: tl.constexpr,
+        SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, EVEN_P: tl.constexpr, DOT: tl.constexpr,
+    ):
+        """Per (sequence, head, tile t), the backward's first launch: tile t as keys (:func:`_dx_key_tile`: ``dx_t``,
+        dt's direct gradient ``kd`` and the key rows' share of the log-decay gradient ``da``), then as queries
+        (:func:`_dx_query_tile`: the diagonal pair's and the query rows' shares of ``da``, and the totals of the
+        pairs with its other key tiles). Each pair's term is taken once with its own decay (never a total minus a
+        prefix); :func:`_step_grads` adds the shares up. ``kq`` (3, directions, batch, H, L) keeps ``kd`` and the
+        two shares."""
+        pid = tl.program_id(0).to(tl.int64)
+        t = pid % NT
+        h = (pid // NT) % H
+        b = pid // NT // H
         g = h // HG
         plane = (D1 - D0) * BATCH * H * L
-        # 1. key tiles: dx, kd, the key rows' share of da
-        _dx_key_tiles(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr,
-                      kq_ptr, dx_ptr, ddiag_ptr, b, h, g, plane, BATCH, L, H, G, P, NT, D0, D1, HAS_DIAG, HAS_SEG,
-                      SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
-        # 2. query tiles: the intra-tile pairs' and the query rows' shares of da, the sums over the tiles between
-        span_f, span_b = _dx_query_tiles(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr,
-                                         b, h, g, plane, BATCH, L, H, G, P, NT, D0, D1, HAS_SEG, SHIFT, BLOCK_T,
-                                         BLOCK_P, BLOCK_L, EVEN_P, DOT)
-        tl.debug_barrier()
-        # 3. the whole sequence: da, then the step sizes' gradients
-        _dx_step_grads(dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, ddtf_ptr, ddtb_ptr,
-                       part_ptr, span_f, span_b, b, h, plane, BATCH, L, H, lo, hi, D0, D1, HAS_BIAS, SOFTPLUS, CLAMP,
-                       A_LOG, SHARED_A, BLOCK_L)
+        _dx_key_tile(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, diag_ptr, sgb, sgl, sgh, seg_ptr, cb_ptr, dtc_ptr,
+                     kq_ptr, dx_ptr, ddiag_ptr, b, h, g, t, plane, BATCH, L, H, G, P, NT, D0, D1, HAS_DIAG, HAS_SEG,
+                     SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
+        _dx_query_tile(x_ptr, sxb, sxl, sxh, dy_ptr, syb, syl, syh, seg_ptr, cb_ptr, dtc_ptr, kq_ptr, tot_ptr, b, h,
+                       g, t, plane, BATCH, L, H, G, P, NT, D0, D1, HAS_SEG, SHIFT, BLOCK_T, BLOCK_P, EVEN_P, DOT)
 
 
 # -- host side ----------------------------------------------------------------------------------------
@@ -676,30 +730,34 @@ def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt
     dx = like(x)
     ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b = (like(t) for t in (dt_f, B_f, C_f, dt_b, B_b, C_b))
     ddiag = like(diag)
-    part = torch.empty(bsz, 3, H, device=dev, dtype=torch.float32)
+    part = torch.empty(bsz * NT, 3, H, device=dev, dtype=torch.float32)
     if x.numel() == 0:
         return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
     x, dy = k.x, _chunked._unit_last(dy)
-    dcb = torch.empty_like(cb)
+    HB = geo.head_blocks()
+    dcb = torch.empty((HB, *cb.shape), device=dev, dtype=torch.float32)
     kq = torch.empty(3, k.ndirs, bsz, H, L, device=dev, dtype=torch.float32)
+    tot = torch.empty(k.ndirs, bsz, H, NT, NT, device=dev, dtype=torch.float32)
     flags = k.flags
+    grids = geo.grids()
     s3 = _chunked._s3
     fill = _chunked._fill
     with on_device(dev):
-        _dcb_kernel[geo.tile_grid(G)](
-            x, *s3(x), dy, *s3(dy), k.B[0], k.C[0], k.B[1], k.C[1], *s3(k.B[0]), k.ptr(seg), cb, dtc, dcb,
-            *fill(dC_f if k.has_f else None, dC_b if k.has_b else None), *geo.dims, **flags, BLOCK_T=T,
-            **{key: blocks[key] for key in ("BLOCK_P", "BLOCK_N", "EVEN_P", "EVEN_N", "DOT")}, **LAUNCH["dcb"])
-        _db_kernel[geo.tile_grid(G)](
-            k.C[0], k.C[1], *s3(k.B[0]), dcb, *fill(dB_f if k.has_f else None, dB_b if k.has_b else None), bsz, L,
-            G, N, NT, D0=flags["D0"], D1=flags["D1"], SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"],
-            EVEN_N=blocks["EVEN_N"], DOT=blocks["DOT"], **LAUNCH["db"])
-        _dx_kernel[geo.head_grid()](
-            x, *s3(x), dy, *s3(dy), k.dt[0], k.A[0], k.dt[1], k.A[1], *s3(k.dt[0]), k.ptr(diag), *s3(diag),
-            k.ptr(k.bias), k.ptr(seg), cb, dtc, kq, dx, k.ptr(ddiag if diag is not None else None),
-            *fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None), part, *geo.dims, *k.lo_hi, **flags,
-            HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"],
-            BLOCK_L=max(16, pow2(L)), EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dx"])
+        _dx_kernel[grids["dx"]](
+            x, *s3(x), dy, *s3(dy), k.ptr(diag), *s3(diag), k.ptr(seg), cb, dtc, kq, tot, dx,
+            k.ptr(ddiag if diag is not None else None), *geo.dims, **flags, HAS_DIAG=diag is not None, BLOCK_T=T,
+            BLOCK_P=blocks["BLOCK_P"], EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dx"])
+        _dcb_kernel[grids["dcb"]](
+            x, *s3(x), dy, *s3(dy), k.dt[0], k.A[0], k.dt[1], k.A[1], *s3(k.dt[0]), k.ptr(k.bias), k.ptr(seg), dtc,
+            kq, tot, dcb, *fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None), part, *geo.dims, *k.lo_hi,
+            HB=HB, **flags, **k.prep, SHARED_A=k.shared_A, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"],
+            BLOCK_NT=max(2, pow2(NT)), EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dcb"])
+        _dbc_kernel[grids["dbc"]](
+            k.B[0], k.C[0], k.B[1], k.C[1], *s3(k.B[0]), dcb,
+            *fill(dB_f if k.has_f else None, dB_b if k.has_b else None),
+            *fill(dC_f if k.has_f else None, dC_b if k.has_b else None), bsz, L, G, N, NT, HB=HB, D0=flags["D0"],
+            D1=flags["D1"], SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"], EVEN_N=blocks["EVEN_N"],
+            DOT=blocks["DOT"], **LAUNCH["dbc"])
     return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
 
 
@@ -751,8 +809,10 @@ def _bwd_op_fake(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_
     def like(t):
         return x.new_empty(0) if t is None else t.new_empty(t.shape)
 
+    ref_B = B_f if B_f is not None else B_b
+    geo = OneChunkGeometry(x.shape[0], x.shape[1], x.shape[2], ref_B.shape[2], x.shape[3], ref_B.shape[3])
     return [like(x), like(dt_f), like(B_f), like(C_f), like(dt_b), like(B_b), like(C_b), like(diag),
-            x.new_empty(x.shape[0], 3, x.shape[2], dtype=torch.float32)]
+            x.new_empty(x.shape[0] * geo.ntiles, 3, x.shape[2], dtype=torch.float32)]
 
 
 _INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "seg", "dt_bias")
