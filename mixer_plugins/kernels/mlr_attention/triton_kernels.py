@@ -559,15 +559,17 @@ class Tiles:
 
     @staticmethod
     def default(dtype: torch.dtype, head_width: int) -> Tiles:
-        """The tiles the kernels run with on a GPU: checked free of register spills at sm_90 for bfloat16 and float16
-        at head widths up to 128 and float32 up to 64 (``benchmarks/gpu/compile_check.py``; float32 at 128 spills
-        in the backward)."""
+        """The tiles the kernels run with on a GPU: checked free of register spills at sm_90 with Triton 3.5 and 3.6
+        (``benchmarks/gpu/compile_check.py``) for bfloat16 and float16 at head widths up to 64, one level (local
+        attention) up to 128, and float32 up to 64. Several levels at head width 128 spill in the backward, and so
+        does float32 at 128. The dk/dv kernel streams 16 query columns where it holds the widest accumulators
+        (head width 128 in half precision, 128 key rows in float32): at 32, Triton 3.6 spills there."""
         if dtype == torch.float32:
             if head_width > 64:
                 return Tiles(forward=(128, 32, 8, 2), dq=(64, 16, 8, 2), dkdv=(64, 16, 8, 2))
-            return Tiles(forward=(128, 64, 8, 2), dq=(128, 32, 8, 2), dkdv=(128, 32, 8, 2))
+            return Tiles(forward=(128, 64, 8, 2), dq=(128, 32, 8, 2), dkdv=(128, 16, 8, 2))
         if head_width > 64:
-            return Tiles(forward=(128, 32, 8, 2), dq=(64, 32, 8, 2), dkdv=(64, 32, 8, 2))
+            return Tiles(forward=(128, 32, 8, 2), dq=(64, 32, 8, 2), dkdv=(64, 16, 8, 2))
         return Tiles(forward=(128, 64, 8, 3), dq=(128, 32, 8, 2), dkdv=(128, 32, 8, 2))
 
     @staticmethod
