@@ -468,39 +468,34 @@ template <typename T>
 void head_intra_grads(const Shape& s, bool shift, int64_t n, int64_t k, GroupChunk<T>& w) {
   const int64_t RP = s.rep * s.P;
   T* dm = w.dM.data();
-  T* sm = w.S.data();
   lower_product(n, s.P, w.DY.data() + k * s.P, RP, w.X.data() + k * s.P, RP, dm, shift);
   lower_t_times(n, s.P, w.M.data(), w.DY.data() + k * s.P, RP, T(1), w.dX.data() + k * s.P, RP);
   const T* dt = w.dt.data() + k * s.Q;
   T* ddt = w.ddt.data() + k * s.Q;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t allowed = shift ? i : i + 1;
-    const T* dmi = dm + i * n;
-    const T* mi = w.M.data() + i * n;
-    const T* ei = w.E.data() + i * n;
-    const T* ti = w.Tm.data() + i * n;
-    T* si = sm + i * n;
-    T* dti = w.dT.data() + i * n;
-    for (int64_t j = 0; j < allowed; ++j) {
-      si[j] = dmi[j] * mi[j];
-      ddt[j] += dmi[j] * ti[j] * ei[j];
-      const T dcb = dmi[j] * ei[j] * dt[j];
-      dti[j] = k == 0 ? dcb : dti[j] + dcb;
-    }
-    for (int64_t j = allowed; j < n; ++j) {
-      si[j] = T(0);
-      if (k == 0) dti[j] = T(0);
-    }
-  }
-  for (int64_t i = n - 2; i >= 0; --i) {  // R: each row gathers the rows below it (only j <= i can be nonzero)
-    T* si = sm + i * n;
-    const T* below = sm + (i + 1) * n;
-    for (int64_t j = 0; j <= i; ++j) si[j] += below[j];
-  }
   T* da = w.da.data() + k * s.Q;
-  for (int64_t kk = 0; kk < n; ++kk) {
-    const int64_t row = kk + (shift ? 1 : 0);
-    da[kk] = row < n ? row_sum(sm + row * n, kk) : T(0);
+  T* col = w.seg.data();  // R's row i as row i is reached from the bottom: col[j] = sum_{i' >= i} s_i'j
+  std::fill_n(col, n, T(0));
+  if (shift) da[n - 1] = T(0);  // its row, n, is past the chunk
+  // one pass from the bottom row up: each row's s_ij joins the column sums, and a_{i - shift} reads its row of R
+  for (int64_t i = n - 1; i >= 0; --i) {
+    const int64_t allowed = shift ? i : i + 1;
+    const T* __restrict dmi = dm + i * n;
+    const T* __restrict mi = w.M.data() + i * n;
+    const T* __restrict ei = w.E.data() + i * n;
+    const T* __restrict ti = w.Tm.data() + i * n;
+    T* __restrict dti = w.dT.data() + i * n;
+    for (int64_t j = 0; j < allowed; ++j) {
+      col[j] += dmi[j] * mi[j];
+      ddt[j] += dmi[j] * ti[j] * ei[j];
+    }
+    if (k == 0) {  // the group's first head assigns dT, the others add
+      for (int64_t j = 0; j < allowed; ++j) dti[j] = dmi[j] * ei[j] * dt[j];
+      std::fill(dti + allowed, dti + n, T(0));
+    } else {
+      for (int64_t j = 0; j < allowed; ++j) dti[j] += dmi[j] * ei[j] * dt[j];
+    }
+    const int64_t kk = i - (shift ? 1 : 0);
+    if (kk >= 0) da[kk] = row_sum(col, kk);
   }
 }
 
