@@ -51,9 +51,9 @@ def test_every_triton_kernel_compiles_for_sm90(tmp_path, triton_cache):
     assert report["failures"] == []
     assert max(item["shared_bytes"] for item in report["compiled"]) <= 227 * 1024
     assert all(item["registers"] > 0 for item in report["compiled"])   # read from every cubin
-    # the norm, convolution, MLR, local attention, decoding-step and scan kernels never spill (the script fails a case that does;
-    # asserted here as well), the scans on half-precision inputs (the GPU's training dtype); float32 scan inputs take
-    # 3xTF32 matmuls, which spill
+    # the norm, convolution, MLR, local attention, decoding-step and scan kernels never spill (the script fails a
+    # case that does; asserted here as well), the scans on half-precision inputs (the GPU's training dtype); float32
+    # scan inputs take 3xTF32 matmuls, which spill
     families = ("norm", "conv", "mlr", "local", "decode", "scan", "scan1")
     spill_free = [item for item in report["compiled"] if item["case"].split(":")[0] in families
                   and not (item["case"].startswith(("scan:", "scan1:")) and "float32" in item["case"])]
