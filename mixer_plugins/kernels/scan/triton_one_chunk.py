@@ -38,9 +38,8 @@ Launches:
     ``dC~_t`` over the tile's key tiles or ``dB_t`` over its query tiles.
 
   A ViT-B step (batch 64, 197 tokens in 4 tiles, 24 heads, 1 group) runs 6,144 + 512 + 512 programs (two head
-  blocks); before, 256 (``d(C~ B^T)`` and dC per sequence and query tile, all 24 heads in turn) + 256 (dB) + 1,536
-  (dx per sequence and head, every tile in turn). The tile walks stay ``while`` loops: the 3.5 interpreter's
-  ``range()`` cannot take a bound computed from the program id.
+  blocks). The tile walks are ``while`` loops: the 3.5 interpreter's ``range()`` cannot take a bound computed from
+  the program id.
 
 Every grid is one-dimensional and every offset of a whole tensor 64-bit (see :mod:`.triton_kernels`). Run on CUDA, or
 on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
