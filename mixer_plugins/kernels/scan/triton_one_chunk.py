@@ -392,12 +392,7 @@ if triton is not None:
             seg_m = tl.load(seg_ptr + b * L + t0 + tl.minimum(offs, rem - 1))
         for d in tl.static_range(D0, D1):
             slot = d - D0
-            if d == 0:
-                n_first = m * 0
-                count = m + 1
-            else:
-                n_first = m
-                count = NT - m
+            n_first, count = _span(m, NT, d == 0)   # m's key tiles: up to it forward, from it backward
             i = count * 0
             while i < count:
                 n = n_first + i
@@ -415,6 +410,18 @@ if triton is not None:
             _step_grads(dtf_ptr, Af_ptr, dtb_ptr, Ab_ptr, sdb, sdl, sdh, bias_ptr, dtc_ptr, kq_ptr, tot_ptr, ddtf_ptr,
                         ddtb_ptr, part_ptr, b, h0 + hh, m, plane, BATCH, L, H, NT, lo, hi, D0, D1, HAS_BIAS, SOFTPLUS,
                         CLAMP, A_LOG, SHARED_A, BLOCK_T, BLOCK_NT)
+
+    @triton.jit
+    def _span(t, NT, UP_TO: tl.constexpr):
+        """Tiles ``0..t`` (``UP_TO``) or ``t..NT-1`` as ``(first, count)``: a query tile's key tiles are those up to it
+        in the forward direction and from it in the backward one; a key tile's query tiles the other way round."""
+        if UP_TO:
+            first = t * 0
+            count = t + 1
+        else:
+            first = t
+            count = NT - t
+        return first, count
 
     @triton.jit
     def _dcb_sum(dcb_ptr, k_stride, slot, b, g, m, n, BATCH, G, NT, HB: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -455,12 +462,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             if which == 0:
                 # dC of query tile t: its key tiles n (n <= t forward, n >= t backward)
-                if d == 0:
-                    first = t * 0
-                    count = t + 1
-                else:
-                    first = t
-                    count = NT - t
+                first, count = _span(t, NT, d == 0)
                 i = count * 0
                 while i < count:
                     n = first + i
@@ -475,12 +477,7 @@ if triton is not None:
                           BLOCK_T, BLOCK_N, EVEN_N)
             else:
                 # dB of key tile t: its query tiles m (m >= t forward, m <= t backward)
-                if d == 0:
-                    first = t
-                    count = NT - t
-                else:
-                    first = t * 0
-                    count = t + 1
+                first, count = _span(t, NT, d == 1)
                 i = count * 0
                 while i < count:
                     m = first + i
