@@ -412,7 +412,7 @@ def test_pretrained_loads_every_compatible_tensor_and_reports_the_rest(mixer, ti
 
 
 def _save(model: nn.Module, folder) -> dict:
-    from timm.models._hub import save_for_hf
+    from timm.models import save_for_hf
 
     save_for_hf(model, folder)
     return json.loads((folder / "config.json").read_text())

@@ -6,8 +6,10 @@ it as ``attn(x, attn_mask=None, is_causal=False)`` (Eva adds ``rope=``, BEiT ``s
 arguments onto the mixer contract ``mixer(x, mask=...)``:
 
 * ``attn_mask`` (bool, True = attend; or additive float, 0 = attend and very negative = masked, as NaFlexViT
-  builds it) becomes our right-padded key mask. Masks that are not padding (causal patterns, per-head masks,
-  additive biases) raise :class:`~mixer_plugins.MixerInputError`: a mixer cannot apply them.
+  builds it) becomes our right-padded key mask: key j is real when some query may attend to it. Only the
+  mask's dtype and shape are checked in ``forward`` (no host sync); set ``check_attn_mask = True`` on an adapter
+  to also refuse, with :class:`~mixer_plugins.MixerInputError`, masks that are not padding (causal patterns,
+  per-head masks, additive biases), which a mixer cannot apply.
 * ``is_causal=True`` is accepted by causal mixers and refused by bidirectional ones.
 * ``rope`` and ``shared_rel_pos_bias`` are accepted and ignored: position then comes from the mixer itself (or
   the model's absolute position embedding). :func:`~mixer_plugins.backbones.timm.swap_mixer` warns when that
@@ -56,14 +58,19 @@ __all__ = [
 MASKED_LOGIT_THRESHOLD = -1.0e4
 
 
-def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length: int) -> Optional[Tensor]:
-    """timm's attention mask as our bool ``(batch, length)`` key mask (True on real tokens); None if all are real.
+def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length: int,
+                                check_values: bool = True) -> Optional[Tensor]:
+    """timm's attention mask as our bool ``(batch, length)`` key mask (True on real tokens).
 
     Accepts a bool mask (True = may attend) or an additive float mask (0 = may attend, ``<= -1e4`` or ``-inf`` =
     masked) of shape ``(batch | 1, heads | 1, queries | 1, length)`` or ``(queries, length)``. Both NaFlexViT
-    layouts, the symmetric ``[B, 1, N, N]`` one and the key-only ``[B, 1, 1, N]`` one, give the same key mask.
-    Anything that is not a key-padding mask raises :class:`MixerInputError`, because a mixer applies its own
-    L x L matrix and cannot honour arbitrary (query, key) patterns.
+    layouts, the symmetric ``[B, 1, N, N]`` one and the key-only ``[B, 1, 1, N]`` one, give the same key mask:
+    key j is real when some query may attend to it. Dtype and shape are always checked.
+
+    With ``check_values`` (the default), the values are checked too, at the cost of host syncs: a mask that is
+    not a key-padding mask (additive biases, causal or per-head patterns) raises :class:`MixerInputError`, since
+    a mixer applies its own L x L matrix and cannot honour arbitrary (query, key) patterns; and an all-real mask
+    gives None. :class:`TimmMixerAttention` calls it without value checks unless its ``check_attn_mask`` is set.
     """
     if attn_mask is None:
         return None
@@ -71,8 +78,8 @@ def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length:
         allowed = attn_mask
     elif attn_mask.is_floating_point():
         allowed = attn_mask == 0
-        masked = attn_mask <= -1.0e4  # MASKED_LOGIT_THRESHOLD (TorchScript cannot read float globals)
-        if not bool((allowed | masked).all()):
+        # -1e4 is MASKED_LOGIT_THRESHOLD (TorchScript cannot read float globals)
+        if check_values and not bool((allowed | (attn_mask <= -1.0e4)).all()):
             raise MixerInputError(
                 "attn_mask holds additive biases (entries that are neither 0 nor <= -1e4): a matrix mixer "
                 "only accepts padding masks (0 = attend, large negative or -inf = masked)"
@@ -90,16 +97,16 @@ def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length:
         raise MixerInputError("attn_mask of shape " + str(list(attn_mask.shape)) + " does not fit a sequence of "
                               + str(batch) + " x " + str(length) + " tokens")
     allowed = allowed.expand(batch, heads, queries, keys)
-    key_valid = allowed.any(dim=2).any(dim=1)                     # key j is attended by some query
-    query_live = allowed.any(dim=3, keepdim=True)                 # query i attends to something
+    key_valid = allowed.any(dim=2).any(dim=1)                         # key j is attended by some query
+    if not check_values:
+        return key_valid
+    query_live = allowed.any(dim=3, keepdim=True)                     # query i attends to something
     if not torch.equal(allowed, key_valid[:, None, None, :] & query_live):
         raise MixerInputError(
             "attn_mask is not a key-padding mask (it differs between queries or heads, e.g. a causal pattern): "
             "mixers accept padding masks only; use is_causal=True with a causal mixer for causal masking"
         )
-    if bool(key_valid.all()):
-        return None
-    return key_valid
+    return None if bool(key_valid.all()) else key_valid
 
 
 def resolve_mixer_config(spec: MixerSpec, dim: int, options: Mapping[str, Any] | None = None,
@@ -212,6 +219,8 @@ class TimmMixerAttention(nn.Module):
         self.seq_len: Optional[int] = seq_len
         self.mixer = self._build_mixer(spec, self.mixer_config, device, dtype)
         self.causal: bool = bool(getattr(self.mixer, "causal", False))
+        #: Check attn_mask's values in every forward (host syncs; off by default: shapes and dtype only).
+        self.check_attn_mask: bool = False
         self.proj_drop = nn.Dropout(proj_drop)
 
     @staticmethod
@@ -238,7 +247,7 @@ class TimmMixerAttention(nn.Module):
                 "mixer '" + self.mixer_name + "' is bidirectional and cannot run with is_causal=True; "
                 "build a causal mixer (e.g. mixer_options={'causal': True} where the mixer has that option)"
             )
-        mask = padding_mask_from_attn_mask(attn_mask, x.shape[0], x.shape[1])
+        mask = padding_mask_from_attn_mask(attn_mask, x.shape[0], x.shape[1], self.check_attn_mask)
         return self.proj_drop(self.mixer(x, mask=mask))
 
     @torch.jit.ignore

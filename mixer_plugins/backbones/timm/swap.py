@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -22,7 +22,8 @@ from ...registry import MixerError, default_registry
 from .adapter import TimmMixerAttention
 from .weights import WeightLoadReport
 
-__all__ = ["swap_mixer", "is_order_sensitive", "nominal_token_count", "unwrap_model", "MixerSwapWarning"]
+__all__ = ["swap_mixer", "replay_swaps", "block_indices", "is_order_sensitive", "nominal_token_count", "unwrap_model",
+           "MixerSwapWarning"]
 
 
 class MixerSwapWarning(UserWarning):
@@ -30,10 +31,9 @@ class MixerSwapWarning(UserWarning):
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The network inside timm's ``features_only`` wrappers (they keep it as ``.model``)."""
-    from timm.models._features import FeatureGetterNet
-
-    return model.model if isinstance(model, FeatureGetterNet) else model
+    """The network inside timm's ``features_only`` wrapper (``FeatureGetterNet`` keeps it as ``.model``)."""
+    inner = getattr(model, "model", None)
+    return inner if getattr(model, "blocks", None) is None and isinstance(inner, nn.Module) else model
 
 
 def nominal_token_count(model: nn.Module) -> Optional[int]:
@@ -90,6 +90,26 @@ def is_order_sensitive(mixer: nn.Module, *, spec_data_dependent: str | None = No
     return True
 
 
+def block_indices(selection: Optional[Iterable[int]], depth: int, what: str = "mixer_blocks") -> list[int]:
+    """``selection`` (block indices, negative ones counted from the end; None: every block) as indices 0..depth-1."""
+    if selection is None:
+        return list(range(depth))
+    for index in selection:
+        if not isinstance(index, int) or isinstance(index, bool) or not -depth <= index < depth:
+            raise MixerError(f"{what} entry {index!r} is not a block index of this model (0..{depth - 1})")
+    return [index % depth for index in selection]
+
+
+def replay_swaps(model: nn.Module, swaps: Optional[Sequence[Mapping[str, Any]]]) -> None:
+    """Apply swaps as :func:`swap_mixer` records them in ``model._model_args['mixer_swaps']``, in order."""
+    for swap in swaps or ():
+        if not isinstance(swap, Mapping) or "mixer" not in swap or set(swap) - {"mixer", "mixer_options",
+                                                                                 "mixer_blocks"}:
+            raise MixerError(f"each mixer_swaps entry is a dict with 'mixer', 'mixer_options', 'mixer_blocks'; "
+                             f"got {swap!r}")
+        swap_mixer(model, swap["mixer"], mixer_blocks=swap.get("mixer_blocks"), **dict(swap.get("mixer_options") or {}))
+
+
 def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]
                      ) -> list[tuple[nn.Module, str, nn.Module, int]]:
     """(parent, attribute, old module, block index) for every token mixer to replace."""
@@ -99,16 +119,7 @@ def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]
             f"swap_mixer needs a model whose transformer blocks are in `model.blocks` (ViT, DeiT, NaFlexViT, Eva, "
             f"BEiT, ...); {type(root).__name__} has none"
         )
-    depth = len(blocks)
-    if mixer_blocks is None:
-        selected = list(range(depth))
-    else:
-        selected = []
-        for index in mixer_blocks:
-            if not isinstance(index, int) or isinstance(index, bool) or not -depth <= index < depth:
-                raise MixerError(f"mixer_blocks entry {index!r} is not a block index of this model (0..{depth - 1})")
-            selected.append(index % depth)
-        selected = sorted(set(selected))
+    selected = sorted(set(block_indices(mixer_blocks, len(blocks))))
     slots: list[tuple[nn.Module, str, nn.Module, int]] = []
     for index in selected:
         block = blocks[index]
