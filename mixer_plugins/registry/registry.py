@@ -144,7 +144,7 @@ class MixerRegistry:
                 self._entries = {}
                 seen = set()
                 for ep in metadata.entry_points(group=self.group):
-                    dist = ep.dist.metadata["Name"] if ep.dist is not None else "<unknown distribution>"
+                    dist = getattr(ep.dist, "name", None) or "<unknown distribution>"
                     if (ep.name, normalize_name(dist), ep.value) in seen:  # one distribution twice on sys.path
                         continue
                     seen.add((ep.name, normalize_name(dist), ep.value))

@@ -23,6 +23,7 @@ initialisation, so mixers keep their init under every ``weight_init`` mode.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Optional
@@ -217,20 +218,12 @@ class TimmMixerAttention(nn.Module):
         self.inherit_num_heads: bool = inherit_num_heads
         self.num_prefix_tokens: int = num_prefix_tokens
         self.seq_len: Optional[int] = seq_len
-        self.mixer = self._build_mixer(spec, self.mixer_config, device, dtype)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.mixer = spec.build(self.mixer_config).to(dtype=dtype)
         self.causal: bool = bool(getattr(self.mixer, "causal", False))
         #: Check attn_mask's values in every forward (host syncs; off by default: shapes and dtype only).
         self.check_attn_mask: bool = False
         self.proj_drop = nn.Dropout(proj_drop)
-
-    @staticmethod
-    def _build_mixer(spec: MixerSpec, config: MixerConfig, device: Any, dtype: Optional[torch.dtype]) -> nn.Module:
-        if device is not None:
-            with torch.device(device):
-                module = spec.build(config)
-        else:
-            module = spec.build(config)
-        return module.to(dtype=dtype) if dtype is not None else module
 
     def forward(
             self,
@@ -336,69 +329,49 @@ class MixerOnlyBlock(nn.Module):
 
 # -- attn_layer='<mixer name>' on timm's own names ---------------------------------------------------------------
 
-_ATTN_LAYER_CLASSES: dict[str, type[TimmMixerAttention]] = {}
-
-
 def attn_layer_class(name: str) -> type[TimmMixerAttention]:
     """A :class:`TimmMixerAttention` subclass bound to mixer ``name`` (usable as timm's ``attn_layer=``).
 
-    Classes are cached and stored in this module under ``TimmMixerAttention_<name>``, so models holding them
-    pickle and unpickle like any other module (after ``import mixer_plugins``).
+    Classes are cached in this module under ``TimmMixerAttention_<name>``, so models holding them pickle and
+    unpickle like any other module (after ``import mixer_plugins``).
     """
-    cls = _ATTN_LAYER_CLASSES.get(name)
-    if cls is None:
-        cls_name = f"TimmMixerAttention_{name}"
-        cls = type(cls_name, (TimmMixerAttention,), {
-            "default_mixer": name,
-            "__module__": __name__,
-            "__qualname__": cls_name,
+    cls_name = f"TimmMixerAttention_{name}"
+    if cls_name not in globals():
+        globals()[cls_name] = type(cls_name, (TimmMixerAttention,), {
+            "default_mixer": name, "__module__": __name__, "__qualname__": cls_name,
             "__doc__": f"TimmMixerAttention building mixer {name!r} (timm attn_layer={name!r}).",
         })
-        _ATTN_LAYER_CLASSES[name] = cls
-        globals()[cls_name] = cls
-    return cls
+    return globals()[cls_name]
 
 
-def _attn_layer_table() -> dict[str, Any]:
-    from timm.models import vision_transformer
+def _add_keys(spec: MixerSpec | str) -> list[str]:
+    """Bind ``spec``'s name and aliases (or a bare name) to its class in timm's ``ATTN_LAYERS``, unless timm (or
+    another library) owns the key; returns the keys added."""
+    from timm.models.vision_transformer import ATTN_LAYERS
 
-    return vision_transformer.ATTN_LAYERS
-
-
-def _ours(value: Any) -> bool:
-    return isinstance(value, type) and issubclass(value, TimmMixerAttention)
-
-
-def _add_attn_layer_key(table: dict[str, Any], key: str, mixer: str) -> bool:
-    """``table[key] = attn_layer_class(mixer)`` unless timm (or another library) owns ``key``; True if added."""
-    current = table.get(key)
-    if current is not None and not _ours(current):
-        warnings.warn(f"timm already has an attn_layer named {key!r}; mixer {mixer!r} is not registered "
-                      "under it (use swap_mixer or mixer-plugins' vit_* names instead)", UserWarning, stacklevel=3)
-        return False
-    cls = attn_layer_class(mixer)
-    if current is cls:
-        return False
-    table[key] = cls
-    return True
-
-
-def _register_spec(spec: MixerSpec, table: dict[str, Any] | None = None) -> list[str]:
-    """Add ``spec``'s name and every alias to timm's ``ATTN_LAYERS``, each bound to the canonical name."""
-    table = _attn_layer_table() if table is None else table
-    return [key for key in (spec.name, *spec.aliases) if _add_attn_layer_key(table, key, spec.name)]
+    name, aliases = (spec, ()) if isinstance(spec, str) else (spec.name, spec.aliases)
+    cls, added = attn_layer_class(name), []
+    for key in (name, *aliases):
+        current = ATTN_LAYERS.get(key)
+        if current is not None and not (isinstance(current, type) and issubclass(current, TimmMixerAttention)):
+            warnings.warn(f"timm already has an attn_layer named {key!r}; mixer {name!r} is not registered under "
+                          "it (use swap_mixer or mixer-plugins' vit_* names instead)", UserWarning, stacklevel=3)
+        elif current is not cls:
+            ATTN_LAYERS[key] = cls
+            added.append(key)
+    return added
 
 
 def _on_registry_event(event: str, spec: MixerSpec) -> None:
     """Registry listener: keep ``ATTN_LAYERS`` in step with in-process ``register_mixer``/``unregister_mixer``."""
-    table = _attn_layer_table()
+    from timm.models.vision_transformer import ATTN_LAYERS
+
     if event == "register":
-        _register_spec(spec, table)
+        _add_keys(spec)
     elif event == "unregister":
-        cls = _ATTN_LAYER_CLASSES.get(spec.name)
         for key in (spec.name, *spec.aliases):
-            if cls is not None and table.get(key) is cls:
-                del table[key]
+            if ATTN_LAYERS.get(key) is globals().get(f"TimmMixerAttention_{spec.name}"):
+                del ATTN_LAYERS[key]
 
 
 def register_attn_layers(names: list[str] | None = None) -> list[str]:
@@ -407,22 +380,18 @@ def register_attn_layers(names: list[str] | None = None) -> list[str]:
     Registers every registered mixer (default: every name of the registry) under its canonical name and each of
     its aliases, all bound to the canonical name's class, so ``attn_layer='quasi'`` builds the same module as
     ``attn_layer='quasiseparable'``. Aliases live in the specs, so this loads them; a plugin that fails to load
-    keeps its name (building it then raises the plugin's load error) and is otherwise skipped. timm's own keys
-    (``''``, ``'attn'``, ``'diff'``) are never overwritten. ``import mixer_plugins`` calls it when timm is
-    imported, and it subscribes to the registry: mixers registered later (``mixer_plugins.register_mixer``)
-    get their keys at once, and ``unregister_mixer`` removes them. Returns the keys added.
+    keeps its name (building it then raises the plugin's load error). timm's own keys (``''``, ``'attn'``,
+    ``'diff'``) are never overwritten. ``import mixer_plugins`` calls it when timm is imported, and it subscribes
+    to the registry, so mixers registered (or unregistered) later get (or lose) their keys at once. Returns the
+    keys added.
     """
-    table = _attn_layer_table()
     added: list[str] = []
     for name in names if names is not None else default_registry.names():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", MixerPluginWarning)  # reported when the mixer is used
-                spec = default_registry.get_spec(name)
+                added += _add_keys(default_registry.get_spec(name))
         except MixerError:
-            if _add_attn_layer_key(table, name, name):
-                added.append(name)
-            continue
-        added += _register_spec(spec, table)
+            added += _add_keys(name)
     default_registry.add_listener(_on_registry_event)
     return added

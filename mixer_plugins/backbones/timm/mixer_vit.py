@@ -209,49 +209,35 @@ def _create_mixer_vit(variant: str, pretrained: bool = False, *, mlp: bool = Tru
 
 # -- entrypoints ------------------------------------------------------------------------------------------------
 
-def vit_tiny(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-Ti/16 (width 192, 12 blocks, 3 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_tiny", pretrained, **dict(_VIT_ARCHS["vit_tiny"], **kwargs))
+def _entrypoint(variant: str, doc: str) -> Any:
+    """timm's model function for ``variant``, named so (timm registers it under its ``__name__``)."""
+    hydra = variant in HYDRA_PRESETS
+    arch = HYDRA_PRESETS[variant] if hydra else _VIT_ARCHS[variant]
+
+    def create(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        if hydra:
+            return _create_mixer_vit(variant, pretrained, mlp=False, inherit_num_heads=False, default_mixer="quasi",
+                                     **dict(arch, **kwargs))
+        return _create_mixer_vit(variant, pretrained, **dict(arch, **kwargs))
+
+    create.__name__ = create.__qualname__ = variant
+    create.__doc__ = doc
+    return create
 
 
-def vit_small(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-S/16 (width 384, 12 blocks, 6 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_small", pretrained, **dict(_VIT_ARCHS["vit_small"], **kwargs))
-
-
-def vit_base(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-B/16 (width 768, 12 blocks, 12 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_base", pretrained, **dict(_VIT_ARCHS["vit_base"], **kwargs))
-
-
-def vit_large(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-L/16 (width 1024, 24 blocks, 16 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_large", pretrained, **dict(_VIT_ARCHS["vit_large"], **kwargs))
-
-
-def _create_hydra(variant: str, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
-    return _create_mixer_vit(variant, pretrained, mlp=False, inherit_num_heads=False, default_mixer="quasi",
-                             **dict(HYDRA_PRESETS[variant], **kwargs))
-
-
-def hydra_vit_tiny(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """Hydra-ViT-Ti: 24 mixer-only ``quasi`` blocks of width 192, no position embedding, average pooling."""
-    return _create_hydra("hydra_vit_tiny", pretrained, kwargs)
-
-
-def hydra_vit_small(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """Hydra-ViT-S: 24 mixer-only ``quasi`` blocks of width 384, no position embedding, average pooling."""
-    return _create_hydra("hydra_vit_small", pretrained, kwargs)
-
-
-def hydra_vit_base(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """Hydra-ViT-B (Hwang et al. 2024, ImageNet): 24 mixer-only ``quasi`` blocks of width 768, no position
-    embedding, average pooling, stochastic depth 0.5."""
-    return _create_hydra("hydra_vit_base", pretrained, kwargs)
-
-
-_ENTRYPOINTS = {fn.__name__: fn for fn in (vit_tiny, vit_small, vit_base, vit_large,
-                                           hydra_vit_tiny, hydra_vit_small, hydra_vit_base)}
+_ENTRYPOINTS = {name: _entrypoint(name, doc) for name, doc in {
+    "vit_tiny": "ViT-Ti/16 (width 192, 12 blocks, 3 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "vit_small": "ViT-S/16 (width 384, 12 blocks, 6 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "vit_base": "ViT-B/16 (width 768, 12 blocks, 12 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "vit_large": "ViT-L/16 (width 1024, 24 blocks, 16 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "hydra_vit_tiny": "Hydra-ViT-Ti: 24 mixer-only ``quasi`` blocks of width 192, no position embedding, average "
+                      "pooling.",
+    "hydra_vit_small": "Hydra-ViT-S: 24 mixer-only ``quasi`` blocks of width 384, no position embedding, average "
+                       "pooling.",
+    "hydra_vit_base": "Hydra-ViT-B (Hwang et al. 2024, ImageNet): 24 mixer-only ``quasi`` blocks of width 768, no "
+                      "position embedding, average pooling, stochastic depth 0.5.",
+}.items()}
+globals().update(_ENTRYPOINTS)  # mixer_vit.vit_base(...) and friends, also where timm has a model of that name
 
 
 def _register_entrypoint(fn: Any) -> bool:
