@@ -1,27 +1,18 @@
 """The mixer registry: discovery through entry points, lazy loading, aliases, clear errors.
 
-Rules (see the design notes):
-
-* One entry-point group, :data:`ENTRY_POINT_GROUP`. An entry point's name is the mixer's name and its
-  object is a :class:`~mixer_plugins.registry.spec.MixerSpec`. Our own built-in mixers are declared the
-  same way in our ``pyproject.toml``: one discovery path for everybody.
-* Listing names reads entry-point metadata only; a plugin's module is imported the first time its spec
-  is needed, and a lookup imports only what it must: a built-in's name or alias imports no plugin, and a plugin
-  mixer's name imports that plugin alone. Only an alias declared by a plugin (aliases live in the specs, not in
-  the metadata) or an unknown name imports every plugin.
-* Importing a plugin must leave torch's process-wide state alone: a change of the default dtype, the thread
-  count, the grad mode or the deterministic-algorithms flags made while a plugin's module is imported is undone,
-  with a :class:`~mixer_plugins.MixerPluginWarning` naming the plugin's distribution.
-* A plugin that fails to import (or yields something that is not a valid spec) is reported with its
-  distribution and error and never breaks the others.
-* A name claimed by two distributions is an error naming both; the other names keep working.
-* An alias resolves only to the spec that declares it. A key claimed by more than one spec is ambiguous: looking
-  it up raises :class:`~mixer_plugins.DuplicateMixerError` naming every claimant, and
-  :meth:`MixerRegistry.problems` reports it. The built-ins' names and aliases, and every entry point's name, are
-  known without importing plugins, so they take precedence over an alias a plugin declares: such an alias is never
-  used (it is reported as an ``alias-conflict``). A plugin therefore never takes over a built-in name or alias.
-* A plugin whose import raises anything (``SystemExit`` included; only ``KeyboardInterrupt`` and
-  ``GeneratorExit`` propagate) is reported as broken; it never ends the host process.
+* One entry-point group, :data:`ENTRY_POINT_GROUP`: an entry point's name is the mixer's name, its object a
+  :class:`~mixer_plugins.registry.spec.MixerSpec`. Our built-in mixers are declared the same way in our
+  ``pyproject.toml``.
+* Listing names reads entry-point metadata only. A lookup imports only what it must: a built-in's name or alias
+  imports no plugin, a plugin mixer's name imports that plugin alone; an alias only a plugin declares (aliases live in
+  the specs, not in the metadata) or an unknown name imports every plugin.
+* A plugin that fails to import (anything raised, ``SystemExit`` included), or yields something that is not a valid
+  spec, is reported with its distribution and error and never breaks the others.
+* A key (name or alias) claimed by two specs is an error naming both. The built-ins' names and aliases, and every
+  entry point's name, are known without importing plugins and win over an alias a plugin declares: such an alias is
+  never used and is reported as an ``alias-conflict``. A plugin therefore never takes over a built-in name or alias.
+* A change of torch's process-wide settings (default dtype, thread count, grad mode, deterministic algorithms) made
+  while a plugin is imported is undone, with a :class:`~mixer_plugins.MixerPluginWarning` naming the plugin.
 """
 
 from __future__ import annotations
@@ -34,34 +25,31 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._text import closest
-from ..errors import (
-    DuplicateMixerError,
-    MixerPluginWarning,
-    PluginLoadError,
-    UnknownMixerError,
-)
+from ..errors import DuplicateMixerError, MixerPluginWarning, PluginLoadError, UnknownMixerError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .spec import MixerSpec
 
-__all__ = ["ENTRY_POINT_GROUP", "MixerRegistry", "PluginProblem", "IN_PROCESS"]
-
-
-def _spec_class() -> type[MixerSpec]:
-    # spec.py imports torch and pydantic: only when a spec is loaded or checked, never to list names or metadata.
-    from .spec import MixerSpec
-
-    return MixerSpec
+__all__ = ["ENTRY_POINT_GROUP", "IN_PROCESS", "MixerRegistry", "PluginProblem", "make_register_function"]
 
 ENTRY_POINT_GROUP = "mixer_plugins.mixers"
-#: A mixer builder (usually the mixer class) that ``register_mixer``'s decorator returns unchanged.
-BuilderT = TypeVar("BuilderT", bound=Callable[..., Any])
+#: The distribution recorded for mixers registered in-process (:meth:`MixerRegistry.register`).
 IN_PROCESS = "<in-process>"
+#: The distribution of the built-in mixers.
+OWN_DISTRIBUTION = "mixer-plugins"
+BuilderT = TypeVar("BuilderT", bound=Callable[..., Any])
+Listener = Callable[[str, "MixerSpec"], None]
 
 
 def normalize_name(name: str) -> str:
     """Names are matched case-insensitively, with ``-`` and ``_`` equivalent (``low-rank`` == ``low_rank``)."""
     return name.strip().lower().replace("-", "_")
+
+
+def _spec_class() -> type[MixerSpec]:
+    from .spec import MixerSpec  # imports torch and pydantic: only once a spec is needed
+
+    return MixerSpec
 
 
 @dataclasses.dataclass
@@ -73,15 +61,10 @@ class _Entry:
     spec: MixerSpec | None = None
     error: PluginLoadError | None = None
 
-
-@dataclasses.dataclass(frozen=True)
-class _Claim:
-    """One spec's claim on a key: its name (``kind="mixer"``) or one of its aliases."""
-
-    distribution: str
-    spec_name: str
-    kind: str  # "mixer" | "alias"
-    entry: _Entry
+    @property
+    def home(self) -> bool:
+        """A built-in or in-process mixer: known without importing any plugin."""
+        return self.target == IN_PROCESS or normalize_name(self.distribution) == normalize_name(OWN_DISTRIBUTION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +77,17 @@ class PluginProblem:
     distributions: tuple[str, ...]
 
 
-#: The distribution of the built-in mixers.
-OWN_DISTRIBUTION = "mixer-plugins"
+#: A claim on a key: the entry and whether the key is its name (``"mixer"``) or one of its aliases (``"alias"``).
+_Claim = tuple[_Entry, str]
 
 
-def _is_home(entry: _Entry) -> bool:
-    """Whether ``entry`` is a built-in mixer or an in-process registration (known without importing a plugin)."""
-    return entry.target == IN_PROCESS or normalize_name(entry.distribution) == normalize_name(OWN_DISTRIBUTION)
+def _describe(claim: _Claim) -> str:
+    entry, kind = claim
+    return f"{entry.distribution} ({'mixer' if kind == 'mixer' else 'alias of'} {entry.name!r})"
 
 
-# torch's process-wide settings a plugin's import must not change: (what it is called, getter, setter).
 def _torch_settings() -> list[tuple[str, Callable[[], Any], Callable[[Any], object]]]:
+    """torch's process-wide settings a plugin's import must not change: (what, getter, setter)."""
     import torch
 
     return [
@@ -117,28 +100,6 @@ def _torch_settings() -> list[tuple[str, Callable[[], Any], Callable[[Any], obje
     ]
 
 
-def _restore_torch_settings(before: list[Any]) -> list[str]:
-    """Put back every torch setting that differs from ``before`` (as read by :func:`_torch_settings`); describe
-    each one that changed."""
-    changed = []
-    for (what, get, set_), old in zip(_torch_settings(), before):
-        new = get()
-        if new != old:
-            set_(old)
-            changed.append(f"{what} {new} (restored to {old})")
-    return changed
-
-
-def _distribution_name(ep: metadata.EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    if dist is None:
-        return "<unknown distribution>"
-    try:
-        return dist.metadata["Name"] or dist.name
-    except Exception:  # pragma: no cover - malformed metadata
-        return getattr(dist, "name", "<unknown distribution>")
-
-
 class MixerRegistry:
     """A registry of mixer specs fed by an entry-point group and by in-process registrations."""
 
@@ -147,23 +108,20 @@ class MixerRegistry:
         self._lock = threading.RLock()
         self._entries: dict[str, list[_Entry]] | None = None
         self._in_process: dict[str, _Entry] = {}
-        self._warned: set[tuple[str, str]] = set()
-        self._listeners: list[Callable[[str, MixerSpec], None]] = []
+        self._warned: set[str] = set()
+        self._listeners: list[Listener] = []
 
-    # -- listeners ------------------------------------------------------------------------------
-    def add_listener(self, listener: Callable[[str, MixerSpec], None]) -> None:
-        """Call ``listener(event, spec)`` after every in-process registration (``event == "register"``) and
-        removal (``"unregister"``), e.g. so a host library's own name table follows the registry. A listener
-        that raises is reported with a :class:`RuntimeWarning` and never undoes the registration."""
-        with self._lock:
-            if listener not in self._listeners:
-                self._listeners.append(listener)
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event, spec)`` after every in-process registration (``"register"``) and removal
+        (``"unregister"``), e.g. so a host library's own name table follows the registry. A listener that raises
+        is reported with a :class:`RuntimeWarning` and never undoes the registration."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
 
-    def remove_listener(self, listener: Callable[[str, MixerSpec], None]) -> None:
+    def remove_listener(self, listener: Listener) -> None:
         """Stop calling ``listener`` (no error if it was not added)."""
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def _notify(self, event: str, spec: MixerSpec) -> None:
         for listener in list(self._listeners):
@@ -173,7 +131,6 @@ class MixerRegistry:
                 warnings.warn(f"mixer registry listener {listener!r} failed on {event} {spec.name!r}: "
                               f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
 
-    # -- discovery -----------------------------------------------------------------------------
     def refresh(self) -> None:
         """Forget discovered entry points (e.g. after installing a plugin at run time)."""
         with self._lock:
@@ -181,121 +138,106 @@ class MixerRegistry:
             self._warned.clear()
 
     def _discover(self) -> dict[str, list[_Entry]]:
+        """Every key -> the entries named so (entry points, then in-process registrations)."""
         with self._lock:
             if self._entries is None:
-                entries: dict[str, list[_Entry]] = {}
-                seen: set[tuple[str, str, str]] = set()
+                self._entries = {}
+                seen = set()
                 for ep in metadata.entry_points(group=self.group):
-                    dist = _distribution_name(ep)
-                    ident = (ep.name, normalize_name(dist), ep.value)
-                    if ident in seen:  # the same distribution seen twice on sys.path
+                    dist = getattr(ep.dist, "name", None) or "<unknown distribution>"
+                    if (ep.name, normalize_name(dist), ep.value) in seen:  # one distribution twice on sys.path
                         continue
-                    seen.add(ident)
-                    entries.setdefault(normalize_name(ep.name), []).append(
-                        _Entry(name=ep.name, distribution=dist, target=ep.value, load=ep.load)
-                    )
-                self._entries = entries
-            merged = {k: list(v) for k, v in self._entries.items()}
+                    seen.add((ep.name, normalize_name(dist), ep.value))
+                    entry = _Entry(ep.name, dist, ep.value, ep.load)
+                    self._entries.setdefault(normalize_name(ep.name), []).append(entry)
+            merged = {key: list(entries) for key, entries in self._entries.items()}
             for key, entry in self._in_process.items():
                 merged.setdefault(key, []).append(entry)
             return merged
 
-    # -- loading -------------------------------------------------------------------------------
     def _load(self, entry: _Entry) -> MixerSpec:
+        """The entry's spec, importing its module once; a failure is kept and raised again on every call."""
         if entry.spec is not None:
             return entry.spec
-        if entry.error is not None:
-            raise entry.error
-        spec_class = _spec_class()  # imports torch, so torch's settings are read before the plugin runs
-        before = [get() for _, get, _ in _torch_settings()]
-        try:
-            obj = entry.load()
-        except (KeyboardInterrupt, GeneratorExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - any import failure (SystemExit too) is the plugin's, not ours
-            entry.error = PluginLoadError(entry.name, entry.distribution, entry.target, exc)
-            raise entry.error from None
-        finally:
-            changed = _restore_torch_settings(before)
-            if changed:
-                warnings.warn(f"importing mixer plugin {entry.name!r} ({entry.target}) of distribution "
-                              f"{entry.distribution!r} changed torch's process-wide settings: {'; '.join(changed)}. "
-                              "A plugin must not change them when imported; report it to its authors.",
-                              MixerPluginWarning, stacklevel=4)
-        if not isinstance(obj, spec_class):
-            entry.error = PluginLoadError(
-                entry.name, entry.distribution, entry.target,
-                f"the entry point must point to a mixer_plugins.MixerSpec, got {type(obj).__name__}",
-            )
-            raise entry.error
-        if normalize_name(obj.name) != normalize_name(entry.name):
-            entry.error = PluginLoadError(
-                entry.name, entry.distribution, entry.target,
-                f"the entry point is named {entry.name!r} but its spec is named {obj.name!r}",
-            )
-            raise entry.error
-        entry.spec = dataclasses.replace(obj, distribution=entry.distribution)
-        return entry.spec
+        if entry.error is None:
+            spec_class = _spec_class()  # imports torch, so its settings are read before the plugin runs
+            settings = _torch_settings()
+            before = [get() for _, get, _ in settings]
+            problem: BaseException | str | None = None
+            try:
+                obj = entry.load()
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - any import failure (SystemExit too) is the plugin's
+                problem = exc
+            finally:
+                changed = []
+                for (what, get, set_), old in zip(settings, before):
+                    if (new := get()) != old:
+                        set_(old)
+                        changed.append(f"{what} {new} (restored to {old})")
+                if changed:
+                    warnings.warn(f"importing mixer plugin {entry.name!r} ({entry.target}) of distribution "
+                                  f"{entry.distribution!r} changed torch's process-wide settings: "
+                                  f"{'; '.join(changed)}. A plugin must not change them when imported; report it "
+                                  "to its authors.", MixerPluginWarning, stacklevel=4)
+            if problem is None and not isinstance(obj, spec_class):
+                problem = f"the entry point must point to a mixer_plugins.MixerSpec, got {type(obj).__name__}"
+            elif problem is None and normalize_name(obj.name) != normalize_name(entry.name):
+                problem = f"the entry point is named {entry.name!r} but its spec is named {obj.name!r}"
+            if problem is None:
+                entry.spec = dataclasses.replace(obj, distribution=entry.distribution)
+                return entry.spec
+            entry.error = PluginLoadError(entry.name, entry.distribution, entry.target, problem)
+        raise entry.error from None
 
-    def _claims(self, entries: dict[str, list[_Entry]],
-                loaded: dict[int, Any] | None = None) -> tuple[dict[str, list[_Claim]], list[PluginProblem]]:
-        """Every key (name or alias) -> its claimants, and the broken entries. Loads every entry point's spec (a
-        broken one is recorded, never raised) and puts what it loaded in ``loaded`` (by ``id(entry)``)."""
+    def _claims(self, entries: dict[str, list[_Entry]]) -> tuple[dict[str, list[_Claim]], list[PluginProblem]]:
+        """Every key (name or alias) -> its claims, loading every entry; and the entries that failed to load."""
         claims: dict[str, list[_Claim]] = {}
-        broken: list[PluginProblem] = []
+        broken = []
         for key, candidates in sorted(entries.items()):
             for entry in candidates:
-                claims.setdefault(key, []).append(_Claim(entry.distribution, entry.name, "mixer", entry))
+                claims.setdefault(key, []).append((entry, "mixer"))
                 try:
                     spec = self._load(entry)
                 except PluginLoadError as err:
                     broken.append(PluginProblem(entry.name, "broken", str(err), (entry.distribution,)))
                     continue
-                if loaded is not None:
-                    loaded[id(entry)] = spec
-                for alias in spec.aliases:
-                    claim = _Claim(entry.distribution, spec.name, "alias", entry)
-                    akey = normalize_name(alias)
-                    if akey == key or any(c.entry is entry for c in claims.get(akey, [])):
-                        continue  # a spec repeating its own name or alias claims nothing more
-                    claims.setdefault(akey, []).append(claim)
+                for akey in map(normalize_name, spec.aliases):
+                    if akey != key and all(e is not entry for e, _ in claims.get(akey, [])):
+                        claims.setdefault(akey, []).append((entry, "alias"))
         return claims, broken
 
-    @staticmethod
-    def _describe(claim: _Claim) -> str:
-        kind = "mixer" if claim.kind == "mixer" else "alias of"
-        return f"{claim.distribution} ({kind} {claim.spec_name!r})"
+    def catalog(self) -> tuple[list[MixerSpec], list[PluginProblem]]:
+        """Every loadable spec (sorted by name) and every problem: broken plugins, names claimed twice and
+        conflicting aliases. Imports all plugins; warns about nothing."""
+        with self._lock:
+            entries = self._discover()
+            claims, problems = self._claims(entries)
+            specs = []
+            for _, candidates in sorted(entries.items()):
+                if len(candidates) > 1:
+                    dists = tuple(c.distribution for c in candidates)
+                    message = str(DuplicateMixerError(candidates[0].name, list(dists)))
+                    problems.append(PluginProblem(candidates[0].name, "duplicate", message, dists))
+                elif candidates[0].spec is not None:
+                    specs.append(candidates[0].spec)
+            for key, owning in sorted(claims.items()):
+                if len(owning) > 1 and any(kind == "alias" for _, kind in owning):
+                    message = str(DuplicateMixerError(key, [_describe(c) for c in owning]))
+                    dists = tuple(dict.fromkeys(e.distribution for e, _ in owning))
+                    problems.append(PluginProblem(key, "alias-conflict", message, dists))
+            return specs, problems
 
-    def _all_specs(self, *, warn: bool) -> tuple[list[Any], list[PluginProblem]]:
-        """Every loadable spec and every problem."""
-        entries = self._discover()
-        loaded: dict[int, Any] = {}
-        claims, problems = self._claims(entries, loaded)
-        specs: list[Any] = []
-        for _key, candidates in sorted(entries.items()):
-            if len(candidates) > 1:
-                err = DuplicateMixerError(candidates[0].name, [c.distribution for c in candidates])
-                problems.append(
-                    PluginProblem(candidates[0].name, "duplicate", str(err),
-                                  tuple(c.distribution for c in candidates))
-                )
-            elif id(candidates[0]) in loaded:
-                specs.append(loaded[id(candidates[0])])
-        # Aliases must be unambiguous too: an alias claimed twice, or an alias that is another mixer's name.
-        for key, owning in sorted(claims.items()):
-            if len(owning) > 1 and any(c.kind == "alias" for c in owning):
-                message = str(DuplicateMixerError(key, [self._describe(c) for c in owning]))
-                problems.append(PluginProblem(key, "alias-conflict", message,
-                                              tuple(dict.fromkeys(c.distribution for c in owning))))
-        if warn:
-            for problem in problems:
-                marker = (problem.name, problem.message)
-                if marker not in self._warned:
-                    self._warned.add(marker)
-                    warnings.warn(problem.message, MixerPluginWarning, stacklevel=3)
-        return specs, problems
+    def _warn_problems(self) -> list[MixerSpec]:
+        """:meth:`catalog`'s specs, warning once about each problem."""
+        specs, problems = self.catalog()
+        for problem in problems:
+            if problem.message not in self._warned:
+                self._warned.add(problem.message)
+                warnings.warn(problem.message, MixerPluginWarning, stacklevel=3)
+        return specs
 
-    # -- public API ----------------------------------------------------------------------------
     def names(self) -> list[str]:
         """Names of every registered mixer, sorted. Imports no plugin code."""
         return sorted(candidates[0].name for candidates in self._discover().values())
@@ -303,28 +245,18 @@ class MixerRegistry:
     def specs(self) -> list[MixerSpec]:
         """Every loadable spec (imports all plugins). Broken or duplicate ones are warned about and skipped."""
         with self._lock:
-            return self._all_specs(warn=True)[0]
+            return self._warn_problems()
 
     def problems(self) -> list[PluginProblem]:
         """Broken plugins, duplicated names and conflicting aliases (imports all plugins)."""
-        with self._lock:
-            return self._all_specs(warn=False)[1]
-
-    def catalog(self) -> tuple[list[MixerSpec], list[PluginProblem]]:
-        """Every loadable spec (sorted by name) and every problem, in one pass and without warning, as
-        :meth:`specs` and :meth:`problems` give them (imports all plugins); for listing them."""
-        with self._lock:
-            return self._all_specs(warn=False)
+        return self.catalog()[1]
 
     def get_spec(self, name: str) -> MixerSpec:
         """The spec of a mixer, by name or alias (case-insensitive, ``-`` == ``_``).
 
-        Imports only what the lookup needs: a built-in's name or alias imports no plugin, a plugin mixer's name
-        imports that plugin alone; an alias that only a plugin declares imports every plugin (aliases live in the
-        specs). A key claimed by more than one spec (a name twice, or an alias together with another name or
-        alias) raises :class:`DuplicateMixerError` naming every claimant, except that a plugin's alias never
-        competes with a built-in's name or alias or with an entry point's name: those win, and the alias is
-        reported by :meth:`problems`. An alias only ever resolves to the spec that declares it.
+        Raises :class:`DuplicateMixerError` naming every claimant when the key is claimed more than once (see the
+        module docstring for which claims compete), :class:`UnknownMixerError` with "did you mean" when nothing
+        claims it, and the plugin's :class:`PluginLoadError` when it fails to load.
         """
         if isinstance(name, _spec_class()):
             return name
@@ -336,40 +268,28 @@ class MixerRegistry:
             named = entries.get(key, [])
             if len(named) > 1:  # the same name from two distributions: known from the metadata alone
                 raise DuplicateMixerError(named[0].name, [f"{e.distribution} ({e.target})" for e in named])
-            # The built-ins' and in-process names and aliases: our own modules, no plugin.
-            home = {k: [e for e in v if _is_home(e)] for k, v in entries.items()}
-            home_claims, _ = self._claims({k: v for k, v in home.items() if v})
-            owning = home_claims.get(key, [])
-            if named and not _is_home(named[0]) and owning:  # a plugin mixer named like a built-in's alias
-                raise DuplicateMixerError(name, [self._describe(c) for c in owning]
-                                          + [f"{named[0].distribution} (mixer {named[0].name!r})"])
+            home, _ = self._claims({k: [e for e in v if e.home] for k, v in entries.items()})
+            owning = home.get(key, [])
+            if named and not named[0].home:
+                owning = owning + [(named[0], "mixer")]  # a plugin's mixer named like a built-in's alias
+            if not owning:  # an alias only a plugin declares, or an unknown name: every plugin is imported
+                owning = self._claims(entries)[0].get(key, [])
+                if len(owning) < 2:  # the lookup succeeds or fails for want of a name: report what is broken
+                    specs = self._warn_problems()
+                if not owning:
+                    vocabulary = {k: e[0].name for k, e in entries.items()}
+                    vocabulary.update({normalize_name(a): a for s in specs for a in s.aliases
+                                       if normalize_name(a) not in vocabulary})
+                    close = closest(key, vocabulary, n=3)
+                    raise UnknownMixerError(name, [vocabulary[c] for c in close], self.names())
             if len(owning) > 1:
-                raise DuplicateMixerError(name, [self._describe(c) for c in owning])
-            if owning:
-                return self._load(owning[0].entry)
-            if named:  # a plugin's own name: only its distribution is imported
-                return self._load(named[0])
-            # An alias declared by a plugin, or an unknown name: every plugin is imported.
-            claims, _ = self._claims(entries)
-            owning = claims.get(key, [])
-            if len(owning) > 1:
-                raise DuplicateMixerError(name, [self._describe(c) for c in owning])
-            if owning:
-                self._all_specs(warn=True)  # warn about other problems once, as listing does
-                return self._load(owning[0].entry)
-            specs, _ = self._all_specs(warn=True)
-            vocabulary = {normalize_name(e[0].name): e[0].name for e in entries.values()}
-            for spec in specs:
-                for alias in spec.aliases:
-                    vocabulary.setdefault(normalize_name(alias), alias)
-            close = closest(key, vocabulary, n=3)
-            raise UnknownMixerError(name, [vocabulary[c] for c in close], self.names())
+                raise DuplicateMixerError(name, [_describe(c) for c in owning])
+            return self._load(owning[0][0])
 
     def create(self, name: str, dim: int | None = None, /, **options: Any) -> Any:
         """Validate ``options`` with the mixer's config model and build the mixer."""
         spec = self.get_spec(name)
-        config = spec.make_config(dim, **options)
-        return spec.build(config)
+        return spec.build(spec.make_config(dim, **options))
 
     def register(self, spec: MixerSpec, *, replace: bool = False) -> MixerSpec:
         """Register a spec in this process only (notebooks, tests). Entry points are the way to ship one."""
@@ -384,10 +304,7 @@ class MixerRegistry:
                 self._entries.pop(key, None)
             distribution = spec.distribution or IN_PROCESS
             spec = dataclasses.replace(spec, distribution=distribution)
-            self._in_process[key] = _Entry(
-                name=spec.name, distribution=distribution, target=IN_PROCESS, load=lambda: spec,
-                spec=spec,
-            )
+            self._in_process[key] = _Entry(spec.name, distribution, IN_PROCESS, lambda: spec, spec)
         self._notify("register", spec)
         return spec
 
@@ -414,21 +331,20 @@ def make_register_function(registry: MixerRegistry) -> Callable[..., Any]:
 
     def register_mixer(spec_or_name: MixerSpec | str, *, replace: bool = False,
                        **fields: Any) -> MixerSpec | Callable[[BuilderT], BuilderT]:
-        MixerSpec = _spec_class()
-        if isinstance(spec_or_name, MixerSpec):
+        spec_class = _spec_class()
+        if isinstance(spec_or_name, spec_class):
             if fields:
                 raise TypeError("pass either a MixerSpec or a name with spec fields, not both")
             return registry.register(spec_or_name, replace=replace)
         if not isinstance(spec_or_name, str):
             raise TypeError(f"register_mixer takes a MixerSpec or a name, got {type(spec_or_name).__name__}")
-        name = spec_or_name
 
         def decorator(builder: BuilderT) -> BuilderT:
             config = fields.pop("config", None) or getattr(builder, "config_class", None)
             if config is None:
                 raise TypeError("register_mixer needs config=<MixerConfig subclass>")
-            spec = MixerSpec(name=name, config=config, builder=builder, **fields)
-            registry.register(spec, replace=replace)
+            registry.register(spec_class(name=spec_or_name, config=config, builder=builder, **fields),
+                              replace=replace)
             return builder
 
         return decorator

@@ -412,7 +412,7 @@ def test_pretrained_loads_every_compatible_tensor_and_reports_the_rest(mixer, ti
 
 
 def _save(model: nn.Module, folder) -> dict:
-    from timm.models._hub import save_for_hf
+    from timm.models import save_for_hf
 
     save_for_hf(model, folder)
     return json.loads((folder / "config.json").read_text())
@@ -555,6 +555,22 @@ class TestPaddingMaskFromAttnMask:
     def test_refusals(self, what, mask, message):
         with pytest.raises(mp.MixerInputError, match=message):
             padding_mask_from_attn_mask(mask, self.B, self.N)
+
+    def test_forward_checks_values_only_when_asked(self):
+        """The adapter's forward reads the key mask from shapes and dtype alone (no host sync): value checks are
+        opt-in (``check_attn_mask``)."""
+        for mask in (self.symmetric(), self.valid[:, None, None, :]):
+            assert torch.equal(padding_mask_from_attn_mask(mask, self.B, self.N, check_values=False), self.valid)
+        all_real = torch.ones(self.N, self.N, dtype=torch.bool)
+        assert padding_mask_from_attn_mask(all_real, self.B, self.N, check_values=False).all()
+        model = build("create", "attention").eval()
+        causal = torch.ones(NUM_PATCHES + 1, NUM_PATCHES + 1, dtype=torch.bool).tril()
+        assert not any(a.check_attn_mask for a in attention_modules(model))
+        model(_image(), attn_mask=causal)  # not checked: every key is attended by some query
+        for adapter in attention_modules(model):
+            adapter.check_attn_mask = True
+        with pytest.raises(mp.MixerInputError, match="not a key-padding mask"):
+            model(_image(), attn_mask=causal)
 
     def test_left_padding_is_refused_by_the_mixer(self):
         model = build("create", "attention")

@@ -6,8 +6,10 @@ it as ``attn(x, attn_mask=None, is_causal=False)`` (Eva adds ``rope=``, BEiT ``s
 arguments onto the mixer contract ``mixer(x, mask=...)``:
 
 * ``attn_mask`` (bool, True = attend; or additive float, 0 = attend and very negative = masked, as NaFlexViT
-  builds it) becomes our right-padded key mask. Masks that are not padding (causal patterns, per-head masks,
-  additive biases) raise :class:`~mixer_plugins.MixerInputError`: a mixer cannot apply them.
+  builds it) becomes our right-padded key mask: key j is real when some query may attend to it. Only the
+  mask's dtype and shape are checked in ``forward`` (no host sync); set ``check_attn_mask = True`` on an adapter
+  to also refuse, with :class:`~mixer_plugins.MixerInputError`, masks that are not padding (causal patterns,
+  per-head masks, additive biases), which a mixer cannot apply.
 * ``is_causal=True`` is accepted by causal mixers and refused by bidirectional ones.
 * ``rope`` and ``shared_rel_pos_bias`` are accepted and ignored: position then comes from the mixer itself (or
   the model's absolute position embedding). :func:`~mixer_plugins.backbones.timm.swap_mixer` warns when that
@@ -21,6 +23,7 @@ initialisation, so mixers keep their init under every ``weight_init`` mode.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Optional
@@ -56,14 +59,19 @@ __all__ = [
 MASKED_LOGIT_THRESHOLD = -1.0e4
 
 
-def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length: int) -> Optional[Tensor]:
-    """timm's attention mask as our bool ``(batch, length)`` key mask (True on real tokens); None if all are real.
+def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length: int,
+                                check_values: bool = True) -> Optional[Tensor]:
+    """timm's attention mask as our bool ``(batch, length)`` key mask (True on real tokens).
 
     Accepts a bool mask (True = may attend) or an additive float mask (0 = may attend, ``<= -1e4`` or ``-inf`` =
     masked) of shape ``(batch | 1, heads | 1, queries | 1, length)`` or ``(queries, length)``. Both NaFlexViT
-    layouts, the symmetric ``[B, 1, N, N]`` one and the key-only ``[B, 1, 1, N]`` one, give the same key mask.
-    Anything that is not a key-padding mask raises :class:`MixerInputError`, because a mixer applies its own
-    L x L matrix and cannot honour arbitrary (query, key) patterns.
+    layouts, the symmetric ``[B, 1, N, N]`` one and the key-only ``[B, 1, 1, N]`` one, give the same key mask:
+    key j is real when some query may attend to it. Dtype and shape are always checked.
+
+    With ``check_values`` (the default), the values are checked too, at the cost of host syncs: a mask that is
+    not a key-padding mask (additive biases, causal or per-head patterns) raises :class:`MixerInputError`, since
+    a mixer applies its own L x L matrix and cannot honour arbitrary (query, key) patterns; and an all-real mask
+    gives None. :class:`TimmMixerAttention` calls it without value checks unless its ``check_attn_mask`` is set.
     """
     if attn_mask is None:
         return None
@@ -71,8 +79,8 @@ def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length:
         allowed = attn_mask
     elif attn_mask.is_floating_point():
         allowed = attn_mask == 0
-        masked = attn_mask <= -1.0e4  # MASKED_LOGIT_THRESHOLD (TorchScript cannot read float globals)
-        if not bool((allowed | masked).all()):
+        # -1e4 is MASKED_LOGIT_THRESHOLD (TorchScript cannot read float globals)
+        if check_values and not bool((allowed | (attn_mask <= -1.0e4)).all()):
             raise MixerInputError(
                 "attn_mask holds additive biases (entries that are neither 0 nor <= -1e4): a matrix mixer "
                 "only accepts padding masks (0 = attend, large negative or -inf = masked)"
@@ -90,16 +98,16 @@ def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length:
         raise MixerInputError("attn_mask of shape " + str(list(attn_mask.shape)) + " does not fit a sequence of "
                               + str(batch) + " x " + str(length) + " tokens")
     allowed = allowed.expand(batch, heads, queries, keys)
-    key_valid = allowed.any(dim=2).any(dim=1)                     # key j is attended by some query
-    query_live = allowed.any(dim=3, keepdim=True)                 # query i attends to something
+    key_valid = allowed.any(dim=2).any(dim=1)                         # key j is attended by some query
+    if not check_values:
+        return key_valid
+    query_live = allowed.any(dim=3, keepdim=True)                     # query i attends to something
     if not torch.equal(allowed, key_valid[:, None, None, :] & query_live):
         raise MixerInputError(
             "attn_mask is not a key-padding mask (it differs between queries or heads, e.g. a causal pattern): "
             "mixers accept padding masks only; use is_causal=True with a causal mixer for causal masking"
         )
-    if bool(key_valid.all()):
-        return None
-    return key_valid
+    return None if bool(key_valid.all()) else key_valid
 
 
 def resolve_mixer_config(spec: MixerSpec, dim: int, options: Mapping[str, Any] | None = None,
@@ -210,18 +218,12 @@ class TimmMixerAttention(nn.Module):
         self.inherit_num_heads: bool = inherit_num_heads
         self.num_prefix_tokens: int = num_prefix_tokens
         self.seq_len: Optional[int] = seq_len
-        self.mixer = self._build_mixer(spec, self.mixer_config, device, dtype)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.mixer = spec.build(self.mixer_config).to(dtype=dtype)
         self.causal: bool = bool(getattr(self.mixer, "causal", False))
+        #: Check attn_mask's values in every forward (host syncs; off by default: shapes and dtype only).
+        self.check_attn_mask: bool = False
         self.proj_drop = nn.Dropout(proj_drop)
-
-    @staticmethod
-    def _build_mixer(spec: MixerSpec, config: MixerConfig, device: Any, dtype: Optional[torch.dtype]) -> nn.Module:
-        if device is not None:
-            with torch.device(device):
-                module = spec.build(config)
-        else:
-            module = spec.build(config)
-        return module.to(dtype=dtype) if dtype is not None else module
 
     def forward(
             self,
@@ -238,7 +240,7 @@ class TimmMixerAttention(nn.Module):
                 "mixer '" + self.mixer_name + "' is bidirectional and cannot run with is_causal=True; "
                 "build a causal mixer (e.g. mixer_options={'causal': True} where the mixer has that option)"
             )
-        mask = padding_mask_from_attn_mask(attn_mask, x.shape[0], x.shape[1])
+        mask = padding_mask_from_attn_mask(attn_mask, x.shape[0], x.shape[1], self.check_attn_mask)
         return self.proj_drop(self.mixer(x, mask=mask))
 
     @torch.jit.ignore
@@ -327,69 +329,49 @@ class MixerOnlyBlock(nn.Module):
 
 # -- attn_layer='<mixer name>' on timm's own names ---------------------------------------------------------------
 
-_ATTN_LAYER_CLASSES: dict[str, type[TimmMixerAttention]] = {}
-
-
 def attn_layer_class(name: str) -> type[TimmMixerAttention]:
     """A :class:`TimmMixerAttention` subclass bound to mixer ``name`` (usable as timm's ``attn_layer=``).
 
-    Classes are cached and stored in this module under ``TimmMixerAttention_<name>``, so models holding them
-    pickle and unpickle like any other module (after ``import mixer_plugins``).
+    Classes are cached in this module under ``TimmMixerAttention_<name>``, so models holding them pickle and
+    unpickle like any other module (after ``import mixer_plugins``).
     """
-    cls = _ATTN_LAYER_CLASSES.get(name)
-    if cls is None:
-        cls_name = f"TimmMixerAttention_{name}"
-        cls = type(cls_name, (TimmMixerAttention,), {
-            "default_mixer": name,
-            "__module__": __name__,
-            "__qualname__": cls_name,
+    cls_name = f"TimmMixerAttention_{name}"
+    if cls_name not in globals():
+        globals()[cls_name] = type(cls_name, (TimmMixerAttention,), {
+            "default_mixer": name, "__module__": __name__, "__qualname__": cls_name,
             "__doc__": f"TimmMixerAttention building mixer {name!r} (timm attn_layer={name!r}).",
         })
-        _ATTN_LAYER_CLASSES[name] = cls
-        globals()[cls_name] = cls
-    return cls
+    return globals()[cls_name]
 
 
-def _attn_layer_table() -> dict[str, Any]:
-    from timm.models import vision_transformer
+def _add_keys(spec: MixerSpec | str) -> list[str]:
+    """Bind ``spec``'s name and aliases (or a bare name) to its class in timm's ``ATTN_LAYERS``, unless timm (or
+    another library) owns the key; returns the keys added."""
+    from timm.models.vision_transformer import ATTN_LAYERS
 
-    return vision_transformer.ATTN_LAYERS
-
-
-def _ours(value: Any) -> bool:
-    return isinstance(value, type) and issubclass(value, TimmMixerAttention)
-
-
-def _add_attn_layer_key(table: dict[str, Any], key: str, mixer: str) -> bool:
-    """``table[key] = attn_layer_class(mixer)`` unless timm (or another library) owns ``key``; True if added."""
-    current = table.get(key)
-    if current is not None and not _ours(current):
-        warnings.warn(f"timm already has an attn_layer named {key!r}; mixer {mixer!r} is not registered "
-                      "under it (use swap_mixer or mixer-plugins' vit_* names instead)", UserWarning, stacklevel=3)
-        return False
-    cls = attn_layer_class(mixer)
-    if current is cls:
-        return False
-    table[key] = cls
-    return True
-
-
-def _register_spec(spec: MixerSpec, table: dict[str, Any] | None = None) -> list[str]:
-    """Add ``spec``'s name and every alias to timm's ``ATTN_LAYERS``, each bound to the canonical name."""
-    table = _attn_layer_table() if table is None else table
-    return [key for key in (spec.name, *spec.aliases) if _add_attn_layer_key(table, key, spec.name)]
+    name, aliases = (spec, ()) if isinstance(spec, str) else (spec.name, spec.aliases)
+    cls, added = attn_layer_class(name), []
+    for key in (name, *aliases):
+        current = ATTN_LAYERS.get(key)
+        if current is not None and not (isinstance(current, type) and issubclass(current, TimmMixerAttention)):
+            warnings.warn(f"timm already has an attn_layer named {key!r}; mixer {name!r} is not registered under "
+                          "it (use swap_mixer or mixer-plugins' vit_* names instead)", UserWarning, stacklevel=3)
+        elif current is not cls:
+            ATTN_LAYERS[key] = cls
+            added.append(key)
+    return added
 
 
 def _on_registry_event(event: str, spec: MixerSpec) -> None:
     """Registry listener: keep ``ATTN_LAYERS`` in step with in-process ``register_mixer``/``unregister_mixer``."""
-    table = _attn_layer_table()
+    from timm.models.vision_transformer import ATTN_LAYERS
+
     if event == "register":
-        _register_spec(spec, table)
+        _add_keys(spec)
     elif event == "unregister":
-        cls = _ATTN_LAYER_CLASSES.get(spec.name)
         for key in (spec.name, *spec.aliases):
-            if cls is not None and table.get(key) is cls:
-                del table[key]
+            if ATTN_LAYERS.get(key) is globals().get(f"TimmMixerAttention_{spec.name}"):
+                del ATTN_LAYERS[key]
 
 
 def register_attn_layers(names: list[str] | None = None) -> list[str]:
@@ -398,22 +380,18 @@ def register_attn_layers(names: list[str] | None = None) -> list[str]:
     Registers every registered mixer (default: every name of the registry) under its canonical name and each of
     its aliases, all bound to the canonical name's class, so ``attn_layer='quasi'`` builds the same module as
     ``attn_layer='quasiseparable'``. Aliases live in the specs, so this loads them; a plugin that fails to load
-    keeps its name (building it then raises the plugin's load error) and is otherwise skipped. timm's own keys
-    (``''``, ``'attn'``, ``'diff'``) are never overwritten. ``import mixer_plugins`` calls it when timm is
-    imported, and it subscribes to the registry: mixers registered later (``mixer_plugins.register_mixer``)
-    get their keys at once, and ``unregister_mixer`` removes them. Returns the keys added.
+    keeps its name (building it then raises the plugin's load error). timm's own keys (``''``, ``'attn'``,
+    ``'diff'``) are never overwritten. ``import mixer_plugins`` calls it when timm is imported, and it subscribes
+    to the registry, so mixers registered (or unregistered) later get (or lose) their keys at once. Returns the
+    keys added.
     """
-    table = _attn_layer_table()
     added: list[str] = []
     for name in names if names is not None else default_registry.names():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", MixerPluginWarning)  # reported when the mixer is used
-                spec = default_registry.get_spec(name)
+                added += _add_keys(default_registry.get_spec(name))
         except MixerError:
-            if _add_attn_layer_key(table, name, name):
-                added.append(name)
-            continue
-        added += _register_spec(spec, table)
+            added += _add_keys(name)
     default_registry.add_listener(_on_registry_event)
     return added

@@ -13,29 +13,28 @@ For our own names (``vit_base``, ``hydra_vit_base``, ...) it simply calls ``timm
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import timm
-from timm.models import model_entrypoint, parse_model_name, split_model_name_tag
+from timm.models import load_state_dict, model_entrypoint, parse_model_name, split_model_name_tag
 from torch import nn
 
 from .mixer_vit import _ENTRYPOINTS
-from .swap import swap_mixer
+from .swap import replay_swaps, swap_mixer
 from .weights import load_compatible_state_dict
 
 __all__ = ["create_model"]
+
+#: The weight files timm's ``save_for_hf`` writes, in the order they are tried.
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def _is_ours(architecture: str) -> bool:
     fn = _ENTRYPOINTS.get(architecture)
     return fn is not None and timm.is_model(architecture) and model_entrypoint(architecture) is fn
-
-
-def _replay(model: nn.Module, swaps: Optional[Sequence[Mapping[str, Any]]]) -> None:
-    for swap in swaps or ():
-        swap_mixer(model, swap["mixer"], mixer_blocks=swap.get("mixer_blocks"), **dict(swap.get("mixer_options") or {}))
 
 
 def create_model(model_name: str, pretrained: bool = False, *, mixer: Optional[str] = None,
@@ -60,24 +59,26 @@ def create_model(model_name: str, pretrained: bool = False, *, mixer: Optional[s
     if source is None and _is_ours(split_model_name_tag(identifier)[0]):
         return timm.create_model(model_name, pretrained=pretrained, **ours, **kwargs)
     if source == "local-dir":
-        from timm.models._hub import load_model_config_from_path, load_state_dict_from_path
-
-        pretrained_cfg, architecture, saved_args = load_model_config_from_path(identifier)
+        # timm's export: config.json (architecture, model_args, pretrained_cfg) beside the weights
+        folder = Path(identifier)
+        config = json.loads((folder / "config.json").read_text())
+        architecture, saved_args = config["architecture"], dict(config.get("model_args") or {})
         if _is_ours(architecture):
             return timm.create_model(model_name, pretrained=pretrained, **ours, **kwargs)
-        saved_args = dict(saved_args)
         saved_swaps = saved_args.pop("mixer_swaps", None)
-        model = timm.create_model(architecture, pretrained=False, pretrained_cfg=pretrained_cfg,
+        model = timm.create_model(architecture, pretrained=False, pretrained_cfg=config.get("pretrained_cfg"),
                                   pretrained_model_args=dict(saved_args), **{**saved_args, **kwargs})
-        _replay(model, saved_swaps)
+        replay_swaps(model, saved_swaps)
         if pretrained:
-            state_dict = load_state_dict_from_path(Path(identifier))
-            report = load_compatible_state_dict(model, state_dict, source=str(identifier))
+            weights = next((folder / name for name in _WEIGHT_FILES if (folder / name).is_file()), None)
+            if weights is None:
+                raise FileNotFoundError(f"no weights ({' or '.join(_WEIGHT_FILES)}) in {folder}")
+            report = load_compatible_state_dict(model, load_state_dict(str(weights)), source=str(weights))
             # a plain attribute: torch types a module's attributes as tensors and modules only
             model.pretrained_report = report  # type: ignore[assignment]
     else:
         model = timm.create_model(model_name, pretrained=pretrained, **kwargs)
     if mixer is not None:
         swap_mixer(model, mixer, mixer_blocks=mixer_blocks, transfer_weights=pretrained, **dict(mixer_options or {}))
-    _replay(model, swaps)
+    replay_swaps(model, swaps)
     return model

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, cast
 
 import torch
@@ -43,7 +43,7 @@ from torch import nn
 
 from ...registry import MixerError, default_registry
 from .adapter import MixerOnlyBlock, TimmMixerAttention
-from .swap import warn_causal_token_pool
+from .swap import block_indices, replay_swaps, warn_causal_token_pool
 from .weights import PartialWeightsWarning, pretrained_filter, report_from_box
 
 __all__ = ["register_timm_models", "MODEL_NAMES", "HYDRA_PRESETS"]
@@ -109,45 +109,6 @@ default_cfgs = generate_default_cfgs(_vit_cfgs())
 
 # -- building ---------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _PlannedMixer:
-    name: str
-    options: Mapping[str, Any]
-    inherit_num_heads: bool
-
-
-def _block_plan(depth: int, mixer: str, options: Mapping[str, Any], mixer_blocks: Optional[Iterable[int]],
-                mixer_swaps: Optional[Sequence[Mapping[str, Any]]], inherit_num_heads: bool
-                ) -> list[Optional[_PlannedMixer]]:
-    """Which mixer each block gets (None: timm's attention), applying ``mixer_swaps`` in order."""
-
-    def indices(selection: Optional[Iterable[int]], what: str) -> list[int]:
-        if selection is None:
-            return list(range(depth))
-        out = []
-        for index in selection:
-            if not isinstance(index, int) or isinstance(index, bool) or not -depth <= index < depth:
-                raise MixerError(f"{what} entry {index!r} is not a block index (the model has {depth} blocks)")
-            out.append(index % depth)
-        return out
-
-    plan: list[Optional[_PlannedMixer]] = [None] * depth
-    for i in indices(mixer_blocks, "mixer_blocks"):
-        plan[i] = _PlannedMixer(mixer, dict(options), inherit_num_heads)
-    for swap in mixer_swaps or ():
-        allowed = {"mixer", "mixer_options", "mixer_blocks"}
-        if not isinstance(swap, Mapping) or set(swap) - allowed or "mixer" not in swap:
-            raise MixerError(f"each mixer_swaps entry is a dict with 'mixer', 'mixer_options', 'mixer_blocks'; "
-                             f"got {swap!r}")
-        spec = default_registry.get_spec(swap["mixer"])
-        for i in indices(swap.get("mixer_blocks"), "mixer_swaps.mixer_blocks"):
-            # like swap_mixer: the successor keeps its predecessor's choice about timm's head count
-            previous = plan[i]
-            inherit = previous.inherit_num_heads if previous is not None else True
-            plan[i] = _PlannedMixer(spec.name, dict(swap.get("mixer_options") or {}), inherit)
-    return plan
-
-
 class _PendingMixer(nn.Module):
     """Stands in for a block's mixer until the model (and so its token count) exists; records timm's arguments."""
 
@@ -161,46 +122,35 @@ class _PendingMixer(nn.Module):
         raise RuntimeError("mixer placeholder was not replaced; this is a bug in mixer_plugins")
 
 
-class _BlockFactory:
-    """timm's ``block_fn``: a timm ``Block`` (or a :class:`MixerOnlyBlock`) whose mixer is filled in later."""
+def _build_vision_transformer(mixer: str, options: Mapping[str, Any], blocks: set[int],
+                              swaps: Optional[Sequence[Mapping[str, Any]]], mlp: bool, inherit_num_heads: bool,
+                              fix_init: bool, **kwargs: Any) -> _vit.VisionTransformer:
+    """``VisionTransformer(**kwargs)`` with ``mixer`` in ``blocks``, then ``swaps``; what ``build_model_with_cfg``
+    calls, so pretrained weights load into the finished model."""
 
-    def __init__(self, plan: Sequence[Optional[_PlannedMixer]], mlp: bool):
-        self.plan = plan
-        self.mlp = mlp
+    def block_fn(*, depth: int, attn_layer: Any = None, **block_kwargs: Any) -> nn.Module:
+        attn = _PendingMixer if depth in blocks else (attn_layer or _vit.Attention)
+        return (_vit.Block if mlp else MixerOnlyBlock)(depth=depth, attn_layer=attn, **block_kwargs)
 
-    def __call__(self, *, depth: int, attn_layer: Any = None, **block_kwargs: Any) -> nn.Module:
-        block_cls = _vit.Block if self.mlp else MixerOnlyBlock
-        planned = self.plan[depth] is not None
-        attn = _PendingMixer if planned else (attn_layer or _vit.Attention)
-        return block_cls(depth=depth, attn_layer=attn, **block_kwargs)
-
-
-def _build_vision_transformer(plan: Sequence[Optional[_PlannedMixer]], mlp: bool, fix_init: bool,
-                              **kwargs: Any) -> _vit.VisionTransformer:
-    """``VisionTransformer(**kwargs)`` with the planned mixers; what ``build_model_with_cfg`` calls."""
-    # timm annotates block_fn as a class; it only calls it, as it calls this factory
-    model = _vit.VisionTransformer(block_fn=_BlockFactory(plan, mlp), fix_init=False,  # type: ignore[arg-type]
-                                   **kwargs)
+    # timm annotates block_fn as a class; it only calls it
+    model = _vit.VisionTransformer(block_fn=block_fn, fix_init=False, **kwargs)  # type: ignore[arg-type]
     seq_len = int(model.patch_embed.num_patches) + model.num_prefix_tokens
-    for block, planned in zip(model.blocks, plan):
-        if planned is None:
-            continue
-        pending = block.attn
-        assert isinstance(pending, _PendingMixer)
-        host = dict(pending.host)
-        block.attn = TimmMixerAttention(
-            host.pop("dim"), mixer=planned.name, mixer_options=planned.options, seq_len=seq_len,
-            num_prefix_tokens=model.num_prefix_tokens, inherit_num_heads=planned.inherit_num_heads, **host,
-        )
+    for block in model.blocks:
+        if isinstance(block.attn, _PendingMixer):
+            host = dict(block.attn.host)
+            block.attn = TimmMixerAttention(host.pop("dim"), mixer=mixer, mixer_options=options, seq_len=seq_len,
+                                            num_prefix_tokens=model.num_prefix_tokens,
+                                            inherit_num_heads=inherit_num_heads, **host)
     if isinstance(model.patch_drop, PatchDropout):
         # Kept patches stay in raster order: order-sensitive mixers need it, attention does not care.
         model.patch_drop.ordered = True
-    if fix_init:
-        model.fix_init = True   # later model.init_weights() calls re-apply it
-        model.fix_init_weight()
     first = next((b.attn for b in model.blocks if isinstance(b.attn, TimmMixerAttention)), None)
     if first is not None:
         warn_causal_token_pool(model, first)
+    replay_swaps(model, swaps)
+    if fix_init:
+        model.fix_init = True   # later model.init_weights() calls re-apply it
+        model.fix_init_weight()
     return model
 
 
@@ -222,12 +172,13 @@ def _create_mixer_vit(variant: str, pretrained: bool = False, *, mlp: bool = Tru
     if fix_init and not mlp:
         raise MixerError(f"{variant} has no MLP in its blocks; fix_init=True rescales mlp.fc2 and cannot apply")
     spec = default_registry.get_spec(mixer)  # unknown names fail here, with "did you mean"
-    plan = _block_plan(int(kwargs["depth"]), spec.name, mixer_options, mixer_blocks, mixer_swaps, inherit_num_heads)
+    blocks = set(block_indices(mixer_blocks, int(kwargs["depth"])))
     out_indices = kwargs.pop("out_indices", 3)
     strict = kwargs.pop("pretrained_strict", False)
     box: dict[str, Any] = {}
     model = build_model_with_cfg(
-        functools.partial(_build_vision_transformer, plan, mlp, fix_init),
+        functools.partial(_build_vision_transformer, spec.name, dict(mixer_options), blocks, mixer_swaps, mlp,
+                          inherit_num_heads, fix_init),
         variant,
         pretrained,
         pretrained_filter_fn=pretrained_filter(_vit.checkpoint_filter_fn, box),
@@ -258,49 +209,35 @@ def _create_mixer_vit(variant: str, pretrained: bool = False, *, mlp: bool = Tru
 
 # -- entrypoints ------------------------------------------------------------------------------------------------
 
-def vit_tiny(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-Ti/16 (width 192, 12 blocks, 3 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_tiny", pretrained, **dict(_VIT_ARCHS["vit_tiny"], **kwargs))
+def _entrypoint(variant: str, doc: str) -> Any:
+    """timm's model function for ``variant``, named so (timm registers it under its ``__name__``)."""
+    hydra = variant in HYDRA_PRESETS
+    arch = HYDRA_PRESETS[variant] if hydra else _VIT_ARCHS[variant]
+
+    def create(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        if hydra:
+            return _create_mixer_vit(variant, pretrained, mlp=False, inherit_num_heads=False, default_mixer="quasi",
+                                     **dict(arch, **kwargs))
+        return _create_mixer_vit(variant, pretrained, **dict(arch, **kwargs))
+
+    create.__name__ = create.__qualname__ = variant
+    create.__doc__ = doc
+    return create
 
 
-def vit_small(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-S/16 (width 384, 12 blocks, 6 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_small", pretrained, **dict(_VIT_ARCHS["vit_small"], **kwargs))
-
-
-def vit_base(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-B/16 (width 768, 12 blocks, 12 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_base", pretrained, **dict(_VIT_ARCHS["vit_base"], **kwargs))
-
-
-def vit_large(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """ViT-L/16 (width 1024, 24 blocks, 16 heads) at 224 px with ``mixer`` (default ``attention``)."""
-    return _create_mixer_vit("vit_large", pretrained, **dict(_VIT_ARCHS["vit_large"], **kwargs))
-
-
-def _create_hydra(variant: str, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
-    return _create_mixer_vit(variant, pretrained, mlp=False, inherit_num_heads=False, default_mixer="quasi",
-                             **dict(HYDRA_PRESETS[variant], **kwargs))
-
-
-def hydra_vit_tiny(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """Hydra-ViT-Ti: 24 mixer-only ``quasi`` blocks of width 192, no position embedding, average pooling."""
-    return _create_hydra("hydra_vit_tiny", pretrained, kwargs)
-
-
-def hydra_vit_small(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """Hydra-ViT-S: 24 mixer-only ``quasi`` blocks of width 384, no position embedding, average pooling."""
-    return _create_hydra("hydra_vit_small", pretrained, kwargs)
-
-
-def hydra_vit_base(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    """Hydra-ViT-B (Hwang et al. 2024, ImageNet): 24 mixer-only ``quasi`` blocks of width 768, no position
-    embedding, average pooling, stochastic depth 0.5."""
-    return _create_hydra("hydra_vit_base", pretrained, kwargs)
-
-
-_ENTRYPOINTS = {fn.__name__: fn for fn in (vit_tiny, vit_small, vit_base, vit_large,
-                                           hydra_vit_tiny, hydra_vit_small, hydra_vit_base)}
+_ENTRYPOINTS = {name: _entrypoint(name, doc) for name, doc in {
+    "vit_tiny": "ViT-Ti/16 (width 192, 12 blocks, 3 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "vit_small": "ViT-S/16 (width 384, 12 blocks, 6 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "vit_base": "ViT-B/16 (width 768, 12 blocks, 12 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "vit_large": "ViT-L/16 (width 1024, 24 blocks, 16 heads) at 224 px with ``mixer`` (default ``attention``).",
+    "hydra_vit_tiny": "Hydra-ViT-Ti: 24 mixer-only ``quasi`` blocks of width 192, no position embedding, average "
+                      "pooling.",
+    "hydra_vit_small": "Hydra-ViT-S: 24 mixer-only ``quasi`` blocks of width 384, no position embedding, average "
+                       "pooling.",
+    "hydra_vit_base": "Hydra-ViT-B (Hwang et al. 2024, ImageNet): 24 mixer-only ``quasi`` blocks of width 768, no "
+                      "position embedding, average pooling, stochastic depth 0.5.",
+}.items()}
+globals().update(_ENTRYPOINTS)  # mixer_vit.vit_base(...) and friends, also where timm has a model of that name
 
 
 def _register_entrypoint(fn: Any) -> bool:

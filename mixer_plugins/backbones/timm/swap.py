@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -22,7 +22,8 @@ from ...registry import MixerError, default_registry
 from .adapter import TimmMixerAttention
 from .weights import WeightLoadReport
 
-__all__ = ["swap_mixer", "is_order_sensitive", "nominal_token_count", "unwrap_model", "MixerSwapWarning"]
+__all__ = ["swap_mixer", "replay_swaps", "block_indices", "is_order_sensitive", "nominal_token_count", "unwrap_model",
+           "MixerSwapWarning"]
 
 
 class MixerSwapWarning(UserWarning):
@@ -30,34 +31,29 @@ class MixerSwapWarning(UserWarning):
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The network inside timm's ``features_only`` wrappers (they keep it as ``.model``)."""
-    from timm.models._features import FeatureGetterNet
-
-    return model.model if isinstance(model, FeatureGetterNet) else model
+    """The network inside timm's ``features_only`` wrapper (``FeatureGetterNet`` keeps it as ``.model``)."""
+    inner = getattr(model, "model", None)
+    return inner if getattr(model, "blocks", None) is None and isinstance(inner, nn.Module) else model
 
 
 def nominal_token_count(model: nn.Module) -> Optional[int]:
-    """Tokens the blocks see at the model's nominal image size: patches plus prefix (cls, register, dist) tokens."""
-    patches = None
-    patch_embed = getattr(model, "patch_embed", None)
-    if patch_embed is not None and getattr(patch_embed, "num_patches", None):
-        patches = int(patch_embed.num_patches)
-    else:
-        # NaFlexViT: sequence lengths are set by its data loader; the nominal grid is the default image size
-        # over the patch size, else the grid of its learned position embedding.
-        embeds = getattr(model, "embeds", None)
-        size, patch = getattr(embeds, "default_img_size", None), getattr(embeds, "patch_size", None)
-        grid = getattr(embeds, "pos_embed_grid_size", None)
-        if size is not None and patch is not None:
-            size = (size, size) if isinstance(size, int) else tuple(size)
-            patch = (patch, patch) if isinstance(patch, int) else tuple(patch)
-            patches = (size[0] // patch[0]) * (size[1] // patch[1])
-        elif grid is not None:
-            grid = (grid, grid) if isinstance(grid, int) else tuple(grid)
-            patches = grid[0] * grid[1]
-    if patches is None:
-        return None
-    return patches + int(getattr(model, "num_prefix_tokens", 0) or 0)
+    """Tokens the blocks see at the model's nominal image size: patches plus prefix (cls, register, dist) tokens.
+
+    NaFlexViT's sequence lengths are set by its data loader: its nominal grid is the default image size over the
+    patch size, else the grid of its learned position embedding.
+    """
+    def pair(value: Any) -> tuple[int, int]:
+        return (value, value) if isinstance(value, int) else tuple(value)
+
+    patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
+    embeds = getattr(model, "embeds", None)
+    size, patch = getattr(embeds, "default_img_size", None), getattr(embeds, "patch_size", None)
+    grid = getattr(embeds, "pos_embed_grid_size", None)
+    if not patches and size is not None and patch is not None:
+        patches = (pair(size)[0] // pair(patch)[0]) * (pair(size)[1] // pair(patch)[1])
+    elif not patches and grid is not None:
+        patches = pair(grid)[0] * pair(grid)[1]
+    return int(patches) + int(getattr(model, "num_prefix_tokens", 0) or 0) if patches else None
 
 
 def is_order_sensitive(mixer: nn.Module, *, spec_data_dependent: str | None = None, length: int = 8) -> bool:
@@ -90,6 +86,26 @@ def is_order_sensitive(mixer: nn.Module, *, spec_data_dependent: str | None = No
     return True
 
 
+def block_indices(selection: Optional[Iterable[int]], depth: int, what: str = "mixer_blocks") -> list[int]:
+    """``selection`` (block indices, negative ones counted from the end; None: every block) as indices 0..depth-1."""
+    if selection is None:
+        return list(range(depth))
+    for index in selection:
+        if not isinstance(index, int) or isinstance(index, bool) or not -depth <= index < depth:
+            raise MixerError(f"{what} entry {index!r} is not a block index of this model (0..{depth - 1})")
+    return [index % depth for index in selection]
+
+
+def replay_swaps(model: nn.Module, swaps: Optional[Sequence[Mapping[str, Any]]]) -> None:
+    """Apply swaps as :func:`swap_mixer` records them in ``model._model_args['mixer_swaps']``, in order."""
+    for swap in swaps or ():
+        if not isinstance(swap, Mapping) or "mixer" not in swap or set(swap) - {"mixer", "mixer_options",
+                                                                                 "mixer_blocks"}:
+            raise MixerError(f"each mixer_swaps entry is a dict with 'mixer', 'mixer_options', 'mixer_blocks'; "
+                             f"got {swap!r}")
+        swap_mixer(model, swap["mixer"], mixer_blocks=swap.get("mixer_blocks"), **dict(swap.get("mixer_options") or {}))
+
+
 def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]
                      ) -> list[tuple[nn.Module, str, nn.Module, int]]:
     """(parent, attribute, old module, block index) for every token mixer to replace."""
@@ -99,16 +115,7 @@ def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]
             f"swap_mixer needs a model whose transformer blocks are in `model.blocks` (ViT, DeiT, NaFlexViT, Eva, "
             f"BEiT, ...); {type(root).__name__} has none"
         )
-    depth = len(blocks)
-    if mixer_blocks is None:
-        selected = list(range(depth))
-    else:
-        selected = []
-        for index in mixer_blocks:
-            if not isinstance(index, int) or isinstance(index, bool) or not -depth <= index < depth:
-                raise MixerError(f"mixer_blocks entry {index!r} is not a block index of this model (0..{depth - 1})")
-            selected.append(index % depth)
-        selected = sorted(set(selected))
+    selected = sorted(set(block_indices(mixer_blocks, len(blocks))))
     slots: list[tuple[nn.Module, str, nn.Module, int]] = []
     for index in selected:
         block = blocks[index]
@@ -166,29 +173,6 @@ def _host_arguments(parent: nn.Module, old: nn.Module, root: nn.Module) -> dict[
     }
 
 
-def _build_adapter(host: dict[str, Any], name: str, options: dict[str, Any], seq_len: Optional[int],
-                   num_prefix_tokens: int, inherit_num_heads: bool = True) -> TimmMixerAttention:
-    kwargs = {k: v for k, v in host.items() if v is not None and k not in ("dim", "device", "dtype")}
-    return TimmMixerAttention(
-        host["dim"], mixer=name, mixer_options=options, seq_len=seq_len, num_prefix_tokens=num_prefix_tokens,
-        inherit_num_heads=inherit_num_heads, device=host.get("device"), dtype=host.get("dtype"), **kwargs,
-    )
-
-
-def check_patch_dropout(root: nn.Module, adapter: TimmMixerAttention) -> None:
-    """Refuse unordered patch dropout (kept patches in random order) for order-sensitive mixers."""
-    drop = getattr(root, "patch_drop", None)
-    if not isinstance(drop, (PatchDropout, PatchDropoutWithIndices)) or drop.prob <= 0 or drop.ordered:
-        return
-    spec = default_registry.get_spec(adapter.mixer_name)
-    if is_order_sensitive(adapter.mixer, spec_data_dependent=spec.data_dependent):
-        raise MixerError(
-            f"the model uses patch dropout (rate {drop.prob}) that keeps patches in random order, but mixer "
-            f"{adapter.mixer_name!r} depends on token order. Set model.patch_drop.ordered = True (kept patches "
-            "stay in raster order) or build the model with patch_drop_rate=0"
-        )
-
-
 def warn_causal_token_pool(root: nn.Module, adapter: TimmMixerAttention) -> None:
     """A causal mixer never lets front prefix tokens see the patches; pooling such a token ignores the image."""
     if adapter.causal and getattr(root, "global_pool", None) == "token" and getattr(root, "num_prefix_tokens", 0):
@@ -199,15 +183,26 @@ def warn_causal_token_pool(root: nn.Module, adapter: TimmMixerAttention) -> None
         )
 
 
-def _warn_lost_position(root: nn.Module, replaced: Sequence[nn.Module], adapter: TimmMixerAttention) -> None:
-    has_abs = getattr(root, "pos_embed", None) is not None
+def _check_token_order(root: nn.Module, replaced: Sequence[nn.Module], adapter: TimmMixerAttention) -> None:
+    """Refuse unordered patch dropout (kept patches in random order) for an order-sensitive mixer; warn when an
+    order-insensitive one replaces the only positional signal (RoPE or relative position bias in the attention)."""
+    drop = getattr(root, "patch_drop", None)
+    shuffles = isinstance(drop, (PatchDropout, PatchDropoutWithIndices)) and drop.prob > 0 and not drop.ordered
     rope = getattr(root, "rope", None) is not None
     relpos = getattr(root, "rel_pos_bias", None) is not None or any(
         getattr(m, "relative_position_bias_table", None) is not None for m in replaced)
-    if has_abs or not (rope or relpos):
+    loses_position = getattr(root, "pos_embed", None) is None and (rope or relpos)
+    if not (shuffles or loses_position):
         return
     spec = default_registry.get_spec(adapter.mixer_name)
-    if not is_order_sensitive(adapter.mixer, spec_data_dependent=spec.data_dependent):
+    sensitive = is_order_sensitive(adapter.mixer, spec_data_dependent=spec.data_dependent)
+    if shuffles and sensitive:
+        raise MixerError(
+            f"the model uses patch dropout (rate {getattr(drop, 'prob', None)}) that keeps patches in random "
+            f"order, but mixer {adapter.mixer_name!r} depends on token order. Set model.patch_drop.ordered = True "
+            "(kept patches stay in raster order) or build the model with patch_drop_rate=0"
+        )
+    if loses_position and not sensitive:
         warnings.warn(
             f"{type(root).__name__} has no absolute position embedding: its attention carried position "
             f"({'RoPE' if rope else 'relative position bias'}), which mixer {adapter.mixer_name!r} ignores and "
@@ -264,14 +259,15 @@ def swap_mixer(model: nn.Module, mixer: str, /, *, mixer_blocks: Optional[Iterab
     built = []
     for parent, _attr, old, _index in slots:
         # A mixer that did not take timm's head count (Hydra presets) hands that choice on to its successor.
-        adapter = _build_adapter(_host_arguments(parent, old, root), spec.name, dict(options), seq_len, prefix,
-                                 inherit_num_heads=getattr(old, "inherit_num_heads", True))
+        host = {k: v for k, v in _host_arguments(parent, old, root).items() if v is not None}
+        adapter = TimmMixerAttention(host.pop("dim"), mixer=spec.name, mixer_options=dict(options), seq_len=seq_len,
+                                     num_prefix_tokens=prefix, **host,
+                                     inherit_num_heads=getattr(old, "inherit_num_heads", True))
         adapter.train(old.training)
         built.append(adapter)
     # Checks run before anything is replaced, so a refused swap leaves the model untouched.
-    check_patch_dropout(root, built[0])
+    _check_token_order(root, [old for _, _, old, _ in slots], built[0])
     warn_causal_token_pool(root, built[0])
-    _warn_lost_position(root, [old for _, _, old, _ in slots], built[0])
     report = WeightLoadReport(source="the swapped-out attention") if transfer_weights else None
     names = {id(m): n for n, m in model.named_modules()}
     for (parent, attr, old, _), adapter in zip(slots, built):

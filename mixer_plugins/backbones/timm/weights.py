@@ -77,38 +77,45 @@ class WeightLoadReport:
             warnings.warn("partial weight load: " + self.summary(), PartialWeightsWarning, stacklevel=stacklevel)
 
 
-def _remap(state_dict: Mapping[str, Tensor], keys: set[str]) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Rename ``...attn.<name>`` to ``...attn.mixer.<name>`` where only the latter exists in the model; also
-    returns new name -> checkpoint name."""
-    out: dict[str, Tensor] = {}
-    original: dict[str, str] = {}  # new name -> checkpoint name, so reports speak of the checkpoint's names
-    for key, value in state_dict.items():
-        name = key
-        if key not in keys:
-            parts = key.split(".")
-            if "attn" in parts:
-                at = parts.index("attn") + 1
-                candidate = ".".join(parts[:at] + ["mixer"] + parts[at:])
-                if candidate in keys:
-                    name = candidate
-        out[name] = value
-        original[name] = key
-    return out, original
-
-
-def _split_mismatched(state_dict: Mapping[str, Tensor], model_state: Mapping[str, Tensor], original: Mapping[str, str]
-                      ) -> tuple[dict[str, Tensor], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
-    """Drop same-named tensors of another shape (they would make load_state_dict fail); report them by the
-    checkpoint's names."""
+def _prepare(state_dict: Mapping[str, Tensor], model_state: Mapping[str, Tensor]
+             ) -> tuple[dict[str, Tensor], dict[str, str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """Rename ``...attn.<name>`` to ``...attn.mixer.<name>`` where only the latter exists in the model, and drop
+    same-named tensors of another shape (they would make ``load_state_dict`` fail). Returns the tensors to load,
+    new name -> checkpoint name (reports speak of the checkpoint's names) and the shape mismatches."""
     kept: dict[str, Tensor] = {}
+    original: dict[str, str] = {}
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for key, value in state_dict.items():
-        target = model_state.get(key)
+        name, parts = key, key.split(".")
+        if key not in model_state and "attn" in parts:
+            at = parts.index("attn") + 1
+            candidate = ".".join(parts[:at] + ["mixer"] + parts[at:])
+            name = candidate if candidate in model_state else key
+        original[name] = key
+        target = model_state.get(name)
         if target is not None and isinstance(value, Tensor) and tuple(value.shape) != tuple(target.shape):
-            mismatched.append((original.get(key, key), tuple(value.shape), tuple(target.shape)))
-            continue
-        kept[key] = value
-    return kept, mismatched
+            mismatched.append((key, tuple(value.shape), tuple(target.shape)))
+        else:
+            kept[name] = value
+    return kept, original, mismatched
+
+
+def _report(source: str, model_keys: Iterable[str], missing: list[str], unexpected: Iterable[str],
+            original: Mapping[str, str], mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+            classifier_reset: list[str] | None = None) -> WeightLoadReport:
+    """A report from what ``load_state_dict`` said (``missing``, ``unexpected``) and what :func:`_prepare` did."""
+    reset = [k for k in classifier_reset or [] if k in missing]
+    # timm drops the old classifier on purpose when num_classes changes; our filter may have seen it first as a
+    # shape mismatch, which is then expected rather than worth reporting.
+    mismatched = [m for m in mismatched if m[0] not in reset]
+    return WeightLoadReport(
+        source=source,
+        loaded=[k for k in model_keys if k not in set(missing)],
+        missing=missing,
+        unused=[original.get(k, k) for k in unexpected] + [m[0] for m in mismatched],
+        mismatched=mismatched,
+        classifier_reset=reset,
+    )
 
 
 def load_compatible_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], *, source: str = "state_dict",
@@ -120,17 +127,9 @@ def load_compatible_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor
     (:class:`PartialWeightsWarning`) unless everything matched.
     """
     model_state = model.state_dict()
-    remapped, original = _remap(state_dict, set(model_state))
-    kept, mismatched = _split_mismatched(remapped, model_state, original)
+    kept, original, mismatched = _prepare(state_dict, model_state)
     result = model.load_state_dict(kept, strict=False)
-    missing = list(result.missing_keys)
-    report = WeightLoadReport(
-        source=source,
-        loaded=[k for k in model_state if k not in set(missing)],
-        missing=missing,
-        unused=[original.get(k, k) for k in result.unexpected_keys] + [m[0] for m in mismatched],
-        mismatched=mismatched,
-    )
+    report = _report(source, model_state, list(result.missing_keys), result.unexpected_keys, original, mismatched)
     if warn:
         report.warn_if_partial(stacklevel=3)
     return report
@@ -140,8 +139,8 @@ def pretrained_filter(base_filter: Callable[..., dict[str, Tensor]] | None, box:
                       ) -> Callable[[dict[str, Tensor], nn.Module], dict[str, Tensor]]:
     """A timm ``pretrained_filter_fn`` that remaps attention keys, drops shape mismatches and records the load.
 
-    ``box`` receives ``mismatched`` and, through a ``load_state_dict`` post-hook registered on the model,
-    ``missing`` / ``unexpected`` of the load timm then performs (after its own classifier adaptation), so
+    ``box`` receives what :func:`_prepare` did and, through a ``load_state_dict`` post-hook registered on the
+    model, ``missing`` / ``unexpected`` of the load timm then performs (after its own classifier adaptation), so
     :func:`report_from_box` can state exactly what was loaded.
     """
 
@@ -149,13 +148,11 @@ def pretrained_filter(base_filter: Callable[..., dict[str, Tensor]] | None, box:
         if base_filter is not None:
             state_dict = base_filter(state_dict, model)
         model_state = model.state_dict()
-        state_dict, box["original"] = _remap(state_dict, set(model_state))
-        state_dict, box["mismatched"] = _split_mismatched(state_dict, model_state, box["original"])
+        state_dict, box["original"], box["mismatched"] = _prepare(state_dict, model_state)
         box["model_keys"] = list(model_state)
 
         def capture(module: nn.Module, incompatible: Any) -> None:
-            box["missing"] = list(incompatible.missing_keys)
-            box["unexpected"] = list(incompatible.unexpected_keys)
+            box["missing"], box["unexpected"] = list(incompatible.missing_keys), list(incompatible.unexpected_keys)
 
         box["handle"] = model.register_load_state_dict_post_hook(capture)
         return state_dict
@@ -170,16 +167,5 @@ def report_from_box(box: dict[str, Any], source: str, classifier_reset: list[str
         handle.remove()
     if "missing" not in box:
         return None
-    missing = box["missing"]
-    reset = [k for k in classifier_reset if k in missing]
-    # timm drops the old classifier on purpose when num_classes changes; our filter may have seen it first as a
-    # shape mismatch, which is then expected rather than worth reporting.
-    mismatched = [m for m in box["mismatched"] if m[0] not in reset]
-    return WeightLoadReport(
-        source=source,
-        loaded=[k for k in box["model_keys"] if k not in set(missing)],
-        missing=missing,
-        unused=[box["original"].get(k, k) for k in box["unexpected"]] + [m[0] for m in mismatched],
-        mismatched=mismatched,
-        classifier_reset=reset,
-    )
+    return _report(source, box["model_keys"], box["missing"], box["unexpected"], box["original"], box["mismatched"],
+                   classifier_reset)
