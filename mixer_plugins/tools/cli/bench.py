@@ -10,12 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..progress import progress_bar
 from .args import (
@@ -33,10 +31,9 @@ from .args import (
 from .options import parse_option_assignments, resolve_mixers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...mixers.cache import MixerCache
-    from ..benchmarking import Measurement, SweepProblem
+    from ..benchmarking import DecodeTiming, Measurement, SweepProblem
 
-__all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "DecodeTiming", "time_decoding"]
+__all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "decode_table"]
 
 DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
 #: ``--decode``'s defaults: the linear-time mixers that step, and attention with its KV cache.
@@ -112,96 +109,6 @@ def check_device(device: str) -> str:
 
 # -- decoding --------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class DecodeTiming:
-    """The time of each timed decoding step of one mixer after ``context`` tokens: medians and spread."""
-
-    mixer: str
-    context: int
-    batch: int
-    dim: int
-    device: str
-    token_seconds: list[float]
-
-    def quantile(self, q: float) -> float:
-        """The ``q`` quantile of the per-token times (linear interpolation)."""
-        times = sorted(self.token_seconds)
-        pos = q * (len(times) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(times) - 1)
-        return times[lo] + (times[hi] - times[lo]) * (pos - lo)
-
-    @property
-    def median(self) -> float:
-        return self.quantile(0.5)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "median_seconds": self.median,
-                **{f"p{q}_seconds": self.quantile(q / 100) for q in (10, 25, 75, 90)}}
-
-
-def time_decoding(mixers: Sequence[str], contexts: Sequence[int], *, dim: int = 256, batch: int = 1, steps: int = 32,
-                  warmup: int = 4, options: Mapping[str, Mapping[str, Any]] | None = None, device: str = "cpu",
-                  on_record: Callable[[list[DecodeTiming], list[SweepProblem]], None] | None = None
-                  ) -> tuple[list[DecodeTiming], list[SweepProblem]]:
-    """Per-token decoding times of each mixer (built causal) after each context length: ``(timings, problems)``.
-
-    Every (mixer, context) pair is built and prefilled with ``context`` random tokens into a cache holding
-    ``context + warmup + steps``; then all pairs are stepped one token at a time, taking turns token by token
-    (``warmup`` untimed turns first; the order shuffled at every turn), so every ratio (a mixer's growth with the
-    context, two mixers at one context) compares times taken in the same moments of a possibly busy machine, with
-    the processor's caches flushed by the same neighbours. A mixer that cannot run causally or step is a "skipped"
-    problem, an error a "failed" one; ``on_record(timings, problems)`` is called once at the end.
-    """
-    import torch
-
-    from ..benchmarking import SweepProblem, build_mixer, error_summary
-
-    dev = torch.device(device)
-    problems: list[SweepProblem] = []
-    prepared: dict[tuple[str, int], tuple[Any, MixerCache]] = {}
-    for context in contexts:
-        for name in mixers:
-            try:
-                torch.manual_seed(0)
-                mixer = build_mixer(name, dim, context + warmup + steps, causal=True,
-                                    options=(options or {}).get(name), device=dev).eval()
-                if not mixer.can_step:
-                    problems.append(SweepProblem(name, context, "skipped", mixer.step_problem()))
-                    continue
-                cache = mixer.allocate_cache(batch, context + warmup + steps)
-                with torch.no_grad():
-                    mixer.prefill(torch.randn(batch, context, dim, device=dev), cache)
-                prepared[name, context] = (mixer, cache)
-            except Exception as err:  # noqa: BLE001 - one mixer's failure is reported, the rest still run
-                kind = "skipped" if type(err).__name__ in ("MixerError", "StepNotSupportedError") else "failed"
-                problems.append(SweepProblem(name, context, kind, error_summary(err)))
-    samples: dict[tuple[str, int], list[float]] = {key: [] for key in prepared}
-    x = torch.randn(batch, 1, dim, device=dev)
-    order = random.Random(0)
-    with torch.no_grad():
-        for turn in range(warmup + steps):
-            # a new order each turn: every pair follows every other one alike (a step right after one that streamed a
-            # large KV cache through the processor's caches is slower)
-            keys = list(prepared)
-            order.shuffle(keys)
-            for key in keys:
-                mixer, cache = prepared[key]
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                start = time.perf_counter()
-                mixer.step(x, cache)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                if turn >= warmup:
-                    samples[key].append(time.perf_counter() - start)
-    timings = [DecodeTiming(name, context, batch, dim, str(dev), times) for (name, context), times in samples.items()]
-    timings.sort(key=lambda t: (list(mixers).index(t.mixer), t.context))
-    if on_record is not None:
-        on_record(timings, problems)
-    return timings, problems
-
-
 def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markdown: bool = False) -> str:
     """Median ms per token (interquartile range) per mixer and context, the growth of the median from the shortest
     context to the longest, and the baseline's median over each mixer's at the longest context."""
@@ -225,9 +132,9 @@ def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markd
             row.append(f"{base.median / last.median:.2f}x" if base and last else "-")
         rows.append(row)
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
+        from ..._text import markdown_table
+
+        return markdown_table(head, rows)
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [head, *rows])
 
@@ -275,6 +182,8 @@ def run_decode(args: argparse.Namespace) -> int:
         plot_path = output_file(args.plot, "--plot", default_suffix=".png", suffixes=image_suffixes)
     json_path = output_file(args.json, "--json") if args.json is not None else None
     set_threads(args.threads)
+    from ..benchmarking import time_decoding
+
     settings = {"decode": True, "dim": args.dim, "batch": args.batch, "device": device, "steps": args.decode_steps,
                 "contexts": contexts, "options": options}
 

@@ -27,6 +27,7 @@ import torch
 from ...errors import MixerError
 from ..cli.args import set_threads
 from ..progress import progress_bar
+from ..training import train
 from .models import (
     MixerEntry,
     SequenceModel,
@@ -369,7 +370,6 @@ def _evaluate(model: SequenceModel, task: Task, test: Batch, batch: int = 256) -
         for start in range(0, len(test), batch):
             part = test.slice(start, start + batch)
             total += task.metric(model(part.inputs), part) * len(part)
-    model.train()
     return total / len(test)
 
 
@@ -383,8 +383,10 @@ def _lr_factor(step: int, total: int, warmup: float) -> float:
 
 def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, test: Batch,
               *, on_step: Callable[[int, float], None] | None = None) -> RunResult:
-    """Train one model (``entry`` in the backbone) for ``config.steps`` steps with ``seed``; evaluate on ``test``
-    every ``config.eval_every`` steps and at the end. Raises whatever the mixer raises (the caller records it)."""
+    """Train one model (``entry`` in the backbone) for ``config.steps`` steps with ``seed`` (the shared loop,
+    :func:`mixer_plugins.tools.training.train`: linear warm-up then cosine decay, gradient norm clipped to 1);
+    evaluate on ``test`` every ``config.eval_every`` steps and at the end. Raises whatever the mixer raises (the
+    caller records it)."""
     cpu_start = time.process_time()
     torch.manual_seed(seed)
     model = SequenceModel(task, entry, width=config.width, depth=config.depth, heads=config.heads,
@@ -393,32 +395,15 @@ def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, t
     result = RunResult(entry.label, seed, parameters=parameter_count(model), flops=model_flops(model),
                        options=dict(model.options))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    stream = task.train_batches(config.batch_size, torch.Generator().manual_seed(seed), seed=seed)
-    model.train()
-    seconds, running = 0.0, []
-    for step in range(config.steps):
-        batch = next(stream)
-        start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * _lr_factor(step, config.steps, config.warmup)
-        loss = task.loss(model(batch.inputs), batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss.item()} at step {step + 1}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        seconds += time.perf_counter() - start
-        running.append(loss.item())
-        done = step + 1
-        if done % config.eval_every == 0 or done == config.steps:
-            result.curve.append((done, _evaluate(model, task, test)))
-            result.train_loss.append((done, sum(running) / len(running)))
-            running = []
-        if on_step is not None:
-            on_step(done, result.curve[-1][1] if result.curve else float("nan"))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config.steps,
+                                                                                    config.warmup))
+    log = train(model, task.train_batches(config.batch_size, torch.Generator().manual_seed(seed), seed=seed),
+                lambda batch: task.loss(model(batch.inputs), batch), optimizer, steps=config.steps,
+                evaluate=lambda: _evaluate(model, task, test), eval_every=config.eval_every, scheduler=schedule,
+                clip_norm=1.0, on_step=None if on_step is None else
+                lambda step, log: on_step(step, log.curve[-1][1] if log.curve else float("nan")))
+    result.curve, result.train_loss, result.train_seconds = log.curve, log.train_loss, log.seconds
     result.metric = result.curve[-1][1]
-    result.train_seconds = seconds
     result.cpu_seconds = time.process_time() - cpu_start
     return result
 
