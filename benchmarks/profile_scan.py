@@ -36,7 +36,7 @@ import torch
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH, when set, wins
 
-from mixer_plugins.tools.benchmarking import build_mixer, count_flops, time_call  # noqa: E402
+from mixer_plugins.tools.benchmarking import build_mixer, count_flops, time_calls  # noqa: E402
 
 PARTS = ("scan", "conv+silu", "norm", "projections")
 
@@ -105,7 +105,7 @@ def profile(mixer_name: str, length: int, *, dim: int = 256, batch: int = 1, rep
     rows = {}
     for name, fn in calls.items():
         flops = count_flops(fn)
-        seconds = time_call(fn, repeats=repeats)
+        seconds = time_calls(fn, rounds=repeats).median(None)
         ops = op_mix(fn)
         rows[name] = {"seconds": seconds, "flops": flops, "gflops_per_second": flops / seconds / 1e9,
                       "aten_ops": sum(ops.values()), "page_faults": page_faults(fn),

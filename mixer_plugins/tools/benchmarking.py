@@ -59,7 +59,6 @@ __all__ = [
     "peak_memory",
     "quantile",
     "sweep",
-    "time_call",
     "time_calls",
     "time_decoding",
 ]
@@ -182,16 +181,15 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def time_calls(fns: Mapping[Any, Callable[[], object]] | Callable[[], object], *, rounds: int = 3,
                warmup: int = 1, device: str | torch.device | None = None, sync: Callable[[], None] | None = None,
-               shuffle: int | None = None, min_seconds: float = 0.0, deadline: float | None = None) -> Timings:
+               shuffle: int | None = None, deadline: float | None = None) -> Timings:
     """Wall time of every call of the functions ``fns`` (a mapping, or one function, keyed ``None``), interleaved.
 
-    ``warmup`` untimed rounds, then ``rounds`` timed ones (more while less than ``min_seconds`` have passed); each
-    round calls every function once, in turn, so that a change in the machine's load touches all of them alike.
-    With ``shuffle`` (a seed), the order is drawn anew every round: every function follows every other one alike
-    (a call right after one that streamed a large buffer through the processor's caches is slower). ``sync`` (by
-    default ``torch.cuda.synchronize`` on a CUDA ``device``) is called before and after each timed call. Past
-    ``deadline`` (``time.time()``), the loop stops after the round it is in, keeping at least one timed round, and
-    ``note`` says how many were made.
+    ``warmup`` untimed rounds, then ``rounds`` timed ones; each round calls every function once, in turn, so that a
+    change in the machine's load touches all of them alike. With ``shuffle`` (a seed), the order is drawn anew every
+    round: every function follows every other one alike (a call right after one that streamed a large buffer
+    through the processor's caches is slower). ``sync`` (by default ``torch.cuda.synchronize`` on a CUDA
+    ``device``) is called before and after each timed call. Past ``deadline`` (``time.time()``), the loop stops
+    after the round it is in, keeping at least one timed round, and ``note`` says how many were made.
     """
     calls: dict[Hashable, Callable[[], object]] = dict(fns) if isinstance(fns, Mapping) else {None: fns}
     sync = sync or device_sync(device)
@@ -207,16 +205,14 @@ def time_calls(fns: Mapping[Any, Callable[[], object]] | Callable[[], object], *
             order.shuffle(out)
         return out
 
-    warm = 0
-    for _ in range(warmup):
+    warm = done = 0
+    while warm < warmup:
         for key in keys():
             calls[key]()
         warm += 1
         if passed():
             break
-    start = time.perf_counter()
-    done = 0
-    while done < rounds or time.perf_counter() - start < min_seconds:
+    while done < rounds:
         for key in keys():
             if sync is not None:
                 sync()
@@ -233,13 +229,6 @@ def time_calls(fns: Mapping[Any, Callable[[], object]] | Callable[[], object], *
     if done < rounds or warm < warmup:
         timings.note = f"cut at the deadline: {done} of {rounds} timed calls, {warm} of {warmup} warm-ups"
     return timings
-
-
-def time_call(fn: Callable[[], object], *, device: str | torch.device | None = None, warmup: int = 1,
-              repeats: int = 3, min_seconds: float = 0.0) -> float:
-    """Median wall time of ``fn`` (synchronizing CUDA), after ``warmup`` untimed calls: :func:`time_calls` for
-    one function."""
-    return time_calls(fn, rounds=repeats, warmup=warmup, device=device, min_seconds=min_seconds).median(None)
 
 
 def count_flops(fn: Callable[[], None]) -> int:
@@ -384,7 +373,7 @@ def measure(name: str, *, dim: int = 256, length: int = 1024, batch: int = 1, mo
     mixer.train(mode == "forward_backward")
     x = torch.randn(batch, length, dim, device=dev, dtype=dtype, requires_grad=mode == "forward_backward")
     run = mixer_step(mixer, x, mode)
-    seconds = time_call(run, device=dev, warmup=warmup, repeats=repeats)
+    seconds = time_calls(run, rounds=repeats, warmup=warmup, device=dev).median(None)
     flops = count_flops(run)
     try:
         analytic = int(mixer.flops(batch, length))
