@@ -26,9 +26,7 @@ import argparse
 import dataclasses
 import json
 import resource
-import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +36,7 @@ import torch
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH, when set, wins
 
-from mixer_plugins.tools.benchmarking import build_mixer, count_flops  # noqa: E402
+from mixer_plugins.tools.benchmarking import build_mixer, count_flops, time_calls  # noqa: E402
 
 PARTS = ("scan", "conv+silu", "norm", "projections")
 
@@ -97,16 +95,6 @@ def page_faults(fn: Callable[[], None]) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def profile(mixer_name: str, length: int, *, dim: int = 256, batch: int = 1, repeats: int = 3) -> dict:
     """The figures of one mixer at one length (see the module docstring)."""
     torch.manual_seed(0)
@@ -117,7 +105,7 @@ def profile(mixer_name: str, length: int, *, dim: int = 256, batch: int = 1, rep
     rows = {}
     for name, fn in calls.items():
         flops = count_flops(fn)
-        seconds = median_time(fn, repeats)
+        seconds = time_calls(fn, rounds=repeats).median(None)
         ops = op_mix(fn)
         rows[name] = {"seconds": seconds, "flops": flops, "gflops_per_second": flops / seconds / 1e9,
                       "aten_ops": sum(ops.values()), "page_faults": page_faults(fn),

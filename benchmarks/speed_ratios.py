@@ -9,7 +9,8 @@ Run (from the repository root)::
 
 Every round times one forward+backward of each mixer in turn (dim 256, batch 1 by default), so that a change in
 the machine's load touches all of them alike; the ratio ``attention time / mixer time`` is taken per round and
-reported as its median and [min, max] over the rounds. :mod:`benchmarks.test_bench_speed` asserts the targets on
+reported as its median and [min, max] over the rounds (``mixer_plugins.tools.benchmarking.time_calls``, with each call's
+minor page faults). :mod:`benchmarks.test_bench_speed` asserts the targets on
 these figures.
 
 ``--json`` writes the results file ``docs/performance.md`` quotes: the date, the command, torch's version, the
@@ -24,10 +25,8 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 if __package__ in (None, ""):  # run as a script from the repository root
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH, when set, wins
 
-from mixer_plugins.tools.benchmarking import build_mixer, mixer_step  # noqa: E402
+from mixer_plugins.tools.benchmarking import Timings, build_mixer, mixer_step, time_calls  # noqa: E402
 
 REFERENCE = "attention"
 
@@ -79,36 +78,13 @@ def vit_step(mixer: str, *, batch: int, **model_options) -> Callable[[], None]:
 VIT_WARMUP = 3
 
 
-def minor_faults() -> int:
-    """This process's minor page faults so far (each a first touch of a 4 KiB page the kernel had to map)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def interleaved_times(fns: dict[str, Callable[[], None]], rounds: int, *, warmup: int = 1,
-                      faults: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
-    """Wall times of each function over ``rounds`` rounds, one call of each per round, in turn.
-
-    ``faults``: a dict that receives each call's minor page faults, by name (on CPU, where a step's memory is handed
-    back to the kernel and faulted in again, they are a source of run-to-run variance)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            f0 = minor_faults()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-            if faults is not None:
-                faults.setdefault(name, []).append(minor_faults() - f0)
-    return times
-
-
-def ratio_stats(reference: list[float], other: list[float]) -> dict[str, float]:
-    """Per-round ``reference / other``: median, min and max."""
-    ratios = sorted(r / o for r, o in zip(reference, other))
-    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+def length_row(times: Timings, names: list[str], length: int, threads: int, rounds: int) -> dict:
+    """One length's row of the results file: median seconds and page faults per call, and the ratios
+    ``attention time / mixer time`` per round (median, min, max)."""
+    return {"length": length, "threads": threads, "rounds": rounds,
+            "median_seconds": {n: times.median(n) for n in times.seconds},
+            "median_page_faults": {n: statistics.median(f) for n, f in times.faults.items()},
+            "ratios": {n: times.ratio(REFERENCE, n) for n in names}}
 
 
 #: the mixers of docs/performance.md's table and how its header names them
@@ -160,13 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.mixers.split(",")]
     results = []
     for length in (int(v) for v in args.lengths.split(",") if v.strip()):
-        fns = {name: step(name, length, dim=args.dim) for name in [*names, REFERENCE]}
-        faults: dict[str, list[int]] = {}
-        times = interleaved_times(fns, args.rounds, faults=faults)
-        row = {"length": length, "threads": args.threads, "rounds": args.rounds,
-               "median_seconds": {n: statistics.median(t) for n, t in times.items()},
-               "median_page_faults": {n: statistics.median(f) for n, f in faults.items()},
-               "ratios": {n: ratio_stats(times[REFERENCE], times[n]) for n in names}}
+        times = time_calls({name: step(name, length, dim=args.dim) for name in [*names, REFERENCE]}, rounds=args.rounds)
+        row = length_row(times, names, length, args.threads, args.rounds)
         line = f"L={length:6d}  " + "  ".join(
             f"{REFERENCE}/{n}: {r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]" for n, r in row["ratios"].items())
         line += "  | page faults per call: " + ", ".join(
@@ -174,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         results.append(row)
     if args.vit:
-        times = interleaved_times({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step(REFERENCE, batch=32)},
-                                  args.rounds, warmup=VIT_WARMUP)
-        ratio = ratio_stats(times["quasi"], times[REFERENCE])
-        results.append({"vit_small_step": {"median_seconds": {n: statistics.median(t) for n, t in times.items()},
+        times = time_calls({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step(REFERENCE, batch=32)},
+                           rounds=args.rounds, warmup=VIT_WARMUP)
+        ratio = times.ratio("quasi", REFERENCE)
+        results.append({"vit_small_step": {"median_seconds": {n: times.median(n) for n in times.seconds},
                                            "quasi_over_attention": ratio}})
         print(f"ViT-S/16 training step, batch 32: quasi/attention time {ratio['median']:.2f} "
               f"[{ratio['min']:.2f}, {ratio['max']:.2f}]", flush=True)

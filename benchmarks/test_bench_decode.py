@@ -17,15 +17,14 @@ token in one process (``mixer-plugins bench --decode`` runs the same measurement
 from __future__ import annotations
 
 import math
-import random
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mixer_plugins.tools.benchmarking import build_mixer
-from mixer_plugins.tools.cli.bench import decode_table, time_decoding
+from mixer_plugins.tools.benchmarking import build_mixer, time_calls, time_decoding
+from mixer_plugins.tools.cli.bench import decode_table
 
 MIXERS = ["semiseparable", "low_rank", "sliding_window_attention", "attention"]
 CONTEXTS = [128, 1024, 8192]
@@ -149,18 +148,10 @@ def test_compat_mamba2_step_target(benchmark, benchmarking_enabled):
     states = {"ours": module.allocate_inference_cache(1, 0), "released": module.allocate_inference_cache(1, 0)}
     steps = {"ours": module.step, "released": lambda x, c, s: released_pytorch_step(module, x, c, s)}
     x = torch.randn(1, 1, DIM)
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    order = random.Random(0)
-    with torch.no_grad():
-        for turn in range(8 + 200):
-            names = list(steps)
-            order.shuffle(names)
-            for name in names:
-                start = time.perf_counter()
-                steps[name](x, *states[name])
-                if turn >= 8:
-                    samples[name].append(time.perf_counter() - start)
-    median = {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
+    with torch.no_grad():   # interleaved call by call, in a new order every turn
+        times = time_calls({name: lambda name=name: steps[name](x, *states[name]) for name in steps}, rounds=200,
+                           warmup=8, shuffle=0)
+    median = {name: times.median(name) for name in steps}
     ratio = median["ours"] / median["released"]
     benchmark.extra_info.update(ours_ms=median["ours"] * 1e3, released_ms=median["released"] * 1e3, ratio=ratio)
     print(f"\ncompat.Mamba2.step {median['ours'] * 1e3:.3f} ms, released PyTorch path "

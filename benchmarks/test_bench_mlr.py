@@ -21,13 +21,12 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import time
 
 import pytest
 import torch
 
 from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
-from mixer_plugins.tools.benchmarking import build_mixer, peak_memory
+from mixer_plugins.tools.benchmarking import build_mixer, peak_memory, time_calls
 
 DIM, HEADS = 256, 4
 RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
@@ -100,18 +99,6 @@ def test_forward_backward(benchmark, which, length):
                            warmup_rounds=0)
 
 
-def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def _with_engine(fn, engine):
     def run() -> None:
         with _engine(engine):
@@ -126,7 +113,7 @@ def test_target_time_follows_flops(benchmark, benchmarking_enabled):
     fns = {"mlr": run_mlr, "attention": run_attn,
            "mlr_native": _with_engine(run_mlr, "native"), "mlr_matmul": _with_engine(run_mlr, "matmul")}
     with _threads(THREADS):
-        times = _interleaved(fns, repeats=5)
+        times = time_calls(fns, rounds=5).seconds
     ratios = {name: [m / a for m, a in zip(times[name], times["attention"])] for name in fns if name != "attention"}
     time_ratio = statistics.median(ratios["mlr"])
     flop_ratio = mlr_flops / attn_flops
@@ -146,7 +133,7 @@ def test_target_time_against_attention(benchmark, benchmarking_enabled, config, 
         pytest.skip("timing target: runs with benchmarking enabled")
     run_mlr, run_attn, _, _ = _steps(length, config)
     with _threads(THREADS):
-        times = _interleaved({"mlr": run_mlr, "attention": run_attn}, repeats=TIME_ROUNDS)
+        times = time_calls({"mlr": run_mlr, "attention": run_attn}, rounds=TIME_ROUNDS).seconds
     ratios = [m / a for m, a in zip(times["mlr"], times["attention"])]
     ratio = statistics.median(ratios)
     attention = statistics.median(times["attention"])

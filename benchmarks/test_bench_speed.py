@@ -20,14 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speed_ratios import (  # noqa: E402
-    REFERENCE,
-    VIT_WARMUP,
-    interleaved_times,
-    ratio_stats,
-    step,
-    vit_step,
-)
+from speed_ratios import REFERENCE, VIT_WARMUP, step, vit_step  # noqa: E402
+
+from mixer_plugins.tools.benchmarking import time_calls  # noqa: E402
 
 MIXERS = ["quasiseparable", "semiseparable"]
 TARGETS = {1024: 0.8, 16384: 10.0}  # attention time / mixer time, at least
@@ -46,20 +41,17 @@ def test_target_ratio_vs_attention(benchmark, benchmarking_enabled, mixer, lengt
         if (mixer, length) != (MIXERS[0], min(TARGETS)):
             pytest.skip("timing target: runs with benchmarking enabled (one case smoke-tests the code)")
         fns = {n: step(n, 32, dim=32) for n in (mixer, REFERENCE)}
-        faults: dict[str, list[int]] = {}
-        times = benchmark.pedantic(lambda: interleaved_times(fns, 1, warmup=0, faults=faults), rounds=1,
-                                   iterations=1)
-        assert ratio_stats(times[REFERENCE], times[mixer])["median"] > 0
-        assert {n: len(f) for n, f in faults.items()} == {mixer: 1, REFERENCE: 1}
-        assert all(f[0] >= 0 for f in faults.values())
+        times = benchmark.pedantic(lambda: time_calls(fns, rounds=1, warmup=0), rounds=1, iterations=1)
+        assert times.ratio(REFERENCE, mixer)["median"] > 0
+        assert {n: len(f) for n, f in times.faults.items()} == {mixer: 1, REFERENCE: 1}
+        assert all(f[0] >= 0 for f in times.faults.values())
         return
     rounds = 3 if length >= 16384 else 7
-    faults = {}
-    times = interleaved_times({n: step(n, length) for n in (mixer, REFERENCE)}, rounds, faults=faults)
-    ratio = ratio_stats(times[REFERENCE], times[mixer])
-    page_faults = {n: statistics.median(f) for n, f in faults.items()}
+    times = time_calls({n: step(n, length) for n in (mixer, REFERENCE)}, rounds=rounds)
+    ratio = times.ratio(REFERENCE, mixer)
+    page_faults = {n: statistics.median(f) for n, f in times.faults.items()}
     _record(benchmark, mixer=mixer, length=length, ratio=ratio, threads=torch.get_num_threads(),
-            seconds={n: statistics.median(t) for n, t in times.items()}, page_faults=page_faults)
+            seconds={n: times.median(n) for n in times.seconds}, page_faults=page_faults)
     print(f"\nL={length} fwd+bwd attention/{mixer}: {ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]"
           f"; page faults per call {page_faults}")
     assert ratio["median"] >= TARGETS[length], (
@@ -73,10 +65,10 @@ def test_target_vit_small_training_step(benchmark, benchmarking_enabled):
     if not benchmarking_enabled:  # CI: one step of a two-block ViT-S on 2 x 32 x 32 images
         benchmark.pedantic(vit_step("quasi", batch=2, img_size=32, depth=2), rounds=1, iterations=1)
         return
-    times = interleaved_times({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step("attention", batch=32)},
-                              3, warmup=VIT_WARMUP)  # steady state: see VIT_WARMUP
-    ratio = ratio_stats(times["quasi"], times[REFERENCE])  # quasi time / attention time
-    _record(benchmark, ratio=ratio, seconds={n: statistics.median(t) for n, t in times.items()},
+    times = time_calls({"quasi": vit_step("quasi", batch=32), REFERENCE: vit_step("attention", batch=32)},
+                       rounds=3, warmup=VIT_WARMUP)  # steady state: see VIT_WARMUP
+    ratio = times.ratio("quasi", REFERENCE)  # quasi time / attention time
+    _record(benchmark, ratio=ratio, seconds={n: times.median(n) for n in times.seconds},
             threads=torch.get_num_threads())
     print(f"\nViT-S/16 training step, batch 32: quasi/attention time {ratio['median']:.2f} "
           f"[{ratio['min']:.2f}, {ratio['max']:.2f}]")

@@ -2,19 +2,18 @@
 
 ``benchmarks/gpu/run.sh`` runs each step under a hard limit (``timeout``, SIGINT first) and hands the step's script
 an earlier, cooperative deadline (``MIXER_PLUGINS_GPU_DEADLINE_AT``, seconds since the epoch, or the script's
-``--deadline-at`` / ``--budget-s``): once it has passed, a timing loop stops after the calls it has made (at least
-one timed call once a candidate has run, so a compile that took the time still yields a value) and the rows not
-started are reported as not measured. A slow row thus never takes the later steps' time, and a cut step keeps what it
-measured (the scripts write their results after every row).
+``--deadline-at`` / ``--budget-s``): once it has passed, a timing loop (``mixer_plugins.tools.benchmarking``'s
+``time_calls`` with ``deadline=Deadline.at``) stops after the calls it has made (at least one timed call once a
+candidate has run, so a compile that took the time still yields a value) and the rows not started are reported as
+not measured. A slow row thus never takes the later steps' time, and a cut step keeps what it measured (the scripts
+write their results after every row).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 ENV = "MIXER_PLUGINS_GPU_DEADLINE_AT"
@@ -43,36 +42,6 @@ class Deadline:
 
     def left(self) -> float:
         return float("inf") if self.at is None else self.at - time.time()
-
-
-def timed_calls(fn: Callable[[], object], *, warmup: int, iters: int, deadline: Deadline,
-                sync: Callable[[], None] = lambda: None) -> tuple[list[float], str]:
-    """Milliseconds of up to ``iters`` calls of ``fn`` after up to ``warmup`` untimed ones, each synchronized by
-    ``sync``. Past the deadline the loop stops, keeping at least one timed call (so at least 1 + 1 calls when
-    ``warmup`` > 0); the note then says how many calls were made."""
-    done_warmup = 0
-    for _ in range(warmup):
-        fn()
-        done_warmup += 1
-        if deadline.passed():
-            break
-    sync()
-    times: list[float] = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-        if deadline.passed():
-            break
-    note = ""
-    if len(times) < iters or done_warmup < warmup:
-        note = f"cut at the deadline: {len(times)} of {iters} timed calls, {done_warmup} of {warmup} warm-ups"
-    return times, note
-
-
-def median(times: list[float]) -> float:
-    return statistics.median(times)
 
 
 def interrupt_on_term() -> None:

@@ -39,6 +39,8 @@ if str(HERE) not in sys.path:
 import deadline as deadlines  # noqa: E402  (benchmarks/gpu/deadline.py)
 import targets as target_list  # noqa: E402  (benchmarks/gpu/targets.py)
 
+from mixer_plugins.tools.benchmarking import time_calls  # noqa: E402
+
 PAPER_RANKS = [32, 8, 6, 4, 4, 4, 4, 2]
 
 
@@ -78,19 +80,13 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 #: the step's deadline (set by main; see deadline.py)
 DEADLINE = deadlines.Deadline()
 
 
 def _median_ms(fn, reps: int, device: str) -> float:
     """The median of up to ``reps`` timed calls after one warm-up (compiles); fewer past the step's deadline."""
-    times, _ = deadlines.timed_calls(fn, warmup=1, iters=reps, deadline=DEADLINE, sync=lambda: _sync(device))
-    return deadlines.median(times)
+    return time_calls(fn, rounds=reps, warmup=1, device=device, deadline=DEADLINE.at).median(None) * 1e3
 
 
 def _paper_ranks(head_dim: int) -> list[int]:

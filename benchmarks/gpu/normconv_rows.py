@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -67,22 +65,9 @@ DRY = Setup(device="cpu", dtype="float32", norm_shapes=((2, 5, 24),), conv_shape
 
 def timed(fn: Callable[[], object], setup: Setup) -> float:
     """Median milliseconds of ``fn`` (synchronized on CUDA)."""
-    import torch
+    from mixer_plugins.tools.benchmarking import time_calls
 
-    def sync() -> None:
-        if setup.device == "cuda":
-            torch.cuda.synchronize()
-
-    for _ in range(setup.warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(setup.iters):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return time_calls(fn, rounds=setup.iters, warmup=setup.warmup, device=setup.device).median(None) * 1e3
 
 
 def _step(forward: Callable[[], object], inputs: list, backward: bool) -> Callable[[], object]:

@@ -54,6 +54,8 @@ if str(HERE) not in sys.path:   # loaded from its file by benchmarks/test_bench_
 import deadline as deadlines  # noqa: E402  (benchmarks/gpu/deadline.py)
 import targets as target_list  # noqa: E402  (benchmarks/gpu/targets.py)
 
+from mixer_plugins.tools.benchmarking import peak_memory, time_calls  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -112,11 +114,6 @@ class Row:
     peak_total_mib: float | None = None  # CUDA: the same, inputs included
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 #: the step's deadline (set by main; see deadline.py)
 DEADLINE = deadlines.Deadline()
 
@@ -124,16 +121,13 @@ DEADLINE = deadlines.Deadline()
 def timed(fn: Callable[[], object], setup: Setup) -> tuple[float, float | None, float | None, str]:
     """Median milliseconds of ``fn``, its peak memory above what was allocated before and in all (MiB, CUDA only),
     and a note when the step's deadline cut the calls short."""
-    if setup.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    times, note = deadlines.timed_calls(fn, warmup=setup.warmup, iters=setup.iters, deadline=DEADLINE,
-                                        sync=lambda: _sync(setup.device))
+    cuda = setup.device == "cuda"
+    with peak_memory(setup.device) if cuda else contextlib.nullcontext({}) as memory:
+        times = time_calls(fn, rounds=setup.iters, warmup=setup.warmup, device=setup.device, deadline=DEADLINE.at)
     peak = total = None
-    if setup.device == "cuda":
-        total = torch.cuda.max_memory_allocated() / 2**20
-        peak = total - base / 2**20
-    return deadlines.median(times), peak, total, note
+    if cuda:
+        peak, total = memory["peak_bytes"] / 2**20, memory["total_bytes"] / 2**20
+    return times.median(None) * 1e3, peak, total, times.note
 
 
 def _scan_inputs(setup: Setup, batch: int, length: int, requires_grad: bool) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -44,19 +43,9 @@ def _inputs(batch: int, length: int, heads: int, p: int, n: int, device: str, dt
 
 
 def _time(fn, device: str, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    from mixer_plugins.tools.benchmarking import time_calls
+
+    return time_calls(fn, rounds=iters, warmup=warmup, device=device).median(None) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@
 * :mod:`.cli` — the command line, one module per subcommand (``mixer_plugins.tools.cli:main`` is the console
   script);
 * :mod:`.demo` — small timm ViTs that differ only in the mixer, trained on scikit-learn's digits;
-* :mod:`.benchmarking` — time, counted FLOPs and peak memory of mixers;
+* :mod:`.benchmarking` — time (the one timing loop), counted FLOPs and peak memory of mixers;
+* :mod:`.training` — the training loop of ``demo`` and ``compare``;
 * :mod:`.tables` — the comparison table of benchmark results (``bench`` and pytest-benchmark's JSON);
 * :mod:`.flop_report` — analytic FLOPs against PyTorch's ``FlopCounterMode``;
 * :mod:`.plotting` — heat maps, learning curves and scaling plots (matplotlib, the ``demo`` extra);

@@ -1,6 +1,10 @@
-"""Measuring mixers: time, FLOPs (counted by PyTorch) and peak memory, shared by ``mixer-plugins bench``
-and the pytest-benchmark suites in ``benchmarks/``.
+"""Measuring mixers: time, FLOPs (counted by PyTorch) and peak memory, shared by ``mixer-plugins bench``,
+the benchmark suites and scripts in ``benchmarks/`` and the GPU check's scripts (``benchmarks/gpu/``).
 
+* Time: :func:`time_calls` is the one timing loop. It takes one function or several, runs untimed warm-up
+  rounds, then timed rounds that call every function once each, in turn (or in a new random order every round),
+  synchronizing CUDA around each call; it stops early at a deadline. :class:`Timings` holds every call's seconds
+  and minor page faults, with medians, quantiles and per-round ratios.
 * FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` on the same forward (our custom ops
   register their formulas, so the counter sees the scans and FFTs); :meth:`MatrixMixer.flops` is the
   analytic count it is checked against.
@@ -19,25 +23,33 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..backbones.options import HostModel, direction_problem, resolve_config
-from ..registry import default_registry
+resource: ModuleType | None
+try:
+    import resource
+except ImportError:  # pragma: no cover - not on Unix: no page-fault counts
+    resource = None
 
 __all__ = [
     "DIRECTIONS",
     "MODES",
+    "DecodeTiming",
     "Measurement",
     "SweepProblem",
+    "Timings",
     "build_mixer",
     "count_flops",
+    "device_sync",
     "error_summary",
     "format_bytes",
     "format_flops",
@@ -45,8 +57,10 @@ __all__ = [
     "measure",
     "mixer_step",
     "peak_memory",
+    "quantile",
     "sweep",
-    "time_call",
+    "time_calls",
+    "time_decoding",
 ]
 
 MODES = ("forward", "forward_backward")
@@ -94,15 +108,13 @@ def build_mixer(name: str, dim: int, length: int, *, causal: bool | None = None,
     (:mod:`mixer_plugins.backbones.options`): ``max_seq_len=length`` where the mixer has that option, and the
     direction ``causal`` (True/False; None keeps the mixer's default) where it has a ``causal`` option. A mixer
     that cannot run in the requested direction raises :class:`~mixer_plugins.MixerError`."""
+    from ..backbones.options import HostModel, resolve_config
+    from ..registry import default_registry
+
     spec = default_registry.get_spec(name)
     config, _ = resolve_config(spec, HostModel(dim=dim, max_seq_len=length, causal=causal), options)
     mixer = spec.build(config)
     return mixer.to(device=device, dtype=dtype)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def mixer_step(mixer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str) -> Callable[[], None]:
@@ -120,20 +132,103 @@ def mixer_step(mixer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, m
     return run
 
 
-def time_call(fn: Callable[[], None], *, device: torch.device, warmup: int = 1, repeats: int = 3,
-              min_seconds: float = 0.0) -> float:
-    """Median wall time of ``fn`` (synchronizing CUDA), after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - start) < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+# -- timing ----------------------------------------------------------------------------------------------
+
+def device_sync(device: str | torch.device | None) -> Callable[[], None] | None:
+    """``torch.cuda.synchronize`` for a CUDA device (a timed call ends when its kernels have run), else None."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    dev = torch.device(device)
+    return lambda: torch.cuda.synchronize(dev)
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (first touches of pages the kernel had to map); 0 off Unix."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
+@dataclasses.dataclass
+class Timings:
+    """What :func:`time_calls` measured: per function, the seconds of each timed call (``seconds[key][i]`` is round
+    ``i``) and the minor page faults of each; ``note`` says why fewer calls were made than asked (a deadline)."""
+
+    seconds: dict[Hashable, list[float]]
+    faults: dict[Hashable, list[int]]
+    note: str = ""
+
+    def quantile(self, key: Hashable, q: float) -> float:
+        """The ``q`` quantile of ``key``'s times (linear interpolation)."""
+        return quantile(self.seconds[key], q)
+
+    def median(self, key: Hashable) -> float:
+        """The median of ``key``'s times."""
+        return statistics.median(self.seconds[key])
+
+    def ratio(self, num: Hashable, den: Hashable) -> dict[str, float]:
+        """``num``'s time over ``den``'s, taken per round: the median, min and max over the rounds."""
+        ratios = sorted(n / d for n, d in zip(self.seconds[num], self.seconds[den]))
+        return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (linear interpolation between the sorted values)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def time_calls(fns: Mapping[Any, Callable[[], object]] | Callable[[], object], *, rounds: int = 3,
+               warmup: int = 1, device: str | torch.device | None = None, sync: Callable[[], None] | None = None,
+               shuffle: int | None = None, deadline: float | None = None) -> Timings:
+    """Wall time of every call of the functions ``fns`` (a mapping, or one function, keyed ``None``), interleaved.
+
+    ``warmup`` untimed rounds, then ``rounds`` timed ones; each round calls every function once, in turn, so that a
+    change in the machine's load touches all of them alike. With ``shuffle`` (a seed), the order is drawn anew every
+    round: every function follows every other one alike (a call right after one that streamed a large buffer
+    through the processor's caches is slower). ``sync`` (by default ``torch.cuda.synchronize`` on a CUDA
+    ``device``) is called before and after each timed call. Past ``deadline`` (``time.time()``), the loop stops
+    after the round it is in, keeping at least one timed round, and ``note`` says how many were made.
+    """
+    calls: dict[Hashable, Callable[[], object]] = dict(fns) if isinstance(fns, Mapping) else {None: fns}
+    sync = sync or device_sync(device)
+    order = random.Random(shuffle) if shuffle is not None else None
+    timings = Timings({key: [] for key in calls}, {key: [] for key in calls})
+
+    def passed() -> bool:
+        return deadline is not None and time.time() > deadline
+
+    def keys() -> list[Hashable]:
+        out = list(calls)
+        if order is not None:
+            order.shuffle(out)
+        return out
+
+    warm = done = 0
+    while warm < warmup:
+        for key in keys():
+            calls[key]()
+        warm += 1
+        if passed():
+            break
+    while done < rounds:
+        for key in keys():
+            if sync is not None:
+                sync()
+            faults = _minor_faults()
+            t0 = time.perf_counter()
+            calls[key]()
+            if sync is not None:
+                sync()
+            timings.seconds[key].append(time.perf_counter() - t0)
+            timings.faults[key].append(_minor_faults() - faults)
+        done += 1
+        if passed():
+            break
+    if done < rounds or warm < warmup:
+        timings.note = f"cut at the deadline: {done} of {rounds} timed calls, {warm} of {warmup} warm-ups"
+    return timings
 
 
 def count_flops(fn: Callable[[], None]) -> int:
@@ -217,7 +312,8 @@ def _status_bytes(key: str) -> int:
 @contextlib.contextmanager
 def peak_memory(device: str | torch.device = "cpu", *, tuned: bool = False) -> Iterator[dict[str, int | None]]:
     """``with peak_memory(dev) as m: ...`` then ``m["peak_bytes"]``: the peak extra memory of the block
-    (None where it cannot be measured, e.g. CPU memory off Linux).
+    (None where it cannot be measured, e.g. CPU memory off Linux); on CUDA also ``m["total_bytes"]``, the peak
+    with what was allocated before the block.
 
     On CPU the allocator is left as a normal process has it (only garbage is collected and free heap pages
     returned before the baseline, so memory freed earlier does not hide this block's). ``tuned=True`` measures
@@ -232,7 +328,8 @@ def peak_memory(device: str | torch.device = "cpu", *, tuned: bool = False) -> I
         base = torch.cuda.memory_allocated(device)
         yield result
         torch.cuda.synchronize(device)
-        result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        total = torch.cuda.max_memory_allocated(device)
+        result.update(total_bytes=total, peak_bytes=total - base)
         return
     libc = _libc()
     plugs: list[int] = []
@@ -268,13 +365,15 @@ def measure(name: str, *, dim: int = 256, length: int = 1024, batch: int = 1, mo
             dtype: torch.dtype = torch.float32, warmup: int = 1, repeats: int = 3,
             memory: bool = True, seed: int = 0) -> Measurement:
     """Time, count FLOPs and measure peak memory of one mixer at one size."""
+    from ..registry import default_registry
+
     dev = torch.device(device)
     torch.manual_seed(seed)
     mixer = build_mixer(name, dim, length, causal=causal, options=options, device=dev, dtype=dtype)
     mixer.train(mode == "forward_backward")
     x = torch.randn(batch, length, dim, device=dev, dtype=dtype, requires_grad=mode == "forward_backward")
     run = mixer_step(mixer, x, mode)
-    seconds = time_call(run, device=dev, warmup=warmup, repeats=repeats)
+    seconds = time_calls(run, rounds=repeats, warmup=warmup, device=dev).median(None)
     flops = count_flops(run)
     try:
         analytic = int(mixer.flops(batch, length))
@@ -329,6 +428,9 @@ def sweep(mixers: Sequence[str], lengths: Sequence[int], *, dim: int = 256, batc
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    from ..backbones.options import direction_problem
+    from ..registry import default_registry
+
     causal = None if direction == "default" else direction == "causal"
     options = options or {}
     results: list[Measurement] = []
@@ -363,6 +465,74 @@ def sweep(mixers: Sequence[str], lengths: Sequence[int], *, dim: int = 256, batc
             if on_done is not None:
                 on_done(name, length)
     return results, problems
+
+
+# -- decoding (mixer-plugins bench --decode) -------------------------------------------------------------
+
+@dataclasses.dataclass
+class DecodeTiming:
+    """The time of each timed decoding step of one mixer after ``context`` tokens: medians and spread."""
+
+    mixer: str
+    context: int
+    batch: int
+    dim: int
+    device: str
+    token_seconds: list[float]
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile of the per-token times (linear interpolation)."""
+        return quantile(self.token_seconds, q)
+
+    @property
+    def median(self) -> float:
+        return self.quantile(0.5)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "median_seconds": self.median,
+                **{f"p{q}_seconds": self.quantile(q / 100) for q in (10, 25, 75, 90)}}
+
+
+def time_decoding(mixers: Sequence[str], contexts: Sequence[int], *, dim: int = 256, batch: int = 1, steps: int = 32,
+                  warmup: int = 4, options: Mapping[str, Mapping[str, Any]] | None = None, device: str = "cpu",
+                  on_record: Callable[[list[DecodeTiming], list[SweepProblem]], None] | None = None
+                  ) -> tuple[list[DecodeTiming], list[SweepProblem]]:
+    """Per-token decoding times of each mixer (built causal) after each context length: ``(timings, problems)``.
+
+    Every (mixer, context) pair is built and prefilled with ``context`` random tokens into a cache holding
+    ``context + warmup + steps``; then all pairs are stepped one token at a time, taking turns token by token
+    (:func:`time_calls`: ``warmup`` untimed turns first, the order shuffled at every turn), so every ratio (a mixer's
+    growth with the context, two mixers at one context) compares times taken in the same moments of a possibly busy
+    machine, with the processor's caches flushed by the same neighbours. A mixer that cannot run causally or step is
+    a "skipped" problem, an error a "failed" one; ``on_record(timings, problems)`` is called once at the end.
+    """
+    dev = torch.device(device)
+    problems: list[SweepProblem] = []
+    steppers: dict[tuple[str, int], Callable[[], object]] = {}
+    x = torch.randn(batch, 1, dim, device=dev)
+    for context in contexts:
+        for name in mixers:
+            try:
+                torch.manual_seed(0)
+                mixer = build_mixer(name, dim, context + warmup + steps, causal=True,
+                                    options=(options or {}).get(name), device=dev).eval()
+                if not mixer.can_step:
+                    problems.append(SweepProblem(name, context, "skipped", mixer.step_problem()))
+                    continue
+                cache = mixer.allocate_cache(batch, context + warmup + steps)
+                with torch.no_grad():
+                    mixer.prefill(torch.randn(batch, context, dim, device=dev), cache)
+                steppers[name, context] = functools.partial(mixer.step, x, cache)
+            except Exception as err:  # noqa: BLE001 - one mixer's failure is reported, the rest still run
+                kind = "skipped" if type(err).__name__ in ("MixerError", "StepNotSupportedError") else "failed"
+                problems.append(SweepProblem(name, context, kind, error_summary(err)))
+    with torch.no_grad():
+        times = time_calls(steppers, rounds=steps, warmup=warmup, device=dev, shuffle=0).seconds
+    timings = [DecodeTiming(name, context, batch, dim, str(dev), times[name, context]) for name, context in steppers]
+    timings.sort(key=lambda t: (list(mixers).index(t.mixer), t.context))
+    if on_record is not None:
+        on_record(timings, problems)
+    return timings, problems
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -26,9 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from ..errors import MissingExtraError, MixerError, NotMaterializableError
 from ..registry import default_registry
 from .benchmarking import count_flops, error_summary, format_flops
 from .progress import progress_bar
+from .training import TrainLog, train
 
 __all__ = [
     "DEFAULT_MIXERS",
@@ -248,8 +248,19 @@ def _evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 512) -> float
     return correct / len(x)
 
 
+def _epochs(config: DemoConfig, data: DemoData) -> Iterator[Tensor]:
+    """The training batches (index tensors), epoch after epoch, each epoch in a new order drawn from the seed (the
+    same batches in the same order for every mixer)."""
+    order = torch.Generator().manual_seed(config.seed)
+    while True:
+        permutation = torch.randperm(len(data.train_x), generator=order)
+        yield from permutation.split(config.batch_size)
+
+
 def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
-    """Build, train and evaluate the model with mixer ``name``; then materialize its first block's matrix."""
+    """Build, train and evaluate the model with mixer ``name`` (the shared loop,
+    :func:`mixer_plugins.tools.training.train`, evaluated after every epoch; AdamW with a one-cycle schedule); then
+    materialize its first block's matrix."""
     result = MixerResult(mixer=name)
     model = build_model(name, config)
     result.parameters = sum(p.numel() for p in model.parameters())
@@ -259,36 +270,25 @@ def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     batches = math.ceil(len(data.train_x) / config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.epochs * batches,
                                                    pct_start=0.15)
-    order = torch.Generator().manual_seed(config.seed)  # the same batches in the same order for every mixer
     bar = progress_bar(config.epochs * batches, enabled=config.progress, desc=f"{name:>24s}", unit="step")
-    train_seconds = 0.0
+
+    def on_step(step: int, log: TrainLog) -> None:
+        bar.update(1)
+        if step % batches == 0:
+            bar.set_postfix(loss=f"{log.train_loss[-1][1]:.3f}", test_acc=f"{log.curve[-1][1]:.3f}")
+
     try:
-        for epoch in range(1, config.epochs + 1):
-            model.train()
-            permutation = torch.randperm(len(data.train_x), generator=order)
-            start, total_loss = time.perf_counter(), 0.0
-            for i in range(0, len(permutation), config.batch_size):
-                idx = permutation[i:i + config.batch_size]
-                loss = F.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"training loss became {loss.item()} at epoch {epoch}")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                total_loss += loss.item() * len(idx)
-                if bar is not None:
-                    bar.update(1)
-            train_seconds += time.perf_counter() - start
-            accuracy = _evaluate(model, data.test_x, data.test_y)
-            result.history.append({"epoch": epoch, "train_loss": total_loss / len(data.train_x),
-                                   "test_accuracy": accuracy})
-            if bar is not None:
-                bar.set_postfix(loss=f"{total_loss / len(data.train_x):.3f}", test_acc=f"{accuracy:.3f}")
+        log = train(model, _epochs(config, data), lambda idx: F.cross_entropy(model(data.train_x[idx]),
+                                                                              data.train_y[idx]),
+                    optimizer, steps=config.epochs * batches, scheduler=schedule, eval_every=batches,
+                    evaluate=lambda: _evaluate(model, data.test_x, data.test_y),
+                    on_step=on_step if bar is not None else None)
     finally:
         if bar is not None:
             bar.close()
-    result.train_seconds = train_seconds
+    result.history = [{"epoch": step // batches, "train_loss": loss, "test_accuracy": accuracy}
+                      for (step, accuracy), (_, loss) in zip(log.curve, log.train_loss)]
+    result.train_seconds = log.seconds
     result.test_accuracy = result.history[-1]["test_accuracy"]
     try:
         result.matrix = capture_first_block_matrix(model, data.test_x[config.sample])

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from mixer_plugins.tools.benchmarking import DecodeTiming
 from mixer_plugins.tools.cli import main
-from mixer_plugins.tools.cli.bench import DecodeTiming, decode_table
+from mixer_plugins.tools.cli.bench import decode_table
 
 
 def test_bench_decode_prints_table_and_writes_json_and_plot(tmp_path, capsys):

@@ -319,9 +319,9 @@ def test_a_saved_result_is_judged_again_and_recounted(tmp_path, capsys):
 
     assert main(["compare", "--from", str(tmp_path / "old.json")]) == 0
     out = capsys.readouterr().out
-    from mixer_plugins.tools.compare.models import format_count
+    from mixer_plugins.tools.benchmarking import format_flops
 
-    assert format_count(result.runs[0].flops) in out and "| 1 |" not in out
+    assert format_flops(result.runs[0].flops) in out and "| 1 |" not in out
     assert "| attention > long_conv | 0.850 ± 0.050 | 0.323 ± 0.025 | 3 | < 0.001 | held | claim |" in out
     assert main(["compare", "--from", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err

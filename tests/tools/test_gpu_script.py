@@ -134,18 +134,19 @@ def test_past_the_deadline_the_rows_left_are_not_measured(tmp_path):
 
 def test_a_timing_loop_stops_at_the_deadline():
     """Inside a row: past the deadline the loop stops after one timed call (the warm-up that compiled is kept)."""
+    from mixer_plugins.tools.benchmarking import time_calls
+
     calls = []
-    end = deadline.Deadline(time.time() + 0.05)
 
     def slow():
         calls.append(1)
         time.sleep(0.06)
 
-    times, note = deadline.timed_calls(slow, warmup=2, iters=5, deadline=end)
-    assert len(calls) == 2 and len(times) == 1
-    assert note.startswith("cut at the deadline: 1 of 5 timed calls, 1 of 2 warm-ups")
-    times, note = deadline.timed_calls(lambda: None, warmup=1, iters=3, deadline=deadline.Deadline())
-    assert len(times) == 3 and note == ""
+    times = time_calls(slow, warmup=2, rounds=5, deadline=time.time() + 0.05)
+    assert len(calls) == 2 and len(times.seconds[None]) == 1
+    assert times.note.startswith("cut at the deadline: 1 of 5 timed calls, 1 of 2 warm-ups")
+    times = time_calls(lambda: None, warmup=1, rounds=3, deadline=deadline.Deadline().at)
+    assert len(times.seconds[None]) == 3 and times.note == ""
 
 
 def test_verdicts():

@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +31,9 @@ from .args import (
 from .options import parse_option_assignments, resolve_mixers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...mixers.cache import MixerCache
-    from ..benchmarking import Measurement, SweepProblem
+    from ..benchmarking import DecodeTiming, Measurement, SweepProblem
 
-__all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "DecodeTiming", "time_decoding"]
+__all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "decode_table"]
 
 DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
 #: ``--decode``'s defaults: the linear-time mixers that step, and attention with its KV cache.
@@ -112,96 +109,6 @@ def check_device(device: str) -> str:
 
 # -- decoding --------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class DecodeTiming:
-    """The time of each timed decoding step of one mixer after ``context`` tokens: medians and spread."""
-
-    mixer: str
-    context: int
-    batch: int
-    dim: int
-    device: str
-    token_seconds: list[float]
-
-    def quantile(self, q: float) -> float:
-        """The ``q`` quantile of the per-token times (linear interpolation)."""
-        times = sorted(self.token_seconds)
-        pos = q * (len(times) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(times) - 1)
-        return times[lo] + (times[hi] - times[lo]) * (pos - lo)
-
-    @property
-    def median(self) -> float:
-        return self.quantile(0.5)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "median_seconds": self.median,
-                **{f"p{q}_seconds": self.quantile(q / 100) for q in (10, 25, 75, 90)}}
-
-
-def time_decoding(mixers: Sequence[str], contexts: Sequence[int], *, dim: int = 256, batch: int = 1, steps: int = 32,
-                  warmup: int = 4, options: Mapping[str, Mapping[str, Any]] | None = None, device: str = "cpu",
-                  on_record: Callable[[list[DecodeTiming], list[SweepProblem]], None] | None = None
-                  ) -> tuple[list[DecodeTiming], list[SweepProblem]]:
-    """Per-token decoding times of each mixer (built causal) after each context length: ``(timings, problems)``.
-
-    Every (mixer, context) pair is built and prefilled with ``context`` random tokens into a cache holding
-    ``context + warmup + steps``; then all pairs are stepped one token at a time, taking turns token by token
-    (``warmup`` untimed turns first; the order shuffled at every turn), so every ratio (a mixer's growth with the
-    context, two mixers at one context) compares times taken in the same moments of a possibly busy machine, with
-    the processor's caches flushed by the same neighbours. A mixer that cannot run causally or step is a "skipped"
-    problem, an error a "failed" one; ``on_record(timings, problems)`` is called once at the end.
-    """
-    import torch
-
-    from ..benchmarking import SweepProblem, build_mixer, error_summary
-
-    dev = torch.device(device)
-    problems: list[SweepProblem] = []
-    prepared: dict[tuple[str, int], tuple[Any, MixerCache]] = {}
-    for context in contexts:
-        for name in mixers:
-            try:
-                torch.manual_seed(0)
-                mixer = build_mixer(name, dim, context + warmup + steps, causal=True,
-                                    options=(options or {}).get(name), device=dev).eval()
-                if not mixer.can_step:
-                    problems.append(SweepProblem(name, context, "skipped", mixer.step_problem()))
-                    continue
-                cache = mixer.allocate_cache(batch, context + warmup + steps)
-                with torch.no_grad():
-                    mixer.prefill(torch.randn(batch, context, dim, device=dev), cache)
-                prepared[name, context] = (mixer, cache)
-            except Exception as err:  # noqa: BLE001 - one mixer's failure is reported, the rest still run
-                kind = "skipped" if type(err).__name__ in ("MixerError", "StepNotSupportedError") else "failed"
-                problems.append(SweepProblem(name, context, kind, error_summary(err)))
-    samples: dict[tuple[str, int], list[float]] = {key: [] for key in prepared}
-    x = torch.randn(batch, 1, dim, device=dev)
-    order = random.Random(0)
-    with torch.no_grad():
-        for turn in range(warmup + steps):
-            # a new order each turn: every pair follows every other one alike (a step right after one that streamed a
-            # large KV cache through the processor's caches is slower)
-            keys = list(prepared)
-            order.shuffle(keys)
-            for key in keys:
-                mixer, cache = prepared[key]
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                start = time.perf_counter()
-                mixer.step(x, cache)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                if turn >= warmup:
-                    samples[key].append(time.perf_counter() - start)
-    timings = [DecodeTiming(name, context, batch, dim, str(dev), times) for (name, context), times in samples.items()]
-    timings.sort(key=lambda t: (list(mixers).index(t.mixer), t.context))
-    if on_record is not None:
-        on_record(timings, problems)
-    return timings, problems
-
-
 def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markdown: bool = False) -> str:
     """Median ms per token (interquartile range) per mixer and context, the growth of the median from the shortest
     context to the longest, and the baseline's median over each mixer's at the longest context."""
@@ -225,9 +132,9 @@ def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markd
             row.append(f"{base.median / last.median:.2f}x" if base and last else "-")
         rows.append(row)
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
+        from ..._text import markdown_table
+
+        return markdown_table(head, rows)
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [head, *rows])
 
@@ -260,77 +167,11 @@ def save_decode_plot(timings: Sequence[DecodeTiming], path: Path, *, title: str 
     return path
 
 
-def run_decode(args: argparse.Namespace) -> int:
-    device = check_device(args.device)
-    mixers = resolve_mixers(list(DECODE_MIXERS) if args.mixers is _MIXERS_DEFAULT else args.mixers)
-    contexts = list(DECODE_CONTEXTS) if args.lengths is _LENGTHS_DEFAULT else args.lengths
-    baseline = None if args.baseline.lower() == "none" else resolve_mixers([args.baseline])[0]
-    run_list = ([baseline] if baseline and baseline not in mixers else []) + mixers
-    options = parse_option_assignments(args.option, run_list)
-    plot_path = None
-    if not args.no_plot:
-        from ..plotting import require_matplotlib
-
-        require_matplotlib()
-        plot_path = output_file(args.plot, "--plot", default_suffix=".png", suffixes=image_suffixes)
-    json_path = output_file(args.json, "--json") if args.json is not None else None
-    set_threads(args.threads)
-    settings = {"decode": True, "dim": args.dim, "batch": args.batch, "device": device, "steps": args.decode_steps,
-                "contexts": contexts, "options": options}
-
-    def write_json(timings: Sequence[DecodeTiming], problems: Sequence[SweepProblem], complete: bool) -> None:
-        if json_path is None:
-            return
-        with writing(json_path, "--json"):
-            json_path.write_text(json.dumps({
-                "settings": settings, "complete": complete, "timings": [t.as_dict() for t in timings],
-                "problems": [dataclasses.asdict(p) for p in problems]}, indent=2))
-
-    write_json([], [], complete=False)
-    timings, problems = time_decoding(run_list, contexts, dim=args.dim, batch=args.batch, steps=args.decode_steps,
-                                      options=options, device=device,
-                                      on_record=lambda t, p: write_json(t, p, complete=False))
-    if timings:
-        print(decode_table(timings, baseline=baseline if any(t.mixer == baseline for t in timings) else None,
-                           markdown=args.markdown))
-    plot = None
-    if timings and plot_path is not None:
-        title = f"decoding, dim {args.dim}, batch {args.batch}, {device}"
-        plot = lambda: save_decode_plot(timings, plot_path, title=title)  # noqa: E731
-    return _finish(problems, json_path, lambda: write_json(timings, problems, complete=True), plot_path, plot,
-                   bool(timings))
-
-
-def _finish(problems: list[SweepProblem], json_path: Path | None, write_final_json: Callable[[], object],
-            plot_path: Path | None, plot: Callable[[], Path] | None, any_result: bool) -> int:
-    """A run's last part: its problems on stderr, the JSON (first: the numbers are never lost to a plotting
-    problem), then the plot; the exit status: non-zero when anything attempted failed (skipped directions are not
-    failures) or nothing was measured."""
-    for p in problems:
-        print(f"{p.kind}: {p.mixer} at L={p.length}: {p.reason}", file=sys.stderr)
-    written = []
-    if json_path is not None:
-        write_final_json()
-        written.append(json_path)
-    if plot is not None and plot_path is not None:
-        with writing(plot_path, "--plot"):
-            written.append(plot())
-    if written:
-        print("\nwrote " + ", ".join(str(p) for p in written))
-    failed = [p for p in problems if p.kind == "failed"]
-    if failed:
-        print(f"mixer-plugins: {len(failed)} run(s) failed", file=sys.stderr)
-    return 1 if failed or not any_result else 0
-
-
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "decode", False):
-        return run_decode(args)
-    from ..benchmarking import sweep
-    from ..tables import results_table
-
+    decode = getattr(args, "decode", False)
     device = check_device(args.device)
-    mixers = resolve_mixers(args.mixers)
+    mixers = resolve_mixers(list(DECODE_MIXERS) if decode and args.mixers is _MIXERS_DEFAULT else args.mixers)
+    lengths = list(DECODE_CONTEXTS) if decode and args.lengths is _LENGTHS_DEFAULT else args.lengths
     baseline = None if args.baseline.lower() == "none" else resolve_mixers([args.baseline])[0]
     run_list = ([baseline] if baseline and baseline not in mixers else []) + mixers
     options = parse_option_assignments(args.option, run_list)
@@ -343,51 +184,83 @@ def run(args: argparse.Namespace) -> int:
         plot_path = output_file(args.plot, "--plot", default_suffix=".png", suffixes=image_suffixes)
     json_path = output_file(args.json, "--json") if args.json is not None else None
     set_threads(args.threads)
-    settings = {"dim": args.dim, "batch": args.batch, "mode": args.mode, "direction": args.direction,
-                "device": device, "repeats": args.repeats, "warmup": args.warmup, "options": options}
+    if decode:
+        settings = {"decode": True, "dim": args.dim, "batch": args.batch, "device": device,
+                    "steps": args.decode_steps, "contexts": lengths, "options": options}
+    else:
+        settings = {"dim": args.dim, "batch": args.batch, "mode": args.mode, "direction": args.direction,
+                    "device": device, "repeats": args.repeats, "warmup": args.warmup, "options": options}
 
-    def write_json(results: Sequence[Measurement], problems: Sequence[SweepProblem], complete: bool) -> None:
+    def write_json(results: Sequence[Measurement | DecodeTiming], problems: Sequence[SweepProblem],
+                   complete: bool = False) -> None:
+        """The JSON so far: rewritten after every run, so an interrupted sweep keeps what it measured."""
         if json_path is None:
             return
         with writing(json_path, "--json"):
             json_path.write_text(json.dumps({
-                "settings": settings,
-                "complete": complete,
-                "measurements": [m.as_dict() for m in results],
-                "problems": [dataclasses.asdict(p) for p in problems],
-            }, indent=2))
+                "settings": settings, "complete": complete,
+                "timings" if decode else "measurements": [r.as_dict() for r in results],
+                "problems": [dataclasses.asdict(p) for p in problems]}, indent=2))
 
-    write_json([], [], complete=False)
+    write_json([], [])
+    plot: Callable[[Path], Path]
+    results: Sequence[Measurement | DecodeTiming]
+    if decode:
+        from ..benchmarking import time_decoding
+
+        timings, problems = time_decoding(run_list, lengths, dim=args.dim, batch=args.batch, steps=args.decode_steps,
+                                          options=options, device=device, on_record=write_json)
+        results = timings
+        if timings:
+            print(decode_table(timings, baseline=baseline if any(t.mixer == baseline for t in timings) else None,
+                               markdown=args.markdown))
+        title = f"decoding, dim {args.dim}, batch {args.batch}, {device}"
+        plot = lambda path: save_decode_plot(timings, path, title=title)  # noqa: E731
+    else:
+        from ..plotting import save_scaling_plot
+        from ..tables import results_table
+
+        results, problems = _sweep(args, run_list, options, device, write_json)
+        rows = [m.as_dict() for m in results]
+        if rows:
+            print(results_table(rows, baseline=baseline, markdown=args.markdown))
+        title = f"{args.mode}, dim {args.dim}, batch {args.batch}, {device}"
+        plot = lambda path: save_scaling_plot(rows, path, title=title)  # noqa: E731
+    # The problems on stderr, the JSON (first: the numbers are never lost to a plotting problem), then the plot; the
+    # exit status is non-zero when anything attempted failed (skipped directions are not failures) or nothing ran.
+    for p in problems:
+        print(f"{p.kind}: {p.mixer} at L={p.length}: {p.reason}", file=sys.stderr)
+    written = []
+    if json_path is not None:
+        write_json(results, problems, complete=True)
+        written.append(json_path)
+    if results and plot_path is not None:
+        with writing(plot_path, "--plot"):
+            written.append(plot(plot_path))
+    if written:
+        print("\nwrote " + ", ".join(str(p) for p in written))
+    failed = [p for p in problems if p.kind == "failed"]
+    if failed:
+        print(f"mixer-plugins: {len(failed)} run(s) failed", file=sys.stderr)
+    return 1 if failed or not results else 0
+
+
+def _sweep(args: argparse.Namespace, run_list: list[str], options: dict[str, dict[str, Any]], device: str,
+           on_record: Callable[[list[Measurement], list[SweepProblem]], None]
+           ) -> tuple[list[Measurement], list[SweepProblem]]:
+    """:func:`~mixer_plugins.tools.benchmarking.sweep` with a progress bar."""
+    from ..benchmarking import sweep
 
     bar = progress_bar(len(run_list) * len(args.lengths), enabled=not args.no_progress, unit="run", file=sys.stderr)
-
-    def on_start(name: str, length: int) -> None:
-        if bar is not None:
-            bar.set_description(f"{name} L={length}")
-
-    def on_done(name: str, length: int) -> None:
-        if bar is not None:
-            bar.update(1)
-
     try:
-        results, problems = sweep(run_list, args.lengths, dim=args.dim, batch=args.batch, mode=args.mode,
-                                  direction=args.direction, options=options, device=device, warmup=args.warmup,
-                                  repeats=args.repeats, memory=not args.no_memory, on_start=on_start, on_done=on_done,
-                                  on_record=lambda results, problems: write_json(results, problems, complete=False))
+        return sweep(run_list, args.lengths, dim=args.dim, batch=args.batch, mode=args.mode,
+                     direction=args.direction, options=options, device=device, warmup=args.warmup,
+                     repeats=args.repeats, memory=not args.no_memory,
+                     on_start=None if bar is None else lambda name, length: bar.set_description(f"{name} L={length}"),
+                     on_done=None if bar is None else lambda name, length: bar.update(1), on_record=on_record)
     finally:
         if bar is not None:
             bar.close()
-    rows = [m.as_dict() for m in results]
-    if rows:
-        print(results_table(rows, baseline=baseline, markdown=args.markdown))
-    plot = None
-    if rows and plot_path is not None:
-        from ..plotting import save_scaling_plot
-
-        title = f"{args.mode}, dim {args.dim}, batch {args.batch}, {device}"
-        plot = lambda: save_scaling_plot(rows, plot_path, title=title)  # noqa: E731
-    return _finish(problems, json_path, lambda: write_json(results, problems, complete=True), plot_path, plot,
-                   bool(rows))
 
 
 COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot", run,

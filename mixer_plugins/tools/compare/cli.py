@@ -1,7 +1,7 @@
 """``mixer-plugins compare``: the argparse wiring (``mixer_plugins.tools.cli.compare`` adds it to the command line).
 
 ``add_compare_parser(subparsers)`` adds the subcommand to any argparse parser and sets ``func=run_compare``.
-Also runnable alone: ``python -m mixer_plugins.tools.compare ...``.
+Also runnable alone: ``python -m mixer_plugins.tools.compare ...`` (the command line's ``compare``).
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import MixerError
+from ..cli.args import positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runner import CompareConfig
 
-__all__ = ["add_compare_parser", "build_parser", "main", "run_compare"]
+__all__ = ["add_compare_parser", "config_from_args", "configure_parser", "run_compare"]
 
 EPILOG = """\
 examples:
@@ -29,13 +30,6 @@ examples:
 --mixers entries: NAME, NAME(key=value,...) or LABEL=NAME(key=value,...), comma-separated; any registered
 mixer (plugins included); 'all' = every registered mixer with its default options.
 """
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _seeds(text: str) -> list[int]:
@@ -80,15 +74,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixers", default=None, metavar="ENTRIES",
                         help="mixer entries (see below); default: the preset's, else attention,quasiseparable,toeplitz")
     parser.add_argument("--seeds", type=_seeds, default=None, help="number of seeds (3) or a list (0,5,7)")
-    parser.add_argument("--steps", type=_positive_int, default=None, help="training steps per model")
-    parser.add_argument("--batch-size", type=_positive_int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=None, help="training steps per model")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="training sequences per step (default: the task's or the preset's)")
     parser.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (warmup, then cosine)")
-    parser.add_argument("--eval-every", type=_positive_int, default=None, help="steps between test evaluations")
-    parser.add_argument("--test-size", type=_positive_int, default=None, help="test examples per seed")
-    parser.add_argument("--width", type=_positive_int, default=None, help="backbone width")
-    parser.add_argument("--depth", type=_positive_int, default=None, help="backbone blocks")
-    parser.add_argument("--heads", type=_positive_int, default=None, help="heads of every mixer that has heads")
+    parser.add_argument("--eval-every", type=positive_int, default=None, help="steps between test evaluations")
+    parser.add_argument("--test-size", type=positive_int, default=None, help="test examples per seed")
+    parser.add_argument("--width", type=positive_int, default=None, help="backbone width")
+    parser.add_argument("--depth", type=positive_int, default=None, help="backbone blocks")
+    parser.add_argument("--heads", type=positive_int, default=None, help="heads of every mixer that has heads")
     parser.add_argument("--causal", action="store_true", default=None,
                         help="causal mixers (causal=True where the mixer has the option; bidirectional-only "
                         "mixers are refused)")
@@ -101,9 +95,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="folder for results.json, results.md, curves.png, final.png (default: "
                         "outputs/compare/<preset or task>)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only; write nothing")
-    parser.add_argument("--threads", type=_positive_int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch intra-op threads per run (default 1)")
-    parser.add_argument("--jobs", type=_positive_int, default=None,
+    parser.add_argument("--jobs", type=positive_int, default=None,
                         help="worker processes training (mixer, seed) runs side by side (default 1); the results "
                         "do not depend on it. Cores used: jobs x threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -206,16 +200,3 @@ def _report_saved(args: argparse.Namespace) -> int:
         for path in result.write(args.out):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """A standalone ``compare`` parser (``python -m mixer_plugins.tools.compare``)."""
-    parser = argparse.ArgumentParser(prog="mixer-plugins compare", epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    configure_parser(parser)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_compare(args)

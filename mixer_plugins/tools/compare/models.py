@@ -261,13 +261,3 @@ def model_flops(model: SequenceModel) -> int | None:
 
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def format_count(value: float | None, unit: str = "") -> str:
-    """``1.23 M`` style numbers for tables."""
-    if value is None:
-        return "-"
-    for scale, suffix in ((1e9, " G"), (1e6, " M"), (1e3, " k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f}{suffix}{unit}"
-    return f"{value:.0f}{(' ' + unit) if unit else ''}"

@@ -6,28 +6,15 @@ matplotlib is imported only here and only when a plot is written (it is in the `
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
-from ...errors import MissingExtraError
+from ..plotting import require_matplotlib
+from .stats import mean_var
 
 if TYPE_CHECKING:
     from .runner import CompareResult
 
-__all__ = ["require_matplotlib", "save_curves", "save_final"]
-
-
-def require_matplotlib() -> ModuleType:
-    """``matplotlib.pyplot`` with the Agg backend, or :class:`MissingExtraError` naming the extra to install."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise MissingExtraError("compare's plots need matplotlib, which is not installed; install the demo extra: "
-                                "pip install 'mixer-plugins[demo]' (or run without --out)") from None
-    matplotlib.use("Agg", force=True)  # files only: never opens a window (CI has no display)
-    import matplotlib.pyplot as plt
-
-    return plt
+__all__ = ["save_curves", "save_final"]
 
 
 def _title(result: CompareResult) -> str:
@@ -50,8 +37,8 @@ def save_curves(result: CompareResult, path: Path) -> Path:
             continue
         steps = [s for s, _ in runs[0].curve]
         values = [[v for _, v in r.curve] for r in runs]
-        mean = [sum(col) / len(col) for col in zip(*values)]
-        std = [(sum((v - m) ** 2 for v in col) / max(1, len(col) - 1)) ** 0.5 for col, m in zip(zip(*values), mean)]
+        mean, var = zip(*(mean_var(col) for col in zip(*values)))
+        std = [v ** 0.5 for v in var]
         (line,) = ax.plot(steps, mean, marker="o", markersize=3, label=entry.label)
         if len(runs) > 1:
             ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],

@@ -25,17 +25,19 @@ from typing import Any
 import torch
 
 from ...errors import MixerError
+from ..benchmarking import format_flops
 from ..cli.args import set_threads
 from ..progress import progress_bar
+from ..training import train
 from .models import (
     MixerEntry,
     SequenceModel,
     check_entry,
-    format_count,
     model_flops,
     parameter_count,
     parse_mixers,
 )
+from .stats import mean_var
 from .tasks import Batch, Task, make_task
 
 __all__ = ["CompareConfig", "CompareResult", "EntrySummary", "Ordering", "RunResult", "compare", "train_run"]
@@ -114,6 +116,12 @@ class CompareConfig:
     def build_task(self) -> Task:
         return make_task(self.task, **self.task_options)
 
+    def build_model(self, task: Task, entry: MixerEntry) -> SequenceModel:
+        """The backbone of this comparison with ``entry``'s mixer (untrained; seed first for a fixed start)."""
+        return SequenceModel(task, entry, width=self.width, depth=self.depth, heads=self.heads,
+                             mlp_ratio=self.mlp_ratio, positions=self.positions, token_shift=self.token_shift,
+                             causal=self.causal)
+
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         out["mixers"] = [e.as_dict() for e in self.entries]
@@ -158,13 +166,6 @@ class EntrySummary:
     cpu_seconds: float | None = None
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-
-
 @dataclasses.dataclass
 class CompareResult:
     """Every run of a comparison, with the summaries, tables and ordering checks built from them."""
@@ -190,7 +191,8 @@ class CompareResult:
                 error = next((r.error for r in runs if r.error), "not run")
                 out.append(EntrySummary(entry.label, None, None, 0, None, None, None, error))
                 continue
-            mean, std = _mean_std([r.metric for r in done if r.metric is not None])  # every finished run has one
+            mean, var = mean_var([r.metric for r in done if r.metric is not None])  # every finished run has one
+            std = math.sqrt(var)
             train = [r.train_seconds for r in done if r.train_seconds is not None]
             seconds = sum(train) / len(train) if len(train) == len(done) else None
             failed = [r for r in runs if r.error]
@@ -247,10 +249,7 @@ class CompareResult:
         counted: dict[str, tuple[int, int | None]] = {}
         task = self.config.build_task()
         for entry in self.config.entries:
-            model = SequenceModel(task, entry, width=self.config.width, depth=self.config.depth,
-                                  heads=self.config.heads, mlp_ratio=self.config.mlp_ratio,
-                                  positions=self.config.positions, token_shift=self.config.token_shift,
-                                  causal=self.config.causal)
+            model = self.config.build_model(task, entry)
             counted[entry.label] = (parameter_count(model), model_flops(model))
         runs = [dataclasses.replace(r, parameters=counted[r.label][0], flops=counted[r.label][1])
                 if r.error is None else r for r in self.runs]
@@ -264,8 +263,8 @@ class CompareResult:
                 rows.append((s.label, "-", "-", "-", "-", "-", f"FAILED: {s.error}"))
                 continue
             cpu = "-" if s.cpu_seconds is None else f"{s.cpu_seconds:.1f} s"
-            rows.append((s.label, f"{s.mean:.3f} ± {s.std:.3f}", format_count(s.parameters),
-                         format_count(s.flops), f"{s.train_seconds:.1f} s", cpu, s.error or ""))
+            rows.append((s.label, f"{s.mean:.3f} ± {s.std:.3f}", format_flops(s.parameters),
+                         format_flops(s.flops), f"{s.train_seconds:.1f} s", cpu, s.error or ""))
         return rows
 
     def table(self, *, markdown: bool = False) -> str:
@@ -369,7 +368,6 @@ def _evaluate(model: SequenceModel, task: Task, test: Batch, batch: int = 256) -
         for start in range(0, len(test), batch):
             part = test.slice(start, start + batch)
             total += task.metric(model(part.inputs), part) * len(part)
-    model.train()
     return total / len(test)
 
 
@@ -383,42 +381,25 @@ def _lr_factor(step: int, total: int, warmup: float) -> float:
 
 def train_run(config: CompareConfig, task: Task, entry: MixerEntry, seed: int, test: Batch,
               *, on_step: Callable[[int, float], None] | None = None) -> RunResult:
-    """Train one model (``entry`` in the backbone) for ``config.steps`` steps with ``seed``; evaluate on ``test``
-    every ``config.eval_every`` steps and at the end. Raises whatever the mixer raises (the caller records it)."""
+    """Train one model (``entry`` in the backbone) for ``config.steps`` steps with ``seed`` (the shared loop,
+    :func:`mixer_plugins.tools.training.train`: linear warm-up then cosine decay, gradient norm clipped to 1);
+    evaluate on ``test`` every ``config.eval_every`` steps and at the end. Raises whatever the mixer raises (the
+    caller records it)."""
     cpu_start = time.process_time()
     torch.manual_seed(seed)
-    model = SequenceModel(task, entry, width=config.width, depth=config.depth, heads=config.heads,
-                          mlp_ratio=config.mlp_ratio, positions=config.positions, token_shift=config.token_shift,
-                          causal=config.causal)
+    model = config.build_model(task, entry)
     result = RunResult(entry.label, seed, parameters=parameter_count(model), flops=model_flops(model),
                        options=dict(model.options))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    stream = task.train_batches(config.batch_size, torch.Generator().manual_seed(seed), seed=seed)
-    model.train()
-    seconds, running = 0.0, []
-    for step in range(config.steps):
-        batch = next(stream)
-        start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * _lr_factor(step, config.steps, config.warmup)
-        loss = task.loss(model(batch.inputs), batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss.item()} at step {step + 1}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        seconds += time.perf_counter() - start
-        running.append(loss.item())
-        done = step + 1
-        if done % config.eval_every == 0 or done == config.steps:
-            result.curve.append((done, _evaluate(model, task, test)))
-            result.train_loss.append((done, sum(running) / len(running)))
-            running = []
-        if on_step is not None:
-            on_step(done, result.curve[-1][1] if result.curve else float("nan"))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config.steps,
+                                                                                    config.warmup))
+    log = train(model, task.train_batches(config.batch_size, torch.Generator().manual_seed(seed), seed=seed),
+                lambda batch: task.loss(model(batch.inputs), batch), optimizer, steps=config.steps,
+                evaluate=lambda: _evaluate(model, task, test), eval_every=config.eval_every, scheduler=schedule,
+                clip_norm=1.0, on_step=None if on_step is None else
+                lambda step, log: on_step(step, log.curve[-1][1] if log.curve else float("nan")))
+    result.curve, result.train_loss, result.train_seconds = log.curve, log.train_loss, log.seconds
     result.metric = result.curve[-1][1]
-    result.train_seconds = seconds
     result.cpu_seconds = time.process_time() - cpu_start
     return result
 
@@ -460,7 +441,7 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
     after every finished run, so an interrupted comparison keeps what it trained.
     """
     if config.out is not None:
-        from .report import require_matplotlib
+        from ..plotting import require_matplotlib
 
         require_matplotlib()  # fail before training, not after
     task = config.build_task()

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["ALPHA", "MIN_SEEDS", "Judgement", "judge", "one_sample_t_test", "student_t_two_sided_p",
+__all__ = ["ALPHA", "MIN_SEEDS", "Judgement", "judge", "mean_var", "one_sample_t_test", "student_t_two_sided_p",
            "welch_t_test"]
 
 #: significance level of both tests (two-sided)
@@ -73,9 +73,10 @@ def student_t_two_sided_p(t: float, df: float) -> float:
     return _betainc(df / 2.0, 0.5, df / (df + t * t))
 
 
-def _mean_var(values: Sequence[float]) -> tuple[float, float]:
+def mean_var(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and the sample variance (``n - 1``; 0 for a single value)."""
     mean = sum(values) / len(values)
-    return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
 
 
 def welch_t_test(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
@@ -84,7 +85,7 @@ def welch_t_test(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     With no spread in either sample, ``p`` is 0 when the means differ and 1 when they are equal."""
     if len(a) < 2 or len(b) < 2:
         raise ValueError("Welch's t-test needs at least two values in each sample")
-    (ma, va), (mb, vb) = _mean_var(a), _mean_var(b)
+    (ma, va), (mb, vb) = mean_var(a), mean_var(b)
     diff = ma - mb
     sa, sb = va / len(a), vb / len(b)
     if sa + sb == 0.0:
@@ -97,7 +98,7 @@ def one_sample_t_test(values: Sequence[float], mu: float) -> tuple[float, float]
     """Student's one-sample t-test: ``(mean(values) - mu, two-sided p)``; at least two values."""
     if len(values) < 2:
         raise ValueError("a one-sample t-test needs at least two values")
-    mean, var = _mean_var(values)
+    mean, var = mean_var(values)
     diff = mean - mu
     if var == 0.0:
         return diff, 0.0 if diff != 0.0 else 1.0
