@@ -135,13 +135,6 @@ def mask_tokens(tokens: Tensor, tokenizer: ByteTokenizer, mask_prob: float,
     return inputs, target_mask
 
 
-def _share(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of a global batch of ``n`` rows for ``rank``: contiguous, sizes differ by at most one."""
-    base, extra = divmod(n, world_size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
 def pad_rows(examples: list[list[int]], pad_idx: int) -> tuple[Tensor, list[int]]:
     """Right-padded token rows (len(examples), longest) and each row's length."""
     seq_lens = [len(e) for e in examples]
@@ -191,8 +184,10 @@ class EpochReader(DataReader[BatchT]):
         return self._batch - 1, [self._examples[i] for i in chosen_ids]
 
     def _share(self, n: int) -> tuple[int, int]:
-        """This rank's rows ``[lo, hi)`` of a global batch of ``n`` rows."""
-        return _share(n, self._rank, self._world_size)
+        """This rank's rows ``[lo, hi)`` of a global batch of ``n`` rows: contiguous, sizes differ by at most one."""
+        base, extra = divmod(n, self._world_size)
+        lo = self._rank * base + min(self._rank, extra)
+        return lo, lo + base + (1 if self._rank < extra else 0)
 
     @override
     def __iter__(self) -> Self:
