@@ -115,7 +115,7 @@ def test_the_package_loads_its_names_on_first_use(fs2):
         fs2.nonexistent  # noqa: B018
     from mixer_plugins.backbones.fairseq2 import generate, lm  # submodules are still found
 
-    assert generate.main and lm.MixerLmRecipe.__module__ == f"{fs2.__name__}.lm_recipe"
+    assert generate.main and lm.MixerLmRecipe.__module__ == f"{fs2.__name__}.recipe"
 
 def test_families_and_archs_come_from_the_entry_point(resolver):
     from fairseq2.models import ModelFamily
@@ -1123,8 +1123,7 @@ def _recipe_config(resolver, unstructured: dict):
 
 
 def test_recipe_mixer_section_reaches_the_model(fs2, hub, resolver):
-    from mixer_plugins.backbones.fairseq2.config import MixerSection
-    from mixer_plugins.backbones.fairseq2.recipe import MixerMlmConfig
+    from mixer_plugins.backbones.fairseq2.recipe import MixerMlmConfig, MixerSection
 
     assert MixerMlmConfig().mixer == MixerSection()  # shown by --dump-config: name null = the arch's mixer
     assert MixerMlmConfig().model.config_overrides is None
@@ -1151,7 +1150,7 @@ def test_recipe_mixer_section_conflicts_are_config_errors(fs2, resolver, section
 
 
 def test_recipe_mixer_section_agrees_with_the_model_overrides(fs2):
-    from mixer_plugins.backbones.fairseq2.config import MixerSection
+    from mixer_plugins.backbones.fairseq2.recipe import MixerSection
 
     section = MixerSection(name="Quasi", options={"d_state": 8})
     merged = section.apply_to({"mixer": "quasi", "mixer_options": {"Quasi": {"chunk_size": 8}}, "num_layers": 1})

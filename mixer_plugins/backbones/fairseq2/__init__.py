@@ -47,7 +47,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 
     from .attention import MixerAttention, MixerDecodingState, RecomputeState, padding_mask, unpack_layout
     from .checkpoint import load_mixer_checkpoint
-    from .config import BERT_VOCAB_SIZE, BYTE_VOCAB_SIZE, MIXER_ENCODER_FAMILY, MixerEncoderConfig
     from .decoder import (
         GPT2_VOCAB_SIZE,
         MIXER_DECODER_FAMILY,
@@ -55,7 +54,15 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         create_mixer_decoder_model,
         get_mixer_decoder_hub,
     )
-    from .model import MixerEncoderModel, create_mixer_encoder_model, get_mixer_encoder_hub
+    from .encoder import (
+        BERT_VOCAB_SIZE,
+        MIXER_ENCODER_FAMILY,
+        MixerEncoderConfig,
+        MixerEncoderModel,
+        create_mixer_encoder_model,
+        get_mixer_encoder_hub,
+    )
+    from .family import BYTE_VOCAB_SIZE, MixerFamily, MixerModelConfig
     from .nllb import NLLB_MIXER_FAMILY, NllbMixerConfig, NllbMixerFactory, create_nllb_mixer_model, get_nllb_mixer_hub
     from .options import ResolvedMixer, mixer_problems, resolve_mixer
 
@@ -67,18 +74,20 @@ _LAZY: dict[str, str] = {
     "padding_mask": "attention",
     "unpack_layout": "attention",
     "load_mixer_checkpoint": "checkpoint",
-    "BERT_VOCAB_SIZE": "config",
-    "BYTE_VOCAB_SIZE": "config",
-    "MIXER_ENCODER_FAMILY": "config",
-    "MixerEncoderConfig": "config",
+    "BERT_VOCAB_SIZE": "encoder",
+    "MIXER_ENCODER_FAMILY": "encoder",
+    "MixerEncoderConfig": "encoder",
+    "MixerEncoderModel": "encoder",
+    "create_mixer_encoder_model": "encoder",
+    "get_mixer_encoder_hub": "encoder",
+    "BYTE_VOCAB_SIZE": "family",
+    "MixerFamily": "family",
+    "MixerModelConfig": "family",
     "GPT2_VOCAB_SIZE": "decoder",
     "MIXER_DECODER_FAMILY": "decoder",
     "MixerDecoderConfig": "decoder",
     "create_mixer_decoder_model": "decoder",
     "get_mixer_decoder_hub": "decoder",
-    "MixerEncoderModel": "model",
-    "create_mixer_encoder_model": "model",
-    "get_mixer_encoder_hub": "model",
     "NLLB_MIXER_FAMILY": "nllb",
     "NllbMixerConfig": "nllb",
     "NllbMixerFactory": "nllb",
@@ -102,6 +111,8 @@ __all__ = [
     "MixerDecodingState",
     "MixerEncoderConfig",
     "MixerEncoderModel",
+    "MixerFamily",
+    "MixerModelConfig",
     "NllbMixerConfig",
     "NllbMixerFactory",
     "RecomputeState",
@@ -128,59 +139,16 @@ def setup_fairseq2_extension(container: DependencyContainer) -> None:
     ``init_fairseq2(extras=...)`` while the entry point also runs is harmless. It only registers providers
     (cheap, no side effects): it runs in every fairseq2 process once mixer-plugins is installed.
     """
-    from fairseq2.composition import register_model_family
     from fairseq2.models import ModelFamily
-    from fairseq2.models.transformer_lm import (
-        TransformerLM,
-        apply_ac_to_transformer_lm,
-        apply_fsdp_to_transformer_lm,
-        compile_transformer_lm,
-    )
 
-    from .checkpoint import with_mixer_records
-    from .config import MIXER_ENCODER_FAMILY, MixerEncoderConfig, register_mixer_encoder_archs
-    from .decoder import (
-        MIXER_DECODER_FAMILY,
-        MixerDecoderConfig,
-        create_mixer_decoder_model,
-        register_mixer_decoder_archs,
-    )
-    from .model import (
-        MixerEncoderModel,
-        apply_ac_to_mixer_encoder,
-        apply_fsdp_to_mixer_encoder,
-        create_mixer_encoder_model,
-    )
-    from .nllb import NLLB_MIXER_FAMILY, register_nllb_mixer_family
+    from .decoder import DECODER_FAMILY
+    from .encoder import ENCODER_FAMILY
+    from .nllb import NLLB_FAMILY
 
     registered = set(container.iter_keys(ModelFamily))  # iter_keys does not freeze the container
-    if MIXER_ENCODER_FAMILY not in registered:
-        register_model_family(
-            container,
-            MIXER_ENCODER_FAMILY,
-            kls=MixerEncoderModel,
-            config_kls=MixerEncoderConfig,
-            factory=create_mixer_encoder_model,
-            state_dict_converter=with_mixer_records(create_mixer_encoder_model),
-            fsdp_applier=apply_fsdp_to_mixer_encoder,
-            layerwise_ac_applier=apply_ac_to_mixer_encoder,
-        )
-        register_mixer_encoder_archs(container)
-    if MIXER_DECODER_FAMILY not in registered:
-        register_model_family(
-            container,
-            MIXER_DECODER_FAMILY,
-            kls=TransformerLM,
-            config_kls=MixerDecoderConfig,
-            factory=create_mixer_decoder_model,
-            state_dict_converter=with_mixer_records(create_mixer_decoder_model),
-            compiler=compile_transformer_lm,
-            fsdp_applier=apply_fsdp_to_transformer_lm,
-            layerwise_ac_applier=apply_ac_to_transformer_lm,
-        )
-        register_mixer_decoder_archs(container)
-    if NLLB_MIXER_FAMILY not in registered:
-        register_nllb_mixer_family(container)
+    for family in (ENCODER_FAMILY, DECODER_FAMILY, NLLB_FAMILY):
+        if family.name not in registered:
+            family.register(container)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
 """``python -m mixer_plugins.backbones.fairseq2 OUT_DIR [--config key=value ...]``: the MLM recipe.
 
 See :mod:`mixer_plugins.backbones.fairseq2.recipe`; ``--help`` describes it, ``--dump-config`` prints every option.
-``--help`` and argument errors answer before fairseq2 is imported.
+``--help`` and argument errors answer before fairseq2 is imported. :func:`run` runs either recipe (``.lm`` and
+``mixer-plugins mlm | lm`` run them through it).
 """
 
 from __future__ import annotations
@@ -14,33 +15,11 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 
-from ..recipe_help import PYTHON_M, parse_recipe_arguments, recipe_help
+from ..recipe_help import PYTHON_M, Recipe, parse_recipe_arguments, recipe_help
 
 PROG = PYTHON_M["mlm"]
 
 DESCRIPTION, EPILOG = recipe_help("mlm", PYTHON_M)
-
-
-@contextlib.contextmanager
-def described_parser(prog: str = PROG, description: str = DESCRIPTION, epilog: str = EPILOG) -> Iterator[None]:
-    """Make fairseq2's recipe command line (``fairseq2.recipe.cli``, which builds a bare ``ArgumentParser``) name
-    a recipe's command and carry its description and examples (by default this one's), as the parser of
-    :func:`~mixer_plugins.backbones.recipe_help.parse_recipe_arguments` does, which answers ``--help`` and argument
-    errors first. A fairseq2 without that module attribute keeps its own parser (a test notices)."""
-    from fairseq2.recipe import cli
-
-    original = getattr(cli, "ArgumentParser", None)
-    if original is not argparse.ArgumentParser:
-        yield
-        return
-    # fairseq2's cli module refers to the class it imported; a factory stands in for it while the context lasts
-    cli.ArgumentParser = functools.partial(  # type: ignore[misc, assignment]
-        argparse.ArgumentParser, prog=prog, description=description, epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    try:
-        yield
-    finally:
-        cli.ArgumentParser = original  # type: ignore[misc]
 
 
 def config_error_line(error: BaseException) -> str:
@@ -73,42 +52,47 @@ class _OneLineConfigErrors(logging.Filter):
 
 
 @contextlib.contextmanager
-def one_line_config_errors() -> Iterator[None]:
-    """Install :class:`_OneLineConfigErrors` on fairseq2's logger for the duration of a run."""
-    logger = logging.getLogger("fairseq2")
+def recipe_command_line(recipe: Recipe, argv: Sequence[str] | None, prog: str) -> Iterator[None]:
+    """What fairseq2's recipe command line (``fairseq2.recipe.cli``) reads, for the duration of a run: ``sys.argv``
+    holds ``prog`` and ``argv`` (unchanged when ``argv`` is None); its bare ``ArgumentParser`` names ``prog`` and
+    carries ``recipe``'s help, as :func:`~mixer_plugins.backbones.recipe_help.parse_recipe_arguments` does (which
+    answers ``--help`` and argument errors first); and a config that cannot be read is logged in one line."""
+    from fairseq2.recipe import cli
+
+    description, epilog = recipe_help(recipe, PYTHON_M)
+    original_argv, original_parser = sys.argv, getattr(cli, "ArgumentParser", None)
     one_line = _OneLineConfigErrors()
-    logger.addFilter(one_line)
+    if argv is not None:
+        sys.argv = [prog, *argv]
+    if original_parser is argparse.ArgumentParser:  # fairseq2's cli module refers to the class it imported
+        cli.ArgumentParser = functools.partial(  # type: ignore[misc, assignment]
+            argparse.ArgumentParser, prog=prog, description=description, epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+    logging.getLogger("fairseq2").addFilter(one_line)
     try:
         yield
     finally:
-        logger.removeFilter(one_line)
+        logging.getLogger("fairseq2").removeFilter(one_line)
+        if original_parser is argparse.ArgumentParser:
+            cli.ArgumentParser = original_parser  # type: ignore[misc]
+        sys.argv = original_argv
 
 
-@contextlib.contextmanager
-def command_line(argv: Sequence[str] | None, prog: str) -> Iterator[None]:
-    """fairseq2's recipe command line reads ``sys.argv``: within the block it holds ``prog`` and ``argv`` (unchanged
-    when ``argv`` is None)."""
-    if argv is None:
-        yield
-        return
-    original = sys.argv
-    sys.argv = [prog, *argv]
-    try:
-        yield
-    finally:
-        sys.argv = original
+def run(recipe: Recipe, argv: Sequence[str] | None, prog: str) -> None:
+    """Run ``recipe`` on ``argv`` (default: ``sys.argv[1:]``) with fairseq2's recipe command line and the recipe's
+    help; ``prog`` is the command named in its messages."""
+    parse_recipe_arguments(recipe, argv, prog)  # --help and argument errors exit here, before fairseq2 is imported
+    from fairseq2.recipe import main as recipe_main
+
+    from .recipe import MixerLmRecipe, MixerMlmRecipe
+
+    with recipe_command_line(recipe, argv, prog):
+        recipe_main(MixerMlmRecipe() if recipe == "mlm" else MixerLmRecipe())
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> None:
-    """Run the recipe on ``argv`` (default: ``sys.argv[1:]``) with fairseq2's recipe command line and this recipe's
-    help; ``prog`` is the command named in its messages (``mixer-plugins mlm`` runs it through here)."""
-    parse_recipe_arguments("mlm", argv, prog)  # --help and argument errors exit here, before fairseq2 is imported
-    from fairseq2.recipe import main as recipe_main
-
-    from .recipe import MixerMlmRecipe
-
-    with command_line(argv, prog), described_parser(prog), one_line_config_errors():
-        recipe_main(MixerMlmRecipe())
+    """Run the MLM recipe (``mixer-plugins mlm`` runs it through :func:`run`, naming itself in ``prog``)."""
+    run("mlm", argv, prog)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,16 @@ from torch.nn import Module
 
 from ...mixers.base import RECORD_KEY, MixerCheckpointMismatchError, read_mixer_record, record_differences
 
-__all__ = ["load_mixer_checkpoint", "read_model_metadata", "with_mixer_records"]
+__all__ = ["load_mixer_checkpoint", "read_model_metadata", "saved_steps", "with_mixer_records"]
 
 #: File name of the model metadata: fairseq2 writes ``checkpoints/model.yaml``; the recipe's steps keep a copy.
 MODEL_METADATA = "model.yaml"
+
+
+def saved_steps(checkpoint_dir: Path) -> list[int]:
+    """The steps saved in ``checkpoint_dir`` (``step_N`` folders; a step still being written is ``step_N.tmp``), in
+    order. fairseq2 resumes from the last full one and overwrites a step it saves again, so each of them is at stake."""
+    return sorted(int(p.name[5:]) for p in Path(checkpoint_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit())
 
 
 def read_model_metadata(resolver: DependencyResolver, path: Path) -> dict[str, Any] | None:
@@ -80,7 +86,7 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
     """
     folder = Path(checkpoint_dir).expanduser().resolve()   # fairseq2's asset cards take absolute paths only
     resolver = get_dependency_resolver()
-    steps = sorted(int(p.name[5:]) for p in folder.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    steps = saved_steps(folder)
     chosen = (steps[-1] if steps else None) if step is None else step
     if chosen is not None and chosen in steps:
         step_file = folder / f"step_{chosen}" / MODEL_METADATA

@@ -1,5 +1,5 @@
-"""The recipes' batches: a deterministic, resumable data reader of shuffled examples, and the MLM recipe's
-BERT-style masking of byte tokens.
+"""The recipes' batches: a deterministic, resumable data reader of shuffled examples, the MLM recipe's BERT-style
+masking of byte tokens and the LM recipe's next-token targets.
 
 Kept apart from the recipe itself so it can be used (and tested) without importing fairseq2's recipe stack.
 """
@@ -21,7 +21,8 @@ from typing_extensions import Self, override
 
 from .corpus import ByteTokenizer
 
-__all__ = ["EpochReader", "MlmBatch", "MlmDataReader", "MlmDataSection", "TextDataSection", "mask_tokens", "pad_rows"]
+__all__ = ["EpochReader", "LmDataReader", "MlmDataReader", "MlmDataSection", "TextDataSection", "TokenBatch",
+           "mask_tokens", "pad_rows"]
 
 BatchT = TypeVar("BatchT")
 
@@ -82,14 +83,21 @@ class MlmDataSection(TextDataSection):
 
 
 @final
-class MlmBatch(SupportsDeviceTransfer):
-    """A right-padded MLM batch: masked ``inputs``, original ``targets``, and the ``target_mask``."""
+class TokenBatch(SupportsDeviceTransfer):
+    """Right-padded rows: the model reads ``inputs`` and is scored on ``targets`` where ``target_mask`` is set."""
 
     def __init__(self, inputs: Tensor, targets: Tensor, target_mask: Tensor, seq_lens: list[int]) -> None:
         self.inputs = inputs
         self.targets = targets
         self.target_mask = target_mask
         self.seq_lens = seq_lens
+
+    @classmethod
+    def next_token(cls, tokens: Tensor, seq_lens: list[int]) -> TokenBatch:
+        """The language model's batch: each row's tokens but the last, predicting the ones that follow."""
+        lens = [n - 1 for n in seq_lens]
+        target_mask = torch.arange(tokens.shape[1] - 1)[None, :] < torch.tensor(lens)[:, None]
+        return cls(tokens[:, :-1], tokens[:, 1:], target_mask, lens)
 
     @override
     def to(self, device: Device, *, non_blocking: bool = False) -> None:
@@ -127,13 +135,6 @@ def mask_tokens(tokens: Tensor, tokenizer: ByteTokenizer, mask_prob: float,
     return inputs, target_mask
 
 
-def _share(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of a global batch of ``n`` rows for ``rank``: contiguous, sizes differ by at most one."""
-    base, extra = divmod(n, world_size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
 def pad_rows(examples: list[list[int]], pad_idx: int) -> tuple[Tensor, list[int]]:
     """Right-padded token rows (len(examples), longest) and each row's length."""
     seq_lens = [len(e) for e in examples]
@@ -151,7 +152,7 @@ class EpochReader(DataReader[BatchT]):
     world_size`` examples) whatever the number of ranks; rank ``r`` reads its contiguous share of it, so a run on
     N ranks follows the single-process run at the same global batch. Every rank runs the same number of steps per
     epoch (a rank with one batch more would wait forever in DDP): a last global batch too small to give every rank
-    an example is dropped. Subclasses build their batch from :meth:`_next_global`.
+    an example is dropped. Subclasses build their batch from :meth:`_next_global`'s examples.
     """
 
     def __init__(self, examples: list[list[int]], section: TextDataSection, tokenizer: ByteTokenizer,
@@ -183,8 +184,10 @@ class EpochReader(DataReader[BatchT]):
         return self._batch - 1, [self._examples[i] for i in chosen_ids]
 
     def _share(self, n: int) -> tuple[int, int]:
-        """This rank's rows ``[lo, hi)`` of a global batch of ``n`` rows."""
-        return _share(n, self._rank, self._world_size)
+        """This rank's rows ``[lo, hi)`` of a global batch of ``n`` rows: contiguous, sizes differ by at most one."""
+        base, extra = divmod(n, self._world_size)
+        lo = self._rank * base + min(self._rank, extra)
+        return lo, lo + base + (1 if self._rank < extra else 0)
 
     @override
     def __iter__(self) -> Self:
@@ -214,25 +217,33 @@ class EpochReader(DataReader[BatchT]):
 
 
 @final
-class MlmDataReader(EpochReader[MlmBatch]):
+class MlmDataReader(EpochReader[TokenBatch]):
     """:class:`EpochReader`'s batches, masked: the masks of batch ``k`` of epoch ``e`` depend only on
     ``(seed, e, k)`` and are drawn for the global batch, so every number of ranks sees the same ones."""
 
-    def __init__(self, examples: list[list[int]], section: MlmDataSection, tokenizer: ByteTokenizer,
-                 *, rank: int = 0, world_size: int = 1) -> None:
-        super().__init__(examples, section, tokenizer, rank=rank, world_size=world_size)
-        self._mask_prob = section.mask_prob
-
     @override
-    def __next__(self) -> list[MlmBatch]:
+    def __next__(self) -> list[TokenBatch]:
         number, chosen = self._next_global()
         tokens, seq_lens = pad_rows(chosen, self._tokenizer.pad_idx)
         batch_seed = ((self._section.seed * 1_000_003 + self._epoch) * 1_000_003 + number) % 2**63
         generator = torch.Generator().manual_seed(batch_seed)
-        inputs, target_mask = mask_tokens(tokens, self._tokenizer, self._mask_prob, generator)
+        assert isinstance(self._section, MlmDataSection)
+        inputs, target_mask = mask_tokens(tokens, self._tokenizer, self._section.mask_prob, generator)
         if self._world_size > 1:  # this rank's contiguous share of the global batch, trimmed to its longest row
             lo, hi = self._share(len(chosen))
             seq_lens = seq_lens[lo:hi]
             width = max(seq_lens)
             inputs, tokens, target_mask = (t[lo:hi, :width] for t in (inputs, tokens, target_mask))
-        return [MlmBatch(inputs, tokens, target_mask, seq_lens)]
+        return [TokenBatch(inputs, tokens, target_mask, seq_lens)]
+
+
+@final
+class LmDataReader(EpochReader[TokenBatch]):
+    """:class:`EpochReader`'s batches of next-token targets: each rank pads its share of the global batch to its
+    longest row."""
+
+    @override
+    def __next__(self) -> list[TokenBatch]:
+        _, chosen = self._next_global()
+        lo, hi = self._share(len(chosen))
+        return [TokenBatch.next_token(*pad_rows(chosen[lo:hi], self._tokenizer.pad_idx))]

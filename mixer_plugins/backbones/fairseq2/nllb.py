@@ -20,9 +20,8 @@ strictly and the checkpoint has no weights for the mixer).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Final
+from typing import Final, Literal
 
-from fairseq2.composition import register_model_family
 from fairseq2.models import ModelHubAccessor
 from fairseq2.models.nllb import NllbConfig, NllbFactory, convert_nllb_state_dict
 from fairseq2.models.transformer import (
@@ -37,11 +36,11 @@ from fairseq2.utils.validation import ValidationResult
 from mixer_plugins.registry import InvalidMixerOptions, MixerError, default_registry
 
 from .attention import MixerAttention
-from .checkpoint import with_mixer_records
+from .family import MixerFamily
 from .options import ResolvedMixer, namespaced_options, resolve_mixer
 
-__all__ = ["NLLB_MIXER_FAMILY", "NllbMixerConfig", "NllbMixerFactory", "create_nllb_mixer_model",
-           "register_nllb_mixer_archs", "get_nllb_mixer_hub"]
+__all__ = ["NLLB_FAMILY", "NLLB_MIXER_FAMILY", "NllbMixerConfig", "NllbMixerFactory", "create_nllb_mixer_model",
+           "get_nllb_mixer_hub"]
 
 NLLB_MIXER_FAMILY: Final = "nllb_mixer"
 
@@ -67,51 +66,37 @@ class NllbMixerConfig(NllbConfig):
     decoder_mixer_options: dict[str, object] = field(default_factory=dict)
     """Options per mixer name for ``decoder_mixer``, e.g. ``{"semiseparable": {"d_state": 32}}``."""
 
-    def is_upstream(self, which: str = "encoder") -> bool:
+    def is_upstream(self, which: Literal["encoder", "decoder"] = "encoder") -> bool:
         """True when the encoder (``which="decoder"``: the decoder) keeps fairseq2's own attention (its mixer is
         ``attention`` or an alias)."""
-        name = self.mixer if which == "encoder" else self.decoder_mixer
         field_name = "mixer" if which == "encoder" else "decoder_mixer"
+        name = getattr(self, field_name)
         if not isinstance(name, str) or not name.strip():
             raise MixerError(f"{field_name} must be a non-empty mixer name (see `mixer-plugins list`), got {name!r}")
-        if name == UPSTREAM_MIXER:
-            return True
-        return default_registry.get_spec(name).name == UPSTREAM_MIXER
+        return name == UPSTREAM_MIXER or default_registry.get_spec(name).name == UPSTREAM_MIXER
 
-    def resolve_mixer(self) -> ResolvedMixer | None:
-        """The encoder's replacement mixer, or ``None`` for upstream attention; raises our registry errors."""
-        if self.is_upstream():
+    def resolve_mixer(self, which: Literal["encoder", "decoder"] = "encoder") -> ResolvedMixer | None:
+        """The encoder's (``which="decoder"``: the decoder's, causal) replacement mixer, or ``None`` for upstream
+        attention; raises our registry errors."""
+        prefix = "" if which == "encoder" else "decoder_"
+        options = getattr(self, f"{prefix}mixer_options")
+        heads = getattr(self, f"num_{which}_attn_heads")
+        if self.is_upstream(which):
             # The other namespaces are still checked (names, shapes), like any mixer_options.
-            if namespaced_options(default_registry.get_spec(UPSTREAM_MIXER), self.mixer_options or {}):
-                raise InvalidMixerOptions(
-                    UPSTREAM_MIXER,
-                    ["with mixer='attention' the NLLB encoder keeps fairseq2's own attention, configured by "
-                     "NllbConfig (num_encoder_attn_heads); remove mixer_options.attention"],
-                )
+            if namespaced_options(default_registry.get_spec(UPSTREAM_MIXER), options or {}):
+                raise InvalidMixerOptions(UPSTREAM_MIXER, [
+                    f"with {prefix}mixer='attention' the NLLB {which} keeps fairseq2's own attention, configured by "
+                    f"NllbConfig (num_{which}_attn_heads); remove {prefix}mixer_options.attention"])
             return None
-        return resolve_mixer(self.mixer, self.mixer_options, dim=self.model_dim,
-                             host_options={"num_heads": self.num_encoder_attn_heads, "max_seq_len": self.max_seq_len})
-
-    def resolve_decoder_mixer(self) -> ResolvedMixer | None:
-        """The decoder's replacement mixer (causal), or ``None`` for upstream attention; raises our registry
-        errors."""
-        if self.is_upstream("decoder"):
-            if namespaced_options(default_registry.get_spec(UPSTREAM_MIXER), self.decoder_mixer_options or {}):
-                raise InvalidMixerOptions(
-                    UPSTREAM_MIXER,
-                    ["with decoder_mixer='attention' the NLLB decoder keeps fairseq2's own attention, configured by "
-                     "NllbConfig (num_decoder_attn_heads); remove decoder_mixer_options.attention"],
-                )
-            return None
-        return resolve_mixer(self.decoder_mixer, self.decoder_mixer_options, dim=self.model_dim,
-                             host_options={"num_heads": self.num_decoder_attn_heads, "max_seq_len": self.max_seq_len},
-                             causal=True)
+        return resolve_mixer(getattr(self, f"{prefix}mixer"), options, dim=self.model_dim,
+                             host_options={"num_heads": heads, "max_seq_len": self.max_seq_len},
+                             causal=which == "decoder")
 
     def validate(self) -> ValidationResult:
         result = ValidationResult()
-        for resolve in (self.resolve_mixer, self.resolve_decoder_mixer):
+        for which in ("encoder", "decoder"):
             try:
-                resolve()
+                self.resolve_mixer(which)
             except MixerError as err:
                 result.add_error(str(err))
         return result
@@ -123,7 +108,7 @@ class NllbMixerFactory(NllbFactory):
     def __init__(self, config: NllbMixerConfig) -> None:
         super().__init__(config)
         self._resolved = config.resolve_mixer()
-        self._resolved_decoder = config.resolve_decoder_mixer()
+        self._resolved_decoder = config.resolve_mixer("decoder")
 
     def create_encoder_self_attention(self) -> MultiheadAttention:
         if self._resolved is None:
@@ -144,10 +129,8 @@ def create_nllb_mixer_model(config: NllbMixerConfig) -> TransformerModel:
 
 
 def register_nllb_mixer_archs(container: DependencyContainer) -> None:
-    """Re-expose every arch of the ``nllb`` family (``dense_600m``, ...) under ``nllb_mixer``.
-
-    The presets are read from fairseq2's own registrations when asked for, so they follow upstream.
-    """
+    """Re-expose every arch of the ``nllb`` family (``dense_600m``, ...) under ``nllb_mixer``, read from fairseq2's
+    own registrations when asked for, so they follow upstream."""
     for arch in list(container.iter_keys(NllbConfig)):
         if not isinstance(arch, str):
             continue
@@ -159,20 +142,12 @@ def register_nllb_mixer_archs(container: DependencyContainer) -> None:
         container.register(NllbMixerConfig, provide, key=arch)
 
 
-def register_nllb_mixer_family(container: DependencyContainer) -> None:
-    """Register the ``nllb_mixer`` family and its archs (the caller checks it is not registered yet)."""
-    register_model_family(
-        container,
-        NLLB_MIXER_FAMILY,
-        kls=TransformerModel,
-        config_kls=NllbMixerConfig,
-        factory=create_nllb_mixer_model,
-        state_dict_converter=with_mixer_records(create_nllb_mixer_model, convert_nllb_state_dict),
-        fsdp_applier=apply_fsdp_to_transformer,
-        layerwise_ac_applier=apply_ac_to_transformer,
-    )
-    register_nllb_mixer_archs(container)
-
+#: The family our extension entry point registers.
+NLLB_FAMILY = MixerFamily(
+    NLLB_MIXER_FAMILY, TransformerModel, NllbMixerConfig, create_nllb_mixer_model, converter=convert_nllb_state_dict,
+    fsdp_applier=apply_fsdp_to_transformer, layerwise_ac_applier=apply_ac_to_transformer,
+    register_more_archs=register_nllb_mixer_archs,
+)
 
 #: Typed access: ``get_nllb_mixer_hub().create_new_model(NllbMixerConfig(..., mixer="quasi"))``.
 get_nllb_mixer_hub = ModelHubAccessor(NLLB_MIXER_FAMILY, TransformerModel, NllbMixerConfig)

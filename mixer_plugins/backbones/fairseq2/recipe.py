@@ -1,16 +1,18 @@
-"""A masked-language-model training recipe for the ``mixer_encoder`` family, on fairseq2's recipe machinery.
+"""The recipes on fairseq2's recipe machinery: masked-language-model training of a ``mixer_encoder``
+(:class:`MixerMlmRecipe`) and causal-language-model training of a ``mixer_decoder`` (:class:`MixerLmRecipe`), both
+on :class:`TextRecipe`.
 
-Run it (CPU is fine; nothing is downloaded)::
+Run them (CPU is fine; nothing is downloaded)::
 
-    python -m mixer_plugins.backbones.fairseq2 OUT_DIR --config model.config_overrides.mixer=quasi
-    python -m mixer_plugins.backbones.fairseq2 OUT_DIR --config model.config_overrides.mixer=quasi \\
-        model.config_overrides.mixer_options.quasi.d_state=32 regime.num_steps=200
+    python -m mixer_plugins.backbones.fairseq2 OUT_DIR --config mixer.name=quasi mixer.options.d_state=32
     python -m mixer_plugins.backbones.fairseq2 --dump-config      # every option, as YAML
+    python -m mixer_plugins.backbones.fairseq2.lm OUT_DIR --config mixer.name=semiseparable
+    python -m mixer_plugins.backbones.fairseq2.generate OUT_DIR/checkpoints --prompt "The cat" --mode beam
 
-It trains on a small generated corpus (or ``data.text_file``, one example per line) with a byte-level
-tokenizer, BERT-style masking (15 %: 80 % ``<mask>``, 10 % random byte, 10 % unchanged), checkpoints into
-``OUT_DIR/checkpoints`` and the result reloads through fairseq2's own ``load_model``
-(:func:`~mixer_plugins.backbones.fairseq2.load_mixer_checkpoint`).
+Both train on a small generated corpus (or ``data.text_file``, one example per line) with a byte-level tokenizer
+(``<s>`` text ``</s>``): the MLM recipe with BERT-style masking (15 %: 80 % ``<mask>``, 10 % random byte, 10 %
+unchanged), the LM recipe on next-token prediction. They checkpoint into ``OUT_DIR/checkpoints`` and the result
+reloads through fairseq2's own ``load_model`` (:func:`~mixer_plugins.backbones.fairseq2.load_mixer_checkpoint`).
 
 Defaults that differ from fairseq2's: ``trainer.mixed_precision.mode=off`` (fairseq2's default, static
 bf16, falls back to bf16 autocast on a single device, which is very slow on CPU; on a GPU pass
@@ -35,7 +37,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeGuard, TypeVar, final
+from typing import Any, ClassVar, Final, TypeGuard, TypeVar, final
 
 from fairseq2.cluster import ClusterHandler
 from fairseq2.logging import log
@@ -46,6 +48,7 @@ from fairseq2.metrics.common import (
     update_nll_loss_metric,
     update_seq_batch_metrics,
 )
+from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe import Recipe, RecipeContext, register_cli_error
 from fairseq2.recipe.config import (
     AdamWConfig,
@@ -69,17 +72,79 @@ from typing_extensions import override
 
 import mixer_plugins.errors as mixer_errors
 
-from .checkpoint import MODEL_METADATA, read_model_metadata
-from .config import MIXER_ENCODER_FAMILY, MixerSection
+from ...registry.registry import normalize_name
+from .checkpoint import MODEL_METADATA, read_model_metadata, saved_steps
 from .corpus import ByteTokenizer, encode_all, generate_corpus, read_text_file
-from .data import MlmBatch, MlmDataReader, MlmDataSection
-from .model import MixerEncoderModel
+from .data import EpochReader, LmDataReader, MlmDataReader, MlmDataSection, TextDataSection, TokenBatch
+from .decoder import MIXER_DECODER_FAMILY
+from .encoder import MIXER_ENCODER_FAMILY, MixerEncoderModel
 
-__all__ = ["MixerMlmConfig", "RecipeSections", "MlmTrainUnit", "MixerMlmRecipe", "CheckpointConfigMismatchError",
-           "NonFiniteLossError", "create_model", "optimizer_problems"]
+__all__ = ["CheckpointConfigMismatchError", "LossTrainUnit", "MixerLmConfig", "MixerLmRecipe", "MixerMlmConfig",
+           "MixerMlmRecipe", "MixerSection", "NonFiniteLossError", "RecipeSections", "TextRecipe", "create_model",
+           "optimizer_problems"]
 
 #: Arch used when the command line names none.
 DEFAULT_ARCH: Final = "tiny"
+
+
+@dataclass(kw_only=True)
+class MixerSection:
+    """The recipe's ``mixer`` section: the token mixer of the model, shown by ``--dump-config``.
+
+    fairseq2 keeps a model's own fields in ``model.config_overrides``, an untyped mapping that is empty (``null``)
+    until given and is merged over the arch's config only when the model is built; so ``--dump-config`` cannot show
+    ``mixer``. This typed section can: ``--config mixer.name=quasi mixer.options.d_state=32`` is folded into
+    ``model.config_overrides`` (``mixer=quasi``, ``mixer_options={quasi: {d_state: 32}}``) when the recipe config
+    is built. Both ways work; naming two different mixers is a config error.
+    """
+
+    name: str | None = None
+    """Any registered mixer name or alias (``mixer-plugins list``); ``null``: the arch's own mixer
+    (``attention`` for tiny, small and base; ``quasiseparable`` for base_hydra)."""
+
+    options: dict[str, object] = field(default_factory=dict)
+    """Options of that mixer (``mixer-plugins info NAME``), e.g. ``{d_state: 32}``; the model supplies
+    ``dim``, and ``num_heads``/``max_seq_len`` unless given here."""
+
+    def apply_to(self, config_overrides: object | None) -> object | None:
+        """``config_overrides`` (a model section's) with this section folded in; unchanged when it is empty.
+
+        What cannot be folded (the overrides name another mixer, options without a name, overrides that are not a
+        mapping) is left out and reported by :meth:`validate`, which fairseq2 calls on the recipe config.
+        """
+        self._problems: list[str] = []
+        if self.name is None and not self.options:
+            return config_overrides
+        if config_overrides is None:
+            config_overrides = {}
+        if not isinstance(config_overrides, Mapping):
+            self._problems.append("`model.config_overrides` must be a mapping to combine it with the `mixer` "
+                                  "section.")
+            return config_overrides
+        overrides = dict(config_overrides)
+        given = overrides.get("mixer")
+        if self.name is not None:
+            if given is not None and normalize_name(str(given)) != normalize_name(self.name):
+                self._problems.append(f"`mixer.name={self.name}` and `model.config_overrides.mixer={given}` name "
+                                      "two different mixers; give one of them.")
+                return config_overrides
+            overrides["mixer"] = self.name
+        name = overrides.get("mixer")
+        if self.options:
+            if name is None:
+                self._problems.append("`mixer.options` needs `mixer.name`: the options belong to a named mixer.")
+                return config_overrides
+            per_mixer = dict(overrides.get("mixer_options") or {})
+            per_mixer[str(name)] = {**dict(per_mixer.get(str(name)) or {}), **self.options}
+            overrides["mixer_options"] = per_mixer
+        return overrides
+
+    def validate(self) -> ValidationResult:
+        """What :meth:`apply_to` could not fold (fairseq2 reports it as a config error)."""
+        result = ValidationResult()
+        for problem in getattr(self, "_problems", []):
+            result.add_error(problem)
+        return result
 
 
 def _default_trainer() -> TrainerSection:
@@ -93,6 +158,7 @@ class RecipeSections:
     overridden with ``--config a.b=value``."""
 
     model: ModelSection
+    data: TextDataSection
     trainer: TrainerSection = field(default_factory=_default_trainer)
     optimizer: OptimizerSection = field(
         default_factory=lambda: OptimizerSection(config=AdamWConfig(lr=1e-3, weight_decay=0.01))
@@ -124,10 +190,16 @@ class RecipeSections:
 class MixerMlmConfig(RecipeSections):
     """Config of :class:`MixerMlmRecipe`; every field can be overridden with ``--config a.b=value``."""
 
-    model: ModelSection = field(
-        default_factory=lambda: ModelSection(family=MIXER_ENCODER_FAMILY, arch=DEFAULT_ARCH)
-    )
+    model: ModelSection = field(default_factory=lambda: ModelSection(family=MIXER_ENCODER_FAMILY, arch=DEFAULT_ARCH))
     data: MlmDataSection = field(default_factory=MlmDataSection)
+
+
+@dataclass(kw_only=True)
+class MixerLmConfig(RecipeSections):
+    """Config of :class:`MixerLmRecipe`; every field can be overridden with ``--config a.b=value``."""
+
+    model: ModelSection = field(default_factory=lambda: ModelSection(family=MIXER_DECODER_FAMILY, arch=DEFAULT_ARCH))
+    data: TextDataSection = field(default_factory=TextDataSection)
 
 
 def _is_number(value: object) -> TypeGuard[float]:
@@ -207,8 +279,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 @final
-class MlmTrainUnit(TrainUnit[MlmBatch]):
-    """MLM loss, summed over the targets (fairseq2 normalises the gradients by their number)."""
+class LossTrainUnit(TrainUnit[TokenBatch]):
+    """The model's loss on the batch's targets, summed (fairseq2 normalises the gradients by their number): the MLM
+    loss of a ``mixer_encoder``, the next-token loss of a ``mixer_decoder``."""
 
     def __init__(self, model: Module) -> None:
         self._model = model
@@ -219,9 +292,9 @@ class MlmTrainUnit(TrainUnit[MlmBatch]):
         add_seq_batch_metrics(metric_bag)
 
     @override
-    def process_batch(self, batch: MlmBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
-        layout = batch.layout()
-        loss = self._model(batch.inputs, layout, batch.targets, target_mask=batch.target_mask, reduction="sum")
+    def process_batch(self, batch: TokenBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
+        loss = self._model(batch.inputs, batch.layout(), batch.targets, target_mask=batch.target_mask,
+                           reduction="sum")
         num_targets = int(batch.target_mask.sum())
         if not math.isfinite(float(loss.detach())):
             raise NonFiniteLossError(
@@ -268,17 +341,6 @@ def save_step_metadata(checkpoint_dir: Path, step_nr: int) -> None:
     os.replace(tmp, target)
 
 
-def saved_steps(checkpoint_dir: Path) -> list[int]:
-    """The steps saved in ``checkpoint_dir`` (``step_N`` folders; a step still being written is ``step_N.tmp``), in
-    order. fairseq2 resumes from the last full one and overwrites a step it saves again, so each of them is at stake."""
-    steps = []
-    for path in Path(checkpoint_dir).glob("step_*"):
-        suffix = path.name[len("step_"):]
-        if path.is_dir() and suffix.isdigit():
-            steps.append(int(suffix))
-    return sorted(steps)
-
-
 def step_metadata(resolver: DependencyResolver, checkpoint_dir: Path, step_nr: int, *,
                   fields: set[str] | None = None) -> tuple[dict[str, Any] | None, Path | None]:
     """The model metadata step ``step_nr`` was trained with, and the file it came from: the step's own copy, else the
@@ -304,14 +366,13 @@ def _yaml_round_trip(resolver: DependencyResolver, obj: object) -> list[object]:
     return resolver.resolve(YamlLoader).load(stream)
 
 
-def check_checkpoint_dir(resolver: DependencyResolver, config_kls: type | None = None) -> None:
+def check_checkpoint_dir(resolver: DependencyResolver) -> None:
     """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
 
     The config compared is the one the last saved step was trained with (``step_N/model.yaml``; for a step without
     its own copy, the folder's ``model.yaml``), never a file fairseq2 rewrites at start: an empty
     or cut ``checkpoints/model.yaml`` (a start killed while writing it) does not make a resumable folder look foreign.
-    With ``overwrite_checkpoints=true`` checkpoints of another config are deleted instead. ``config_kls`` is the
-    recipe's config class (default: the MLM recipe's); it has ``model`` and ``overwrite_checkpoints`` fields.
+    With ``overwrite_checkpoints=true`` checkpoints of another config are deleted instead.
     """
     from fairseq2.checkpoint import CheckpointDir
     from fairseq2.models import ModelFamily
@@ -320,7 +381,7 @@ def check_checkpoint_dir(resolver: DependencyResolver, config_kls: type | None =
     from fairseq2.utils.structured import ValueConverter
 
     context = RecipeContext(resolver)
-    config: Any = context.get_config_as(config_kls or MixerMlmConfig)  # a recipe config with these two fields
+    config = context.get_config_as(RecipeSections)
     section = config.model
     if section.path is not None or section.name is not None or section.family is None:
         return  # not a new model of ours: fairseq2's own checks apply
@@ -387,9 +448,15 @@ class _PreflightHandler(ClusterHandler):
         return "mixer-plugins-preflight"
 
 
-@final
-class MixerMlmRecipe(Recipe):
-    """Masked-language-model pretraining of a ``mixer_encoder`` model on a small local corpus."""
+class TextRecipe(Recipe):
+    """What both recipes do: check the output folder before anything is written, build the model, read the corpus
+    with the byte-level tokenizer, train with :class:`LossTrainUnit` and keep each step's model config. A recipe
+    names its config, its model class and its data reader."""
+
+    config_class: ClassVar[type[RecipeSections]]
+    model_class: ClassVar[type[Module]]
+    reader_class: ClassVar[type[EpochReader[TokenBatch]]]
+    task: ClassVar[str]
 
     @override
     def register(self, container: DependencyContainer) -> None:
@@ -406,17 +473,18 @@ class MixerMlmRecipe(Recipe):
 
     @override
     def create_task(self, context: RecipeContext) -> Task:
-        config = context.get_config_as(MixerMlmConfig)
+        config = context.get_config_as(self.config_class)
         tokenizer = ByteTokenizer()
-        model = create_model(context, MixerEncoderModel)
-        if model.vocab_size < tokenizer.vocab_size or model.pad_idx != tokenizer.pad_idx:
+        model = create_model(context, self.model_class)
+        vocab_size, pad_idx, max_seq_len = _vocabulary(model)
+        if vocab_size < tokenizer.vocab_size or pad_idx != tokenizer.pad_idx:
             raise RecipeError(
                 f"the recipe's byte-level tokenizer needs vocab_size >= {tokenizer.vocab_size} and pad_idx = "
-                f"{tokenizer.pad_idx}, but the model has vocab_size={model.vocab_size}, pad_idx={model.pad_idx}"
+                f"{tokenizer.pad_idx}, but the model has vocab_size={vocab_size}, pad_idx={pad_idx}"
             )
-        if config.data.max_seq_len > model.max_seq_len:
+        if config.data.max_seq_len > max_seq_len:
             raise RecipeError(
-                f"data.max_seq_len={config.data.max_seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+                f"data.max_seq_len={config.data.max_seq_len} exceeds the model's max_seq_len={max_seq_len}; "
                 "lower data.max_seq_len or raise model.config_overrides.max_seq_len"
             )
         if config.data.text_file is not None:
@@ -428,10 +496,10 @@ class MixerMlmRecipe(Recipe):
             texts = generate_corpus(config.data.num_examples, seed=config.data.corpus_seed)
         examples = encode_all(tokenizer, texts, config.data.max_seq_len)
         gangs = context.gangs
-        reader = MlmDataReader(examples, config.data, tokenizer, rank=gangs.dp.rank, world_size=gangs.dp.size)
-        log.info("MLM corpus: {} examples, mixer {!r}.", len(examples), model.mixer_name)
-        unit = MlmTrainUnit(context.get_data_parallel_model())
-        trainer = context.create_trainer(unit, reader)
+        reader = self.reader_class(examples, config.data, tokenizer, rank=gangs.dp.rank, world_size=gangs.dp.size)
+        mixer = next(m for m in model.modules() if hasattr(m, "mixer_name"))
+        log.info("{} corpus: {} examples, mixer {!r}.", self.task, len(examples), mixer.mixer_name)
+        trainer = context.create_trainer(LossTrainUnit(context.get_data_parallel_model()), reader)
         if gangs.root.rank == 0:
             from fairseq2.checkpoint import CheckpointDir
 
@@ -442,4 +510,32 @@ class MixerMlmRecipe(Recipe):
     @property
     @override
     def config_kls(self) -> type[object]:
-        return MixerMlmConfig
+        return self.config_class
+
+
+def _vocabulary(model: Module) -> tuple[int, int | None, int]:
+    """A model's vocabulary size, padding index and longest sequence."""
+    if isinstance(model, TransformerLM):
+        return model.final_proj.output_dim, model.pad_idx, model.max_seq_len
+    assert isinstance(model, MixerEncoderModel)
+    return model.vocab_size, model.pad_idx, model.max_seq_len
+
+
+@final
+class MixerMlmRecipe(TextRecipe):
+    """Masked-language-model pretraining of a ``mixer_encoder`` model on a small local corpus."""
+
+    config_class = MixerMlmConfig
+    model_class = MixerEncoderModel
+    reader_class = MlmDataReader
+    task = "MLM"
+
+
+@final
+class MixerLmRecipe(TextRecipe):
+    """Causal-language-model training of a ``mixer_decoder`` model on a small local corpus."""
+
+    config_class = MixerLmConfig
+    model_class = TransformerLM
+    reader_class = LmDataReader
+    task = "LM"

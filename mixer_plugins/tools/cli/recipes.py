@@ -40,14 +40,11 @@ def recipe_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run_recipe(recipe: Literal["mlm", "lm"], args: argparse.Namespace, prog: str) -> int:
-    """Run ``recipe`` (the ``main`` of its module in :data:`MODULES`) on ``args``, fairseq2 imported only now.
-    fairseq2 exits the process itself when a run fails (one line for a bad config, status 2)."""
-    argv = recipe_argv(args)
-    if recipe == "mlm":
-        from ...backbones.fairseq2.__main__ import main
-    else:
-        from ...backbones.fairseq2.lm import main
-    main(argv, prog=prog)
+    """Run ``recipe`` (:func:`mixer_plugins.backbones.fairseq2.__main__.run`) on ``args``, fairseq2 imported only
+    now. fairseq2 exits the process itself when a run fails (one line for a bad config, status 2)."""
+    from ...backbones.fairseq2.__main__ import run
+
+    run(recipe, recipe_argv(args), prog)
     return 0
 
 

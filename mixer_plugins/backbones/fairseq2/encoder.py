@@ -1,16 +1,16 @@
-"""The ``mixer_encoder`` model: embeddings, a ``StandardTransformerEncoder`` whose self-attention is any
-registered mixer, an MLM head and a sequence-classification head."""
+"""The ``mixer_encoder`` family: a BERT-like encoder-only model (embeddings, a ``StandardTransformerEncoder`` whose
+self-attention is any registered mixer, an MLM head and a sequence-classification head), its config and presets."""
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Final, Literal
 
 import torch
 from fairseq2.error import NotSupportedError
 from fairseq2.models import ModelHubAccessor
 from fairseq2.models.transformer import (
     AttentionBiasCache,
-    StandardFeedForwardNetwork,
     StandardTransformerEncoder,
     StandardTransformerEncoderLayer,
     TransformerEncoderLayer,
@@ -23,14 +23,11 @@ from fairseq2.nn import (
     BatchLayout,
     IncrementalStateBag,
     LayerNorm,
-    LearnedPositionEncoder,
     Linear,
     PositionEncoder,
-    SinusoidalPositionEncoder,
     StandardEmbedding,
     StandardLayerNorm,
     TiedProjection,
-    init_scaled_embedding,
 )
 from fairseq2.nn.fsdp import FSDPWrapper
 from fairseq2.nn.functional import cross_entropy
@@ -38,18 +35,58 @@ from torch import Tensor
 from torch.nn import GELU, Dropout, Module, Parameter
 
 from .attention import MixerAttention, unpack_layout
-from .config import MIXER_ENCODER_FAMILY, MixerEncoderConfig
-from .options import ResolvedMixer
+from .family import (
+    BYTE_VOCAB_SIZE,
+    MixerFamily,
+    MixerModelConfig,
+    build_embedding,
+    build_ffn,
+    build_final_norm,
+    build_layer_norm,
+    checked_mixer,
+)
 
-__all__ = [
-    "MixerEncoderFrontend",
-    "MixerOnlyEncoderLayer",
-    "MlmHead",
-    "ClassificationHead",
-    "MixerEncoderModel",
-    "create_mixer_encoder_model",
-    "get_mixer_encoder_hub",
-]
+__all__ = ["BERT_VOCAB_SIZE", "ENCODER_FAMILY", "MIXER_ENCODER_FAMILY", "MixerEncoderConfig", "MixerEncoderModel",
+           "create_mixer_encoder_model", "get_mixer_encoder_hub"]
+
+MIXER_ENCODER_FAMILY: Final = "mixer_encoder"
+
+#: BERT's WordPiece vocabulary padded to a multiple of 8, as in the Hydra and MosaicBERT runs.
+BERT_VOCAB_SIZE: Final = 30_528
+
+
+@dataclass(kw_only=True)
+class MixerEncoderConfig(MixerModelConfig):
+    """An encoder-only Transformer (BERT-like) whose token mixer is any registered mixer; with ``ffn_inner_dim=0``
+    the feed-forward block is dropped (the Hydra BERT layer is mixer-only)."""
+
+    positive = ("model_dim", "num_layers", "vocab_size", "max_seq_len")
+
+    vocab_size: int = BERT_VOCAB_SIZE
+    """Size of the token vocabulary (the MLM head is tied to the embedding table)."""
+
+    max_seq_len: int = 512
+    """Longest sequence: sizes the position table, and is given to mixers that have a ``max_seq_len`` option
+    (data-independent mixers) unless set under ``mixer_options``."""
+
+    embed_layer_norm: bool = False
+    """Layer norm on the embeddings (BERT-style, for post-norm stacks)."""
+
+    num_classes: int = 0
+    """Classes of the sequence-classification head (``model.classify``); 0: no such head."""
+
+    pooling: Literal["cls", "mean"] = "mean"
+    """How ``classify`` pools a sequence: its first token (``cls``) or the mean over its real tokens."""
+
+    def structural_problems(self) -> list[str]:
+        problems = super().structural_problems()
+        if self.ffn_inner_dim < 0:
+            problems.append(
+                f"`ffn_inner_dim` must be >= 0 (0 drops the feed-forward block), but is {self.ffn_inner_dim}."
+            )
+        if self.num_classes < 0:
+            problems.append(f"`num_classes` must be >= 0 (0: no classification head), but is {self.num_classes}.")
+        return problems
 
 
 class MixerEncoderFrontend(TransformerFrontend):
@@ -214,55 +251,30 @@ class MixerEncoderModel(Module):
         return self.classifier(self.encode(seqs, seqs_layout), seqs_layout)
 
 
-def _layer_norm(config: MixerEncoderConfig) -> StandardLayerNorm:
-    return StandardLayerNorm(config.model_dim, bias=True, eps=config.layer_norm_eps)
 
-
-def _encoder_layer(config: MixerEncoderConfig, resolved: ResolvedMixer) -> TransformerEncoderLayer:
-    self_attn = MixerAttention(resolved)
+def _encoder_layer(config: MixerEncoderConfig, self_attn: MixerAttention) -> TransformerEncoderLayer:
     if config.ffn_inner_dim == 0:
-        return MixerOnlyEncoderLayer(self_attn, _layer_norm(config), norm_order=config.norm_order,
+        return MixerOnlyEncoderLayer(self_attn, build_layer_norm(config), norm_order=config.norm_order,
                                      dropout_p=config.dropout_p)
-    ffn = StandardFeedForwardNetwork(config.model_dim, config.ffn_inner_dim, bias=True, inner_activation=GELU())
-    return StandardTransformerEncoderLayer(
-        self_attn, _layer_norm(config), ffn, _layer_norm(config),
-        norm_order=config.norm_order, dropout_p=config.dropout_p,
-    )
+    return StandardTransformerEncoderLayer(self_attn, build_layer_norm(config), build_ffn(config),
+                                           build_layer_norm(config), norm_order=config.norm_order,
+                                           dropout_p=config.dropout_p)
 
 
 def create_mixer_encoder_model(config: MixerEncoderConfig) -> MixerEncoderModel:
-    """The family factory. Validates first, so a bad mixer name or option raises our registry error
-    (``UnknownMixerError``, ``InvalidMixerOptions``) before anything is built — also on paths where fairseq2
-    does not validate (``hub.create_new_model``)."""
-    if not isinstance(config, MixerEncoderConfig):
-        raise TypeError(f"expected a MixerEncoderConfig, got {type(config).__name__}")
-    problems = config.structural_problems()
-    if problems:
-        raise ValueError("invalid mixer_encoder config: " + " ".join(problems))
-    resolved = config.resolve_mixer()
-
-    embed = StandardEmbedding(config.vocab_size, config.model_dim, config.pad_idx, init_fn=init_scaled_embedding)
-    pos_encoder: PositionEncoder | None
-    if config.pos_encoder == "learned":
-        pos_encoder = LearnedPositionEncoder(config.model_dim, config.max_seq_len)
-    elif config.pos_encoder == "sinusoidal":
-        pos_encoder = SinusoidalPositionEncoder(config.model_dim, config.max_seq_len)
-    else:
-        pos_encoder = None
-    frontend = MixerEncoderFrontend(
-        embed, pos_encoder, _layer_norm(config) if config.embed_layer_norm else None, dropout_p=config.dropout_p
-    )
-    layers = [_encoder_layer(config, resolved) for _ in range(config.num_layers)]
-    # Pre-norm stacks end with a layer norm; post-norm layers already end with one.
-    final_norm = _layer_norm(config) if config.norm_order != TransformerNormOrder.POST else None
-    encoder = StandardTransformerEncoder(layers, final_norm)
+    """The family factory; validates first (:func:`~.family.checked_mixer`)."""
+    resolved = checked_mixer(config, MixerEncoderConfig, MIXER_ENCODER_FAMILY)
+    embed, pos_encoder = build_embedding(config)
+    frontend = MixerEncoderFrontend(embed, pos_encoder, build_layer_norm(config) if config.embed_layer_norm else None,
+                                    dropout_p=config.dropout_p)
+    layers = [_encoder_layer(config, MixerAttention(resolved)) for _ in range(config.num_layers)]
+    encoder = StandardTransformerEncoder(layers, build_final_norm(config))
     mlm_head = MlmHead(config.model_dim, embed, layer_norm_eps=config.layer_norm_eps)
     classifier = None
     if config.num_classes > 0:
         classifier = ClassificationHead(config.model_dim, config.num_classes, pooling=config.pooling,
                                         dropout_p=config.dropout_p)
     return MixerEncoderModel(config, frontend, encoder, mlm_head, classifier)
-
 
 def apply_fsdp_to_mixer_encoder(model: MixerEncoderModel, granularity: str, wrapper: FSDPWrapper) -> Module:
     """FSDP applier: wrap each encoder layer (``layer``) or the whole encoder (``stack``)."""
@@ -280,6 +292,31 @@ def apply_ac_to_mixer_encoder(model: MixerEncoderModel, every_nth_layer: int) ->
     apply_layerwise_ac(model.encoder.layers, every_nth_layer)
     return model
 
+#: The family our extension entry point registers. Generic presets keep ``mixer="attention"`` and no mixer options,
+#: so ``--config model.config_overrides.mixer=NAME`` gives that mixer with its own defaults; paper presets pin one.
+ENCODER_FAMILY = MixerFamily(
+    MIXER_ENCODER_FAMILY, MixerEncoderModel, MixerEncoderConfig, create_mixer_encoder_model,
+    archs={
+        # Tests and smoke runs: a few thousand parameters, byte-level vocabulary.
+        "tiny": dict(model_dim=32, num_layers=2, num_heads=4, ffn_inner_dim=64, vocab_size=BYTE_VOCAB_SIZE,
+                     max_seq_len=128, dropout_p=0.0),
+        # Trains on a laptop CPU in minutes on the recipe's corpus; byte-level vocabulary.
+        "small": dict(model_dim=256, num_layers=4, num_heads=4, ffn_inner_dim=1024, vocab_size=BYTE_VOCAB_SIZE,
+                      max_seq_len=512, dropout_p=0.1),
+        # BERT-base shape: 12 post-norm layers, 768 wide, 12 heads, GELU FFN 3072, embedding layer norm.
+        "base": dict(model_dim=768, num_layers=12, num_heads=12, ffn_inner_dim=3072, vocab_size=BERT_VOCAB_SIZE,
+                     max_seq_len=512, pos_encoder="learned", embed_layer_norm=True,
+                     norm_order=TransformerNormOrder.POST, layer_norm_eps=1e-12, dropout_p=0.1),
+        # Hydra BERT (Hwang et al. 2024, Table 4): 23 post-norm layers of the quasiseparable mixer alone (no FFN: the
+        # gated, expanded mixer block is the channel mixer too), width 768, no position embeddings, embedding layer
+        # norm. The mixer keeps its own (paper) defaults: num_heads=None.
+        "base_hydra": dict(model_dim=768, num_layers=23, num_heads=None, ffn_inner_dim=0, vocab_size=BERT_VOCAB_SIZE,
+                           max_seq_len=512, pos_encoder="none", embed_layer_norm=True,
+                           norm_order=TransformerNormOrder.POST, layer_norm_eps=1e-5, dropout_p=0.1,
+                           mixer="quasiseparable"),
+    },
+    fsdp_applier=apply_fsdp_to_mixer_encoder, layerwise_ac_applier=apply_ac_to_mixer_encoder,
+)
 
 #: Typed access to the family: ``get_mixer_encoder_hub().create_new_model(config)``, ``.get_arch_config("tiny")``.
 get_mixer_encoder_hub = ModelHubAccessor(MIXER_ENCODER_FAMILY, MixerEncoderModel, MixerEncoderConfig)
