@@ -1,8 +1,9 @@
 # One command sets up a fresh machine and runs the main job; one sets it up and runs the tests.
 #   make run    create .venv (torch 2.9.1, every extra CI uses) and run the main job
 #   make test   create .venv, then ruff, lint-imports, mypy and the whole test suite (this is what CI runs)
-# Both are idempotent: the environment is reinstalled only when pyproject.toml or the example plugin's change
-# (the stamp is a hash of the two files, so a fresh clone beside a matching .venv reinstalls nothing).
+# Both are idempotent: the environment is reinstalled only when pyproject.toml, setup.py or the example plugin's
+# change (the stamp is a hash of the files, so a fresh clone beside a matching .venv reinstalls nothing). After editing
+# the C++ kernels (mixer_plugins/kernels/_native/), `make native-build` recompiles them.
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -10,16 +11,16 @@ PY      := $(VENV)/bin/python
 # fairseq2 0.8.1 pins torch 2.9.1 (through fairseq2n); install it first so pip never picks another.
 TORCH   := torch==2.9.1
 PYTEST_ARGS ?=
-REQUIREMENTS := pyproject.toml examples/third_party_plugin/pyproject.toml
+REQUIREMENTS := pyproject.toml setup.py examples/third_party_plugin/pyproject.toml
 HASH    := $(shell $(PYTHON) -c "import hashlib, sys; h = hashlib.sha256(); [h.update(open(p, 'rb').read()) for p in sys.argv[1:]]; print(h.hexdigest()[:16])" $(REQUIREMENTS))
 STAMP   := $(VENV)/.installed-$(HASH)
 
-.PHONY: setup native run test test-fast bench lint docs clean system-deps
+.PHONY: setup native native-build run test test-fast bench lint docs clean system-deps
 
 setup: $(STAMP) native
 
 # Installs nothing without saying first what, why and how: fairseq2n loads libsndfile.so.1 at import time, and the
-# native CPU kernels are compiled with the C++ compiler.
+# native CPU kernels are compiled with the C++ compiler when the package is installed.
 system-deps:
 	@missing=""; \
 	if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q 'libsndfile\.so\.1'; then \
@@ -39,19 +40,26 @@ system-deps:
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$missing; \
 	fi
 
+# The package is installed without build isolation, so that setup.py compiles the native CPU kernels against the torch
+# installed just before (a minute or two; pip never fetches another torch). Without a compiler it installs without
+# them and their PyTorch code runs.
 $(STAMP):
 	@$(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[all]' -e examples/third_party_plugin
+	$(PY) -m pip install -q --no-build-isolation -e '.[all]'
+	$(PY) -m pip install -q -e examples/third_party_plugin
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-# The native CPU kernels, built once per machine, torch and compiler (a minute or two; later a quick check), so
-# that no command pays the build. Without them the PyTorch code runs: not a reason to stop.
+# Say whether the native CPU kernels load; without them the PyTorch code runs: not a reason to stop.
 native: $(STAMP)
-	@$(VENV)/bin/mixer-plugins env --build || echo "continuing without the native CPU kernels (see above)"
+	@$(VENV)/bin/mixer-plugins env --native || echo "continuing without the native CPU kernels (see above)"
+
+# Recompile the native CPU kernels in place (after editing their C++).
+native-build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
 
 run: setup
 	$(VENV)/bin/mixer-plugins demo

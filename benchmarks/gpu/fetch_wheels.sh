@@ -6,8 +6,9 @@
 #     tests), else the newest;
 #   * the mamba-ssm wheel built without its CUDA extensions (MAMBA_SKIP_CUDA_BUILD=TRUE: pure Python, py3-none-any),
 #     copied from $MAMBA_WHEEL_DIR (default /work/wheels), or built here when there is none;
-#   * mixer-plugins' own wheel: run.sh imports the checkout itself, but the built-in mixers are found through the
-#     entry points of installed metadata, which the wheel provides (build it again after changing them).
+#   * mixer-plugins' own wheel, pure Python (MIXER_PLUGINS_NATIVE=0: without the native CPU kernels, which would be
+#     compiled for this Python and CPU): run.sh imports the checkout itself, but the built-in mixers are found through
+#     the entry points of installed metadata, which the wheel provides (build it again after changing them).
 # Usage, from the repository root (DIR is usually .whl, which git ignores and the device tool carries):
 #     PYTHON=/path/to/venv/bin/python bash benchmarks/gpu/fetch_wheels.sh .whl
 set -euo pipefail
@@ -40,7 +41,7 @@ rm -f "$DIR"/mamba_ssm-*.whl
 cp "$newest" "$DIR/"
 
 rm -f "$DIR"/mixer_plugins-*.whl
-"$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$DIR" .
+MIXER_PLUGINS_NATIVE=0 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$DIR" .
 
 # one version of each distribution (two would stop the install), and what came
 dups="$(ls "$DIR"/*.whl | xargs -n 1 basename | cut -d- -f1 | tr 'A-Z-' 'a-z_' | sort | uniq -d)"

@@ -14,8 +14,8 @@ __all__ = ["native_unavailable", "require_native"]
 
 def native_unavailable(device: torch.device, tensors: Sequence[Tensor] = ()) -> str | None:
     """Why our C++ CPU kernels cannot run on ``tensors`` (``None`` when they can): CPU, eager (compiled and exported
-    graphs trace the ``torch`` backend), every tensor of one dtype, float32 or float64, and the library built (the
-    first such call builds it)."""
+    graphs trace the ``torch`` backend), every tensor of one dtype, float32 or float64, and the library installed
+    and loaded (it is built at install, never here)."""
     if device.type != "cpu":
         return f"the native kernels run on CPU tensors (got {device.type})"
     if torch.compiler.is_compiling():
@@ -27,11 +27,11 @@ def native_unavailable(device: torch.device, tensors: Sequence[Tensor] = ()) -> 
         if any(t.dtype != dtype for t in tensors[1:]):
             return "the native kernels need every input in one dtype"
     if not _native.load():
-        return f"the native kernels are not built: {_native.unavailable_reason()}"
+        return f"the native kernels are unavailable: {_native.unavailable_reason()}"
     return None
 
 
 def require_native() -> None:
-    """Build (once) and load the native kernels before an op of theirs runs; a clear error where they cannot be."""
+    """Load the native kernels before an op of theirs runs; a clear error where they cannot be."""
     if not _native.load():
-        raise RuntimeError(f"the native kernels are not built: {_native.unavailable_reason()}")
+        raise RuntimeError(f"the native kernels are unavailable: {_native.unavailable_reason()}")

@@ -1,6 +1,6 @@
 // Depthwise short convolution over time with SiLU fused, forward and backward, for CPU tensors.
 //
-// Compiled on first use by mixer_plugins/kernels/_native/__init__.py and registered as
+// Compiled at install (setup.py) into mixer_plugins/kernels/_native/_C and registered as
 // torch.ops.mixer_plugins_native.conv_forward / conv_backward; the `torch` backend of kernels.depthwise_conv1d
 // calls them inside its custom ops (kernels/conv/torch.py owns the argument checks and the autograd).
 //

@@ -1,6 +1,6 @@
 // Fused MLR attention for CPU tensors: flash-style forward and backward, one score width per group of pairs.
 //
-// Compiled on first use by mixer_plugins/kernels/_native/__init__.py (torch.utils.cpp_extension) and
+// Compiled at install (setup.py: torch.utils.cpp_extension) into mixer_plugins/kernels/_native/_C and
 // registered as torch.ops.mixer_plugins_native.mlr_forward / mlr_backward. Python owns the argument checks (see
 // kernels/mlr_attention/native.py); docs/structured_attention.md has the math.
 //

@@ -1,6 +1,6 @@
 // Gated RMSNorm over the last dimension, forward and backward, for CPU tensors (the blocks' output norm).
 //
-// Compiled on first use by mixer_plugins/kernels/_native/__init__.py and registered as
+// Compiled at install (setup.py) into mixer_plugins/kernels/_native/_C and registered as
 // torch.ops.mixer_plugins_native.norm_forward / norm_backward; the `torch` backend of kernels.gated_rmsnorm calls
 // them from its autograd Function (kernels/norm/torch.py owns the checks).
 //
@@ -27,13 +27,13 @@ using namespace mixer_plugins_native;
 inline void silu_and_slope(const float* z, float* s, float* d, int64_t n) {
   int64_t j = 0;
 #ifdef MIXER_PLUGINS_NATIVE_VECTOR
-  const auto one = vset(1.0f);
+  const Vec one(1.0f);
   for (; j + kLanes <= n; j += kLanes) {
-    const auto v = vload(z + j);
-    const auto sig = sigmoid(v);
-    const auto sv = vmul(v, sig);
-    vstore(s + j, sv);
-    vstore(d + j, vfmadd(sv, vsub(one, sig), sig));
+    const Vec v = Vec::loadu(z + j);
+    const Vec sig = sigmoid(v);
+    const Vec sv = v * sig;
+    sv.store(s + j);
+    at::vec::fmadd(sv, one - sig, sig).store(d + j);
   }
 #endif
   for (; j < n; ++j) {

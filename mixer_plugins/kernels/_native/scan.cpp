@@ -1,6 +1,6 @@
 // The chunked (bi)directional scan, forward and backward, for CPU tensors: the SSD algorithm chunk by chunk.
 //
-// Compiled by mixer_plugins/kernels/_native/__init__.py and registered as torch.ops.mixer_plugins_native.scan_forward
+// Compiled at install (setup.py) and registered as torch.ops.mixer_plugins_native.scan_forward
 // and scan_backward; kernels/scan/native.py calls them and adds the diagonal term.
 //
 // One direction, in its own order (the backward direction is the forward algorithm on the time-reversed rows;

@@ -1,5 +1,5 @@
 """The ``native`` engine of the tiled MLR op: our fused C++ CPU kernel (``kernels/_native/mlr_attention.cpp``,
-built on first use by :mod:`mixer_plugins.kernels._native`).
+compiled at install, loaded by :mod:`mixer_plugins.kernels._native`).
 
 One pass over the (query tile, key range) pieces that share a level, each piece's scores from one BLAS product at
 its own width ``r_0 + ... + r_m`` (no Python per task, unlike the ``matmul`` engine), a vectorized ``exp`` and an

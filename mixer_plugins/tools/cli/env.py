@@ -3,9 +3,8 @@
 What a bug report needs in one paste: the versions of Python and of every library the mixers may use (read from
 the installed metadata, so a missing or broken one is reported, not fatal), the devices torch sees, and per kernel
 op and device every backend with either "yes" (``auto`` when the automatic choice may pick it) or the
-dispatcher's reason why it cannot run; and whether our native CPU kernels are loaded (building them here if this
-machine has no build yet: a minute or two, once), or why not. ``env --build`` builds them ahead of time and says
-only that (``make`` runs it after installing).
+dispatcher's reason why it cannot run; and whether our native CPU kernels (built at install) load here, or why not.
+``env --native`` says only that (``make`` runs it after installing).
 """
 
 from __future__ import annotations
@@ -89,38 +88,37 @@ def backend_rows(devices: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def native_status() -> dict[str, Any]:
-    """Whether the native CPU kernels (:mod:`mixer_plugins.kernels._native`) are loaded here (building them when
-    this machine has no build yet), where their build is, and why not."""
+    """Whether the native CPU kernels (:mod:`mixer_plugins.kernels._native`, built at install) load here, from which
+    file and at which vector width, and why not."""
+    import torch
+
     from mixer_plugins.kernels import _native
 
     ok = _native.load()
-    status: dict[str, Any] = {"available": ok, "reason": "" if ok else (_native.unavailable_reason() or ""),
-                              "ops": sorted(_native.OPS) if ok else []}
-    try:
-        status["folder"] = str(_native.build_folder())
-    except Exception:  # noqa: BLE001  (no compiler: the reason above says so)
-        status["folder"] = None
-    return status
+    return {"available": ok, "reason": "" if ok else (_native.unavailable_reason() or ""),
+            "ops": sorted(_native.OPS) if ok else [], "library": _native.library_path(),
+            "vector_lanes": int(torch.ops.mixer_plugins_native.vector_lanes()) if ok else None}
 
 
 def _native_line(native: dict[str, Any]) -> str:
     if native["available"]:
-        return f"native CPU kernels: built and loaded ({', '.join(native['ops'])}) from {native['folder']}"
+        return (f"native CPU kernels: loaded ({', '.join(native['ops'])}; float32 vectors of {native['vector_lanes']} "
+                f"lanes) from {native['library']}")
     return f"native CPU kernels: unavailable ({native['reason']}); the PyTorch code runs instead"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--build", action="store_true",
-                        help="only build the native CPU kernels now if this machine has no build yet (once: a "
-                             "minute or two) and say whether they load; exit status 1 when they cannot be built")
+    parser.add_argument("--native", action="store_true",
+                        help="only say whether the native CPU kernels (built at install) load here; exit status 1 "
+                             "when they do not")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.build:
-        built = native_status()
-        print(json.dumps(built, indent=2) if args.json else _native_line(built))
-        return 0 if built["available"] else 1
+    if args.native:
+        status = native_status()
+        print(json.dumps(status, indent=2) if args.json else _native_line(status))
+        return 0 if status["available"] else 1
     found = versions()
     try:
         devices: dict[str, Any] | None = device_info()
