@@ -94,9 +94,10 @@ def init_dt_bias(heads: int, dt_min: float, dt_max: float, floor: float) -> Tens
 
 
 class SSMParameters(nn.Module):
-    """A (through ``A_log``), ``dt_bias`` and, optionally, the diagonal skip ``D``, per head."""
+    """A (through ``A_log``), ``dt_bias`` and, optionally, the diagonal skip ``D`` (``d_width`` entries: one per
+    head, or one per channel), per head."""
 
-    def __init__(self, heads: int, config: SSMBlockConfig, *, with_d: bool):
+    def __init__(self, heads: int, config: SSMBlockConfig, *, d_width: int | None):
         super().__init__()
         self.A_init_range = tuple(config.A_init_range)
         self.dt_init = (config.dt_min, config.dt_max, config.dt_init_floor)
@@ -104,7 +105,7 @@ class SSMParameters(nn.Module):
         self.dt_limit = (float(lo), float(hi))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads))
-        self.D = nn.Parameter(torch.empty(heads)) if with_d else None
+        self.D = nn.Parameter(torch.empty(d_width)) if d_width else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -227,7 +228,7 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
         self.scan_heads = config.num_heads
         if concat:
             self.num_heads = 2 * config.num_heads  # the matrix has a forward and a backward block of heads
-        self.ssm = SSMParameters(self.scan_heads, config, with_d=self.use_diag)
+        self.ssm = SSMParameters(self.scan_heads, config, d_width=self.scan_heads if self.use_diag else None)
         self.fc_D = nn.Linear(self.d_inner, self.scan_heads, bias=False) if self.use_diag else None
         self.max_seq_len = None
         self.BC: nn.Parameter | None = None

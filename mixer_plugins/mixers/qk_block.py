@@ -115,8 +115,9 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
             q = k = None
         return BlockQKContext(values=values, mask=mask, q=q, k=k)
 
-    def step_context(self, ctx: BlockQKContext, cache: MixerCache) -> BlockQKContext:
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> BlockQKContext:
         """A step's free queries and keys are the parameters' rows at the new tokens' positions."""
+        ctx = super().prepare_step(x, cache)
         if self.q_param is not None and self.k_param is not None:  # the free form
             positions = cache.positions(ctx.values.shape[1])
             ctx.q = self.q_param[positions].to(ctx.values.dtype)
@@ -140,13 +141,15 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
         max_len, heads, qk_dim) are None for a mixer without queries and keys (the DFT)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement qk_rows")
 
-    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                         device: torch.device) -> None:
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        super().init_cache(cache, batch, max_len, dtype, device)
         if self.data_dependent or self.free_qk:
             cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.qk_dim, dtype=dtype, device=device)
         cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
 
-    def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: BlockQKContext, x: Tensor, lengths: Tensor) -> Tensor:
+        self.fill_conv_cache(cache, x, lengths)
         b, length = ctx.values.shape[:2]
         if ctx.k is not None:  # the cache holds keys
             cache.state["k"][:, :length] = ctx.k.expand(b, -1, -1, -1).detach()

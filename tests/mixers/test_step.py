@@ -223,8 +223,8 @@ def test_step_updates_the_cache_in_place():
 class _ForgetsTheConvTail(SemiseparableMixer):
     """prefill leaves the short convolution's state empty."""
 
-    def fill_cache(self, cache, ctx, x, lengths):
-        return self.mix_prefill(ctx, cache, lengths)
+    def fill_conv_cache(self, cache, x, lengths):
+        pass
 
 
 class _StaleState(SemiseparableMixer):
@@ -240,9 +240,9 @@ class _StaleState(SemiseparableMixer):
 class _IgnoresRowLengths(SemiseparableMixer):
     """prefill keeps the state after the padded width, not after each row's last token."""
 
-    def mix_prefill(self, ctx, cache, lengths):
+    def fill_cache(self, cache, ctx, x, lengths):
         ctx.mask = None
-        return super().mix_prefill(ctx, cache, lengths)
+        return super().fill_cache(cache, ctx, x, lengths)
 
 
 @pytest.mark.parametrize("broken", [_ForgetsTheConvTail, _StaleState, _IgnoresRowLengths])
