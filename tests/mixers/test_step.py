@@ -14,6 +14,7 @@ from mixer_plugins.errors import MixerInputError, SequenceLengthError
 from mixer_plugins.kernels import depthwise_conv1d, ssd
 from mixer_plugins.kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from mixer_plugins.kernels.scan.step import ssd_step
+from mixer_plugins.layers.masks import set_nonfinite_guard
 from mixer_plugins.mixers.cache import MixerCache, StepNotSupportedError
 from mixer_plugins.mixers.semiseparable import SemiseparableMixer
 from mixer_plugins.registry import MixerSpec, default_registry
@@ -136,7 +137,7 @@ def test_kv_caches_grow_with_max_len():
 
 
 def test_nonfinite_token_poisons_only_its_row_from_there_on():
-    mixer = build("semiseparable")
+    mixer = set_nonfinite_guard(build("semiseparable"))
     x = torch.randn(2, 10, 32, generator=gen(3), dtype=F64)
     with torch.no_grad():
         expected = mixer(x)
@@ -152,7 +153,7 @@ def test_nonfinite_token_poisons_only_its_row_from_there_on():
 
 
 def test_prompt_with_a_nonfinite_token_poisons_the_steps():
-    mixer = build("attention")
+    mixer = set_nonfinite_guard(build("attention"))
     x = torch.randn(1, 6, 32, generator=gen(4), dtype=F64)
     x[0, 2] = float("inf")
     with torch.no_grad():
