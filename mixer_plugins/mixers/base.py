@@ -39,9 +39,11 @@ from . import records
 from .cache import MixerCache, StepNotSupportedError, check_cache, check_cache_request, refuse_autograd, step_with_guard
 from .records import CHECKPOINT_FREE_OPTIONS, RECORD_KEY, read_mixer_record, record_differences, strip_mixer_records
 
+mixer_record = records.mixer_record  # importable from here, as before
+
 __all__ = [
     "CHECKPOINT_FREE_OPTIONS", "RECORD_KEY", "MatrixMixer", "MixerCheckpointMismatchError", "MixerCache",
-    "MixerContext", "QKContext", "StepNotSupportedError", "check_mixer_input", "read_mixer_record",
+    "MixerContext", "QKContext", "StepNotSupportedError", "check_mixer_input", "mixer_record", "read_mixer_record",
     "record_differences", "set_nonfinite_guard", "strip_mixer_records",
 ]
 

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..kernels import gated_rmsnorm
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from ..kernels.decode import ssd_decode_step
 from ..layers.conv import ShortConv
@@ -224,9 +223,10 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
                        init_bound=getattr(config, "conv_init", None))
             if conv_width else None
         )
-        self.norm = GatedRMSNorm(self.out_width, config.norm_eps, config.norm_before_gate) if norm else None
         # Mamba-2 with ngroups > 1 normalises each group of out_width / ngroups channels on its own.
-        self.norm_groups = int(getattr(config, "ngroups", 1)) if getattr(config, "norm_per_group", False) else 1
+        norm_groups = int(getattr(config, "ngroups", 1)) if getattr(config, "norm_per_group", False) else 1
+        self.norm = (GatedRMSNorm(self.out_width, config.norm_eps, config.norm_before_gate, norm_groups) if norm
+                     else None)
         self.out_proj = nn.Linear(mlp_width + self.out_width, config.dim, bias=config.proj_bias)
 
     # -- hooks (called per forward, never from the constructor) --------------------------------------
@@ -273,18 +273,9 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         return self.out_proj(y)
 
     def gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
-        """The gated RMSNorm of (batch, length, out_width) ``y`` gated by ``z``: over the whole width, or per group
-        of ``out_width / norm_groups`` channels (``norm_per_group``, Mamba-2's ``group_size``); without a norm, the
-        gate alone."""
-        if self.norm is None:
-            return y * F.silu(z)
-        if self.norm_groups == 1:
-            return self.norm(y, z)
-        g = self.norm_groups
-        ones = torch.ones(y.shape[-1] // g, dtype=self.norm.weight.dtype, device=y.device)
-        normed = gated_rmsnorm(y.unflatten(-1, (g, -1)), z.unflatten(-1, (g, -1)), ones, self.norm.eps,
-                               self.norm.norm_before_gate).flatten(-2)
-        return normed * self.norm.weight.to(normed.dtype)
+        """The gated RMSNorm of (batch, length, out_width) ``y`` gated by ``z`` (over the whole width, or per group:
+        ``norm_per_group``); without a norm, the gate alone."""
+        return y * F.silu(z) if self.norm is None else self.norm(y, z)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length
@@ -332,9 +323,7 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         weight = self.conv1d.weight
         y = ssd_decode_step(xbc, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt[0] if dt else None,
                             A_log, D, bc_order=bc_order, scale=scale, **(steps or {}))  # type: ignore[arg-type]
-        norm = self.norm
-        normed = (gated_rmsnorm(y, z, norm.weight, norm.eps, norm.norm_before_gate)
-                  if norm is not None and self.norm_groups == 1 else self.gated_norm(y, z))
+        normed = self.gated_norm(y, z)
         if self.mlp_width:
             normed = torch.cat([F.silu(pieces[0]) * pieces[1], normed], dim=-1)
         return rows_linear(normed, self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
