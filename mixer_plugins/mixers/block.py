@@ -39,11 +39,9 @@ from .cache import MixerCache
 __all__ = [
     "BlockConfig",
     "BlockContext",
-    "BlockQKContext",
     "DataIndependentOptions",
     "ChannelGroup",
     "MatrixMixerBlock",
-    "queries_and_keys",
 ]
 
 
@@ -127,22 +125,6 @@ class BlockContext(MixerContext):
 
     z: Tensor | None = None
     mlp: Tensor | None = None
-
-
-@dataclasses.dataclass(eq=False, kw_only=True)
-class BlockQKContext(BlockContext):
-    """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim)); both
-    are None for a form without them (the Vandermonde mixer's DFT)."""
-
-    q: Tensor | None = None
-    k: Tensor | None = None
-
-
-def queries_and_keys(q: Tensor | None, k: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(q, k)`` of a block mixer whose every form has queries and keys (all but the Vandermonde mixer)."""
-    if q is None or k is None:
-        raise RuntimeError("this mixer has no queries and keys in its current form")
-    return q, k
 
 
 #: The context type of a block mixer (:class:`BlockContext` or a subclass).

@@ -20,9 +20,8 @@ from torch import Tensor
 
 from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext, queries_and_keys
 from .cache import MixerCache, kv_positions, kv_write
-from .qk_block import QKBlockConfig, QKMixerBlock
+from .qk_block import BlockQKContext, QKBlockConfig, QKMixerBlock, queries_and_keys
 
 __all__ = ["BlockAttentionConfig", "BlockAttentionMixer", "SPEC"]
 

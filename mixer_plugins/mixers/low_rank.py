@@ -20,9 +20,9 @@ from torch import Tensor
 from ..kernels import chunked_scan_flops, ssd
 from ..kernels.scan.step import ssd_step
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext, MatrixMixerBlock, queries_and_keys
+from .block import MatrixMixerBlock
 from .cache import MixerCache
-from .qk_block import QKBlockConfig, QKMixerBlock
+from .qk_block import BlockQKContext, QKBlockConfig, QKMixerBlock, queries_and_keys
 
 __all__ = ["LowRankConfig", "LowRankMixer", "SPEC"]
 

@@ -13,6 +13,7 @@ apply to their values is ``s * M + I``; subclasses give ``M`` (:meth:`QKMixerBlo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -20,10 +21,26 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from .block import BlockConfig, BlockQKContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
+from .block import BlockConfig, BlockContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
 from .cache import MixerCache, kv_positions, kv_write
 
-__all__ = ["SequenceBlockConfig", "QKBlockConfig", "QKMixerBlock"]
+__all__ = ["BlockQKContext", "QKBlockConfig", "QKMixerBlock", "SequenceBlockConfig", "queries_and_keys"]
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class BlockQKContext(BlockContext):
+    """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim)); both
+    are None for a form without them (the Vandermonde mixer's DFT)."""
+
+    q: Tensor | None = None
+    k: Tensor | None = None
+
+
+def queries_and_keys(q: Tensor | None, k: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(q, k)`` of a block mixer whose every form has queries and keys (all but the Vandermonde mixer)."""
+    if q is None or k is None:
+        raise RuntimeError("this mixer has no queries and keys in its current form")
+    return q, k
 
 
 class SequenceBlockConfig(BlockConfig, DataIndependentOptions):
