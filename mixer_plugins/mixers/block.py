@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from ..kernels import gated_rmsnorm
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from ..kernels.decode import ssd_decode_step
 from ..layers.conv import ShortConv
@@ -305,7 +306,9 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         weight = self.conv1d.weight
         y = ssd_decode_step(xbc, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt[0] if dt else None,
                             A_log, D, bc_order=bc_order, scale=scale, **(steps or {}))  # type: ignore[arg-type]
-        normed = self.gated_norm(y, z)
+        norm = self.norm   # the functional norm directly (one module call fewer per token)
+        normed = (gated_rmsnorm(y, z, norm.weight, norm.eps, norm.norm_before_gate)
+                  if norm is not None and norm.groups == 1 else self.gated_norm(y, z))
         if self.mlp_width:
             normed = torch.cat([F.silu(pieces[0]) * pieces[1], normed], dim=-1)
         return rows_linear(normed, self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
