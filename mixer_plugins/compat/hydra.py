@@ -74,8 +74,7 @@ class Hydra(QuasiseparableMixer):
         self.activation = activation
         self.use_mem_eff_path = use_mem_eff_path
         self.layer_idx = layer_idx
-        self._register_state_dict_hook(_to_released_keys)
-        self._register_load_state_dict_pre_hook(_from_released_keys, with_module=False)
+        use_released_keys(self)
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
@@ -104,6 +103,13 @@ class Hydra(QuasiseparableMixer):
                 "its shift and backward scan; pass right-padded rows with mask= instead"
             )
         return super().forward(u, mask=mask)
+
+
+def use_released_keys(module: torch.nn.Module) -> None:
+    """Save and load ``module``'s SSM parameters under the released names (:data:`HYDRA_KEY_MAP`; Hydra and
+    Mamba-2 share them)."""
+    module._register_state_dict_hook(_to_released_keys)
+    module._register_load_state_dict_pre_hook(_from_released_keys, with_module=False)
 
 
 def _to_released_keys(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,

@@ -7,18 +7,20 @@ bool ``(batch|1, 1, L, L)`` over (query, key) pairs, True where the key may be a
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..errors import MixerInputError
 
 __all__ = [
     "attention_bias_mask",
+    "check_mixer_input",
     "dense_allowed",
     "masked_softmax",
     "causal_nonfinite_guard",
     "causal_nonfinite_guard_many",
     "padding_mask_to_bool",
     "poison_after",
+    "set_nonfinite_guard",
     "zero_pads",
 ]
 
@@ -140,3 +142,47 @@ def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
     if allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return scores.softmax(dim=-1)
+
+
+def check_mixer_input(module: nn.Module, x: Tensor, mask: Tensor | None, dim: int) -> tuple[Tensor, Tensor | None]:
+    """Clear errors for every way an input can be wrong (rank, width, dtype, device, mask)."""
+    if not isinstance(x, Tensor):
+        raise MixerInputError(f"input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise MixerInputError(
+            f"input must have shape (batch, length, dim={dim}); got a {x.dim()}-D tensor of shape {tuple(x.shape)}"
+        )
+    if x.shape[-1] != dim:
+        raise MixerInputError(f"input width {x.shape[-1]} does not match the mixer's dim={dim}")
+    if x.shape[1] == 0:
+        raise MixerInputError("input length must be at least 1")
+    if not x.dtype.is_floating_point:
+        raise MixerInputError(f"input must be a floating-point tensor, got dtype {x.dtype}")
+    param = next(iter(module.parameters()), None)
+    if param is not None:
+        if param.device != x.device and param.device.type != "meta":
+            raise MixerInputError(f"input is on {x.device} but the mixer's parameters are on {param.device}")
+        if (
+            param.dtype != x.dtype
+            and param.dtype.is_floating_point
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            raise MixerInputError(
+                f"input dtype {x.dtype} does not match the mixer's parameters ({param.dtype}); "
+                f"convert one of them (e.g. mixer.to({x.dtype})) or run under torch.autocast"
+            )
+    if mask is not None:
+        mask = padding_mask_to_bool(mask.to(x.device), x.shape[0], x.shape[1])
+    return x, mask
+
+
+def set_nonfinite_guard(module: nn.Module, enabled: bool = True) -> nn.Module:
+    """Turn the non-finite guard of every mixer in ``module`` (itself included) on or off; returns ``module``.
+
+    With it on, a causal mixer's outputs before a non-finite input token are those of the clean input, and NaN from
+    that token on (``forward``, ``materialize``, ``prefill`` and ``step``). It costs a pass over the input (and q, k,
+    v in the softmax mixers) per call, so mixers are built with it off."""
+    for m in module.modules():
+        if hasattr(m, "guard_nonfinite"):
+            setattr(m, "guard_nonfinite", enabled)  # noqa: B010 (any module with the attribute, a plugin too)
+    return module

@@ -11,12 +11,14 @@ __all__ = ["GatedRMSNorm"]
 
 
 class GatedRMSNorm(nn.Module):
-    """``w * y / rms(y) * silu(z)`` over the whole inner width (or ``w * u / rms(u)``, ``u = y * silu(z)``)."""
+    """``w * y / rms(y) * silu(z)`` over the whole inner width (or ``w * u / rms(u)``, ``u = y * silu(z)``); with
+    ``groups > 1`` the statistics are per group of ``width / groups`` channels (Mamba-2's ``group_size``)."""
 
-    def __init__(self, width: int, eps: float = 1e-5, norm_before_gate: bool = True):
+    def __init__(self, width: int, eps: float = 1e-5, norm_before_gate: bool = True, groups: int = 1):
         super().__init__()
         self.eps = eps
         self.norm_before_gate = norm_before_gate
+        self.groups = groups
         self.weight = nn.Parameter(torch.ones(width))
 
     @torch.no_grad()
@@ -25,7 +27,14 @@ class GatedRMSNorm(nn.Module):
         self.weight.fill_(1.0)
 
     def forward(self, y: Tensor, z: Tensor) -> Tensor:
-        return gated_rmsnorm(y, z, self.weight, self.eps, self.norm_before_gate)
+        if self.groups == 1:
+            return gated_rmsnorm(y, z, self.weight, self.eps, self.norm_before_gate)
+        g = self.groups
+        ones = torch.ones(y.shape[-1] // g, dtype=self.weight.dtype, device=y.device)
+        normed = gated_rmsnorm(y.unflatten(-1, (g, -1)), z.unflatten(-1, (g, -1)), ones, self.eps,
+                               self.norm_before_gate).flatten(-2)
+        return normed * self.weight.to(normed.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, norm_before_gate={self.norm_before_gate}"
+        groups = f", groups={self.groups}" if self.groups > 1 else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}, norm_before_gate={self.norm_before_gate}{groups}"

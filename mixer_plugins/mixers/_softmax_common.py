@@ -231,14 +231,15 @@ def _sdpa_layout(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous()
 
 
-def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                    guard: bool = False) -> Tensor:
     """``softmax(scale * q k^T) v`` with causal/padding masks, via PyTorch's SDPA.
 
     ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p); returns (batch, length, heads, p).
-    Query/key and value widths may differ.
+    Query/key and value widths may differ. ``guard`` (causal): the mixer's non-finite guard is on.
     """
     poisoned = None
-    if causal:  # SDPA masks by adding -inf: a non-finite future key or value would reach the past (NaN + -inf)
+    if causal and guard:  # SDPA masks by adding -inf: a non-finite future key or value reaches the past (NaN + -inf)
         (q, k, v), poisoned = causal_nonfinite_guard_many(q, k, v)
     q, k, v = (_sdpa_layout(t).transpose(1, 2) for t in (q, k, v))
     allowed = attention_bias_mask(mask, q.shape[2], causal, q.device) if mask is not None else None
@@ -249,20 +250,20 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal
 # -- sliding-window attention ------------------------------------------------------------------------------------
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, mask: Tensor | None,
-                    scale: float) -> Tensor:
+                    scale: float, guard: bool = False) -> Tensor:
     """Sliding-window softmax attention in O(L * window): each query ``i`` sees keys ``|i - j| <= window``
     (causal: ``i - window <= j <= i``), pads excluded.
 
     ``q, k``: (batch, length, heads, e), ``v``: (batch, length, heads, p) -> (batch, length, heads, p). Runs the
     kernel op :func:`mixer_plugins.kernels.local_attention` (automatic backend: on CUDA our Triton kernel, which
     never visits the key tiles outside the band; elsewhere the blocked PyTorch path, see
-    :class:`~mixer_plugins.kernels.LocalPlan`).
+    :class:`~mixer_plugins.kernels.LocalPlan`). ``guard`` (causal): the mixer's non-finite guard is on.
     """
-    if causal:  # a zero probability times a non-finite future value is NaN: isolate such tokens (selection)
+    if causal and guard:  # a zero probability times a non-finite future value is NaN: isolate such tokens (selection)
         (q, k, v), poisoned = causal_nonfinite_guard_many(q, k, v)
         return poison_after(_local_attention_op(q, k, v, window=window, causal=True, mask=mask, scale=scale),
                             poisoned)
-    return _local_attention_op(q, k, v, window=window, causal=False, mask=mask, scale=scale)
+    return _local_attention_op(q, k, v, window=window, causal=causal, mask=mask, scale=scale)
 
 
 # -- the q/k/v base class ---------------------------------------------------------------------------------------------

@@ -1,23 +1,20 @@
-"""What the SSM-generated mixers share: their options, the per-head SSM parameters, and the bidirectional block.
+"""What the SSM-generated mixers share: their options, the per-head SSM parameters, and the bidirectional SSM mixer.
 
-``semiseparable`` (causal SSD), ``quasiseparable`` (Hydra) and the bidirectional ablations
-(:mod:`.bidirectional_ablations`) all build on the pieces here; no concrete mixer module imports another.
+``semiseparable`` (causal SSD) builds on the options and parameters here. :class:`QuasiseparableMixer` (Hydra, its
+module :mod:`.quasiseparable` holds its options and spec) lives here because the bidirectional ablations
+(:mod:`.bidirectional_ablations`) are the same class built with other ``shift``/``diag``/``combine`` arguments.
 
-Names: ``dt`` are the step sizes (``clamp(softplus(raw + dt_bias), *dt_limit)``), ``diag`` is Hydra's
-data-dependent diagonal ``D + W_D x``; ``D``/``fc_D``/``A_log``/``dt_bias`` keep Mamba's parameter names.
-
-Most of a Hydra block's time is the two-direction scan, then ``in_proj``; the glue here is kept to a few small ops
-per forward: the scan op receives the raw step-size projections (two strided views of in_proj's output) with
-``dt_bias`` and ``dt_limit`` and forms the step sizes itself, in float32 (inside the kernels on the GPU), as mamba-ssm
-does, and likewise ``A = -exp(A_log)`` from ``A_log`` (the bidirectional block passes ``A_log``); the diagonal
-``W_D x + D`` is one fused multiply-add (``D`` rides as the bias of the product).
+Names: ``dt`` are the step sizes (``clamp(softplus(raw + dt_bias), *dt_limit)``); ``D``/``A_log``/``dt_bias`` keep
+Mamba's parameter names. The scan ops receive the raw step-size projections with ``dt_bias`` and ``dt_limit``
+(:class:`StepOptions`) and form the step sizes themselves, in float32 (inside the kernels on the GPU), as mamba-ssm
+does, and likewise ``A = -exp(A_log)`` from ``A_log``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Annotated, Any, ClassVar, Literal, Optional, TypedDict
+from typing import Annotated, Any, Literal, Optional, TypedDict
 
 import torch
 from pydantic import AllowInfNan, Field, model_validator
@@ -28,17 +25,8 @@ from ..kernels import chunked_scan_flops, directional_scan, quasiseparable, scan
 from ..kernels.scan.inputs import prepare_dt
 from .block import BlockConfig, BlockContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
 
-__all__ = [
-    "BidirectionalConfig",
-    "BidirectionalSSMBlock",
-    "SSMBlockConfig",
-    "SSMParameters",
-    "ScanContext",
-    "StepOptions",
-    "compute_dtype",
-    "init_dt_bias",
-    "step_sizes",
-]
+__all__ = ["BidirectionalConfig", "QuasiseparableMixer", "SSMBlockConfig", "SSMParameters", "ScanContext",
+           "StepOptions", "compute_dtype", "init_dt_bias", "step_sizes"]
 
 
 class SSMBlockConfig(BlockConfig):
@@ -82,10 +70,6 @@ class SSMBlockConfig(BlockConfig):
         return self
 
 
-class BidirectionalConfig(SSMBlockConfig):
-    """Options of the bidirectional SSM mixers (Hydra's block, two scan directions)."""
-
-
 def init_dt_bias(heads: int, dt_min: float, dt_max: float, floor: float) -> Tensor:
     """Inverse softplus of step sizes drawn log-uniformly in [dt_min, dt_max] (Mamba-2's initialisation)."""
     dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
@@ -94,9 +78,10 @@ def init_dt_bias(heads: int, dt_min: float, dt_max: float, floor: float) -> Tens
 
 
 class SSMParameters(nn.Module):
-    """A (through ``A_log``), ``dt_bias`` and, optionally, the diagonal skip ``D``, per head."""
+    """A (through ``A_log``), ``dt_bias`` and, optionally, the diagonal skip ``D`` (``d_width`` entries: one per
+    head, or one per channel), per head."""
 
-    def __init__(self, heads: int, config: SSMBlockConfig, *, with_d: bool):
+    def __init__(self, heads: int, config: SSMBlockConfig, *, d_width: int | None):
         super().__init__()
         self.A_init_range = tuple(config.A_init_range)
         self.dt_init = (config.dt_min, config.dt_max, config.dt_init_floor)
@@ -104,7 +89,7 @@ class SSMParameters(nn.Module):
         self.dt_limit = (float(lo), float(hi))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads))
-        self.D = nn.Parameter(torch.empty(heads)) if with_d else None
+        self.D = nn.Parameter(torch.empty(d_width)) if d_width else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -148,6 +133,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def step_sizes(dt: Tensor, steps: StepOptions | None) -> Tensor:
+    """The step sizes from ``dt`` as a context holds it: through :func:`~mixer_plugins.kernels.scan.inputs.prepare_dt`
+    with ``steps``, as the scan op forms them, or ``dt`` itself when ``steps`` is None."""
+    if steps is None:
+        return dt
+    return prepare_dt(dt, steps["dt_bias"], steps["dt_softplus"], steps["dt_limit"])
+
+
+class BidirectionalConfig(SSMBlockConfig):
+    """Options of the bidirectional SSM mixers (Hydra's block, two scan directions)."""
+
+
 @dataclasses.dataclass(eq=False, kw_only=True)
 class ScanContext(BlockContext):
     """Generators of a two-direction scan: per direction ``dt_f``/``dt_b`` (b, L, h) as the scan op takes them and
@@ -182,15 +179,7 @@ class ScanContext(BlockContext):
         return dataclasses.replace(self, dt_f=dt_f, dt_b=dt_b, steps=None)
 
 
-def step_sizes(dt: Tensor, steps: StepOptions | None) -> Tensor:
-    """The step sizes from ``dt`` as a context holds it: through :func:`~mixer_plugins.kernels.scan.inputs.prepare_dt`
-    with ``steps``, as the scan op forms them, or ``dt`` itself when ``steps`` is None."""
-    if steps is None:
-        return dt
-    return prepare_dt(dt, steps["dt_bias"], steps["dt_softplus"], steps["dt_limit"])
-
-
-def bidirectional_groups(config: BidirectionalConfig) -> list[ChannelGroup]:
+def bidirectional_groups(config: SSMBlockConfig) -> list[ChannelGroup]:
     """The channel groups of Hydra's in_proj after ``z``: x, the B/C generators, then the raw step sizes."""
     gn = config.ngroups * config.d_state
     groups = [ChannelGroup("x", config.d_inner)]
@@ -204,31 +193,30 @@ def bidirectional_groups(config: BidirectionalConfig) -> list[ChannelGroup]:
     return groups
 
 
-class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
-    """Hydra's block layout with a configurable combination of the two scan directions.
+class QuasiseparableMixer(MatrixMixerBlock[ScanContext]):
+    """Hydra: shifted forward and backward scans plus a free data-dependent diagonal.
 
-    Class switches (set by each mixer): ``shift`` (move each direction one step off the diagonal),
-    ``use_diag`` (add the data-dependent diagonal ``diag = D + W_D x``) and ``combine`` ("sum", "product" or
-    "concat" of the two directions).
+    ``shift``, ``diag`` and ``combine`` give the ablations of the paper (:mod:`.bidirectional_ablations`): Hydra is
+    ``shift=True, diag=True, combine="sum"``. ``config`` may be a plain :class:`BidirectionalConfig` (the options
+    of Hydra's own, ``shared_bc``, ``learnable_init_states`` and the data-independent form, then take their defaults).
     """
 
-    shift: ClassVar[bool] = True
-    use_diag: ClassVar[bool] = True
-    combine: ClassVar[Literal["sum", "product", "concat"]] = "sum"
-
-    def __init__(self, config: BidirectionalConfig):
-        concat = self.combine == "concat"
-        super().__init__(config, bidirectional_groups(config), out_width=2 * config.d_inner if concat else None)
+    def __init__(self, config: BidirectionalConfig, *, shift: bool = True, diag: bool = True,
+                 combine: Literal["sum", "product", "concat"] = "sum"):
+        super().__init__(config, bidirectional_groups(config),
+                         out_width=2 * config.d_inner if combine == "concat" else None)
+        self.shift, self.use_diag, self.combine = shift, diag, combine
         self.shared_bc = bool(getattr(config, "shared_bc", False))
         self.data_dependent = bool(getattr(config, "data_dependent", True))
         self.d_state = config.d_state
         self.ngroups = config.ngroups
         self.chunk_size = config.chunk_size
         self.scan_heads = config.num_heads
-        if concat:
+        if combine == "concat":
             self.num_heads = 2 * config.num_heads  # the matrix has a forward and a backward block of heads
-        self.ssm = SSMParameters(self.scan_heads, config, with_d=self.use_diag)
-        self.fc_D = nn.Linear(self.d_inner, self.scan_heads, bias=False) if self.use_diag else None
+        self.materializable = combine != "product"
+        self.ssm = SSMParameters(self.scan_heads, config, d_width=self.scan_heads if diag else None)
+        self.fc_D = nn.Linear(self.d_inner, self.scan_heads, bias=False) if diag else None
         self.max_seq_len = None
         self.BC: nn.Parameter | None = None
         if not self.data_dependent:
@@ -236,13 +224,17 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
             self.max_seq_len = config.free_length
             self.BC = nn.Parameter(torch.empty(config.free_length, 2 * self.ngroups * self.d_state))
             nn.init.xavier_normal_(self.BC)
-        self.materializable = self.combine != "product"
+        self.init_states: nn.Parameter | None = None
+        if getattr(config, "learnable_init_states", False):
+            self.init_states = nn.Parameter(torch.zeros(self.scan_heads, self.head_dim, self.d_state))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if self.BC is not None:
             nn.init.xavier_normal_(self.BC)
+        if self.init_states is not None:
+            self.init_states.zero_()
 
     # -- the generators -------------------------------------------------------------------------------
     def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> ScanContext:
@@ -313,3 +305,32 @@ class BidirectionalSSMBlock(MatrixMixerBlock[ScanContext]):
         if self.use_diag:
             parts["diag_proj"] = 2 * batch * length * self.d_inner * h
         return parts
+
+    def initial_state_term(self, ctx: ScanContext) -> Tensor:
+        """What the initial state ``S0`` adds to the mixed values, (batch, length, heads, head_dim).
+
+        Each direction's scan starts from ``S0`` (Hydra repeats it for both), so after the shift position ``i`` gets
+        ``exp(A sum_{k<=i-1} dt^f_k) C_{f,i-1} . S0`` from the forward scan (``i >= 1``) and
+        ``exp(A sum_{k>=i+1} dt^b_k) C_{b,i+1} . S0`` from the backward one (``i <= L-2``); the backward sum runs over
+        real tokens only (pads have zero step), so a padded row equals the unpadded one.
+        """
+        if self.init_states is None:
+            raise RuntimeError(f"{type(self).__name__} was built without learnable_init_states: no initial state")
+        s0 = self.init_states.to(ctx.x.dtype)                        # (h, p, n)
+        rep = self.scan_heads // self.ngroups
+        dt_f, dt_b = ctx.step_sizes()
+        if ctx.mask is not None:
+            keep = ctx.mask[..., None].to(dt_b.dtype)
+            dt_f, dt_b = dt_f * keep, dt_b * keep
+        A = ctx.A.to(dt_f.dtype)                                     # the decays in the step sizes' dtype
+        decay_f = torch.exp(A * torch.cumsum(dt_f, dim=1))                         # sum_{k<=t}
+        decay_b = torch.exp(A * torch.flip(torch.cumsum(torch.flip(dt_b, (1,)), dim=1), (1,)))  # sum_{k>=t}
+        read_f = torch.einsum("blhn,hpn->blhp", ctx.C_f.repeat_interleave(rep, dim=2), s0) * decay_f[..., None]
+        read_b = torch.einsum("blhn,hpn->blhp", ctx.C_b.repeat_interleave(rep, dim=2), s0) * decay_b[..., None]
+        zero = torch.zeros_like(read_f[:, :1])
+        return torch.cat([zero, read_f[:, :-1]], dim=1) + torch.cat([read_b[:, 1:], zero], dim=1)
+
+    def finish(self, ctx: ScanContext, y: Tensor) -> Tensor:
+        if self.init_states is not None:
+            y = y + self.initial_state_term(ctx).to(y.dtype)
+        return super().finish(ctx, y)

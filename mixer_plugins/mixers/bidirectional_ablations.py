@@ -1,7 +1,8 @@
 """The bidirectional heuristics and the quasiseparable ablations of the Hydra paper (Table 3, App. F).
 
-All share Hydra's block and generators (separate forward/backward B, C, dt; one A) and differ only in how
-the forward scan ``S_f = SS_f(x)`` and the backward scan ``S_b = flip(SS_b(flip x))`` are combined:
+Each is the quasiseparable mixer (Hydra's block and generators: separate forward/backward B, C, dt; one A) built
+with other ``shift``/``diag``/``combine`` arguments, so they differ only in how the forward scan ``S_f = SS_f(x)``
+and the backward scan ``S_b = flip(SS_b(flip x))`` are combined:
 
 =================================  =============================================  ========================
 mixer                              combination                                    matrix
@@ -23,7 +24,7 @@ reconstruction. Add and Add+Shift keep no separate D skip (unspecified in the pa
 from __future__ import annotations
 
 from ..registry.spec import MixerSpec
-from ._ssm import BidirectionalConfig, BidirectionalSSMBlock
+from ._ssm import BidirectionalConfig, QuasiseparableMixer
 
 __all__ = [
     "AddMixer", "MultMixer", "ConcatMixer", "NoShiftMixer", "NoDiagMixer",
@@ -33,37 +34,42 @@ __all__ = [
 _TEST = {"head_dim": 16, "d_state": 8, "chunk_size": 8}
 
 
-class AddMixer(BidirectionalSSMBlock):
-    shift = False
-    use_diag = False
-    combine = "sum"
+class AddMixer(QuasiseparableMixer):
+    """``S_f + S_b``: no shift, no diagonal."""
+
+    def __init__(self, config: BidirectionalConfig):
+        super().__init__(config, shift=False, diag=False, combine="sum")
 
 
-class MultMixer(BidirectionalSSMBlock):
-    shift = False
-    use_diag = False
-    combine = "product"
+class MultMixer(QuasiseparableMixer):
+    """``S_f * S_b`` (elementwise; not linear in the values)."""
+
+    def __init__(self, config: BidirectionalConfig):
+        super().__init__(config, shift=False, diag=False, combine="product")
 
 
-class ConcatMixer(BidirectionalSSMBlock):
-    shift = False
-    use_diag = False
-    combine = "concat"
+class ConcatMixer(QuasiseparableMixer):
+    """``[S_f, S_b]`` on channels."""
+
+    def __init__(self, config: BidirectionalConfig):
+        super().__init__(config, shift=False, diag=False, combine="concat")
 
 
-class NoShiftMixer(BidirectionalSSMBlock):
-    shift = False
-    use_diag = True
-    combine = "sum"
+class NoShiftMixer(QuasiseparableMixer):
+    """``S_f + S_b + diag * x`` (Add+Diag)."""
+
+    def __init__(self, config: BidirectionalConfig):
+        super().__init__(config, shift=False, diag=True, combine="sum")
 
 
-class NoDiagMixer(BidirectionalSSMBlock):
-    shift = True
-    use_diag = False
-    combine = "sum"
+class NoDiagMixer(QuasiseparableMixer):
+    """``shift(S_f) + shift(S_b)`` (Add+Shift)."""
+
+    def __init__(self, config: BidirectionalConfig):
+        super().__init__(config, shift=True, diag=False, combine="sum")
 
 
-def _spec(name: str, alias: str, builder: type[BidirectionalSSMBlock], summary: str, matrix_class: str) -> MixerSpec:
+def _spec(name: str, alias: str, builder: type[QuasiseparableMixer], summary: str, matrix_class: str) -> MixerSpec:
     return MixerSpec(name=name, aliases=(alias,), config=BidirectionalConfig, builder=builder, summary=summary,
                      matrix_class=matrix_class, direction="bidirectional", complexity="O(L)", data_dependent="yes",
                      test_options=_TEST)

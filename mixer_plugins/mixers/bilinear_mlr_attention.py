@@ -187,7 +187,7 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
         if self.link_function != "softmax" or (self.attn_dropout and self.training):
             return torch.einsum("bhij,bjhp->bihp", self._weights(self.logits(ctx), ctx.mask), ctx.values)
         q, k = self._fused_qk(ctx)
-        return fused_attention(q, k, ctx.values, ctx.mask, self.causal, 1.0)
+        return fused_attention(q, k, ctx.values, ctx.mask, self.causal, 1.0, self.guard_nonfinite)
 
     def matrix(self, ctx: LevelsContext) -> Tensor:
         scores = tensor_sum(dot_scores(q, k) * s for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales))

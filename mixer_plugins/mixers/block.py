@@ -10,10 +10,11 @@ pad positions are zeroed before the convolution (so they are neutral inputs, exa
 zero padding on the unpadded row) and again after the convolution and activation (the conv bias would
 otherwise make them non-zero), so no scan direction ever reads a pad.
 
-Decoding (causal block mixers that step): the short convolution keeps a rolling state of its last ``d_conv`` inputs
-per channel (``cache.state["conv"]``, mamba-ssm's ``conv_state`` layout), filled from each prompt row's own last
-tokens; the mixer adds its own state through :meth:`MatrixMixerBlock.init_mixer_cache`,
-:meth:`MatrixMixerBlock.mix_prefill` and :meth:`~mixer_plugins.MatrixMixer.mix_step`.
+Decoding (causal block mixers that step) uses the base class's hooks: the short convolution keeps a rolling state of
+its last ``d_conv`` inputs per channel (``cache.state["conv"]``, mamba-ssm's ``conv_state`` layout). The block's
+:meth:`~MatrixMixerBlock.init_cache` allocates it and its :meth:`~MatrixMixerBlock.prepare_step` advances it; a mixer
+adds its own state in ``init_cache`` (after ``super().init_cache``), fills both in ``fill_cache`` (calling
+:meth:`~MatrixMixerBlock.fill_conv_cache`) and advances its own in ``mix_step``.
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ from .cache import MixerCache
 __all__ = [
     "BlockConfig",
     "BlockContext",
-    "BlockQKContext",
     "DataIndependentOptions",
     "ChannelGroup",
     "MatrixMixerBlock",
-    "queries_and_keys",
 ]
 
 
@@ -122,25 +121,11 @@ class ChannelGroup:
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class BlockContext(MixerContext):
-    """Context of a block mixer: ``z`` is the gate of the output norm (batch, length, out_width), set by the block."""
+    """Context of a block mixer: ``z`` is the gate of the output norm (batch, length, out_width), set by the block;
+    ``mlp`` the gated MLP branch ``silu(z0) * x0`` (batch, length, mlp_width) of a block built with one."""
 
     z: Tensor | None = None
-
-
-@dataclasses.dataclass(eq=False, kw_only=True)
-class BlockQKContext(BlockContext):
-    """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim)); both
-    are None for a form without them (the Vandermonde mixer's DFT)."""
-
-    q: Tensor | None = None
-    k: Tensor | None = None
-
-
-def queries_and_keys(q: Tensor | None, k: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(q, k)`` of a block mixer whose every form has queries and keys (all but the Vandermonde mixer)."""
-    if q is None or k is None:
-        raise RuntimeError("this mixer has no queries and keys in its current form")
-    return q, k
+    mlp: Tensor | None = None
 
 
 #: The context type of a block mixer (:class:`BlockContext` or a subclass).
@@ -183,11 +168,13 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
     ``MatrixMixerBlock[ItsContext]`` (a :class:`BlockContext` subclass), the type its hooks take and return.
     ``ctx.values`` is the post-conv, post-activation value group reshaped to (batch, length, heads, head_dim).
     ``out_width`` (default ``d_inner``) is the width of the mixed values, the norm and out_proj's input
-    (concat-style mixers produce twice ``d_inner``).
+    (concat-style mixers produce twice ``d_inner``). ``mlp_width`` > 0 adds Mamba-2's gated MLP beside the mixer:
+    in_proj also gives ``z0``, ``x0`` of that width (in front of ``z``), and out_proj reads ``[silu(z0) * x0, normed
+    y]``. ``norm=False`` gates without the RMSNorm: ``y * silu(z)``.
     """
 
     def __init__(self, config: BlockConfig, groups: Sequence[ChannelGroup], *, causal_conv: bool | None = None,
-                 out_width: int | None = None):
+                 out_width: int | None = None, mlp_width: int = 0, norm: bool = True):
         super().__init__(config)
         self.d_inner = config.d_inner
         self.head_dim = config.head_dim
@@ -207,20 +194,23 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         self._conv_groups = groups[:n_conv]
         self._conv_all_activated = all(g.activation for g in self._conv_groups)
         self.out_width = out_width or self.d_inner
-        # in_proj's output split as z, the convolved slice, the other groups
-        self._step_widths = [self.out_width, sum(g.width for g in self._conv_groups)]
+        self.mlp_width = mlp_width
+        # in_proj's output split as (z0, x0,) z, the convolved slice, the other groups
+        self._step_widths = [mlp_width, mlp_width] if mlp_width else []
+        self._step_widths += [self.out_width, sum(g.width for g in self._conv_groups)]
         self._step_widths += [g.width for g in groups[n_conv:]]
-        self.in_proj = nn.Linear(config.dim, self.out_width + sum(g.width for g in groups), bias=config.proj_bias)
+        self.in_proj = nn.Linear(config.dim, sum(self._step_widths), bias=config.proj_bias)
         conv_width = sum(g.width for g in groups if g.conv)
         self.conv1d = (
             _ShortConv(conv_width, config.d_conv, bias=config.conv_bias, causal=self.causal_conv,
                        init_bound=getattr(config, "conv_init", None))
             if conv_width else None
         )
-        self.norm = GatedRMSNorm(self.out_width, config.norm_eps, config.norm_before_gate)
         # Mamba-2 with ngroups > 1 normalises each group of out_width / ngroups channels on its own.
-        self.norm_groups = int(getattr(config, "ngroups", 1)) if getattr(config, "norm_per_group", False) else 1
-        self.out_proj = nn.Linear(self.out_width, config.dim, bias=config.proj_bias)
+        norm_groups = int(getattr(config, "ngroups", 1)) if getattr(config, "norm_per_group", False) else 1
+        self.norm = (GatedRMSNorm(self.out_width, config.norm_eps, config.norm_before_gate, norm_groups) if norm
+                     else None)
+        self.out_proj = nn.Linear(mlp_width + self.out_width, config.dim, bias=config.proj_bias)
 
     # -- hooks (called per forward, never from the constructor) --------------------------------------
     def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockCtxT:
@@ -236,7 +226,7 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         other = self.groups[len(self._conv_groups):]
         # in_proj as one product, its output split into views (z, the convolved slice, the other groups): one
         # matmul each way and one for the weight's gradient; the kernels below read the views through their strides
-        z, u, *rest = self._in_proj_pieces(x)
+        mlp, (z, u, *rest) = self._in_proj_pieces(x)
         keep = mask[..., None].to(x.dtype) if mask is not None else None
         pieces: dict[str, Tensor] = {}
         if self.conv1d is not None:   # there are convolved groups (their conv exists exactly then)
@@ -255,23 +245,20 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
                 if keep is not None:
                     pieces[g.name] = pieces[g.name] * keep
         ctx = self.build_context(pieces, mask)
-        ctx.z = z
+        ctx.z, ctx.mlp = z, mlp
         return ctx
 
     def finish(self, ctx: BlockCtxT, y: Tensor) -> Tensor:
         assert ctx.z is not None, "the block's prepare sets the gate ctx.z"
-        return self.out_proj(self.gated_norm(y.flatten(2), ctx.z))
+        y = self.gated_norm(y.flatten(2), ctx.z)
+        if ctx.mlp is not None:
+            y = torch.cat([ctx.mlp, y], dim=-1)
+        return self.out_proj(y)
 
     def gated_norm(self, y: Tensor, z: Tensor) -> Tensor:
-        """The gated RMSNorm of (batch, length, out_width) ``y`` gated by ``z``: over the whole width, or per group
-        of ``out_width / norm_groups`` channels (``norm_per_group``, Mamba-2's ``group_size``)."""
-        if self.norm_groups == 1:
-            return self.norm(y, z)
-        g = self.norm_groups
-        ones = torch.ones(y.shape[-1] // g, dtype=self.norm.weight.dtype, device=y.device)
-        normed = gated_rmsnorm(y.unflatten(-1, (g, -1)), z.unflatten(-1, (g, -1)), ones, self.norm.eps,
-                               self.norm.norm_before_gate).flatten(-2)
-        return normed * self.norm.weight.to(normed.dtype)
+        """The gated RMSNorm of (batch, length, out_width) ``y`` gated by ``z`` (over the whole width, or per group:
+        ``norm_per_group``); without a norm, the gate alone."""
+        return y * F.silu(z) if self.norm is None else self.norm(y, z)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length
@@ -279,33 +266,24 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         if self.conv1d is not None:
             parts["conv"] = 2 * tokens * self.conv1d.in_channels * self.conv1d.kernel_size[0]
         parts.update(self.mixer_flops(batch, length))
-        parts["out_proj"] = 2 * tokens * self.out_width * self.dim
+        parts["out_proj"] = 2 * tokens * (self.mlp_width + self.out_width) * self.dim
         return parts
 
-    # -- decoding (causal block mixers) ----------------------------------------------------------------
-    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                         device: torch.device) -> None:
-        """The mixer's own state tensors (the block adds the convolution's)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement init_mixer_cache")
-
-    def mix_prefill(self, ctx: BlockCtxT, cache: MixerCache, lengths: Tensor) -> Tensor:
-        """Prefill of the mixer's own state from the prompt's context; returns what :meth:`mix` gives."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement mix_prefill")
-
-    def step_context(self, ctx: BlockCtxT, cache: MixerCache) -> BlockCtxT:
-        """Position-dependent parts of a step's context (free, L-sized parameters); the default changes nothing."""
-        return ctx
-
+    # -- decoding (causal block mixers): the short convolution's state -----------------------------------
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
                    device: torch.device) -> None:
+        """The short convolution's state ``cache.state["conv"]``; a mixer adds its own after ``super().init_cache``."""
         if self.conv1d is not None:
             cache.state["conv"] = torch.zeros(batch, self.conv1d.in_channels, self.conv1d.kernel_size[0],
                                               dtype=dtype, device=device)
-        self.init_mixer_cache(cache, batch, max_len, dtype, device)
 
-    def _in_proj_pieces(self, x: Tensor) -> list[Tensor]:
-        """in_proj of ``x`` split into ``z``, the convolved slice and the other groups, in that order."""
-        return list(F.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._step_widths, dim=-1))
+    def _in_proj_pieces(self, x: Tensor) -> tuple[Tensor | None, list[Tensor]]:
+        """in_proj of ``x``: the MLP branch ``silu(z0) * x0`` (None without one) and the list ``z``, the convolved
+        slice, the other groups."""
+        pieces = list(F.linear(x, self.in_proj.weight, self.in_proj.bias).split(self._step_widths, dim=-1))
+        if not self.mlp_width:
+            return None, pieces
+        return F.silu(pieces[0]) * pieces[1], pieces[2:]
 
     def fused_ssd_step(self, x: Tensor, cache: MixerCache, state: str, *, A_log: Tensor | None,
                        D: Tensor | float | None, steps: Mapping[str, Any] | None = None, bc_order: str = "BC",
@@ -322,32 +300,38 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
             return None
         b = x.shape[0]
         proj = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias)
-        z, xbc, *dt = proj.split_with_sizes(self._step_widths, dim=-1)
+        pieces = proj.split_with_sizes(self._step_widths, dim=-1)
+        z, xbc, *dt = pieces[2:] if self.mlp_width else pieces
         assert self.conv1d is not None and self._conv_all_activated, "a block whose convolved groups are x | B | C"
         weight = self.conv1d.weight
         y = ssd_decode_step(xbc, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt[0] if dt else None,
                             A_log, D, bc_order=bc_order, scale=scale, **(steps or {}))  # type: ignore[arg-type]
-        norm = self.norm
-        normed = (gated_rmsnorm(y, z, norm.weight, norm.eps, norm.norm_before_gate) if self.norm_groups == 1
-                  else self.gated_norm(y, z))
+        norm = self.norm   # the functional norm directly (one module call fewer per token)
+        normed = (gated_rmsnorm(y, z, norm.weight, norm.eps, norm.norm_before_gate)
+                  if norm is not None and norm.groups == 1 else self.gated_norm(y, z))
+        if self.mlp_width:
+            normed = torch.cat([F.silu(pieces[0]) * pieces[1], normed], dim=-1)
         return rows_linear(normed, self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
 
-    def fill_cache(self, cache: MixerCache, ctx: BlockCtxT, x: Tensor, lengths: Tensor) -> Tensor:
-        if self.conv1d is not None:
-            # The convolution's inputs at each row's last d_conv real tokens (zeros before the row's start).
-            kernel = self.conv1d.kernel_size[0]
-            tail = causal_conv1d_state(x, kernel, lengths).transpose(1, 2)          # (b, kernel, dim)
-            conv_width = self.conv1d.in_channels
-            rows = slice(self.out_width, self.out_width + conv_width)
-            bias = None if self.in_proj.bias is None else self.in_proj.bias[rows]
-            u = F.linear(tail, self.in_proj.weight[rows], bias)
-            started = (lengths[:, None] - kernel + torch.arange(kernel, device=x.device)) >= 0
-            u = torch.where(started[..., None], u, u.new_zeros(()))
-            cache.state["conv"].copy_(u.transpose(1, 2).detach())
-        return self.mix_prefill(ctx, cache, lengths)
+    def fill_conv_cache(self, cache: MixerCache, x: Tensor, lengths: Tensor) -> None:
+        """Prefill of the short convolution's state from the prompt ``x``: the convolution's inputs at each row's last
+        ``d_conv`` real tokens (zeros before the row's start). A mixer's :meth:`fill_cache` calls it."""
+        if self.conv1d is None:
+            return
+        kernel = self.conv1d.kernel_size[0]
+        tail = causal_conv1d_state(x, kernel, lengths).transpose(1, 2)          # (b, kernel, dim)
+        start = 2 * self.mlp_width + self.out_width
+        rows = slice(start, start + self.conv1d.in_channels)
+        bias = None if self.in_proj.bias is None else self.in_proj.bias[rows]
+        u = F.linear(tail, self.in_proj.weight[rows], bias)
+        started = (lengths[:, None] - kernel + torch.arange(kernel, device=x.device)) >= 0
+        u = torch.where(started[..., None], u, u.new_zeros(()))
+        cache.state["conv"].copy_(u.transpose(1, 2).detach())
 
     def prepare_step(self, x: Tensor, cache: MixerCache) -> BlockCtxT:
-        z, u, *rest = self._in_proj_pieces(x)
+        """The block's step: in_proj, the short convolution against its state (updated in place), the mixer's
+        context. A mixer whose context depends on the position (free, L-sized parameters) extends it."""
+        mlp, (z, u, *rest) = self._in_proj_pieces(x)
         pieces: dict[str, Tensor] = {}
         if self.conv1d is not None:
             # the convolution runs in the wider of the state's and the inputs' dtypes
@@ -362,8 +346,8 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
             if g.activation and not (g.conv and self._conv_all_activated):
                 pieces[g.name] = F.silu(pieces[g.name])
         ctx = self.build_context(pieces, None)
-        ctx.z = z
-        return self.step_context(ctx, cache)
+        ctx.z, ctx.mlp = z, mlp
+        return ctx
 
     # -- helpers for subclasses -------------------------------------------------------------------
     def heads(self, t: Tensor) -> Tensor:

@@ -20,9 +20,8 @@ from torch import Tensor
 
 from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext, queries_and_keys
 from .cache import MixerCache, kv_positions, kv_write
-from .qk_block import QKBlockConfig, QKMixerBlock
+from .qk_block import BlockQKContext, QKBlockConfig, QKMixerBlock, queries_and_keys
 
 __all__ = ["BlockAttentionConfig", "BlockAttentionMixer", "SPEC"]
 
@@ -64,12 +63,14 @@ class BlockAttentionMixer(QKMixerBlock):
         return y.transpose(1, 2) + v
 
     # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                         device: torch.device) -> None:
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        super().init_cache(cache, batch, max_len, dtype, device)
         cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.qk_dim, dtype=dtype, device=device)
         cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
 
-    def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: BlockQKContext, x: Tensor, lengths: Tensor) -> Tensor:
+        self.fill_conv_cache(cache, x, lengths)
         b, length = ctx.values.shape[:2]
         _, k = queries_and_keys(ctx.q, ctx.k)
         cache.state["k"][:, :length] = k.expand(b, -1, -1, -1).detach()

@@ -154,7 +154,7 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer[BTTContext]):
         keys = self.keys(ctx)
         b, l, h, _ = keys.shape
         query = ctx.query[:, :, None, :].expand(b, l, h, self.dim)
-        return fused_attention(query, keys, ctx.values, ctx.mask, self.causal, self.scale)
+        return fused_attention(query, keys, ctx.values, ctx.mask, self.causal, self.scale, self.guard_nonfinite)
 
     def matrix(self, ctx: BTTContext) -> Tensor:
         # Independent of the fast path: keys through the materialized M_h, scores and softmax written out.

@@ -27,14 +27,18 @@ Steps update the tensors in place (fixed addresses and shapes, what a CUDA-graph
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..errors import StepNotSupportedError
+from ..errors import MixerInputError, SequenceLengthError, StepNotSupportedError
+from ..layers.masks import causal_nonfinite_guard, poison_after
 
-__all__ = ["CACHE_DTYPES", "MixerCache", "StepNotSupportedError", "append_kv", "fill_kv", "init_kv", "kv_positions",
-           "kv_write", "ring_write"]
+__all__ = ["CACHE_DTYPES", "MixerCache", "StepNotSupportedError", "append_kv", "check_cache", "check_cache_request",
+           "fill_kv", "init_kv", "kv_positions", "kv_write", "refuse_autograd", "ring_write", "step_with_guard"]
 
 #: The dtypes a cache's state may have (``allocate_cache(dtype=...)``); any of them under a mixer of any of them.
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -135,3 +139,100 @@ def append_kv(cache: MixerCache, keys: Tensor, values: Tensor) -> tuple[Tensor, 
     kv_write(cache.state["k"], keys.detach(), positions)
     kv_write(cache.state["v"], values.detach(), positions)
     return positions, kv_positions(positions, cache.max_len)
+
+
+# -- what prefill and step check before touching a cache ------------------------------------------------------------
+
+def check_cache_request(batch: object, max_len: object, dtype: torch.dtype | None) -> None:
+    """``allocate_cache``'s arguments: integers ``batch >= 0``, ``max_len >= 1``, a dtype of :data:`CACHE_DTYPES`."""
+    for label, value, low in (("batch", batch, 0), ("max_len", max_len, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise MixerInputError(f"allocate_cache: {label} must be an integer >= {low}, got {value!r}")
+    if dtype is not None and dtype not in CACHE_DTYPES:
+        raise MixerInputError(
+            f"allocate_cache: dtype must be one of {', '.join(map(str, CACHE_DTYPES))} (the precision the state "
+            f"is stored in), got {dtype!r}"
+        )
+
+
+def check_cache(cache: MixerCache, x: Tensor, owner: str, name: str | None, empty: bool = False) -> None:
+    """Refuse a cache that is not a :class:`MixerCache`, belongs to another mixer (``owner`` is the caller's cache
+    key, ``name`` its registry name), has other rows or another device than ``x``, cannot hold ``x``'s tokens, or
+    (``empty``: a prefill) already holds some."""
+    if not isinstance(cache, MixerCache):
+        raise MixerInputError(f"cache must be a MixerCache (from allocate_cache), got {type(cache).__name__}")
+    if cache.owner is not None and cache.owner != owner:
+        raise MixerInputError(_owner_mismatch(cache.owner, owner, name))
+    if cache.batch != x.shape[0]:
+        raise MixerInputError(f"the cache has {cache.batch} rows but the input has batch {x.shape[0]}")
+    if cache.lengths.device != x.device:
+        raise MixerInputError(f"the cache is on {cache.lengths.device} but the input is on {x.device}")
+    if cache.offset + x.shape[1] > cache.max_len:
+        raise SequenceLengthError(
+            f"the cache holds up to max_len={cache.max_len} tokens per row; {cache.offset} were given and "
+            f"{x.shape[1]} more do not fit. Allocate a longer cache"
+        )
+    if empty and cache.offset:
+        raise MixerInputError(f"prefill needs an empty cache; this one holds {cache.offset} tokens (use step to "
+                              "continue it, or allocate a new one)")
+
+
+def _owner_mismatch(theirs: str, ours: str, name: str | None) -> str:
+    """The message refusing a cache owned by ``theirs`` (another cache key): both mixers, and the options in which
+    they differ."""
+    try:
+        theirs_record, ours_record = json.loads(theirs), json.loads(ours)
+        theirs_class, ours_class = str(theirs_record["class"]), str(ours_record["class"])
+        theirs_opts, ours_opts = dict(theirs_record["options"]), dict(ours_record["options"])
+    except (ValueError, KeyError, TypeError):
+        theirs_desc, ours_desc = repr(theirs), repr(ours)
+    else:
+        theirs_short, ours_short = theirs_class.rsplit(".", 1)[-1], ours_class.rsplit(".", 1)[-1]
+        missing = "(unset)"
+        differ = [k for k in sorted(set(theirs_opts) | set(ours_opts))
+                  if theirs_opts.get(k, missing) != ours_opts.get(k, missing)]
+        if theirs_class != ours_class or not differ:
+            theirs_desc, ours_desc = theirs_short, ours_short
+        else:
+            theirs_desc = f"{theirs_short}({', '.join(f'{k}={theirs_opts.get(k, missing)!r}' for k in differ)})"
+            ours_desc = f"{ours_short}({', '.join(f'{k}={ours_opts.get(k, missing)!r}' for k in differ)})"
+    return (
+        f"the cache belongs to another mixer: it was allocated by {theirs_desc}, and this is {ours_desc}"
+        f"{f' ({name!r})' if name else ''}. A cache holds the state of the mixer that allocated it (mixers of the "
+        "same class and options share caches); allocate one with this mixer's allocate_cache"
+    )
+
+
+def refuse_autograd(module: nn.Module, x: Tensor) -> None:
+    """Raise :class:`MixerInputError` when autograd would record a ``prefill``/``step`` of ``module`` (grad enabled,
+    and the input or a parameter requires grad): the cache keeps no history and is updated in place, so gradients
+    through steps would be wrong. Under ``no_grad``/``inference_mode`` this is one ``torch.is_grad_enabled()`` call."""
+    if not torch.is_grad_enabled():
+        return
+    if not x.requires_grad and not any(p.requires_grad for p in module.parameters()):
+        return  # nothing would be recorded
+    culprit = "the input requires grad" if x.requires_grad else next(
+        f"parameter {n!r} requires grad" for n, p in module.named_parameters() if p.requires_grad)
+    raise MixerInputError(
+        f"prefill and step are for inference, and autograd is recording ({culprit}): the cache keeps no autograd "
+        "history and is updated in place, so gradients through the steps would be wrong. Call prefill/step under "
+        "torch.no_grad() or torch.inference_mode() (to train, run forward over whole sequences)"
+    )
+
+
+def step_with_guard(step_tokens: Callable[[Tensor, MixerCache], Tensor], x: Tensor, cache: MixerCache) -> Tensor:
+    """``step_tokens(x, cache)`` with the non-finite guard: a row's outputs are NaN from its first non-finite token
+    on (``cache.poisoned`` remembers it across calls), and a non-finite token never reaches earlier ones."""
+    b, t = x.shape[:2]
+    if t == 1:
+        # One token reaches only its own row. x - x is NaN exactly where x is not finite, so its sum flags the row.
+        flag = (x - x).sum((1, 2))
+        out = step_tokens(x, cache)
+        poisoned = torch.logical_or(cache.poisoned, flag.ne(flag), out=cache.poisoned)
+        return out.masked_fill_(poisoned.view(b, 1, 1), math.nan)
+    # Several tokens are mixed together: a non-finite one is zeroed first, so it cannot reach earlier ones.
+    x, bad = causal_nonfinite_guard(x)
+    out = step_tokens(x, cache)
+    poisoned = (bad | cache.poisoned[:, None]).cummax(dim=1).values
+    cache.poisoned.copy_(poisoned[:, -1])
+    return poison_after(out, poisoned)

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext, queries_and_keys
-from .qk_block import QKBlockConfig, QKMixerBlock
+from .qk_block import BlockQKContext, QKBlockConfig, QKMixerBlock, queries_and_keys
 
 __all__ = ["CauchyConfig", "CauchyMixer", "SPEC"]
 

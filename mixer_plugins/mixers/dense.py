@@ -64,11 +64,13 @@ class DenseMixer(MatrixMixerBlock[BlockContext]):
         return torch.einsum("hij,bjhp->bihp", w, ctx.values) / math.sqrt(self.max_seq_len) + ctx.values
 
     # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                         device: torch.device) -> None:
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        super().init_cache(cache, batch, max_len, dtype, device)
         cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
 
-    def mix_prefill(self, ctx: BlockContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: BlockContext, x: Tensor, lengths: Tensor) -> Tensor:
+        self.fill_conv_cache(cache, x, lengths)
         cache.state["v"][:, :ctx.values.shape[1]] = ctx.values.detach()
         return self.mix(ctx)
 

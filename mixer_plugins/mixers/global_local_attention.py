@@ -89,9 +89,10 @@ class GlobalLocalAttention(QKVSoftmaxMixer):
 
     def mix(self, ctx: QKContext) -> Tensor:
         (qg, ql), (kg, kl) = self._split(ctx.q), self._split(ctx.k)
-        y_global = fused_attention(qg, kg, ctx.values, ctx.mask, self.causal, self.global_scale)
+        y_global = fused_attention(qg, kg, ctx.values, ctx.mask, self.causal, self.global_scale,
+                                   self.guard_nonfinite)
         y_local = local_attention(ql, kl, ctx.values, window=self.window, causal=self.causal, mask=ctx.mask,
-                                  scale=self.local_scale)
+                                  scale=self.local_scale, guard=self.guard_nonfinite)
         return y_global + y_local
 
     def matrix(self, ctx: QKContext) -> Tensor:

@@ -20,9 +20,9 @@ from torch import Tensor
 from ..kernels import chunked_scan_flops, ssd
 from ..kernels.scan.step import ssd_step
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext, queries_and_keys
+from .block import MatrixMixerBlock
 from .cache import MixerCache
-from .qk_block import QKBlockConfig, QKMixerBlock
+from .qk_block import BlockQKContext, QKBlockConfig, QKMixerBlock, queries_and_keys
 
 __all__ = ["LowRankConfig", "LowRankMixer", "SPEC"]
 
@@ -64,8 +64,10 @@ class LowRankMixer(QKMixerBlock):
         return s * y + v
 
     # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                         device: torch.device) -> None:
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        # the block's convolution state, then a constant-size state instead of QKMixerBlock's keys and values
+        MatrixMixerBlock.init_cache(self, cache, batch, max_len, dtype, device)
         cache.state["kv"] = torch.zeros(batch, self.num_heads, self.head_dim, self.qk_dim, dtype=dtype,
                                         device=device)
 
@@ -78,7 +80,8 @@ class LowRankMixer(QKMixerBlock):
         ones = v.new_ones(b, length, h) if dt is None else dt
         return v, ones, v.new_zeros(h), k.contiguous(), q.contiguous()
 
-    def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: BlockQKContext, x: Tensor, lengths: Tensor) -> Tensor:
+        self.fill_conv_cache(cache, x, lengths)
         v = ctx.values
         # no update at pads (their step is 0), so each row's sum stops at its own last token
         dt = None if ctx.mask is None else ctx.mask[..., None].to(v.dtype).expand(-1, -1, v.shape[2])

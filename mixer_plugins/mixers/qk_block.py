@@ -13,6 +13,7 @@ apply to their values is ``s * M + I``; subclasses give ``M`` (:meth:`QKMixerBlo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -20,10 +21,26 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from .block import BlockConfig, BlockQKContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
+from .block import BlockConfig, BlockContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
 from .cache import MixerCache, kv_positions, kv_write
 
-__all__ = ["SequenceBlockConfig", "QKBlockConfig", "QKMixerBlock"]
+__all__ = ["BlockQKContext", "QKBlockConfig", "QKMixerBlock", "SequenceBlockConfig", "queries_and_keys"]
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class BlockQKContext(BlockContext):
+    """Context of the block mixers scored by queries and keys (``q``, ``k``: (batch|1, length, heads, qk_dim)); both
+    are None for a form without them (the Vandermonde mixer's DFT)."""
+
+    q: Tensor | None = None
+    k: Tensor | None = None
+
+
+def queries_and_keys(q: Tensor | None, k: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(q, k)`` of a block mixer whose every form has queries and keys (all but the Vandermonde mixer)."""
+    if q is None or k is None:
+        raise RuntimeError("this mixer has no queries and keys in its current form")
+    return q, k
 
 
 class SequenceBlockConfig(BlockConfig, DataIndependentOptions):
@@ -115,8 +132,9 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
             q = k = None
         return BlockQKContext(values=values, mask=mask, q=q, k=k)
 
-    def step_context(self, ctx: BlockQKContext, cache: MixerCache) -> BlockQKContext:
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> BlockQKContext:
         """A step's free queries and keys are the parameters' rows at the new tokens' positions."""
+        ctx = super().prepare_step(x, cache)
         if self.q_param is not None and self.k_param is not None:  # the free form
             positions = cache.positions(ctx.values.shape[1])
             ctx.q = self.q_param[positions].to(ctx.values.dtype)
@@ -140,13 +158,15 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
         max_len, heads, qk_dim) are None for a mixer without queries and keys (the DFT)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement qk_rows")
 
-    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                         device: torch.device) -> None:
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        super().init_cache(cache, batch, max_len, dtype, device)
         if self.data_dependent or self.free_qk:
             cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.qk_dim, dtype=dtype, device=device)
         cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
 
-    def mix_prefill(self, ctx: BlockQKContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: BlockQKContext, x: Tensor, lengths: Tensor) -> Tensor:
+        self.fill_conv_cache(cache, x, lengths)
         b, length = ctx.values.shape[:2]
         if ctx.k is not None:  # the cache holds keys
             cache.state["k"][:, :length] = ctx.k.expand(b, -1, -1, -1).detach()

@@ -55,7 +55,7 @@ class SlidingWindowAttention(QKVSoftmaxMixer):
 
     def mix(self, ctx: QKContext) -> Tensor:
         return local_attention(ctx.q, ctx.k, ctx.values, window=self.window, causal=self.causal, mask=ctx.mask,
-                               scale=self.scale)
+                               scale=self.scale, guard=self.guard_nonfinite)
 
     def matrix(self, ctx: QKContext) -> Tensor:
         scores = dot_scores(ctx.q, ctx.k) * self.scale

@@ -109,20 +109,23 @@ class ToeplitzMixer(MatrixMixerBlock[ToeplitzContext]):
         return toeplitz_mix(self.scale * ctx.taps, ctx.values, causal=self.causal) + ctx.values
 
     # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_mixer_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                         device: torch.device) -> None:
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        super().init_cache(cache, batch, max_len, dtype, device)
         cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
         if self.data_dependent:
             cache.state["taps"] = torch.zeros(batch, max_len, self.num_heads, dtype=dtype, device=device)
 
-    def mix_prefill(self, ctx: ToeplitzContext, cache: MixerCache, lengths: Tensor) -> Tensor:
+    def fill_cache(self, cache: MixerCache, ctx: ToeplitzContext, x: Tensor, lengths: Tensor) -> Tensor:
+        self.fill_conv_cache(cache, x, lengths)
         length = ctx.values.shape[1]
         cache.state["v"][:, :length] = ctx.values.detach()
         if self.data_dependent:  # the non-negative offsets 0 .. L-1: token d's tap c_d
             cache.state["taps"][:, :length] = ctx.taps[..., length - 1:].transpose(1, 2).detach()
         return self.mix(ctx)
 
-    def step_context(self, ctx: ToeplitzContext, cache: MixerCache) -> ToeplitzContext:
+    def prepare_step(self, x: Tensor, cache: MixerCache) -> ToeplitzContext:
+        ctx = super().prepare_step(x, cache)
         if self.data_dependent:  # a step's token t brings tap c_t (its fw group), nothing else of the context
             ctx.taps = ctx.taps[..., ctx.values.shape[1] - 1:].transpose(1, 2)   # (b, t, heads)
         return ctx

@@ -27,8 +27,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
-from .block import BlockQKContext
-from .qk_block import QKBlockConfig, QKMixerBlock
+from .qk_block import BlockQKContext, QKBlockConfig, QKMixerBlock
 
 __all__ = ["VandermondeConfig", "VandermondeMixer", "SPEC"]
 

@@ -46,8 +46,8 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import MixerError, MixerInputError
 from ..kernels import directional_scan
 from ..layers.masks import zero_pads
-from ..mixers._ssm import BidirectionalSSMBlock, ScanContext
 from ..mixers.base import CtxT, check_mixer_input
+from ..mixers.quasiseparable import QuasiseparableMixer, ScanContext
 from ..mixers.semiseparable import SemiseparableMixer, SSDContext
 from ._comm import all_gather_autograd, all_gather_ints, group_rank, group_size
 
@@ -71,7 +71,7 @@ SUPPORTED = ("quasiseparable", "quasiseparable_no_shift", "quasiseparable_no_dia
 
 
 def _unsupported_reason(mixer: nn.Module) -> str | None:
-    if isinstance(mixer, BidirectionalSSMBlock):
+    if isinstance(mixer, QuasiseparableMixer):
         if not mixer.data_dependent:
             return ("its data-independent form (data_dependent=False) holds per-position B and C parameters "
                     "indexed from the start of the sequence; use data_dependent=True")
@@ -255,10 +255,10 @@ class ContextParallelMixer(nn.Module):
                 "context_parallel needs an initialized torch.distributed process group "
                 "(torch.distributed.init_process_group, or run under torchrun)"
             )
-        assert isinstance(mixer, (BidirectionalSSMBlock, SemiseparableMixer)), "what _unsupported_reason accepts"
-        self.mixer: BidirectionalSSMBlock | SemiseparableMixer = mixer
+        assert isinstance(mixer, (QuasiseparableMixer, SemiseparableMixer)), "what _unsupported_reason accepts"
+        self.mixer: QuasiseparableMixer | SemiseparableMixer = mixer
         self.group = group
-        self.bidirectional = isinstance(mixer, BidirectionalSSMBlock)
+        self.bidirectional = isinstance(mixer, QuasiseparableMixer)
         self.shift = bool(getattr(mixer, "shift", False)) if self.bidirectional else False
         k = mixer.conv1d.kernel_size[0] if mixer.conv1d is not None else 1
         conv_left, conv_right = (k - 1, 0) if mixer.causal_conv else ((k - 1) // 2, (k - 1) // 2)
@@ -338,13 +338,13 @@ class ContextParallelMixer(nn.Module):
         x, mask = check_mixer_input(mixer, x, mask, mixer.dim)
         length = x.shape[1]
         x_ext, mask_ext, n_left, n_right = self._widen(x, mask)
-        if isinstance(mixer, BidirectionalSSMBlock):
+        if isinstance(mixer, QuasiseparableMixer):
             out = self._forward_bidirectional(mixer, x_ext, mask_ext, n_left, n_right, length)
         else:
             out = self._forward_causal(mixer, x_ext, mask_ext, n_left, length)
         return zero_pads(out, mask)
 
-    def _forward_bidirectional(self, mixer: BidirectionalSSMBlock, x_ext: Tensor, mask_ext: Tensor | None,
+    def _forward_bidirectional(self, mixer: QuasiseparableMixer, x_ext: Tensor, mask_ext: Tensor | None,
                                n_left: int, n_right: int, length: int) -> Tensor:
         ctx_ext = mixer.prepare(x_ext, mask_ext)
         assert isinstance(ctx_ext, ScanContext)
@@ -387,7 +387,7 @@ class ContextParallelMixer(nn.Module):
         return dataclasses.replace(ctx, **fields)
 
     @staticmethod
-    def _mix_bidirectional(mixer: BidirectionalSSMBlock, ctx: ScanContext, cross_f: Tensor, cross_b: Tensor
+    def _mix_bidirectional(mixer: QuasiseparableMixer, ctx: ScanContext, cross_f: Tensor, cross_b: Tensor
                            ) -> Tensor:
         if mixer.combine == "sum":
             return mixer.mix(ctx) + cross_f + cross_b

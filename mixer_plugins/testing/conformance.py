@@ -31,7 +31,8 @@ Checks (each one a function in :data:`CHECKS`):
 * ``low_precision``: bfloat16 parameters and inputs give a finite bfloat16 output;
 * ``nonfinite_pads``: NaN, Inf or 1e30 at the pads change nothing at real positions (pads are excluded by selection,
   never by multiplying with the mask) and pad outputs stay exactly zero, in float32 and float64;
-* ``nonfinite_future``: for causal mixers, a NaN or an Inf at a later token leaves every earlier output unchanged;
+* ``nonfinite_future``: for causal mixers with the (opt-in) non-finite guard on, a NaN or an Inf at a later token
+  leaves every earlier output unchanged;
 * ``empty_batch``: a batch of 0 rows gives an empty output of the right shape (and an empty matrix);
 * ``export``: ``torch.export`` of the mixer succeeds, the exported program agrees with eager, and eager forwards
   after the export are unchanged (no tensor made while tracing survives in a cache);
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..layers.masks import set_nonfinite_guard
 from ..mixers.cache import StepNotSupportedError
 from ..registry import (
     InvalidMixerOptions,
@@ -360,7 +362,7 @@ def check_nonfinite_pads(h: MixerHarness) -> None:
 
 
 def check_nonfinite_future(h: MixerHarness) -> None:
-    mixer = h.build()
+    mixer = set_nonfinite_guard(h.build())   # the guard is opt-in: this checks what it promises
     if not mixer.causal:
         return
     length = h.default_length(mixer)

@@ -11,12 +11,8 @@ import torch
 from torch import nn
 
 import mixer_plugins as mp
-from mixer_plugins.mixers.base import (
-    MixerCheckpointMismatchError,
-    mixer_record,
-    read_mixer_record,
-    strip_mixer_records,
-)
+from mixer_plugins.mixers.base import MixerCheckpointMismatchError, read_mixer_record, strip_mixer_records
+from mixer_plugins.mixers.records import mixer_record
 
 _ALL = mp.list_mixers()
 
@@ -179,7 +175,7 @@ def test_timm_models_refuse_a_checkpoint_of_another_mixer():
 def test_records_of_other_library_versions_compare_by_defaults():
     """A checkpoint saved before an option existed loads while the mixer keeps that option's default (what the
     library did then)."""
-    from mixer_plugins.mixers.base import _encode
+    from mixer_plugins.mixers.records import encode_record as _encode
 
     source = build("mlr_attention")
     state = source.state_dict()

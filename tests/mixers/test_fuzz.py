@@ -13,6 +13,7 @@ import torch
 
 import mixer_plugins as mp
 from mixer_plugins.errors import InvalidMixerOptions
+from mixer_plugins.layers.masks import set_nonfinite_guard
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
@@ -76,8 +77,9 @@ def test_contract_holds_on_random_mixers_options_shapes_masks_and_dtypes(case):
         for row, n in enumerate(real):
             alone = mixer(x[row:row + 1, :n])
             torch.testing.assert_close(y_masked[row, :n], alone[0], rtol=rtol, atol=atol)
-        # causality: the future (finite noise, then NaN) never changes the past
+        # causality: the future (finite noise, then NaN: the opt-in non-finite guard on) never changes the past
         if mixer.causal and length > 1:
+            set_nonfinite_guard(mixer)
             t = length // 2
             for value in ("noise", float("nan")):
                 x2 = x.clone()

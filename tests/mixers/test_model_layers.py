@@ -3,7 +3,7 @@
 * ``mixer_plugins.layers`` imports only the kernels and the leaf modules (never the registry or the mixers);
 * ``mixer_plugins.registry`` imports only the leaf modules;
 * no concrete mixer module imports another concrete mixer module (shared code lives in ``base``, ``block``,
-  ``qk_block``, ``_ssm`` and ``_softmax_common``).
+  ``records``, ``qk_block``, ``_ssm`` and ``_softmax_common``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import mixer_plugins
 
 PACKAGE = Path(mixer_plugins.__file__).parent
-SHARED_MIXER_MODULES = {"__init__", "base", "block", "cache", "qk_block", "_ssm", "_softmax_common"}
+SHARED_MIXER_MODULES = {"__init__", "base", "block", "cache", "records", "qk_block", "_ssm", "_softmax_common"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mixer_plugins as mp
-from mixer_plugins.layers.masks import causal_nonfinite_guard, poison_after, zero_pads
+from mixer_plugins.layers.masks import causal_nonfinite_guard, poison_after, set_nonfinite_guard, zero_pads
 from mixer_plugins.testing import run_check
 
 MIXERS = sorted(mp.list_mixers())
@@ -55,7 +55,7 @@ def test_pad_contents_never_reach_real_tokens(name, value):
 @pytest.mark.parametrize("name, options", CAUSAL_OPTIONS + [("semiseparable", {}), ("ema", {})])
 def test_nonfinite_last_token_leaves_the_past_unchanged(name, options, value):
     torch.manual_seed(0)
-    mixer = mp.create_mixer(name, 32, **{**mp.get_spec(name).test_options, **options}).eval()
+    mixer = set_nonfinite_guard(mp.create_mixer(name, 32, **{**mp.get_spec(name).test_options, **options}).eval())
     assert mixer.causal
     x = torch.randn(2, 10, 32)
     bad = x.clone()
@@ -73,7 +73,7 @@ def test_nonfinite_last_token_leaves_the_past_unchanged(name, options, value):
 )
 def test_huge_future_token_leaves_the_past_unchanged(name, options):
     torch.manual_seed(0)
-    mixer = mp.create_mixer(name, 32, **{**mp.get_spec(name).test_options, **options}).eval()
+    mixer = set_nonfinite_guard(mp.create_mixer(name, 32, **{**mp.get_spec(name).test_options, **options}).eval())
     x = torch.randn(2, 10, 32)
     bad = x.clone()
     bad[:, -1] = 1e30

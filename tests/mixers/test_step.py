@@ -14,6 +14,7 @@ from mixer_plugins.errors import MixerInputError, SequenceLengthError
 from mixer_plugins.kernels import depthwise_conv1d, ssd
 from mixer_plugins.kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from mixer_plugins.kernels.scan.step import ssd_step
+from mixer_plugins.layers.masks import set_nonfinite_guard
 from mixer_plugins.mixers.cache import MixerCache, StepNotSupportedError
 from mixer_plugins.mixers.semiseparable import SemiseparableMixer
 from mixer_plugins.registry import MixerSpec, default_registry
@@ -136,7 +137,7 @@ def test_kv_caches_grow_with_max_len():
 
 
 def test_nonfinite_token_poisons_only_its_row_from_there_on():
-    mixer = build("semiseparable")
+    mixer = set_nonfinite_guard(build("semiseparable"))
     x = torch.randn(2, 10, 32, generator=gen(3), dtype=F64)
     with torch.no_grad():
         expected = mixer(x)
@@ -152,7 +153,7 @@ def test_nonfinite_token_poisons_only_its_row_from_there_on():
 
 
 def test_prompt_with_a_nonfinite_token_poisons_the_steps():
-    mixer = build("attention")
+    mixer = set_nonfinite_guard(build("attention"))
     x = torch.randn(1, 6, 32, generator=gen(4), dtype=F64)
     x[0, 2] = float("inf")
     with torch.no_grad():
@@ -223,8 +224,8 @@ def test_step_updates_the_cache_in_place():
 class _ForgetsTheConvTail(SemiseparableMixer):
     """prefill leaves the short convolution's state empty."""
 
-    def fill_cache(self, cache, ctx, x, lengths):
-        return self.mix_prefill(ctx, cache, lengths)
+    def fill_conv_cache(self, cache, x, lengths):
+        pass
 
 
 class _StaleState(SemiseparableMixer):
@@ -240,9 +241,9 @@ class _StaleState(SemiseparableMixer):
 class _IgnoresRowLengths(SemiseparableMixer):
     """prefill keeps the state after the padded width, not after each row's last token."""
 
-    def mix_prefill(self, ctx, cache, lengths):
+    def fill_cache(self, cache, ctx, x, lengths):
         ctx.mask = None
-        return super().mix_prefill(ctx, cache, lengths)
+        return super().fill_cache(cache, ctx, x, lengths)
 
 
 @pytest.mark.parametrize("broken", [_ForgetsTheConvTail, _StaleState, _IgnoresRowLengths])

@@ -16,7 +16,7 @@ import mixer_plugins as mp
 from mixer_plugins.compat import Mamba2
 from mixer_plugins.errors import MixerInputError
 from mixer_plugins.mixers.attention import SoftmaxAttention
-from mixer_plugins.mixers.cache import MixerCache
+from mixer_plugins.mixers.cache import MixerCache, check_cache
 from mixer_plugins.registry import MixerSpec, default_registry
 from mixer_plugins.testing import MixerHarness
 from mixer_plugins.testing.conformance import check_step
@@ -267,16 +267,16 @@ class _ReadsTheCacheRaw(SoftmaxAttention):
 class _AcceptsAnyCache(SoftmaxAttention):
     """does not check whose cache it is given."""
 
-    def _check_cache(self, cache, x):
+    def _check_call(self, x, cache, prefill=False):
         cache.owner = None
-        super()._check_cache(cache, x)
+        super()._check_call(x, cache, prefill)
 
 
 class _StepsUnderGrad(SoftmaxAttention):
     """records autograd through steps (whose gradients are wrong)."""
 
-    def _refuse_autograd(self, x):
-        pass
+    def _check_call(self, x, cache, prefill=False):
+        check_cache(cache, x, self._owner_key(), None, empty=prefill)
 
 
 @pytest.mark.parametrize("broken, message", [
@@ -295,8 +295,8 @@ def test_the_kit_catches_steppers_that_break_the_rules(broken, message):
 class _Recomputes(SoftmaxAttention):
     """keeps its inputs and reruns forward over each row's prefix, out of place: correct gradients under grad."""
 
-    def _refuse_autograd(self, x):
-        pass
+    def _check_call(self, x, cache, prefill=False):
+        check_cache(cache, x, self._owner_key(), None, empty=prefill)
 
     def init_cache(self, cache, batch, max_len, dtype, device):
         cache.state["x"] = torch.zeros(batch, max_len, self.dim, dtype=dtype, device=device)
@@ -307,7 +307,7 @@ class _Recomputes(SoftmaxAttention):
         return self.mix(ctx)
 
     def step(self, x, cache):
-        self._check_cache(cache, x)
+        self._check_call(x, cache)
         b, t, d = x.shape
         index = cache.positions(t)[..., None].expand(b, t, d)
         cache.state["x"] = cache.state["x"].scatter(1, index, x.to(cache.state["x"].dtype))
