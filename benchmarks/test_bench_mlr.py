@@ -25,7 +25,7 @@ import statistics
 import pytest
 import torch
 
-from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
+from mixer_plugins.kernels.mlr_attention import MLR
 from mixer_plugins.tools.benchmarking import build_mixer, peak_memory, time_calls
 
 DIM, HEADS = 256, 4
@@ -36,13 +36,15 @@ MEMORY_ROUNDS = 3  # steps measured per length for the memory target (their medi
 
 @contextlib.contextmanager
 def _engine(engine: str | None):
-    """Run the op's automatic choice with ``engine`` preferred (None: as shipped)."""
-    saved = mlr_torch.AUTO_ENGINE
-    mlr_torch.AUTO_ENGINE = engine or saved
+    """Run the op's automatic choice on CPU with ``engine`` (``native``, or ``matmul``: the torch backend) preferred
+    (None: as shipped)."""
+    saved = MLR.automatic["cpu"]
+    if engine is not None:
+        MLR.automatic["cpu"] = ("native", "torch") if engine == "native" else ("torch",)
     try:
         yield
     finally:
-        mlr_torch.AUTO_ENGINE = saved
+        MLR.automatic["cpu"] = saved
 
 
 @contextlib.contextmanager

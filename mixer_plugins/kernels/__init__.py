@@ -12,10 +12,11 @@
 * :func:`local_attention` — sliding-window softmax attention (+ optional global tokens), blocked, O(L * window);
   on CUDA the MLR Triton kernel with the tiles outside the band skipped.
 
-Layout: ``kernels/<op>/__init__.py`` holds the public function(s), the argument checks and the typed argument
-bundle (e.g. :class:`~.scan.ScanArgs`); each backend is one module beside it (``reference.py``, ``torch.py``,
-``native.py``, ``triton.py``, ``mamba_ssm.py``) that registers itself with :mod:`._dispatch`. The three scans are
-one op, ``scan``, in :mod:`.scan`.
+Layout: ``kernels/<op>/__init__.py`` holds the public function(s), the argument checks and, in plain sight, the
+choice of form: an :class:`~._dispatch.Op` naming the forms, their automatic order per device type and why each
+cannot run a call, then an ``if`` over the chosen name that calls the form. Each form is a module beside it
+(``reference.py``, ``torch.py`` or ``chunked.py``, ``native.py``, ``triton_kernels.py``, ``mamba_ssm.py``). The
+three scans are one op, ``scan``, in :mod:`.scan`.
 
 Backends: ``reference`` (materialized, float64-capable; the oracle), ``torch`` (plain PyTorch, O(L) memory; any
 device), ``native`` (our C++ CPU engine; the CPU default where it applies), ``triton`` (our kernels; the CUDA

@@ -8,6 +8,7 @@ refused with an error that says what to use. Needs the dev extra's ``onnx``, ``o
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import warnings
@@ -183,17 +184,19 @@ def test_dynamic_sequence_length_is_exported(name, options):
 
 
 def test_onnx_export_takes_the_torch_backend_on_every_device(monkeypatch):
-    """A backend the automatic choice prefers (here a stand-in for Triton on CUDA) runs eagerly, but while the ONNX
-    exporter traces, the ``torch`` backend is taken: its exported form is made of standard ops."""
+    """A backend the automatic choice prefers (here the convolution's reference form, put first on CPU as a
+    stand-in for Triton on CUDA) runs eagerly, but while the ONNX exporter traces, the ``torch`` backend is taken: its
+    exported form is made of standard ops."""
     calls = []
-    torch_conv = _dispatch._REGISTRY["conv"]["torch"]
+    conv = importlib.import_module("mixer_plugins.kernels.conv")
+    reference = conv.conv_reference
 
-    def preferred(args):
+    def preferred(*args):
         calls.append(torch.compiler.is_exporting())
-        return torch_conv.impl(args)
+        return reference(*args)
 
-    stand_in = _dispatch.Backend(op="conv", name="triton", impl=preferred, priority=1000)
-    monkeypatch.setitem(_dispatch._REGISTRY["conv"], "triton", stand_in)
+    monkeypatch.setattr(conv, "conv_reference", preferred)
+    monkeypatch.setitem(_dispatch.OPS["conv"].automatic, "cpu", ("reference", "torch"))
     module = mp.create_mixer("quasi", 32, chunk_size=8).eval()
     x = torch.randn(2, 16, 32)
     with torch.no_grad():

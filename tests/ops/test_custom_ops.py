@@ -346,7 +346,7 @@ def test_opcheck_toeplitz_causal():
 
 
 def _mlr_op_calls(engine):
-    """The arguments the ``mlr_attention`` torch backend passes to its custom ops, recorded while it runs."""
+    """The arguments the ``mlr_attention`` native or torch backend passes to its custom ops, recorded while it runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mixer_plugins.kernels import mlr_attention
@@ -364,18 +364,10 @@ def _mlr_op_calls(engine):
     q, k = (torch.randn(2, 19, 2, sum(ranks), generator=gen, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 19, 2, 5, generator=gen, requires_grad=True)
     mask = torch.arange(19)[None, :] < torch.tensor([19, 11])[:, None]
-    from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
-
-    old = mlr_torch.AUTO_ENGINE if hasattr(mlr_torch, "AUTO_ENGINE") else None
-    try:
-        if old is not None:
-            mlr_torch.AUTO_ENGINE = engine
-        with Record():
-            out = mlr_attention(q, k, v, ranks=ranks, block_sizes=sizes, causal=True, mask=mask, backend="torch")
-            out.sum().backward()
-    finally:
-        if old is not None:
-            mlr_torch.AUTO_ENGINE = old
+    backend = "native" if engine == "native" else "torch"   # the torch backend is the matmul engine
+    with Record():
+        out = mlr_attention(q, k, v, ranks=ranks, block_sizes=sizes, causal=True, mask=mask, backend=backend)
+        out.sum().backward()
     return calls
 
 

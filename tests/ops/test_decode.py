@@ -138,11 +138,10 @@ def test_low_precision_inputs_over_a_float32_state():
     assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
     torch.testing.assert_close(state.double(), state_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-2, atol=1e-2)
-    from mixer_plugins.kernels._dispatch import _reason
-    from mixer_plugins.kernels.decode import DecodeArgs
-    args = DecodeArgs(xbc=xbc, conv_state=conv_state, conv_weight=weight, conv_bias=bias, state=state, dt=dt,
-                      A_log=A, D=D, groups=2)
-    assert "one dtype" in (_reason("decode", "native", torch.device("cpu"), args) or "")
+    from mixer_plugins.kernels.decode import DECODE
+    reason = DECODE.reason("native", torch.device("cpu"), state=state, dt=dt, conv_weight=weight,
+                           others=(xbc, conv_state, bias, A, None, D))
+    assert "one dtype" in (reason or "")
 
 
 def test_bad_arguments_are_refused_clearly():

@@ -171,28 +171,25 @@ def test_refuses_float64_with_a_reason():
 
 
 def test_refuses_kernels_and_states_over_its_limits():
-    from mixer_plugins.kernels.decode import DecodeArgs
-    from mixer_plugins.kernels.decode import triton as backend
+    from mixer_plugins.kernels.decode import DECODE
 
     t = _inputs()
     taps, d_state = decode_triton.MAX_TAPS + 1, decode_triton.MAX_D_STATE + 1
     device = torch.device(DEVICE)
-    base = dict(xbc=t["xbcs"][0], conv_state=t["conv_state"], conv_weight=t["conv_weight"], conv_bias=None,
-                state=t["state"], dt=None, A_log=None, D=None, groups=1)
-    assert backend._check(device, DecodeArgs(**base)) is None
+    base = dict(state=t["state"], dt=None, conv_weight=t["conv_weight"], others=(t["xbcs"][0], t["conv_state"]))
+    assert DECODE.why_not("triton", device, **base) is None
     long = dict(base, conv_weight=t["conv_weight"][:, :1].expand(-1, taps))
-    assert "taps" in backend._check(device, DecodeArgs(**long))
+    assert "taps" in DECODE.why_not("triton", device, **long)
     wide = dict(base, state=t["state"][..., :1].expand(-1, -1, -1, d_state))
-    assert "d_state" in backend._check(device, DecodeArgs(**wide))
+    assert "d_state" in DECODE.why_not("triton", device, **wide)
 
 
 def test_the_automatic_choice_is_triton_on_cuda_only():
     from mixer_plugins import kernels
-    from mixer_plugins.kernels.decode import triton as backend
 
     rows = {(r.op, r.backend, r.device): r for r in kernels.backend_report(devices=["cuda", "cpu"])}
     assert rows["decode", "triton", "cuda"].automatic and not rows["decode", "triton", "cpu"].automatic
-    assert kernels.resolve_backend("decode", None, "cpu") is not backend.impl
+    assert kernels.resolve_backend("decode", None, "cpu") != "triton"
 
 
 # -- torch.compile and the fake kernel -----------------------------------------------------------------------------

@@ -1,11 +1,10 @@
-"""The kernels' layout and dispatcher: one folder per op, backend modules that declare themselves, the report."""
+"""The kernels' layout and backend choice: one folder per op whose ``__init__`` names its forms, the report."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from mixer_plugins.kernels._requirements import triton_unavailable
 KERNELS = Path(kernels.__file__).parent
 OPS = ("scan", "toeplitz", "conv", "norm", "mlr_attention", "local_attention", "decode")
 #: the ops with a native (C++) backend, the CPU default where it applies
-NATIVE = {"scan", "conv", "norm", "decode"}
+NATIVE = {"scan", "conv", "norm", "decode", "mlr_attention"}
 
 
 def _module(name: str):
@@ -35,11 +34,21 @@ def test_every_op_is_a_folder_with_a_reference_and_a_torch_backend(op, monkeypat
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without the interpreter: no triton backend runs
     folder = KERNELS / op
     assert (folder / "__init__.py").is_file() and (folder / "reference.py").is_file()
-    assert (folder / "torch.py").is_file()
-    for name in ("reference", "torch"):
-        module = _module(f"mixer_plugins.kernels.{op}.{name}")
-        assert module.BACKEND.op == op and module.BACKEND.name == name
+    assert (folder / ("chunked.py" if op == "scan" else "torch.py")).is_file()
+    assert {"reference", "torch"} <= set(_dispatch.OPS[op].backends)
     assert set(kernels.available_backends(op)) == {"reference", "torch"} | ({"native"} if op in NATIVE else set())
+
+
+def test_ops_name_their_forms_in_plain_sight():
+    """No discovery by module name: each op's ``__init__`` imports its forms and names them; only the optional
+    dependencies (Triton, mamba-ssm) are looked up without importing them."""
+    for path in KERNELS.rglob("*.py"):
+        if "_native" in path.parts[-2:] or path.name == "_native_check.py":
+            continue
+        text = path.read_text()
+        assert "import_module" not in text and "discover" not in text, path
+        assert "find_spec" not in text or path.name == "_requirements.py", path
+        assert "ScanArgs" not in text and "ScanInputs" not in text, path
 
 
 def test_kernels_import_nothing_of_ours_outside_kernels_and_the_leaves():
@@ -90,11 +99,11 @@ def test_backend_report_lists_every_op_and_backend_with_reasons():
 def test_the_automatic_choice_and_named_backends():
     x = torch.randn(2, 5, 3)
     w = torch.randn(3, 3)
-    assert kernels.resolve_backend("conv", None, "cpu") is _module("mixer_plugins.kernels.conv.native").impl
-    assert kernels.resolve_backend("conv", "reference", "cpu") is _module("mixer_plugins.kernels.conv.reference").impl
+    assert kernels.resolve_backend("conv", None, "cpu", x=x, weight=w) == "native"
+    assert kernels.resolve_backend("conv", None, "cpu", x=x.double(), weight=w) == "torch"  # mixed dtypes
+    assert kernels.resolve_backend("conv", "reference", "cpu") == "reference"
     with kernels.use_backend("reference"):
-        impl = kernels.resolve_backend("scan", None, x.device)
-        assert impl is _module("mixer_plugins.kernels.scan.reference").BACKEND.impl
+        assert kernels.resolve_backend("scan", None, x.device) == "reference"
         torch.testing.assert_close(kernels.depthwise_conv1d(x, w, None, causal=False),
                                    kernels.depthwise_conv1d(x, w, None, causal=False, backend="torch"))
     with pytest.raises(kernels.BackendUnavailableError, match="did you mean 'reference'"):
@@ -127,55 +136,36 @@ def test_a_preferred_backend_applies_to_the_ops_that_have_it(monkeypatch):
         kernels.toeplitz_mix(taps, v, backend="mamba_ssm")  # named in the call: strict
 
 
-def test_adding_a_backend_is_adding_one_module(tmp_path, monkeypatch):
-    package = tmp_path / "fake_op_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text(textwrap.dedent("""
-        from mixer_plugins.kernels._dispatch import discover_backends, resolve_backend
+def test_adding_a_backend_is_one_name_in_the_op(monkeypatch):
+    """An op is an :class:`Op` naming its forms, their automatic order and why each cannot run; a new backend is a
+    name in that list and a branch in the op's function."""
+    def why_not(backend, device, **call):
+        return triton_unavailable(device, call.get("dtype")) if backend == "triton" else None
 
-        def fake_op(x, backend=None):
-            return resolve_backend("fake_op", backend, x.device, x)(x)
+    def fake_op(x, backend=None):
+        name = op.choose(backend, x.device, dtype=x.dtype)
+        return x + (2 if name == "triton" else 1)
 
-        discover_backends("fake_op", __name__)
-    """))
-    (package / "reference.py").write_text(textwrap.dedent("""
-        from mixer_plugins.kernels._dispatch import Backend, register
-
-        def impl(x):
-            return x + 1
-
-        BACKEND = register(Backend(op="fake_op", name="reference", impl=impl))
-    """))
-    (package / "triton.py").write_text(textwrap.dedent("""
-        from mixer_plugins.kernels._dispatch import Backend, register
-        from mixer_plugins.kernels._requirements import triton_unavailable
-
-        def impl(x):
-            return x + 2
-
-        BACKEND = register(Backend(op="fake_op", name="triton", impl=impl, priority=20, check=triton_unavailable,
-                                   automatic_devices=("cuda",)))
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    op = _dispatch.Op("fake_op", backends=("reference", "triton"), automatic={"cuda": ("triton",), "cpu": ()},
+                      why_not=why_not)
     try:
-        fake = importlib.import_module("fake_op_pkg")
         x = torch.zeros(2)
-        assert "fake_op" in _dispatch.registered_ops()
         with pytest.raises(kernels.BackendUnavailableError, match="no backend can run"):
-            fake.fake_op(x)                       # the reference is never automatic, triton needs CUDA here
-        assert fake.fake_op(x, backend="reference").tolist() == [1, 1]
+            fake_op(x)                       # the reference is never automatic, triton needs CUDA here
+        assert fake_op(x, backend="reference").tolist() == [1, 1]
         with pytest.raises(kernels.BackendUnavailableError, match="TRITON_INTERPRET"):
-            fake.fake_op(x, backend="triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert fake.fake_op(x, backend="triton").tolist() == [2, 2]
-        assert kernels.available_backends("fake_op") == ["reference", "triton"]
-        rows = {r.backend: r for r in kernels.backend_report(["cpu"]) if r.op == "fake_op"}
-        assert rows["triton"].available and not rows["triton"].automatic
+            fake_op(x, backend="triton")
+        if importlib.util.find_spec("triton") is not None:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+            assert fake_op(x, backend="triton").tolist() == [2, 2]
+            with pytest.raises(kernels.BackendUnavailableError, match="float64"):
+                fake_op(x.double(), backend="triton")
+            assert kernels.available_backends("fake_op") == ["reference", "triton"]
+            rows = {r.backend: r for r in kernels.backend_report(["cpu"]) if r.op == "fake_op"}
+            assert rows["triton"].available and not rows["triton"].automatic
     finally:
-        _dispatch._REGISTRY.pop("fake_op", None)
-        for name in [m for m in sys.modules if m.startswith("fake_op_pkg")]:
-            del sys.modules[name]
+        _dispatch.OPS.pop("fake_op", None)
 
 
 def test_requirements_say_why(monkeypatch):
@@ -191,42 +181,41 @@ def test_requirements_say_why(monkeypatch):
 
 @pytest.mark.parametrize("op", ["mlr_attention", "local_attention"])
 def test_attention_inputs_too_long_for_the_triton_offsets_run_on_torch(op, monkeypatch):
-    """The attention Triton kernels offset within a batch's slice in 32 bits: from a bundle whose ``row_span``
-    reaches 2^31 the dispatcher runs the torch backend on CUDA (a shape rule, no value read); asked for by name, the
-    triton backend says why it cannot."""
+    """The attention Triton kernels offset within a batch's slice in 32 bits: from a call whose span reaches 2^31
+    the op runs the torch backend on CUDA (a shape rule, no value read); asked for by name, the triton backend says
+    why it cannot."""
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    torch_impl = importlib.import_module(f"mixer_plugins.kernels.{op}.torch").impl
-
-    cuda = torch.device("cuda")
-    assert _dispatch._reason(op, "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31 - 1)) is None
-    reason = _dispatch._reason(op, "triton", cuda, _dispatch.DtypeArgs(torch.bfloat16, 2**31))
+    cuda, found = torch.device("cuda"), _dispatch.OPS[op]
+    q, q16 = torch.empty(0, device="meta"), torch.empty(0, dtype=torch.bfloat16, device="meta")
+    assert found.reason("triton", cuda, q=q, span=2**31 - 1) is None
+    reason = found.reason("triton", cuda, q=q16, span=2**31)
     assert reason is not None and "32 bits" in reason
-    assert kernels.resolve_backend(op, None, cuda, _dispatch.DtypeArgs(torch.float32, 2**31)) is torch_impl
+    assert kernels.resolve_backend(op, None, cuda, q=q, span=2**31) == "torch"
     with pytest.raises(errors.BackendUnavailableError, match="32 bits"):
-        kernels.resolve_backend(op, "triton", cuda, _dispatch.DtypeArgs(torch.float32, 2**31))
+        kernels.resolve_backend(op, "triton", cuda, q=q, span=2**31)
 
 
 @pytest.mark.parametrize("op", ["mlr_attention", "local_attention"])
 def test_attention_ops_pass_their_inputs_span_to_the_dispatcher(op, monkeypatch):
-    """The bundle's ``row_span`` is the largest offset + 1 a kernel forms within one batch of q, k, v (views of a
-    fused projection included) or of their contiguous gradients."""
+    """The span is the largest offset + 1 a kernel forms within one batch of q, k, v (views of a fused projection
+    included) or of their contiguous gradients."""
     seen = []
     public = getattr(kernels, op)
-    real = public.__globals__["resolve_backend"]
+    real = _dispatch.Op.choose
 
-    def spy(name, backend, device, args=None):
-        seen.append(args)
-        return real(name, backend, device, args)
+    def spy(self, backend, device, **call):
+        seen.append(call)
+        return real(self, backend, device, **call)
 
-    monkeypatch.setitem(public.__globals__, "resolve_backend", spy)
+    monkeypatch.setattr(_dispatch.Op, "choose", spy)
     qkv = torch.randn(1, 12, 3, 2, 6)  # (b, l, q/k/v, h, e): views with strides (36, 6, 1) within a batch
     q, k, v = qkv.unbind(2)
     if op == "mlr_attention":
         public(q, k, v, ranks=[4, 2], block_sizes=[None, 4])
     else:
         public(q, k, v, window=3)
-    assert seen[-1].row_span == 11 * 36 + 1 * 6 + 5 * 1 + 1  # the last element of a view, counted from its base
+    assert seen[-1]["span"] == 11 * 36 + 1 * 6 + 5 * 1 + 1  # the last element of a view, counted from its base
 
 
 def test_the_span_counts_a_head_major_layout():
@@ -249,38 +238,25 @@ def test_the_triton_attention_launcher_refuses_rows_past_32_bit_offsets():
 
 
 def test_every_check_reads_no_tensor_value():
-    """The dispatcher chooses from devices, dtypes, shapes and options: no check may run an op that reads values
-    (on a GPU each such read would be a device sync)."""
+    """The ops choose from devices, dtypes, shapes and options: no check may run an op that reads values (on a GPU
+    each such read would be a device sync)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from mixer_plugins.kernels.scan import Direction, ScanArgs
 
     class NoOps(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             raise AssertionError(f"a check ran {func}")
 
     x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
-    args = ScanArgs(x=x, forward=Direction(dt, A, B, C), backward=Direction(dt, A, B, C), shift=True)
-    kernels.resolve_backend("scan", None, "cpu", args)  # the native library is loaded before the mode is entered
+    call = dict(x=x, others=(dt, A, B, C, dt, A, B, C), carries_state=False, causal=False)
+    scan = _dispatch.OPS["scan"]
+    scan.choose(None, x.device, **call)  # the native library is loaded before the mode is entered
     with NoOps():
         for device in ("cpu", "cuda", "meta"):
-            for backend in _dispatch._backends_of("scan").values():
-                backend.unavailable_reason(device, args)
+            for backend in scan.backends:
+                scan.why_not(backend, torch.device(device), **call)
 
 
-# -- arguments by name --------------------------------------------------------------------------------------
-
-def test_argument_bundles_are_frozen_and_named():
-    from mixer_plugins.kernels.scan import Direction, ScanArgs
-
-    x, dt, A, B, C = torch.randn(1, 4, 2, 3), torch.rand(1, 4, 2), -torch.rand(2), *torch.randn(2, 1, 4, 1, 5)
-    args = ScanArgs(x=x, forward=Direction(dt=dt, A=A, B=B, C=C), chunk_size=2)
-    with pytest.raises(AttributeError):
-        args.chunk_size = 3  # type: ignore[misc]
-    inputs = args.prepare()
-    assert inputs.forward is not None and inputs.backward is None and inputs.chunk_size == 2
-    assert args.dtype == x.dtype
-
+# -- arguments ----------------------------------------------------------------------------------------------
 
 def test_conv_and_norm_check_their_arguments_and_match_their_references():
     x = torch.randn(2, 9, 4, dtype=torch.float64)

@@ -336,12 +336,8 @@ def test_triton_backend_refuses_float64(monkeypatch):
     """One float64 policy for the Triton backends: asked for by name, the triton backend refuses float64 inputs
     with a clear error (before any kernel is loaded); chosen automatically on CUDA, the dispatcher passes it over for
     the torch backend, and takes it for float32."""
-    from types import SimpleNamespace
-
     from mixer_plugins.kernels import BackendUnavailableError
     from mixer_plugins.kernels._dispatch import resolve_backend
-    from mixer_plugins.kernels.mlr_attention import torch as torch_backend
-    from mixer_plugins.kernels.mlr_attention import triton as triton_backend
 
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check; dtype is what is refused
@@ -349,8 +345,8 @@ def test_triton_backend_refuses_float64(monkeypatch):
     with pytest.raises(BackendUnavailableError, match="float64"):
         mlr_attention(q, k, v, ranks=[2, 2], block_sizes=[None, 4], backend="triton")
     cuda = torch.device("cuda")
-    assert resolve_backend("mlr_attention", None, cuda, SimpleNamespace(dtype=F64)) is torch_backend.impl
-    assert resolve_backend("mlr_attention", None, cuda, SimpleNamespace(dtype=torch.float32)) is triton_backend.impl
+    assert resolve_backend("mlr_attention", None, cuda, q=q) == "torch"
+    assert resolve_backend("mlr_attention", None, cuda, q=q.float()) == "triton"
 
 
 def _dense_tile_check(length, rows, cols, sizes, causal, keys_are_rows, window=None, num_global=0):

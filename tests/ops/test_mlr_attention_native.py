@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mixer_plugins.kernels import _native
+from mixer_plugins.kernels._dispatch import resolve_backend
 from mixer_plugins.kernels.mlr_attention import mlr_attention, native
-from mixer_plugins.kernels.mlr_attention import torch as mlr_torch
-from mixer_plugins.kernels.mlr_attention.torch import mlr_attention_torch
+from mixer_plugins.kernels.mlr_attention.torch import mlr_attention_tiled, mlr_attention_torch
 
 F64 = torch.float64
 
@@ -157,14 +157,19 @@ def test_under_torch_compile_with_inductor():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
+def _chosen(q):
+    return resolve_backend("mlr_attention", None, q.device, q=q)
+
+
 def test_auto_prefers_native_and_falls_back(monkeypatch):
-    """``engine="auto"`` runs the native engine on CPU float32/float64 when it is installed; when it cannot load it
-    warned once and auto runs matmul (``engine="native"`` raises, saying why); float16 goes to matmul."""
+    """The automatic choice runs the native backend on CPU float32/float64 when it is installed; when it cannot load
+    it warned once and the torch backend (the matmul engine) runs (``engine="native"`` raises, saying why); float16
+    goes to torch."""
     q, k, v = _inputs(1, 12, 1, [2, 2], 3, dtype=torch.float32)
     kw = dict(ranks=[2, 2], block_sizes=[None, 4], scales=[0.5, 0.5])
-    assert mlr_torch._engine(q, "auto") == "native"
-    assert mlr_torch._engine(q.half(), "auto") == "matmul"
-    assert mlr_torch._engine(q.bfloat16(), "auto") == "matmul"
+    assert _chosen(q) == "native"
+    assert _chosen(q.half()) == "torch"
+    assert _chosen(q.bfloat16()) == "torch"
 
     monkeypatch.setattr(_native, "_STATE", {"tried": False, "error": None})
 
@@ -173,11 +178,11 @@ def test_auto_prefers_native_and_falls_back(monkeypatch):
 
     monkeypatch.setattr(_native, "_import", broken_library)
     with pytest.warns(RuntimeWarning, match="cannot be loaded"):
-        assert mlr_torch._engine(q, "auto") == "matmul"
+        assert _chosen(q) == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
-        assert mlr_torch._engine(q, "auto") == "matmul"
-        out = mlr_attention_torch(q, k, v, **kw)
+        assert _chosen(q) == "torch"
+        out = mlr_attention(q, k, v, **kw)
     torch.testing.assert_close(out, mlr_attention(q, k, v, backend="reference", **kw))
     with pytest.raises(RuntimeError, match="undefined symbol: c10_error"):
         mlr_attention_torch(q, k, v, engine="native", **kw)
@@ -191,7 +196,7 @@ def test_environment_variable_disables_the_kernels(monkeypatch):
         warnings.simplefilter("error")
         assert not native.load()
     assert _native.ENV_VAR in _native.unavailable_reason()
-    assert mlr_torch._engine(torch.zeros(1, 2, 1, 2), "auto") == "matmul"
+    assert _chosen(torch.zeros(1, 2, 1, 2)) == "torch"
 
 
 def test_argument_checks():
@@ -201,7 +206,7 @@ def test_argument_checks():
                             engine="native")
     key_real = torch.tensor([[True] * 8, [True, False] * 4])
     with pytest.raises(ValueError, match="right-padded"):
-        mlr_torch.mlr_attention_tiled(q, k, v, key_real, [2, 2], [0, 4], [1.0, 1.0], False, True, "native")
+        mlr_attention_tiled(q, k, v, key_real, [2, 2], [0, 4], [1.0, 1.0], False, True, "native")
     op = torch.ops.mixer_plugins_native.mlr_forward
     levels = ([2, 4], [0, 4], [1.0, 0.5], [1.0, 1.0])
     with pytest.raises(RuntimeError, match="unit feature stride"):

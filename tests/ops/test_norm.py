@@ -9,7 +9,7 @@ import torch
 from helpers import F64
 
 from mixer_plugins.kernels import _dispatch
-from mixer_plugins.kernels.norm import NormArgs, gated_rmsnorm, gated_rmsnorm_reference
+from mixer_plugins.kernels.norm import gated_rmsnorm, gated_rmsnorm_reference
 from mixer_plugins.kernels.norm import torch as norm_torch
 
 BACKENDS = ["torch", "native"]
@@ -75,12 +75,11 @@ def test_half_precision_errors_and_the_automatic_choice():
     with pytest.raises(ValueError, match="weight must be"):
         gated_rmsnorm(y, z, w[:8])
 
-    def chosen(args):
-        impl = _dispatch.resolve_backend("norm", None, args.y.device, args)
-        return {b.impl: b.name for b in _dispatch._REGISTRY["norm"].values()}[impl]
+    def chosen(y, z, w):
+        return _dispatch.resolve_backend("norm", None, y.device, y=y, z=z, weight=w)
 
-    assert chosen(NormArgs(y=y, z=z, weight=w)) == "native"
-    assert chosen(NormArgs(y=y.bfloat16(), z=z.bfloat16(), weight=w)) == "torch"
+    assert chosen(y, z, w) == "native"
+    assert chosen(y.bfloat16(), z.bfloat16(), w) == "torch"
     for backend in BACKENDS:   # the hand-written backwards are not differentiable again: they say so
         yy = y.clone().requires_grad_()
         gy, = torch.autograd.grad(gated_rmsnorm(yy, z, w, backend=backend).sum(), yy, create_graph=True)

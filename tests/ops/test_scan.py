@@ -5,7 +5,7 @@ its own file (``test_scan_triton.py``), run under the interpreter."""
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import math
 
 import pytest
@@ -21,9 +21,9 @@ import mixer_plugins as mp
 from mixer_plugins import kernels
 from mixer_plugins.kernels import _dispatch
 from mixer_plugins.kernels._native_check import require_native
-from mixer_plugins.kernels.scan import Direction, ScanArgs, chunk_length, chunked_scan_flops, run_scan
+from mixer_plugins.kernels.scan import Direction, _scan, chunk_length, chunked_scan_flops
 from mixer_plugins.kernels.scan import mamba_ssm as mamba_backend
-from mixer_plugins.kernels.scan.native import run_native
+from mixer_plugins.kernels.scan.native import scan_native
 
 CPU_BACKENDS = ["reference", "torch", "native"]
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -106,11 +106,11 @@ def test_directional_scan_is_one_side_of_the_identity(backend, reverse, shift):
 def test_every_cpu_backend_equals_the_reference_for_random_shapes(length, chunk, groups, shift, seed):
     x, dt, A, B, C = random_inputs(l=length, g=groups, seed=seed)
     init = torch.randn(2, 4, 3, 5, dtype=F64)
-    args = ScanArgs(x=x, forward=Direction(dt, A, B, C), backward=Direction(dt.flip(1), A, C, B), shift=shift,
-                    chunk_size=chunk, initial_state=init, return_final_state=True)
-    want = run_scan(args, "reference")
+    call = dict(x=x, forward=Direction(dt, A, B, C), backward=Direction(dt.flip(1), A, C, B), shift=shift,
+                chunk_size=chunk, initial_state=init, return_final_state=True)
+    want = _scan(**call, backend="reference")
     for backend in ("torch", "native"):
-        got = run_scan(args, backend)
+        got = _scan(**call, backend=backend)
         torch.testing.assert_close(got[0], want[0], **TIGHT)
         torch.testing.assert_close(got[1], want[1], **TIGHT)
 
@@ -168,25 +168,25 @@ def _prepared(length, chunk, *, scale=1.0, shift=True, dirs="fb", init=True):
     bwd = Direction(dt.flip(1), A, C, B) if "b" in dirs else None
     init_state = torch.randn(2, 4, 3, 5, dtype=F64, requires_grad=True) if init and fwd is not None else None
     diag = torch.randn(2, length, 4, dtype=F64, requires_grad=True)
-    args = ScanArgs(x=x, forward=fwd, backward=bwd, diag=diag, shift=shift, chunk_size=chunk,
-                    initial_state=init_state, return_final_state=fwd is not None)
+    call = dict(x=x, forward=fwd, backward=bwd, diag=diag, shift=shift, chunk_size=chunk, initial_state=init_state,
+                return_final_state=fwd is not None)
     leaves = [t for t in (x, dt, A, B, C, diag, init_state) if t is not None]
-    return args, leaves
+    return call, leaves
 
 
 @pytest.mark.parametrize("dirs", ["f", "b", "fb"])
 @pytest.mark.parametrize("shift", [True, False])
 @pytest.mark.parametrize("length, chunk", [(1, 4), (11, 4), (16, 4), (23, 64)])
 def test_the_native_engine_matches_the_reference_values_and_gradients(dirs, shift, length, chunk):
-    args, leaves = _prepared(length, chunk, shift=shift, dirs=dirs)
-    want_final = args.forward is not None
+    call, leaves = _prepared(length, chunk, shift=shift, dirs=dirs)
+    want_final = call["forward"] is not None
 
     def native():
-        y, final = run_native(args.prepare(), want_final=want_final)
+        y, final = scan_native(**call)
         return (y, final) if want_final else y
 
     def reference():
-        return run_scan(args, "reference")
+        return _scan(**call, backend="reference")
 
     got, want = native(), reference()
     for g, w in zip(got if want_final else (got,), want if want_final else (want,)):
@@ -199,13 +199,11 @@ def test_the_native_engine_matches_the_reference_values_and_gradients(dirs, shif
 def test_wide_decays_match_the_reference(dtype, scale):
     # chunks whose decays sum past e^-40 (float32) and e^-300 (float64): every exponent is a sum over its own
     # tokens, so nothing leaves the dtype's range and the result is the reference's
-    args, _ = _prepared(24, 8, scale=scale, dirs="fb", init=False)
-    cast = ScanArgs(x=args.x.detach().to(dtype), forward=Direction(*(t.detach().to(dtype) for t in (
-        args.forward.dt, args.forward.A, args.forward.B, args.forward.C))), backward=Direction(*(
-            t.detach().to(dtype) for t in (args.backward.dt, args.backward.A, args.backward.B, args.backward.C))),
-        shift=True, chunk_size=8)
-    y, _ = run_native(cast.prepare(), want_final=False)
-    want = run_scan(cast, "reference")
+    call, _ = _prepared(24, 8, scale=scale, dirs="fb", init=False)
+    cast = dict(x=call["x"].detach().to(dtype), forward=Direction(*(t.detach().to(dtype) for t in call["forward"])),
+                backward=Direction(*(t.detach().to(dtype) for t in call["backward"])), shift=True, chunk_size=8)
+    y, _ = scan_native(**cast)
+    want = _scan(**cast, backend="reference")
     torch.testing.assert_close(y, want, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-5)
     assert torch.isfinite(y).all()
 
@@ -235,9 +233,8 @@ def test_the_native_engine_reads_x_in_place_from_wider_rows(native_ops, monkeypa
     # x as a projection hands it over: a slice of wider rows (batch and row strides of its own, heads and channels
     # dense). The op takes the view as it is and gives what a contiguous copy gives, bit for bit; through autograd,
     # the gradient reaches the wide tensor's slice.
-    args, leaves = _prepared(11, 4, dirs="fb", init=False)
-    inputs = args.prepare()
-    gens = [t.detach() for d in (inputs.forward, inputs.backward) for t in (d.dt, d.A, d.B, d.C)]
+    inputs, leaves = _prepared(11, 4, dirs="fb", init=False)
+    gens = [t.detach() for d in (inputs["forward"], inputs["backward"]) for t in d]
     wide = torch.randn(2, 11, 17, dtype=F64)
     view = wide[..., 2:14].unflatten(-1, (4, 3))
     assert not view.is_contiguous()
@@ -254,11 +251,11 @@ def test_the_native_engine_reads_x_in_place_from_wider_rows(native_ops, monkeypa
                              ops.scan_backward(dy[-n:], None, dense, *g, None, True, 4)):
             assert torch.equal(got, want)
     wide.requires_grad_()
-    x_leaf = inputs.x.detach().clone().requires_grad_()
+    x_leaf = inputs["x"].detach().clone().requires_grad_()
     with torch.no_grad():
         wide[..., 2:14] = x_leaf.flatten(-2)
-    strided = dataclasses.replace(inputs, x=wide[..., 2:14].unflatten(-1, (4, 3)))
-    contiguous = dataclasses.replace(inputs, x=x_leaf)
+    strided = {**inputs, "x": wide[..., 2:14].unflatten(-1, (4, 3))}
+    contiguous = {**inputs, "x": x_leaf}
     seen = []                                    # the x each raw op gets: the slice itself, forward and backward
 
     def recording(op, position):
@@ -269,11 +266,11 @@ def test_the_native_engine_reads_x_in_place_from_wider_rows(native_ops, monkeypa
 
     monkeypatch.setattr(ops, "scan_forward", recording(ops.scan_forward, 0))
     monkeypatch.setattr(ops, "scan_backward", recording(ops.scan_backward, 2))   # (dy, dfinal, x, ...)
-    y_strided, _ = run_native(strided, want_final=False)
+    y_strided, _ = scan_native(**strided)
     (y_strided * dy).sum().backward()
     monkeypatch.undo()
-    assert seen == [(strided.x.data_ptr(), strided.x.stride())] * 2
-    y_contiguous, _ = run_native(contiguous, want_final=False)
+    assert seen == [(strided["x"].data_ptr(), strided["x"].stride())] * 2
+    y_contiguous, _ = scan_native(**contiguous)
     assert torch.equal(y_strided, y_contiguous)
     (y_contiguous * dy).sum().backward()
     assert torch.equal(wide.grad[..., 2:14].unflatten(-1, (4, 3)), x_leaf.grad)
@@ -283,15 +280,14 @@ def test_the_native_engine_reads_x_in_place_from_wider_rows(native_ops, monkeypa
 def test_the_native_engine_copies_x_whose_channels_are_not_dense():
     # every other channel of wider rows: the engine cannot read it in place, so it gets a copy (same values and
     # gradients as a contiguous x, and as the reference)
-    args, leaves = _prepared(11, 4, dirs="fb", init=False)
-    inputs = args.prepare()
+    inputs, leaves = _prepared(11, 4, dirs="fb", init=False)
     wide = torch.randn(2, 11, 4, 6, dtype=F64, requires_grad=True)
     x = wide[..., ::2]
     dense = x.detach().clone().requires_grad_()
-    y, _ = run_native(dataclasses.replace(inputs, x=x), want_final=False)
-    want, _ = run_native(dataclasses.replace(inputs, x=dense), want_final=False)
+    y, _ = scan_native(**{**inputs, "x": x})
+    want, _ = scan_native(**{**inputs, "x": dense})
     torch.testing.assert_close(y, want, rtol=0, atol=0)
-    want_ref, _ = run_scan(dataclasses.replace(args, x=dense.detach()), "reference")   # (y, final state)
+    want_ref, _ = _scan(**{**inputs, "x": dense.detach()}, backend="reference")   # (y, final state)
     torch.testing.assert_close(y, want_ref, **TIGHT)
     dy = torch.randn(y.shape, dtype=F64)
     (y * dy).sum().backward()
@@ -301,12 +297,11 @@ def test_the_native_engine_copies_x_whose_channels_are_not_dense():
 
 
 def test_native_op_argument_checks(native_ops):
-    args, _ = _prepared(8, 4, dirs="f")
-    inputs = args.prepare()
-    d = inputs.forward
+    inputs, _ = _prepared(8, 4, dirs="f")
+    d = inputs["forward"]
     ops = native_ops
     gens = (d.dt.detach(), d.A.detach(), d.B.detach(), d.C.detach(), None, None, None, None)
-    x = inputs.x.detach()
+    x = inputs["x"].detach()
     with pytest.raises(RuntimeError, match="heads and channels must be dense"):
         ops.scan_forward(x.transpose(1, 2), *gens, None, False, 4, False)
     with pytest.raises(RuntimeError, match="float32/float64 CPU tensor"):
@@ -444,44 +439,40 @@ def test_half_precision_inputs_are_scanned_in_float32():
 
 # -- dispatch ----------------------------------------------------------------------------------------------------
 
-def _chosen(device, args) -> str:
-    """The name of the backend the dispatcher picks."""
-    impl = _dispatch.resolve_backend("scan", None, torch.device(device), args)
-    return {b.impl: b.name for b in _dispatch._REGISTRY["scan"].values()}[impl]
+def _chosen(device, x, dt, A, B, C, seq_idx=None) -> str:
+    """The name of the backend the scan picks for an SSD call on these tensors."""
+    others = (dt, A, B, C)
+    return _dispatch.resolve_backend("scan", None, device, x=x, others=others, seq_idx=seq_idx, causal=True)
 
 
 def test_the_automatic_choice_reads_device_dtype_and_options_never_values(monkeypatch):
     x, dt, A, B, C = random_inputs(l=8, dtype=torch.float32)
-    plain = ScanArgs(x=x, forward=Direction(dt, A, B, C))
-    assert _chosen("cpu", plain) == "native"
-    assert _chosen("cpu", ScanArgs(x=x.double(), forward=Direction(dt.double(), A.double(), B.double(),
-                                                                    C.double()))) == "native"
-    half = ScanArgs(x=x.bfloat16(), forward=Direction(dt, A, B, C))
-    assert _chosen("cpu", half) == "torch"
-    packed = ScanArgs(x=x, forward=Direction(dt, A, B, C), seq_idx=torch.zeros(2, 8, dtype=torch.int32))
-    assert _chosen("cpu", packed) == "torch"
+    plain = (x, dt, A, B, C)
+    assert _chosen("cpu", *plain) == "native"
+    assert _chosen("cpu", *(t.double() for t in plain)) == "native"
+    assert _chosen("cpu", x.bfloat16(), dt, A, B, C) == "torch"
+    assert _chosen("cpu", *plain, seq_idx=torch.zeros(2, 8, dtype=torch.int32)) == "torch"
 
     class NoValueReads(TorchDispatchMode):  # fails on any op that would read a tensor's values to decide
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             raise AssertionError(f"the choice ran {func}")
 
     with NoValueReads():
-        assert _chosen("cpu", plain) == "native"
+        assert _chosen("cpu", *plain) == "native"
     # while compiling: the torch backend on CPU, our Triton ops on CUDA (their check sees the device, not values)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert _chosen("cpu", plain) == "torch"
+    assert _chosen("cpu", *plain) == "torch"
 
 
 def test_a_compiling_cuda_call_resolves_to_the_triton_op(monkeypatch):
     # the decision for a CUDA device while compiling, without a GPU: Triton installed, the check passes for CUDA
     x, dt, A, B, C = random_inputs(l=8, dtype=torch.float32)
-    args = ScanArgs(x=x, forward=Direction(dt, A, B, C))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     from mixer_plugins.kernels import _requirements
 
     monkeypatch.setattr(_requirements, "TRITON_INSTALLED", True)
-    assert _chosen("cuda", args) == "triton"
-    assert _chosen("cuda", ScanArgs(x=x.double(), forward=Direction(dt, A, B, C))) == "torch"   # float64 policy
+    assert _chosen("cuda", x, dt, A, B, C) == "triton"
+    assert _chosen("cuda", x.double(), dt, A, B, C) == "torch"   # float64 policy
 
 
 def test_named_backends_and_their_reasons(monkeypatch):
@@ -500,7 +491,7 @@ def test_named_backends_and_their_reasons(monkeypatch):
     with pytest.raises(kernels.BackendUnavailableError, match="seq_idx"):
         kernels.ssd(x, dt, A, B, C, 4, seq_idx=torch.zeros(2, 5, dtype=torch.long), backend="native")
     with kernels.use_backend("reference"):
-        assert _chosen("cpu", ScanArgs(x=x, forward=Direction(dt, A, B, C))) == "reference"
+        assert _chosen("cpu", x, dt, A, B, C) == "reference"
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -613,17 +604,20 @@ def _fake_mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, 
 @pytest.mark.parametrize("shift", [True, False])
 def test_the_mamba_ssm_backend_runs_each_direction_the_hydra_way(monkeypatch, shift):
     monkeypatch.setitem(mamba_backend._loaded, "scan", _fake_mamba_chunk_scan_combined)
+    # the stand-in runs on CPU tensors: let the op take it there
+    monkeypatch.setattr(importlib.import_module("mixer_plugins.kernels.scan"), "mamba_ssm_unavailable",
+                        lambda device, **kw: None)
     inputs = _qs_inputs(length=11, b=1)
     seq = segments([0, 4, 11], batch=1)
-    args = ScanArgs(x=inputs[0], forward=Direction(inputs[1], inputs[3], inputs[4], inputs[5]),
-                    backward=Direction(inputs[2], inputs[3], inputs[6], inputs[7]), diag=inputs[8], shift=shift,
-                    chunk_size=4, seq_idx=kernels.scan.normalize_seq_idx(seq))
-    torch.testing.assert_close(mamba_backend.impl(args), run_scan(args, "reference"), **TIGHT)
+    call = dict(x=inputs[0], forward=Direction(inputs[1], inputs[3], inputs[4], inputs[5]),
+                backward=Direction(inputs[2], inputs[3], inputs[6], inputs[7]), diag=inputs[8], shift=shift,
+                chunk_size=4, seq_idx=kernels.scan.normalize_seq_idx(seq))
+    torch.testing.assert_close(_scan(**call, backend="mamba_ssm"), _scan(**call, backend="reference"), **TIGHT)
     x, dt, A, B, C = random_inputs(l=9)
     D, z = torch.randn(4, dtype=F64), torch.randn(2, 9, 4, 3, dtype=F64)
-    ssd_args = ScanArgs(x=x, forward=Direction(dt, A, B, C), D=D, z=z, chunk_size=4, return_final_state=True,
-                        initial_state=torch.randn(2, 4, 3, 5, dtype=F64))
-    for got, want in zip(mamba_backend.impl(ssd_args), run_scan(ssd_args, "reference")):
+    ssd_call = dict(x=x, forward=Direction(dt, A, B, C), D=D, z=z, chunk_size=4, return_final_state=True,
+                    initial_state=torch.randn(2, 4, 3, 5, dtype=F64))
+    for got, want in zip(_scan(**ssd_call, backend="mamba_ssm"), _scan(**ssd_call, backend="reference")):
         torch.testing.assert_close(got, want, **TIGHT)
 
 
@@ -636,6 +630,6 @@ def test_where_mamba_ssm_does_not_import_the_backend_says_why(monkeypatch, tmp_p
     for name in [m for m in __import__("sys").modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
         monkeypatch.delitem(__import__("sys").modules, name)
     monkeypatch.delitem(mamba_backend._loaded, "scan", raising=False)
-    reason = mamba_backend._unavailable(torch.device("cuda"))
+    reason = mamba_backend.mamba_ssm_unavailable(torch.device("cuda"))
     assert reason is not None and "cannot be imported" in reason and "libcudart" in reason
-    assert mamba_backend._unavailable(torch.device("cpu")).startswith("mamba-ssm's kernels need CUDA tensors")
+    assert mamba_backend.mamba_ssm_unavailable(torch.device("cpu")).startswith("mamba-ssm's kernels need CUDA")

@@ -19,6 +19,7 @@ file as a script to print the table of errors.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import pytest
@@ -192,7 +193,7 @@ def test_bf16_autocast_keeps_step_sizes_decay_rates_and_decays_in_float32(name, 
     # the op forms dt = softplus(raw + dt_bias) and every decay in float32 from A = -exp(A_log) in float32, as the
     # float32 path forms them (mamba-ssm and the released Hydra keep both in float32)
     from mixer_plugins.compat import Mamba2
-    from mixer_plugins.kernels.scan.inputs import ScanArgs
+    scan_module = importlib.import_module("mixer_plugins.kernels.scan")
 
     torch.manual_seed(0)
     if name == "mamba2_compat":
@@ -204,14 +205,15 @@ def test_bf16_autocast_keeps_step_sizes_decay_rates_and_decays_in_float32(name, 
     projections: list[Tensor] = []
     mixer.in_proj.register_forward_hook(lambda module, args, out: projections.append(out))
     seen = []
-    prepare = ScanArgs.prepare
 
-    def recording(args: ScanArgs):   # what every backend of the scan op receives
-        inputs = prepare(args)
-        seen.append(inputs)
-        return inputs
+    def recording(form):   # the directions the op's PyTorch and native forms receive
+        def call(x, forward, backward=None, **kw):
+            seen.append([d for d in (forward, backward) if d is not None])
+            return form(x, forward, backward, **kw)
+        return call
 
-    monkeypatch.setattr(ScanArgs, "prepare", recording)
+    for form in ("scan_chunked", "scan_native", "reference_scan"):
+        monkeypatch.setattr(scan_module, form, recording(getattr(scan_module, form)))
     x = torch.randn(2, 40, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixer(x)
@@ -221,8 +223,8 @@ def test_bf16_autocast_keeps_step_sizes_decay_rates_and_decays_in_float32(name, 
     assert raw_all.dtype == torch.bfloat16
     raw = raw_all[..., -(2 if name == "quasiseparable" else 1) * heads:].float()
     want_A = -torch.exp(A_log.float())
-    (inputs,) = seen
-    for k, direction in enumerate(inputs.directions):
+    (directions,) = seen
+    for k, direction in enumerate(directions):
         assert direction.dt.dtype == torch.float32 and direction.A.dtype == torch.float32
         want_dt = torch.nn.functional.softplus(raw[..., k * heads:(k + 1) * heads] + bias.float())
         torch.testing.assert_close(direction.dt, want_dt, rtol=1e-6, atol=0)

@@ -49,7 +49,7 @@ MODES = {"causal": (False, False, False), "causal_shifted": (False, True, False)
 
 
 def one_chunk_max() -> int:
-    from mixer_plugins.kernels.scan.triton import ONE_CHUNK_MAX
+    from mixer_plugins.kernels.scan import ONE_CHUNK_MAX
 
     return ONE_CHUNK_MAX
 

@@ -292,8 +292,7 @@ def test_flop_counter_sees_forward_and_backward():
 def test_on_cuda_the_triton_backend_is_the_automatic_first_choice():
     rows = {(r.op, r.backend): r for r in kernels.backend_report(devices=["cuda"])}
     assert rows["scan", "triton"].automatic
-    priorities = {name: b.priority for name, b in kernels._dispatch._backends_of("scan").items()}
-    assert priorities["triton"] > max(p for name, p in priorities.items() if name != "triton" and p is not None)
+    assert kernels._dispatch.OPS["scan"].automatic["cuda"][0] == "triton"
 
 
 def test_a_compiled_call_reaches_the_triton_op():
@@ -471,22 +470,18 @@ def test_the_one_chunk_shifted_scan_keeps_float32_accuracy_at_any_decay(decay, s
 def test_the_backend_chooses_the_kernels_by_shape():
     """One chunk long (chunk_length gives the whole length), at most ONE_CHUNK_MAX tokens, no states: the one-chunk
     kernels; anything else: the chunked ones. Shapes and options only."""
-    from mixer_plugins.kernels.scan import ScanArgs
-    from mixer_plugins.kernels.scan.inputs import Direction
-    from mixer_plugins.kernels.scan.triton import ONE_CHUNK_MAX, uses_one_chunk
+    from mixer_plugins.kernels.scan import ONE_CHUNK_MAX, uses_one_chunk
 
-    def args(length, chunk=64, heads=24, head_dim=64, state=64, **kw):
+    def args(length, chunk=64, heads=24, head_dim=64, state=64, return_final_state=False):
         x = torch.empty(1, length, heads, head_dim, device="meta")
-        d = Direction(torch.empty(1, length, heads, device="meta"), torch.empty(heads, device="meta"),
-                      torch.empty(1, length, 1, state, device="meta"), torch.empty(1, length, 1, state, device="meta"))
-        return ScanArgs(x=x, forward=d, backward=d, chunk_size=chunk, **kw)
+        return x, state, chunk, return_final_state
 
-    assert uses_one_chunk(args(197))                      # a ViT's tokens: one chunk at the block's sizes
-    assert uses_one_chunk(args(ONE_CHUNK_MAX))
-    assert not uses_one_chunk(args(ONE_CHUNK_MAX + 1))
-    assert not uses_one_chunk(args(197, heads=1, head_dim=8, state=4))     # small states keep chunks of 64
-    assert uses_one_chunk(args(40, heads=1, head_dim=8, state=4))
-    assert not uses_one_chunk(args(100, return_final_state=True))
+    assert uses_one_chunk(*args(197))                      # a ViT's tokens: one chunk at the block's sizes
+    assert uses_one_chunk(*args(ONE_CHUNK_MAX))
+    assert not uses_one_chunk(*args(ONE_CHUNK_MAX + 1))
+    assert not uses_one_chunk(*args(197, heads=1, head_dim=8, state=4))     # small states keep chunks of 64
+    assert uses_one_chunk(*args(40, heads=1, head_dim=8, state=4))
+    assert not uses_one_chunk(*args(100, return_final_state=True))
 
 
 # -- what the kernels launch, and what they do not ------------------------------------------------------------

@@ -1,40 +1,52 @@
 """Depthwise short convolution over time on (batch, length, channels), optionally with SiLU fused.
 
-Backends: ``reference`` (PyTorch's grouped ``conv1d``: cuDNN on CUDA), ``torch`` (shifted multiply-adds tile by
-tile, a custom op with a FLOP formula; the default off CUDA), ``triton`` (one fused kernel each way, the SiLU fused
-in; the default on CUDA). Each is a module of this folder that registers itself.
+Forms: ``reference`` (PyTorch's grouped ``conv1d``: cuDNN on CUDA), ``torch`` (shifted multiply-adds tile by tile,
+a custom op with a FLOP formula), ``native`` (our C++ kernel; the CPU default), ``triton`` (one fused kernel each
+way, the SiLU fused in; the CUDA default). :data:`CONV` names them and the automatic order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
-from torch import dtype as DType
 
 from .._checks import check
-from .._dispatch import discover_backends, resolve_backend
-from .torch import depthwise_conv1d_flops
+from .._dispatch import Op
+from .._native_check import native_unavailable
+from .._requirements import triton_unavailable
+from .native import conv_native
+from .reference import conv_reference
+from .torch import conv_torch, depthwise_conv1d_flops
 
-__all__ = ["ConvArgs", "depthwise_conv1d", "depthwise_conv1d_flops"]
+__all__ = ["CONV", "depthwise_conv1d", "depthwise_conv1d_flops"]
 
 
-@dataclass(frozen=True)
-class ConvArgs:
-    """The arguments of one :func:`depthwise_conv1d` call: x (batch, length, channels), weight (channels, k),
-    bias (channels,) or None, the zeros ``left`` and ``right`` of the sequence, and whether SiLU follows."""
+def _why_not(backend: str, device: _torch.device, *, x: Tensor | None = None, weight: Tensor | None = None,
+             bias: Tensor | None = None) -> str | None:
+    """Why ``backend`` cannot convolve ``x`` with ``weight`` on ``device`` (``None`` when it can)."""
+    if backend == "native":
+        if x is None or weight is None:
+            return native_unavailable(device)
+        if x.numel() == 0:
+            return "empty input"
+        if x.stride(-1) != 1:
+            return "the native kernel reads contiguous channels"
+        return native_unavailable(device, [t for t in (x, weight, bias) if t is not None])
+    if backend == "triton":
+        reason = triton_unavailable(device, None if x is None else x.dtype)
+        if reason is not None or weight is None:
+            return reason
+        from .triton_kernels import MAX_TAPS
 
-    x: Tensor
-    weight: Tensor
-    bias: Tensor | None
-    left: int
-    right: int
-    silu: bool = False
+        if weight.shape[1] > MAX_TAPS:
+            return (f"a kernel of {weight.shape[1]} taps is over the kernels' limit {MAX_TAPS}; the torch backend "
+                    "takes it")
+    return None
 
-    @property
-    def dtype(self) -> DType:
-        """x's dtype: what a backend's dtype policy reads."""
-        return self.x.dtype
+
+#: The convolution's forms, and the automatic order per device type (the first that can run the call runs it).
+CONV = Op("conv", backends=("reference", "torch", "native", "triton"),
+          automatic={"cuda": ("triton", "torch"), "cpu": ("native", "torch")}, why_not=_why_not)
 
 
 def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: bool, silu: bool = False,
@@ -55,8 +67,14 @@ def depthwise_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, *, causal: 
     k = weight.shape[1]
     check(causal or k % 2 == 1, f"depthwise_conv1d: a centred (non-causal) kernel must be odd, got {k}")
     left, right = (k - 1, 0) if causal else ((k - 1) // 2, (k - 1) // 2)
-    args = ConvArgs(x=x, weight=weight, bias=bias, left=left, right=right, silu=bool(silu))
-    return resolve_backend("conv", backend, x.device, args)(args)
+    silu = bool(silu)
+    name = CONV.choose(backend, x.device, x=x, weight=weight, bias=bias)
+    if name == "triton":
+        from .triton_kernels import depthwise_conv1d_triton
 
-
-discover_backends("conv", __name__)
+        return depthwise_conv1d_triton(x, weight, bias, left, right, silu)
+    if name == "native":
+        return conv_native(x, weight, bias, left, silu)
+    if name == "reference":
+        return conv_reference(x, weight, bias, left, right, silu)
+    return conv_torch(x, weight, bias, left, right, silu)

@@ -1,4 +1,4 @@
-"""``native`` backend of :func:`..depthwise_conv1d`: our C++ kernel (``kernels/_native/conv.cpp``), the CPU default.
+"""``native`` form of :func:`..depthwise_conv1d`: our C++ kernel (``kernels/_native/conv.cpp``), the CPU default.
 
 One pass over blocks of rows with the SiLU fused; the backward recomputes the pre-activation per block and sums the
 weight and bias gradients per thread. CPU tensors in float32 or float64 with contiguous channels, eagerly.
@@ -6,29 +6,15 @@ weight and bias gradients per thread. CPU tensors in float32 or float64 with con
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._dispatch import Backend, register
 from .._library import Grads, Shape
-from .._native_check import native_unavailable, require_native
+from .._native_check import require_native
 from .torch import depthwise_conv1d_flops
-
-if TYPE_CHECKING:
-    from . import ConvArgs
-
-
-def _unavailable(device: torch.device, args: Any = None) -> str | None:
-    if args is None:
-        return native_unavailable(device)
-    if args.x.numel() == 0:
-        return "empty input"
-    if args.x.stride(-1) != 1:
-        return "the native kernel reads contiguous channels"
-    return native_unavailable(device, [t for t in (args.x, args.weight, args.bias) if t is not None])
 
 
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d_native", mutates_args=())
@@ -85,10 +71,3 @@ def _backward_flops(grad: Shape, x: Shape, weight: Shape, bias: Shape | None, le
                     *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
     return 2 * depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])  # the input and the weight gradients
 
-
-def impl(args: ConvArgs) -> Tensor:
-    return conv_native(args.x, args.weight, args.bias, args.left, args.silu)
-
-
-BACKEND = register(Backend(op="conv", name="native", impl=impl, priority=20, check=_unavailable,
-                           automatic_devices=("cpu",)))

@@ -1,4 +1,4 @@
-"""``torch`` backend of :func:`..depthwise_conv1d`: shifted multiply-adds, tile by tile, as a custom op.
+"""``torch`` form of :func:`..depthwise_conv1d`: shifted multiply-adds, tile by tile, as a custom op.
 
 The block's short convolution (kernel 4-7 over thousands of channels) is a handful of shifted
 multiply-adds. Written that way, on the (batch, length, channels) layout the block already has, forward
@@ -15,22 +15,18 @@ Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the plai
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._dispatch import Backend, register
 from .._library import Grads, Shape, save_tensors, saved_tensors
 from .._tiling import time_tiles
-from .reference import impl as _reference
+from .reference import conv_reference
 
-if TYPE_CHECKING:
-    from . import ConvArgs
-
-__all__ = ["TILE_ELEMENTS", "depthwise_conv1d_flops"]
+__all__ = ["TILE_ELEMENTS", "conv_torch", "depthwise_conv1d_flops"]
 
 TILE_ELEMENTS = 1 << 20  # elements of one tile's temporaries (4 MiB in float32)
 
@@ -220,10 +216,8 @@ def _backward_flop_formula(grad_shape: Shape, x_shape: Shape, w_shape: Shape, bi
     return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
 
 
-def impl(args: ConvArgs) -> Tensor:
+def conv_torch(x: Tensor, weight: Tensor, bias: Tensor | None, left: int, right: int, silu: bool) -> Tensor:
+    """The convolution as the tiled custom op (the plain ``conv1d`` of :mod:`.reference` under ``torch.export``)."""
     if torch.compiler.is_exporting():
-        return _reference(args)
-    return _depthwise_conv1d_op(args.x, args.weight, args.bias, args.left, args.right, args.silu)
-
-
-BACKEND = register(Backend(op="conv", name="torch", impl=impl, priority=10))
+        return conv_reference(x, weight, bias, left, right, silu)
+    return _depthwise_conv1d_op(x, weight, bias, left, right, silu)

@@ -11,51 +11,62 @@ heads, head_dim, d_state), both updated in place::
 what mamba-ssm's ``causal_conv1d_update`` and ``selective_state_update`` do in two kernels. Linear attention is the
 case without step sizes or decay (``dt=None``, ``A_log=None``: ``state <- state + x B^T``).
 
-Backends: ``reference`` (the formulas as written, batched; never chosen automatically), ``torch`` (the short
+Forms: ``reference`` (the formulas as written, batched; never chosen automatically), ``torch`` (the short
 convolution's and the scan's steps as plain ops: any device, what ``torch.compile`` traces), ``native`` (our C++
-kernel: one pass per row; the CPU default), ``triton`` (the CUDA default). Each is a module of this folder that
-registers itself.
+kernel: one pass per row; the CPU default), ``triton`` (two fused launches; the CUDA default). :data:`DECODE` names
+them and the automatic order.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import torch
+import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
 
 from .._checks import check
-from .._dispatch import discover_backends, resolve_backend
+from .._dispatch import Op
+from .._native_check import native_unavailable
+from .._requirements import triton_unavailable
+from .native import decode_native
+from .reference import decode_reference
+from .torch import decode_torch
 
-__all__ = ["DecodeArgs", "ssd_decode_step"]
+__all__ = ["DECODE", "ssd_decode_step"]
 
 
-@dataclass(slots=True)
-class DecodeArgs:
-    """The arguments of one :func:`ssd_decode_step` call (see there); ``groups`` is derived from the widths."""
+def _why_not(backend: str, device: _torch.device, *, state: Tensor | None = None, dt: Tensor | None = None,
+             conv_weight: Tensor | None = None, others: tuple[Any, ...] = ()) -> str | None:
+    """Why ``backend`` cannot run a step on ``state`` (``None`` when it can); ``others``: the step's other inputs
+    (None and numbers allowed)."""
+    if backend == "native":
+        if state is None or conv_weight is None:
+            return native_unavailable(device)
+        if not state.is_contiguous():
+            return "the native kernel updates a contiguous state in place"
+        if dt is not None and dt.stride(-1) != 1:
+            return "the native kernel reads dt with contiguous heads"
+        return native_unavailable(device, [state, conv_weight, *(t for t in (dt, *others) if isinstance(t, Tensor))])
+    if backend == "triton":
+        reason = triton_unavailable(device, None if state is None else state.dtype)
+        if reason is not None or state is None or conv_weight is None:
+            return reason
+        if any(isinstance(t, Tensor) and t.dtype == _torch.float64 for t in (dt, conv_weight, *others)):
+            return "the Triton kernels compute in float32 at most; float64 inputs run on the torch backend"
+        from .triton_kernels import MAX_D_STATE, MAX_TAPS
 
-    xbc: Tensor
-    conv_state: Tensor
-    conv_weight: Tensor
-    conv_bias: Tensor | None
-    state: Tensor
-    dt: Tensor | None
-    A_log: Tensor | None
-    D: Tensor | float | None
-    groups: int
-    bc_order: str = "BC"
-    dt_bias: Tensor | None = None
-    dt_softplus: bool = False
-    dt_limit: tuple[float, float] = (0.0, math.inf)
-    scale: float = 1.0
-    silu: bool = True
+        taps, d_state = conv_weight.shape[1], state.shape[-1]
+        if taps > MAX_TAPS:
+            return f"a kernel of {taps} taps is over the kernels' limit {MAX_TAPS}; the torch backend takes it"
+        if d_state > MAX_D_STATE:
+            return f"d_state {d_state} is over the kernels' limit {MAX_D_STATE}; the torch backend takes it"
+    return None
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype the step computes in: the states' (the inputs are read in it)."""
-        return self.state.dtype
+
+#: The step's forms, and the automatic order per device type (the first that can run the call runs it).
+DECODE = Op("decode", backends=("reference", "torch", "native", "triton"),
+            automatic={"cuda": ("triton", "torch"), "cpu": ("native", "torch")}, why_not=_why_not)
 
 
 def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, state: Tensor,
@@ -110,11 +121,15 @@ def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_b
     check(not isinstance(D, Tensor) or D.shape in ((h,), (h, p)),
           lambda: f"ssd_decode_step: D must be ({h},) or ({h}, {p}), got {tuple(D.shape)}")  # type: ignore
     check(bc_order in ("BC", "CB"), lambda: f"ssd_decode_step: bc_order must be 'BC' or 'CB', got {bc_order!r}")
-    args = DecodeArgs(xbc=xbc, conv_state=conv_state, conv_weight=conv_weight, conv_bias=conv_bias, state=state,
-                      dt=dt, A_log=A_log, D=D, groups=groups, bc_order=bc_order, dt_bias=dt_bias,
-                      dt_softplus=dt_softplus, dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
-                      scale=float(scale), silu=silu)
-    return resolve_backend("decode", backend, xbc.device, args)(args)
+    name = DECODE.choose(backend, xbc.device, state=state, dt=dt, conv_weight=conv_weight,
+                         others=(xbc, conv_state, conv_bias, A_log, dt_bias, D))
+    limit = (float(dt_limit[0]), float(dt_limit[1]))
+    if name == "triton":
+        from .triton_kernels import ssd_decode_step_triton
 
-
-discover_backends("decode", __name__)
+        return ssd_decode_step_triton(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D,
+                                      bc_order=bc_order, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=limit,
+                                      scale=float(scale), silu=silu)
+    form = decode_native if name == "native" else decode_reference if name == "reference" else decode_torch
+    return form(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, groups=groups, bc_order=bc_order,
+                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=limit, scale=float(scale), silu=silu)

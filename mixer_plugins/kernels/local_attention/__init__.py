@@ -8,7 +8,7 @@ and, when ``causal``, ``j <= i`` (so causal + window keeps ``i - window <= j <= 
 (right padding, ``mask`` False) are excluded. Then ``softmax_j(scale * q_i . k_j)`` over the allowed keys, times
 ``v``. The first ``num_global`` tokens are global as in Longformer: every query sees them and they see every key.
 
-Backends (see :mod:`mixer_plugins.kernels._dispatch`):
+Forms (:data:`LOCAL` names them and the automatic order):
 
 * ``torch`` (the default off CUDA): blocked, ``O(L * window)`` time and memory: queries in chunks of ``window``
   tokens, each chunk scoring only the keys of its neighbour chunks (and the global keys); global queries are dense
@@ -29,11 +29,13 @@ import torch as _torch  # plain ``torch`` would be shadowed by this package's ``
 from torch import Tensor
 
 from .._checks import check_qkv, check_right_padded_mask
-from .._dispatch import DtypeArgs, discover_backends, resolve_backend
+from .._dispatch import Op, row_span
+from .._requirements import triton_attention_unavailable
 from .reference import local_attention_reference
 from .torch import LocalPlan, local_attention_blocked, local_attention_flops, local_attention_torch
 
 __all__ = [
+    "LOCAL",
     "LocalPlan",
     "check_local_arguments",
     "local_attention",
@@ -42,6 +44,19 @@ __all__ = [
     "local_attention_reference",
     "local_attention_torch",
 ]
+
+
+def _why_not(backend: str, device: _torch.device, *, q: Tensor | None = None, span: int = 0) -> str | None:
+    """Why ``backend`` cannot run attention on ``q`` (``None`` when it can); ``span``: the largest offset within a
+    batch's slice of the inputs (:func:`.._dispatch.row_span`)."""
+    if backend == "triton":
+        return triton_attention_unavailable(device, None if q is None else q.dtype, span)
+    return None
+
+
+#: The attention's forms, and the automatic order per device type (the first that can run the call runs it).
+LOCAL = Op("local_attention", backends=("reference", "torch", "triton"), automatic={"cuda": ("triton", "torch")},
+           why_not=_why_not)
 
 
 def check_local_arguments(q: Tensor, k: Tensor, v: Tensor, window: int, num_global: int, mask: Tensor | None,
@@ -86,12 +101,16 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: boo
         real = mask[:, :, None, None]
         zero = _torch.zeros((), dtype=q.dtype, device=q.device)
         q, k, v = (_torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
-    bundle = DtypeArgs.of(q, k, v)  # lets the triton backend refuse float64 and too long rows, eager or compiled
-    impl = resolve_backend("local_attention", backend, q.device, bundle)
-    out = impl(q, k, v, window=window, causal=causal, mask=mask, scale=scale, num_global=num_global)
+    # the span lets the triton backend refuse rows past its 32-bit offsets, eager or compiled
+    name = LOCAL.choose(backend, q.device, q=q, span=row_span(q, k, v))
+    if name == "triton":
+        from .triton import local_attention_triton
+
+        form = local_attention_triton
+    else:
+        form = local_attention_reference if name == "reference" else local_attention_torch  # type: ignore[assignment]
+    out = form(q, k, v, window=window, causal=causal, mask=mask, scale=scale, num_global=num_global)
     if mask is not None:
         out = _torch.where(mask[:, :, None, None], out, _torch.zeros((), dtype=out.dtype, device=out.device))
     return out
 
-
-discover_backends("local_attention", __name__)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._dispatch import Backend, register
-
 __all__ = ["allowed_pairs", "local_attention_reference"]
 
 
@@ -42,7 +40,3 @@ def local_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, window: int, c
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, zero)
     return out
-
-
-impl = local_attention_reference  # the backend entry point, as in every op folder
-BACKEND = register(Backend(op="local_attention", name="reference", impl=impl))

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
 from .reference import allowed_pairs
 
@@ -362,7 +361,3 @@ def local_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, window: int, causa
             return _blocked_by_index(*arguments)
         return _blocked(*arguments)[0]
     return local_attention_blocked(q, k, v, mask, int(window), int(num_global), bool(causal), float(scale))[0]
-
-
-impl = local_attention_torch  # the backend entry point, as in every op folder
-BACKEND = register(Backend(op="local_attention", name="torch", impl=impl, priority=10))

@@ -1,4 +1,4 @@
-"""``triton`` backend of :func:`..local_attention`: the fused MLR attention kernels
+"""``triton`` form of :func:`..local_attention`: the fused MLR attention kernels
 (:mod:`..mlr_attention.triton_kernels`) with one global level of rank = head dim (plain attention) and a band: the
 tile plan never visits a tile pair outside the band (nor one of pads only), pairs wholly inside it run unmasked, a
 per-entry mask cuts the band on its edges. Forward and backward (flash-style, the row log-sum-exp kept). Loaded on
@@ -8,9 +8,6 @@ the ``torch`` backend)."""
 from __future__ import annotations
 
 from torch import Tensor
-
-from .._dispatch import Backend, register
-from .._requirements import triton_attention_unavailable
 
 
 def local_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool = False,
@@ -26,14 +23,3 @@ def local_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, window: int, caus
                    window=int(window), num_global=int(num_global))
     tiles = None if tile_size is None else Tiles.uniform(_tile_size(tile_size))
     return mlr_triton(q, k, v, spec, mask=mask, tiles=tiles)
-
-
-def impl(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool = False, mask: Tensor | None = None,
-         scale: float, num_global: int = 0) -> Tensor:
-    return local_attention_triton(q, k, v, window=window, causal=causal, mask=mask, scale=scale,
-                                  num_global=num_global)
-
-
-BACKEND = register(Backend(op="local_attention", name="triton", impl=impl, priority=40,
-                           check=triton_attention_unavailable,
-                           automatic_devices=("cuda",)))

@@ -11,13 +11,13 @@ scores only pairs inside a block::
 (a pair sharing no level scores 0); then the causal mask (optional), pad keys excluded, softmax over keys, times
 ``v``. Blocks must nest: each size divides the previous one, global levels come first.
 
-Backends (see :mod:`mixer_plugins.kernels._dispatch`): ``torch`` (tiled, flash-style, memory linear in the length; the
-default; on CPU its ``native`` engine is our fused C++ kernel, :mod:`.native`, compiled on first use; a
-``torch.library`` custom op, :func:`mlr_attention_tiled`, so ``torch.compile`` keeps it whole (an export traces the
-reference) and ``FlopCounterMode`` counts it with :func:`mlr_attention_flops`), ``reference`` (the materialized
-``L x L`` oracle, float64-capable); ``triton`` (our fused kernel, :mod:`.triton_kernels`; CUDA, chosen first there for
-float32, bfloat16 and float16: it computes in float32 at most, so it refuses float64 inputs and the dispatcher runs
-the ``torch`` backend).
+Forms (:data:`MLR` names them and the automatic order): ``torch`` (tiled, flash-style, memory linear in the length,
+batched matmuls per task, :mod:`.chunked`), ``native`` (the same tiling in our fused C++ kernel, :mod:`.native`; the
+CPU default for float32 and float64) — both run inside one ``torch.library`` custom op, :func:`mlr_attention_tiled`,
+so ``torch.compile`` keeps it whole (an export traces the reference) and ``FlopCounterMode`` counts it with
+:func:`mlr_attention_flops`; ``reference`` (the materialized ``L x L`` oracle, float64-capable); ``triton`` (our
+fused kernel, :mod:`.triton_kernels`; CUDA, chosen first there for float32, bfloat16 and float16: it computes in
+float32 at most, so it refuses float64 inputs and the ``torch`` backend runs them).
 """
 
 from __future__ import annotations
@@ -25,14 +25,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
+import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor
 
 from .._checks import check_qkv, check_right_padded_mask
-from .._dispatch import DtypeArgs, discover_backends, resolve_backend
+from .._dispatch import Op, row_span
+from .._native_check import native_unavailable
+from .._requirements import triton_attention_unavailable
+from . import native
 from .reference import mlr_attention_reference
 from .torch import mlr_attention_tiled, mlr_attention_torch, paper_flops, plan_tasks
 
 __all__ = [
+    "MLR",
     "check_mlr_arguments",
     "mlr_attention",
     "mlr_attention_flops",
@@ -41,6 +46,24 @@ __all__ = [
     "mlr_attention_torch",
     "plan_tasks",
 ]
+
+
+def _why_not(backend: str, device: _torch.device, *, q: Tensor | None = None, span: int = 0) -> str | None:
+    """Why ``backend`` cannot run attention on ``q`` (``None`` when it can); ``span``: the largest offset within a
+    batch's slice of the inputs (:func:`.._dispatch.row_span`)."""
+    if backend == "native":
+        if _torch.compiler.is_compiling() and q is not None:  # a compiled graph keeps the op: only if already loaded
+            usable = device.type == "cpu" and q.dtype in (_torch.float32, _torch.float64) and native.is_loaded()
+            return None if usable else "the native engine is compiled into a graph only once loaded, in float32/64"
+        return native_unavailable(device, [] if q is None else [q])
+    if backend == "triton":
+        return triton_attention_unavailable(device, None if q is None else q.dtype, span)
+    return None
+
+
+#: The attention's forms, and the automatic order per device type (the first that can run the call runs it).
+MLR = Op("mlr_attention", backends=("reference", "torch", "native", "triton"),
+         automatic={"cuda": ("triton", "torch"), "cpu": ("native", "torch")}, why_not=_why_not)
 
 
 def check_mlr_arguments(q: Tensor, k: Tensor, v: Tensor, ranks: Sequence[int],
@@ -92,16 +115,30 @@ def mlr_attention(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int], bloc
             values never reach real outputs (they are selected away, so NaN pads are harmless); outputs at pad
             queries are 0.
         block_divide: divide each score by the number of levels whose block holds both tokens.
-        backend: ``"torch"``, ``"reference"`` (or another registered one); None = automatic.
+        backend: ``"torch"``, ``"native"``, ``"triton"``, ``"reference"``; None = automatic.
 
     Returns:
         (batch, length, heads, value width).
     """
     ranks, sizes, scales = check_mlr_arguments(q, k, v, ranks, block_sizes, scales, mask)
-    bundle = DtypeArgs.of(q, k, v)  # lets the triton backend refuse float64 and too long rows, eager or compiled
-    impl = resolve_backend("mlr_attention", backend, q.device, bundle)
-    return impl(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
-                block_divide=block_divide)
+    # the span lets the triton backend refuse rows past its 32-bit offsets, eager or compiled
+    name = MLR.choose(backend, q.device, q=q, span=row_span(q, k, v))
+    if name == "reference":
+        return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal,
+                                       mask=mask, block_divide=block_divide)
+    if name != "triton":
+        return mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=scales, causal=causal, mask=mask,
+                                   block_divide=block_divide, engine="native" if name == "native" else "matmul")
+    from .triton_kernels import mlr_attention_triton
+
+    if mask is not None:  # select the pads away: NaN there must reach no real output or gradient
+        real = mask[:, :, None, None]
+        zero = _torch.zeros((), dtype=q.dtype, device=q.device)
+        q, k, v = (_torch.where(real, t, zero) for t in (q, k, v))
+    out = mlr_attention_triton(q, k, v, ranks, sizes, scales, block_divide=block_divide, causal=causal, mask=mask)
+    if mask is not None:  # the op's contract: pad outputs are 0
+        out = _torch.where(mask[:, :, None, None], out, _torch.zeros((), dtype=out.dtype, device=out.device))
+    return out
 
 
 def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[int],
@@ -114,7 +151,7 @@ def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[
     Each (query, key) pair of the ``L x L`` matrix costs the features of the levels whose block holds both, plus
     ``value_width`` for ``A V``; causal masking is not subtracted (PyTorch's SDPA formula does not either).
 
-    ``executed=True``: what the ``matmul`` engine of the ``torch`` backend actually multiplies: every task's full
+    ``executed=True``: what the ``torch`` backend (the ``matmul`` engine) actually multiplies: every task's full
     rectangle (with ``causal``, only the tasks the mask keeps), each pair at the width of the levels it shares,
     ``r_0 + ... + r_m``, and ``value_width`` for its value.
     """
@@ -131,5 +168,3 @@ def mlr_attention_flops(batch: int, heads: int, length: int, *, ranks: Sequence[
             values += pairs * value_width
     return {"scores": 2 * batch * heads * scores, "weighted_values": 2 * batch * heads * values}
 
-
-discover_backends("mlr_attention", __name__)

@@ -10,8 +10,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._dispatch import Backend, register
-
 __all__ = ["mlr_attention_reference", "same_block_mask"]
 
 
@@ -54,7 +52,3 @@ def mlr_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=device))
     return out
-
-
-impl = mlr_attention_reference  # the backend entry point, as in every op folder
-BACKEND = register(Backend(op="mlr_attention", name="reference", impl=impl))

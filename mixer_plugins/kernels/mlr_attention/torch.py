@@ -19,7 +19,7 @@ A task returns its softmax-normalized output and log-sum-exp; the tasks are merg
 flash attention's split-KV). The backward of a task uses the *final* output and log-sum-exp of the whole row, so
 each task's gradient is exactly its share of the full softmax's gradient (split-KV backward).
 
-Engines (``engine=``; ``"auto"``: :data:`AUTO_ENGINE` where it can run, else ``matmul``):
+Engines (``engine=``; the op's ``native`` and ``torch`` backends):
 
 * ``native`` (the CPU default for float32 and float64): our fused C++ kernel (:mod:`.native`, compiled on first
   use): for each query tile, key ranges whose pairs share the same levels, each at its own width ``R_m`` with one
@@ -48,47 +48,17 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._dispatch import Backend, register
 from .._library import save_tensors, saved_tensors
-from .._native_check import native_unavailable
 from . import native
 from .chunked import chunked_backward, chunked_forward
 from .plan import MLRPlan, Task, plan_tasks
 from .reference import mlr_attention_reference
 
-__all__ = ["AUTO_ENGINE", "ENGINES", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops",
+__all__ = ["ENGINES", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_torch", "paper_flops",
            "plan_tasks"]
 
-#: the engine ``engine="auto"`` prefers where it can run (measured, see docs/structured_attention.md); the others
-#: follow in the order of :data:`ENGINES`
-AUTO_ENGINE = "native"
-#: every engine, fastest first (on CPU)
+#: the engines of the tiled op: ``native`` is the op's ``native`` backend, ``matmul`` its ``torch`` one
 ENGINES = ("native", "matmul")
-
-
-def _native_usable(q: Tensor) -> bool:
-    """Can the native engine take ``q``? (Under ``torch.compile`` only if already loaded: tracing never builds.)"""
-    if torch.compiler.is_compiling():
-        return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and native.is_loaded()
-    return native_unavailable(q.device, [q]) is None
-
-
-def _engine(q: Tensor, engine: str) -> str:
-    """The engine that runs for ``q``: the one asked for (an error if it cannot run), or for ``"auto"``
-    :data:`AUTO_ENGINE` where it can run, else the first of :data:`ENGINES` after it that can."""
-    if engine not in ("auto", *ENGINES):
-        raise ValueError(f"engine must be 'auto', {', '.join(repr(e) for e in ENGINES)}; got {engine!r}")
-    if engine == "native":
-        if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"the native engine takes float32 or float64 CPU tensors; got {q.device.type} {q.dtype}")
-        if not native.load():
-            raise RuntimeError(f"the native MLR engine is unavailable: {native.unavailable_reason()}")
-        return "native"
-    if engine == "matmul":
-        return "matmul"
-    usable = {"native": _native_usable, "matmul": lambda _: True}
-    order = ENGINES[ENGINES.index(AUTO_ENGINE):] if AUTO_ENGINE in ENGINES else ENGINES
-    return next(e for e in order if usable[e](q))
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -244,14 +214,20 @@ def _backward_flop_formula(dout_shape, q_shape, k_shape, v_shape, key_real_shape
 
 def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], scales: Sequence[float], causal: bool = False,
-                        mask: Tensor | None = None, block_divide: bool = True, engine: str = "auto") -> Tensor:
+                        mask: Tensor | None = None, block_divide: bool = True, engine: str = "matmul") -> Tensor:
     """The tiled fast path (see the module docstring); arguments as :func:`mixer_plugins.kernels.mlr_attention`.
 
-    ``engine``: ``"auto"`` (:data:`AUTO_ENGINE` where it can run, else ``"matmul"``), ``"native"`` (our fused C++
-    CPU kernel, :mod:`.native`: float32/float64, compiled on first use) or ``"matmul"`` (the chunked matmul engine,
-    :mod:`.chunked`: any device and dtype). Under ``torch.export`` the materialized formula is traced instead (see
+    ``engine``: ``"matmul"`` (the chunked matmul engine, :mod:`.chunked`: any device and dtype; the op's ``torch``
+    backend) or ``"native"`` (our fused C++ CPU kernel, :mod:`.native`: float32/float64; the op's ``native``
+    backend). Under ``torch.export`` the materialized formula is traced instead (see
     the module docstring).
     """
+    _check_engine(engine)
+    if engine == "native" and not torch.compiler.is_compiling():
+        if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the native engine takes float32 or float64 CPU tensors; got {q.device.type} {q.dtype}")
+        if not native.load():
+            raise RuntimeError(f"the native MLR engine is unavailable: {native.unavailable_reason()}")
     if torch.compiler.is_exporting():
         return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, scales=scales, causal=causal,
                                        mask=mask, block_divide=block_divide)
@@ -262,11 +238,7 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
         q, k, v = (torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
         key_real = mask | ~mask.any(dim=1, keepdim=True)  # a row with no real token keeps every key
     out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), _sizes_arg(block_sizes),
-                                 [float(s) for s in scales], causal, block_divide, _engine(q, engine))
+                                 [float(s) for s in scales], causal, block_divide, engine)
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
-
-
-impl = mlr_attention_torch  # the backend entry point, as in every op folder
-BACKEND = register(Backend(op="mlr_attention", name="torch", impl=impl, priority=10))

@@ -3,39 +3,53 @@
 ``norm_before_gate=True``:  ``out = w * y / rms(y) * silu(z)``
 ``norm_before_gate=False``: ``out = w * u / rms(u)`` with ``u = y * silu(z)`` (Mamba-2's order)
 
-Backends: ``reference`` (the formula as plain ops), ``torch`` (tile by tile with a hand-written backward; the
-formula under ``torch.compile``; the default off CUDA), ``triton`` (one fused kernel each way; the default on CUDA).
-Each is a module of this folder that registers itself.
+Forms: ``reference`` (the formula as plain ops), ``torch`` (tile by tile with a hand-written backward; the formula
+under ``torch.compile``), ``native`` (our C++ kernel; the CPU default), ``triton`` (one fused kernel each way; the
+CUDA default). :data:`NORM` names them and the automatic order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import torch as _torch  # plain ``torch`` would be shadowed by this package's ``torch`` submodule
 from torch import Tensor, promote_types
-from torch import dtype as DType
 
 from .._checks import check
-from .._dispatch import discover_backends, resolve_backend
+from .._dispatch import Op
+from .._native_check import native_unavailable
+from .._requirements import triton_unavailable
+from .native import norm_native
 from .reference import gated_rmsnorm_reference
+from .torch import norm_torch
 
-__all__ = ["NormArgs", "gated_rmsnorm", "gated_rmsnorm_reference"]
+__all__ = ["NORM", "gated_rmsnorm", "gated_rmsnorm_reference"]
 
 
-@dataclass(frozen=True)
-class NormArgs:
-    """The arguments of one :func:`gated_rmsnorm` call: y and z (same shape), weight (width,)."""
+def _why_not(backend: str, device: _torch.device, *, y: Tensor | None = None, z: Tensor | None = None,
+             weight: Tensor | None = None) -> str | None:
+    """Why ``backend`` cannot normalize ``y`` gated by ``z`` on ``device`` (``None`` when it can)."""
+    if backend == "native":
+        if y is None or z is None or weight is None:
+            return native_unavailable(device)
+        if y.numel() == 0:
+            return "empty input"
+        if y.stride(-1) != 1 or z.stride(-1) != 1:
+            return "the native kernel reads contiguous rows"
+        return native_unavailable(device, [y, z, weight])
+    if backend == "triton":
+        reason = triton_unavailable(device, None if y is None or z is None else promote_types(y.dtype, z.dtype))
+        if reason is not None or y is None:
+            return reason
+        from .triton_kernels import MAX_WIDTH
 
-    y: Tensor
-    z: Tensor
-    weight: Tensor
-    eps: float = 1e-5
-    norm_before_gate: bool = True
+        if y.shape[-1] > MAX_WIDTH:
+            return (f"rows of width {y.shape[-1]} are over the kernels' limit {MAX_WIDTH}; the torch backend "
+                    "takes them")
+    return None
 
-    @property
-    def dtype(self) -> DType:
-        """The dtype the call computes in (y's and z's promoted): what a backend's dtype policy reads."""
-        return promote_types(self.y.dtype, self.z.dtype)
+
+#: The norm's forms, and the automatic order per device type (the first that can run the call runs it).
+NORM = Op("norm", backends=("reference", "torch", "native", "triton"),
+          automatic={"cuda": ("triton", "torch"), "cpu": ("native", "torch")}, why_not=_why_not)
 
 
 def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_before_gate: bool = True, *,
@@ -50,8 +64,13 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_
           lambda: f"gated_rmsnorm: y and z must have the same shape, got {tuple(y.shape)} and {tuple(z.shape)}")
     check(weight.shape == (y.shape[-1],),
           lambda: f"gated_rmsnorm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
-    args = NormArgs(y=y, z=z, weight=weight, eps=eps, norm_before_gate=norm_before_gate)
-    return resolve_backend("norm", backend, y.device, args)(args)
+    name = NORM.choose(backend, y.device, y=y, z=z, weight=weight)
+    if name == "triton":
+        from .triton_kernels import gated_rmsnorm_triton
 
-
-discover_backends("norm", __name__)
+        return gated_rmsnorm_triton(y, z, weight, eps, norm_before_gate)
+    if name == "native":
+        return norm_native(y, z, weight, eps, norm_before_gate)
+    if name == "reference":
+        return gated_rmsnorm_reference(y, z, weight, eps, norm_before_gate)
+    return norm_torch(y, z, weight, eps, norm_before_gate)

@@ -1,4 +1,4 @@
-"""``native`` backend of :func:`..gated_rmsnorm`: our C++ kernel (``kernels/_native/norm.cpp``), the CPU default.
+"""``native`` form of :func:`..gated_rmsnorm`: our C++ kernel (``kernels/_native/norm.cpp``), the CPU default.
 
 One pass per row forward and backward, the gain gradient summed per thread. CPU tensors in float32 or float64 with
 contiguous rows, eagerly.
@@ -6,28 +6,13 @@ contiguous rows, eagerly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._dispatch import Backend, register
 from .._library import Grads
-from .._native_check import native_unavailable
-
-if TYPE_CHECKING:
-    from . import NormArgs
-
-
-def _unavailable(device: torch.device, args: Any = None) -> str | None:
-    if args is None:
-        return native_unavailable(device)
-    if args.y.numel() == 0:
-        return "empty input"
-    if args.y.stride(-1) != 1 or args.z.stride(-1) != 1:
-        return "the native kernel reads contiguous rows"
-    return native_unavailable(device, [args.y, args.z, args.weight])
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -58,12 +43,9 @@ def _forward(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate:
     return out if y.dim() == 2 else out.view(y.shape)
 
 
-def impl(args: NormArgs) -> Tensor:
-    if not (torch.is_grad_enabled() and (args.y.requires_grad or args.z.requires_grad or args.weight.requires_grad)):
+def norm_native(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    """The norm on the native kernel (CPU, one dtype, contiguous rows)."""
+    if not (torch.is_grad_enabled() and (y.requires_grad or z.requires_grad or weight.requires_grad)):
         # nothing to differentiate (inference, a decoding step): the kernel without the autograd Function's cost
-        return _forward(args.y, args.z, args.weight.contiguous(), float(args.eps), bool(args.norm_before_gate))
-    return _NativeNorm.apply(args.y, args.z, args.weight, float(args.eps), bool(args.norm_before_gate))
-
-
-BACKEND = register(Backend(op="norm", name="native", impl=impl, priority=20, check=_unavailable,
-                           automatic_devices=("cpu",)))
+        return _forward(y, z, weight.contiguous(), float(eps), bool(norm_before_gate))
+    return _NativeNorm.apply(y, z, weight, float(eps), bool(norm_before_gate))

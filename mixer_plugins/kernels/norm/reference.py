@@ -1,17 +1,10 @@
-"""``reference`` backend of :func:`..gated_rmsnorm`: the formula as plain differentiable ops."""
+"""``reference`` form of :func:`..gated_rmsnorm`: the formula as plain differentiable ops."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from .._dispatch import Backend, register
-
-if TYPE_CHECKING:
-    from . import NormArgs
 
 __all__ = ["gated_rmsnorm_reference"]
 
@@ -27,10 +20,3 @@ def gated_rmsnorm_reference(y: Tensor, z: Tensor, weight: Tensor, eps: float, no
         u = y * F.silu(z)
         out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
     return (out * weight.to(out.dtype)).to(dtype)
-
-
-def impl(args: NormArgs) -> Tensor:
-    return gated_rmsnorm_reference(args.y, args.z, args.weight, args.eps, args.norm_before_gate)
-
-
-BACKEND = register(Backend(op="norm", name="reference", impl=impl))

@@ -1,4 +1,4 @@
-"""``torch`` backend of :func:`..gated_rmsnorm`: tile by tile, with a hand-written backward.
+"""``torch`` form of :func:`..gated_rmsnorm`: tile by tile, with a hand-written backward.
 
 Why not plain PyTorch ops: written as ops on the whole (tokens, width) tensors, the norm is about eight
 full-size temporaries forward and twice that backward. On CPU each is a fresh allocation that glibc
@@ -14,20 +14,16 @@ the compiler fuses it. (On CPU the ``native`` backend, :mod:`.native`, runs firs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._dispatch import Backend, register
 from .._library import Grads
 from .._tiling import time_tiles
 from .reference import gated_rmsnorm_reference
-
-if TYPE_CHECKING:
-    from . import NormArgs
 
 __all__ = ["TILE_ELEMENTS"]
 
@@ -154,10 +150,8 @@ def _backward(ctx: Any, grad: Tensor, tiles: list[tuple[int, int]]) -> Grads:
             grad_w.to(weight.dtype) if need_w else None, None, None)
 
 
-def impl(args: NormArgs) -> Tensor:
-    if torch.compiler.is_compiling() or args.y.numel() == 0:
-        return gated_rmsnorm_reference(args.y, args.z, args.weight, args.eps, args.norm_before_gate)
-    return _GatedRMSNorm.apply(args.y, args.z, args.weight, float(args.eps), bool(args.norm_before_gate))
-
-
-BACKEND = register(Backend(op="norm", name="torch", impl=impl, priority=10))
+def norm_torch(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    """The tiled norm with its hand-written backward (the plain formula under ``torch.compile``)."""
+    if torch.compiler.is_compiling() or y.numel() == 0:
+        return gated_rmsnorm_reference(y, z, weight, eps, norm_before_gate)
+    return _GatedRMSNorm.apply(y, z, weight, float(eps), bool(norm_before_gate))

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .inputs import Direction, ScanInputs, chunk_length
+from .inputs import Direction, chunk_length
 
 __all__ = ["ChunkDecays", "chunk_decays", "chunk_output", "chunk_states", "scan_chunked", "state_passing"]
 
@@ -184,30 +184,32 @@ def _one_direction(x: Tensor, d: Direction, seq_idx: Tensor | None, initial: Ten
     return y.flatten(1, 2)[:, :length], final
 
 
-def scan_chunked(inputs: ScanInputs, *, return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """The chunked scan of ``inputs``; the same result as :func:`.reference.reference_scan` up to rounding.
+def scan_chunked(x: Tensor, forward: Direction | None, backward: Direction | None = None, *,
+                 diag: Tensor | None = None, seq_idx: Tensor | None = None, initial_state: Tensor | None = None,
+                 shift: bool = False, chunk_size: int = 64,
+                 return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The chunked scan of ``x`` (b, l, h, p) with the ``forward`` and/or ``backward`` direction (step sizes
+    prepared, ``seq_idx`` normalised); the same result as :func:`.reference.reference_scan` up to rounding.
 
     Returns y (b, l, h, p), and the forward direction's state after the last token (b, h, p, n) when
     ``return_final_state``."""
-    x = inputs.x
     _, length, heads, head_dim = x.shape
-    Q = chunk_length(length, inputs.chunk_size, heads, head_dim, inputs.state_size)
+    state = (forward or backward).B.shape[-1]  # type: ignore[union-attr]
+    Q = chunk_length(length, chunk_size, heads, head_dim, state)
     y = final = None
-    if inputs.forward is not None:
-        y, final = _one_direction(x, inputs.forward, inputs.seq_idx, inputs.initial_state, inputs.shift, Q,
-                                  return_final_state)
-    if inputs.backward is not None:
-        d = inputs.backward
+    if forward is not None:
+        y, final = _one_direction(x, forward, seq_idx, initial_state, shift, Q, return_final_state)
+    if backward is not None:
+        d = backward
         flipped = Direction(dt=d.dt.flip(1), A=d.A, B=d.B.flip(1), C=d.C.flip(1))
-        seq = None if inputs.seq_idx is None else inputs.seq_idx.flip(1)
-        y_b = _one_direction(x.flip(1), flipped, seq, None, inputs.shift, Q, False)[0].flip(1)
+        seq = None if seq_idx is None else seq_idx.flip(1)
+        y_b = _one_direction(x.flip(1), flipped, seq, None, shift, Q, False)[0].flip(1)
         y = y_b if y is None else y + y_b
-    assert y is not None
-    if inputs.diag is not None:
-        y = y + inputs.diag[..., None].to(y.dtype) * x
+    assert y is not None, "a scan needs at least one direction"
+    if diag is not None:
+        y = y + diag[..., None].to(y.dtype) * x
     if not return_final_state:
         return y
     if final is None:
         raise ValueError("the final state belongs to the forward direction, which is absent")
     return y, final
-

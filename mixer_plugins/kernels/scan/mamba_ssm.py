@@ -1,4 +1,4 @@
-"""``mamba_ssm`` backend of the scan: mamba-ssm's fused Triton SSD (``mamba_chunk_scan_combined``), on CUDA tensors.
+"""``mamba_ssm`` form of the scan: mamba-ssm's fused Triton SSD (``mamba_chunk_scan_combined``), on CUDA tensors.
 
 A causal SSD call goes to mamba-ssm as it is (skip, gate, initial and final states included). Other scans run each
 direction through it: the backward one on the time-reversed sequence, then the one-token shift (cut at segment
@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._dispatch import Backend, register
-from .inputs import Direction, ScanArgs
+from .inputs import Direction
 
-__all__ = ["MODULE", "impl", "load"]
+__all__ = ["MODULE", "load", "mamba_ssm_scan", "mamba_ssm_unavailable"]
 
 #: The module that holds mamba-ssm's fused SSD.
 MODULE = "mamba_ssm.ops.triton.ssd_combined"
@@ -38,15 +37,12 @@ def load() -> Callable[..., Any]:
     return _loaded["scan"]
 
 
-def _causal_ssd(args: ScanArgs) -> bool:
-    """A scan mamba-ssm runs in one call: the forward direction alone, unshifted, no diagonal."""
-    return args.forward is not None and args.backward is None and not args.shift and args.diag is None
-
-
-def _unavailable(device: torch.device, args: Any = None) -> str | None:
+def mamba_ssm_unavailable(device: torch.device, *, carries_state: bool = False) -> str | None:
+    """Why mamba-ssm cannot run a scan on ``device`` (``None`` when it can); ``carries_state``: a scan other than a
+    causal, unshifted SSD that takes an initial state or returns its final one."""
     if device.type != "cuda":
         return f"mamba-ssm's kernels need CUDA tensors (got {device.type})"
-    if args is not None and not _causal_ssd(args) and (args.initial_state is not None or args.return_final_state):
+    if carries_state:
         return "mamba-ssm carries states only for a causal, unshifted scan"
     if "scan" in _loaded:
         return None
@@ -59,18 +55,17 @@ def _unavailable(device: torch.device, args: Any = None) -> str | None:
     return None
 
 
-def _direction(args: ScanArgs, d: Direction, *, reverse: bool) -> Tensor:
-    """One direction at original positions, shifted when ``args.shift``."""
+def _direction(x: Tensor, d: Direction, *, reverse: bool, shift: bool, seq_idx: Tensor | None, chunk_size: int,
+               **dt_options: Any) -> Tensor:
+    """One direction at original positions, shifted when ``shift``."""
     scan = load()
-    kw = dict(dt_bias=args.dt_bias, dt_softplus=args.dt_softplus, dt_limit=args.dt_limit)
-    seq_idx = args.seq_idx
     if not reverse:
-        y = scan(args.x, d.dt, d.A, d.B, d.C, args.chunk_size, seq_idx=seq_idx, **kw)
+        y = scan(x, d.dt, d.A, d.B, d.C, chunk_size, seq_idx=seq_idx, **dt_options)
     else:
         flipped = None if seq_idx is None else seq_idx.flip(1).contiguous()
-        y = scan(args.x.flip(1), d.dt.flip(1), d.A, d.B.flip(1), d.C.flip(1), args.chunk_size, seq_idx=flipped,
-                 **kw).flip(1)
-    if not args.shift:
+        y = scan(x.flip(1), d.dt.flip(1), d.A, d.B.flip(1), d.C.flip(1), chunk_size, seq_idx=flipped,
+                 **dt_options).flip(1)
+    if not shift:
         return y
     # token i reads the output at i - 1 (forward) or i + 1 (reverse), never across a segment start
     if reverse:
@@ -84,25 +79,18 @@ def _direction(args: ScanArgs, d: Direction, *, reverse: bool) -> Tensor:
     return y
 
 
-def impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
-    args = args.with_rates()
-    d = args.forward
-    if _causal_ssd(args):
-        assert d is not None
-        return load()(args.x, d.dt, d.A, d.B, d.C, args.chunk_size, D=args.D, z=args.z, dt_bias=args.dt_bias,
-                      initial_states=args.initial_state, seq_idx=args.seq_idx, dt_softplus=args.dt_softplus,
-                      dt_limit=args.dt_limit, return_final_states=args.return_final_state)
+def mamba_ssm_scan(x: Tensor, forward: Direction | None, backward: Direction | None = None, *,
+                   diag: Tensor | None = None, seq_idx: Tensor | None = None, shift: bool = False,
+                   chunk_size: int = 64, **dt_options: Any) -> Tensor:
+    """A scan other than the causal SSD through mamba-ssm, direction by direction (``A`` the rates; ``dt_options``:
+    ``dt_bias``, ``dt_softplus``, ``dt_limit`` as mamba-ssm takes them), plus ``diag``; y in mamba-ssm's dtype."""
     y = None
-    for direction, reverse in ((args.forward, False), (args.backward, True)):
+    for direction, reverse in ((forward, False), (backward, True)):
         if direction is not None:
-            part = _direction(args, direction, reverse=reverse)
+            part = _direction(x, direction, reverse=reverse, shift=shift, seq_idx=seq_idx, chunk_size=chunk_size,
+                              **dt_options)
             y = part if y is None else y + part
-    assert y is not None
-    diag = args.skip_as_diag(args.diag)
+    assert y is not None, "a scan needs at least one direction"
     if diag is not None:
-        y = y + diag[..., None].to(y.dtype) * args.x
-    return args.finish(y, None)
-
-
-BACKEND = register(Backend(op="scan", name="mamba_ssm", impl=impl, priority=30, check=_unavailable,
-                           automatic_devices=("cuda",)))
+        y = y + diag[..., None].to(y.dtype) * x
+    return y

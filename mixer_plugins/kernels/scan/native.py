@@ -1,4 +1,4 @@
-"""``native`` backend of the scan: our C++ CPU engine (``kernels/_native/scan.cpp``), chosen first on CPU.
+"""``native`` form of the scan: our C++ CPU engine (``kernels/_native/scan.cpp``), chosen first on CPU.
 
 The engine runs the chunked algorithm of :mod:`.chunked` with its per-chunk work in small thread-local buffers and
 a written-out backward (it stores only its inputs: training memory is linear in the length with a small constant).
@@ -9,8 +9,7 @@ chunks' states and read-outs) are shared by a group's heads. A short sequence ru
 at all (:func:`.inputs.chunk_length`).
 
 It takes eager CPU calls in float32 or float64 (every tensor of ``x``'s dtype) without ``seq_idx``; elsewhere (and
-under ``torch.compile``, which traces the ``torch`` backend) it says why not and the dispatcher moves on
-(:func:`.._native_check.native_unavailable`).
+under ``torch.compile``, which traces the ``torch`` backend) the scan's ``why_not`` says why not and the next form runs.
 """
 
 from __future__ import annotations
@@ -21,35 +20,15 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._dispatch import Backend, register
 from .._library import Grads, Shape
-from .._native_check import native_unavailable, require_native
+from .._native_check import require_native
 from .flops import chunked_scan_flops
-from .inputs import ScanArgs, ScanInputs, chunk_length
+from .inputs import Direction, chunk_length
 
-__all__ = ["native_scan", "native_scan_backward", "run_native"]
+__all__ = ["native_scan", "native_scan_backward", "scan_native"]
 
 OptTensor = Optional[Tensor]
 OptShape = Optional[Shape]
-
-
-def _unavailable(device: torch.device, args: Any = None) -> str | None:
-    if args is None:
-        return native_unavailable(device)
-    if args.seq_idx is not None:
-        return "the native engine does not take seq_idx (packed sequences run on the torch backend)"
-    if args.x.numel() == 0:
-        return "empty input"
-    tensors = [args.x] + [t for d in args.directions for t in (d.dt, d.A, d.B, d.C)]
-    tensors += [t for t in (args.diag, args.initial_state, args.dt_bias, args.D, args.z) if t is not None]
-    return native_unavailable(device, tensors)
-
-
-def _generators(inputs: ScanInputs) -> list[Tensor | None]:
-    out: list[Tensor | None] = []
-    for d in (inputs.forward, inputs.backward):
-        out += [None] * 4 if d is None else [d.dt, d.A, d.B, d.C]
-    return out
 
 
 def _dense(*tensors: Tensor | None) -> list[Tensor | None]:
@@ -170,21 +149,15 @@ def _backward_flops(dy: Shape, dfinal: OptShape, x: Shape, dt_f: OptShape, A_f: 
     return 2 * _scan_flops(x, dt_f, B_f, dt_b, B_b, init, chunk, dfinal is not None)
 
 
-def run_native(inputs: ScanInputs, *, want_final: bool) -> tuple[Tensor, Tensor | None]:
-    """The scan of ``inputs`` on the native engine: (y, the forward direction's final state when ``want_final``,
-    else None). Differentiable once."""
-    _, length, heads, head_dim = inputs.x.shape
-    chunk = chunk_length(length, inputs.chunk_size, heads, head_dim, inputs.state_size)
-    y, final = native_scan(inputs.x, *_generators(inputs), inputs.diag, inputs.initial_state, inputs.shift, chunk,
-                           want_final)
-    return y, (final if want_final else None)
-
-
-def impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
-    inputs = args.prepare()
-    y, final = run_native(inputs, want_final=args.return_final_state)
-    return args.finish(y, final)
-
-
-BACKEND = register(Backend(op="scan", name="native", impl=impl, priority=20, check=_unavailable,
-                           automatic_devices=("cpu",)))
+def scan_native(x: Tensor, forward: Direction | None, backward: Direction | None = None, *,
+                diag: Tensor | None = None, initial_state: Tensor | None = None, shift: bool = False,
+                chunk_size: int = 64, return_final_state: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The scan of ``x`` (b, l, h, p) on the native engine, every tensor in one dtype (step sizes prepared, ``A`` the
+    rates): (y, the forward direction's final state when ``return_final_state``, else None). Differentiable once."""
+    _, length, heads, head_dim = x.shape
+    state = (forward or backward).B.shape[-1]  # type: ignore[union-attr]
+    chunk = chunk_length(length, chunk_size, heads, head_dim, state)
+    f = [None] * 4 if forward is None else list(forward)
+    b = [None] * 4 if backward is None else list(backward)
+    y, final = native_scan(x, *f, *b, diag, initial_state, shift, chunk, return_final_state)
+    return y, (final if return_final_state else None)

@@ -1,4 +1,4 @@
-"""The ``reference`` backend of the scan: the materialized (O(L^2)) matrix, the oracle of every other backend.
+"""The ``reference`` form of the scan: the materialized (O(L^2)) matrix, the oracle of every other backend.
 
 Everything here builds the full L x L matrix per head from the per-token generators and multiplies. It is exact in
 float64, simple to read, and is what ``materialize`` of the SSM mixers returns.
@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from ...errors import MixerInputError
-from .._dispatch import Backend, register
-from .inputs import Direction, ScanArgs, ScanInputs, normalize_seq_idx
+from .inputs import Direction, normalize_seq_idx
 
 __all__ = ["reference_scan", "scan_matrix", "scan_reference", "segment_sums"]
 
@@ -71,11 +70,8 @@ def _upper_matrix(d: Direction, shift: bool) -> Tensor:
     return _lower_matrix(flipped, shift).flip(-1, -2)
 
 
-def _matrix(inputs: ScanInputs | None = None, *, forward: Direction | None = None, backward: Direction | None = None,
-            diag: Tensor | None = None, seq_idx: Tensor | None = None, shift: bool = False) -> Tensor:
-    if inputs is not None:
-        forward, backward, diag, seq_idx, shift = (inputs.forward, inputs.backward, inputs.diag, inputs.seq_idx,
-                                                   inputs.shift)
+def _matrix(forward: Direction | None, backward: Direction | None, diag: Tensor | None, seq_idx: Tensor | None,
+            shift: bool) -> Tensor:
     parts = []
     if forward is not None:
         parts.append(_lower_matrix(forward, shift))
@@ -114,8 +110,7 @@ def scan_matrix(
     along the row ([0, 0, 1, 1, 0, 0] is three segments); tokens interact only within a segment.
     """
     seq_idx = None if seq_idx is None else normalize_seq_idx(seq_idx)
-    return _matrix(forward=_direction(dt_f, A_f, B_f, C_f), backward=_direction(dt_b, A_b, B_b, C_b), diag=diag,
-                   seq_idx=seq_idx, shift=shift)
+    return _matrix(_direction(dt_f, A_f, B_f, C_f), _direction(dt_b, A_b, B_b, C_b), diag, seq_idx, shift)
 
 
 def scan_reference(
@@ -132,17 +127,22 @@ def scan_reference(
     :func:`scan_matrix` (a new segment wherever the id changes).
     """
     seq_idx = None if seq_idx is None else normalize_seq_idx(seq_idx)
-    inputs = ScanInputs(x=x, forward=_direction(dt_f, A_f, B_f, C_f), backward=_direction(dt_b, A_b, B_b, C_b),
-                        diag=diag, seq_idx=seq_idx, initial_state=initial_state, shift=shift)
-    return reference_scan(inputs, return_final_state=return_final_state)
+    return reference_scan(x, _direction(dt_f, A_f, B_f, C_f), _direction(dt_b, A_b, B_b, C_b), diag=diag,
+                          seq_idx=seq_idx, initial_state=initial_state, shift=shift,
+                          return_final_state=return_final_state)
 
 
-def reference_scan(inputs: ScanInputs, *, return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """The scan of ``inputs`` by its materialized matrix: y (b, l, h, p), and the forward direction's state
-    after the last token (b, h, p, n) when ``return_final_state``."""
-    x, seq_idx, init = inputs.x, inputs.seq_idx, inputs.initial_state
-    y = torch.einsum("bhij,bjhp->bihp", _matrix(inputs).to(x.dtype), x)
-    d = inputs.forward
+def reference_scan(x: Tensor, forward: Direction | None, backward: Direction | None = None, *,
+                   diag: Tensor | None = None, seq_idx: Tensor | None = None, initial_state: Tensor | None = None,
+                   shift: bool = False, return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The scan of ``x`` (b, l, h, p) by its materialized matrix (step sizes prepared, ``seq_idx`` normalised):
+    y (b, l, h, p), and the forward direction's state after the last token (b, h, p, n) when
+    ``return_final_state``."""
+    if initial_state is not None and forward is None:
+        raise ValueError("the initial state belongs to the forward direction, which is absent")
+    init = initial_state
+    y = torch.einsum("bhij,bjhp->bihp", _matrix(forward, backward, diag, seq_idx, shift).to(x.dtype), x)
+    d = forward
     if return_final_state and d is None:
         raise ValueError("the final state belongs to the forward direction, which is absent")
     if d is None or (init is None and not return_final_state):
@@ -156,7 +156,7 @@ def reference_scan(inputs: ScanInputs, *, return_final_state: bool = False) -> T
         # decay from before token 0 to query i: a_0 + ... + a_i (a_0 + ... + a_{i-1} shifted, where C_{i-1} is read)
         from_start = a.cumsum(1)
         C = _expand_groups(d.C, h)
-        if inputs.shift:  # exclusive sums by a shift, not by subtracting a: no cancellation
+        if shift:  # exclusive sums by a shift, not by subtracting a: no cancellation
             from_start = torch.cat([torch.zeros_like(a[:, :1]), from_start[:, :-1]], dim=1)
             C = torch.cat([torch.zeros_like(C[:, :1]), C[:, :-1]], dim=1)
         weight = torch.where(first, torch.exp(from_start), zero)
@@ -174,9 +174,3 @@ def reference_scan(inputs: ScanInputs, *, return_final_state: bool = False) -> T
         final = final + keep[..., None, None].to(x.dtype) * init.to(x.dtype)
     return y, final
 
-
-def _impl(args: ScanArgs) -> Tensor | tuple[Tensor, Tensor]:
-    return args.run_prepared(reference_scan)
-
-
-BACKEND = register(Backend(op="scan", name="reference", impl=_impl))

@@ -1,33 +1,33 @@
 """Toeplitz (long convolution) mixing: ``y_i = sum_j c_{i-j} v_j`` per head.
 
 ``taps`` holds the 2L-1 diagonals of the Toeplitz matrix, offset ``d = i - j`` at index ``d + L - 1``.
-Backends: ``reference`` (the materialized matrix), ``torch`` (the default: one real FFT convolution, O(L log L);
+Forms: ``reference`` (the materialized matrix), ``torch`` (the default: one real FFT convolution, O(L log L);
 causal: direct tiles plus FFTs whose inputs all precede their outputs, O(L log^2 L), so a past output never
-sees a future token, not even through round-off). Each is a module of this folder that registers itself.
+sees a future token, not even through round-off).
+:data:`TOEPLITZ` names them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
 from ...errors import MixerInputError
-from .._dispatch import discover_backends, resolve_backend
+from .._dispatch import Op
 from .causal import toeplitz_causal_flops
-from .reference import toeplitz_matrix
-from .torch import toeplitz_fft_flops
+from .reference import toeplitz_matrix, toeplitz_reference
+from .torch import toeplitz_fft_flops, toeplitz_torch
 
-__all__ = ["ToeplitzArgs", "toeplitz_causal_flops", "toeplitz_fft_flops", "toeplitz_matrix", "toeplitz_mix"]
+__all__ = ["TOEPLITZ", "toeplitz_causal_flops", "toeplitz_fft_flops", "toeplitz_matrix", "toeplitz_mix"]
 
 
-@dataclass(frozen=True)
-class ToeplitzArgs:
-    """The arguments of one :func:`toeplitz_mix` call: taps (b or 1, h, 2L-1), v (b, L, h, p), causal."""
+def _runs_anywhere(backend: str, device: Any, **call: Any) -> None:
+    return None
 
-    taps: Tensor
-    v: Tensor
-    causal: bool = False
+
+#: The mix's forms: both run on any device and dtype; ``torch`` is the automatic choice everywhere.
+TOEPLITZ = Op("toeplitz", backends=("reference", "torch"), automatic={}, why_not=_runs_anywhere)
 
 
 def toeplitz_mix(taps: Tensor, v: Tensor, *, causal: bool = False, backend: str | None = None) -> Tensor:
@@ -44,8 +44,6 @@ def toeplitz_mix(taps: Tensor, v: Tensor, *, causal: bool = False, backend: str 
             f"toeplitz_mix: taps must be (batch or 1, heads, 2*length-1) = (*, {h}, {2 * length - 1}), "
             f"got {tuple(taps.shape)}"
         )
-    args = ToeplitzArgs(taps=taps, v=v, causal=causal)
-    return resolve_backend("toeplitz", backend, v.device, args)(args)
-
-
-discover_backends("toeplitz", __name__)
+    if TOEPLITZ.choose(backend, v.device) == "reference":
+        return toeplitz_reference(taps, v, causal)
+    return toeplitz_torch(taps, v, causal)

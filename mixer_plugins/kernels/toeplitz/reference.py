@@ -1,16 +1,9 @@
-"""``reference`` backend of :func:`..toeplitz_mix`: the materialized Toeplitz matrix times v (the oracle)."""
+"""``reference`` form of :func:`..toeplitz_mix`: the materialized Toeplitz matrix times v (the oracle)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
-
-from .._dispatch import Backend, register
-
-if TYPE_CHECKING:
-    from . import ToeplitzArgs
 
 __all__ = ["toeplitz_matrix"]
 
@@ -22,13 +15,11 @@ def toeplitz_matrix(taps: Tensor, length: int) -> Tensor:
     return taps[..., offsets]
 
 
-def impl(args: ToeplitzArgs) -> Tensor:
-    length = args.v.shape[1]
-    matrix = toeplitz_matrix(args.taps, length).to(args.v.dtype)
-    if args.causal:  # keep j <= i by selection: the negative offsets are never read
+def toeplitz_reference(taps: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """The mix by its materialized matrix (the oracle)."""
+    length = v.shape[1]
+    matrix = toeplitz_matrix(taps, length).to(v.dtype)
+    if causal:  # keep j <= i by selection: the negative offsets are never read
         idx = torch.arange(length, device=matrix.device)
         matrix = torch.where(idx[:, None] >= idx[None, :], matrix, matrix.new_zeros(()))
-    return torch.einsum("bhij,bjhp->bihp", matrix.expand(args.v.shape[0], -1, -1, -1), args.v)
-
-
-BACKEND = register(Backend(op="toeplitz", name="reference", impl=impl))
+    return torch.einsum("bhij,bjhp->bihp", matrix.expand(v.shape[0], -1, -1, -1), v)

@@ -15,19 +15,15 @@ tensors, so the FFTs cannot be exported.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._dispatch import Backend, register
 from .._library import Shape, save_tensors, saved_tensors
 from .causal import CAUSAL_TILE, causal_toeplitz, toeplitz_causal_flops
-from .reference import impl as _reference
-
-if TYPE_CHECKING:
-    from . import ToeplitzArgs
+from .reference import toeplitz_reference
 
 __all__ = ["toeplitz_causal", "toeplitz_fft", "toeplitz_fft_flops"]
 
@@ -150,14 +146,12 @@ def _toeplitz_causal_flop_formula(taps_shape: Shape, v_shape: Shape, *args: Any,
     return toeplitz_causal_flops(b, length, h, p, tap_batch=taps_shape[0])
 
 
-def impl(args: ToeplitzArgs) -> Tensor:
+def toeplitz_torch(taps: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """The mix by FFT (causal: by :func:`.causal.causal_toeplitz`); the reference under ``torch.export``."""
     if torch.compiler.is_exporting():
-        return _reference(args)
-    if args.v.shape[0] == 0:  # an empty batch: nothing to convolve (the FFT rejects empty inputs)
-        return args.v.new_zeros(args.v.shape)
-    if args.causal:
-        return toeplitz_causal(args.taps[..., args.v.shape[1] - 1:].contiguous(), args.v)
-    return toeplitz_fft(args.taps, args.v)
-
-
-BACKEND = register(Backend(op="toeplitz", name="torch", impl=impl, priority=10))
+        return toeplitz_reference(taps, v, causal)
+    if v.shape[0] == 0:  # an empty batch: nothing to convolve (the FFT rejects empty inputs)
+        return v.new_zeros(v.shape)
+    if causal:
+        return toeplitz_causal(taps[..., v.shape[1] - 1:].contiguous(), v)
+    return toeplitz_fft(taps, v)
