@@ -218,7 +218,7 @@ def test_bf16_autocast_keeps_step_sizes_decay_rates_and_decays_in_float32(name, 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixer(x)
         if not projections:   # the blocks call in_proj's weight themselves (one product, split into views)
-            projections.append(mixer._in_proj_pieces(x)[-1])
+            projections.append(mixer._in_proj_pieces(x)[1][-1])
     (raw_all,) = projections
     assert raw_all.dtype == torch.bfloat16
     raw = raw_all[..., -(2 if name == "quasiseparable" else 1) * heads:].float()
