@@ -171,12 +171,7 @@ positive_float = _number_type(float, lambda v: v > 0, "a positive number")
 
 def length_list(text: str) -> list[int]:
     """``256,1024`` -> sorted distinct positive lengths."""
-    lengths = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lengths.append(positive_int(part))
+    lengths = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
     if not lengths:
         raise argparse.ArgumentTypeError("expected comma-separated positive integers, e.g. 256,1024,4096")
     return sorted(set(lengths))

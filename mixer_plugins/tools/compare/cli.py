@@ -60,13 +60,14 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Train one small backbone per mixer and seed on a task (multi-query recall, selective "
         "copying, in-context regression, digits); print mean ± std of the task metric, parameters, FLOPs and "
         "train time; write results.json, results.md and plots. Presets reproduce the papers' comparisons.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+)
     configure_parser(parser)
     return parser
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``compare`` (used by :func:`add_compare_parser` and the standalone parser)."""
+    """The arguments, epilog and ``func`` of ``compare`` (for the command line and :func:`add_compare_parser`)."""
+    parser.epilog, parser.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     parser.add_argument("--preset", default=None, help="a paper's comparison (see --list); other flags override it")
     parser.add_argument("--task", default=None, help="mqar, copying, regression or digits (default mqar)")
     parser.add_argument("--task-option", action="append", type=_knob, default=[], metavar="KNOB=VALUE",

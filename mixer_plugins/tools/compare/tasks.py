@@ -127,8 +127,8 @@ class Task:
         return float((outputs[graded].argmax(-1) == batch.targets[graded]).float().mean())
 
     def knobs(self) -> dict[str, Any]:
-        """The difficulty knobs (the dataclass fields) and their values."""
-        return dataclasses.asdict(self)
+        """The difficulty knobs (the dataclass fields, ``seq_len_`` shown as ``seq_len``) and their values."""
+        return {f.name.rstrip("_"): getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def describe(self) -> str:
         knobs = ", ".join(f"{k}={v}" for k, v in self.knobs().items())
@@ -207,10 +207,6 @@ class MultiQueryRecallTask(_TokenSequence, Task):
             raise MixerError(f"mqar: seq_len ({self.seq_len_}) must hold the {2 * self.num_kv_pairs} context tokens "
                              f"and the {self.num_queries} queries")
 
-    def knobs(self) -> dict[str, Any]:
-        return {"seq_len": self.seq_len_, "num_kv_pairs": self.num_kv_pairs, "vocab_size": self.vocab_size,
-                "num_queries": self.num_queries}
-
     @property
     def chance(self) -> float:
         """One over the number of values (a guess among them)."""
@@ -258,9 +254,6 @@ class SelectiveCopyingTask(_TokenSequence, Task):
         if 2 * self.num_tokens > self.seq_len_:
             raise MixerError(f"copying: seq_len ({self.seq_len_}) must be at least 2 * num_tokens "
                              f"({2 * self.num_tokens})")
-
-    def knobs(self) -> dict[str, Any]:
-        return {"seq_len": self.seq_len_, "num_tokens": self.num_tokens, "vocab_size": self.vocab_size}
 
     @property
     def chance(self) -> float:
@@ -394,9 +387,6 @@ class DigitsTask(Task):
     def chance(self) -> float:
         """One over the ten classes."""
         return 0.1
-
-    def knobs(self) -> dict[str, Any]:
-        return {"patch_size": self.patch_size}
 
     def _patches(self, images: Tensor) -> Tensor:
         p = self.patch_size
