@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from . import DIRECTIONS, MODES
+
 resource: ModuleType | None
 try:
     import resource
@@ -63,9 +65,6 @@ __all__ = [
     "time_decoding",
 ]
 
-MODES = ("forward", "forward_backward")
-#: ``direction`` arguments of the sweep: "default" keeps each mixer's own default direction.
-DIRECTIONS = ("default", "causal", "bidirectional")
 
 
 @dataclasses.dataclass

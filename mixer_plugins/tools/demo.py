@@ -39,6 +39,7 @@ from .._text import format_table, markdown_table
 from ..backbones.options import head_dim_for
 from ..errors import MissingExtraError, MixerError, NotMaterializableError
 from ..registry import default_registry
+from . import DEFAULT_MIXERS
 from .benchmarking import count_flops, error_summary, format_flops
 from .progress import progress_bar
 from .training import TrainLog, train
@@ -56,7 +57,6 @@ __all__ = [
     "run_demo",
 ]
 
-DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
 NUM_CLASSES = 10
 IMAGE_SIZE = 8
 

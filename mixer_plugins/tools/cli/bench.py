@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import DEFAULT_MIXERS, DIRECTIONS, MODES
 from ..progress import progress_bar
 from .args import (
     CliError,
@@ -35,17 +36,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "decode_table"]
 
-DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
 #: ``--decode``'s defaults: the linear-time mixers that step, and attention with its KV cache.
 DECODE_MIXERS = ("semiseparable", "low_rank", "sliding_window_attention", "attention")
 DECODE_CONTEXTS = (128, 1024, 8192)
 # The parser's defaults, kept as objects so that --decode can tell "not given" from "given the same values".
 _MIXERS_DEFAULT = list(DEFAULT_MIXERS)
 _LENGTHS_DEFAULT = [256, 1024, 4096]
-#: ``mixer_plugins.tools.benchmarking``'s ``DIRECTIONS`` and ``MODES``, repeated here so that parsing the arguments
-#: imports no torch (a test keeps them equal)
-DIRECTIONS = ("default", "causal", "bidirectional")
-MODES = ("forward", "forward_backward")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

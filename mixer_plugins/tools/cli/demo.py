@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import DEFAULT_MIXERS
 from .args import (
     Command,
     head,
@@ -25,9 +26,8 @@ __all__ = ["COMMAND"]
 #: ``--quick``: epochs and training images, unless --epochs / --train-limit say otherwise.
 QUICK_EPOCHS, QUICK_TRAIN_LIMIT = 3, 640
 
-#: ``mixer_plugins.tools.demo.DEFAULT_MIXERS`` and the defaults of its ``DemoConfig`` that the arguments show,
-#: repeated here so that parsing the arguments imports no torch (a test keeps them equal)
-DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
+#: the defaults of ``mixer_plugins.tools.demo.DemoConfig`` that the arguments show, repeated here so that parsing
+#: the arguments imports no torch (a test keeps them equal)
 DEFAULTS: dict[str, Any] = {"epochs": 15, "batch_size": 64, "lr": 3e-3, "embed_dim": 64, "depth": 2, "num_heads": 4,
                             "patch_size": 2, "seed": 0, "sample": 0, "out": Path("demo_output")}
 
