@@ -38,13 +38,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "COMMANDS",
-    "CliError",
-    "Command",
-    "build_parser",
-    "main",
-    "parse_option_assignments",
-    "resolve_mixers",
-    "typed_option_value",
-]
+__all__ = ["COMMANDS", "CliError", "Command", "build_parser", "main", *_FROM_OPTIONS]
