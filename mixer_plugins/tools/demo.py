@@ -55,6 +55,7 @@ __all__ = [
     "load_digits_data",
     "results_table",
     "run_demo",
+    "small_model_options",
 ]
 
 NUM_CLASSES = 10
@@ -157,22 +158,23 @@ def load_digits_data(seed: int = 0, test_fraction: float = 0.2, train_limit: int
     return DemoData((train_x - mean) / std, train_y, (test_x - mean) / std, test_y)
 
 
+def small_model_options(fields: Mapping[str, Any], tokens: int) -> dict[str, Any]:
+    """``d_state=16`` and ``chunk_size`` at most ``tokens``, where the mixer's config has those fields (``fields``):
+    what the demo and ``compare`` set for their small models."""
+    out: dict[str, Any] = {"d_state": 16} if "d_state" in fields else {}
+    default = fields["chunk_size"].get_default() if "chunk_size" in fields else None
+    if isinstance(default, int) and default > tokens:
+        out["chunk_size"] = tokens
+    return out
+
+
 def adapted_mixer_options(name: str, config: DemoConfig) -> dict[str, Any]:
     """The mixer's options for the demo's model size (see the module docstring), then ``config.options``."""
     spec = default_registry.get_spec(name)
-    fields = spec.config.model_fields
     user = dict(config.options.get(spec.name, {}))
-    adapted: dict[str, Any] = {}
     head_size = head_dim_for(spec, config.embed_dim, config.num_heads, user)
-    if head_size is not None:
-        adapted[head_size[0]] = head_size[1]
-    if "d_state" in fields:
-        adapted["d_state"] = 16
-    if "chunk_size" in fields:
-        default = fields["chunk_size"].get_default()
-        if isinstance(default, int) and default > config.tokens:
-            adapted["chunk_size"] = config.tokens
-    return {**adapted, **user}
+    adapted = dict([head_size]) if head_size is not None else {}
+    return {**adapted, **small_model_options(spec.config.model_fields, config.tokens), **user}
 
 
 def build_model(name: str, config: DemoConfig) -> nn.Module:
