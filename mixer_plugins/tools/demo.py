@@ -42,7 +42,7 @@ from ..registry import default_registry
 from . import DEFAULT_MIXERS
 from .benchmarking import count_flops, error_summary, format_flops
 from .progress import progress_bar
-from .training import TrainLog, train
+from .training import TrainLog, check_positive, train
 
 __all__ = [
     "DEFAULT_MIXERS",
@@ -90,10 +90,7 @@ class DemoConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "embed_dim", "depth", "num_heads", "patch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise MixerError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "epochs", "batch_size", "embed_dim", "depth", "num_heads", "patch_size")
         if self.lr <= 0 or self.weight_decay < 0 or self.mlp_ratio <= 0:
             raise MixerError("lr and mlp_ratio must be positive and weight_decay non-negative")
         if IMAGE_SIZE % self.patch_size:

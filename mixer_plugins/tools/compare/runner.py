@@ -28,7 +28,7 @@ from ...errors import MixerError
 from ..benchmarking import format_flops
 from ..cli.args import set_threads
 from ..progress import progress_bar
-from ..training import train
+from ..training import check_positive, train
 from .models import (
     MixerEntry,
     SequenceModel,
@@ -90,10 +90,7 @@ class CompareConfig:
     entries: list[MixerEntry] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads", "jobs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise MixerError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads", "jobs")
         if self.lr <= 0 or self.weight_decay < 0 or self.mlp_ratio <= 0 or not 0 <= self.warmup < 1:
             raise MixerError("lr and mlp_ratio must be positive, weight_decay non-negative and warmup in [0, 1)")
         self.seeds = tuple(int(s) for s in self.seeds)

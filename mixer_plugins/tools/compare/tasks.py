@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ...errors import MixerError
+from ..training import check_positive
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..demo import DemoData
@@ -135,13 +136,6 @@ class Task:
         return f"{self.name} ({knobs}): {self.seq_len} tokens, metric {self.metric_name}"
 
 
-def _check_positive(task: Task, *names: str) -> None:
-    for name in names:
-        value = getattr(task, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise MixerError(f"{task.name}: {name} must be a positive integer, got {value!r}")
-
-
 def _distinct(n: int, pool: int, count: int, generator: torch.Generator) -> Tensor:
     """``count`` distinct draws from ``range(pool)`` per row, in random order: a long ``(n, count)`` tensor."""
     return torch.rand(n, pool, generator=generator).argsort(-1)[:, :count]
@@ -192,10 +186,10 @@ class MultiQueryRecallTask(_TokenSequence, Task):
     summary: ClassVar[str] = "multi-query associative recall: keys queried after the key-value context"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "seq_len_", "num_kv_pairs", "vocab_size")
+        check_positive(self, "seq_len_", "num_kv_pairs", "vocab_size", prefix=f"{self.name}: ")
         if self.num_queries is None:
             self.num_queries = self.num_kv_pairs
-        _check_positive(self, "num_queries")
+        check_positive(self, "num_queries", prefix=f"{self.name}: ")
         keys = (self.vocab_size - 1) // 2
         if self.num_kv_pairs > keys:
             raise MixerError(f"mqar: num_kv_pairs={self.num_kv_pairs} distinct keys need vocab_size >= "
@@ -248,7 +242,7 @@ class SelectiveCopyingTask(_TokenSequence, Task):
     summary: ClassVar[str] = "selective copying: the data tokens scattered among noise, in order, at the markers"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "seq_len_", "num_tokens", "vocab_size")
+        check_positive(self, "seq_len_", "num_tokens", "vocab_size", prefix=f"{self.name}: ")
         if self.vocab_size < 3:
             raise MixerError("copying: vocab_size must be at least 3 (noise, marker and one data token)")
         if 2 * self.num_tokens > self.seq_len_:
@@ -297,7 +291,7 @@ class InContextRegressionTask(Task):
     summary: ClassVar[str] = "in-context linear regression: predict y at query x from (x, y) examples"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "dim", "num_examples", "num_queries")
+        check_positive(self, "dim", "num_examples", "num_queries", prefix=f"{self.name}: ")
         if self.noise < 0:
             raise MixerError(f"regression: noise must be non-negative, got {self.noise}")
 
