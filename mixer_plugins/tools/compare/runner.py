@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..._text import format_table, markdown_table
 from ...errors import MixerError
 from ..benchmarking import format_flops
 from ..cli.args import set_threads
@@ -37,7 +38,7 @@ from .models import (
     parameter_count,
     parse_mixers,
 )
-from .stats import mean_var
+from .stats import judge, mean_var
 from .tasks import Batch, Task, make_task
 
 __all__ = ["CompareConfig", "CompareResult", "EntrySummary", "Ordering", "RunResult", "compare", "train_run"]
@@ -218,8 +219,6 @@ class CompareResult:
         ``within noise``): see :mod:`mixer_plugins.tools.compare.stats`. When an entry failed it is ``not
         measured``; a quick run (a few steps) is ``not judged (quick run)``.
         """
-        from .stats import judge
-
         by_label = {s.label: s for s in self.summaries()}
         checks = []
         for ordering in self.config.orderings:
@@ -267,15 +266,11 @@ class CompareResult:
     def table(self, *, markdown: bool = False) -> str:
         """Mean ± std of the metric over seeds, parameters, FLOPs per example (forward), mean train time (wall time
         of the training steps) and mean CPU time of a run (building, training, evaluations)."""
-        from ..._text import format_table, markdown_table
-
         headers = ("mixer", f"{self.metric_name} ({'higher' if self.task.higher_is_better else 'lower'} is better)",
                    "parameters", "FLOPs / example", "train time / seed", "CPU time / seed", "note")
         return (markdown_table if markdown else format_table)(headers, self._rows())
 
     def orderings_table(self, *, markdown: bool = False) -> str:
-        from ..._text import format_table, markdown_table
-
         checks = self.check_orderings()
         if not checks:
             return ""
