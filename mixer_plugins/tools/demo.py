@@ -264,7 +264,8 @@ def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     model = build_model(name, config)
     result.parameters = sum(p.numel() for p in model.parameters())
     model.eval()
-    result.flops_per_image = count_flops(lambda: _no_grad_forward(model, data.test_x[:1]))
+    with torch.no_grad():
+        result.flops_per_image = count_flops(lambda: model(data.test_x[:1]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     batches = math.ceil(len(data.train_x) / config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.epochs * batches,
@@ -294,11 +295,6 @@ def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     except NotMaterializableError as err:
         result.matrix_note = f"not materializable: {err}"
     return result
-
-
-def _no_grad_forward(model: nn.Module, x: Tensor) -> None:
-    with torch.no_grad():
-        model(x)
 
 
 def results_table(results: Sequence[MixerResult], *, markdown: bool = False) -> str:
