@@ -19,6 +19,7 @@ __all__ = [
     "length_list",
     "name_list",
     "non_negative_int",
+    "number_type",
     "image_suffixes",
     "is_allocation_error",
     "one_line",
@@ -148,7 +149,7 @@ def set_threads(threads: int | None) -> None:
 
 # -- argument types ------------------------------------------------------------------------------------------
 
-def _number_type(convert: Callable[[str], NumberT], accept: Callable[[NumberT], bool],
+def number_type(convert: Callable[[str], NumberT], accept: Callable[[NumberT], bool],
                  what: str) -> Callable[[str], NumberT]:
     """An argparse ``type=`` that converts, checks and explains in one line."""
 
@@ -164,9 +165,9 @@ def _number_type(convert: Callable[[str], NumberT], accept: Callable[[NumberT], 
     return parse
 
 
-positive_int = _number_type(int, lambda v: v > 0, "a positive integer")
-non_negative_int = _number_type(int, lambda v: v >= 0, "a non-negative integer")
-positive_float = _number_type(float, lambda v: v > 0, "a positive number")
+positive_int = number_type(int, lambda v: v > 0, "a positive integer")
+non_negative_int = number_type(int, lambda v: v >= 0, "a non-negative integer")
+positive_float = number_type(float, lambda v: v > 0, "a positive number")
 
 
 def length_list(text: str) -> list[int]:
