@@ -549,11 +549,11 @@ def format_bytes(n: float | None) -> str:
     """``12.3 MiB``-style byte counts (binary prefixes); ``-`` when unknown."""
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+    return f"{n:.1f} GiB"
 
 
 def format_flops(n: float | None) -> str:

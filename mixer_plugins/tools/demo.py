@@ -327,7 +327,6 @@ def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[
     from .plotting import matrix_to_image, require_matplotlib, save_learning_curves, save_matrix_grid
 
     require_matplotlib()  # fail before training, not after, when the demo extra is missing
-    names = list(config.mixers)
     data = load_digits_data(config.seed, config.test_fraction, config.train_limit)
     if not 0 <= config.sample < len(data.test_x):
         raise MixerError(f"sample must be an index into the {len(data.test_x)} test images, got {config.sample}")
@@ -335,7 +334,7 @@ def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[
     log(describe(config, data))
     results: list[MixerResult] = []
     errors: list[str] = []
-    for name in names:
+    for name in config.mixers:
         try:
             results.append(train_mixer(name, config, data))
         except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
@@ -344,9 +343,8 @@ def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[
             errors.append(f"== {name}\n{traceback.format_exc()}")
             log(f"mixer {name!r} failed: {summary}")
 
-    table = results_table(results)
     log("")
-    log(table)
+    log(results_table(results))
     (config.out / "results.md").write_text(describe(config, data) + "\n\n" + results_table(results, markdown=True)
                                            + "\n")
     (config.out / "results.json").write_text(json.dumps(
