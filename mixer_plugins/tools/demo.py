@@ -270,22 +270,18 @@ def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     batches = math.ceil(len(data.train_x) / config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.epochs * batches,
                                                    pct_start=0.15)
-    bar = progress_bar(config.epochs * batches, enabled=config.progress, desc=f"{name:>24s}", unit="step")
 
     def on_step(step: int, log: TrainLog) -> None:
         bar.update(1)
         if step % batches == 0:
             bar.set_postfix(loss=f"{log.train_loss[-1][1]:.3f}", test_acc=f"{log.curve[-1][1]:.3f}")
 
-    try:
+    with progress_bar(config.epochs * batches, enabled=config.progress, desc=f"{name:>24s}", unit="step") as bar:
         log = train(model, _epochs(config, data), lambda idx: F.cross_entropy(model(data.train_x[idx]),
                                                                               data.train_y[idx]),
                     optimizer, steps=config.epochs * batches, scheduler=schedule, eval_every=batches,
                     evaluate=lambda: _evaluate(model, data.test_x, data.test_y),
                     on_step=on_step if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()
     result.history = [{"epoch": step // batches, "train_loss": loss, "test_accuracy": accuracy}
                       for (step, accuracy), (_, loss) in zip(log.curve, log.train_loss)]
     result.train_seconds = log.seconds

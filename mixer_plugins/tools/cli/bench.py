@@ -247,16 +247,13 @@ def _sweep(args: argparse.Namespace, run_list: list[str], options: dict[str, dic
     """:func:`~mixer_plugins.tools.benchmarking.sweep` with a progress bar."""
     from ..benchmarking import sweep
 
-    bar = progress_bar(len(run_list) * len(args.lengths), enabled=not args.no_progress, unit="run", file=sys.stderr)
-    try:
+    with progress_bar(len(run_list) * len(args.lengths), enabled=not args.no_progress, unit="run",
+                      file=sys.stderr) as bar:
         return sweep(run_list, args.lengths, dim=args.dim, batch=args.batch, mode=args.mode,
                      direction=args.direction, options=options, device=device, warmup=args.warmup,
                      repeats=args.repeats, memory=not args.no_memory,
                      on_start=None if bar is None else lambda name, length: bar.set_description(f"{name} L={length}"),
                      on_done=None if bar is None else lambda name, length: bar.update(1), on_record=on_record)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot", run,

@@ -474,19 +474,15 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
                 record(index, seed, *future.result())
     else:
         for number, (index, entry, seed) in enumerate(jobs_list, 1):
-            bar = progress_bar(config.steps, enabled=config.progress, unit="step", leave=False,
-                               desc=f"[{number}/{total}] {entry.label} seed {seed}")
+            with progress_bar(config.steps, enabled=config.progress, unit="step", leave=False,
+                              desc=f"[{number}/{total}] {entry.label} seed {seed}") as bar:
 
-            def on_step(step: int, metric: float, bar: Any = bar) -> None:
-                bar.update(1)
-                if step % config.eval_every == 0:
-                    bar.set_postfix({task.metric_name: f"{metric:.3f}"})
+                def on_step(step: int, metric: float, bar: Any = bar) -> None:
+                    bar.update(1)
+                    if step % config.eval_every == 0:
+                        bar.set_postfix({task.metric_name: f"{metric:.3f}"})
 
-            try:
                 run, error = _run_or_record(config, task, entry, seed, tests[seed], on_step if bar else None)
-            finally:
-                if bar is not None:
-                    bar.close()
             record(index, seed, run, error)
     runs = _ordered(finished)
     reference = {}
