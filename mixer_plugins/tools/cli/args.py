@@ -21,7 +21,6 @@ __all__ = [
     "non_negative_int",
     "number_type",
     "image_suffixes",
-    "is_allocation_error",
     "one_line",
     "output_file",
     "output_folder",
@@ -118,14 +117,6 @@ def image_suffixes() -> set[str]:
 _ALLOCATION_FAILURES = ("can't allocate", "cannot allocate", "out of memory", "not enough memory", "overflow")
 
 
-def is_allocation_error(err: BaseException) -> bool:
-    """True for the errors torch raises when a tensor of the asked size cannot be allocated."""
-    if isinstance(err, MemoryError):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(m in text for m in _ALLOCATION_FAILURES)
-
-
 @contextlib.contextmanager
 def allocation_guard(what: str, hint: str) -> Iterator[None]:
     """Turn torch's "cannot allocate" errors inside the block into one line: ``what`` cannot be allocated,
@@ -133,7 +124,7 @@ def allocation_guard(what: str, hint: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, MemoryError) as err:
-        if not is_allocation_error(err):
+        if isinstance(err, RuntimeError) and not any(m in str(err).lower() for m in _ALLOCATION_FAILURES):
             raise
         raise CliError(f"{what} cannot be allocated; {hint} ({one_line(str(err))[:160]})") from None
 
