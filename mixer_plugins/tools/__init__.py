@@ -14,3 +14,14 @@
 The tools import the library; nothing in the library imports the tools. Importing this package imports none of
 its modules.
 """
+
+# Choices shared by the torch-free argument parsers and the modules that run them (defined here, where parsing
+# can read them without importing torch).
+#: the mixers ``demo`` and ``bench`` run by default
+DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
+#: ``mode`` of a measurement: a forward without gradients, or a forward+backward
+MODES = ("forward", "forward_backward")
+#: ``direction`` of a run: "default" keeps each mixer's own default direction
+DIRECTIONS = ("default", "causal", "bidirectional")
+#: colour scales of the matrix heat maps
+SCALES = ("linear", "log")

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from . import DIRECTIONS, MODES
+
 resource: ModuleType | None
 try:
     import resource
@@ -63,9 +65,6 @@ __all__ = [
     "time_decoding",
 ]
 
-MODES = ("forward", "forward_backward")
-#: ``direction`` arguments of the sweep: "default" keeps each mixer's own default direction.
-DIRECTIONS = ("default", "causal", "bidirectional")
 
 
 @dataclasses.dataclass
@@ -550,11 +549,11 @@ def format_bytes(n: float | None) -> str:
     """``12.3 MiB``-style byte counts (binary prefixes); ``-`` when unknown."""
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+    return f"{n:.1f} GiB"
 
 
 def format_flops(n: float | None) -> str:

@@ -39,9 +39,10 @@ from .._text import format_table, markdown_table
 from ..backbones.options import head_dim_for
 from ..errors import MissingExtraError, MixerError, NotMaterializableError
 from ..registry import default_registry
+from . import DEFAULT_MIXERS
 from .benchmarking import count_flops, error_summary, format_flops
 from .progress import progress_bar
-from .training import TrainLog, train
+from .training import TrainLog, check_positive, train
 
 __all__ = [
     "DEFAULT_MIXERS",
@@ -54,9 +55,9 @@ __all__ = [
     "load_digits_data",
     "results_table",
     "run_demo",
+    "small_model_options",
 ]
 
-DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
 NUM_CLASSES = 10
 IMAGE_SIZE = 8
 
@@ -89,10 +90,7 @@ class DemoConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "embed_dim", "depth", "num_heads", "patch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise MixerError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "epochs", "batch_size", "embed_dim", "depth", "num_heads", "patch_size")
         if self.lr <= 0 or self.weight_decay < 0 or self.mlp_ratio <= 0:
             raise MixerError("lr and mlp_ratio must be positive and weight_decay non-negative")
         if IMAGE_SIZE % self.patch_size:
@@ -157,22 +155,23 @@ def load_digits_data(seed: int = 0, test_fraction: float = 0.2, train_limit: int
     return DemoData((train_x - mean) / std, train_y, (test_x - mean) / std, test_y)
 
 
+def small_model_options(fields: Mapping[str, Any], tokens: int) -> dict[str, Any]:
+    """``d_state=16`` and ``chunk_size`` at most ``tokens``, where the mixer's config has those fields (``fields``):
+    what the demo and ``compare`` set for their small models."""
+    out: dict[str, Any] = {"d_state": 16} if "d_state" in fields else {}
+    default = fields["chunk_size"].get_default() if "chunk_size" in fields else None
+    if isinstance(default, int) and default > tokens:
+        out["chunk_size"] = tokens
+    return out
+
+
 def adapted_mixer_options(name: str, config: DemoConfig) -> dict[str, Any]:
     """The mixer's options for the demo's model size (see the module docstring), then ``config.options``."""
     spec = default_registry.get_spec(name)
-    fields = spec.config.model_fields
     user = dict(config.options.get(spec.name, {}))
-    adapted: dict[str, Any] = {}
     head_size = head_dim_for(spec, config.embed_dim, config.num_heads, user)
-    if head_size is not None:
-        adapted[head_size[0]] = head_size[1]
-    if "d_state" in fields:
-        adapted["d_state"] = 16
-    if "chunk_size" in fields:
-        default = fields["chunk_size"].get_default()
-        if isinstance(default, int) and default > config.tokens:
-            adapted["chunk_size"] = config.tokens
-    return {**adapted, **user}
+    adapted = dict([head_size]) if head_size is not None else {}
+    return {**adapted, **small_model_options(spec.config.model_fields, config.tokens), **user}
 
 
 def build_model(name: str, config: DemoConfig) -> nn.Module:
@@ -265,27 +264,24 @@ def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     model = build_model(name, config)
     result.parameters = sum(p.numel() for p in model.parameters())
     model.eval()
-    result.flops_per_image = count_flops(lambda: _no_grad_forward(model, data.test_x[:1]))
+    with torch.no_grad():
+        result.flops_per_image = count_flops(lambda: model(data.test_x[:1]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     batches = math.ceil(len(data.train_x) / config.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.epochs * batches,
                                                    pct_start=0.15)
-    bar = progress_bar(config.epochs * batches, enabled=config.progress, desc=f"{name:>24s}", unit="step")
 
     def on_step(step: int, log: TrainLog) -> None:
         bar.update(1)
         if step % batches == 0:
             bar.set_postfix(loss=f"{log.train_loss[-1][1]:.3f}", test_acc=f"{log.curve[-1][1]:.3f}")
 
-    try:
+    with progress_bar(config.epochs * batches, enabled=config.progress, desc=f"{name:>24s}", unit="step") as bar:
         log = train(model, _epochs(config, data), lambda idx: F.cross_entropy(model(data.train_x[idx]),
                                                                               data.train_y[idx]),
                     optimizer, steps=config.epochs * batches, scheduler=schedule, eval_every=batches,
                     evaluate=lambda: _evaluate(model, data.test_x, data.test_y),
                     on_step=on_step if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()
     result.history = [{"epoch": step // batches, "train_loss": loss, "test_accuracy": accuracy}
                       for (step, accuracy), (_, loss) in zip(log.curve, log.train_loss)]
     result.train_seconds = log.seconds
@@ -295,11 +291,6 @@ def train_mixer(name: str, config: DemoConfig, data: DemoData) -> MixerResult:
     except NotMaterializableError as err:
         result.matrix_note = f"not materializable: {err}"
     return result
-
-
-def _no_grad_forward(model: nn.Module, x: Tensor) -> None:
-    with torch.no_grad():
-        model(x)
 
 
 def results_table(results: Sequence[MixerResult], *, markdown: bool = False) -> str:
@@ -332,7 +323,6 @@ def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[
     from .plotting import matrix_to_image, require_matplotlib, save_learning_curves, save_matrix_grid
 
     require_matplotlib()  # fail before training, not after, when the demo extra is missing
-    names = list(config.mixers)
     data = load_digits_data(config.seed, config.test_fraction, config.train_limit)
     if not 0 <= config.sample < len(data.test_x):
         raise MixerError(f"sample must be an index into the {len(data.test_x)} test images, got {config.sample}")
@@ -340,7 +330,7 @@ def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[
     log(describe(config, data))
     results: list[MixerResult] = []
     errors: list[str] = []
-    for name in names:
+    for name in config.mixers:
         try:
             results.append(train_mixer(name, config, data))
         except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
@@ -349,9 +339,8 @@ def run_demo(config: DemoConfig, *, log: Callable[[str], None] = print) -> list[
             errors.append(f"== {name}\n{traceback.format_exc()}")
             log(f"mixer {name!r} failed: {summary}")
 
-    table = results_table(results)
     log("")
-    log(table)
+    log(results_table(results))
     (config.out / "results.md").write_text(describe(config, data) + "\n\n" + results_table(results, markdown=True)
                                            + "\n")
     (config.out / "results.json").write_text(json.dumps(

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import MissingExtraError, MixerError
+from . import SCALES
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -38,8 +39,6 @@ __all__ = [
     "save_matrix_heatmap",
     "save_scaling_plot",
 ]
-
-SCALES = ("linear", "log")
 
 
 def require_matplotlib() -> ModuleType:

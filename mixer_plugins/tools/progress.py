@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["progress_bar"]
 
 
-def progress_bar(total: int, *, enabled: bool = True, **options: Any) -> Any:
-    """A ``tqdm`` bar over ``total`` items (``options`` go to tqdm: ``desc``, ``unit``, ``leave``, ``file``), or None
-    when ``enabled`` is False or tqdm is not installed: a bar is a nicety, so without tqdm a run is silent until it
-    prints its results."""
-    if not enabled:
-        return None
+@contextlib.contextmanager
+def progress_bar(total: int, *, enabled: bool = True, **options: Any) -> Iterator[Any]:
+    """``with progress_bar(total) as bar``: a ``tqdm`` bar over ``total`` items (``options`` go to tqdm: ``desc``,
+    ``unit``, ``leave``, ``file``), closed at the end of the block; None when ``enabled`` is False or tqdm is not
+    installed: a bar is a nicety, so without tqdm a run is silent until it prints its results."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        return None
-    return tqdm(total=total, dynamic_ncols=True, **options)
+        enabled = False
+    if not enabled:
+        yield None
+        return
+    bar = tqdm(total=total, dynamic_ncols=True, **options)
+    try:
+        yield bar
+    finally:
+        bar.close()

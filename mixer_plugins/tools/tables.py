@@ -106,12 +106,6 @@ def _ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x"
 
 
-def _rate(value: float | None, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    return format_flops(value) + unit
-
-
 def results_table(rows: Sequence[Mapping[str, Any]], *, baseline: str | None = "attention",
                   markdown: bool = False) -> str:
     """The comparison table of ``rows`` (see the module docstring); ``markdown`` for a pipe table; no ratio
@@ -134,8 +128,8 @@ def results_table(rows: Sequence[Mapping[str, Any]], *, baseline: str | None = "
         for r in sorted(members, key=lambda r: (r["length"], mixer_order[r["mixer"]])):
             label = f"{r['mixer']} ({r['direction']})" if mixed_directions and r.get("direction") else r["mixer"]
             cells = [
-                label, r["length"], format_seconds(r.get("seconds")), _rate(r.get("tokens_per_second")),
-                format_flops(r.get("flops")), _rate(r.get("flops_per_second")),
+                label, r["length"], format_seconds(r.get("seconds")), format_flops(r.get("tokens_per_second")),
+                format_flops(r.get("flops")), format_flops(r.get("flops_per_second")),
                 format_bytes(r.get("peak_memory_bytes")),
             ]
             if baseline is not None:

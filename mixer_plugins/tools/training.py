@@ -18,7 +18,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TrainLog", "train"]
+from ..errors import MixerError
+
+__all__ = ["TrainLog", "check_positive", "train"]
 
 BatchT = TypeVar("BatchT", bound=Sized)
 
@@ -31,6 +33,14 @@ class TrainLog:
     train_loss: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     #: wall seconds of the training steps (forward, backward, update); batches and evaluations not counted
     seconds: float = 0.0
+
+
+def check_positive(settings: object, *names: str, prefix: str = "") -> None:
+    """Raise :class:`~mixer_plugins.MixerError` unless each attribute ``names`` of ``settings`` is a positive int."""
+    for name in names:
+        value = getattr(settings, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise MixerError(f"{prefix}{name} must be a positive integer, got {value!r}")
 
 
 def train(model: nn.Module, batches: Iterator[BatchT], loss: Callable[[BatchT], Tensor],

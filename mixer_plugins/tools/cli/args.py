@@ -19,8 +19,8 @@ __all__ = [
     "length_list",
     "name_list",
     "non_negative_int",
+    "number_type",
     "image_suffixes",
-    "is_allocation_error",
     "one_line",
     "output_file",
     "output_folder",
@@ -117,14 +117,6 @@ def image_suffixes() -> set[str]:
 _ALLOCATION_FAILURES = ("can't allocate", "cannot allocate", "out of memory", "not enough memory", "overflow")
 
 
-def is_allocation_error(err: BaseException) -> bool:
-    """True for the errors torch raises when a tensor of the asked size cannot be allocated."""
-    if isinstance(err, MemoryError):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(m in text for m in _ALLOCATION_FAILURES)
-
-
 @contextlib.contextmanager
 def allocation_guard(what: str, hint: str) -> Iterator[None]:
     """Turn torch's "cannot allocate" errors inside the block into one line: ``what`` cannot be allocated,
@@ -132,7 +124,7 @@ def allocation_guard(what: str, hint: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, MemoryError) as err:
-        if not is_allocation_error(err):
+        if isinstance(err, RuntimeError) and not any(m in str(err).lower() for m in _ALLOCATION_FAILURES):
             raise
         raise CliError(f"{what} cannot be allocated; {hint} ({one_line(str(err))[:160]})") from None
 
@@ -148,7 +140,7 @@ def set_threads(threads: int | None) -> None:
 
 # -- argument types ------------------------------------------------------------------------------------------
 
-def _number_type(convert: Callable[[str], NumberT], accept: Callable[[NumberT], bool],
+def number_type(convert: Callable[[str], NumberT], accept: Callable[[NumberT], bool],
                  what: str) -> Callable[[str], NumberT]:
     """An argparse ``type=`` that converts, checks and explains in one line."""
 
@@ -164,19 +156,14 @@ def _number_type(convert: Callable[[str], NumberT], accept: Callable[[NumberT], 
     return parse
 
 
-positive_int = _number_type(int, lambda v: v > 0, "a positive integer")
-non_negative_int = _number_type(int, lambda v: v >= 0, "a non-negative integer")
-positive_float = _number_type(float, lambda v: v > 0, "a positive number")
+positive_int = number_type(int, lambda v: v > 0, "a positive integer")
+non_negative_int = number_type(int, lambda v: v >= 0, "a non-negative integer")
+positive_float = number_type(float, lambda v: v > 0, "a positive number")
 
 
 def length_list(text: str) -> list[int]:
     """``256,1024`` -> sorted distinct positive lengths."""
-    lengths = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lengths.append(positive_int(part))
+    lengths = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
     if not lengths:
         raise argparse.ArgumentTypeError("expected comma-separated positive integers, e.g. 256,1024,4096")
     return sorted(set(lengths))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import DEFAULT_MIXERS, DIRECTIONS, MODES
 from ..progress import progress_bar
 from .args import (
     CliError,
@@ -35,17 +36,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["COMMAND", "DECODE_CONTEXTS", "DECODE_MIXERS", "DEFAULT_MIXERS", "decode_table"]
 
-DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
 #: ``--decode``'s defaults: the linear-time mixers that step, and attention with its KV cache.
 DECODE_MIXERS = ("semiseparable", "low_rank", "sliding_window_attention", "attention")
 DECODE_CONTEXTS = (128, 1024, 8192)
 # The parser's defaults, kept as objects so that --decode can tell "not given" from "given the same values".
 _MIXERS_DEFAULT = list(DEFAULT_MIXERS)
 _LENGTHS_DEFAULT = [256, 1024, 4096]
-#: ``mixer_plugins.tools.benchmarking``'s ``DIRECTIONS`` and ``MODES``, repeated here so that parsing the arguments
-#: imports no torch (a test keeps them equal)
-DIRECTIONS = ("default", "causal", "bidirectional")
-MODES = ("forward", "forward_backward")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -251,16 +247,13 @@ def _sweep(args: argparse.Namespace, run_list: list[str], options: dict[str, dic
     """:func:`~mixer_plugins.tools.benchmarking.sweep` with a progress bar."""
     from ..benchmarking import sweep
 
-    bar = progress_bar(len(run_list) * len(args.lengths), enabled=not args.no_progress, unit="run", file=sys.stderr)
-    try:
+    with progress_bar(len(run_list) * len(args.lengths), enabled=not args.no_progress, unit="run",
+                      file=sys.stderr) as bar:
         return sweep(run_list, args.lengths, dim=args.dim, batch=args.batch, mode=args.mode,
                      direction=args.direction, options=options, device=device, warmup=args.warmup,
                      repeats=args.repeats, memory=not args.no_memory,
                      on_start=None if bar is None else lambda name, length: bar.set_description(f"{name} L={length}"),
                      on_done=None if bar is None else lambda name, length: bar.update(1), on_record=on_record)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot", run,

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import MixerError
+from .. import DEFAULT_MIXERS
 from .args import (
-    CliError,
     Command,
     head,
     name_list,
@@ -27,9 +26,8 @@ __all__ = ["COMMAND"]
 #: ``--quick``: epochs and training images, unless --epochs / --train-limit say otherwise.
 QUICK_EPOCHS, QUICK_TRAIN_LIMIT = 3, 640
 
-#: ``mixer_plugins.tools.demo.DEFAULT_MIXERS`` and the defaults of its ``DemoConfig`` that the arguments show,
-#: repeated here so that parsing the arguments imports no torch (a test keeps them equal)
-DEFAULT_MIXERS = ("attention", "quasiseparable", "mlr_attention", "toeplitz")
+#: the defaults of ``mixer_plugins.tools.demo.DemoConfig`` that the arguments show, repeated here so that parsing
+#: the arguments imports no torch (a test keeps them equal)
 DEFAULTS: dict[str, Any] = {"epochs": 15, "batch_size": 64, "lr": 3e-3, "embed_dim": 64, "depth": 2, "num_heads": 4,
                             "patch_size": 2, "seed": 0, "sample": 0, "out": Path("demo_output")}
 
@@ -78,15 +76,12 @@ def run(args: argparse.Namespace) -> int:
     options = parse_option_assignments(args.option, mixers)
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else DEFAULTS["epochs"])
     train_limit = args.train_limit if args.train_limit is not None else (QUICK_TRAIN_LIMIT if args.quick else None)
-    try:
-        config = DemoConfig(
-            mixers=tuple(mixers), epochs=epochs, train_limit=train_limit, batch_size=args.batch_size, lr=args.lr,
-            embed_dim=args.width, depth=args.depth, num_heads=args.heads, patch_size=args.patch_size,
-            options=options, seed=args.seed, head=args.head, sample=args.sample, out=args.out,
-            progress=not args.no_progress,
-        )
-    except MixerError as err:
-        raise CliError(str(err)) from None
+    config = DemoConfig(  # a MixerError (bad settings) is one line, exit status 2, like a CliError
+        mixers=tuple(mixers), epochs=epochs, train_limit=train_limit, batch_size=args.batch_size, lr=args.lr,
+        embed_dim=args.width, depth=args.depth, num_heads=args.heads, patch_size=args.patch_size,
+        options=options, seed=args.seed, head=args.head, sample=args.sample, out=args.out,
+        progress=not args.no_progress,
+    )
     output_folder(config.out, "--out")  # an unwritable folder fails now, in one line, not after training
     set_threads(args.threads)
     with writing(config.out, "--out"):

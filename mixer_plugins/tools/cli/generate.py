@@ -12,7 +12,7 @@ import argparse
 import math
 from pathlib import Path
 
-from .args import Command, non_negative_int, positive_int
+from .args import Command, non_negative_int, number_type, positive_int
 
 __all__ = ["COMMAND", "MODULE"]
 
@@ -24,24 +24,8 @@ DESCRIPTION = ("Generate text from a mixer_decoder checkpoint (the language-mode
                "its UTF-8 bytes, so an empty prompt is the single token <s>.")
 
 
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:  # (NaN fails)
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
+_temperature = number_type(float, lambda v: math.isfinite(v) and v > 0, "a finite number above 0")
+_top_p = number_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

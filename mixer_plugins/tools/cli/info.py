@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ...errors import MixerError
-from .args import CliError, Command
+from .args import Command
 from .layout import fit_table, terminal_width, user_type, wrap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,11 +57,7 @@ def render(spec: MixerSpec, width: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from ...registry import default_registry
 
-    try:
-        spec = default_registry.get_spec(args.name)
-    except MixerError as err:
-        raise CliError(str(err)) from None
-    print(render(spec, terminal_width(100)))
+    print(render(default_registry.get_spec(args.name), terminal_width(100)))
     return 0
 
 

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 from ...errors import MixerError
@@ -51,48 +51,24 @@ EPILOG = """fairseq2 recipes and generation (pip install 'mixer-plugins[fairseq2
 The same as python -m mixer_plugins.backbones.fairseq2 (mlm), ...fairseq2.lm and ...fairseq2.generate."""
 
 
-class _Commands(MutableMapping[str, Command]):
+class _Commands(dict[str, Command | None]):
     """The subcommands by name; a subcommand's module is imported the first time its :class:`Command` is read."""
 
     def __init__(self, modules: dict[str, tuple[str, str]]):
-        self._modules = dict(modules)
-        self._loaded: dict[str, Command] = {}
-        self._order = list(modules)
+        super().__init__(dict.fromkeys(modules))
+        self._modules = modules
 
     def __getitem__(self, name: str) -> Command:
-        if name not in self._loaded:
-            if name not in self._modules:
-                raise KeyError(name)
-            module = importlib.import_module(f"{__package__}.{self._modules[name][0]}")
-            self._loaded[name] = module.COMMAND
-        return self._loaded[name]
-
-    def __setitem__(self, name: str, command: Command) -> None:
-        if name not in self._order:
-            self._order.append(name)
-        self._loaded[name] = command
-
-    def __delitem__(self, name: str) -> None:
-        if name not in self._order:
-            raise KeyError(name)
-        self._order.remove(name)
-        self._loaded.pop(name, None)
-        self._modules.pop(name, None)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._order))
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._order
+        command = super().__getitem__(name)
+        if command is None:
+            command = importlib.import_module(f"{__package__}.{self._modules[name][0]}").COMMAND
+            self[name] = command
+        return command
 
     def help(self, name: str) -> str:
         """The help line of ``name`` without importing its module (unless it was replaced)."""
-        if name in self._loaded or name not in self._modules:
-            return self[name].help
-        return self._modules[name][1]
+        command = super().__getitem__(name)
+        return self._modules[name][1] if command is None else command.help
 
 
 #: The subcommands, in the order ``--help`` lists them (modules imported on first use).

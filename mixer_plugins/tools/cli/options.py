@@ -20,18 +20,11 @@ __all__ = ["parse_option_assignments", "resolve_mixers", "typed_option_value"]
 
 
 def resolve_mixers(names: Sequence[str]) -> list[str]:
-    """Canonical names of ``names`` (aliases allowed; ``all`` = every registered mixer), without duplicates."""
+    """Canonical names of ``names`` (aliases allowed; ``all`` = every registered mixer), without duplicates; an
+    unknown name raises the registry's :class:`~mixer_plugins.MixerError` (with "did you mean")."""
     if list(names) == ["all"]:
         return default_registry.names()
-    resolved = []
-    for name in names:
-        try:
-            canonical = default_registry.get_spec(name).name
-        except MixerError as err:
-            raise CliError(str(err)) from None
-        if canonical not in resolved:
-            resolved.append(canonical)
-    return resolved
+    return list(dict.fromkeys(default_registry.get_spec(name).name for name in names))
 
 
 def _literal(raw: str) -> Any:
@@ -97,8 +90,7 @@ def parse_option_assignments(assignments: Sequence[str], mixers: Sequence[str]) 
                 raise CliError(f"--option {text!r}: {err}") from None
             if name not in out:
                 raise CliError(f"--option {text!r} names mixer {name!r}, which is not among {', '.join(mixers)}")
-            spec = default_registry.get_spec(name)
-            out[name][key] = typed_option_value(spec, key, raw)
+            out[name][key] = typed_option_value(default_registry.get_spec(name), key, raw)
         else:
             having = [name for name in mixers if target in default_registry.get_spec(name).config.model_fields]
             if not having:
@@ -106,6 +98,5 @@ def parse_option_assignments(assignments: Sequence[str], mixers: Sequence[str]) 
                     typed_option_value(default_registry.get_spec(mixers[0]), target, raw)  # "did you mean"
                 raise CliError(f"--option {text!r}: none of {', '.join(mixers)} has an option {target!r}")
             for name in having:
-                spec = default_registry.get_spec(name)
-                out[name][target] = typed_option_value(spec, target, raw)
+                out[name][target] = typed_option_value(default_registry.get_spec(name), target, raw)
     return out

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import DIRECTIONS, SCALES
 from .args import (
     CliError,
     Command,
@@ -24,11 +25,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["COMMAND"]
-
-#: ``mixer_plugins.tools.benchmarking.DIRECTIONS`` and ``mixer_plugins.tools.plotting.SCALES``, repeated here so that
-#: parsing the arguments imports no torch (a test keeps them equal)
-DIRECTIONS = ("default", "causal", "bidirectional")
-SCALES = ("linear", "log")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

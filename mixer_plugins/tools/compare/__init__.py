@@ -39,21 +39,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_WHERE])
 
 
-__all__ = [
-    "PRESETS",
-    "TASKS",
-    "Batch",
-    "CompareConfig",
-    "CompareResult",
-    "MixerEntry",
-    "Ordering",
-    "Preset",
-    "RunResult",
-    "SequenceModel",
-    "Task",
-    "compare",
-    "make_task",
-    "parse_mixers",
-    "preset_config",
-    "train_run",
-]
+__all__ = sorted(_WHERE)

@@ -7,11 +7,12 @@ Also runnable alone: ``python -m mixer_plugins.tools.compare ...`` (the command 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import MixerError
-from ..cli.args import positive_int
+from ..cli.args import one_line, positive_int, set_threads
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runner import CompareConfig
@@ -60,13 +61,14 @@ def add_compare_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Train one small backbone per mixer and seed on a task (multi-query recall, selective "
         "copying, in-context regression, digits); print mean ± std of the task metric, parameters, FLOPs and "
         "train time; write results.json, results.md and plots. Presets reproduce the papers' comparisons.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+)
     configure_parser(parser)
     return parser
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``compare`` (used by :func:`add_compare_parser` and the standalone parser)."""
+    """The arguments, epilog and ``func`` of ``compare`` (for the command line and :func:`add_compare_parser`)."""
+    parser.epilog, parser.formatter_class = EPILOG, argparse.RawDescriptionHelpFormatter
     parser.add_argument("--preset", default=None, help="a paper's comparison (see --list); other flags override it")
     parser.add_argument("--task", default=None, help="mqar, copying, regression or digits (default mqar)")
     parser.add_argument("--task-option", action="append", type=_knob, default=[], metavar="KNOB=VALUE",
@@ -159,10 +161,6 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
 
 def run_compare(args: argparse.Namespace) -> int:
     """Run ``compare`` from parsed arguments; returns the exit status (0, or 2 after printing a usage error)."""
-    import sys
-
-    from ..cli.args import set_threads
-
     if args.list:
         print(_listing())
         return 0
@@ -175,8 +173,6 @@ def run_compare(args: argparse.Namespace) -> int:
 
         result = compare(config)
     except MixerError as err:  # bad entries, options, knobs or settings: found before any training
-        from ..cli.args import one_line
-
         print(f"mixer-plugins compare: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     return 0 if any(r.error is None for r in result.runs) else 1
@@ -184,9 +180,6 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def _report_saved(args: argparse.Namespace) -> int:
     """``--from``: the markdown report of a saved result, recounted and judged again (and written with ``--out``)."""
-    import sys
-
-    from ..cli.args import one_line
     from .runner import CompareResult
 
     try:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 import mixer_plugins
 
 from ...errors import MixerError
+from ..demo import small_model_options
 from .tasks import Task
 
 __all__ = ["MixerEntry", "SequenceModel", "adapted_options", "check_entry", "parse_mixers", "model_flops"]
@@ -149,12 +150,7 @@ def adapted_options(entry: MixerEntry, *, width: int, heads: int, seq_len: int, 
         expand = user.get("expand", fields["expand"].get_default())
         if (expand * width) % heads == 0:
             filled["head_dim"] = expand * width // heads
-    if "d_state" in fields:
-        filled["d_state"] = 16
-    if "chunk_size" in fields:
-        default = fields["chunk_size"].get_default()
-        if isinstance(default, int) and default > seq_len:
-            filled["chunk_size"] = seq_len
+    filled.update(small_model_options(fields, seq_len))
     if "max_seq_len" in fields:
         filled["max_seq_len"] = seq_len
     if causal:

@@ -57,14 +57,7 @@ _RECALL = {"seq_len": 32, "num_kv_pairs": 4, "vocab_size": 32}
 _RECALL_TRAINING = {"steps": 600, "eval_every": 50, "seeds": (0, 1, 2), "batch_size": 32, "lr": 3e-3, "width": 64,
                     "token_shift": True}
 
-PRESETS: dict[str, Preset] = {}
-
-
-def _add(preset: Preset) -> None:
-    PRESETS[preset.name] = preset
-
-
-_add(Preset(
+PRESETS: dict[str, Preset] = {preset.name: preset for preset in (Preset(
     name="hydra-classes",
     paper="Hydra (Hwang, Lahoti, Dao, Gu 2024), matrix-mixer classes (data-dependent vs data-independent)",
     reports=("Hydra trains the same block with each matrix class, with the sequence-aligned (data-dependent) "
@@ -93,9 +86,7 @@ _add(Preset(
         Ordering("quasiseparable", "low_rank", "quasiseparable is the best class (Hydra)"),
     ),
     training=_RECALL_TRAINING,
-))
-
-_add(Preset(
+), Preset(
     name="hydra-bidirectional",
     paper="Hydra (Hwang et al. 2024), bidirectional ablations",
     reports=("Hydra compares ways of making an SSM bidirectional -- adding (add), multiplying (mult) or "
@@ -118,9 +109,7 @@ _add(Preset(
                       "quasiseparable_no_diag")
     ),
     training=_RECALL_TRAINING,
-))
-
-_add(Preset(
+), Preset(
     name="structured-attention",
     paper="Structured attention (Kuang et al. 2025), in-context regression at matched compute",
     reports=("With inputs of higher dimension than the head size, standard attention's per-head bilinear form "
@@ -146,7 +135,7 @@ _add(Preset(
     ),
     training={"steps": 200, "eval_every": 25, "seeds": (0, 1, 2), "batch_size": 32, "lr": 2e-3, "width": 64,
               "heads": 8},
-))
+))}
 
 
 def preset_config(name: str, *, quick: bool = False, **overrides: Any) -> CompareConfig:

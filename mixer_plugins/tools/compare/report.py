@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..plotting import require_matplotlib
+from ..plotting import _save, require_matplotlib
 from .stats import mean_var
 
 if TYPE_CHECKING:
@@ -50,8 +50,7 @@ def save_curves(result: CompareResult, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     ax.set_title(_title(result), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -65,7 +64,7 @@ def save_final(result: CompareResult, path: Path) -> Path:
     ax.bar(xs, [s.mean for s in summaries], yerr=[s.std for s in summaries], capsize=4, color="#8fb3d9",
            edgecolor="#35618f")
     for x, s in zip(xs, summaries):
-        seeds = [r.metric for r in result.runs if r.label == s.label and r.error is None]
+        seeds = result.seed_metrics(s.label)
         ax.scatter([x] * len(seeds), seeds, color="black", s=10, zorder=3)
     for name, value in result.reference.items():
         ax.axhline(value, color="grey", linestyle="--", linewidth=1, label=name)
@@ -76,7 +75,6 @@ def save_final(result: CompareResult, path: Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     n_seeds = max(s.seeds for s in summaries) if summaries else 0
     ax.set_title(_title(result).replace("\n", f", {n_seeds} seeds\n", 1), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path

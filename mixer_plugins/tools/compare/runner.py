@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
+from ..._text import format_table, markdown_table
 from ...errors import MixerError
 from ..benchmarking import format_flops
 from ..cli.args import set_threads
 from ..progress import progress_bar
-from ..training import train
+from ..training import check_positive, train
 from .models import (
     MixerEntry,
     SequenceModel,
@@ -37,7 +38,7 @@ from .models import (
     parameter_count,
     parse_mixers,
 )
-from .stats import mean_var
+from .stats import judge, mean_var
 from .tasks import Batch, Task, make_task
 
 __all__ = ["CompareConfig", "CompareResult", "EntrySummary", "Ordering", "RunResult", "compare", "train_run"]
@@ -90,10 +91,7 @@ class CompareConfig:
     entries: list[MixerEntry] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads", "jobs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise MixerError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(self, "steps", "batch_size", "eval_every", "test_size", "width", "depth", "heads", "jobs")
         if self.lr <= 0 or self.weight_decay < 0 or self.mlp_ratio <= 0 or not 0 <= self.warmup < 1:
             raise MixerError("lr and mlp_ratio must be positive, weight_decay non-negative and warmup in [0, 1)")
         self.seeds = tuple(int(s) for s in self.seeds)
@@ -221,8 +219,6 @@ class CompareResult:
         ``within noise``): see :mod:`mixer_plugins.tools.compare.stats`. When an entry failed it is ``not
         measured``; a quick run (a few steps) is ``not judged (quick run)``.
         """
-        from .stats import judge
-
         by_label = {s.label: s for s in self.summaries()}
         checks = []
         for ordering in self.config.orderings:
@@ -270,15 +266,11 @@ class CompareResult:
     def table(self, *, markdown: bool = False) -> str:
         """Mean ± std of the metric over seeds, parameters, FLOPs per example (forward), mean train time (wall time
         of the training steps) and mean CPU time of a run (building, training, evaluations)."""
-        from ..._text import format_table, markdown_table
-
         headers = ("mixer", f"{self.metric_name} ({'higher' if self.task.higher_is_better else 'lower'} is better)",
                    "parameters", "FLOPs / example", "train time / seed", "CPU time / seed", "note")
         return (markdown_table if markdown else format_table)(headers, self._rows())
 
     def orderings_table(self, *, markdown: bool = False) -> str:
-        from ..._text import format_table, markdown_table
-
         checks = self.check_orderings()
         if not checks:
             return ""
@@ -482,19 +474,15 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
                 record(index, seed, *future.result())
     else:
         for number, (index, entry, seed) in enumerate(jobs_list, 1):
-            bar = progress_bar(config.steps, enabled=config.progress, unit="step", leave=False,
-                               desc=f"[{number}/{total}] {entry.label} seed {seed}")
+            with progress_bar(config.steps, enabled=config.progress, unit="step", leave=False,
+                              desc=f"[{number}/{total}] {entry.label} seed {seed}") as bar:
 
-            def on_step(step: int, metric: float, bar: Any = bar) -> None:
-                bar.update(1)
-                if step % config.eval_every == 0:
-                    bar.set_postfix({task.metric_name: f"{metric:.3f}"})
+                def on_step(step: int, metric: float, bar: Any = bar) -> None:
+                    bar.update(1)
+                    if step % config.eval_every == 0:
+                        bar.set_postfix({task.metric_name: f"{metric:.3f}"})
 
-            try:
                 run, error = _run_or_record(config, task, entry, seed, tests[seed], on_step if bar else None)
-            finally:
-                if bar is not None:
-                    bar.close()
             record(index, seed, run, error)
     runs = _ordered(finished)
     reference = {}

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ...errors import MixerError
+from ..training import check_positive
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..demo import DemoData
@@ -127,19 +128,12 @@ class Task:
         return float((outputs[graded].argmax(-1) == batch.targets[graded]).float().mean())
 
     def knobs(self) -> dict[str, Any]:
-        """The difficulty knobs (the dataclass fields) and their values."""
-        return dataclasses.asdict(self)
+        """The difficulty knobs (the dataclass fields, ``seq_len_`` shown as ``seq_len``) and their values."""
+        return {f.name.rstrip("_"): getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def describe(self) -> str:
         knobs = ", ".join(f"{k}={v}" for k, v in self.knobs().items())
         return f"{self.name} ({knobs}): {self.seq_len} tokens, metric {self.metric_name}"
-
-
-def _check_positive(task: Task, *names: str) -> None:
-    for name in names:
-        value = getattr(task, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise MixerError(f"{task.name}: {name} must be a positive integer, got {value!r}")
 
 
 def _distinct(n: int, pool: int, count: int, generator: torch.Generator) -> Tensor:
@@ -192,10 +186,10 @@ class MultiQueryRecallTask(_TokenSequence, Task):
     summary: ClassVar[str] = "multi-query associative recall: keys queried after the key-value context"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "seq_len_", "num_kv_pairs", "vocab_size")
+        check_positive(self, "seq_len_", "num_kv_pairs", "vocab_size", prefix=f"{self.name}: ")
         if self.num_queries is None:
             self.num_queries = self.num_kv_pairs
-        _check_positive(self, "num_queries")
+        check_positive(self, "num_queries", prefix=f"{self.name}: ")
         keys = (self.vocab_size - 1) // 2
         if self.num_kv_pairs > keys:
             raise MixerError(f"mqar: num_kv_pairs={self.num_kv_pairs} distinct keys need vocab_size >= "
@@ -206,10 +200,6 @@ class MultiQueryRecallTask(_TokenSequence, Task):
         if 2 * self.num_kv_pairs + self.num_queries > self.seq_len_:
             raise MixerError(f"mqar: seq_len ({self.seq_len_}) must hold the {2 * self.num_kv_pairs} context tokens "
                              f"and the {self.num_queries} queries")
-
-    def knobs(self) -> dict[str, Any]:
-        return {"seq_len": self.seq_len_, "num_kv_pairs": self.num_kv_pairs, "vocab_size": self.vocab_size,
-                "num_queries": self.num_queries}
 
     @property
     def chance(self) -> float:
@@ -252,15 +242,12 @@ class SelectiveCopyingTask(_TokenSequence, Task):
     summary: ClassVar[str] = "selective copying: the data tokens scattered among noise, in order, at the markers"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "seq_len_", "num_tokens", "vocab_size")
+        check_positive(self, "seq_len_", "num_tokens", "vocab_size", prefix=f"{self.name}: ")
         if self.vocab_size < 3:
             raise MixerError("copying: vocab_size must be at least 3 (noise, marker and one data token)")
         if 2 * self.num_tokens > self.seq_len_:
             raise MixerError(f"copying: seq_len ({self.seq_len_}) must be at least 2 * num_tokens "
                              f"({2 * self.num_tokens})")
-
-    def knobs(self) -> dict[str, Any]:
-        return {"seq_len": self.seq_len_, "num_tokens": self.num_tokens, "vocab_size": self.vocab_size}
 
     @property
     def chance(self) -> float:
@@ -304,7 +291,7 @@ class InContextRegressionTask(Task):
     summary: ClassVar[str] = "in-context linear regression: predict y at query x from (x, y) examples"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "dim", "num_examples", "num_queries")
+        check_positive(self, "dim", "num_examples", "num_queries", prefix=f"{self.name}: ")
         if self.noise < 0:
             raise MixerError(f"regression: noise must be non-negative, got {self.noise}")
 
@@ -394,9 +381,6 @@ class DigitsTask(Task):
     def chance(self) -> float:
         """One over the ten classes."""
         return 0.1
-
-    def knobs(self) -> dict[str, Any]:
-        return {"patch_size": self.patch_size}
 
     def _patches(self, images: Tensor) -> Tensor:
         p = self.patch_size
