@@ -217,8 +217,14 @@ def cached_attention(q: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, s
     """A step's queries against cached keys: (batch, t, heads, e) x (batch, slots, heads, e) -> (batch, t, heads, p).
 
     ``allowed`` is bool (batch, t, slots); the weights are :func:`attention_weights` of the scaled scores (no
-    dropout: decoding is inference).
+    dropout: decoding is inference). The softmax link is one SDPA call. SDPA masks by adding -inf, so only finite
+    slots may be masked: those past a row's length hold zeros, and a row that has seen a non-finite token gives NaN
+    from there on under the non-finite guard anyway.
     """
+    if link == "softmax":
+        y = F.scaled_dot_product_attention(_sdpa_layout(q).transpose(1, 2), keys.transpose(1, 2),
+                                           values.transpose(1, 2), attn_mask=allowed.unsqueeze(1), scale=scale)
+        return y.transpose(1, 2)
     scores = torch.einsum("bthe,bjhe->bhtj", q, keys) * scale
     weights = attention_weights(scores, allowed[:, None], link)
     return torch.einsum("bhtj,bjhp->bthp", weights, values)

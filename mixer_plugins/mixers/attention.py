@@ -21,7 +21,7 @@ from ..kernels import flop_formulas  # noqa: F401  (so FlopCounterMode counts CP
 from ..layers.masks import attention_bias_mask
 from ..registry.spec import MixerConfig, MixerSpec
 from .base import MatrixMixer, QKContext
-from .cache import MixerCache, append_kv, fill_kv, init_kv
+from .cache import MixerCache, append_kv, append_kv_token, fill_kv, init_kv
 
 __all__ = ["AttentionConfig", "SoftmaxAttention", "SPEC"]
 
@@ -93,6 +93,20 @@ class SoftmaxAttention(MatrixMixer[QKContext]):
     def fill_cache(self, cache: MixerCache, ctx: QKContext, x: Tensor, lengths: Tensor) -> Tensor:
         fill_kv(cache, ctx.k, ctx.values)
         return self.mix(ctx)
+
+    def step_tokens(self, x: Tensor, cache: MixerCache) -> Tensor:
+        """One token: its q/k/v (one matmul), the keys and values written in place, one SDPA call over the cache, the
+        output projection. Several tokens take the general path."""
+        b, t, _ = x.shape
+        if t != 1:
+            return super().step_tokens(x, cache)
+        q, k, v = F.linear(x.view(b, -1), self.qkv.weight, self.qkv.bias).view(b, 1, 3, self.num_heads,
+                                                                               self.head_dim).unbind(2)
+        allowed = append_kv_token(cache, k, v)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), cache.read("k", q.dtype).transpose(1, 2),
+                                           cache.read("v", q.dtype).transpose(1, 2), attn_mask=allowed,
+                                           scale=self.scale)
+        return F.linear(y.view(b, -1), self.proj.weight, self.proj.bias).view(b, 1, -1)
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         _, allowed = append_kv(cache, ctx.k, ctx.values)

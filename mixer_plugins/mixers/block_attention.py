@@ -82,8 +82,8 @@ class BlockAttentionMixer(QKMixerBlock):
         b, t = v.shape[:2]
         positions = cache.positions(t)
         q, k = queries_and_keys(ctx.q, ctx.k)
-        kv_write(cache.state["k"], k.expand(b, -1, -1, -1).detach(), positions)
-        kv_write(cache.state["v"], v.detach(), positions)
+        kv_write(cache.state["k"], k.expand(b, -1, -1, -1), positions)   # (a step records no history)
+        kv_write(cache.state["v"], v, positions)
         allowed = kv_positions(positions, cache.max_len)[:, None]                 # (b, 1, t, max_len)
         y = F.scaled_dot_product_attention(
             q.expand(b, -1, -1, -1).transpose(1, 2), cache.read("k", q.dtype).transpose(1, 2),

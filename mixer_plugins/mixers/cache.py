@@ -37,8 +37,9 @@ from torch import Tensor, nn
 from ..errors import MixerInputError, SequenceLengthError, StepNotSupportedError
 from ..layers.masks import causal_nonfinite_guard, poison_after
 
-__all__ = ["CACHE_DTYPES", "MixerCache", "StepNotSupportedError", "append_kv", "check_cache", "check_cache_request",
-           "fill_kv", "init_kv", "kv_positions", "kv_write", "refuse_autograd", "ring_write", "step_with_guard"]
+__all__ = ["CACHE_DTYPES", "MixerCache", "StepNotSupportedError", "append_kv", "append_kv_token", "check_cache",
+           "check_cache_request", "fill_kv", "init_kv", "kv_positions", "kv_write", "refuse_autograd", "ring_write",
+           "step_with_guard"]
 
 #: The dtypes a cache's state may have (``allocate_cache(dtype=...)``); any of them under a mixer of any of them.
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -72,13 +73,17 @@ class MixerCache:
         return self.lengths.shape[0]
 
     def positions(self, tokens: int) -> Tensor:
-        """(batch, tokens) int64: the positions the next ``tokens`` tokens of each row take."""
+        """(batch, tokens) int64: the positions the next ``tokens`` tokens of each row take (for one token, a view of
+        ``lengths``: read it before the step ends)."""
+        if tokens == 1:
+            return self.lengths.view(-1, 1)
         return self.lengths[:, None] + torch.arange(tokens, device=self.lengths.device)
 
     def read(self, name: str, dtype: torch.dtype) -> Tensor:
         """The state tensor ``name`` in ``dtype`` (the step's compute dtype): the tensor itself when it has that dtype
         (no copy), else a converted copy."""
-        return self.state[name].to(dtype)
+        state = self.state[name]
+        return state if state.dtype == dtype else state.to(dtype)
 
     def reorder(self, new_order: Tensor) -> None:
         """Keep the rows ``new_order`` (batch',) in that order (beam search; the batch may shrink or grow)."""
@@ -99,15 +104,14 @@ class MixerCache:
 
 def kv_positions(positions: Tensor, capacity: int) -> Tensor:
     """Bool (batch, tokens, capacity): key slot ``j`` is visible to the query at ``positions[b, i]`` (``j <= pos``)."""
-    slots = torch.arange(capacity, device=positions.device)
-    return slots[None, None, :] <= positions[:, :, None]
+    return torch.arange(capacity, device=positions.device) <= positions.unsqueeze(-1)
 
 
 def kv_write(cache: Tensor, new: Tensor, positions: Tensor) -> None:
     """Write ``new`` (batch, tokens, ...) into ``cache`` (batch, capacity, ...) at ``positions`` (batch, tokens), in
     place (each row at its own positions)."""
-    index = positions.reshape(*positions.shape, *([1] * (new.dim() - 2))).expand_as(new)
-    cache.scatter_(1, index, new.to(cache.dtype))
+    index = positions.view(*positions.shape, *([1] * (new.dim() - 2))).expand(new.shape)
+    cache.scatter_(1, index, new if new.dtype == cache.dtype else new.to(cache.dtype))
 
 
 def ring_write(ring: Tensor, new: Tensor, positions: Tensor) -> None:
@@ -136,9 +140,19 @@ def append_kv(cache: MixerCache, keys: Tensor, values: Tensor) -> tuple[Tensor, 
     positions (batch, t) and the slots each of the step's queries may read (batch, t, max_len; slot ``j <=
     position``)."""
     positions = cache.positions(values.shape[1])
-    kv_write(cache.state["k"], keys.detach(), positions)
-    kv_write(cache.state["v"], values.detach(), positions)
+    kv_write(cache.state["k"], keys, positions)     # (a step records no autograd history: no detach needed)
+    kv_write(cache.state["v"], values, positions)
     return positions, kv_positions(positions, cache.max_len)
+
+
+def append_kv_token(cache: MixerCache, keys: Tensor, values: Tensor) -> Tensor:
+    """One token per row: write its keys and values (batch, 1, heads, width) at each row's length, in place; returns
+    the bool (batch, 1, 1, max_len) attention mask of the slots its query may read (``j <= length``)."""
+    at = cache.lengths.view(-1, 1, 1, 1)
+    for name, new in (("k", keys), ("v", values)):
+        state = cache.state[name]
+        state.scatter_(1, at.expand(new.shape), new if new.dtype == state.dtype else new.to(state.dtype))
+    return torch.arange(cache.max_len, device=at.device) <= at
 
 
 # -- what prefill and step check before touching a cache ------------------------------------------------------------

@@ -321,6 +321,8 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         positions, allowed = self.append_kv(ctx, cache)
         slots = torch.arange(cache.max_len, device=positions.device)
+        if ctx.q.shape[1] == 1:
+            return self._mix_one_token(ctx, cache, positions, slots, allowed)
         levels = []
         counts: Tensor | int = 0
         keys = cache.read("k", ctx.q.dtype)
@@ -337,6 +339,28 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         if self.block_divide:
             scores = scores / torch.as_tensor(counts).clamp(min=1)
         weights = attention_weights(scores, allowed[:, None], self.link_function)
+        return torch.einsum("bhtj,bjhp->bthp", weights, cache.read("v", weights.dtype))
+
+    def _mix_one_token(self, ctx: QKContext, cache: MixerCache, positions: Tensor, slots: Tensor,
+                       allowed: Tensor) -> Tensor:
+        """One token's mixed values: every level's dot products with the cached keys from one elementwise product,
+        each level kept inside the query's own block."""
+        products = cache.read("k", ctx.q.dtype) * ctx.q                                # (b, max_len, heads, e)
+        scores: Tensor | None = None
+        counts: Tensor | int = 0
+        for part, scale, size in zip(self._levels(products), self.level_scales, self.block_sizes):
+            level = part.sum(-1) * scale                                               # (b, max_len, heads)
+            if size is not None:
+                same = slots // size == positions // size                            # (b, max_len)
+                level = level * same[..., None]
+                counts = counts + same
+            else:
+                counts = counts + 1
+            scores = level if scores is None else scores + level
+        assert scores is not None, "at least one level"
+        if self.block_divide:
+            scores = scores / torch.as_tensor(counts)[..., None].clamp(min=1)
+        weights = attention_weights(scores.transpose(1, 2)[:, :, None], allowed[:, None], self.link_function)
         return torch.einsum("bhtj,bjhp->bthp", weights, cache.read("v", weights.dtype))
 
     def score_pairs(self, length: int) -> list[int]:

@@ -179,9 +179,9 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
         positions = cache.positions(t)
         keys = None
         if ctx.k is not None:  # the cache holds keys
-            kv_write(cache.state["k"], ctx.k.expand(b, -1, -1, -1).detach(), positions)
+            kv_write(cache.state["k"], ctx.k.expand(b, -1, -1, -1), positions)   # (a step records no history)
             keys = cache.read("k", v.dtype)
-        kv_write(cache.state["v"], v.detach(), positions)
+        kv_write(cache.state["v"], v, positions)
         q = None if ctx.q is None else ctx.q.expand(b, -1, -1, -1)
         rows = self.qk_rows(q, keys, positions, cache.max_len)
         rows = torch.where(kv_positions(positions, cache.max_len)[:, None], rows, rows.new_zeros(()))

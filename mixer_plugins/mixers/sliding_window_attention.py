@@ -82,6 +82,24 @@ class SlidingWindowAttention(QKVSoftmaxMixer):
         ring_write(cache.state["pos"], torch.where(filled, positions, -1), positions)
         return self.mix(ctx)
 
+    def step_tokens(self, x: Tensor, cache: MixerCache) -> Tensor:
+        """One token: its q/k/v, one write into the ring, one attention call over the ring, the output projection.
+        Several tokens take the general path."""
+        if x.shape[1] != 1:
+            return super().step_tokens(x, cache)
+        ctx = self.prepare(x, None)
+        pos = cache.lengths.view(-1, 1)                                               # (b, 1)
+        slot = pos % (self.window + 1)
+        index = slot.view(-1, 1, 1, 1).expand(ctx.k.shape)
+        for name, new in (("k", ctx.k), ("v", ctx.values)):
+            ring = cache.state[name]
+            ring.scatter_(1, index, new if new.dtype == ring.dtype else new.to(ring.dtype))
+        held = cache.state["pos"].scatter_(1, slot, pos)
+        allowed = held >= (pos - self.window).clamp_(min=0)                           # (b, size): held < 0 is empty
+        y = cached_attention(ctx.q, cache.read("k", ctx.q.dtype), cache.read("v", ctx.q.dtype), allowed[:, None],
+                             self.scale)
+        return self.finish(ctx, y)
+
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         positions = cache.positions(ctx.values.shape[1])
         outputs = []

@@ -298,3 +298,36 @@ def test_one_token_step_is_a_few_ops(name):
     assert "mixer_plugins_native::ssd_decode" in ops, ops
     assert len(ops) <= 40, f"{len(ops)} ops: {sorted(set(ops))}"
     assert "aten::item" not in ops and "aten::_local_scalar_dense" not in ops
+
+
+def _ops_of_a_one_token_step(mixer: mp.MatrixMixer, prompt: int = 128) -> list[str]:
+    """The aten ops (profiler events with "::", views and nested calls included) of one one-token step of ``mixer``
+    (dim 256, batch 1) after a prompt and a first step."""
+    cache = mixer.allocate_cache(1, 2 * prompt)
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        mixer.prefill(torch.randn(1, prompt, 256), cache)
+        mixer.step(x, cache)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            mixer.step(x, cache)
+    return [e.name for e in prof.events() if "::" in e.name]
+
+
+#: The most aten ops a one-token step of each KV-cache mixer may take: the projections (and QK-LN), the cache written
+#: in place, the attention over the cache (one SDPA call per softmax: about 25 ops on the CPU when the query and value
+#: widths agree, 55 when not; MLR's levels are written out) and the output projection.
+KV_STEP_OPS = {"attention": 80, "sliding_window_attention": 105, "mlr_attention": 215, "global_local_attention": 225}
+
+
+@pytest.mark.parametrize("name", sorted(KV_STEP_OPS))
+def test_a_one_token_kv_cache_step_does_only_the_work_it_needs(name):
+    """A one-token step of a KV-cache mixer writes its keys and values in place and attends once: no concatenation,
+    no value read on the host, at most a fixed number of ops (a real limit, not a loose one)."""
+    torch.manual_seed(0)
+    mixer = mp.create_mixer(name, 256, causal=True).eval()
+    ops = _ops_of_a_one_token_step(mixer)
+    assert len(ops) <= KV_STEP_OPS[name], f"{len(ops)} ops: {sorted(set(ops))}"
+    assert "aten::item" not in ops and "aten::_local_scalar_dense" not in ops
+    assert "aten::cat" not in ops
+    assert ops.count("aten::scaled_dot_product_attention") == (0 if name == "mlr_attention" else
+                                                               2 if name == "global_local_attention" else 1)
