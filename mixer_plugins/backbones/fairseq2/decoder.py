@@ -29,7 +29,8 @@ from fairseq2.nn import Linear, Projection, TiedProjection
 
 from .attention import MixerAttention
 from .family import (
-    BYTE_VOCAB_SIZE,
+    SMALL_ARCH,
+    TINY_ARCH,
     MixerFamily,
     MixerModelConfig,
     build_embedding,
@@ -92,12 +93,8 @@ def create_mixer_decoder_model(config: MixerDecoderConfig) -> TransformerLM:
 DECODER_FAMILY = MixerFamily(
     MIXER_DECODER_FAMILY, TransformerLM, MixerDecoderConfig, create_mixer_decoder_model,
     archs={
-        # Tests and smoke runs: a few tens of thousands of parameters, byte-level vocabulary.
-        "tiny": dict(model_dim=32, num_layers=2, num_heads=4, ffn_inner_dim=64, vocab_size=BYTE_VOCAB_SIZE,
-                     max_seq_len=128, dropout_p=0.0),
-        # Learns the bundled corpus on a CPU in minutes; byte-level vocabulary.
-        "small": dict(model_dim=256, num_layers=4, num_heads=4, ffn_inner_dim=1024, vocab_size=BYTE_VOCAB_SIZE,
-                      max_seq_len=512, dropout_p=0.1),
+        "tiny": TINY_ARCH,
+        "small": SMALL_ARCH,
         # GPT-2 small's shape: 12 pre-norm layers, 768 wide, 12 heads, GELU FFN 3072, 1024 positions, tied
         # embeddings over a 50,304-token vocabulary (about 124M parameters with attention).
         "base": dict(model_dim=768, num_layers=12, num_heads=12, ffn_inner_dim=3072, vocab_size=GPT2_VOCAB_SIZE,

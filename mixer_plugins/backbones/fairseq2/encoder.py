@@ -36,7 +36,8 @@ from torch.nn import GELU, Dropout, Module, Parameter
 
 from .attention import MixerAttention, unpack_layout
 from .family import (
-    BYTE_VOCAB_SIZE,
+    SMALL_ARCH,
+    TINY_ARCH,
     MixerFamily,
     MixerModelConfig,
     build_embedding,
@@ -297,12 +298,8 @@ def apply_ac_to_mixer_encoder(model: MixerEncoderModel, every_nth_layer: int) ->
 ENCODER_FAMILY = MixerFamily(
     MIXER_ENCODER_FAMILY, MixerEncoderModel, MixerEncoderConfig, create_mixer_encoder_model,
     archs={
-        # Tests and smoke runs: a few thousand parameters, byte-level vocabulary.
-        "tiny": dict(model_dim=32, num_layers=2, num_heads=4, ffn_inner_dim=64, vocab_size=BYTE_VOCAB_SIZE,
-                     max_seq_len=128, dropout_p=0.0),
-        # Trains on a laptop CPU in minutes on the recipe's corpus; byte-level vocabulary.
-        "small": dict(model_dim=256, num_layers=4, num_heads=4, ffn_inner_dim=1024, vocab_size=BYTE_VOCAB_SIZE,
-                      max_seq_len=512, dropout_p=0.1),
+        "tiny": TINY_ARCH,
+        "small": SMALL_ARCH,
         # BERT-base shape: 12 post-norm layers, 768 wide, 12 heads, GELU FFN 3072, embedding layer norm.
         "base": dict(model_dim=768, num_layers=12, num_heads=12, ffn_inner_dim=3072, vocab_size=BERT_VOCAB_SIZE,
                      max_seq_len=512, pos_encoder="learned", embed_layer_norm=True,

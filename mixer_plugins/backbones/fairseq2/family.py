@@ -32,12 +32,19 @@ from torch.nn import GELU, Module
 from .checkpoint import with_mixer_records
 from .options import ResolvedMixer, mixer_problems, resolve_mixer
 
-__all__ = ["BYTE_VOCAB_SIZE", "MixerFamily", "MixerModelConfig", "build_embedding", "build_ffn", "build_final_norm",
-           "build_layer_norm", "checked_mixer"]
+__all__ = ["BYTE_VOCAB_SIZE", "SMALL_ARCH", "TINY_ARCH", "MixerFamily", "MixerModelConfig", "build_embedding",
+           "build_ffn", "build_final_norm", "build_layer_norm", "checked_mixer"]
 
 #: 256 byte values + pad, mask, bos, eos, rounded up to a multiple of 8: the vocabulary of the recipes' byte-level
 #: tokenizer (the ``tiny`` and ``small`` archs use it, so they train on raw text).
 BYTE_VOCAB_SIZE: Final = 264
+
+#: The small presets every family has, on the byte-level vocabulary: ``tiny`` for tests and smoke runs (a few tens of
+#: thousands of parameters), ``small`` to learn the bundled corpus on a CPU in minutes.
+TINY_ARCH: Final = dict(model_dim=32, num_layers=2, num_heads=4, ffn_inner_dim=64, vocab_size=BYTE_VOCAB_SIZE,
+                        max_seq_len=128, dropout_p=0.0)
+SMALL_ARCH: Final = dict(model_dim=256, num_layers=4, num_heads=4, ffn_inner_dim=1024, vocab_size=BYTE_VOCAB_SIZE,
+                         max_seq_len=512, dropout_p=0.1)
 
 
 @dataclass(kw_only=True)
