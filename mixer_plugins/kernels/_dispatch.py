@@ -50,7 +50,11 @@ ENV_VAR = "MIXER_PLUGINS_BACKEND"
 #: the automatic order on a device type an op does not name
 _ELSEWHERE = ("torch",)
 
-_local = threading.local()
+class _Preference(threading.local):
+    backend: str | None = None   # set by use_backend, per thread
+
+
+_local = _Preference()
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class Op:
                 f"op {self.name!r} cannot be exported by torch.onnx.export(..., dynamo=False), the TorchScript-based "
                 "exporter; export with dynamo=True (the default), which traces standard ops only (see docs/onnx.md)")
         if backend is None:
-            preferred = getattr(_local, "backend", None) or os.environ.get(ENV_VAR) or None
+            preferred = _local.backend or os.environ.get(ENV_VAR) or None
             if preferred is not None:
                 _check_name(preferred)
                 if preferred in self.backends:
@@ -173,7 +177,7 @@ def use_backend(backend: str | None) -> Iterator[None]:
     """Within the block, ops called with ``backend=None`` use ``backend`` where they have it (thread-local)."""
     if backend is not None:
         _check_name(backend)
-    previous = getattr(_local, "backend", None)
+    previous = _local.backend
     _local.backend = backend
     try:
         yield

@@ -24,8 +24,9 @@ def native_unavailable(device: torch.device, tensors: Sequence[Tensor] = ()) -> 
         dtype = tensors[0].dtype
         if dtype not in (torch.float32, torch.float64):
             return f"the native kernels compute in float32 or float64 (got {dtype})"
-        if any(t.dtype != dtype for t in tensors[1:]):
-            return "the native kernels need every input in one dtype"
+        for t in tensors:
+            if t.dtype != dtype:
+                return "the native kernels need every input in one dtype"
     if not _native.load():
         return f"the native kernels are unavailable: {_native.unavailable_reason()}"
     return None

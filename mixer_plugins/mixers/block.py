@@ -20,17 +20,18 @@ adds its own state in ``init_cache`` (after ``super().init_cache``), fills both 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Generic, Optional, TypeVar
+import math
+from collections.abc import Sequence
+from typing import ClassVar, Generic, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..kernels import gated_rmsnorm
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
-from ..kernels.decode import ssd_decode_step
+from ..kernels.decode import decode_unchecked
+from ..kernels.norm import norm_unchecked
 from ..layers.conv import ShortConv
 from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
@@ -153,11 +154,6 @@ class _ShortConv(ShortConv):
         super().reset_parameters()
         if self.init_bound is not None:
             self._draw_bounded(self.init_bound)
-
-
-def rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` of (rows, in) ``x``, as one ``mm`` without a bias (fewer dispatched ops: a decoding step)."""
-    return torch.mm(x, weight.t()) if bias is None else F.linear(x, weight, bias)
 
 
 class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
@@ -286,32 +282,35 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         return F.silu(pieces[0]) * pieces[1], pieces[2:]
 
     def fused_ssd_step(self, x: Tensor, cache: MixerCache, state: str, *, A_log: Tensor | None,
-                       D: Tensor | float | None, steps: Mapping[str, Any] | None = None, bc_order: str = "BC",
+                       D: Tensor | float | None, dt_bias: Tensor | None = None, dt_softplus: bool = False,
+                       dt_limit: tuple[float, float] = (0.0, math.inf), bc_order: str = "BC",
                        scale: float = 1.0) -> Tensor | None:
         """One token (batch, 1, dim) through the whole block with :func:`~mixer_plugins.kernels.decode.ssd_decode_step`
         (the short convolution's and the SSD state's updates in one op), for mixers whose convolved groups are the
-        scan's ``x | B | C`` (all activated) and whose only other group is the raw step sizes (``steps``: the op's
+        scan's ``x | B | C`` (all activated) and whose only other group is the raw step sizes (formed by the op with
         ``dt_bias``/``dt_softplus``/``dt_limit``) or none (no step sizes). ``A = -exp(A_log)`` (None: no decay).
 
         Returns None where the cache's states are narrower than the input (the general path then computes in the
-        wider dtype and rounds only what it stores)."""
+        wider dtype and rounds only what it stores). The ops run without their argument checks (the block built
+        every shape), since at one token those checks would cost as much as the state update."""
         conv, ssm = cache.state["conv"], cache.state[state]
         if ssm.dtype != x.dtype and ssm.dtype.itemsize <= x.dtype.itemsize:
             return None
         b = x.shape[0]
-        proj = rows_linear(x.view(b, -1), self.in_proj.weight, self.in_proj.bias)
-        pieces = proj.split_with_sizes(self._step_widths, dim=-1)
-        z, xbc, *dt = pieces[2:] if self.mlp_width else pieces
-        assert self.conv1d is not None and self._conv_all_activated, "a block whose convolved groups are x | B | C"
-        weight = self.conv1d.weight
-        y = ssd_decode_step(xbc, conv, weight.view(weight.shape[0], -1), self.conv1d.bias, ssm, dt[0] if dt else None,
-                            A_log, D, bc_order=bc_order, scale=scale, **(steps or {}))  # type: ignore[arg-type]
-        norm = self.norm   # the functional norm directly (one module call fewer per token)
-        normed = (gated_rmsnorm(y, z, norm.weight, norm.eps, norm.norm_before_gate)
-                  if norm is not None and norm.groups == 1 else self.gated_norm(y, z))
-        if self.mlp_width:
+        in_proj, conv1d, norm, mlp_width = self.in_proj, self.conv1d, self.norm, self.mlp_width
+        assert conv1d is not None and self._conv_all_activated, "a block whose convolved groups are x | B | C"
+        pieces = F.linear(x.view(b, -1), in_proj.weight, in_proj.bias).split_with_sizes(self._step_widths, dim=-1)
+        z, xbc, *dt = pieces[2:] if mlp_width else pieces
+        y = decode_unchecked(xbc, conv, conv1d.weight, conv1d.bias, ssm, dt[0] if dt else None, A_log, D, bc_order,
+                             dt_bias, dt_softplus, dt_limit, scale, True, None)
+        if norm is None or norm.groups != 1:
+            normed = self.gated_norm(y, z)
+        else:   # the functional norm directly (one module call fewer per token)
+            normed = norm_unchecked(y, z, norm.weight, norm.eps, norm.norm_before_gate)
+        if mlp_width:
             normed = torch.cat([F.silu(pieces[0]) * pieces[1], normed], dim=-1)
-        return rows_linear(normed, self.out_proj.weight, self.out_proj.bias).view(b, 1, -1)
+        out_proj = self.out_proj
+        return F.linear(normed, out_proj.weight, out_proj.bias).view(b, 1, -1)
 
     def fill_conv_cache(self, cache: MixerCache, x: Tensor, lengths: Tensor) -> None:
         """Prefill of the short convolution's state from the prompt ``x``: the convolution's inputs at each row's last

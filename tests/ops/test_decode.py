@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mixer_plugins.kernels import available_backends
-from mixer_plugins.kernels.decode import ssd_decode_step
+from mixer_plugins.kernels.decode import decode_unchecked, ssd_decode_step
 
 F64 = torch.float64
 
@@ -109,6 +109,27 @@ def test_steps_equal_the_written_out_recurrence(case, backend):
         torch.testing.assert_close(conv_state, ref_conv, rtol=0, atol=0)
         torch.testing.assert_close(state, ref_state, rtol=1e-12, atol=1e-12)
     assert conv_state.data_ptr() == conv_ptr and state.data_ptr() == state_ptr, "states updated in place"
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "native"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_unchecked_entry_takes_the_depthwise_weight(case, backend):
+    """``decode_unchecked`` (the blocks' one-token step) with nn.Conv1d's (channels, 1, kernel) weight and a
+    non-contiguous skip gives what the public op gives with the (channels, kernel) weight."""
+    if backend not in available_backends("decode", "cpu"):
+        pytest.skip(f"{backend} unavailable")
+    xbc, conv_state, weight, bias, state, dt, A, D = make(2, **CASES[case]["make"])
+    kw = dict(bc_order="BC", dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf), scale=1.0, silu=True)
+    kw.update(_kwargs(case, state.shape[1]))
+    if isinstance(D, torch.Tensor) and D.dim() == 2:
+        D = D.t().contiguous().t()   # a transposed view: the kernel reads it contiguously
+    conv_2, state_2 = conv_state.clone(), state.clone()
+    y = decode_unchecked(xbc, conv_state, weight[:, None, :].clone(), bias, state, dt, A, D, kw["bc_order"],
+                         kw["dt_bias"], kw["dt_softplus"], kw["dt_limit"], kw["scale"], kw["silu"], backend)
+    y_2 = ssd_decode_step(xbc, conv_2, weight, bias, state_2, dt, A, D, backend=backend, **kw)
+    torch.testing.assert_close(y, y_2, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(conv_state, conv_2, rtol=0, atol=0)
+    torch.testing.assert_close(state, state_2, rtol=1e-14, atol=1e-14)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "native"])

@@ -5,7 +5,7 @@
 // Per batch row: the convolution over every channel (the state shifted in place, the new input appended), then per
 // head the state rows s <- exp(A dt) s + (dt x_i) B (A = -exp(A_log)) and y_i = scale * s.C + D_i x_i. Rows run in parallel.
 // xbc and dt: (batch, width) with contiguous channels (any row stride); conv_state any strides (mamba-ssm allocates
-// it as a transposed view); the other tensors contiguous.
+// it as a transposed view); the state contiguous; the weight (channels, kernel) or (channels, 1, kernel).
 
 #include "common.h"
 
@@ -30,7 +30,7 @@ void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor
                  double d_scalar, const T* dt_bias, bool softplus_dt, double lo, double hi, double scale,
                  bool silu, bool c_first, at::Tensor& y) {
   const int64_t batch = state.size(0), heads = state.size(1), P = state.size(2), N = state.size(3);
-  const int64_t width = xbc.size(1), K = weight.size(1), sx = xbc.stride(0);
+  const int64_t width = xbc.size(1), K = weight.size(-1), sx = xbc.stride(0);
   const int64_t s_b = conv_state.stride(0), s_c = conv_state.stride(1), s_k = conv_state.stride(2);
   const int64_t groups = (width - heads * P) / (2 * N), per_group = heads / groups;
   const int64_t b_off = heads * P + (c_first ? groups * N : 0), c_off = heads * P + (c_first ? 0 : groups * N);
@@ -89,13 +89,17 @@ void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor
   });
 }
 
-at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Tensor& weight,
+at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Tensor& conv_weight,
                       const c10::optional<at::Tensor>& bias, at::Tensor state, const c10::optional<at::Tensor>& dt,
                       const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& D, double d_scalar,
                       const c10::optional<at::Tensor>& dt_bias, bool dt_softplus, double dt_lo, double dt_hi,
                       double scale, bool silu, bool c_first) {
-  TORCH_CHECK(state.dim() == 4 && state.is_contiguous() && weight.is_contiguous() && conv_state.dim() == 3,
-              "native decode: state and weight must be contiguous");
+  // the weight as (channels, kernel) or nn.Conv1d's depthwise (channels, 1, kernel)
+  const at::Tensor weight = conv_weight.contiguous();
+  TORCH_CHECK(weight.dim() == 2 || (weight.dim() == 3 && weight.size(1) == 1),
+              "native decode: the weight must be (channels, kernel) or (channels, 1, kernel)");
+  TORCH_CHECK(state.dim() == 4 && state.is_contiguous() && conv_state.dim() == 3,
+              "native decode: the state must be contiguous");
   TORCH_CHECK(xbc.dim() == 2 && xbc.stride(1) == 1, "native decode: xbc must be (batch, width), contiguous rows");
   const auto type = state.scalar_type();
   auto same = [&](const c10::optional<at::Tensor>& t) { return !t.has_value() || t->scalar_type() == type; };
@@ -103,16 +107,16 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
                   same(bias) && same(dt) && same(A_log) && same(D) && same(dt_bias),
               "native decode: every tensor in the state's dtype");
   TORCH_CHECK(!dt.has_value() || dt->stride(1) == 1, "native decode: dt must have contiguous heads");
-  TORCH_CHECK(!D.has_value() || D->is_contiguous(), "native decode: D must be contiguous");
+  const c10::optional<at::Tensor> skip = D.has_value() ? c10::optional<at::Tensor>(D->contiguous()) : D;
   const int64_t heads = state.size(1), P = state.size(2);
   at::Tensor y = at::empty({state.size(0), heads * P}, state.options());
-  const bool d_per_channel = D.has_value() && D->numel() == heads * P && P > 1;
+  const bool d_per_channel = skip.has_value() && skip->numel() == heads * P && P > 1;
   AT_DISPATCH_FLOATING_TYPES(type, "ssd_decode", [&] {
     auto ptr = [](const c10::optional<at::Tensor>& t) -> const scalar_t* {
       return t.has_value() ? t->data_ptr<scalar_t>() : nullptr;
     };
     decode_impl<scalar_t>(xbc, conv_state, weight, ptr(bias), state, ptr(dt), dt.has_value() ? dt->stride(0) : 0,
-                          ptr(A_log), ptr(D), d_per_channel, d_scalar, ptr(dt_bias), dt_softplus, dt_lo, dt_hi, scale,
+                          ptr(A_log), ptr(skip), d_per_channel, d_scalar, ptr(dt_bias), dt_softplus, dt_lo, dt_hi, scale,
                           silu, c_first, y);
   });
   return y;

@@ -47,7 +47,7 @@ def _why_not(backend: str, device: _torch.device, *, state: Tensor | None = None
             return "the native kernel updates a contiguous state in place"
         if dt is not None and dt.stride(-1) != 1:
             return "the native kernel reads dt with contiguous heads"
-        return native_unavailable(device, [state, conv_weight, *(t for t in (dt, *others) if isinstance(t, Tensor))])
+        return native_unavailable(device, [t for t in (state, conv_weight, dt, *others) if isinstance(t, Tensor)])
     if backend == "triton":
         reason = triton_unavailable(device, None if state is None else state.dtype)
         if reason is not None or state is None or conv_weight is None:
@@ -56,7 +56,7 @@ def _why_not(backend: str, device: _torch.device, *, state: Tensor | None = None
             return "the Triton kernels compute in float32 at most; float64 inputs run on the torch backend"
         from .triton_kernels import MAX_D_STATE, MAX_TAPS
 
-        taps, d_state = conv_weight.shape[1], state.shape[-1]
+        taps, d_state = conv_weight.shape[-1], state.shape[-1]
         if taps > MAX_TAPS:
             return f"a kernel of {taps} taps is over the kernels' limit {MAX_TAPS}; the torch backend takes it"
         if d_state > MAX_D_STATE:
@@ -121,15 +121,30 @@ def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_b
     check(not isinstance(D, Tensor) or D.shape in ((h,), (h, p)),
           lambda: f"ssd_decode_step: D must be ({h},) or ({h}, {p}), got {tuple(D.shape)}")  # type: ignore
     check(bc_order in ("BC", "CB"), lambda: f"ssd_decode_step: bc_order must be 'BC' or 'CB', got {bc_order!r}")
+    return decode_unchecked(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, bc_order, dt_bias,
+                            dt_softplus, (float(dt_limit[0]), float(dt_limit[1])), float(scale), silu, backend)
+
+
+def decode_unchecked(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, state: Tensor,
+                     dt: Tensor | None, A_log: Tensor | None, D: Tensor | float | None, bc_order: str,
+                     dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float], scale: float,
+                     silu: bool, backend: str | None) -> Tensor:
+    """:func:`ssd_decode_step` without its argument checks, every argument positional (``dt_limit`` and ``scale``
+    floats; ``conv_weight`` also as nn.Conv1d's depthwise (channels, 1, kernel)): for callers whose arguments are
+    right by construction, a block's one-token step, where the checks would be a large part of the step's time."""
     name = DECODE.choose(backend, xbc.device, state=state, dt=dt, conv_weight=conv_weight,
                          others=(xbc, conv_state, conv_bias, A_log, dt_bias, D))
-    limit = (float(dt_limit[0]), float(dt_limit[1]))
+    if name == "native":
+        return decode_native(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, bc_order == "CB",
+                             dt_bias, dt_softplus, dt_limit, scale, silu)
+    conv_weight = conv_weight.flatten(1)
     if name == "triton":
         from .triton_kernels import ssd_decode_step_triton
 
         return ssd_decode_step_triton(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D,
-                                      bc_order=bc_order, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=limit,
-                                      scale=float(scale), silu=silu)
-    form = decode_native if name == "native" else decode_reference if name == "reference" else decode_torch
+                                      bc_order=bc_order, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                      scale=scale, silu=silu)
+    form = decode_reference if name == "reference" else decode_torch
+    groups = (xbc.shape[1] - state.shape[1] * state.shape[2]) // (2 * state.shape[3])
     return form(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, groups=groups, bc_order=bc_order,
-                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=limit, scale=float(scale), silu=silu)
+                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, scale=scale, silu=silu)

@@ -11,12 +11,12 @@ from torch import Tensor
 
 
 def decode_native(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, state: Tensor,
-                  dt: Tensor | None, A_log: Tensor | None, D: Tensor | float | None, *, groups: int, bc_order: str,
+                  dt: Tensor | None, A_log: Tensor | None, D: Tensor | float | None, c_first: bool,
                   dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float], scale: float,
                   silu: bool) -> Tensor:
-    """The step on the native kernel (arguments as :func:`.reference.decode_reference`)."""
-    skip = D.contiguous() if isinstance(D, Tensor) else None
-    return torch.ops.mixer_plugins_native.ssd_decode(
-        xbc, conv_state, conv_weight.contiguous(), conv_bias, state, dt, A_log, skip,
-        0.0 if skip is not None or D is None else float(D), dt_bias, dt_softplus, dt_limit[0], dt_limit[1], scale,
-        silu, bc_order == "CB")
+    """The step on the native kernel (arguments as :func:`.reference.decode_reference`, ``conv_weight`` also as
+    (channels, 1, kernel); ``c_first``: ``bc_order`` is ``"CB"``)."""
+    skip, d_scalar = (D, 0.0) if isinstance(D, Tensor) else (None, 0.0 if D is None else float(D))
+    return torch.ops.mixer_plugins_native.ssd_decode(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, skip,
+                                                     d_scalar, dt_bias, dt_softplus, dt_limit[0], dt_limit[1], scale,
+                                                     silu, c_first)

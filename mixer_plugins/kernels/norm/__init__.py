@@ -64,13 +64,20 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_
           lambda: f"gated_rmsnorm: y and z must have the same shape, got {tuple(y.shape)} and {tuple(z.shape)}")
     check(weight.shape == (y.shape[-1],),
           lambda: f"gated_rmsnorm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
+    return norm_unchecked(y, z, weight, eps, norm_before_gate, backend)
+
+
+def norm_unchecked(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool,
+                   backend: str | None = None) -> Tensor:
+    """:func:`gated_rmsnorm` without its shape checks: for callers whose shapes are right by construction (a block's
+    one-token step)."""
     name = NORM.choose(backend, y.device, y=y, z=z, weight=weight)
+    if name == "native":
+        return norm_native(y, z, weight, eps, norm_before_gate)
     if name == "triton":
         from .triton_kernels import gated_rmsnorm_triton
 
         return gated_rmsnorm_triton(y, z, weight, eps, norm_before_gate)
-    if name == "native":
-        return norm_native(y, z, weight, eps, norm_before_gate)
     if name == "reference":
         return gated_rmsnorm_reference(y, z, weight, eps, norm_before_gate)
     return norm_torch(y, z, weight, eps, norm_before_gate)
