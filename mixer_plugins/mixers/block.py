@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from ..kernels.conv.step import causal_conv1d_state, causal_conv1d_step
 from ..kernels.decode import decode_unchecked
-from ..kernels.norm import norm_unchecked
 from ..layers.conv import ShortConv
 from ..layers.norm import GatedRMSNorm
 from ..registry.spec import MixerConfig
@@ -301,12 +300,12 @@ class MatrixMixerBlock(MatrixMixer[BlockCtxT], Generic[BlockCtxT]):
         assert conv1d is not None and self._conv_all_activated, "a block whose convolved groups are x | B | C"
         pieces = F.linear(x.view(b, -1), in_proj.weight, in_proj.bias).split_with_sizes(self._step_widths, dim=-1)
         z, xbc, *dt = pieces[2:] if mlp_width else pieces
-        y = decode_unchecked(xbc, conv, conv1d.weight, conv1d.bias, ssm, dt[0] if dt else None, A_log, D, bc_order,
-                             dt_bias, dt_softplus, dt_limit, scale, True, None)
-        if norm is None or norm.groups != 1:
-            normed = self.gated_norm(y, z)
-        else:   # the functional norm directly (one module call fewer per token)
-            normed = norm_unchecked(y, z, norm.weight, norm.eps, norm.norm_before_gate)
+        # one norm over the row: the step op applies it itself
+        fused = (z, norm.weight, norm.eps, norm.norm_before_gate) if norm is not None and norm.groups == 1 else None
+        normed = decode_unchecked(xbc, conv, conv1d.weight, conv1d.bias, ssm, dt[0] if dt else None, A_log, D,
+                                  bc_order, dt_bias, dt_softplus, dt_limit, scale, True, fused, None)
+        if fused is None:
+            normed = self.gated_norm(normed, z)
         if mlp_width:
             normed = torch.cat([F.silu(pieces[0]) * pieces[1], normed], dim=-1)
         out_proj = self.out_proj

@@ -125,11 +125,43 @@ def test_unchecked_entry_takes_the_depthwise_weight(case, backend):
         D = D.t().contiguous().t()   # a transposed view: the kernel reads it contiguously
     conv_2, state_2 = conv_state.clone(), state.clone()
     y = decode_unchecked(xbc, conv_state, weight[:, None, :].clone(), bias, state, dt, A, D, kw["bc_order"],
-                         kw["dt_bias"], kw["dt_softplus"], kw["dt_limit"], kw["scale"], kw["silu"], backend)
+                         kw["dt_bias"], kw["dt_softplus"], kw["dt_limit"], kw["scale"], kw["silu"], None, backend)
     y_2 = ssd_decode_step(xbc, conv_2, weight, bias, state_2, dt, A, D, backend=backend, **kw)
     torch.testing.assert_close(y, y_2, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(conv_state, conv_2, rtol=0, atol=0)
     torch.testing.assert_close(state, state_2, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "native"])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_the_gated_norm_of_the_step(backend, dtype, norm_before_gate):
+    """With ``z`` and ``norm_weight`` the step returns the gated RMSNorm of its output row (the written-out
+    formula over the float64 recurrence), and updates the states as without it."""
+    if backend not in available_backends("decode", "cpu"):
+        pytest.skip(f"{backend} unavailable")
+    xbc, conv_state, weight, bias, state, dt, A, D = make(3, dtype=dtype, d="channel")
+    b, h, p = state.shape[:3]
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(b, h * p + 3, generator=g, dtype=F64).to(dtype)[:, 1:1 + h * p]   # a strided view
+    norm_weight = torch.rand(h * p, generator=g, dtype=F64).to(dtype) + 0.5
+    kw = dict(dt_bias=torch.linspace(-1, 1, h, dtype=dtype), dt_softplus=True)
+    full = dict(bc_order="BC", dt_limit=(0.0, math.inf), scale=1.0, silu=True, **kw)
+    y_ref, conv_ref, state_ref = naive_step(xbc.double(), conv_state.double(), weight.double(), bias.double(),
+                                            state.double(), dt.double(), A.double(), D.double(),
+                                            **{k: (v.double() if isinstance(v, torch.Tensor) else v)
+                                               for k, v in full.items()})
+    zs = F.silu(z.double())
+    u = y_ref if norm_before_gate else y_ref * zs
+    out_ref = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()
+    out_ref = out_ref * zs if norm_before_gate else out_ref
+    out = ssd_decode_step(xbc, conv_state, weight, bias, state, dt, A, D, z=z, norm_weight=norm_weight, eps=1e-5,
+                          norm_before_gate=norm_before_gate, backend=backend, **kw)
+    tol = 1e-12 if dtype == F64 else 2e-5
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), out_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(state.double(), state_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(conv_state.double(), conv_ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "native"])
@@ -175,6 +207,15 @@ def test_bad_arguments_are_refused_clearly():
         ssd_decode_step(xbc, conv_state, weight, bias, state, dt, A, D, bc_order="CX")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dt must be"):
         ssd_decode_step(xbc, conv_state, weight, bias, state, dt[:, 1:], A, D)
+    b, h, p = state.shape[:3]
+    with pytest.raises(ValueError, match="both z and norm_weight"):
+        ssd_decode_step(xbc, conv_state, weight, bias, state, dt, A, D, z=torch.randn(b, h * p, dtype=F64))
+    with pytest.raises(ValueError, match="z must be"):
+        ssd_decode_step(xbc, conv_state, weight, bias, state, dt, A, D, z=torch.randn(b, h * p + 1, dtype=F64),
+                        norm_weight=torch.ones(h * p, dtype=F64))
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        ssd_decode_step(xbc, conv_state, weight, bias, state, dt, A, D, z=torch.randn(b, h * p, dtype=F64),
+                        norm_weight=torch.ones(h * p + 1, dtype=F64))
 
 
 def test_compiles_with_fullgraph():

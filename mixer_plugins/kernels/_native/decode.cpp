@@ -3,7 +3,8 @@
 // states the formulas).
 //
 // Per batch row: the convolution over every channel (the state shifted in place, the new input appended), then per
-// head the state rows s <- exp(A dt) s + (dt x_i) B (A = -exp(A_log)) and y_i = scale * s.C + D_i x_i. Rows run in parallel.
+// head the state rows s <- exp(A dt) s + (dt x_i) B (A = -exp(A_log)) and y_i = scale * s.C + D_i x_i, then, given z
+// and the norm's weight, the gated RMSNorm of the row (kernels/_native/norm.cpp's formula). Rows run in parallel.
 // xbc and dt: (batch, width) with contiguous channels (any row stride); conv_state any strides (mamba-ssm allocates
 // it as a transposed view); the state contiguous; the weight (channels, kernel) or (channels, 1, kernel).
 
@@ -12,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -28,7 +30,8 @@ template <typename T>
 void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor& weight, const T* bias,
                  at::Tensor& state, const T* dt, int64_t dt_stride, const T* A_log, const T* D, bool d_per_channel,
                  double d_scalar, const T* dt_bias, bool softplus_dt, double lo, double hi, double scale,
-                 bool silu, bool c_first, at::Tensor& y) {
+                 bool silu, bool c_first, const T* z, int64_t z_stride, const T* norm_w, double eps,
+                 bool norm_before_gate, at::Tensor& y) {
   const int64_t batch = state.size(0), heads = state.size(1), P = state.size(2), N = state.size(3);
   const int64_t width = xbc.size(1), K = weight.size(-1), sx = xbc.stride(0);
   const int64_t s_b = conv_state.stride(0), s_c = conv_state.stride(1), s_k = conv_state.stride(2);
@@ -41,7 +44,7 @@ void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor
   T* yp = y.data_ptr<T>();
   const T sc = static_cast<T>(scale), dsc = static_cast<T>(d_scalar);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> u(width);
+    std::vector<T> u(width), gate(z ? heads * P : 0);
     for (int64_t b = begin; b < end; ++b) {
       const T* xr = xp + b * sx;
       T* cr = cs + b * s_b;
@@ -85,6 +88,22 @@ void decode_impl(const at::Tensor& xbc, at::Tensor& conv_state, const at::Tensor
           out[i] = sc * acc + skip * x[i];
         }
       }
+      if (z) {  // the gated RMSNorm of the row, in the norm kernel's order of operations
+        const int64_t W = heads * P;
+        T* __restrict row = yp + b * W;
+        std::copy(z + b * z_stride, z + b * z_stride + W, gate.begin());
+        silu_inplace(gate.data(), W);
+        if (!norm_before_gate) {
+          for (int64_t j = 0; j < W; ++j) row[j] = row[j] * gate[j];
+        }
+        T ms = 0;
+#pragma omp simd reduction(+ : ms)
+        for (int64_t j = 0; j < W; ++j) ms += row[j] * row[j];
+        const T r = T(1) / std::sqrt(ms / static_cast<T>(W) + static_cast<T>(eps));
+        for (int64_t j = 0; j < W; ++j) {
+          row[j] = norm_before_gate ? norm_w[j] * row[j] * r * gate[j] : norm_w[j] * row[j] * r;
+        }
+      }
     }
   });
 }
@@ -93,7 +112,8 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
                       const c10::optional<at::Tensor>& bias, at::Tensor state, const c10::optional<at::Tensor>& dt,
                       const c10::optional<at::Tensor>& A_log, const c10::optional<at::Tensor>& D, double d_scalar,
                       const c10::optional<at::Tensor>& dt_bias, bool dt_softplus, double dt_lo, double dt_hi,
-                      double scale, bool silu, bool c_first) {
+                      double scale, bool silu, bool c_first, const c10::optional<at::Tensor>& z,
+                      const c10::optional<at::Tensor>& norm_weight, double eps, bool norm_before_gate) {
   // the weight as (channels, kernel) or nn.Conv1d's depthwise (channels, 1, kernel)
   const at::Tensor weight = conv_weight.contiguous();
   TORCH_CHECK(weight.dim() == 2 || (weight.dim() == 3 && weight.size(1) == 1),
@@ -107,6 +127,12 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
                   same(bias) && same(dt) && same(A_log) && same(D) && same(dt_bias),
               "native decode: every tensor in the state's dtype");
   TORCH_CHECK(!dt.has_value() || dt->stride(1) == 1, "native decode: dt must have contiguous heads");
+  TORCH_CHECK(z.has_value() == norm_weight.has_value() && same(z) && same(norm_weight),
+              "native decode: the norm takes z and its weight, in the state's dtype");
+  TORCH_CHECK(!z.has_value() || (z->dim() == 2 && z->stride(1) == 1 && z->size(1) == state.size(1) * state.size(2)),
+              "native decode: z must be (batch, heads * head_dim) with contiguous channels");
+  const c10::optional<at::Tensor> norm_w =
+      norm_weight.has_value() ? c10::optional<at::Tensor>(norm_weight->contiguous()) : norm_weight;
   const c10::optional<at::Tensor> skip = D.has_value() ? c10::optional<at::Tensor>(D->contiguous()) : D;
   const int64_t heads = state.size(1), P = state.size(2);
   at::Tensor y = at::empty({state.size(0), heads * P}, state.options());
@@ -117,7 +143,8 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
     };
     decode_impl<scalar_t>(xbc, conv_state, weight, ptr(bias), state, ptr(dt), dt.has_value() ? dt->stride(0) : 0,
                           ptr(A_log), ptr(skip), d_per_channel, d_scalar, ptr(dt_bias), dt_softplus, dt_lo, dt_hi, scale,
-                          silu, c_first, y);
+                          silu, c_first, ptr(z), z.has_value() ? z->stride(0) : 0, ptr(norm_w), eps,
+                          norm_before_gate, y);
   });
   return y;
 }
@@ -127,7 +154,8 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
 TORCH_LIBRARY_FRAGMENT(mixer_plugins_native, m) {
   m.def("ssd_decode(Tensor xbc, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor(b!) state, Tensor? dt, "
         "Tensor? A_log, Tensor? D, float d_scalar, Tensor? dt_bias, bool dt_softplus, float dt_lo, float dt_hi, "
-        "float scale, bool silu, bool c_first) -> Tensor");
+        "float scale, bool silu, bool c_first, Tensor? z, Tensor? norm_weight, float eps, bool norm_before_gate) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixer_plugins_native, CPU, m) {

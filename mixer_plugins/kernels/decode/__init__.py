@@ -29,6 +29,7 @@ from .._checks import check
 from .._dispatch import Op
 from .._native_check import native_unavailable
 from .._requirements import triton_unavailable
+from ..norm import norm_unchecked
 from .native import decode_native
 from .reference import decode_reference
 from .torch import decode_torch
@@ -73,9 +74,11 @@ def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_b
                     dt: Tensor | None, A_log: Tensor | None, D: Tensor | float | None = None, *,
                     bc_order: Literal["BC", "CB"] = "BC", dt_bias: Tensor | None = None, dt_softplus: bool = False,
                     dt_limit: tuple[float, float] = (0.0, math.inf), scale: float = 1.0, silu: bool = True,
-                    backend: str | None = None) -> Tensor:
+                    z: Tensor | None = None, norm_weight: Tensor | None = None, eps: float = 1e-5,
+                    norm_before_gate: bool = True, backend: str | None = None) -> Tensor:
     """Advance the short convolution's and the SSD state over one new token per row; returns ``y`` (batch,
-    heads * head_dim) in ``xbc``'s dtype. ``conv_state`` and ``state`` are updated in place.
+    heads * head_dim) in ``xbc``'s dtype, or with ``z`` its gated RMSNorm. ``conv_state`` and ``state`` are updated
+    in place.
 
     Args:
         xbc: (batch, channels) the new token's convolution inputs: ``x`` (heads * head_dim channels), then ``B`` and
@@ -92,6 +95,9 @@ def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_b
         bc_order: ``"BC"`` (Mamba-2's in_proj) or ``"CB"`` (read-out vectors first: linear attention's q, k).
         scale: multiplies the read-out ``state C`` (before the skip is added).
         silu: SiLU after the convolution.
+        z, norm_weight, eps, norm_before_gate: given ``z`` (batch, heads * head_dim) and ``norm_weight``
+            (heads * head_dim,), the step returns ``gated_rmsnorm(y, z, norm_weight, eps, norm_before_gate)`` over
+            each row (:func:`~mixer_plugins.kernels.gated_rmsnorm`), fused into the step where the backend can.
         backend: see :mod:`mixer_plugins.kernels`.
     """
     # messages formed only on failure: this op runs once a token
@@ -121,30 +127,41 @@ def ssd_decode_step(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_b
     check(not isinstance(D, Tensor) or D.shape in ((h,), (h, p)),
           lambda: f"ssd_decode_step: D must be ({h},) or ({h}, {p}), got {tuple(D.shape)}")  # type: ignore
     check(bc_order in ("BC", "CB"), lambda: f"ssd_decode_step: bc_order must be 'BC' or 'CB', got {bc_order!r}")
+    check((z is None) == (norm_weight is None), lambda: "ssd_decode_step: the norm takes both z and norm_weight")
+    check(z is None or (z.shape == (b, h * p) and z.stride(-1) == 1),
+          lambda: f"ssd_decode_step: z must be {(b, h * p)} with contiguous channels, got "
+                  f"{tuple(z.shape)}")  # type: ignore[union-attr]
+    check(norm_weight is None or norm_weight.shape == (h * p,),
+          lambda: f"ssd_decode_step: norm_weight must be ({h * p},)")
+    norm = None if z is None or norm_weight is None else (z, norm_weight, float(eps), bool(norm_before_gate))
     return decode_unchecked(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, bc_order, dt_bias,
-                            dt_softplus, (float(dt_limit[0]), float(dt_limit[1])), float(scale), silu, backend)
+                            dt_softplus, (float(dt_limit[0]), float(dt_limit[1])), float(scale), silu, norm, backend)
 
 
 def decode_unchecked(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None, state: Tensor,
                      dt: Tensor | None, A_log: Tensor | None, D: Tensor | float | None, bc_order: str,
                      dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float], scale: float,
-                     silu: bool, backend: str | None) -> Tensor:
+                     silu: bool, norm: tuple[Tensor, Tensor, float, bool] | None, backend: str | None) -> Tensor:
     """:func:`ssd_decode_step` without its argument checks, every argument positional (``dt_limit`` and ``scale``
-    floats; ``conv_weight`` also as nn.Conv1d's depthwise (channels, 1, kernel)): for callers whose arguments are
-    right by construction, a block's one-token step, where the checks would be a large part of the step's time."""
+    floats; ``conv_weight`` also as nn.Conv1d's depthwise (channels, 1, kernel); ``norm``: ``(z, norm_weight, eps,
+    norm_before_gate)`` or None): for callers whose arguments are right by construction, a block's one-token step,
+    where the checks would be a large part of the step's time."""
     name = DECODE.choose(backend, xbc.device, state=state, dt=dt, conv_weight=conv_weight,
-                         others=(xbc, conv_state, conv_bias, A_log, dt_bias, D))
+                         others=(xbc, conv_state, conv_bias, A_log, dt_bias, D, *(norm[:2] if norm else ())))
     if name == "native":
         return decode_native(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, bc_order == "CB",
-                             dt_bias, dt_softplus, dt_limit, scale, silu)
+                             dt_bias, dt_softplus, dt_limit, scale, silu, norm)
     conv_weight = conv_weight.flatten(1)
     if name == "triton":
         from .triton_kernels import ssd_decode_step_triton
 
-        return ssd_decode_step_triton(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D,
-                                      bc_order=bc_order, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                                      scale=scale, silu=silu)
-    form = decode_reference if name == "reference" else decode_torch
-    groups = (xbc.shape[1] - state.shape[1] * state.shape[2]) // (2 * state.shape[3])
-    return form(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, groups=groups, bc_order=bc_order,
-                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, scale=scale, silu=silu)
+        y = ssd_decode_step_triton(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D,
+                                   bc_order=bc_order, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                   scale=scale, silu=silu)
+    else:
+        form = decode_reference if name == "reference" else decode_torch
+        groups = (xbc.shape[1] - state.shape[1] * state.shape[2]) // (2 * state.shape[3])
+        y = form(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, groups=groups, bc_order=bc_order,
+                 dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, scale=scale, silu=silu)
+    # the other forms normalize with the norm op (the backend named in the call, or its own automatic choice)
+    return y if norm is None else norm_unchecked(y, *norm, backend)
