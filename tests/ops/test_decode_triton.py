@@ -2,7 +2,7 @@
 oracle): y, the convolution state and the SSD state over a few consecutive steps (states carried), for both orders of
 B and C, one and several groups, with and without step sizes and decay, every form of the skip D, clamped step
 sizes, a read-out scale, SiLU on and off, no convolution bias, xbc and dt as strided views of a fused projection,
-float32 and bfloat16 inputs with float32 states; both states updated in place; the float64 refusal; the custom op
+float32 and bfloat16 inputs with float32 states; the fused gated norm; both states updated in place; the float64 refusal; the custom op
 under ``torch.compile(fullgraph=True)`` and its fake kernel.
 
 Shapes are tiny (the interpreter runs each program in Python). On a machine without CUDA this module runs in a fresh
@@ -118,6 +118,15 @@ def test_matches_torch_backend_float32(case):
     if options.pop("dt_bias", False):
         options["dt_bias"] = _rand(HEADS, seed=99)
     _check_against_oracle(t, **options)
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_the_gated_norm_of_the_step(norm_before_gate):
+    """With ``z`` and ``norm_weight`` (the blocks' gated RMSNorm of the step's row), against the torch backend."""
+    t = _inputs(groups=2, seed=5)
+    z = _rand(BATCH, HEADS * HEAD_DIM + 2, seed=97)[:, 1:-1]   # a strided view
+    _check_against_oracle(t, dt_bias=_rand(HEADS, seed=96), dt_softplus=True, z=z,
+                          norm_weight=_rand(HEADS * HEAD_DIM, seed=95).abs() + 0.5, norm_before_gate=norm_before_gate)
 
 
 @pytest.mark.parametrize("conv_dtype", [torch.float32, torch.bfloat16])
