@@ -13,38 +13,34 @@ or, in a pytest module, get one test per (mixer, check)::
 Checks (each one a function in :data:`CHECKS`):
 
 * ``output``: shape and dtype preserved (float32 and float64), outputs finite, eval forward deterministic;
-* ``materialize``: ``materialize`` is (batch, heads, L, L) and ``forward == forward_via_matrix``
-  (the mixer's fast path agrees with its own matrix), in float64; non-linear mixers must raise
-  ``NotMaterializableError`` instead;
-* ``padding``: with a right-padded mask, real positions equal the unpadded run row by row, pad contents
-  do not leak, pad outputs are zero;
-* ``lengths``: length 1, an odd length and a length longer than the chunk size all run and agree with
-  the matrix;
+* ``materialize``: ``materialize`` is (batch, heads, L, L) and ``forward == forward_via_matrix`` in float64;
+  non-linear mixers must raise ``NotMaterializableError`` instead;
+* ``padding``: with a right-padded mask, real positions equal the unpadded run row by row, pad contents do not leak,
+  pad outputs are zero;
+* ``lengths``: length 1, an odd length and one past the chunk size run and agree with the matrix;
 * ``gradients``: every parameter receives a finite, non-zero gradient;
 * ``state_dict``: a second instance loaded from the first's ``state_dict`` gives identical outputs;
-* ``reset_parameters``: ``reset_parameters()`` under a seed re-draws the parameters exactly as a fresh build under
-  that seed (so every randomly initialised parameter is reset), and does so again under the same seed;
+* ``reset_parameters``: under a seed, ``reset_parameters()`` re-draws the parameters exactly as a fresh build under
+  that seed, and does so again;
 * ``sequence_length``: data-independent mixers raise ``SequenceLengthError`` past ``max_seq_len``;
 * ``bad_input``: wrong rank, width, dtype or mask raise ``MixerInputError``;
 * ``bad_config``: a bad ``dim`` or a misspelt option raise ``InvalidMixerOptions`` (with a suggestion);
 * ``causality``: causal mixers ignore the future and have a lower-triangular matrix;
 * ``low_precision``: bfloat16 parameters and inputs give a finite bfloat16 output;
 * ``nonfinite_pads``: NaN, Inf or 1e30 at the pads change nothing at real positions (pads are excluded by selection,
-  never by multiplying with the mask) and pad outputs stay exactly zero, in float32 and float64;
-* ``nonfinite_future``: for causal mixers with the (opt-in) non-finite guard on, a NaN or an Inf at a later token
-  leaves every earlier output unchanged;
+  never by multiplying with the mask) and pad outputs stay zero, in float32 and float64;
+* ``nonfinite_future``: with the (opt-in) non-finite guard on, a NaN or Inf at a later token leaves every earlier
+  output of a causal mixer unchanged;
 * ``empty_batch``: a batch of 0 rows gives an empty output of the right shape (and an empty matrix);
-* ``export``: ``torch.export`` of the mixer succeeds, the exported program agrees with eager, and eager forwards
-  after the export are unchanged (no tensor made while tracing survives in a cache);
+* ``export``: ``torch.export`` succeeds, the program agrees with eager, and eager forwards after the export are
+  unchanged (no tensor made while tracing survives in a cache);
 * ``step``: a mixer whose spec says ``stepping=True`` decodes in its causal form: ``prefill`` of right-padded prompts
-  of different lengths then ``step`` of one or a few tokens at a time equal ``forward`` over the whole sequences
-  (float64 within 1e-10, float32 within 1e-5); a cache allocated by a copy of the module gives the same outputs, and
-  one of the same mixer at another width is refused with ``MixerInputError`` (by ``prefill`` and by ``step``, the
-  cache left as it was); a bfloat16 cache under a float32 mixer steps within bfloat16's accuracy of a float32 cache
-  (or ``allocate_cache`` refuses the dtype with ``MixerInputError``); under grad (an input and parameters that
-  require grad) prefill and steps either give forward's gradients or refuse with a ``MixerInputError`` that says to
-  call them under ``torch.no_grad()`` or ``torch.inference_mode()``, leaving the cache as it was; a mixer whose spec
-  says ``stepping=False`` (or a bidirectional form) refuses to step with ``StepNotSupportedError``.
+  then ``step`` of one or a few tokens at a time equal ``forward``; a cache allocated by a copy of the module works,
+  and one of the same mixer at another width is refused with ``MixerInputError`` (the cache left as it was); a
+  bfloat16 cache under a float32 mixer steps within bfloat16's accuracy (or is refused with ``MixerInputError``);
+  under grad, prefill and steps give forward's gradients or refuse with a ``MixerInputError`` that says to use
+  ``torch.no_grad()`` or ``torch.inference_mode()``, leaving the cache as it was. A mixer whose spec says
+  ``stepping=False`` (or a bidirectional form) refuses to step with ``StepNotSupportedError``.
 """
 
 from __future__ import annotations
