@@ -219,6 +219,14 @@ class TimmMixerAttention(nn.Module):
             "fix_init=True rescales; build the model with fix_init=False"
         )
 
+    @torch.jit.ignore
+    def flops(self, batch: int, length: int) -> int:
+        """Analytic FLOPs of the mixer at this batch size and token count (see ``MatrixMixer.flops``)."""
+        mixer_flops = getattr(self.mixer, "flops", None)
+        if not callable(mixer_flops):
+            raise AttributeError(f"mixer {self.mixer_name!r} has no flops(batch, length) method")
+        return int(mixer_flops(batch, length))
+
     def extra_repr(self) -> str:
         return f"mixer={self.mixer_name!r}, seq_len={self.seq_len}, num_prefix_tokens={self.num_prefix_tokens}"
 
