@@ -25,33 +25,18 @@ import wrapt
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it (imported on first access)
-_LAZY: dict[str, str] = {
-    "MatrixMixer": "mixer_plugins.mixers.base",
-    "MixerContext": "mixer_plugins.mixers.base",
-    "ENTRY_POINT_GROUP": "mixer_plugins.registry",
-    "MixerConfig": "mixer_plugins.registry",
-    "MixerSpec": "mixer_plugins.registry",
-    "MixerRegistry": "mixer_plugins.registry",
-    "PluginProblem": "mixer_plugins.registry",
-    "default_registry": "mixer_plugins.registry",
-    "MixerError": "mixer_plugins.errors",
-    "UnknownMixerError": "mixer_plugins.errors",
-    "InvalidMixerOptions": "mixer_plugins.errors",
-    "DuplicateMixerError": "mixer_plugins.errors",
-    "PluginLoadError": "mixer_plugins.errors",
-    "MixerInputError": "mixer_plugins.errors",
-    "SequenceLengthError": "mixer_plugins.errors",
-    "NotMaterializableError": "mixer_plugins.errors",
-    "MixerPluginWarning": "mixer_plugins.errors",
-    "BackendUnavailableError": "mixer_plugins.errors",
-    "MissingExtraError": "mixer_plugins.errors",
-    "MixerCheckpointMismatchError": "mixer_plugins.errors",
-    "StepNotSupportedError": "mixer_plugins.errors",
-    "MixerCache": "mixer_plugins.mixers.cache",
-    "strip_mixer_records": "mixer_plugins.mixers.base",
-    "swap_mixer": "mixer_plugins.backbones.timm",
-}
+# module -> the public names it defines (each imported on first access)
+_LAZY: dict[str, str] = {name: module for module, names in {
+    "mixer_plugins.mixers.base": ("MatrixMixer", "MixerContext", "strip_mixer_records"),
+    "mixer_plugins.mixers.cache": ("MixerCache",),
+    "mixer_plugins.registry": ("ENTRY_POINT_GROUP", "MixerConfig", "MixerSpec", "MixerRegistry", "PluginProblem",
+                               "default_registry"),
+    "mixer_plugins.errors": ("MixerError", "UnknownMixerError", "InvalidMixerOptions", "DuplicateMixerError",
+                             "PluginLoadError", "MixerInputError", "SequenceLengthError", "NotMaterializableError",
+                             "MixerPluginWarning", "BackendUnavailableError", "MissingExtraError",
+                             "MixerCheckpointMismatchError", "StepNotSupportedError"),
+    "mixer_plugins.backbones.timm": ("swap_mixer",),
+}.items() for name in names}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .backbones.timm import swap_mixer
@@ -150,38 +135,12 @@ def unregister_mixer(name: str) -> None:
 
 
 __all__ = [
-    "__version__",
-    "ENTRY_POINT_GROUP",
-    "MatrixMixer",
-    "MixerContext",
-    "MixerConfig",
-    "MixerSpec",
-    "MixerRegistry",
-    "PluginProblem",
-    "list_mixers",
-    "list_specs",
-    "plugin_problems",
-    "get_spec",
-    "create_mixer",
-    "register_mixer",
-    "unregister_mixer",
-    "default_registry",
-    "MixerError",
-    "UnknownMixerError",
-    "InvalidMixerOptions",
-    "DuplicateMixerError",
-    "PluginLoadError",
-    "MixerInputError",
-    "SequenceLengthError",
-    "NotMaterializableError",
-    "MixerPluginWarning",
-    "BackendUnavailableError",
-    "MissingExtraError",
-    "MixerCheckpointMismatchError",
-    "StepNotSupportedError",
-    "MixerCache",
-    "strip_mixer_records",
-    "swap_mixer",
+    "__version__", "list_mixers", "list_specs", "plugin_problems", "get_spec", "create_mixer", "register_mixer",
+    "unregister_mixer", "ENTRY_POINT_GROUP", "MatrixMixer", "MixerContext", "MixerConfig", "MixerSpec",
+    "MixerRegistry", "PluginProblem", "default_registry", "MixerError", "UnknownMixerError", "InvalidMixerOptions",
+    "DuplicateMixerError", "PluginLoadError", "MixerInputError", "SequenceLengthError", "NotMaterializableError",
+    "MixerPluginWarning", "BackendUnavailableError", "MissingExtraError", "MixerCheckpointMismatchError",
+    "StepNotSupportedError", "MixerCache", "strip_mixer_records", "swap_mixer",
 ]
 
 

@@ -8,10 +8,8 @@ the fairseq2 adapter, the benchmarks (``mixer-plugins bench``, ``show``, ``flops
 Every decision is made from the mixer's spec and its config fields, never from its name:
 
 * ``dim`` is always the host's width (a ``dim`` among the user's options is refused).
-* ``num_heads`` goes to a ``num_heads`` field. With ``derive_head_dim=True`` a mixer that has no ``num_heads``
-  field but sizes its heads by a ``head_dim`` field gets the head size that gives it the host's head count: inner
-  width (``expand * dim`` where the mixer has ``expand``, else ``dim``) over the head count, when that divides (see
-  :func:`head_dim_for`).
+* ``num_heads`` goes to a ``num_heads`` field; with ``derive_head_dim=True`` a mixer sized by ``head_dim`` instead
+  gets the head size that gives it the host's head count (:func:`head_dim_for`).
 * ``max_seq_len`` goes to a ``max_seq_len`` field (data-independent mixers need it; data-dependent ones ignore it).
 * ``causal`` is a direction the host *requires*: it goes to a ``causal`` field, and a mixer without that field
   that runs only the other way is refused (:func:`direction_problem`). ``prefer_causal`` is a direction the host
@@ -36,18 +34,7 @@ from typing import Any
 from ..errors import InvalidMixerOptions, MixerError
 from ..registry import MixerConfig, MixerSpec
 
-__all__ = [
-    "HEAD_DIM_FIELDS",
-    "HostModel",
-    "ResolvedOptions",
-    "direction_problem",
-    "head_dim_for",
-    "host_options",
-    "resolve_config",
-]
-
-#: Config fields that size a mixer's heads by their width, in order of preference.
-HEAD_DIM_FIELDS: tuple[str, ...] = ("head_dim",)
+__all__ = ["HostModel", "ResolvedOptions", "direction_problem", "head_dim_for", "host_options", "resolve_config"]
 
 # Host fact -> the config fields that receive it (the first one the mixer has). Insertion order is the order
 # facts are filled in, and so the order they are named in messages.
@@ -124,32 +111,23 @@ def direction_problem(spec: MixerSpec, causal: bool | None) -> str | None:
     return None
 
 
-def _field_value(spec: MixerSpec, options: Mapping[str, Any], name: str) -> Any:
-    if name in options:
-        return options[name]
-    field = spec.config.model_fields[name]
-    return None if field.is_required() else field.get_default(call_default_factory=True)
-
-
 def head_dim_for(spec: MixerSpec, dim: int, num_heads: int,
                  options: Mapping[str, Any] | None = None) -> tuple[str, int] | None:
-    """The head size that gives a mixer sized by head width exactly ``num_heads`` heads, as ``(field, value)``.
+    """The head size that gives a mixer sized by head width exactly ``num_heads`` heads, as ``("head_dim", value)``.
 
-    Only for mixers that have a head-size field (:data:`HEAD_DIM_FIELDS`) and no ``num_heads`` field; the inner
-    width is ``expand * dim`` where the mixer has ``expand`` (the user's ``expand`` if given), else ``dim``. None
-    when the inner width is not a multiple of ``num_heads``.
+    Only for mixers with a ``head_dim`` field and no ``num_heads`` field; the inner width is ``expand * dim`` where
+    the mixer has ``expand`` (the user's ``expand`` if given), else ``dim``. None when the inner width is not a
+    multiple of ``num_heads``.
     """
     fields = spec.config.model_fields
-    target = next((name for name in HEAD_DIM_FIELDS if name in fields), None)
-    if target is None or "num_heads" in fields or num_heads <= 0:
+    if "head_dim" not in fields or "num_heads" in fields or num_heads <= 0:
         return None
-    expand = _field_value(spec, options or {}, "expand") if "expand" in fields else 1
-    if not isinstance(expand, int) or expand <= 0:
+    expand = 1
+    if "expand" in fields:
+        expand = (options or {}).get("expand", fields["expand"].get_default(call_default_factory=True))
+    if not isinstance(expand, int) or expand <= 0 or (expand * dim) % num_heads:
         return None
-    inner = expand * dim
-    if inner % num_heads:
-        return None
-    return target, inner // num_heads
+    return "head_dim", expand * dim // num_heads
 
 
 def host_options(spec: MixerSpec, host: HostModel, options: Mapping[str, Any] | None = None, *,

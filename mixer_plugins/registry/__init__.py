@@ -37,21 +37,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
-    "IN_PROCESS",
-    "MixerRegistry",
-    "PluginProblem",
-    "MixerConfig",
-    "MixerSpec",
-    "default_registry",
-    "make_register_function",
-    "DuplicateMixerError",
-    "InvalidMixerOptions",
-    "MixerError",
-    "MixerInputError",
-    "MixerPluginWarning",
-    "NotMaterializableError",
-    "PluginLoadError",
-    "SequenceLengthError",
-    "UnknownMixerError",
+    "ENTRY_POINT_GROUP", "IN_PROCESS", "MixerRegistry", "PluginProblem", "MixerConfig", "MixerSpec", "default_registry",
+    "make_register_function", "DuplicateMixerError", "InvalidMixerOptions", "MixerError", "MixerInputError",
+    "MixerPluginWarning", "NotMaterializableError", "PluginLoadError", "SequenceLengthError", "UnknownMixerError",
 ]

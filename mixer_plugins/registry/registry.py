@@ -229,23 +229,19 @@ class MixerRegistry:
                     problems.append(PluginProblem(key, "alias-conflict", message, dists))
             return specs, problems
 
-    def _warn_problems(self) -> list[MixerSpec]:
-        """:meth:`catalog`'s specs, warning once about each problem."""
-        specs, problems = self.catalog()
-        for problem in problems:
-            if problem.message not in self._warned:
-                self._warned.add(problem.message)
-                warnings.warn(problem.message, MixerPluginWarning, stacklevel=3)
-        return specs
-
     def names(self) -> list[str]:
         """Names of every registered mixer, sorted. Imports no plugin code."""
         return sorted(candidates[0].name for candidates in self._discover().values())
 
     def specs(self) -> list[MixerSpec]:
-        """Every loadable spec (imports all plugins). Broken or duplicate ones are warned about and skipped."""
+        """Every loadable spec (imports all plugins). Broken or duplicate ones are warned about (once) and skipped."""
         with self._lock:
-            return self._warn_problems()
+            specs, problems = self.catalog()
+            for problem in problems:
+                if problem.message not in self._warned:
+                    self._warned.add(problem.message)
+                    warnings.warn(problem.message, MixerPluginWarning, stacklevel=3)
+            return specs
 
     def problems(self) -> list[PluginProblem]:
         """Broken plugins, duplicated names and conflicting aliases (imports all plugins)."""
@@ -275,7 +271,7 @@ class MixerRegistry:
             if not owning:  # an alias only a plugin declares, or an unknown name: every plugin is imported
                 owning = self._claims(entries)[0].get(key, [])
                 if len(owning) < 2:  # the lookup succeeds or fails for want of a name: report what is broken
-                    specs = self._warn_problems()
+                    specs = self.specs()
                 if not owning:
                     vocabulary = {k: e[0].name for k, e in entries.items()}
                     vocabulary.update({normalize_name(a): a for s in specs for a in s.aliases

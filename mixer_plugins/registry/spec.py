@@ -8,6 +8,7 @@ and a builder that turns a validated config into an ``nn.Module`` following the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -82,17 +83,14 @@ _ALLOCATION_FAILURES = ("can't allocate", "cannot allocate", "out of memory", "n
 def _size_options(config: MixerConfig) -> list[str]:
     """The integer options of ``config``, largest first, as ``name=value``: what makes a mixer big."""
     sizes = [(k, v) for k, v in config if isinstance(v, int) and not isinstance(v, bool)]
-    sizes.sort(key=lambda kv: -kv[1])
-    return [f"{k}={v}" for k, v in sizes]
+    return [f"{k}={v}" for k, v in sorted(sizes, key=lambda kv: -kv[1])]
 
 
 def _format_validation_error(err: ValidationError) -> list[str]:
     problems = []
     for item in err.errors():
         loc = ".".join(str(p) for p in item.get("loc", ()))
-        msg = item.get("msg", "invalid value")
-        # pydantic prefixes custom ValueErrors with "Value error, "; it reads better without it.
-        msg = msg.removeprefix("Value error, ")
+        msg = item.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for ValueErrors
         if item.get("type") == "missing":
             problems.append(f"{loc}: required option is missing")
         elif loc:
@@ -212,10 +210,8 @@ class MixerSpec:
                 f"({type(err).__name__}: {text[:200]})"
             ]) from None
         # Record where the module came from, so adapters (timm, fairseq2) can serialise it by name.
-        try:
+        with contextlib.suppress(AttributeError):  # builders returning immutable objects
             module.mixer_name = self.name
-        except AttributeError:  # pragma: no cover - exotic builders returning immutable objects
-            pass
         return module
 
     def options_table(self) -> list[tuple[str, str, str, str]]:
@@ -224,8 +220,7 @@ class MixerSpec:
         for fname, field in self.config.model_fields.items():
             default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
             help_text = field.description or ""
-            constraints = [_describe_constraint(m) for m in field.metadata]
-            constraints = [c for c in constraints if c]
+            constraints = [c for c in map(_describe_constraint, field.metadata) if c]
             if constraints:
                 help_text = (help_text + " " if help_text else "") + "(" + ", ".join(constraints) + ")"
             rows.append((fname, _type_name(field.annotation), default, help_text))

@@ -13,46 +13,43 @@ or, in a pytest module, get one test per (mixer, check)::
 Checks (each one a function in :data:`CHECKS`):
 
 * ``output``: shape and dtype preserved (float32 and float64), outputs finite, eval forward deterministic;
-* ``materialize``: ``materialize`` is (batch, heads, L, L) and ``forward == forward_via_matrix``
-  (the mixer's fast path agrees with its own matrix), in float64; non-linear mixers must raise
-  ``NotMaterializableError`` instead;
-* ``padding``: with a right-padded mask, real positions equal the unpadded run row by row, pad contents
-  do not leak, pad outputs are zero;
-* ``lengths``: length 1, an odd length and a length longer than the chunk size all run and agree with
-  the matrix;
+* ``materialize``: ``materialize`` is (batch, heads, L, L) and ``forward == forward_via_matrix`` in float64;
+  non-linear mixers must raise ``NotMaterializableError`` instead;
+* ``padding``: with a right-padded mask, real positions equal the unpadded run row by row, pad contents do not leak,
+  pad outputs are zero;
+* ``lengths``: length 1, an odd length and one past the chunk size run and agree with the matrix;
 * ``gradients``: every parameter receives a finite, non-zero gradient;
 * ``state_dict``: a second instance loaded from the first's ``state_dict`` gives identical outputs;
-* ``reset_parameters``: ``reset_parameters()`` under a seed re-draws the parameters exactly as a fresh build under
-  that seed (so every randomly initialised parameter is reset), and does so again under the same seed;
+* ``reset_parameters``: under a seed, ``reset_parameters()`` re-draws the parameters exactly as a fresh build under
+  that seed, and does so again;
 * ``sequence_length``: data-independent mixers raise ``SequenceLengthError`` past ``max_seq_len``;
 * ``bad_input``: wrong rank, width, dtype or mask raise ``MixerInputError``;
 * ``bad_config``: a bad ``dim`` or a misspelt option raise ``InvalidMixerOptions`` (with a suggestion);
 * ``causality``: causal mixers ignore the future and have a lower-triangular matrix;
 * ``low_precision``: bfloat16 parameters and inputs give a finite bfloat16 output;
 * ``nonfinite_pads``: NaN, Inf or 1e30 at the pads change nothing at real positions (pads are excluded by selection,
-  never by multiplying with the mask) and pad outputs stay exactly zero, in float32 and float64;
-* ``nonfinite_future``: for causal mixers with the (opt-in) non-finite guard on, a NaN or an Inf at a later token
-  leaves every earlier output unchanged;
+  never by multiplying with the mask) and pad outputs stay zero, in float32 and float64;
+* ``nonfinite_future``: with the (opt-in) non-finite guard on, a NaN or Inf at a later token leaves every earlier
+  output of a causal mixer unchanged;
 * ``empty_batch``: a batch of 0 rows gives an empty output of the right shape (and an empty matrix);
-* ``export``: ``torch.export`` of the mixer succeeds, the exported program agrees with eager, and eager forwards
-  after the export are unchanged (no tensor made while tracing survives in a cache);
+* ``export``: ``torch.export`` succeeds, the program agrees with eager, and eager forwards after the export are
+  unchanged (no tensor made while tracing survives in a cache);
 * ``step``: a mixer whose spec says ``stepping=True`` decodes in its causal form: ``prefill`` of right-padded prompts
-  of different lengths then ``step`` of one or a few tokens at a time equal ``forward`` over the whole sequences
-  (float64 within 1e-10, float32 within 1e-5); a cache allocated by a copy of the module gives the same outputs, and
-  one of the same mixer at another width is refused with ``MixerInputError`` (by ``prefill`` and by ``step``, the
-  cache left as it was); a bfloat16 cache under a float32 mixer steps within bfloat16's accuracy of a float32 cache
-  (or ``allocate_cache`` refuses the dtype with ``MixerInputError``); under grad (an input and parameters that
-  require grad) prefill and steps either give forward's gradients or refuse with a ``MixerInputError`` that says to
-  call them under ``torch.no_grad()`` or ``torch.inference_mode()``, leaving the cache as it was; a mixer whose spec
-  says ``stepping=False`` (or a bidirectional form) refuses to step with ``StepNotSupportedError``.
+  then ``step`` of one or a few tokens at a time equal ``forward``; a cache allocated by a copy of the module works,
+  and one of the same mixer at another width is refused with ``MixerInputError`` (the cache left as it was); a
+  bfloat16 cache under a float32 mixer steps within bfloat16's accuracy (or is refused with ``MixerInputError``);
+  under grad, prefill and steps give forward's gradients or refuse with a ``MixerInputError`` that says to use
+  ``torch.no_grad()`` or ``torch.inference_mode()``, leaving the cache as it was. A mixer whose spec says
+  ``stepping=False`` (or a bidirectional form) refuses to step with ``StepNotSupportedError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -116,11 +113,18 @@ class MixerHarness:
     def default_length(self, mixer: Any) -> int:
         return min(12, mixer.max_seq_len or 12)
 
+    def padded(self, length: int, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, list[int]]:
+        """Inputs of three rows right-padded to real lengths ``length``, ``length - 5`` and 1: (x, mask, lengths)."""
+        real = [length, max(1, length - 5), 1]
+        mask = torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+        return self.inputs(length, batch=len(real), dtype=dtype), mask, real
 
-def _close(a: Tensor, b: Tensor, *, rtol: float, atol: float) -> tuple[bool, float]:
+
+def _assert_close(a: Tensor, b: Tensor, what: str, *, rtol: float = 1e-7, atol: float = 1e-9) -> None:
+    """Assert ``a`` is close to ``b`` (``atol`` plus ``rtol`` of ``b``'s largest magnitude); else say ``what``."""
     err = (a - b).abs().max().item() if a.numel() else 0.0
     scale = b.abs().max().item() if b.numel() else 0.0
-    return bool(torch.allclose(a, b, rtol=rtol, atol=atol + rtol * scale)), err
+    assert torch.allclose(a, b, rtol=rtol, atol=atol + rtol * scale), f"{what} (max abs err {err:.3e})"
 
 
 def _expect_raises(exc_type: type[BaseException], fn: Callable[[], Any], what: str) -> None:
@@ -135,13 +139,23 @@ def _expect_raises(exc_type: type[BaseException], fn: Callable[[], Any], what: s
     raise AssertionError(f"{what}: expected {exc_type.__name__}, nothing was raised")
 
 
+@contextlib.contextmanager
+def _fails_check(what: str, advice: str = "") -> Iterator[None]:
+    """Report an unexpected exception of the block as a failed check: ``what`` raised it (then ``advice``)."""
+    try:
+        yield
+    except AssertionError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a raw error is a failure of the check
+        raise AssertionError(f"{what} raised {type(err).__name__}: {err}{advice}") from err
+
+
 # -- the checks ------------------------------------------------------------------------------------
 
 def check_output(h: MixerHarness) -> None:
     for dtype in (torch.float32, torch.float64):
         mixer = h.build(dtype=dtype)
-        length = h.default_length(mixer)
-        x = h.inputs(length, dtype=dtype)
+        x = h.inputs(h.default_length(mixer), dtype=dtype)
         with torch.no_grad():
             y = mixer(x)
             y2 = mixer(x)
@@ -161,31 +175,24 @@ def check_materialize(h: MixerHarness) -> None:
         return
     with torch.no_grad():
         matrix = mixer.materialize(x)
-        y = mixer(x)
-        y_ref = mixer.forward_via_matrix(x)
+        y, y_ref = mixer(x), mixer.forward_via_matrix(x)
     expected = (h.batch, mixer.num_heads, length, length)
     assert tuple(matrix.shape) == expected, f"materialize shape {tuple(matrix.shape)} != {expected}"
     assert torch.isfinite(matrix).all(), "materialized matrix has non-finite entries"
-    ok, err = _close(y, y_ref, rtol=1e-7, atol=1e-9)
-    assert ok, f"forward and forward_via_matrix disagree (max abs err {err:.3e}) at length {length}"
+    _assert_close(y, y_ref, f"forward and forward_via_matrix disagree at length {length}")
 
 
 def check_padding(h: MixerHarness) -> None:
     mixer = h.build()
-    length = h.default_length(mixer)
-    real = [length, max(1, length - 5), 1]
-    x = h.inputs(length, batch=len(real))
-    mask = torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+    x, mask, real = h.padded(h.default_length(mixer))
     noisy = torch.where(mask[..., None], x, 100.0 * torch.randn_like(x))
     with torch.no_grad():
         y = mixer(x, mask=mask)
         y_noisy = mixer(noisy, mask=mask)
         for row, n in enumerate(real):
             alone = mixer(x[row:row + 1, :n])
-            ok, err = _close(y[row, :n], alone[0], rtol=1e-7, atol=1e-9)
-            assert ok, f"row {row} (real length {n}): padded and unpadded outputs differ by {err:.3e}"
-    ok, err = _close(y, y_noisy, rtol=1e-7, atol=1e-9)
-    assert ok, f"pad contents leak into real positions (max abs err {err:.3e})"
+            _assert_close(y[row, :n], alone[0], f"row {row} (real length {n}): padded and unpadded outputs differ")
+    _assert_close(y, y_noisy, "pad contents leak into real positions")
     assert (y[~mask] == 0).all(), "outputs at pad positions must be zero"
     if mixer.materializable:
         with torch.no_grad():
@@ -193,8 +200,7 @@ def check_padding(h: MixerHarness) -> None:
             y_ref = mixer.forward_via_matrix(x, mask=mask)
         keep = mask[:, None, :, None] & mask[:, None, None, :]
         assert (matrix[~keep.expand_as(matrix)] == 0).all(), "materialize must be zero on pad rows/columns"
-        ok, err = _close(y, y_ref, rtol=1e-7, atol=1e-9)
-        assert ok, f"masked forward and forward_via_matrix disagree (max abs err {err:.3e})"
+        _assert_close(y, y_ref, "masked forward and forward_via_matrix disagree")
 
 
 def check_lengths(h: MixerHarness) -> None:
@@ -205,14 +211,13 @@ def check_lengths(h: MixerHarness) -> None:
             y = mixer(x)
             assert y.shape == x.shape and torch.isfinite(y).all(), f"bad output at length {length} ({label})"
             if mixer.materializable:
-                ok, err = _close(y, mixer.forward_via_matrix(x), rtol=1e-7, atol=1e-9)
-                assert ok, f"forward disagrees with its matrix at length {length} ({label}): {err:.3e}"
+                _assert_close(y, mixer.forward_via_matrix(x), f"forward disagrees with its matrix at length "
+                              f"{length} ({label})")
 
 
 def check_gradients(h: MixerHarness) -> None:
     mixer = h.build().train()
-    length = h.default_length(mixer)
-    x = h.inputs(length).requires_grad_(True)
+    x = h.inputs(h.default_length(mixer)).requires_grad_(True)
     probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
     (mixer(x) * probe).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all(), "no finite gradient w.r.t. the input"
@@ -317,8 +322,8 @@ def check_causality(h: MixerHarness) -> None:
     x2[:, t + 1:] += torch.randn_like(x2[:, t + 1:])
     with torch.no_grad():
         y, y2 = mixer(x), mixer(x2)
-    ok, err = _close(y[:, : t + 1], y2[:, : t + 1], rtol=1e-9, atol=1e-11)
-    assert ok, f"causal mixer: output at t <= {t} changed when only the future changed ({err:.3e})"
+    _assert_close(y[:, : t + 1], y2[:, : t + 1], f"causal mixer: output at t <= {t} changed when only the future "
+                  "changed", rtol=1e-9, atol=1e-11)
     if mixer.materializable:
         with torch.no_grad():
             upper = torch.triu(mixer.materialize(x), diagonal=1)
@@ -340,10 +345,7 @@ _NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 def check_nonfinite_pads(h: MixerHarness) -> None:
     for dtype in (torch.float32, torch.float64):
         mixer = h.build(dtype=dtype)
-        length = h.default_length(mixer)
-        real = [length, max(1, length - 5), 1]
-        x = h.inputs(length, batch=len(real), dtype=dtype)
-        mask = torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+        x, mask, _ = h.padded(h.default_length(mixer), dtype=dtype)
         with torch.no_grad():
             y = mixer(x, mask=mask)
             for label, value in {**_NONFINITE, "1e30": 1e30}.items():
@@ -353,8 +355,8 @@ def check_nonfinite_pads(h: MixerHarness) -> None:
                     f"{label} at the pads made outputs non-finite ({dtype}): pads must be excluded by selection "
                     "(torch.where / masked_fill), not by multiplying with the mask (NaN * 0 = NaN)"
                 )
-                ok, err = _close(y_bad, y, rtol=1e-6 if dtype == torch.float32 else 1e-9, atol=1e-6)
-                assert ok, f"{label} at the pads changed real outputs by {err:.3e} ({dtype})"
+                _assert_close(y_bad, y, f"{label} at the pads changed real outputs ({dtype})",
+                              rtol=1e-6 if dtype == torch.float32 else 1e-9, atol=1e-6)
                 assert (y_bad[~mask] == 0).all(), f"{label} at the pads: pad outputs are not zero ({dtype})"
                 if mixer.materializable and dtype == torch.float64:
                     matrix = mixer.materialize(bad, mask=mask)
@@ -376,30 +378,20 @@ def check_nonfinite_future(h: MixerHarness) -> None:
                     continue
                 bad = x.clone()
                 bad[:, first:] = value
-                y_bad = mixer(bad)
-                past = y_bad[:, :first]
+                past = mixer(bad)[:, :first]
                 assert torch.isfinite(past).all(), (
                     f"causal mixer: {label} from token {first} on made earlier outputs non-finite (a causal mask "
                     "applied by multiplying: 0 * NaN = NaN)"
                 )
-                ok, err = _close(past, y[:, :first], rtol=1e-9, atol=1e-11)
-                assert ok, f"causal mixer: {label} from token {first} on changed earlier outputs by {err:.3e}"
+                _assert_close(past, y[:, :first], f"causal mixer: {label} from token {first} on changed earlier "
+                              "outputs", rtol=1e-9, atol=1e-11)
 
 
 def check_empty_batch(h: MixerHarness) -> None:
     mixer = h.build()
     length = h.default_length(mixer)
     x = h.inputs(length)[:0]
-    try:
-        _check_empty_batch(mixer, x, length)
-    except AssertionError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a raw error on an empty batch is a failure of this check
-        raise AssertionError(f"batch 0 raised {type(err).__name__}: {err}") from err
-
-
-def _check_empty_batch(mixer: Any, x: Tensor, length: int) -> None:
-    with torch.no_grad():
+    with _fails_check("batch 0"), torch.no_grad():
         y = mixer(x)
         assert tuple(y.shape) == tuple(x.shape), f"batch 0: output shape {tuple(y.shape)} != {tuple(x.shape)}"
         y_masked = mixer(x, mask=torch.ones(0, length, dtype=torch.bool))
@@ -416,29 +408,21 @@ def check_export(h: MixerHarness) -> None:
     length = min(19, mixer.max_seq_len or 19)
     x = h.inputs(length, dtype=torch.float32, seed=5)
     reference = h.build(dtype=torch.float32)
-    try:
+    with _fails_check("torch.export of the mixer"):
         exported = torch.export.export(mixer, (x,))
-    except Exception as err:  # noqa: BLE001
-        raise AssertionError(f"torch.export of the mixer failed: {type(err).__name__}: {err}") from err
-    try:
-        with torch.no_grad():
-            y_after = mixer(x)
-            y_program = exported.module()(x)
-            y_again = mixer(x)
-    except Exception as err:  # noqa: BLE001 - e.g. a FakeTensor kept from tracing, used in an eager call
-        raise AssertionError(f"eager forward after torch.export failed: {type(err).__name__}: {err}") from err
+    # e.g. a FakeTensor kept from tracing, used in an eager call
+    with _fails_check("eager forward after torch.export"), torch.no_grad():
+        y_after = mixer(x)
+        y_program = exported.module()(x)
+        y_again = mixer(x)
     assert torch.isfinite(y_after).all(), "eager forward after torch.export gave non-finite outputs"
-    ok, diff = _close(y_program, y_after, rtol=1e-4, atol=1e-5)
-    assert ok, f"the exported program and eager disagree (max abs err {diff:.3e})"
+    _assert_close(y_program, y_after, "the exported program and eager disagree", rtol=1e-4, atol=1e-5)
     assert torch.equal(y_after, y_again), "eager forwards after torch.export differ from one another"
     if mixer.materializable:
         with torch.no_grad():
             y_ref = reference.forward_via_matrix(x)
-        ok, diff = _close(y_after, y_ref, rtol=1e-4, atol=1e-5)
-        assert ok, (
-            f"eager forward after torch.export drifted from the mixer's matrix (max abs err {diff:.3e}): a tensor "
-            "made while tracing (a FakeTensor) survived in a cache"
-        )
+        _assert_close(y_after, y_ref, "eager forward after torch.export drifted from the mixer's matrix: a tensor "
+                      "made while tracing (a FakeTensor) survived in a cache", rtol=1e-4, atol=1e-5)
 
 
 #: Token counts of the successive steps of the ``step`` check (one or a few tokens at a time).
@@ -454,13 +438,12 @@ def check_step(h: MixerHarness) -> None:
             f"the spec says stepping={spec.stepping} (direction {spec.direction!r}) but the mixer can step: set "
             "stepping=True in its spec"
         )
-        _expect_raises(StepNotSupportedError, lambda: mixer.allocate_cache(1, 4), "allocate_cache on a mixer that "
-                       "cannot step")
+        _expect_raises(StepNotSupportedError, lambda: mixer.allocate_cache(1, 4),
+                       "allocate_cache on a mixer that cannot step")
         return
     assert mixer.can_step, f"the spec says stepping=True but the mixer cannot step: {mixer.step_problem()}"
-    cap = mixer.max_seq_len or 10**9
     chunk = getattr(mixer.config, "chunk_size", None) or 8
-    length = min(2 * chunk + 7, cap)
+    length = min(2 * chunk + 7, mixer.max_seq_len or 10**9)
     prompt = max(2, length // 2)
     prompts = torch.tensor([prompt, max(1, prompt - 4), 1])
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
@@ -471,8 +454,8 @@ def check_step(h: MixerHarness) -> None:
             full = mixer(x)
             cache = mixer.allocate_cache(len(prompts), length)
             y = mixer.prefill(x[:, :prompt], cache, mask=mask)
-            ok, err = _close(y[mask], full[:, :prompt][mask], rtol=tol, atol=tol)
-            assert ok, f"prefill of right-padded prompts differs from forward by {err:.3e} ({dtype})"
+            _assert_close(y[mask], full[:, :prompt][mask], f"prefill of right-padded prompts differs from forward "
+                          f"({dtype})", rtol=tol, atol=tol)
             assert (y[~mask] == 0).all(), f"prefill: pad outputs are not zero ({dtype})"
             assert torch.equal(cache.lengths, prompts), f"prefill: cache lengths {cache.lengths.tolist()} != prompts"
             position, given = prompts.clone(), prompt
@@ -482,9 +465,8 @@ def check_step(h: MixerHarness) -> None:
                 index = (position[:, None] + torch.arange(t))[..., None].expand(-1, -1, h.dim)
                 y_t = mixer.step(x.gather(1, index), cache)
                 assert y_t.shape == (len(prompts), t, h.dim), f"step of {t} tokens gave shape {tuple(y_t.shape)}"
-                ok, err = _close(y_t, full.gather(1, index), rtol=tol, atol=tol)
-                assert ok, (f"prefill + steps differ from forward by {err:.3e} ({dtype}) at the step of {t} token(s) "
-                            f"from positions {position.tolist()}")
+                _assert_close(y_t, full.gather(1, index), f"prefill + steps differ from forward ({dtype}) at the step "
+                              f"of {t} token(s) from positions {position.tolist()}", rtol=tol, atol=tol)
                 position += t
                 given += t
     prompt = max(1, length // 2)
@@ -530,8 +512,8 @@ def _check_step_owner(h: MixerHarness, causal: Mapping[str, Any], length: int, p
     with torch.no_grad():
         expected = _decode(mixer, x, prompt, mixer.allocate_cache(h.batch, length))
         got = _decode(mixer, x, prompt, copy.deepcopy(mixer).allocate_cache(h.batch, length))
-    ok, err = _close(got, expected, rtol=1e-12, atol=1e-12)
-    assert ok, f"decoding with a cache allocated by a copy of the module differs by {err:.3e}"
+    _assert_close(got, expected, "decoding with a cache allocated by a copy of the module differs", rtol=1e-12,
+                  atol=1e-12)
     wide = dataclasses.replace(h, dim=2 * h.dim)
     try:
         wider = wide.build(**causal)
@@ -561,19 +543,13 @@ def _check_step_cache_dtype(h: MixerHarness, causal: Mapping[str, Any], length: 
     except Exception as err:  # noqa: BLE001
         raise AssertionError(f"allocate_cache(dtype=torch.bfloat16) of a float32 mixer raised {type(err).__name__}: "
                              f"{err}; step with it, or refuse the dtype with MixerInputError") from err
-    try:
-        with torch.no_grad():
-            got = _decode(mixer, x, prompt, cache)
-    except Exception as err:  # noqa: BLE001
-        raise AssertionError(
-            f"decoding with a bfloat16 cache under a float32 mixer raised {type(err).__name__}: {err}; read the state "
-            "in the compute dtype (cache.read(name, dtype)), or refuse the dtype in allocate_cache with "
-            "MixerInputError"
-        ) from err
+    with _fails_check("decoding with a bfloat16 cache under a float32 mixer", "; read the state in the compute "
+                      "dtype (cache.read(name, dtype)), or refuse the dtype in allocate_cache with MixerInputError"), \
+            torch.no_grad():
+        got = _decode(mixer, x, prompt, cache)
     assert got.dtype == torch.float32, f"a bfloat16 cache under a float32 mixer gave {got.dtype} outputs"
-    ok, diff = _close(got, expected, rtol=_BF16_CACHE_TOL, atol=0.0)
-    assert ok, (f"decoding with a bfloat16 cache under a float32 mixer differs from a float32 cache's by {diff:.3e}, "
-                "more than bfloat16's accuracy")
+    _assert_close(got, expected, "decoding with a bfloat16 cache under a float32 mixer differs from a float32 "
+                  "cache's, more than bfloat16's accuracy", rtol=_BF16_CACHE_TOL, atol=0.0)
 
 
 _NO_GRAD_ADVICE = "call prefill/step under torch.no_grad() or torch.inference_mode()"
@@ -586,6 +562,7 @@ def _check_step_under_grad(h: MixerHarness, causal: Mapping[str, Any], length: i
     probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
     params = [p for p in mixer.parameters() if p.requires_grad]
     xg = x.clone().requires_grad_(True)
+    advice = f"; give correct gradients, or refuse with MixerInputError ({_NO_GRAD_ADVICE})"
     try:
         with torch.enable_grad():
             y = _decode(mixer, xg, prompt, mixer.allocate_cache(h.batch, length))
@@ -596,15 +573,10 @@ def _check_step_under_grad(h: MixerHarness, causal: Mapping[str, Any], length: i
         _check_step_refusal_keeps_the_cache(mixer, x, prompt, length, h.batch)
         return
     except Exception as err:  # noqa: BLE001
-        raise AssertionError(f"prefill/step under grad raised {type(err).__name__}: {err}; give correct gradients, "
-                             f"or refuse with MixerInputError ({_NO_GRAD_ADVICE})") from err
+        raise AssertionError(f"prefill/step under grad raised {type(err).__name__}: {err}{advice}") from err
     n = y.shape[1]
-    try:
-        with torch.enable_grad():
-            got = torch.autograd.grad((y * probe[:, :n]).sum(), [xg, *params], allow_unused=True)
-    except RuntimeError as err:
-        raise AssertionError(f"backward through prefill/step under grad failed ({err}); give correct gradients, or "
-                             f"refuse with MixerInputError ({_NO_GRAD_ADVICE})") from err
+    with _fails_check("backward through prefill/step under grad", advice), torch.enable_grad():
+        got = torch.autograd.grad((y * probe[:, :n]).sum(), [xg, *params], allow_unused=True)
     xr = x.clone().requires_grad_(True)
     with torch.enable_grad():
         ref = mixer(xr)[:, :n]
@@ -613,9 +585,8 @@ def _check_step_under_grad(h: MixerHarness, causal: Mapping[str, Any], length: i
     for name, a, b in zip(names, got, expected):
         a = torch.zeros(()) if a is None else a
         b = torch.zeros(()) if b is None else b
-        ok, diff = _close(a.to(x.dtype), b.to(x.dtype), rtol=1e-8, atol=1e-10)
-        assert ok, (f"gradients through prefill + steps under grad differ from forward's (w.r.t. {name}, by "
-                    f"{diff:.3e}); give correct gradients, or refuse with MixerInputError ({_NO_GRAD_ADVICE})")
+        _assert_close(a.to(x.dtype), b.to(x.dtype), f"gradients through prefill + steps under grad differ from "
+                      f"forward's (w.r.t. {name}){advice}", rtol=1e-8, atol=1e-10)
 
 
 def _check_step_refusal_keeps_the_cache(mixer: Any, x: Tensor, prompt: int, length: int, batch: int) -> None:
@@ -632,39 +603,21 @@ def _check_step_refusal_keeps_the_cache(mixer: Any, x: Tensor, prompt: int, leng
     _assert_cache_kept(cache, before, "a step under grad")
     with torch.no_grad():
         got = mixer.step(x[:, prompt:prompt + 1], cache)
-    ok, err = _close(got, expected, rtol=1e-10, atol=1e-10)
-    assert ok, f"after a step refused under grad, the next step differs from forward by {err:.3e}"
+    _assert_close(got, expected, "after a step refused under grad, the next step differs from forward", rtol=1e-10,
+                  atol=1e-10)
 
 
-#: Every check, by name, in the order the kit runs them.
-CHECKS: dict[str, Callable[[MixerHarness], None]] = {
-    "output": check_output,
-    "materialize": check_materialize,
-    "padding": check_padding,
-    "lengths": check_lengths,
-    "gradients": check_gradients,
-    "state_dict": check_state_dict,
-    "reset_parameters": check_reset_parameters,
-    "sequence_length": check_sequence_length,
-    "bad_input": check_bad_input,
-    "bad_config": check_bad_config,
-    "causality": check_causality,
-    "low_precision": check_low_precision,
-    "nonfinite_pads": check_nonfinite_pads,
-    "nonfinite_future": check_nonfinite_future,
-    "empty_batch": check_empty_batch,
-    "export": check_export,
-    "step": check_step,
-}
+#: Every check, by name (its function's name without ``check_``), in the order the kit runs them.
+CHECKS: dict[str, Callable[[MixerHarness], None]] = {fn.__name__.removeprefix("check_"): fn for fn in (
+    check_output, check_materialize, check_padding, check_lengths, check_gradients, check_state_dict,
+    check_reset_parameters, check_sequence_length, check_bad_input, check_bad_config, check_causality,
+    check_low_precision, check_nonfinite_pads, check_nonfinite_future, check_empty_batch, check_export, check_step,
+)}
 
 
 def _harness(mixer: str | MixerSpec, dim: int | None, options: Mapping[str, Any] | None, seed: int) -> MixerHarness:
-    """The harness of one mixer at ``dim`` (default 32), after checking that its options fit that dim.
-
-    The options are the spec's ``test_options`` with ``options`` over them. A spec's test options should fit any
-    reasonable dim (sizes as divisors or defaults, not widths that only add up at one dim); when they do not fit,
-    this says so once, with the mixer's own message, instead of every check failing on it.
-    """
+    """The harness of one mixer at ``dim`` (default 32), after checking once that its options (the spec's
+    ``test_options`` with ``options`` over them) fit that dim, so no check fails on it."""
     spec = mixer if isinstance(mixer, MixerSpec) else default_registry.get_spec(mixer)
     harness = MixerHarness(spec=spec, dim=dim or 32, options=dict(options or {}), seed=seed)
     opts = {**spec.test_options, **harness.options}

@@ -32,24 +32,10 @@ from .swap import MixerSwapWarning, is_order_sensitive, nominal_token_count, swa
 from .weights import PartialWeightsWarning, WeightLoadReport, load_compatible_state_dict
 
 __all__ = [
-    "TimmMixerAttention",
-    "MixerOnlyBlock",
-    "swap_mixer",
-    "create_model",
-    "load_compatible_state_dict",
-    "WeightLoadReport",
-    "PartialWeightsWarning",
-    "MixerSwapWarning",
-    "padding_mask_from_attn_mask",
-    "resolve_mixer_config",
-    "attn_layer_class",
-    "register_attn_layers",
-    "register_timm_models",
-    "is_order_sensitive",
-    "nominal_token_count",
-    "MODEL_NAMES",
-    "HYDRA_PRESETS",
-    "MASKED_LOGIT_THRESHOLD",
+    "TimmMixerAttention", "MixerOnlyBlock", "swap_mixer", "create_model", "load_compatible_state_dict",
+    "WeightLoadReport", "PartialWeightsWarning", "MixerSwapWarning", "padding_mask_from_attn_mask",
+    "resolve_mixer_config", "attn_layer_class", "register_attn_layers", "register_timm_models", "is_order_sensitive",
+    "nominal_token_count", "MODEL_NAMES", "HYDRA_PRESETS", "MASKED_LOGIT_THRESHOLD",
 ]
 
 register_timm_models()

@@ -2,23 +2,14 @@
 
 timm's ViT-family blocks build their token mixer as ``attn_layer(dim, num_heads=..., qkv_bias=..., ...)`` and call
 it as ``attn(x, attn_mask=None, is_causal=False)`` (Eva adds ``rope=``, BEiT ``shared_rel_pos_bias=``).
-:class:`TimmMixerAttention` accepts exactly that, builds the mixer through the registry, and maps timm's
-arguments onto the mixer contract ``mixer(x, mask=...)``:
+:class:`TimmMixerAttention` accepts exactly that, builds the mixer through the registry and calls
+``mixer(x, mask=...)``: ``attn_mask`` becomes a right-padded key mask (see :func:`padding_mask_from_attn_mask`),
+``is_causal=True`` is refused by bidirectional mixers, and ``rope`` / ``shared_rel_pos_bias`` are ignored (position
+comes from the mixer or the model's position embedding; :func:`~mixer_plugins.backbones.timm.swap_mixer` warns when
+none is left).
 
-* ``attn_mask`` (bool, True = attend; or additive float, 0 = attend and very negative = masked, as NaFlexViT
-  builds it) becomes our right-padded key mask: key j is real when some query may attend to it. Only the
-  mask's dtype and shape are checked in ``forward`` (no host sync); set ``check_attn_mask = True`` on an adapter
-  to also refuse, with :class:`~mixer_plugins.MixerInputError`, masks that are not padding (causal patterns,
-  per-head masks, additive biases), which a mixer cannot apply.
-* ``is_causal=True`` is accepted by causal mixers and refused by bidirectional ones.
-* ``rope`` and ``shared_rel_pos_bias`` are accepted and ignored: position then comes from the mixer itself (or
-  the model's absolute position embedding). :func:`~mixer_plugins.backbones.timm.swap_mixer` warns when that
-  leaves a model without any positional information.
-
-The adapter is an FX leaf (``register_notrace_module``), so tracing never enters mixer code, and its forward is
-TorchScript-compatible, so a model scripts whenever its mixer does. timm re-initialises every ``nn.Linear`` after
-building a model and then calls ``init_weights()`` on modules that define it; ours re-draws the mixer's own
-initialisation, so mixers keep their init under every ``weight_init`` mode.
+The adapter is an FX leaf and its forward is TorchScript-compatible. Its ``init_weights()``, which timm calls after
+re-initialising every ``nn.Linear``, re-draws the mixer's own initialisation under every ``weight_init`` mode.
 """
 
 from __future__ import annotations
@@ -32,27 +23,12 @@ import torch
 from timm.layers import DropPath, LayerNorm, LayerScale, register_notrace_module
 from torch import Tensor, nn
 
-from ...registry import (
-    InvalidMixerOptions,
-    MixerConfig,
-    MixerError,
-    MixerInputError,
-    MixerPluginWarning,
-    MixerSpec,
-    default_registry,
-)
+from ...registry import MixerConfig, MixerError, MixerInputError, MixerPluginWarning, MixerSpec, default_registry
 from ..options import HostModel, resolve_config
 from ..reinit import reinitialize_mixer
 
-__all__ = [
-    "TimmMixerAttention",
-    "MixerOnlyBlock",
-    "padding_mask_from_attn_mask",
-    "resolve_mixer_config",
-    "attn_layer_class",
-    "register_attn_layers",
-    "MASKED_LOGIT_THRESHOLD",
-]
+__all__ = ["TimmMixerAttention", "MixerOnlyBlock", "padding_mask_from_attn_mask", "resolve_mixer_config",
+           "attn_layer_class", "register_attn_layers", "MASKED_LOGIT_THRESHOLD"]
 
 #: Additive-mask entries at or below this value mean "masked". timm fills masked entries with
 #: ``torch.finfo(dtype).min`` (NaFlexViT) or ``-inf``; ``torch.finfo`` itself is not TorchScript-compatible.
@@ -61,17 +37,14 @@ MASKED_LOGIT_THRESHOLD = -1.0e4
 
 def padding_mask_from_attn_mask(attn_mask: Optional[Tensor], batch: int, length: int,
                                 check_values: bool = True) -> Optional[Tensor]:
-    """timm's attention mask as our bool ``(batch, length)`` key mask (True on real tokens).
+    """timm's attention mask as our bool ``(batch, length)`` key mask (True on real tokens): key j is real when some
+    query may attend to it, which both NaFlexViT layouts (``[B, 1, N, N]`` and ``[B, 1, 1, N]``) give.
 
     Accepts a bool mask (True = may attend) or an additive float mask (0 = may attend, ``<= -1e4`` or ``-inf`` =
-    masked) of shape ``(batch | 1, heads | 1, queries | 1, length)`` or ``(queries, length)``. Both NaFlexViT
-    layouts, the symmetric ``[B, 1, N, N]`` one and the key-only ``[B, 1, 1, N]`` one, give the same key mask:
-    key j is real when some query may attend to it. Dtype and shape are always checked.
-
-    With ``check_values`` (the default), the values are checked too, at the cost of host syncs: a mask that is
-    not a key-padding mask (additive biases, causal or per-head patterns) raises :class:`MixerInputError`, since
-    a mixer applies its own L x L matrix and cannot honour arbitrary (query, key) patterns; and an all-real mask
-    gives None. :class:`TimmMixerAttention` calls it without value checks unless its ``check_attn_mask`` is set.
+    masked) of shape ``(batch | 1, heads | 1, queries | 1, length)`` or ``(queries, length)``; dtype and shape are
+    always checked. With ``check_values`` (host syncs), a mask that is not key padding (additive biases, causal or
+    per-head patterns, which a mixer cannot honour) raises :class:`MixerInputError`, and an all-real mask gives
+    None. :class:`TimmMixerAttention` checks values only when its ``check_attn_mask`` is set.
     """
     if attn_mask is None:
         return None
@@ -115,17 +88,11 @@ def resolve_mixer_config(spec: MixerSpec, dim: int, options: Mapping[str, Any] |
     """The mixer's validated config: ``dim``, then what timm's block asks for, then the user's ``options``.
 
     ``host`` holds timm's attention arguments (``num_heads``, ``qkv_bias``, ``proj_bias``, ``attn_drop``,
-    ``qk_norm``, ``scale_norm``) plus ``seq_len`` (the model's token count) and ``num_prefix_tokens``. Each is
-    forwarded only to a config field of the same meaning (``num_heads``, ``qkv_bias``, ``proj_bias`` ->
-    ``out_bias``, ``attn_drop`` -> ``attn_drop`` or ``dropout``, ``seq_len`` -> ``max_seq_len``,
-    ``num_prefix_tokens``); every other option keeps the mixer's default, and the user's options win.
-    ``proj_bias`` goes to ``out_bias``, not to the ``proj_bias`` of Hydra-style mixers (their in/out projections,
-    off by default in the paper). A host feature the mixer cannot honour (``attn_drop > 0``, ``qk_norm``,
-    ``scale_norm``) is warned about. The rules are those of :mod:`mixer_plugins.backbones.options`.
+    ``qk_norm``, ``scale_norm``) plus ``seq_len`` (the model's token count, for ``max_seq_len``) and
+    ``num_prefix_tokens``, forwarded by the rules of :mod:`mixer_plugins.backbones.options` (``proj_bias`` goes to
+    ``out_bias``, not to the in/out projections of Hydra-style mixers).
     """
     options = dict(options or {})
-    if "dim" in options:
-        raise InvalidMixerOptions(spec.name, ["dim is set by the timm model (its embed_dim); do not pass it"])
     host = dict(host or {})
     facts = HostModel(
         dim=dim, num_heads=host.get("num_heads"), max_seq_len=host.get("seq_len"), qkv_bias=host.get("qkv_bias"),
@@ -197,24 +164,16 @@ class TimmMixerAttention(nn.Module):
             warnings.warn(f"TimmMixerAttention ignores timm attention arguments it does not know: {ignored}",
                           UserWarning, stacklevel=2)
         spec = default_registry.get_spec(name)
-        host = {
-            "num_heads": num_heads if inherit_num_heads else None,
-            "qkv_bias": qkv_bias,
-            "proj_bias": proj_bias,
-            "attn_drop": attn_drop,
-            "qk_norm": qk_norm,
-            "scale_norm": scale_norm,
-            "seq_len": seq_len,
-            "num_prefix_tokens": num_prefix_tokens,
-        }
-        self.mixer_config = resolve_mixer_config(spec, dim, mixer_options, host)
-        self.mixer_name: str = spec.name
-        self.mixer_options = dict(mixer_options or {})
-        self.num_heads: int = num_heads  # timm's head count (what a swap back to Attention would use)
         # What timm asked for, kept so a later swap_mixer builds the next mixer from the same arguments.
         self.host_arguments = {"num_heads": num_heads, "qkv_bias": qkv_bias, "qk_norm": qk_norm,
                                "scale_norm": scale_norm, "proj_bias": proj_bias, "attn_drop": attn_drop,
                                "proj_drop": proj_drop}
+        host = dict(self.host_arguments, num_heads=num_heads if inherit_num_heads else None, seq_len=seq_len,
+                    num_prefix_tokens=num_prefix_tokens)
+        self.mixer_config = resolve_mixer_config(spec, dim, mixer_options, host)
+        self.mixer_name: str = spec.name
+        self.mixer_options = dict(mixer_options or {})
+        self.num_heads: int = num_heads  # timm's head count (what a swap back to Attention would use)
         self.inherit_num_heads: bool = inherit_num_heads
         self.num_prefix_tokens: int = num_prefix_tokens
         self.seq_len: Optional[int] = seq_len
@@ -233,8 +192,6 @@ class TimmMixerAttention(nn.Module):
             rope: Optional[Tensor] = None,
             shared_rel_pos_bias: Optional[Tensor] = None,
     ) -> Tensor:
-        # rope (Eva) and shared_rel_pos_bias (BEiT) are attention-specific position signals; mixers carry
-        # position themselves (or rely on the model's absolute position embedding).
         if is_causal and not self.causal:
             raise MixerInputError(
                 "mixer '" + self.mixer_name + "' is bidirectional and cannot run with is_causal=True; "
@@ -377,13 +334,10 @@ def _on_registry_event(event: str, spec: MixerSpec) -> None:
 def register_attn_layers(names: list[str] | None = None) -> list[str]:
     """Make ``attn_layer='<mixer name or alias>'`` work in timm (keys of ``vision_transformer.ATTN_LAYERS``).
 
-    Registers every registered mixer (default: every name of the registry) under its canonical name and each of
-    its aliases, all bound to the canonical name's class, so ``attn_layer='quasi'`` builds the same module as
-    ``attn_layer='quasiseparable'``. Aliases live in the specs, so this loads them; a plugin that fails to load
-    keeps its name (building it then raises the plugin's load error). timm's own keys (``''``, ``'attn'``,
-    ``'diff'``) are never overwritten. ``import mixer_plugins`` calls it when timm is imported, and it subscribes
-    to the registry, so mixers registered (or unregistered) later get (or lose) their keys at once. Returns the
-    keys added.
+    Each mixer (default: every registered one) gets its name and aliases, all bound to the name's class; a plugin
+    that fails to load keeps its name (building it raises the load error). timm's own keys are never overwritten.
+    Subscribes to the registry, so mixers registered (or unregistered) later get (or lose) their keys at once.
+    Returns the keys added.
     """
     added: list[str] = []
     for name in names if names is not None else default_registry.names():

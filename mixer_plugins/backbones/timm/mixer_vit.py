@@ -209,10 +209,11 @@ def _create_mixer_vit(variant: str, pretrained: bool = False, *, mlp: bool = Tru
 
 # -- entrypoints ------------------------------------------------------------------------------------------------
 
-def _entrypoint(variant: str, doc: str) -> Any:
+def _entrypoint(variant: str) -> Any:
     """timm's model function for ``variant``, named so (timm registers it under its ``__name__``)."""
     hydra = variant in HYDRA_PRESETS
     arch = HYDRA_PRESETS[variant] if hydra else _VIT_ARCHS[variant]
+    size = {"tiny": "Ti", "small": "S", "base": "B", "large": "L"}[variant.rsplit("_", 1)[1]]
 
     def create(pretrained: bool = False, **kwargs: Any) -> nn.Module:
         if hydra:
@@ -221,22 +222,16 @@ def _entrypoint(variant: str, doc: str) -> Any:
         return _create_mixer_vit(variant, pretrained, **dict(arch, **kwargs))
 
     create.__name__ = create.__qualname__ = variant
-    create.__doc__ = doc
+    create.__doc__ = (
+        f"Hydra-ViT-{size} (Hwang et al. 2024, ImageNet): {arch['depth']} mixer-only ``quasi`` blocks of width "
+        f"{arch['embed_dim']}, no position embedding, average pooling, stochastic depth 0.5." if hydra else
+        f"ViT-{size}/16 (width {arch['embed_dim']}, {arch['depth']} blocks, {arch['num_heads']} heads) at 224 px "
+        "with ``mixer`` (default ``attention``)."
+    )
     return create
 
 
-_ENTRYPOINTS = {name: _entrypoint(name, doc) for name, doc in {
-    "vit_tiny": "ViT-Ti/16 (width 192, 12 blocks, 3 heads) at 224 px with ``mixer`` (default ``attention``).",
-    "vit_small": "ViT-S/16 (width 384, 12 blocks, 6 heads) at 224 px with ``mixer`` (default ``attention``).",
-    "vit_base": "ViT-B/16 (width 768, 12 blocks, 12 heads) at 224 px with ``mixer`` (default ``attention``).",
-    "vit_large": "ViT-L/16 (width 1024, 24 blocks, 16 heads) at 224 px with ``mixer`` (default ``attention``).",
-    "hydra_vit_tiny": "Hydra-ViT-Ti: 24 mixer-only ``quasi`` blocks of width 192, no position embedding, average "
-                      "pooling.",
-    "hydra_vit_small": "Hydra-ViT-S: 24 mixer-only ``quasi`` blocks of width 384, no position embedding, average "
-                       "pooling.",
-    "hydra_vit_base": "Hydra-ViT-B (Hwang et al. 2024, ImageNet): 24 mixer-only ``quasi`` blocks of width 768, no "
-                      "position embedding, average pooling, stochastic depth 0.5.",
-}.items()}
+_ENTRYPOINTS = {name: _entrypoint(name) for name in MODEL_NAMES}
 globals().update(_ENTRYPOINTS)  # mixer_vit.vit_base(...) and friends, also where timm has a model of that name
 
 

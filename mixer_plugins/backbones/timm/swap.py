@@ -10,6 +10,7 @@ same model from the exported folder.
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
@@ -136,9 +137,7 @@ def _attention_slots(root: nn.Module, mixer_blocks: Optional[Iterable[int]]
 
 def _host_arguments(parent: nn.Module, old: nn.Module, root: nn.Module) -> dict[str, Any]:
     """What timm built the old attention with: width, heads, biases, dropouts, device and dtype."""
-    reference = next(iter(old.parameters()), None)
-    if reference is None:
-        reference = next(iter(parent.parameters()), None)
+    reference = next(itertools.chain(old.parameters(), parent.parameters()), None)
     placement = {
         "device": reference.device if reference is not None else None,
         "dtype": reference.dtype if reference is not None and reference.is_floating_point() else None,
@@ -159,9 +158,7 @@ def _host_arguments(parent: nn.Module, old: nn.Module, root: nn.Module) -> dict[
     qkv_bias = None
     if isinstance(qkv, nn.Linear):
         qkv_bias = qkv.bias is not None or getattr(old, "q_bias", None) is not None
-    proj = getattr(old, "proj", None)
-    drop = getattr(old, "proj_drop", None)
-    attn_drop = getattr(old, "attn_drop", None)
+    proj, drop, attn_drop = (getattr(old, name, None) for name in ("proj", "proj_drop", "attn_drop"))
     return {
         "dim": dim,
         "num_heads": getattr(old, "num_heads", None),
