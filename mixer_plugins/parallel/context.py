@@ -124,49 +124,34 @@ def gather_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 
 
 # -- per-segment algebra ------------------------------------------------------------------------------
 
-def _decays(dt: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Segment-local cumulative log-decays (b, l, h): inclusive ``p`` and exclusive ``e`` prefix sums, inclusive
-    ``r`` and exclusive ``s`` suffix sums, each summed over its own tokens (``e``, ``s`` are ``p``, ``r`` moved by one
-    token, never ``p - a``; a suffix is never ``total - p``, a difference of two long sums)."""
+def _log_decay(dt: Tensor, A: Tensor, *, reverse: bool, exclusive: bool) -> Tensor:
+    """Segment-local cumulative log-decay per token (b, l, h): the sum of ``a = A dt`` up to the token (from it to
+    the segment's end, ``reverse``), without the token's own term when ``exclusive``. Each entry is summed over its
+    own tokens (never ``p - a``, nor ``total - p``, a difference of two long sums)."""
     a = dt * A.to(dt.dtype)
-    p = a.cumsum(1)
-    r = a.flip(1).cumsum(1).flip(1)
-    zero = torch.zeros_like(p[:, :1])
-    return p, torch.cat([zero, p[:, :-1]], dim=1), r, torch.cat([r[:, 1:], zero], dim=1)
+    s = (a.flip(1) if reverse else a).cumsum(1)
+    if exclusive:
+        s = torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
+    return s.flip(1) if reverse else s
 
 
 def _outgoing(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, *, reverse: bool) -> Tensor:
-    """The state a segment sends on: its tokens decayed to its end (to its start, ``reverse``)."""
-    p, e, r, s = _decays(dt, A)
-    weight = torch.exp(s) * dt if not reverse else torch.exp(e) * dt
-    return _outgoing_state(x, weight, B)
-
-
-def _incoming(C: Tensor, state: Tensor, dt: Tensor, A: Tensor, *, shift: bool, reverse: bool) -> Tensor:
-    """This segment's outputs from the state entering it (from the left, or the right when ``reverse``)."""
-    p, e, r, s = _decays(dt, A)
-    if not reverse:
-        log_decay = e if shift else p
-    else:
-        log_decay = s if shift else r
-    return _read_state(C, state, log_decay)
-
-
-def _outgoing_state(x: Tensor, weight: Tensor, B: Tensor) -> Tensor:
-    """``sum_j weight_j B_j x_j^T`` per head: (b, h, head_dim, state). x (b, l, h, p), weight (b, l, h),
-    B (b, l, g, n) read by head h through group h // (h / g)."""
+    """The state a segment sends on, ``sum_j w_j B_j x_j^T`` per head (b, h, head_dim, state): its tokens decayed to
+    its end (to its start, ``reverse``). x (b, l, h, p), B (b, l, g, n) read by head h through group h // (h / g)."""
+    weight = torch.exp(_log_decay(dt, A, reverse=not reverse, exclusive=True)) * dt
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     wx = (x * weight[..., None]).reshape(b, l, g, h // g, p)
     return torch.einsum("blgn,blgkp->bgkpn", B, wx).reshape(b, h, p, n)
 
 
-def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
-    """``exp(log_decay_i) C_i . state`` per head: (b, l, h, p)."""
+def _incoming(C: Tensor, state: Tensor, dt: Tensor, A: Tensor, *, shift: bool, reverse: bool) -> Tensor:
+    """This segment's outputs (b, l, h, p) from the state entering it (from the left, or the right when
+    ``reverse``): ``exp(log_decay_i) C_i . state`` per head."""
     b, l, g, n = C.shape
     h, p = state.shape[1], state.shape[2]
     y = torch.einsum("blgn,bgkpn->blgkp", C, state.reshape(b, g, h // g, p, n)).reshape(b, l, h, p)
-    return y * torch.exp(log_decay)[..., None]
+    return y * torch.exp(_log_decay(dt, A, reverse=reverse, exclusive=shift))[..., None]
 
 
 def _recomputed(fn: Callable[..., Tensor], *args: Tensor, **options: Any) -> Tensor:
@@ -181,55 +166,15 @@ def _recomputed(fn: Callable[..., Tensor], *args: Tensor, **options: Any) -> Ten
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
-def _zero_from(states: Sequence[Tensor]) -> Tensor:
-    """Zeros that depend on the gathered states: every rank's loss must reach the all-gather, or the ranks
-    whose result does not use it (the first rank of a causal scan) would skip its backward collective and
+def _entering(totals: Sequence[Tensor], states: Sequence[Tensor], rank: int, *, reverse: bool) -> Tensor:
+    """State entering segment ``rank``: ``H = T_k H + S_k`` for k < rank (``reverse``: for k > rank, right to
+    left). It starts from zeros that depend on the gathered states: every rank's loss must reach the all-gather, or
+    the ranks whose result does not use it (the first rank of a causal scan) would skip its backward collective and
     the others would wait for them forever."""
-    return states[0] * 0
-
-
-def _prefix(totals: Sequence[Tensor], states: Sequence[Tensor], upto: int) -> Tensor:
-    """State entering segment ``upto`` from the left: ``H = T_k H + S_k`` for k < upto."""
-    H = _zero_from(states)
-    for k in range(upto):
+    H = states[0] * 0
+    for k in range(len(states) - 1, rank, -1) if reverse else range(rank):
         H = totals[k][..., None, None] * H + states[k]
     return H
-
-
-def _suffix(totals: Sequence[Tensor], states: Sequence[Tensor], after: int) -> Tensor:
-    """State entering segment ``after`` from the right: ``G = T_k G + R_k`` for k > after, right to left."""
-    G = _zero_from(states)
-    for k in range(len(states) - 1, after, -1):
-        G = totals[k][..., None, None] * G + states[k]
-    return G
-
-
-class _Direction:
-    """One scan direction of one segment: its generators and what it sends to the other ranks."""
-
-    def __init__(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, reverse: bool, shift: bool,
-                 neighbour_C: Tensor | None):
-        self.reverse, self.shift = reverse, shift
-        self.dt, self.A = dt, A
-        self.total = (dt * A.to(dt.dtype)).sum(1)                               # (b, h)
-        self.state = _recomputed(_outgoing, x, dt, A, B, reverse=reverse)      # (b, h, p, n)
-        self.C = C
-        self.neighbour_C = neighbour_C                        # (b, g, n): C across the border (shift only)
-
-    def packed(self) -> Tensor:
-        return torch.cat([self.state.flatten(2), torch.exp(self.total)[..., None]], dim=-1)
-
-    def cross_term(self, incoming: Tensor) -> Tensor:
-        """This segment's outputs coming from the other segments, given the state entering it."""
-        C = self.C
-        if self.shift:
-            edge = self.neighbour_C[:, None] if self.neighbour_C is not None else torch.zeros_like(C[:, :1])
-            C = torch.cat([edge, C[:, :-1]], dim=1) if not self.reverse else torch.cat([C[:, 1:], edge], dim=1)
-        return _recomputed(_incoming, C, incoming, self.dt, self.A, shift=self.shift, reverse=self.reverse)
-
-
-def _unpack(packed: Tensor, p: int, n: int) -> tuple[Tensor, Tensor]:
-    return packed[..., :-1].unflatten(-1, (p, n)), packed[..., -1]
 
 
 class ContextParallelMixer(nn.Module):
@@ -288,22 +233,20 @@ class ContextParallelMixer(nn.Module):
         head = F.pad(rows[:, :take], (0, 0, 0, width - take))
         tail = F.pad(rows[:, length - take:], (0, 0, width - take, 0))
         gathered = all_gather_autograd(torch.stack([head, tail]), self.group)
-        left: list[Tensor] = []
-        need = self.halo_left
-        for k in range(rank - 1, -1, -1):
-            if need == 0:
-                break
-            n = min(need, lengths[k])
-            left.insert(0, gathered[k][1][:, width - n:])
-            need -= n
-        right: list[Tensor] = []
-        need = self.halo_right
-        for k in range(rank + 1, world):
-            if need == 0:
-                break
-            n = min(need, lengths[k])
-            right.append(gathered[k][0][:, :n])
-            need -= n
+
+        def halo(ranks: range, need: int, from_tail: bool) -> list[Tensor]:
+            """The rows of the next ranks in ``ranks`` order (each rank's tail or head), ``need`` in all."""
+            parts = []
+            for k in ranks:
+                if need == 0:
+                    break
+                n = min(need, lengths[k])
+                parts.append(gathered[k][1][:, width - n:] if from_tail else gathered[k][0][:, :n])
+                need -= n
+            return parts
+
+        left = halo(range(rank - 1, -1, -1), self.halo_left, from_tail=True)[::-1]
+        right = halo(range(rank + 1, world), self.halo_right, from_tail=False)
         n_left = sum(t.shape[1] for t in left)
         n_right = sum(t.shape[1] for t in right)
         # A rank that uses none of the gathered rows (the first rank of a causal conv) must still take part in
@@ -314,12 +257,6 @@ class ContextParallelMixer(nn.Module):
             return rows, None, n_left, n_right
         return rows[..., :-1], rows[..., -1] > 0.5, n_left, n_right
 
-    def _exchange_states(self, directions: list[_Direction]) -> list[Tensor]:
-        """The state entering this segment, per direction (forward: from the left; backward: from the right)."""
-        packed = torch.stack([d.packed() for d in directions])        # (dirs, b, h, p*n + 1)
-        p, n = directions[0].state.shape[-2:]
-        return self._combine_states(packed, [d.reverse for d in directions], p, n)
-
     def _combine_states(self, packed: Tensor, reverse: Sequence[bool], p: int, n: int) -> list[Tensor]:
         """The collective part of the state exchange: all-gather every rank's packed (state, total decay) per
         direction and combine the prefix (forward) or suffix (``reverse``) for this rank. Kept apart so that
@@ -328,9 +265,34 @@ class ContextParallelMixer(nn.Module):
         gathered = all_gather_autograd(packed, self.group)
         incoming = []
         for i, backward in enumerate(reverse):
-            states, totals = zip(*(_unpack(g[i], p, n) for g in gathered))
-            incoming.append(_suffix(totals, states, rank) if backward else _prefix(totals, states, rank))
+            states = [g[i][..., :-1].unflatten(-1, (p, n)) for g in gathered]
+            totals = [g[i][..., -1] for g in gathered]
+            incoming.append(_entering(totals, states, rank, reverse=backward))
         return incoming
+
+    def _cross_terms(self, x: Tensor, A: Tensor, scans: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]
+                     ) -> list[Tensor]:
+        """This segment's outputs that come from the other segments, per scan direction ``(dt, B, C, C across the
+        border or None)``, forward first, then backward: the segments' outgoing states and total decays are
+        exchanged, and the state entering this segment is read through its own ``C``."""
+        work = torch.promote_types(x.dtype, torch.float32)
+        xs = x.to(work)
+        dts = [dt.to(work) for dt, _, _, _ in scans]
+        reverse = [False, True][:len(scans)]
+        packed = []
+        for dt, (_, B, _, _), backward in zip(dts, scans, reverse):
+            state = _recomputed(_outgoing, xs, dt, A, B.to(work), reverse=backward)      # (b, h, p, n)
+            total = (dt * A.to(dt.dtype)).sum(1)                                          # (b, h)
+            packed.append(torch.cat([state.flatten(2), torch.exp(total)[..., None]], dim=-1))
+        incoming = self._combine_states(torch.stack(packed), reverse, x.shape[-1], scans[0][1].shape[-1])
+        out = []
+        for dt, (_, _, C, edge), backward, state in zip(dts, scans, reverse, incoming):
+            C = C.to(work)
+            if self.shift:  # the shifted scan reads C one token back (forward) or ahead (backward)
+                edge = torch.zeros_like(C[:, :1]) if edge is None else edge.to(work)[:, None]
+                C = torch.cat([C[:, 1:], edge], dim=1) if backward else torch.cat([edge, C[:, :-1]], dim=1)
+            out.append(_recomputed(_incoming, C, state, dt, A, shift=self.shift, reverse=backward).to(x.dtype))
+        return out
 
     # -- forward ------------------------------------------------------------------------------------------
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
@@ -338,43 +300,21 @@ class ContextParallelMixer(nn.Module):
         x, mask = check_mixer_input(mixer, x, mask, mixer.dim)
         length = x.shape[1]
         x_ext, mask_ext, n_left, n_right = self._widen(x, mask)
-        if isinstance(mixer, QuasiseparableMixer):
-            out = self._forward_bidirectional(mixer, x_ext, mask_ext, n_left, n_right, length)
-        else:
-            out = self._forward_causal(mixer, x_ext, mask_ext, n_left, length)
-        return zero_pads(out, mask)
-
-    def _forward_bidirectional(self, mixer: QuasiseparableMixer, x_ext: Tensor, mask_ext: Tensor | None,
-                               n_left: int, n_right: int, length: int) -> Tensor:
         ctx_ext = mixer.prepare(x_ext, mask_ext)
-        assert isinstance(ctx_ext, ScanContext)
         # the step sizes formed once: the cross terms and the local scan read the same ones
         ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length).with_step_sizes()
-        work = torch.promote_types(ctx.values.dtype, torch.float32)
-        prev_C = ctx_ext.C_f[:, n_left - 1] if (self.shift and n_left > 0) else None
-        next_C = ctx_ext.C_b[:, n_left + length] if (self.shift and n_right > 0) else None
-        xs = ctx.x.to(work)
-        fwd = _Direction(xs, ctx.dt_f.to(work), ctx.A, ctx.B_f.to(work), ctx.C_f.to(work), reverse=False,
-                         shift=self.shift, neighbour_C=None if prev_C is None else prev_C.to(work))
-        bwd = _Direction(xs, ctx.dt_b.to(work), ctx.A, ctx.B_b.to(work), ctx.C_b.to(work), reverse=True,
-                         shift=self.shift, neighbour_C=None if next_C is None else next_C.to(work))
-        H, G = self._exchange_states([fwd, bwd])
-        cross_f = fwd.cross_term(H).to(ctx.x.dtype)
-        cross_b = bwd.cross_term(G).to(ctx.x.dtype)
-        y = self._mix_bidirectional(mixer, ctx, cross_f, cross_b)
-        return mixer.finish(ctx, y)
-
-    def _forward_causal(self, mixer: SemiseparableMixer, x_ext: Tensor, mask_ext: Tensor | None, n_left: int,
-                        length: int) -> Tensor:
-        ctx_ext = mixer.prepare(x_ext, mask_ext)
-        assert isinstance(ctx_ext, SSDContext)
-        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length).with_step_sizes()
-        work = torch.promote_types(ctx.values.dtype, torch.float32)
-        fwd = _Direction(ctx.values.to(work), ctx.dt.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
-                         reverse=False, shift=False, neighbour_C=None)
-        (H,) = self._exchange_states([fwd])
-        y = mixer.mix(ctx) + fwd.cross_term(H).to(ctx.values.dtype)
-        return mixer.finish(ctx, y)
+        if isinstance(mixer, QuasiseparableMixer):
+            assert isinstance(ctx_ext, ScanContext) and isinstance(ctx, ScanContext)
+            prev_C = ctx_ext.C_f[:, n_left - 1] if n_left > 0 else None
+            next_C = ctx_ext.C_b[:, n_left + length] if n_right > 0 else None
+            cross_f, cross_b = self._cross_terms(
+                ctx.x, ctx.A, [(ctx.dt_f, ctx.B_f, ctx.C_f, prev_C), (ctx.dt_b, ctx.B_b, ctx.C_b, next_C)])
+            out = mixer.finish(ctx, self._mix_bidirectional(mixer, ctx, cross_f, cross_b))
+        else:
+            assert isinstance(ctx, SSDContext)
+            (cross,) = self._cross_terms(ctx.values, ctx.A, [(ctx.dt, ctx.B, ctx.C, None)])
+            out = mixer.finish(ctx, mixer.mix(ctx) + cross)
+        return zero_pads(out, mask)
 
     @staticmethod
     def _crop(ctx: CtxT, batch: int, ext_length: int, start: int, length: int) -> CtxT:
