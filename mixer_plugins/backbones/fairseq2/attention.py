@@ -84,15 +84,6 @@ def _build_on_any_device(spec: MixerSpec, config: MixerConfig) -> nn.Module:
     return module.to("meta")
 
 
-def _non_persistent_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    found = []
-    for sub in module.modules():
-        for name in sub._non_persistent_buffers_set:
-            if sub._buffers.get(name) is not None:
-                found.append((sub, name))
-    return found
-
-
 class MixerDecodingState(IncrementalState):
     """fairseq2's incremental state of a mixer that steps: its :class:`~mixer_plugins.mixers.cache.MixerCache`."""
 
@@ -267,19 +258,18 @@ class MixerAttention(MultiheadAttention):
         They are not in checkpoints, so they must be a function of the mixer's config: a fresh CPU instance of
         the same config has the right values.
         """
-        targets = _non_persistent_buffers(self.mixer)
+        modules = dict(self.mixer.named_modules())
+        # the buffers that hold values (not those still on the meta device: shapes only, nothing to fill)
+        targets = [(name, buf) for name, sub in modules.items() for buf in sub._non_persistent_buffers_set
+                   if sub._buffers.get(buf) is not None and sub._buffers[buf].device.type != "meta"]
         if not targets:
             return
         with torch.device("cpu"):
-            fresh = self._spec.build(self._config)
-        fresh_modules = dict(fresh.named_modules())
-        for name, sub in self.mixer.named_modules():
-            for buf_name in sub._non_persistent_buffers_set:
-                current = sub._buffers.get(buf_name)
-                if current is None or current.device.type == "meta":  # still shapes only: nothing to fill
-                    continue
-                with torch.no_grad():
-                    current.copy_(fresh_modules[name]._buffers[buf_name].to(current.device, current.dtype))
+            fresh = dict(self._spec.build(self._config).named_modules())
+        with torch.no_grad():
+            for name, buf in targets:
+                current = modules[name]._buffers[buf]
+                current.copy_(fresh[name]._buffers[buf].to(current.device, current.dtype))
 
     def extra_repr(self) -> str:
         return f"mixer={self.mixer_name!r}, model_dim={self.model_dim}"
