@@ -49,7 +49,6 @@ from ..layers.masks import zero_pads
 from ..mixers.base import CtxT, check_mixer_input
 from ..mixers.quasiseparable import QuasiseparableMixer, ScanContext
 from ..mixers.semiseparable import SemiseparableMixer, SSDContext
-from ._comm import all_gather_autograd, all_gather_ints, group_rank, group_size
 
 __all__ = [
     "ContextParallelError",
@@ -88,6 +87,27 @@ def supports_context_parallel(mixer: nn.Module) -> bool:
     return _unsupported_reason(mixer) is None
 
 
+def _all_gather(t: Tensor, group: ProcessGroup | None) -> list[Tensor]:
+    """Every rank's ``t`` (same shape everywhere), with gradients flowing back to the rank that sent it: the backward
+    of ``torch.distributed.nn.functional.all_gather`` sums, on each sender, the gradients every rank computed for
+    that sender's slot (an all-to-all on gloo, a reduce-scatter on NCCL)."""
+    from torch.distributed.nn.functional import all_gather
+
+    if dist.get_world_size(group=group) == 1:
+        return [t]
+    return list(all_gather(t.contiguous(), group=group))
+
+
+def _all_gather_ints(values: list[int], group: ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    """Every rank's list of small integers (same count everywhere); no gradients."""
+    if dist.get_world_size(group=group) == 1:
+        return [values]
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(out, mine, group=group)
+    return [o.tolist() for o in out]
+
+
 def sequence_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` segments of ``length`` tokens for ``world_size`` ranks: sizes differ by at
     most one (the first ``length % world_size`` ranks get one token more)."""
@@ -99,26 +119,22 @@ def sequence_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
             "one token"
         )
     base, extra = divmod(length, world_size)
-    bounds, start = [], 0
-    for r in range(world_size):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    starts = [r * base + min(r, extra) for r in range(world_size + 1)]
+    return list(zip(starts[:-1], starts[1:]))
 
 
 def shard_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 1) -> Tensor:
     """This rank's contiguous segment of ``t`` along ``dim`` (see :func:`sequence_bounds`)."""
-    start, stop = sequence_bounds(t.shape[dim], group_size(group))[group_rank(group)]
+    start, stop = sequence_bounds(t.shape[dim], dist.get_world_size(group=group))[dist.get_rank(group=group)]
     return t.narrow(dim, start, stop - start)
 
 
 def gather_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 1) -> Tensor:
     """The whole sequence from every rank's segment (segments may differ in length); differentiable."""
-    lengths = [row[0] for row in all_gather_ints([t.shape[dim]], group, t.device)]
+    lengths = [row[0] for row in _all_gather_ints([t.shape[dim]], group, t.device)]
     longest = max(lengths)
     pad = [0, 0] * (t.dim() - 1 - (dim % t.dim())) + [0, longest - t.shape[dim]]
-    parts = all_gather_autograd(F.pad(t, pad) if longest > t.shape[dim] else t, group)
+    parts = _all_gather(F.pad(t, pad) if longest > t.shape[dim] else t, group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lengths)], dim=dim)
 
 
@@ -211,14 +227,14 @@ class ContextParallelMixer(nn.Module):
         self.halo_left, self.halo_right = conv_left + margin, conv_right + margin
 
     def extra_repr(self) -> str:
-        return f"world_size={group_size(self.group)}, halo=({self.halo_left}, {self.halo_right})"
+        return f"world_size={dist.get_world_size(group=self.group)}, halo=({self.halo_left}, {self.halo_right})"
 
     # -- exchange ---------------------------------------------------------------------------------------
     def _widen(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, int, int]:
         """This segment with its neighbours' halo rows: (x_ext, mask_ext, rows added left, rows added right)."""
-        rank, world = group_rank(self.group), group_size(self.group)
+        rank, world = dist.get_rank(group=self.group), dist.get_world_size(group=self.group)
         b, length, _ = x.shape
-        info = all_gather_ints([length, b, int(mask is not None), x.shape[2]], self.group, x.device)
+        info = _all_gather_ints([length, b, int(mask is not None), x.shape[2]], self.group, x.device)
         lengths = [row[0] for row in info]
         if any(row[1:] != info[0][1:] for row in info):
             raise MixerInputError(
@@ -232,7 +248,7 @@ class ContextParallelMixer(nn.Module):
         take = min(width, length)
         head = F.pad(rows[:, :take], (0, 0, 0, width - take))
         tail = F.pad(rows[:, length - take:], (0, 0, width - take, 0))
-        gathered = all_gather_autograd(torch.stack([head, tail]), self.group)
+        gathered = _all_gather(torch.stack([head, tail]), self.group)
 
         def halo(ranks: range, need: int, from_tail: bool) -> list[Tensor]:
             """The rows of the next ranks in ``ranks`` order (each rank's tail or head), ``need`` in all."""
@@ -261,8 +277,8 @@ class ContextParallelMixer(nn.Module):
         """The collective part of the state exchange: all-gather every rank's packed (state, total decay) per
         direction and combine the prefix (forward) or suffix (``reverse``) for this rank. Kept apart so that
         ``benchmarks/test_bench_context_parallel.py`` can time it alone at the real tensor sizes."""
-        rank = group_rank(self.group)
-        gathered = all_gather_autograd(packed, self.group)
+        rank = dist.get_rank(group=self.group)
+        gathered = _all_gather(packed, self.group)
         incoming = []
         for i, backward in enumerate(reverse):
             states = [g[i][..., :-1].unflatten(-1, (p, n)) for g in gathered]
