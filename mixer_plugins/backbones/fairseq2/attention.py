@@ -1,28 +1,15 @@
-"""Any registered mixer behind fairseq2's ``MultiheadAttention`` contract.
+"""Any registered mixer behind fairseq2's ``MultiheadAttention`` contract (self-attention only).
 
-fairseq2 encoder layers call their self-attention as
-``self_attn(seqs, seqs_layout, keys=seqs, keys_layout=seqs_layout, values=seqs, bias_cache=...)``.
-:class:`MixerAttention` accepts exactly that call and runs one of our mixers on ``seqs``:
-
-* **Padding.** fairseq2 0.8 describes padding with a :class:`~fairseq2.nn.BatchLayout`; batches are always
-  right-padded and ``position_indices`` is ``-1`` at pads, so our bool ``mask`` (True on real tokens) is
-  ``position_indices >= 0``. Unpadded batches pass ``mask=None`` (the mixer's fastest path).
-* **Packed batches** (1-D ``(T, M)`` token streams with ``seq_begin_indices``) are supported: the sequences
-  are gathered into a right-padded ``(N, max_len, M)`` batch, mixed with a mask, and scattered back, so no
-  token ever mixes with another sequence. Tokens after the last sequence get zero.
-* **Incremental decoding** (``state_bag``, in eval mode, as fairseq2's own attention): a causal mixer keeps a
-  :class:`MixerDecodingState` in the bag, a :class:`~mixer_plugins.mixers.cache.MixerCache` of
-  ``state_bag.max_num_steps`` tokens. The first call is the mixer's ``prefill`` (right-padded rows allowed), each
-  later one its ``step``; beam search reorders the cache through ``state_bag.reorder``. A causal mixer without a step
-  (a plugin whose spec says ``stepping=False``) keeps its inputs instead and reruns the whole prefix per call
-  (:class:`RecomputeState`). In training mode the bag is ignored (the whole sequence is given), as fairseq2 does.
-* **Not supported** (``NotSupportedError``): incremental decoding with a bidirectional mixer, and cross-attention
-  (``keys``/``values`` other than ``seqs``): a matrix mixer mixes one sequence with itself.
-* **Attention-weight hooks** registered with ``register_attn_weight_hook`` receive the mixer's materialized
-  matrix ``(N, H, S, S)``; mixers without a matrix raise :class:`~mixer_plugins.NotMaterializableError`.
-* **Meta device.** fairseq2 builds models on the meta device before loading a checkpoint. A mixer whose
-  constructor cannot run on meta is built on CPU and moved to meta; mixers with non-persistent buffers get
-  them recomputed (from a fresh CPU instance of the same config) in ``reset_non_persistent_buffers``.
+* **Padding**: fairseq2's :class:`~fairseq2.nn.BatchLayout` is always right-padded, so our mask (True on real tokens)
+  is ``position_indices >= 0``; unpadded batches pass ``mask=None``. **Packed** batches are gathered into a padded
+  batch, mixed with a mask and scattered back (tokens after the last sequence get zero).
+* **Incremental decoding** (``state_bag``, eval mode, as fairseq2's own attention): a causal mixer keeps a
+  :class:`MixerDecodingState` (its :class:`~mixer_plugins.mixers.cache.MixerCache` of ``state_bag.max_num_steps``
+  tokens: ``prefill``, then ``step``; beam search reorders it), or, without a step, a :class:`RecomputeState` that
+  reruns the whole prefix per call. Bidirectional mixers and cross-attention raise ``NotSupportedError``.
+* **Attention-weight hooks** receive the mixer's materialized matrix ``(N, H, S, S)``.
+* **Meta device**: a mixer whose constructor cannot run on meta is built on CPU and moved there; its
+  non-persistent buffers are recomputed in ``reset_non_persistent_buffers``.
 """
 
 from __future__ import annotations
