@@ -19,14 +19,8 @@ it needs from the other ranks:
   ``H_r = T_{r-1} H_{r-1} + S_{r-1}`` (and the suffix for ``G_r``). Every exponent is a sum over its own tokens,
   never a difference of two long sums, so it keeps its precision at any decay.
 
-The segment's own part is the mixer's usual local scan (the public ops :func:`~mixer_plugins.kernels.
-quasiseparable`, :func:`~mixer_plugins.kernels.directional_scan`, :func:`~mixer_plugins.kernels.ssd`), so
-the result equals the single-process mixer up to floating-point rounding (``1e-10`` in float64 in the
-tests), outputs and gradients alike: the collectives are the autograd-aware ones of
-``torch.distributed.nn.functional``.
-
-Exchanged per call: one all-gather of ``2 * (k+1)/2`` rows of the input per rank, one of the states
-(``batch * heads * head_dim * state`` per direction per rank) and one of a few integers.
+The segment's own part is the mixer's usual local scan, so the result equals the single-process mixer up to
+floating-point rounding, outputs and gradients alike (the collectives are autograd-aware). See docs/distributed.md.
 """
 
 from __future__ import annotations
