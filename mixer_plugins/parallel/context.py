@@ -19,14 +19,8 @@ it needs from the other ranks:
   ``H_r = T_{r-1} H_{r-1} + S_{r-1}`` (and the suffix for ``G_r``). Every exponent is a sum over its own tokens,
   never a difference of two long sums, so it keeps its precision at any decay.
 
-The segment's own part is the mixer's usual local scan (the public ops :func:`~mixer_plugins.kernels.
-quasiseparable`, :func:`~mixer_plugins.kernels.directional_scan`, :func:`~mixer_plugins.kernels.ssd`), so
-the result equals the single-process mixer up to floating-point rounding (``1e-10`` in float64 in the
-tests), outputs and gradients alike: the collectives are the autograd-aware ones of
-``torch.distributed.nn.functional``.
-
-Exchanged per call: one all-gather of ``2 * (k+1)/2`` rows of the input per rank, one of the states
-(``batch * heads * head_dim * state`` per direction per rank) and one of a few integers.
+The segment's own part is the mixer's usual local scan, so the result equals the single-process mixer up to
+floating-point rounding, outputs and gradients alike (the collectives are autograd-aware). See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -49,7 +43,6 @@ from ..layers.masks import zero_pads
 from ..mixers.base import CtxT, check_mixer_input
 from ..mixers.quasiseparable import QuasiseparableMixer, ScanContext
 from ..mixers.semiseparable import SemiseparableMixer, SSDContext
-from ._comm import all_gather_autograd, all_gather_ints, group_rank, group_size
 
 __all__ = [
     "ContextParallelError",
@@ -88,6 +81,27 @@ def supports_context_parallel(mixer: nn.Module) -> bool:
     return _unsupported_reason(mixer) is None
 
 
+def _all_gather(t: Tensor, group: ProcessGroup | None) -> list[Tensor]:
+    """Every rank's ``t`` (same shape everywhere), with gradients flowing back to the rank that sent it: the backward
+    of ``torch.distributed.nn.functional.all_gather`` sums, on each sender, the gradients every rank computed for
+    that sender's slot (an all-to-all on gloo, a reduce-scatter on NCCL)."""
+    from torch.distributed.nn.functional import all_gather
+
+    if dist.get_world_size(group=group) == 1:
+        return [t]
+    return list(all_gather(t.contiguous(), group=group))
+
+
+def _all_gather_ints(values: list[int], group: ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    """Every rank's list of small integers (same count everywhere); no gradients."""
+    if dist.get_world_size(group=group) == 1:
+        return [values]
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(out, mine, group=group)
+    return [o.tolist() for o in out]
+
+
 def sequence_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` segments of ``length`` tokens for ``world_size`` ranks: sizes differ by at
     most one (the first ``length % world_size`` ranks get one token more)."""
@@ -99,74 +113,55 @@ def sequence_bounds(length: int, world_size: int) -> list[tuple[int, int]]:
             "one token"
         )
     base, extra = divmod(length, world_size)
-    bounds, start = [], 0
-    for r in range(world_size):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    starts = [r * base + min(r, extra) for r in range(world_size + 1)]
+    return list(zip(starts[:-1], starts[1:]))
 
 
 def shard_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 1) -> Tensor:
     """This rank's contiguous segment of ``t`` along ``dim`` (see :func:`sequence_bounds`)."""
-    start, stop = sequence_bounds(t.shape[dim], group_size(group))[group_rank(group)]
+    start, stop = sequence_bounds(t.shape[dim], dist.get_world_size(group=group))[dist.get_rank(group=group)]
     return t.narrow(dim, start, stop - start)
 
 
 def gather_sequence(t: Tensor, group: ProcessGroup | None = None, *, dim: int = 1) -> Tensor:
     """The whole sequence from every rank's segment (segments may differ in length); differentiable."""
-    lengths = [row[0] for row in all_gather_ints([t.shape[dim]], group, t.device)]
+    lengths = [row[0] for row in _all_gather_ints([t.shape[dim]], group, t.device)]
     longest = max(lengths)
     pad = [0, 0] * (t.dim() - 1 - (dim % t.dim())) + [0, longest - t.shape[dim]]
-    parts = all_gather_autograd(F.pad(t, pad) if longest > t.shape[dim] else t, group)
+    parts = _all_gather(F.pad(t, pad) if longest > t.shape[dim] else t, group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lengths)], dim=dim)
 
 
 # -- per-segment algebra ------------------------------------------------------------------------------
 
-def _decays(dt: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Segment-local cumulative log-decays (b, l, h): inclusive ``p`` and exclusive ``e`` prefix sums, inclusive
-    ``r`` and exclusive ``s`` suffix sums, each summed over its own tokens (``e``, ``s`` are ``p``, ``r`` moved by one
-    token, never ``p - a``; a suffix is never ``total - p``, a difference of two long sums)."""
+def _log_decay(dt: Tensor, A: Tensor, *, reverse: bool, exclusive: bool) -> Tensor:
+    """Segment-local cumulative log-decay per token (b, l, h): the sum of ``a = A dt`` up to the token (from it to
+    the segment's end, ``reverse``), without the token's own term when ``exclusive``. Each entry is summed over its
+    own tokens (never ``p - a``, nor ``total - p``, a difference of two long sums)."""
     a = dt * A.to(dt.dtype)
-    p = a.cumsum(1)
-    r = a.flip(1).cumsum(1).flip(1)
-    zero = torch.zeros_like(p[:, :1])
-    return p, torch.cat([zero, p[:, :-1]], dim=1), r, torch.cat([r[:, 1:], zero], dim=1)
+    s = (a.flip(1) if reverse else a).cumsum(1)
+    if exclusive:
+        s = torch.cat([torch.zeros_like(s[:, :1]), s[:, :-1]], dim=1)
+    return s.flip(1) if reverse else s
 
 
 def _outgoing(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, *, reverse: bool) -> Tensor:
-    """The state a segment sends on: its tokens decayed to its end (to its start, ``reverse``)."""
-    p, e, r, s = _decays(dt, A)
-    weight = torch.exp(s) * dt if not reverse else torch.exp(e) * dt
-    return _outgoing_state(x, weight, B)
-
-
-def _incoming(C: Tensor, state: Tensor, dt: Tensor, A: Tensor, *, shift: bool, reverse: bool) -> Tensor:
-    """This segment's outputs from the state entering it (from the left, or the right when ``reverse``)."""
-    p, e, r, s = _decays(dt, A)
-    if not reverse:
-        log_decay = e if shift else p
-    else:
-        log_decay = s if shift else r
-    return _read_state(C, state, log_decay)
-
-
-def _outgoing_state(x: Tensor, weight: Tensor, B: Tensor) -> Tensor:
-    """``sum_j weight_j B_j x_j^T`` per head: (b, h, head_dim, state). x (b, l, h, p), weight (b, l, h),
-    B (b, l, g, n) read by head h through group h // (h / g)."""
+    """The state a segment sends on, ``sum_j w_j B_j x_j^T`` per head (b, h, head_dim, state): its tokens decayed to
+    its end (to its start, ``reverse``). x (b, l, h, p), B (b, l, g, n) read by head h through group h // (h / g)."""
+    weight = torch.exp(_log_decay(dt, A, reverse=not reverse, exclusive=True)) * dt
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     wx = (x * weight[..., None]).reshape(b, l, g, h // g, p)
     return torch.einsum("blgn,blgkp->bgkpn", B, wx).reshape(b, h, p, n)
 
 
-def _read_state(C: Tensor, state: Tensor, log_decay: Tensor) -> Tensor:
-    """``exp(log_decay_i) C_i . state`` per head: (b, l, h, p)."""
+def _incoming(C: Tensor, state: Tensor, dt: Tensor, A: Tensor, *, shift: bool, reverse: bool) -> Tensor:
+    """This segment's outputs (b, l, h, p) from the state entering it (from the left, or the right when
+    ``reverse``): ``exp(log_decay_i) C_i . state`` per head."""
     b, l, g, n = C.shape
     h, p = state.shape[1], state.shape[2]
     y = torch.einsum("blgn,bgkpn->blgkp", C, state.reshape(b, g, h // g, p, n)).reshape(b, l, h, p)
-    return y * torch.exp(log_decay)[..., None]
+    return y * torch.exp(_log_decay(dt, A, reverse=reverse, exclusive=shift))[..., None]
 
 
 def _recomputed(fn: Callable[..., Tensor], *args: Tensor, **options: Any) -> Tensor:
@@ -181,55 +176,15 @@ def _recomputed(fn: Callable[..., Tensor], *args: Tensor, **options: Any) -> Ten
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
-def _zero_from(states: Sequence[Tensor]) -> Tensor:
-    """Zeros that depend on the gathered states: every rank's loss must reach the all-gather, or the ranks
-    whose result does not use it (the first rank of a causal scan) would skip its backward collective and
+def _entering(totals: Sequence[Tensor], states: Sequence[Tensor], rank: int, *, reverse: bool) -> Tensor:
+    """State entering segment ``rank``: ``H = T_k H + S_k`` for k < rank (``reverse``: for k > rank, right to
+    left). It starts from zeros that depend on the gathered states: every rank's loss must reach the all-gather, or
+    the ranks whose result does not use it (the first rank of a causal scan) would skip its backward collective and
     the others would wait for them forever."""
-    return states[0] * 0
-
-
-def _prefix(totals: Sequence[Tensor], states: Sequence[Tensor], upto: int) -> Tensor:
-    """State entering segment ``upto`` from the left: ``H = T_k H + S_k`` for k < upto."""
-    H = _zero_from(states)
-    for k in range(upto):
+    H = states[0] * 0
+    for k in range(len(states) - 1, rank, -1) if reverse else range(rank):
         H = totals[k][..., None, None] * H + states[k]
     return H
-
-
-def _suffix(totals: Sequence[Tensor], states: Sequence[Tensor], after: int) -> Tensor:
-    """State entering segment ``after`` from the right: ``G = T_k G + R_k`` for k > after, right to left."""
-    G = _zero_from(states)
-    for k in range(len(states) - 1, after, -1):
-        G = totals[k][..., None, None] * G + states[k]
-    return G
-
-
-class _Direction:
-    """One scan direction of one segment: its generators and what it sends to the other ranks."""
-
-    def __init__(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, reverse: bool, shift: bool,
-                 neighbour_C: Tensor | None):
-        self.reverse, self.shift = reverse, shift
-        self.dt, self.A = dt, A
-        self.total = (dt * A.to(dt.dtype)).sum(1)                               # (b, h)
-        self.state = _recomputed(_outgoing, x, dt, A, B, reverse=reverse)      # (b, h, p, n)
-        self.C = C
-        self.neighbour_C = neighbour_C                        # (b, g, n): C across the border (shift only)
-
-    def packed(self) -> Tensor:
-        return torch.cat([self.state.flatten(2), torch.exp(self.total)[..., None]], dim=-1)
-
-    def cross_term(self, incoming: Tensor) -> Tensor:
-        """This segment's outputs coming from the other segments, given the state entering it."""
-        C = self.C
-        if self.shift:
-            edge = self.neighbour_C[:, None] if self.neighbour_C is not None else torch.zeros_like(C[:, :1])
-            C = torch.cat([edge, C[:, :-1]], dim=1) if not self.reverse else torch.cat([C[:, 1:], edge], dim=1)
-        return _recomputed(_incoming, C, incoming, self.dt, self.A, shift=self.shift, reverse=self.reverse)
-
-
-def _unpack(packed: Tensor, p: int, n: int) -> tuple[Tensor, Tensor]:
-    return packed[..., :-1].unflatten(-1, (p, n)), packed[..., -1]
 
 
 class ContextParallelMixer(nn.Module):
@@ -266,14 +221,14 @@ class ContextParallelMixer(nn.Module):
         self.halo_left, self.halo_right = conv_left + margin, conv_right + margin
 
     def extra_repr(self) -> str:
-        return f"world_size={group_size(self.group)}, halo=({self.halo_left}, {self.halo_right})"
+        return f"world_size={dist.get_world_size(group=self.group)}, halo=({self.halo_left}, {self.halo_right})"
 
     # -- exchange ---------------------------------------------------------------------------------------
     def _widen(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, int, int]:
         """This segment with its neighbours' halo rows: (x_ext, mask_ext, rows added left, rows added right)."""
-        rank, world = group_rank(self.group), group_size(self.group)
+        rank, world = dist.get_rank(group=self.group), dist.get_world_size(group=self.group)
         b, length, _ = x.shape
-        info = all_gather_ints([length, b, int(mask is not None), x.shape[2]], self.group, x.device)
+        info = _all_gather_ints([length, b, int(mask is not None), x.shape[2]], self.group, x.device)
         lengths = [row[0] for row in info]
         if any(row[1:] != info[0][1:] for row in info):
             raise MixerInputError(
@@ -287,23 +242,21 @@ class ContextParallelMixer(nn.Module):
         take = min(width, length)
         head = F.pad(rows[:, :take], (0, 0, 0, width - take))
         tail = F.pad(rows[:, length - take:], (0, 0, width - take, 0))
-        gathered = all_gather_autograd(torch.stack([head, tail]), self.group)
-        left: list[Tensor] = []
-        need = self.halo_left
-        for k in range(rank - 1, -1, -1):
-            if need == 0:
-                break
-            n = min(need, lengths[k])
-            left.insert(0, gathered[k][1][:, width - n:])
-            need -= n
-        right: list[Tensor] = []
-        need = self.halo_right
-        for k in range(rank + 1, world):
-            if need == 0:
-                break
-            n = min(need, lengths[k])
-            right.append(gathered[k][0][:, :n])
-            need -= n
+        gathered = _all_gather(torch.stack([head, tail]), self.group)
+
+        def halo(ranks: range, need: int, from_tail: bool) -> list[Tensor]:
+            """The rows of the next ranks in ``ranks`` order (each rank's tail or head), ``need`` in all."""
+            parts = []
+            for k in ranks:
+                if need == 0:
+                    break
+                n = min(need, lengths[k])
+                parts.append(gathered[k][1][:, width - n:] if from_tail else gathered[k][0][:, :n])
+                need -= n
+            return parts
+
+        left = halo(range(rank - 1, -1, -1), self.halo_left, from_tail=True)[::-1]
+        right = halo(range(rank + 1, world), self.halo_right, from_tail=False)
         n_left = sum(t.shape[1] for t in left)
         n_right = sum(t.shape[1] for t in right)
         # A rank that uses none of the gathered rows (the first rank of a causal conv) must still take part in
@@ -314,23 +267,42 @@ class ContextParallelMixer(nn.Module):
             return rows, None, n_left, n_right
         return rows[..., :-1], rows[..., -1] > 0.5, n_left, n_right
 
-    def _exchange_states(self, directions: list[_Direction]) -> list[Tensor]:
-        """The state entering this segment, per direction (forward: from the left; backward: from the right)."""
-        packed = torch.stack([d.packed() for d in directions])        # (dirs, b, h, p*n + 1)
-        p, n = directions[0].state.shape[-2:]
-        return self._combine_states(packed, [d.reverse for d in directions], p, n)
-
     def _combine_states(self, packed: Tensor, reverse: Sequence[bool], p: int, n: int) -> list[Tensor]:
         """The collective part of the state exchange: all-gather every rank's packed (state, total decay) per
         direction and combine the prefix (forward) or suffix (``reverse``) for this rank. Kept apart so that
         ``benchmarks/test_bench_context_parallel.py`` can time it alone at the real tensor sizes."""
-        rank = group_rank(self.group)
-        gathered = all_gather_autograd(packed, self.group)
+        rank = dist.get_rank(group=self.group)
+        gathered = _all_gather(packed, self.group)
         incoming = []
         for i, backward in enumerate(reverse):
-            states, totals = zip(*(_unpack(g[i], p, n) for g in gathered))
-            incoming.append(_suffix(totals, states, rank) if backward else _prefix(totals, states, rank))
+            states = [g[i][..., :-1].unflatten(-1, (p, n)) for g in gathered]
+            totals = [g[i][..., -1] for g in gathered]
+            incoming.append(_entering(totals, states, rank, reverse=backward))
         return incoming
+
+    def _cross_terms(self, x: Tensor, A: Tensor, scans: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]
+                     ) -> list[Tensor]:
+        """This segment's outputs that come from the other segments, per scan direction ``(dt, B, C, C across the
+        border or None)``, forward first, then backward: the segments' outgoing states and total decays are
+        exchanged, and the state entering this segment is read through its own ``C``."""
+        work = torch.promote_types(x.dtype, torch.float32)
+        xs = x.to(work)
+        dts = [dt.to(work) for dt, _, _, _ in scans]
+        reverse = [False, True][:len(scans)]
+        packed = []
+        for dt, (_, B, _, _), backward in zip(dts, scans, reverse):
+            state = _recomputed(_outgoing, xs, dt, A, B.to(work), reverse=backward)      # (b, h, p, n)
+            total = (dt * A.to(dt.dtype)).sum(1)                                          # (b, h)
+            packed.append(torch.cat([state.flatten(2), torch.exp(total)[..., None]], dim=-1))
+        incoming = self._combine_states(torch.stack(packed), reverse, x.shape[-1], scans[0][1].shape[-1])
+        out = []
+        for dt, (_, _, C, edge), backward, state in zip(dts, scans, reverse, incoming):
+            C = C.to(work)
+            if self.shift:  # the shifted scan reads C one token back (forward) or ahead (backward)
+                edge = torch.zeros_like(C[:, :1]) if edge is None else edge.to(work)[:, None]
+                C = torch.cat([C[:, 1:], edge], dim=1) if backward else torch.cat([edge, C[:, :-1]], dim=1)
+            out.append(_recomputed(_incoming, C, state, dt, A, shift=self.shift, reverse=backward).to(x.dtype))
+        return out
 
     # -- forward ------------------------------------------------------------------------------------------
     def forward(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
@@ -338,43 +310,21 @@ class ContextParallelMixer(nn.Module):
         x, mask = check_mixer_input(mixer, x, mask, mixer.dim)
         length = x.shape[1]
         x_ext, mask_ext, n_left, n_right = self._widen(x, mask)
-        if isinstance(mixer, QuasiseparableMixer):
-            out = self._forward_bidirectional(mixer, x_ext, mask_ext, n_left, n_right, length)
-        else:
-            out = self._forward_causal(mixer, x_ext, mask_ext, n_left, length)
-        return zero_pads(out, mask)
-
-    def _forward_bidirectional(self, mixer: QuasiseparableMixer, x_ext: Tensor, mask_ext: Tensor | None,
-                               n_left: int, n_right: int, length: int) -> Tensor:
         ctx_ext = mixer.prepare(x_ext, mask_ext)
-        assert isinstance(ctx_ext, ScanContext)
         # the step sizes formed once: the cross terms and the local scan read the same ones
         ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length).with_step_sizes()
-        work = torch.promote_types(ctx.values.dtype, torch.float32)
-        prev_C = ctx_ext.C_f[:, n_left - 1] if (self.shift and n_left > 0) else None
-        next_C = ctx_ext.C_b[:, n_left + length] if (self.shift and n_right > 0) else None
-        xs = ctx.x.to(work)
-        fwd = _Direction(xs, ctx.dt_f.to(work), ctx.A, ctx.B_f.to(work), ctx.C_f.to(work), reverse=False,
-                         shift=self.shift, neighbour_C=None if prev_C is None else prev_C.to(work))
-        bwd = _Direction(xs, ctx.dt_b.to(work), ctx.A, ctx.B_b.to(work), ctx.C_b.to(work), reverse=True,
-                         shift=self.shift, neighbour_C=None if next_C is None else next_C.to(work))
-        H, G = self._exchange_states([fwd, bwd])
-        cross_f = fwd.cross_term(H).to(ctx.x.dtype)
-        cross_b = bwd.cross_term(G).to(ctx.x.dtype)
-        y = self._mix_bidirectional(mixer, ctx, cross_f, cross_b)
-        return mixer.finish(ctx, y)
-
-    def _forward_causal(self, mixer: SemiseparableMixer, x_ext: Tensor, mask_ext: Tensor | None, n_left: int,
-                        length: int) -> Tensor:
-        ctx_ext = mixer.prepare(x_ext, mask_ext)
-        assert isinstance(ctx_ext, SSDContext)
-        ctx = self._crop(ctx_ext, x_ext.shape[0], x_ext.shape[1], n_left, length).with_step_sizes()
-        work = torch.promote_types(ctx.values.dtype, torch.float32)
-        fwd = _Direction(ctx.values.to(work), ctx.dt.to(work), ctx.A, ctx.B.to(work), ctx.C.to(work),
-                         reverse=False, shift=False, neighbour_C=None)
-        (H,) = self._exchange_states([fwd])
-        y = mixer.mix(ctx) + fwd.cross_term(H).to(ctx.values.dtype)
-        return mixer.finish(ctx, y)
+        if isinstance(mixer, QuasiseparableMixer):
+            assert isinstance(ctx_ext, ScanContext) and isinstance(ctx, ScanContext)
+            prev_C = ctx_ext.C_f[:, n_left - 1] if n_left > 0 else None
+            next_C = ctx_ext.C_b[:, n_left + length] if n_right > 0 else None
+            cross_f, cross_b = self._cross_terms(
+                ctx.x, ctx.A, [(ctx.dt_f, ctx.B_f, ctx.C_f, prev_C), (ctx.dt_b, ctx.B_b, ctx.C_b, next_C)])
+            out = mixer.finish(ctx, self._mix_bidirectional(mixer, ctx, cross_f, cross_b))
+        else:
+            assert isinstance(ctx, SSDContext)
+            (cross,) = self._cross_terms(ctx.values, ctx.A, [(ctx.dt, ctx.B, ctx.C, None)])
+            out = mixer.finish(ctx, mixer.mix(ctx) + cross)
+        return zero_pads(out, mask)
 
     @staticmethod
     def _crop(ctx: CtxT, batch: int, ext_length: int, start: int, length: int) -> CtxT:

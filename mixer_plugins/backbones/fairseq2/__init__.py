@@ -67,36 +67,18 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .options import ResolvedMixer, mixer_problems, resolve_mixer
 
 #: public name -> the module of this package that defines it (imported on first access)
-_LAZY: dict[str, str] = {
-    "MixerAttention": "attention",
-    "MixerDecodingState": "attention",
-    "RecomputeState": "attention",
-    "padding_mask": "attention",
-    "unpack_layout": "attention",
-    "load_mixer_checkpoint": "checkpoint",
-    "BERT_VOCAB_SIZE": "encoder",
-    "MIXER_ENCODER_FAMILY": "encoder",
-    "MixerEncoderConfig": "encoder",
-    "MixerEncoderModel": "encoder",
-    "create_mixer_encoder_model": "encoder",
-    "get_mixer_encoder_hub": "encoder",
-    "BYTE_VOCAB_SIZE": "family",
-    "MixerFamily": "family",
-    "MixerModelConfig": "family",
-    "GPT2_VOCAB_SIZE": "decoder",
-    "MIXER_DECODER_FAMILY": "decoder",
-    "MixerDecoderConfig": "decoder",
-    "create_mixer_decoder_model": "decoder",
-    "get_mixer_decoder_hub": "decoder",
-    "NLLB_MIXER_FAMILY": "nllb",
-    "NllbMixerConfig": "nllb",
-    "NllbMixerFactory": "nllb",
-    "create_nllb_mixer_model": "nllb",
-    "get_nllb_mixer_hub": "nllb",
-    "ResolvedMixer": "options",
-    "mixer_problems": "options",
-    "resolve_mixer": "options",
-}
+_LAZY: dict[str, str] = {name: module for module, names in {
+    "attention": ("MixerAttention", "MixerDecodingState", "RecomputeState", "padding_mask", "unpack_layout"),
+    "checkpoint": ("load_mixer_checkpoint",),
+    "encoder": ("BERT_VOCAB_SIZE", "MIXER_ENCODER_FAMILY", "MixerEncoderConfig", "MixerEncoderModel",
+                "create_mixer_encoder_model", "get_mixer_encoder_hub"),
+    "family": ("BYTE_VOCAB_SIZE", "MixerFamily", "MixerModelConfig"),
+    "decoder": ("GPT2_VOCAB_SIZE", "MIXER_DECODER_FAMILY", "MixerDecoderConfig", "create_mixer_decoder_model",
+                "get_mixer_decoder_hub"),
+    "nllb": ("NLLB_MIXER_FAMILY", "NllbMixerConfig", "NllbMixerFactory", "create_nllb_mixer_model",
+             "get_nllb_mixer_hub"),
+    "options": ("ResolvedMixer", "mixer_problems", "resolve_mixer"),
+}.items() for name in names}
 
 __all__ = [
     "setup_fairseq2_extension",

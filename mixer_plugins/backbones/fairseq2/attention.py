@@ -1,28 +1,15 @@
-"""Any registered mixer behind fairseq2's ``MultiheadAttention`` contract.
+"""Any registered mixer behind fairseq2's ``MultiheadAttention`` contract (self-attention only).
 
-fairseq2 encoder layers call their self-attention as
-``self_attn(seqs, seqs_layout, keys=seqs, keys_layout=seqs_layout, values=seqs, bias_cache=...)``.
-:class:`MixerAttention` accepts exactly that call and runs one of our mixers on ``seqs``:
-
-* **Padding.** fairseq2 0.8 describes padding with a :class:`~fairseq2.nn.BatchLayout`; batches are always
-  right-padded and ``position_indices`` is ``-1`` at pads, so our bool ``mask`` (True on real tokens) is
-  ``position_indices >= 0``. Unpadded batches pass ``mask=None`` (the mixer's fastest path).
-* **Packed batches** (1-D ``(T, M)`` token streams with ``seq_begin_indices``) are supported: the sequences
-  are gathered into a right-padded ``(N, max_len, M)`` batch, mixed with a mask, and scattered back, so no
-  token ever mixes with another sequence. Tokens after the last sequence get zero.
-* **Incremental decoding** (``state_bag``, in eval mode, as fairseq2's own attention): a causal mixer keeps a
-  :class:`MixerDecodingState` in the bag, a :class:`~mixer_plugins.mixers.cache.MixerCache` of
-  ``state_bag.max_num_steps`` tokens. The first call is the mixer's ``prefill`` (right-padded rows allowed), each
-  later one its ``step``; beam search reorders the cache through ``state_bag.reorder``. A causal mixer without a step
-  (a plugin whose spec says ``stepping=False``) keeps its inputs instead and reruns the whole prefix per call
-  (:class:`RecomputeState`). In training mode the bag is ignored (the whole sequence is given), as fairseq2 does.
-* **Not supported** (``NotSupportedError``): incremental decoding with a bidirectional mixer, and cross-attention
-  (``keys``/``values`` other than ``seqs``): a matrix mixer mixes one sequence with itself.
-* **Attention-weight hooks** registered with ``register_attn_weight_hook`` receive the mixer's materialized
-  matrix ``(N, H, S, S)``; mixers without a matrix raise :class:`~mixer_plugins.NotMaterializableError`.
-* **Meta device.** fairseq2 builds models on the meta device before loading a checkpoint. A mixer whose
-  constructor cannot run on meta is built on CPU and moved to meta; mixers with non-persistent buffers get
-  them recomputed (from a fresh CPU instance of the same config) in ``reset_non_persistent_buffers``.
+* **Padding**: fairseq2's :class:`~fairseq2.nn.BatchLayout` is always right-padded, so our mask (True on real tokens)
+  is ``position_indices >= 0``; unpadded batches pass ``mask=None``. **Packed** batches are gathered into a padded
+  batch, mixed with a mask and scattered back (tokens after the last sequence get zero).
+* **Incremental decoding** (``state_bag``, eval mode, as fairseq2's own attention): a causal mixer keeps a
+  :class:`MixerDecodingState` (its :class:`~mixer_plugins.mixers.cache.MixerCache` of ``state_bag.max_num_steps``
+  tokens: ``prefill``, then ``step``; beam search reorders it), or, without a step, a :class:`RecomputeState` that
+  reruns the whole prefix per call. Bidirectional mixers and cross-attention raise ``NotSupportedError``.
+* **Attention-weight hooks** receive the mixer's materialized matrix ``(N, H, S, S)``.
+* **Meta device**: a mixer whose constructor cannot run on meta is built on CPU and moved there; its
+  non-persistent buffers are recomputed in ``reset_non_persistent_buffers``.
 """
 
 from __future__ import annotations
@@ -82,15 +69,6 @@ def _build_on_any_device(spec: MixerSpec, config: MixerConfig) -> nn.Module:
     with torch.device("cpu"):
         module = spec.build(config)
     return module.to("meta")
-
-
-def _non_persistent_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    found = []
-    for sub in module.modules():
-        for name in sub._non_persistent_buffers_set:
-            if sub._buffers.get(name) is not None:
-                found.append((sub, name))
-    return found
 
 
 class MixerDecodingState(IncrementalState):
@@ -267,19 +245,18 @@ class MixerAttention(MultiheadAttention):
         They are not in checkpoints, so they must be a function of the mixer's config: a fresh CPU instance of
         the same config has the right values.
         """
-        targets = _non_persistent_buffers(self.mixer)
+        modules = dict(self.mixer.named_modules())
+        # the buffers that hold values (not those still on the meta device: shapes only, nothing to fill)
+        targets = [(name, buf) for name, sub in modules.items() for buf in sub._non_persistent_buffers_set
+                   if sub._buffers.get(buf) is not None and sub._buffers[buf].device.type != "meta"]
         if not targets:
             return
         with torch.device("cpu"):
-            fresh = self._spec.build(self._config)
-        fresh_modules = dict(fresh.named_modules())
-        for name, sub in self.mixer.named_modules():
-            for buf_name in sub._non_persistent_buffers_set:
-                current = sub._buffers.get(buf_name)
-                if current is None or current.device.type == "meta":  # still shapes only: nothing to fill
-                    continue
-                with torch.no_grad():
-                    current.copy_(fresh_modules[name]._buffers[buf_name].to(current.device, current.dtype))
+            fresh = dict(self._spec.build(self._config).named_modules())
+        with torch.no_grad():
+            for name, buf in targets:
+                current = modules[name]._buffers[buf]
+                current.copy_(fresh[name]._buffers[buf].to(current.device, current.dtype))
 
     def extra_repr(self) -> str:
         return f"mixer={self.mixer_name!r}, model_dim={self.model_dim}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar, final
+from typing import final
 
 import torch
 from fairseq2.datasets import DataReader, SequenceBatch
@@ -23,8 +23,6 @@ from .corpus import ByteTokenizer
 
 __all__ = ["EpochReader", "LmDataReader", "MlmDataReader", "MlmDataSection", "TextDataSection", "TokenBatch",
            "mask_tokens", "pad_rows"]
-
-BatchT = TypeVar("BatchT")
 
 
 @dataclass(kw_only=True)
@@ -48,7 +46,7 @@ class TextDataSection:
     for any number of ranks) is split between the ranks."""
 
     seed: int = 0
-    """Seed of the shuffling (batch ``k`` of epoch ``e`` is the same on every run)."""
+    """Seed of the shuffling and of the MLM masking (batch ``k`` of epoch ``e`` is the same on every run)."""
 
     def validate(self) -> ValidationResult:
         result = ValidationResult()
@@ -72,9 +70,6 @@ class MlmDataSection(TextDataSection):
     mask_prob: float = 0.15
     """Fraction of byte tokens chosen as MLM targets (at least one per example)."""
 
-    seed: int = 0
-    """Seed of the shuffling and of the masking (batch ``k`` of epoch ``e`` is the same on every run)."""
-
     def validate(self) -> ValidationResult:
         result = super().validate()
         if not 0.0 < self.mask_prob < 1.0:
@@ -91,13 +86,6 @@ class TokenBatch(SupportsDeviceTransfer):
         self.targets = targets
         self.target_mask = target_mask
         self.seq_lens = seq_lens
-
-    @classmethod
-    def next_token(cls, tokens: Tensor, seq_lens: list[int]) -> TokenBatch:
-        """The language model's batch: each row's tokens but the last, predicting the ones that follow."""
-        lens = [n - 1 for n in seq_lens]
-        target_mask = torch.arange(tokens.shape[1] - 1)[None, :] < torch.tensor(lens)[:, None]
-        return cls(tokens[:, :-1], tokens[:, 1:], target_mask, lens)
 
     @override
     def to(self, device: Device, *, non_blocking: bool = False) -> None:
@@ -144,7 +132,7 @@ def pad_rows(examples: list[list[int]], pad_idx: int) -> tuple[Tensor, list[int]
     return tokens, seq_lens
 
 
-class EpochReader(DataReader[BatchT]):
+class EpochReader(DataReader[TokenBatch]):
     """Shuffled batches over a list of encoded examples; one data epoch per pass.
 
     Deterministic: the order of epoch ``e`` depends only on ``(seed, e)``, so the state is just ``(epoch, batch)``
@@ -152,7 +140,7 @@ class EpochReader(DataReader[BatchT]):
     world_size`` examples) whatever the number of ranks; rank ``r`` reads its contiguous share of it, so a run on
     N ranks follows the single-process run at the same global batch. Every rank runs the same number of steps per
     epoch (a rank with one batch more would wait forever in DDP): a last global batch too small to give every rank
-    an example is dropped. Subclasses build their batch from :meth:`_next_global`'s examples.
+    an example is dropped. Subclasses turn the global batch's rows into a :class:`TokenBatch`.
     """
 
     def __init__(self, examples: list[list[int]], section: TextDataSection, tokenizer: ByteTokenizer,
@@ -164,30 +152,29 @@ class EpochReader(DataReader[BatchT]):
         self._world_size = world_size
         self._section = section
         self._tokenizer = tokenizer
-        self._epoch = 0
-        self._batch = 0
-        self._order = self._epoch_order(0)
+        self.load_state_dict({"epoch": 0, "batch": 0})
 
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self._examples)))
-        random.Random(self._section.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+    def _global_batch(self, tokens: Tensor, seq_lens: list[int], number: int) -> TokenBatch:
+        """The batch of the global batch's padded rows (``number``: its place in the epoch)."""
+        raise NotImplementedError
 
-    def _next_global(self) -> tuple[int, list[list[int]]]:
-        """The next global batch: its number in the epoch and its examples (StopIteration at the epoch's end)."""
+    @override
+    def __next__(self) -> list[TokenBatch]:
         size = self._section.batch_size * self._world_size
-        start = self._batch * size
-        chosen_ids = self._order[start:start + size]
-        if len(chosen_ids) < self._world_size:
+        chosen = self._order[self._batch * size:(self._batch + 1) * size]
+        if len(chosen) < self._world_size:
             raise StopIteration
         self._batch += 1
-        return self._batch - 1, [self._examples[i] for i in chosen_ids]
-
-    def _share(self, n: int) -> tuple[int, int]:
-        """This rank's rows ``[lo, hi)`` of a global batch of ``n`` rows: contiguous, sizes differ by at most one."""
-        base, extra = divmod(n, self._world_size)
+        batch = self._global_batch(*pad_rows([self._examples[i] for i in chosen], self._tokenizer.pad_idx),
+                                   self._batch - 1)
+        # this rank's contiguous share (sizes differ by at most one), trimmed to its longest row
+        base, extra = divmod(len(chosen), self._world_size)
         lo = self._rank * base + min(self._rank, extra)
-        return lo, lo + base + (1 if self._rank < extra else 0)
+        hi = lo + base + (1 if self._rank < extra else 0)
+        seq_lens = batch.seq_lens[lo:hi]
+        width = max(seq_lens)
+        return [TokenBatch(batch.inputs[lo:hi, :width], batch.targets[lo:hi, :width],
+                           batch.target_mask[lo:hi, :width], seq_lens)]
 
     @override
     def __iter__(self) -> Self:
@@ -196,9 +183,7 @@ class EpochReader(DataReader[BatchT]):
     @override
     def reset(self) -> None:
         """Start the next data epoch (a new shuffle)."""
-        self._epoch += 1
-        self._batch = 0
-        self._order = self._epoch_order(self._epoch)
+        self.load_state_dict({"epoch": self._epoch + 1, "batch": 0})
 
     @override
     def state_dict(self) -> dict[str, object]:
@@ -208,7 +193,8 @@ class EpochReader(DataReader[BatchT]):
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
         self._epoch = int(state_dict["epoch"])  # type: ignore[call-overload]
         self._batch = int(state_dict["batch"])  # type: ignore[call-overload]
-        self._order = self._epoch_order(self._epoch)
+        self._order = list(range(len(self._examples)))
+        random.Random(self._section.seed * 1_000_003 + self._epoch).shuffle(self._order)
 
     @property
     @override
@@ -217,33 +203,26 @@ class EpochReader(DataReader[BatchT]):
 
 
 @final
-class MlmDataReader(EpochReader[TokenBatch]):
+class MlmDataReader(EpochReader):
     """:class:`EpochReader`'s batches, masked: the masks of batch ``k`` of epoch ``e`` depend only on
     ``(seed, e, k)`` and are drawn for the global batch, so every number of ranks sees the same ones."""
 
     @override
-    def __next__(self) -> list[TokenBatch]:
-        number, chosen = self._next_global()
-        tokens, seq_lens = pad_rows(chosen, self._tokenizer.pad_idx)
+    def _global_batch(self, tokens: Tensor, seq_lens: list[int], number: int) -> TokenBatch:
         batch_seed = ((self._section.seed * 1_000_003 + self._epoch) * 1_000_003 + number) % 2**63
         generator = torch.Generator().manual_seed(batch_seed)
         assert isinstance(self._section, MlmDataSection)
         inputs, target_mask = mask_tokens(tokens, self._tokenizer, self._section.mask_prob, generator)
-        if self._world_size > 1:  # this rank's contiguous share of the global batch, trimmed to its longest row
-            lo, hi = self._share(len(chosen))
-            seq_lens = seq_lens[lo:hi]
-            width = max(seq_lens)
-            inputs, tokens, target_mask = (t[lo:hi, :width] for t in (inputs, tokens, target_mask))
-        return [TokenBatch(inputs, tokens, target_mask, seq_lens)]
+        return TokenBatch(inputs, tokens, target_mask, seq_lens)
 
 
 @final
-class LmDataReader(EpochReader[TokenBatch]):
-    """:class:`EpochReader`'s batches of next-token targets: each rank pads its share of the global batch to its
-    longest row."""
+class LmDataReader(EpochReader):
+    """:class:`EpochReader`'s batches of next-token targets: each row's tokens but the last, predicting the ones
+    that follow."""
 
     @override
-    def __next__(self) -> list[TokenBatch]:
-        _, chosen = self._next_global()
-        lo, hi = self._share(len(chosen))
-        return [TokenBatch.next_token(*pad_rows(chosen[lo:hi], self._tokenizer.pad_idx))]
+    def _global_batch(self, tokens: Tensor, seq_lens: list[int], number: int) -> TokenBatch:
+        lens = [n - 1 for n in seq_lens]
+        target_mask = torch.arange(tokens.shape[1] - 1)[None, :] < torch.tensor(lens)[:, None]
+        return TokenBatch(tokens[:, :-1], tokens[:, 1:], target_mask, lens)

@@ -1,13 +1,8 @@
 """The ``mixer_decoder`` model family: a decoder-only language model whose self-attention is any causal mixer.
 
-The model is fairseq2's own :class:`~fairseq2.models.transformer_lm.TransformerLM` (token embedding and position
-encoder, ``StandardTransformerLMDecoder`` layers, a final projection tied to the embedding table), with each layer's
-self-attention a :class:`~mixer_plugins.backbones.fairseq2.attention.MixerAttention` of the mixer named by
-``config.mixer``, in its causal form. So everything fairseq2 does with a language model works with it: the loss, the
-recipes' machinery, and generation with fairseq2's own sequence generators (``SamplingSequenceGenerator``,
-``BeamSearchSequenceGenerator``), whose incremental decoding (``IncrementalStateBag``) runs on the mixers' caches
-(:meth:`~mixer_plugins.MatrixMixer.step`): constant work per token for ``semiseparable``, ``low_rank`` or
-``sliding_window_attention``, a KV cache for attention.
+The model is fairseq2's own :class:`~fairseq2.models.transformer_lm.TransformerLM`, each layer's self-attention a
+:class:`~mixer_plugins.backbones.fairseq2.attention.MixerAttention` of ``config.mixer`` in its causal form, so
+fairseq2's loss, recipes and sequence generators work with it; their incremental decoding runs on the mixers' caches.
 """
 
 from __future__ import annotations

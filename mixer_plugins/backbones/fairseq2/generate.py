@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -89,6 +89,7 @@ def generate_text(model: TransformerLM, prompts: Sequence[str], settings: Genera
     from fairseq2.nn import BatchLayout
 
     from .corpus import ByteTokenizer
+    from .data import pad_rows
 
     if not prompts:
         raise ValueError("give at least one prompt")
@@ -98,32 +99,24 @@ def generate_text(model: TransformerLM, prompts: Sequence[str], settings: Genera
     encoded = [[tokenizer.bos_idx] + [b + tokenizer.byte_offset for b in p.encode("utf-8")] for p in prompts]
     if max(len(e) for e in encoded) >= model.max_seq_len:
         raise ValueError(f"a prompt is longer than the model's max_seq_len={model.max_seq_len} tokens")
-    device = next(model.parameters()).device
-    tokens = torch.full((len(encoded), max(len(e) for e in encoded)), tokenizer.pad_idx, dtype=torch.long)
-    for row, ids in enumerate(encoded):
-        tokens[row, :len(ids)] = torch.tensor(ids)
-    tokens = tokens.to(device)
-    layout = BatchLayout.of(tokens, [len(e) for e in encoded])
+    tokens, seq_lens = pad_rows(encoded, tokenizer.pad_idx)
+    tokens = tokens.to(next(model.parameters()).device)
     processors = [_BytesOnly(tokenizer)]
     generator: SequenceGenerator
     if settings.mode == "beam":
         generator = BeamSearchSequenceGenerator(
             model, vocab, StandardBeamSearchAlgorithm(), beam_size=settings.beam_size,
             max_gen_len=settings.max_gen_len, step_processors=processors)
-    elif settings.mode == "sampling":
+    else:
         sampler = TopKSampler(settings.top_k) if settings.top_k is not None else TopPSampler(settings.top_p)
         generator = SamplingSequenceGenerator(
             model, vocab, sampler, num_gens=settings.num_gens, max_gen_len=settings.max_gen_len,
             temperature=settings.temperature, step_processors=processors)
-    else:
-        raise ValueError(f"mode must be 'sampling' or 'beam', got {settings.mode!r}")
     torch.manual_seed(settings.seed)
     with torch.no_grad():
-        output = generator(tokens, layout)
-    texts = []
-    for hypotheses in output.hypotheses:
-        texts.append([tokenizer.decode(h.seq.tolist()).removesuffix("</s>") for h in hypotheses])
-    return texts
+        output = generator(tokens, BatchLayout.of(tokens, seq_lens))
+    return [[tokenizer.decode(h.seq.tolist()).removesuffix("</s>") for h in hypotheses]
+            for hypotheses in output.hypotheses]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,9 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line; prints each prompt followed by its continuations. Returns the exit status."""
     args = _parser().parse_args(argv)
     try:   # the options first, before fairseq2 is imported: a bad one answers at once
-        settings = GenerationSettings(mode=args.mode, max_gen_len=args.max_gen_len, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, beam_size=args.beam_size,
-                                      num_gens=args.num_gens, seed=args.seed)
+        settings = GenerationSettings(**{f.name: getattr(args, f.name) for f in fields(GenerationSettings)})
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

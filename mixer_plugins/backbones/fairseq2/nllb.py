@@ -1,20 +1,10 @@
 """``nllb_mixer``: fairseq2's NLLB encoder-decoder with its encoder and decoder self-attention swapped by config.
 
-fairseq2 configs are strict and family names unique, so an existing family cannot gain a field; the
-wrapper is a new family whose config subclasses :class:`~fairseq2.models.nllb.NllbConfig` with four fields
-(``mixer``, ``mixer_options`` as in ``mixer_encoder``, and ``decoder_mixer``, ``decoder_mixer_options``), whose
-factory subclasses ``NllbFactory`` and overrides ``create_encoder_self_attention`` and
-``create_decoder_self_attention``, and which re-exposes every NLLB arch under its own name.
-
-With both mixers ``attention`` (or an alias of it) the model is upstream NLLB exactly: same modules, same
-parameter names, same initialisation, so NLLB checkpoints load unchanged (through the reused
-``convert_nllb_state_dict``). Any other mixer replaces the encoder self-attention of every layer.
-
-``decoder_mixer`` / ``decoder_mixer_options`` do the same for the decoder's self-attention, with a causal mixer
-(``causal=True`` is filled in where the mixer has that option; a bidirectional-only mixer is a config error); the
-decoder's incremental decoding (fairseq2's seq2seq generators) then runs on the mixer's cache. The cross-attention
-is always left alone. Loading an upstream NLLB checkpoint into a model with another mixer fails (fairseq2 loads
-strictly and the checkpoint has no weights for the mixer).
+An existing fairseq2 family cannot gain a field, so this is a new family: its config subclasses ``NllbConfig`` with
+``mixer``/``mixer_options`` (encoder) and ``decoder_mixer``/``decoder_mixer_options`` (decoder, causal), its factory
+subclasses ``NllbFactory``, and every NLLB arch is re-exposed under it. With both mixers ``attention`` it is upstream
+NLLB exactly (same modules, parameter names and initialisation), so NLLB checkpoints load unchanged. The
+cross-attention is left alone. See docs/fairseq2.md, "The NLLB wrapper".
 """
 
 from __future__ import annotations

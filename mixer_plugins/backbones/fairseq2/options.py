@@ -1,23 +1,10 @@
 """From the two config fields a fairseq2 user edits (``mixer``, ``mixer_options``) to a validated mixer config.
 
-Every fairseq2 config that carries a mixer (``MixerEncoderConfig``, ``NllbMixerConfig``) has
-
-* ``mixer: str`` — a name (or alias) in our registry, e.g. ``"quasi"``;
-* ``mixer_options: dict[str, object]`` — options *namespaced by mixer name*, e.g.
-  ``{"quasi": {"d_state": 32}, "attention": {"dropout": 0.1}}``. Only the entry of the chosen mixer is
-  used; the others stay in the config so that flipping ``mixer`` back and forth keeps them. Namespacing
-  is what makes fairseq2's *merging* of nested override dicts harmless: options of the previous mixer
-  never leak into the new one.
-
-The registry is the source of truth: names are checked with :func:`mixer_plugins.get_spec` ("did you
-mean") and options with the mixer's own pydantic model (:class:`~mixer_plugins.InvalidMixerOptions`), so a
-bad name or option fails with our message before fairseq2 builds anything.
-
-The host model supplies a few options the mixer cannot know (its width, and where the mixer has such an
-option: ``num_heads``, ``max_seq_len``, ``causal=False`` for mixers that can run either way in an encoder,
-``causal=True`` in a decoder, where a mixer without a causal form is refused). They are
-filled in by the shared resolver (:mod:`mixer_plugins.backbones.options`) only when the user did not set them
-under ``mixer_options``; an error then says where they came from.
+``mixer_options`` is namespaced by mixer name (``{"quasi": {"d_state": 32}, "attention": {...}}``): only the chosen
+mixer's entry is used, so fairseq2's merging of nested overrides never leaks one mixer's options into another. Names
+and options are checked by the registry (our "did you mean" errors) before fairseq2 builds anything. The host model
+fills in what the mixer cannot know (``dim``; ``num_heads``, ``max_seq_len`` and ``causal`` where the mixer has such an
+option and the user did not set it) through the shared resolver (:mod:`mixer_plugins.backbones.options`).
 """
 
 from __future__ import annotations

@@ -9,22 +9,14 @@ Run them (CPU is fine; nothing is downloaded)::
     python -m mixer_plugins.backbones.fairseq2.lm OUT_DIR --config mixer.name=semiseparable
     python -m mixer_plugins.backbones.fairseq2.generate OUT_DIR/checkpoints --prompt "The cat" --mode beam
 
-Both train on a small generated corpus (or ``data.text_file``, one example per line) with a byte-level tokenizer
-(``<s>`` text ``</s>``): the MLM recipe with BERT-style masking (15 %: 80 % ``<mask>``, 10 % random byte, 10 %
-unchanged), the LM recipe on next-token prediction. They checkpoint into ``OUT_DIR/checkpoints`` and the result
-reloads through fairseq2's own ``load_model`` (:func:`~mixer_plugins.backbones.fairseq2.load_mixer_checkpoint`).
-
-Defaults that differ from fairseq2's: ``trainer.mixed_precision.mode=off`` (fairseq2's default, static
-bf16, falls back to bf16 autocast on a single device, which is very slow on CPU; on a GPU pass
-``trainer.mixed_precision.mode=auto`` for bf16 autocast), ``common.no_sweep_dir=true`` (outputs directly in
-``OUT_DIR``) and ``trainer.max_grad_norm=1.0``.
-
-Safety: every saved step keeps a copy of the model config it was trained with (``step_N/model.yaml``), and a
-rerun into a folder with checkpoints compares its model config with that of the step it would resume (fairseq2
-rewrites ``checkpoints/model.yaml`` at every start, so that file is not what the steps were trained with). A folder
-whose checkpoints hold another model config (e.g. another mixer) is refused before anything is written, unless
-``overwrite_checkpoints=true`` is given, which deletes those checkpoints first. Bad config values and paths are one
-line on stderr and exit status 2. A non-finite training loss stops the run with exit status 1.
+Both train on a small generated corpus (or ``data.text_file``, one example per line) with a byte-level tokenizer,
+the MLM recipe with BERT-style masking, the LM recipe on next-token prediction, and checkpoint into
+``OUT_DIR/checkpoints`` (reloaded by :func:`~mixer_plugins.backbones.fairseq2.load_mixer_checkpoint`). Defaults that
+differ from fairseq2's: ``trainer.mixed_precision.mode=off`` (fairseq2's static bf16 becomes bf16 autocast on one
+device, very slow on CPU), ``common.no_sweep_dir=true`` and ``trainer.max_grad_norm=1.0``. Every saved step keeps
+the model config it was trained with (``step_N/model.yaml``); a rerun into a folder whose checkpoints hold another
+model config is refused before anything is written (``overwrite_checkpoints=true`` deletes them instead). See
+docs/fairseq2.md.
 """
 
 from __future__ import annotations
@@ -356,16 +348,6 @@ def step_metadata(resolver: DependencyResolver, checkpoint_dir: Path, step_nr: i
     return None, None
 
 
-def _yaml_round_trip(resolver: DependencyResolver, obj: object) -> list[object]:
-    """``obj`` as fairseq2 writes it to YAML and reads it back (the form ``model.yaml`` is compared in)."""
-    from fairseq2.utils.yaml import YamlDumper, YamlLoader
-
-    stream = io.StringIO()
-    resolver.resolve(YamlDumper).dump(obj, stream)
-    stream.seek(0)
-    return resolver.resolve(YamlLoader).load(stream)
-
-
 def check_checkpoint_dir(resolver: DependencyResolver) -> None:
     """Refuse (before anything is written) an output folder whose checkpoints belong to another model config.
 
@@ -379,6 +361,7 @@ def check_checkpoint_dir(resolver: DependencyResolver) -> None:
     from fairseq2.recipe.internal.asset_config import _AssetConfigOverrider
     from fairseq2.runtime.dependency import DependencyLookup
     from fairseq2.utils.structured import ValueConverter
+    from fairseq2.utils.yaml import YamlDumper, YamlLoader
 
     context = RecipeContext(resolver)
     config = context.get_config_as(RecipeSections)
@@ -398,9 +381,12 @@ def check_checkpoint_dir(resolver: DependencyResolver) -> None:
     model_config = resolver.resolve(_AssetConfigOverrider).apply_overrides(
         "model", model_config, section.config_overrides)
     # in the form model.yaml is read back in (through fairseq2's YAML dumper and loader)
-    [round_tripped] = _yaml_round_trip(resolver, {
-        "name": "checkpoint", "model_family": family.name,
-        "model_config": resolver.resolve(ValueConverter).unstructure(model_config)})
+    stream = io.StringIO()
+    resolver.resolve(YamlDumper).dump({"name": "checkpoint", "model_family": family.name,
+                                       "model_config": resolver.resolve(ValueConverter).unstructure(model_config)},
+                                      stream)
+    stream.seek(0)
+    [round_tripped] = resolver.resolve(YamlLoader).load(stream)
     wanted: dict[str, Any] = round_tripped if isinstance(round_tripped, dict) else {}
     saved, source = step_metadata(resolver, ckpt_dir, steps[-1], fields=set(wanted["model_config"]))
     if saved is None:
@@ -455,7 +441,7 @@ class TextRecipe(Recipe):
 
     config_class: ClassVar[type[RecipeSections]]
     model_class: ClassVar[type[Module]]
-    reader_class: ClassVar[type[EpochReader[TokenBatch]]]
+    reader_class: ClassVar[type[EpochReader]]
     task: ClassVar[str]
 
     @override
