@@ -1,10 +1,5 @@
-"""The small backbone every mixer is trained in, and how ``--mixers`` entries are parsed and sized.
-
-The backbone is a pre-LN residual stack, the same for every mixer: embedding (a table for token tasks, a linear
-map for feature tasks) plus learned positions, then ``depth`` blocks of ``x + mixer(LN x)`` and
-``x + MLP(LN x)`` (GELU, hidden ``mlp_ratio * width``), a final LN and a linear readout (per token, or of the mean
-over tokens for pooled tasks). Only the mixer changes between models.
-"""
+"""The small backbone every mixer is trained in (``docs/compare.md``, "The backbone"), and how ``--mixers`` entries
+are parsed and their options fitted to it."""
 
 from __future__ import annotations
 
@@ -176,8 +171,7 @@ def check_entry(entry: MixerEntry, *, width: int, heads: int, seq_len: int, caus
 class _Block(nn.Module):
     def __init__(self, mixer: nn.Module, width: int, mlp_ratio: float):
         super().__init__()
-        hidden = int(round(mlp_ratio * width))
-        self.hidden = hidden
+        self.hidden = hidden = int(round(mlp_ratio * width))
         self.norm1 = nn.LayerNorm(width)
         self.mixer = mixer
         self.norm2 = nn.LayerNorm(width)
@@ -215,7 +209,7 @@ class SequenceModel(nn.Module):
         )
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, task.output_size)
-        self.width, self.mlp_ratio = width, mlp_ratio
+        self.width = width
 
     def forward(self, inputs: Tensor) -> Tensor:
         x = self.embed(inputs)
@@ -246,8 +240,7 @@ def model_flops(model: SequenceModel) -> int | None:
             total += int(mixer_flops(1, length))
         except (NotImplementedError, AttributeError):
             return None
-        hidden = block.hidden
-        total += 2 * 2 * length * width * hidden
+        total += 2 * 2 * length * width * block.hidden
     if isinstance(model.embed, nn.Linear):
         total += 2 * length * model.embed.in_features * width * (2 if model.shift_embed is not None else 1)
     readout_tokens = 1 if model.readout == "mean" else length
