@@ -137,9 +137,9 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
              "seeds", "mixers", "task", "jobs")
     overrides: dict[str, Any] = {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
     if args.task_option:
-        from .models import _value
+        from ..cli.options import literal_value
 
-        overrides["task_options"] = {key: _value(raw) for key, raw in args.task_option}
+        overrides["task_options"] = {key: literal_value(raw.strip()) for key, raw in args.task_option}
     overrides["progress"] = not args.no_progress
     if args.preset is not None:
         if "task" in overrides and "task_options" not in overrides:

@@ -3,7 +3,6 @@ are parsed and their options fitted to it."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,6 +13,7 @@ from torch import Tensor, nn
 import mixer_plugins
 
 from ...errors import MixerError
+from ..cli.options import literal_value
 from ..demo import small_model_options
 from .tasks import Task
 
@@ -63,19 +63,6 @@ def _split_top_level(text: str, sep: str = ",") -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _value(raw: str) -> Any:
-    raw = raw.strip()
-    lowered = raw.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    try:
-        return ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return raw
-
-
 def parse_mixer(text: str) -> MixerEntry:
     """``NAME``, ``NAME(key=value,...)`` or ``LABEL=NAME(key=value,...)`` -> :class:`MixerEntry`.
 
@@ -95,7 +82,7 @@ def parse_mixer(text: str) -> MixerEntry:
             if "=" not in item:
                 raise MixerError(f"mixer entry {text!r}: option {item!r} is not key=value")
             key, raw = item.split("=", 1)
-            options[key.strip()] = _value(raw)
+            options[key.strip()] = literal_value(raw.strip())
     else:
         name = text
     if not name.strip():
