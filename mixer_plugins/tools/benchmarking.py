@@ -1,10 +1,8 @@
 """Measuring mixers: time, FLOPs (counted by PyTorch) and peak memory, shared by ``mixer-plugins bench``,
 the benchmark suites and scripts in ``benchmarks/`` and the GPU check's scripts (``benchmarks/gpu/``).
 
-* Time: :func:`time_calls` is the one timing loop. It takes one function or several, runs untimed warm-up
-  rounds, then timed rounds that call every function once each, in turn (or in a new random order every round),
-  synchronizing CUDA around each call; it stops early at a deadline. :class:`Timings` holds every call's seconds
-  and minor page faults, with medians, quantiles and per-round ratios.
+* Time: :func:`time_calls` is the one timing loop; :class:`Timings` holds every call's seconds and minor page faults,
+  with medians, quantiles and per-round ratios.
 * FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` on the same forward (our custom ops
   register their formulas, so the counter sees the scans and FFTs); :meth:`MatrixMixer.flops` is the
   analytic count it is checked against.

@@ -17,7 +17,7 @@ ops or FFTs the counter does not count).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -113,14 +113,6 @@ def _short_op_name(op: Any) -> str:
     return short
 
 
-def _count(fn: Callable[[], None]) -> tuple[int, dict[str, int]]:
-    """The FLOPs ``FlopCounterMode`` counts while ``fn`` runs: the total and the count of each op."""
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return int(counter.get_total_flops()), {_short_op_name(op): int(n)
-                                            for op, n in counter.get_flop_counts()["Global"].items()}
-
-
 def compare_flops(name: str, *, dim: int = 256, length: int = 1024, batch: int = 1,
                   options: Mapping[str, Any] | None = None, backward: bool = True, seed: int = 0) -> FlopComparison:
     """Count one forward (and, with ``backward``, one forward+backward) of mixer ``name`` with
@@ -129,18 +121,23 @@ def compare_flops(name: str, *, dim: int = 256, length: int = 1024, batch: int =
     mixer = build_mixer(name, dim, length, options=dict(options or {}))
     x = torch.randn(batch, length, dim)
     mixer.eval()
-    counted, forward_by_op = _count(mixer_step(mixer, x, "forward"))
+    with FlopCounterMode(display=False) as counter:
+        mixer_step(mixer, x, "forward")()
+    forward_by_op = {_short_op_name(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
     breakdown = {k: int(v) for k, v in mixer.flops_breakdown(batch, length).items()}
     result = FlopComparison(
         mixer=default_registry.get_spec(name).name, batch=batch, length=length, dim=dim,
         analytic_total=sum(breakdown.values()),
         uncounted_parts={k: v for k, v in breakdown.items() if k.endswith(UNCOUNTED_SUFFIX)},
-        counted_forward=counted, counted_by_op=forward_by_op,
+        counted_forward=int(counter.get_total_flops()), counted_by_op=forward_by_op,
     )
     if backward:
         mixer.train()
         x.requires_grad_(True)
-        result.counted_forward_backward, both_by_op = _count(mixer_step(mixer, x, "forward_backward"))
+        with FlopCounterMode(display=False) as counter:
+            mixer_step(mixer, x, "forward_backward")()
+        result.counted_forward_backward = int(counter.get_total_flops())
+        both_by_op = {_short_op_name(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
         # Only our custom ops can hide their backward: an aten op's backward is other aten ops (addmm's is mm),
         # which are counted under their own names; ours count theirs as a "<op>_backward" custom op.
         result.backward_uncounted_ops = [

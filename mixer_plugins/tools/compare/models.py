@@ -115,13 +115,8 @@ def parse_mixers(text: str | Sequence[str | MixerEntry]) -> list[MixerEntry]:
 
 
 def adapted_options(entry: MixerEntry, *, width: int, heads: int, seq_len: int, causal: bool) -> dict[str, Any]:
-    """The entry's options filled in for the backbone, where the mixer has the option and the user did not set it.
-
-    ``num_heads`` = ``heads``; block mixers (``expand`` and ``head_dim``) get ``head_dim = expand * width / heads``
-    (the same head count); ``d_state = 16``; ``chunk_size`` at most the sequence length; ``max_seq_len`` = the
-    sequence length (data-independent forms need it; data-dependent ones ignore it); ``causal=True`` when the
-    comparison is causal. A bidirectional-only mixer in a causal comparison is refused.
-    """
+    """The entry's options filled in for the backbone where the mixer has the option and the user did not set it
+    (``docs/compare.md``, "The backbone"); a bidirectional-only mixer in a causal comparison is refused."""
     spec = mixer_plugins.get_spec(entry.name)
     fields = spec.config.model_fields
     user = dict(entry.options)
@@ -172,10 +167,8 @@ class _Block(nn.Module):
 class SequenceModel(nn.Module):
     """Embedding + positions, ``depth`` pre-LN blocks with the same mixer kind, final LN and readout.
 
-    ``token_shift`` adds a second embedding of the *previous* input to every position (zero at position 0): a
-    fixed one-step shift like RWKV's token shift. It hands every mixer the binding of a value to the key before
-    it, so associative recall measures the content-based lookup (see ``docs/compare.md``).
-    """
+    ``token_shift`` adds an embedding of the *previous* input to every position, as RWKV's token shift
+    (``docs/compare.md``)."""
 
     def __init__(self, task: Task, entry: MixerEntry, *, width: int = 64, depth: int = 2, heads: int = 4,
                  mlp_ratio: float = 2.0, positions: bool = True, token_shift: bool = False, causal: bool = False):
@@ -187,7 +180,6 @@ class SequenceModel(nn.Module):
             self.embed: nn.Module = nn.Embedding(task.input_size, width)
         else:
             self.embed = nn.Linear(task.input_size, width)
-        # token shift: position t also embeds the input at t - 1 (with its own table), as RWKV's token shift
         self.shift_embed = type(self.embed)(task.input_size, width) if token_shift else None
         self.positions = nn.Parameter(torch.randn(1, task.seq_len, width) * 0.02) if positions else None
         self.blocks = nn.ModuleList(

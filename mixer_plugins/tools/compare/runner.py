@@ -201,15 +201,9 @@ class CompareResult:
         return [r.metric for r in self.runs if r.label == label and r.error is None and r.metric is not None]
 
     def check_orderings(self) -> list[dict[str, Any]]:
-        """For each expected ordering: the two means and stds, Welch's ``p`` and a verdict.
-
-        ``held`` only when each entry has at least 3 seeds, Welch's t-test finds the difference significant
-        (two-sided ``p < 0.05``) in the expected direction, and the better entry is above the task's chance level
-        (a one-sample t-test, ``p < 0.05``); ``did not hold`` when the same holds the other way round; otherwise
-        ``inconclusive (...)`` with the reasons (``one seed``, ``fewer than 3 seeds``, ``both at chance``,
-        ``within noise``): see :mod:`mixer_plugins.tools.compare.stats`. When an entry failed it is ``not
-        measured``; a quick run (a few steps) is ``not judged (quick run)``.
-        """
+        """For each expected ordering: the two means and stds, Welch's ``p`` and the verdict of
+        :func:`~mixer_plugins.tools.compare.stats.judge` (``not measured`` when an entry failed, ``not judged (quick
+        run)`` for a quick run)."""
         by_label = {s.label: s for s in self.summaries()}
         checks = []
         for ordering in self.config.orderings:
@@ -407,14 +401,10 @@ def _worker_run(config: CompareConfig, index: int, seed: int) -> tuple[RunResult
 
 def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> CompareResult:
     """Train every mixer entry of ``config`` with every seed, print the table and (with ``config.out``) write
-    ``results.json``, ``results.md``, ``curves.png`` and ``final.png``. A failing mixer is reported in the table
-    (and its traceback in ``errors.log``); the others still run.
-
-    With ``config.jobs > 1`` the runs are trained by that many fresh worker processes (spawned: a mixer registered
-    at run time rather than by an import or an entry point is unknown to them, and a script that calls this must
-    guard its entry with ``if __name__ == "__main__":``); each worker uses the caller's torch thread count, so the
-    numbers are those of ``jobs=1``. With ``config.out``, ``results.json`` is rewritten
-    after every finished run, so an interrupted comparison keeps what it trained.
+    ``results.json`` (rewritten after every finished run), ``results.md``, ``curves.png`` and ``final.png``. A failing
+    mixer is reported in the table (and its traceback in ``errors.log``); the others still run. With
+    ``config.jobs > 1``, spawned worker processes train the runs (see ``docs/compare.md`` for what that asks of a
+    script), with the same numbers as ``jobs=1``.
     """
     if config.out is not None:
         from ..plotting import require_matplotlib
