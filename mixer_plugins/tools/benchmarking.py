@@ -1,19 +1,13 @@
 """Measuring mixers: time, FLOPs (counted by PyTorch) and peak memory, shared by ``mixer-plugins bench``,
 the benchmark suites and scripts in ``benchmarks/`` and the GPU check's scripts (``benchmarks/gpu/``).
 
-* Time: :func:`time_calls` is the one timing loop. It takes one function or several, runs untimed warm-up
-  rounds, then timed rounds that call every function once each, in turn (or in a new random order every round),
-  synchronizing CUDA around each call; it stops early at a deadline. :class:`Timings` holds every call's seconds
-  and minor page faults, with medians, quantiles and per-round ratios.
+* Time: :func:`time_calls` is the one timing loop; :class:`Timings` holds every call's seconds and minor page faults,
+  with medians, quantiles and per-round ratios.
 * FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` on the same forward (our custom ops
   register their formulas, so the counter sees the scans and FFTs); :meth:`MatrixMixer.flops` is the
   analytic count it is checked against.
-* Peak memory on CUDA is ``torch.cuda.max_memory_allocated``. On CPU it is the rise of the process's
-  peak resident set size over the run (Linux: ``/proc/self/clear_refs`` resets the peak) with malloc left as
-  every process has it: no ``mallopt``, no ``MALLOC_*`` tuning, so the figure is what a normal process sees.
-  It includes allocator overhead, so compare it between mixers and lengths, not with tensor byte counts.
-  :func:`peak_memory` with ``tuned=True`` gives the older, lower figure measured with large buffers forced to
-  ``mmap`` (about 1.8x lower for Hydra's forward+backward); it is never reported as "the" peak.
+* Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU the rise of the process's peak resident set over
+  the run, with malloc as a normal process has it (:func:`peak_memory`; ``docs/cli.md``).
 """
 
 from __future__ import annotations
@@ -51,7 +45,6 @@ __all__ = [
     "Timings",
     "build_mixer",
     "count_flops",
-    "device_sync",
     "error_summary",
     "format_bytes",
     "format_flops",
@@ -133,14 +126,6 @@ def mixer_step(mixer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, m
 
 # -- timing ----------------------------------------------------------------------------------------------
 
-def device_sync(device: str | torch.device | None) -> Callable[[], None] | None:
-    """``torch.cuda.synchronize`` for a CUDA device (a timed call ends when its kernels have run), else None."""
-    if device is None or torch.device(device).type != "cuda":
-        return None
-    dev = torch.device(device)
-    return lambda: torch.cuda.synchronize(dev)
-
-
 def _minor_faults() -> int:
     """This process's minor page faults so far (first touches of pages the kernel had to map); 0 off Unix."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
@@ -191,7 +176,8 @@ def time_calls(fns: Mapping[Any, Callable[[], object]] | Callable[[], object], *
     after the round it is in, keeping at least one timed round, and ``note`` says how many were made.
     """
     calls: dict[Hashable, Callable[[], object]] = dict(fns) if isinstance(fns, Mapping) else {None: fns}
-    sync = sync or device_sync(device)
+    if sync is None and device is not None and torch.device(device).type == "cuda":
+        sync = functools.partial(torch.cuda.synchronize, torch.device(device))
     order = random.Random(shuffle) if shuffle is not None else None
     timings = Timings({key: [] for key in calls}, {key: [] for key in calls})
 
@@ -494,7 +480,6 @@ class DecodeTiming:
 
 def time_decoding(mixers: Sequence[str], contexts: Sequence[int], *, dim: int = 256, batch: int = 1, steps: int = 32,
                   warmup: int = 4, options: Mapping[str, Mapping[str, Any]] | None = None, device: str = "cpu",
-                  on_record: Callable[[list[DecodeTiming], list[SweepProblem]], None] | None = None
                   ) -> tuple[list[DecodeTiming], list[SweepProblem]]:
     """Per-token decoding times of each mixer (built causal) after each context length: ``(timings, problems)``.
 
@@ -503,7 +488,7 @@ def time_decoding(mixers: Sequence[str], contexts: Sequence[int], *, dim: int = 
     (:func:`time_calls`: ``warmup`` untimed turns first, the order shuffled at every turn), so every ratio (a mixer's
     growth with the context, two mixers at one context) compares times taken in the same moments of a possibly busy
     machine, with the processor's caches flushed by the same neighbours. A mixer that cannot run causally or step is
-    a "skipped" problem, an error a "failed" one; ``on_record(timings, problems)`` is called once at the end.
+    a "skipped" problem, an error a "failed" one.
     """
     dev = torch.device(device)
     problems: list[SweepProblem] = []
@@ -529,8 +514,6 @@ def time_decoding(mixers: Sequence[str], contexts: Sequence[int], *, dim: int = 
         times = time_calls(steppers, rounds=steps, warmup=warmup, device=dev, shuffle=0).seconds
     timings = [DecodeTiming(name, context, batch, dim, str(dev), times[name, context]) for name, context in steppers]
     timings.sort(key=lambda t: (list(mixers).index(t.mixer), t.context))
-    if on_record is not None:
-        on_record(timings, problems)
     return timings, problems
 
 

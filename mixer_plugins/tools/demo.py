@@ -1,24 +1,9 @@
 """``mixer-plugins demo``: small timm ViTs that differ only in their token mixer, trained on scikit-learn's digits.
 
-The digits data set (1797 grey 8 x 8 images of the digits 0-9) ships inside scikit-learn, so nothing is
-downloaded. Every model is the same timm ``vit_tiny`` shrunk to the task -- width 64, 2 blocks, 4 heads, MLP ratio
-2, 2 x 2 patches (16 tokens), no class token and average pooling, so the mixer sees only image tokens -- with one
-mixer in every block. Every model starts from the same seed and sees the same batches in the same order.
-
-What it writes to ``--out`` (default ``demo_output/``):
-
-* ``results.md`` / ``results.json``: the table (test accuracy, parameters, FLOPs per image counted by
-  ``FlopCounterMode``, training time) and the per-epoch history;
-* ``learning_curves.png``: training loss and test accuracy per epoch, one line per mixer;
-* ``matrices.png``: the materialized matrix of each mixer in the first block, for one test image (the average over
-  heads by default), next to the image itself;
-* ``errors.log``: full tracebacks of mixers that failed (they are reported in the table; the others still run).
-
-Mixer options adapted to the model size (only where the mixer has the option and the user did not set it):
-mixers sized by head width (Hydra's block) get the head size that gives them the ViT's head count
-(:func:`mixer_plugins.backbones.options.head_dim_for`: ``expand * width / heads``), ``d_state=16`` (the default
-64 is four times the token count) and ``chunk_size`` no larger than the token count (a speed setting only). Width,
-head count and ``max_seq_len`` (the token count) come from the timm adapter, through the same resolver.
+Every model is the same timm ``vit_tiny`` shrunk to the task (width 64, 2 blocks, 4 heads, 2 x 2 patches: 16 tokens,
+no class token, average pooling) with one mixer in every block, started from the same seed and trained on the same
+batches in the same order. What it writes to ``--out`` and how the mixers' options are fitted to the model size:
+``docs/cli.md``.
 """
 
 from __future__ import annotations
@@ -166,7 +151,7 @@ def small_model_options(fields: Mapping[str, Any], tokens: int) -> dict[str, Any
 
 
 def adapted_mixer_options(name: str, config: DemoConfig) -> dict[str, Any]:
-    """The mixer's options for the demo's model size (see the module docstring), then ``config.options``."""
+    """The mixer's options for the demo's model size (see ``docs/cli.md``), then ``config.options``."""
     spec = default_registry.get_spec(name)
     user = dict(config.options.get(spec.name, {}))
     head_size = head_dim_for(spec, config.embed_dim, config.num_heads, user)

@@ -1,20 +1,15 @@
 """Plots of the command line: mixer matrices as heat maps, learning curves, and log-log scaling plots.
 
-matplotlib is part of the ``demo`` extra, so it is imported lazily, with the non-interactive ``Agg`` backend (the
-commands write PNG files and never open a window), and a missing install gives one clear error.
-
-Heat maps use a colour scale chosen from the *off-diagonal* entries: many mixers (Hydra's quasiseparable mixer,
-the Toeplitz and Vandermonde mixers with their residual identity) have a diagonal one or two orders of magnitude
-larger than everything else, and a scale set by the diagonal would hide the structure the picture is meant to
-show (both triangles of a quasiseparable matrix, the stripes of a Toeplitz one). Entries beyond the scale saturate
-and the colour bar says so. ``scale="log"`` shows ``log10 |M|`` instead, which makes decay along the diagonals
-visible.
+matplotlib (the ``demo`` extra) is imported only when a plot is drawn, with the file-only ``Agg`` backend. Heat maps
+take their colour scale from the off-diagonal entries, so a diagonal orders of magnitude larger saturates instead of
+hiding the structure (``docs/cli.md``, ``show``); ``scale="log"`` shows ``log10 |M|``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -31,12 +26,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "SCALES",
+    "figure",
     "heatmap_limits",
     "matrix_to_image",
     "require_matplotlib",
     "save_learning_curves",
     "save_matrix_grid",
     "save_matrix_heatmap",
+    "save_figure",
     "save_scaling_plot",
 ]
 
@@ -54,6 +51,17 @@ def require_matplotlib() -> ModuleType:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+@contextlib.contextmanager
+def figure(*args: Any, **kwargs: Any) -> Iterator[tuple[Figure, Any]]:
+    """``with figure(...) as (fig, axes)``: ``plt.subplots(*args, **kwargs)``, the figure closed after the block."""
+    plt = require_matplotlib()
+    fig, axes = plt.subplots(*args, **kwargs)
+    try:
+        yield fig, axes
+    finally:
+        plt.close(fig)
 
 
 def matrix_to_image(matrix: Tensor, head: int | str = "mean") -> Tensor:
@@ -89,7 +97,7 @@ def heatmap_limits(image: Tensor) -> tuple[float, float, bool]:
     return (-top if diverging else 0.0), top, diverging
 
 
-def _draw_matrix(plt: ModuleType, ax: Axes, image: Tensor, title: str, scale: str) -> None:
+def _draw_matrix(ax: Axes, image: Tensor, title: str, scale: str) -> None:
     if scale not in SCALES:
         raise MixerError(f"scale must be one of {SCALES}, got {scale!r}")
     if scale == "log":
@@ -110,7 +118,7 @@ def _draw_matrix(plt: ModuleType, ax: Axes, image: Tensor, title: str, scale: st
     ax.set_xlabel("j (input token)", fontsize=8)
     ax.set_ylabel("i (output token)", fontsize=8)
     ax.tick_params(labelsize=7)
-    bar = plt.colorbar(im, ax=ax, fraction=0.046, pad=0.04, extend=extend)
+    bar = ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04, extend=extend)
     bar.set_label(label, fontsize=7)
     bar.ax.tick_params(labelsize=7)
 
@@ -118,14 +126,9 @@ def _draw_matrix(plt: ModuleType, ax: Axes, image: Tensor, title: str, scale: st
 def save_matrix_heatmap(matrix: Tensor, path: str | Path, *, title: str = "", head: int | str = "mean",
                         scale: str = "linear") -> Path:
     """Write a heat map of one mixer matrix (see :func:`matrix_to_image`) to ``path`` (PNG)."""
-    plt = require_matplotlib()
-    image = matrix_to_image(matrix, head)
-    fig, ax = plt.subplots(figsize=(5.2, 4.4))
-    try:
-        _draw_matrix(plt, ax, image, title, scale)
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    with figure(figsize=(5.2, 4.4)) as (fig, ax):
+        _draw_matrix(ax, matrix_to_image(matrix, head), title, scale)
+        return save_figure(fig, path)
 
 
 def save_matrix_grid(matrices: Mapping[str, Tensor | str], path: str | Path, *, input_image: Tensor | None = None,
@@ -135,15 +138,13 @@ def save_matrix_grid(matrices: Mapping[str, Tensor | str], path: str | Path, *, 
 
     ``input_image`` (a 2-D tensor, e.g. the digit the matrices were computed on) is drawn first, in grey.
     """
-    plt = require_matplotlib()
     panels: list[tuple[str, Any]] = []
     if input_image is not None:
         panels.append((input_title, input_image))
     panels += list(matrices.items())
     cols = min(3, len(panels)) or 1
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 4.0 * rows), squeeze=False)
-    try:
+    with figure(rows, cols, figsize=(4.6 * cols, 4.0 * rows), squeeze=False) as (fig, axes):
         for ax in axes.flat[len(panels):]:
             ax.axis("off")
         for ax, (title, item) in zip(axes.flat, panels):
@@ -156,10 +157,8 @@ def save_matrix_grid(matrices: Mapping[str, Tensor | str], path: str | Path, *, 
                 ax.set_title(title, fontsize=9)
                 ax.text(0.5, 0.5, item, ha="center", va="center", wrap=True, fontsize=8, transform=ax.transAxes)
             else:
-                _draw_matrix(plt, ax, matrix_to_image(item, head), title, scale)
-        return _save(fig, path, suptitle)
-    finally:
-        plt.close(fig)
+                _draw_matrix(ax, matrix_to_image(item, head), title, scale)
+        return save_figure(fig, path, suptitle)
 
 
 def save_learning_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], path: str | Path, *,
@@ -168,9 +167,7 @@ def save_learning_curves(histories: Mapping[str, Sequence[Mapping[str, float]]],
 
     ``histories[name]`` is a list of per-epoch records with ``epoch``, ``train_loss`` and ``test_accuracy``.
     """
-    plt = require_matplotlib()
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    try:
+    with figure(1, 2, figsize=(10, 4)) as (fig, (loss_ax, acc_ax)):
         for name, history in histories.items():
             if not history:
                 continue
@@ -187,9 +184,7 @@ def save_learning_curves(histories: Mapping[str, Sequence[Mapping[str, float]]],
         for ax in (loss_ax, acc_ax):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-        return _save(fig, path, title)
-    finally:
-        plt.close(fig)
+        return save_figure(fig, path, title)
 
 
 def save_scaling_plot(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
@@ -198,12 +193,10 @@ def save_scaling_plot(rows: Sequence[Mapping[str, Any]], path: str | Path, *, ti
     ``rows`` are measurement records (``mixer``, ``length``, ``seconds``, ``peak_memory_bytes``), e.g.
     :meth:`mixer_plugins.tools.benchmarking.Measurement.as_dict`. Memory panels skip points without a measurement.
     """
-    plt = require_matplotlib()
     by_mixer: dict[str, list[Mapping[str, Any]]] = {}
     for row in rows:
         by_mixer.setdefault(row["mixer"], []).append(row)
-    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    try:
+    with figure(1, 2, figsize=(10, 4)) as (fig, (time_ax, mem_ax)):
         for name, points in by_mixer.items():
             points = sorted(points, key=lambda r: r["length"])
             time_ax.plot([p["length"] for p in points], [p["seconds"] for p in points], marker="o", label=name)
@@ -220,12 +213,10 @@ def save_scaling_plot(rows: Sequence[Mapping[str, Any]], path: str | Path, *, ti
             ax.grid(True, which="both", alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
-        return _save(fig, path, title)
-    finally:
-        plt.close(fig)
+        return save_figure(fig, path, title)
 
 
-def _save(fig: Figure, path: str | Path, suptitle: str = "") -> Path:
+def save_figure(fig: Figure, path: str | Path, suptitle: str = "") -> Path:
     """Give the figure its overall title (if any), lay it out and write it as a PNG."""
     if suptitle:
         fig.suptitle(suptitle, fontsize=10)

@@ -1,12 +1,4 @@
-"""The training loop of ``mixer-plugins demo`` and ``mixer-plugins compare``: a fixed number of optimizer steps over
-a stream of batches, evaluated every so many steps.
-
-Each step computes the loss of one batch, refuses a non-finite loss, clears the gradients, runs the backward, clips
-the gradient norm (when asked), steps the optimizer and then the learning-rate schedule. Every ``eval_every`` steps
-and after the last one the model is evaluated, and the mean training loss since the previous evaluation (weighted by
-the batches' sizes) is recorded beside it. The time of the steps themselves is summed: fetching batches and
-evaluating are not counted.
-"""
+"""The training loop of ``mixer-plugins demo`` and ``mixer-plugins compare`` (:func:`train`)."""
 
 from __future__ import annotations
 
@@ -27,7 +19,8 @@ BatchT = TypeVar("BatchT", bound=Sized)
 
 @dataclasses.dataclass
 class TrainLog:
-    """What :func:`train` recorded, per evaluation: ``(step, metric)`` and ``(step, mean training loss)``."""
+    """What :func:`train` recorded, per evaluation: ``(step, metric)`` and ``(step, mean training loss since the
+    previous evaluation, weighted by batch size)``."""
 
     curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     train_loss: list[tuple[int, float]] = dataclasses.field(default_factory=list)

@@ -177,15 +177,10 @@ def name_list(text: str) -> list[str]:
     return names
 
 
+_head_index = number_type(int, lambda v: v >= 0, "a head index (>= 0) or 'mean'")
+
+
 def head(text: str) -> int | str:
     """A head index or ``mean``."""
-    if text == "mean":
-        return "mean"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a head index or 'mean', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a head index (>= 0) or 'mean', got {text!r}")
-    return value
+    return "mean" if text == "mean" else _head_index(text)
 

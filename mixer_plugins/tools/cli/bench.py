@@ -13,8 +13,9 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..._text import markdown_table
 from .. import DEFAULT_MIXERS, DIRECTIONS, MODES
 from ..progress import progress_bar
 from .args import (
@@ -110,12 +111,11 @@ def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markd
     context to the longest, and the baseline's median over each mixer's at the longest context."""
     contexts = sorted({t.context for t in timings})
     by = {(t.mixer, t.context): t for t in timings}
-    mixers = list(dict.fromkeys(t.mixer for t in timings))
     head = ["mixer"] + [f"L={c}: ms/token (p25-p75)" for c in contexts] + [f"L={contexts[-1]}/L={contexts[0]}"]
     if baseline is not None:
         head.append(f"{baseline} / mixer at L={contexts[-1]}")
     rows = []
-    for name in mixers:
+    for name in dict.fromkeys(t.mixer for t in timings):
         row = [name]
         for c in contexts:
             t = by.get((name, c))
@@ -128,8 +128,6 @@ def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markd
             row.append(f"{base.median / last.median:.2f}x" if base and last else "-")
         rows.append(row)
     if markdown:
-        from ..._text import markdown_table
-
         return markdown_table(head, rows)
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [head, *rows])
@@ -138,11 +136,9 @@ def decode_table(timings: Sequence[DecodeTiming], *, baseline: str | None, markd
 def save_decode_plot(timings: Sequence[DecodeTiming], path: Path, *, title: str = "") -> Path:
     """Time per generated token against the context length (log-log), one line per mixer (the median) with its
     interquartile band."""
-    from ..plotting import require_matplotlib
+    from ..plotting import figure, save_figure
 
-    plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    try:
+    with figure(figsize=(6, 4)) as (fig, ax):
         for name in dict.fromkeys(t.mixer for t in timings):
             points = sorted((t for t in timings if t.mixer == name), key=lambda t: t.context)
             xs = [t.context for t in points]
@@ -156,15 +152,11 @@ def save_decode_plot(timings: Sequence[DecodeTiming], path: Path, *, title: str 
         ax.set_title(title or "decoding")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
-    return path
+        return save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
-    decode = getattr(args, "decode", False)
+    decode = args.decode
     device = check_device(args.device)
     mixers = resolve_mixers(list(DECODE_MIXERS) if decode and args.mixers is _MIXERS_DEFAULT else args.mixers)
     lengths = list(DECODE_CONTEXTS) if decode and args.lengths is _LENGTHS_DEFAULT else args.lengths
@@ -205,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         from ..benchmarking import time_decoding
 
         timings, problems = time_decoding(run_list, lengths, dim=args.dim, batch=args.batch, steps=args.decode_steps,
-                                          options=options, device=device, on_record=write_json)
+                                          options=options, device=device)
         results = timings
         if timings:
             print(decode_table(timings, baseline=baseline if any(t.mixer == baseline for t in timings) else None,
@@ -213,10 +205,17 @@ def run(args: argparse.Namespace) -> int:
         title = f"decoding, dim {args.dim}, batch {args.batch}, {device}"
         plot = lambda path: save_decode_plot(timings, path, title=title)  # noqa: E731
     else:
+        from ..benchmarking import sweep
         from ..plotting import save_scaling_plot
         from ..tables import results_table
 
-        results, problems = _sweep(args, run_list, options, device, write_json)
+        with progress_bar(len(run_list) * len(lengths), enabled=not args.no_progress, unit="run",
+                          file=sys.stderr) as bar:
+            results, problems = sweep(
+                run_list, lengths, dim=args.dim, batch=args.batch, mode=args.mode, direction=args.direction,
+                options=options, device=device, warmup=args.warmup, repeats=args.repeats, memory=not args.no_memory,
+                on_start=None if bar is None else lambda name, length: bar.set_description(f"{name} L={length}"),
+                on_done=None if bar is None else lambda name, length: bar.update(1), on_record=write_json)
         rows = [m.as_dict() for m in results]
         if rows:
             print(results_table(rows, baseline=baseline, markdown=args.markdown))
@@ -239,21 +238,6 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"mixer-plugins: {len(failed)} run(s) failed", file=sys.stderr)
     return 1 if failed or not results else 0
-
-
-def _sweep(args: argparse.Namespace, run_list: list[str], options: dict[str, dict[str, Any]], device: str,
-           on_record: Callable[[list[Measurement], list[SweepProblem]], None]
-           ) -> tuple[list[Measurement], list[SweepProblem]]:
-    """:func:`~mixer_plugins.tools.benchmarking.sweep` with a progress bar."""
-    from ..benchmarking import sweep
-
-    with progress_bar(len(run_list) * len(args.lengths), enabled=not args.no_progress, unit="run",
-                      file=sys.stderr) as bar:
-        return sweep(run_list, args.lengths, dim=args.dim, batch=args.batch, mode=args.mode,
-                     direction=args.direction, options=options, device=device, warmup=args.warmup,
-                     repeats=args.repeats, memory=not args.no_memory,
-                     on_start=None if bar is None else lambda name, length: bar.set_description(f"{name} L={length}"),
-                     on_done=None if bar is None else lambda name, length: bar.update(1), on_record=on_record)
 
 
 COMMAND = Command("time, FLOPs and peak memory of mixers against sequence length; table and log-log plot", run,

@@ -50,9 +50,7 @@ def versions() -> dict[str, str | None]:
 
 def _missing(dist: str) -> str:
     extra = EXTRAS.get(dist, "")
-    if not extra:
-        return "not installed"
-    return f"not installed (pip install 'mixer-plugins[{extra}]')"
+    return f"not installed (pip install 'mixer-plugins[{extra}]')" if extra else "not installed"
 
 
 def device_info() -> dict[str, Any]:

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "names", False):
+    if args.names:
         print("\n".join(entry_point_names()))
         return 0
     from ...registry import MixerPluginWarning, default_registry  # cheap: neither torch nor pydantic

@@ -16,7 +16,7 @@ from .args import CliError
 if TYPE_CHECKING:
     from ...registry import MixerSpec
 
-__all__ = ["parse_option_assignments", "resolve_mixers", "typed_option_value"]
+__all__ = ["literal_value", "parse_option_assignments", "resolve_mixers", "typed_option_value"]
 
 
 def resolve_mixers(names: Sequence[str]) -> list[str]:
@@ -27,7 +27,8 @@ def resolve_mixers(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(default_registry.get_spec(name).name for name in names))
 
 
-def _literal(raw: str) -> Any:
+def literal_value(raw: str) -> Any:
+    """Command-line text as a value: ``none``/``null`` (any case), JSON or a Python literal, else the text itself."""
     if raw.lower() in ("none", "null"):
         return None
     for parse in (json.loads, ast.literal_eval):
@@ -56,9 +57,9 @@ def typed_option_value(spec: MixerSpec, key: str, raw: str) -> Any:
         params = (annotation, *field.metadata)
         annotation = typing.Annotated[params]  # the field's type with its constraints
     adapter = TypeAdapter(annotation)
-    candidates = [_literal(raw)]
+    candidates = [literal_value(raw)]
     if "," in raw and not raw.strip().startswith(("[", "(")):
-        candidates.append([_literal(part.strip()) for part in raw.split(",")])
+        candidates.append([literal_value(part.strip()) for part in raw.split(",")])
     candidates.append(raw)  # a string option whose value happens to look like a number
     first_error = None
     for candidate in candidates:

@@ -88,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
     user = parse_option_assignments(args.option, [name])[name]
     # The spec's test options are small and fast; their max_seq_len (if any) would cap --length, so the length
     # of this run decides it unless the user sets it.
-    options = {k: v for k, v in spec.test_options.items() if k != "max_seq_len"}
-    options.update(user)
+    options = {**{k: v for k, v in spec.test_options.items() if k != "max_seq_len"}, **user}
     require_matplotlib()
     # Output paths are checked before any work; the heat map is written under the name reported.
     out = output_file(args.out or Path("outputs") / f"show_{name}.png", "--out", default_suffix=".png",

@@ -133,16 +133,13 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
     from .presets import preset_config
     from .runner import CompareConfig
 
-    overrides: dict[str, Any] = {}
-    for flag in ("steps", "batch_size", "lr", "eval_every", "test_size", "width", "depth", "heads", "causal",
-                 "token_shift", "seeds", "mixers", "task", "jobs"):
-        value = getattr(args, flag)
-        if value is not None:
-            overrides[flag] = value
+    flags = ("steps", "batch_size", "lr", "eval_every", "test_size", "width", "depth", "heads", "causal", "token_shift",
+             "seeds", "mixers", "task", "jobs")
+    overrides: dict[str, Any] = {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
     if args.task_option:
-        from .models import _value
+        from ..cli.options import literal_value
 
-        overrides["task_options"] = {key: _value(raw) for key, raw in args.task_option}
+        overrides["task_options"] = {key: literal_value(raw.strip()) for key, raw in args.task_option}
     overrides["progress"] = not args.no_progress
     if args.preset is not None:
         if "task" in overrides and "task_options" not in overrides:

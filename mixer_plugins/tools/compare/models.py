@@ -1,14 +1,8 @@
-"""The small backbone every mixer is trained in, and how ``--mixers`` entries are parsed and sized.
-
-The backbone is a pre-LN residual stack, the same for every mixer: embedding (a table for token tasks, a linear
-map for feature tasks) plus learned positions, then ``depth`` blocks of ``x + mixer(LN x)`` and
-``x + MLP(LN x)`` (GELU, hidden ``mlp_ratio * width``), a final LN and a linear readout (per token, or of the mean
-over tokens for pooled tasks). Only the mixer changes between models.
-"""
+"""The small backbone every mixer is trained in (``docs/compare.md``, "The backbone"), and how ``--mixers`` entries
+are parsed and their options fitted to it."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +13,7 @@ from torch import Tensor, nn
 import mixer_plugins
 
 from ...errors import MixerError
+from ..cli.options import literal_value
 from ..demo import small_model_options
 from .tasks import Task
 
@@ -68,19 +63,6 @@ def _split_top_level(text: str, sep: str = ",") -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _value(raw: str) -> Any:
-    raw = raw.strip()
-    lowered = raw.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    try:
-        return ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return raw
-
-
 def parse_mixer(text: str) -> MixerEntry:
     """``NAME``, ``NAME(key=value,...)`` or ``LABEL=NAME(key=value,...)`` -> :class:`MixerEntry`.
 
@@ -100,7 +82,7 @@ def parse_mixer(text: str) -> MixerEntry:
             if "=" not in item:
                 raise MixerError(f"mixer entry {text!r}: option {item!r} is not key=value")
             key, raw = item.split("=", 1)
-            options[key.strip()] = _value(raw)
+            options[key.strip()] = literal_value(raw.strip())
     else:
         name = text
     if not name.strip():
@@ -133,13 +115,8 @@ def parse_mixers(text: str | Sequence[str | MixerEntry]) -> list[MixerEntry]:
 
 
 def adapted_options(entry: MixerEntry, *, width: int, heads: int, seq_len: int, causal: bool) -> dict[str, Any]:
-    """The entry's options filled in for the backbone, where the mixer has the option and the user did not set it.
-
-    ``num_heads`` = ``heads``; block mixers (``expand`` and ``head_dim``) get ``head_dim = expand * width / heads``
-    (the same head count); ``d_state = 16``; ``chunk_size`` at most the sequence length; ``max_seq_len`` = the
-    sequence length (data-independent forms need it; data-dependent ones ignore it); ``causal=True`` when the
-    comparison is causal. A bidirectional-only mixer in a causal comparison is refused.
-    """
+    """The entry's options filled in for the backbone where the mixer has the option and the user did not set it
+    (``docs/compare.md``, "The backbone"); a bidirectional-only mixer in a causal comparison is refused."""
     spec = mixer_plugins.get_spec(entry.name)
     fields = spec.config.model_fields
     user = dict(entry.options)
@@ -176,8 +153,7 @@ def check_entry(entry: MixerEntry, *, width: int, heads: int, seq_len: int, caus
 class _Block(nn.Module):
     def __init__(self, mixer: nn.Module, width: int, mlp_ratio: float):
         super().__init__()
-        hidden = int(round(mlp_ratio * width))
-        self.hidden = hidden
+        self.hidden = hidden = int(round(mlp_ratio * width))
         self.norm1 = nn.LayerNorm(width)
         self.mixer = mixer
         self.norm2 = nn.LayerNorm(width)
@@ -191,10 +167,8 @@ class _Block(nn.Module):
 class SequenceModel(nn.Module):
     """Embedding + positions, ``depth`` pre-LN blocks with the same mixer kind, final LN and readout.
 
-    ``token_shift`` adds a second embedding of the *previous* input to every position (zero at position 0): a
-    fixed one-step shift like RWKV's token shift. It hands every mixer the binding of a value to the key before
-    it, so associative recall measures the content-based lookup (see ``docs/compare.md``).
-    """
+    ``token_shift`` adds an embedding of the *previous* input to every position, as RWKV's token shift
+    (``docs/compare.md``)."""
 
     def __init__(self, task: Task, entry: MixerEntry, *, width: int = 64, depth: int = 2, heads: int = 4,
                  mlp_ratio: float = 2.0, positions: bool = True, token_shift: bool = False, causal: bool = False):
@@ -206,7 +180,6 @@ class SequenceModel(nn.Module):
             self.embed: nn.Module = nn.Embedding(task.input_size, width)
         else:
             self.embed = nn.Linear(task.input_size, width)
-        # token shift: position t also embeds the input at t - 1 (with its own table), as RWKV's token shift
         self.shift_embed = type(self.embed)(task.input_size, width) if token_shift else None
         self.positions = nn.Parameter(torch.randn(1, task.seq_len, width) * 0.02) if positions else None
         self.blocks = nn.ModuleList(
@@ -215,7 +188,7 @@ class SequenceModel(nn.Module):
         )
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, task.output_size)
-        self.width, self.mlp_ratio = width, mlp_ratio
+        self.width = width
 
     def forward(self, inputs: Tensor) -> Tensor:
         x = self.embed(inputs)
@@ -246,8 +219,7 @@ def model_flops(model: SequenceModel) -> int | None:
             total += int(mixer_flops(1, length))
         except (NotImplementedError, AttributeError):
             return None
-        hidden = block.hidden
-        total += 2 * 2 * length * width * hidden
+        total += 2 * 2 * length * width * block.hidden
     if isinstance(model.embed, nn.Linear):
         total += 2 * length * model.embed.in_features * width * (2 if model.shift_embed is not None else 1)
     readout_tokens = 1 if model.readout == "mean" else length

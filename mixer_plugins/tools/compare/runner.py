@@ -1,10 +1,5 @@
 """The Python API of ``mixer-plugins compare``: train one backbone per mixer and seed on a task, and summarize.
 
->>> from mixer_plugins.tools.compare import CompareConfig, compare
->>> result = compare(CompareConfig(task="mqar", mixers="attention,long_conv=toeplitz(data_dependent=False)",
-...                                steps=300, seeds=(0, 1)))          # doctest: +SKIP
->>> print(result.table())                                             # doctest: +SKIP
-
 Everything is fixed by the seeds: seed ``s`` seeds the model's initialization (``torch.manual_seed(s)`` just before
 it is built) and the training stream (a ``torch.Generator`` seeded with ``s``, the same batches for every mixer),
 and the test set (seeded from ``s`` independently of the training stream). With the same threads, two runs give the
@@ -26,7 +21,7 @@ import torch
 
 from ..._text import format_table, markdown_table
 from ...errors import MixerError
-from ..benchmarking import format_flops
+from ..benchmarking import error_summary, format_flops
 from ..cli.args import set_threads
 from ..progress import progress_bar
 from ..training import check_positive, train
@@ -100,7 +95,7 @@ class CompareConfig:
         self.entries = parse_mixers(self.mixers)
         self.mixers = self.entries
         self.task_options = dict(self.task_options)
-        task = make_task(self.task, **self.task_options)  # bad task names and knobs fail before training
+        task = self.build_task()  # bad task names and knobs fail before training
         for entry in self.entries:  # and so do bad options (or a mixer that cannot run in this comparison)
             check_entry(entry, width=self.width, heads=self.heads, seq_len=task.seq_len, causal=self.causal)
         labels = {e.label for e in self.entries}
@@ -190,9 +185,6 @@ class CompareResult:
                 out.append(EntrySummary(entry.label, None, None, 0, None, None, None, error))
                 continue
             mean, var = mean_var([r.metric for r in done if r.metric is not None])  # every finished run has one
-            std = math.sqrt(var)
-            train = [r.train_seconds for r in done if r.train_seconds is not None]
-            seconds = sum(train) / len(train) if len(train) == len(done) else None
             failed = [r for r in runs if r.error]
             if failed:
                 note = f"{len(failed)} seed(s) failed: {failed[0].error}"
@@ -200,9 +192,8 @@ class CompareResult:
                 note = f"{len(done)} of {len(self.config.seeds)} seeds run"
             else:
                 note = None
-            cpu = [r.cpu_seconds for r in done if r.cpu_seconds is not None]
-            out.append(EntrySummary(entry.label, mean, std, len(done), done[0].parameters, done[0].flops, seconds,
-                                    note, sum(cpu) / len(cpu) if len(cpu) == len(done) else None))
+            out.append(EntrySummary(entry.label, mean, math.sqrt(var), len(done), done[0].parameters, done[0].flops,
+                                    _mean([r.train_seconds for r in done]), note, _mean([r.cpu_seconds for r in done])))
         return out
 
     def seed_metrics(self, label: str) -> list[float]:
@@ -210,15 +201,9 @@ class CompareResult:
         return [r.metric for r in self.runs if r.label == label and r.error is None and r.metric is not None]
 
     def check_orderings(self) -> list[dict[str, Any]]:
-        """For each expected ordering: the two means and stds, Welch's ``p`` and a verdict.
-
-        ``held`` only when each entry has at least 3 seeds, Welch's t-test finds the difference significant
-        (two-sided ``p < 0.05``) in the expected direction, and the better entry is above the task's chance level
-        (a one-sample t-test, ``p < 0.05``); ``did not hold`` when the same holds the other way round; otherwise
-        ``inconclusive (...)`` with the reasons (``one seed``, ``fewer than 3 seeds``, ``both at chance``,
-        ``within noise``): see :mod:`mixer_plugins.tools.compare.stats`. When an entry failed it is ``not
-        measured``; a quick run (a few steps) is ``not judged (quick run)``.
-        """
+        """For each expected ordering: the two means and stds, Welch's ``p`` and the verdict of
+        :func:`~mixer_plugins.tools.compare.stats.judge` (``not measured`` when an entry failed, ``not judged (quick
+        run)`` for a quick run)."""
         by_label = {s.label: s for s in self.summaries()}
         checks = []
         for ordering in self.config.orderings:
@@ -259,7 +244,7 @@ class CompareResult:
                 rows.append((s.label, "-", "-", "-", "-", "-", f"FAILED: {s.error}"))
                 continue
             cpu = "-" if s.cpu_seconds is None else f"{s.cpu_seconds:.1f} s"
-            rows.append((s.label, f"{s.mean:.3f} ± {s.std:.3f}", format_flops(s.parameters),
+            rows.append((s.label, _fmt(s.mean, s.std), format_flops(s.parameters),
                          format_flops(s.flops), f"{s.train_seconds:.1f} s", cpu, s.error or ""))
         return rows
 
@@ -319,12 +304,8 @@ class CompareResult:
         settings["mixers"] = [MixerEntry(m["name"], m["options"], m["label"]) for m in settings["mixers"]]
         settings["orderings"] = tuple(Ordering(**o) for o in settings["orderings"])
         config = CompareConfig(**settings)
-        runs = []
-        for run in data["runs"]:
-            run = dict(run)
-            run["curve"] = [tuple(point) for point in run["curve"]]
-            run["train_loss"] = [tuple(point) for point in run["train_loss"]]
-            runs.append(RunResult(**run))
+        runs = [RunResult(**{**run, "curve": [tuple(p) for p in run["curve"]],
+                             "train_loss": [tuple(p) for p in run["train_loss"]]}) for run in data["runs"]]
         return cls(config, config.build_task(), runs, data.get("reference", {}), data.get("timing", {}))
 
     def write(self, out: Path) -> list[Path]:
@@ -340,6 +321,12 @@ class CompareResult:
         written.append(save_curves(self, out / "curves.png"))
         written.append(save_final(self, out / "final.png"))
         return written
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    """The mean of ``values`` (at least one), None when one is missing."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if len(known) == len(values) else None
 
 
 def _fmt(mean: float | None, std: float | None) -> str:
@@ -402,8 +389,7 @@ def _run_or_record(config: CompareConfig, task: Task, entry: MixerEntry, seed: i
     try:
         return train_run(config, task, entry, seed, test, on_step=on_step), None
     except Exception as err:  # noqa: BLE001 - one mixer failing must not stop the comparison
-        first = (str(err).strip().splitlines() or [""])[0]
-        return (RunResult(entry.label, seed, error=f"{type(err).__name__}: {first}"),
+        return (RunResult(entry.label, seed, error=error_summary(err)),
                 f"== {entry.label} seed {seed}\n{traceback.format_exc()}")
 
 
@@ -413,24 +399,12 @@ def _worker_run(config: CompareConfig, index: int, seed: int) -> tuple[RunResult
     return _run_or_record(config, task, config.entries[index], seed, task.test_set(config.test_size, seed))
 
 
-def _log_run(log: Callable[[str], None], task: Task, run: RunResult) -> None:
-    if run.error is None:
-        log(f"{run.label} seed {run.seed}: {task.metric_name} {run.metric:.3f} ({run.train_seconds:.1f} s, "
-            f"{run.cpu_seconds:.1f} s CPU)")
-    else:
-        log(f"{run.label} seed {run.seed} failed: {run.error}")
-
-
 def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> CompareResult:
     """Train every mixer entry of ``config`` with every seed, print the table and (with ``config.out``) write
-    ``results.json``, ``results.md``, ``curves.png`` and ``final.png``. A failing mixer is reported in the table
-    (and its traceback in ``errors.log``); the others still run.
-
-    With ``config.jobs > 1`` the runs are trained by that many fresh worker processes (spawned: a mixer registered
-    at run time rather than by an import or an entry point is unknown to them, and a script that calls this must
-    guard its entry with ``if __name__ == "__main__":``); each worker uses the caller's torch thread count, so the
-    numbers are those of ``jobs=1``. With ``config.out``, ``results.json`` is rewritten
-    after every finished run, so an interrupted comparison keeps what it trained.
+    ``results.json`` (rewritten after every finished run), ``results.md``, ``curves.png`` and ``final.png``. A failing
+    mixer is reported in the table (and its traceback in ``errors.log``); the others still run. With
+    ``config.jobs > 1``, spawned worker processes train the runs (see ``docs/compare.md`` for what that asks of a
+    script), with the same numbers as ``jobs=1``.
     """
     if config.out is not None:
         from ..plotting import require_matplotlib
@@ -455,7 +429,11 @@ def compare(config: CompareConfig, *, log: Callable[[str], None] = print) -> Com
             partial = CompareResult(config, task, _ordered(finished), timing=_timing(config, wall_start, finished))
             config.out.mkdir(parents=True, exist_ok=True)
             (config.out / "results.json").write_text(json.dumps(partial.as_dict(), indent=2, default=str))
-        _log_run(log, task, run)
+        if run.error is None:
+            log(f"{run.label} seed {run.seed}: {task.metric_name} {run.metric:.3f} ({run.train_seconds:.1f} s, "
+                f"{run.cpu_seconds:.1f} s CPU)")
+        else:
+            log(f"{run.label} seed {run.seed} failed: {run.error}")
 
     if config.jobs > 1 and total > 1:
         import concurrent.futures

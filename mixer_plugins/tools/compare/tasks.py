@@ -2,16 +2,9 @@
 
 Every task makes :class:`Batch` es: ``inputs`` (token ids ``(B, L)`` or features ``(B, L, F)``), ``targets`` and a
 bool ``graded`` mask of the positions that are scored. Batches are a pure function of a ``torch.Generator``, so a
-seed fixes them.
-
-**Causal and bidirectional mixers.** Zoology's recall tasks are next-token prediction with causal mixers: the
-answer to a query is the *next input token*, which a bidirectional mixer would simply read. Here every answer is
-predicted *at the query's own position* and never appears as an input at or after that position, only in the
-context before it: the query section holds the query tokens alone (keys without their values; copy markers; a
-regression input with its ``y`` zeroed). So the same sequences are a fair test for causal mixers (which see the
-context and the query) and for bidirectional ones (which also see the later queries, and those carry no answers).
-The task tests (``tests/tools/test_compare.py``) check this: the target of every graded position is determined by the
-inputs before it, and never appears at or after it.
+seed fixes them. Every answer is predicted at its query's own position and appears as an input only before it, so
+the same sequences are fair to causal and bidirectional mixers (``docs/compare.md``, "Causal and bidirectional
+mixers"; ``tests/tools/test_compare.py`` checks it).
 """
 
 from __future__ import annotations
@@ -116,16 +109,11 @@ class Task:
     # -- loss and metric --------------------------------------------------------------------------
     def loss(self, outputs: Tensor, batch: Batch) -> Tensor:
         """Cross-entropy on the graded positions (classification); regression tasks override."""
-        if self.readout == "mean":
-            return F.cross_entropy(outputs, batch.targets)
         return F.cross_entropy(outputs[batch.graded], batch.targets[batch.graded])
 
     def metric(self, outputs: Tensor, batch: Batch) -> float:
         """Accuracy on the graded positions; regression tasks override."""
-        if self.readout == "mean":
-            return float((outputs.argmax(-1) == batch.targets).float().mean())
-        graded = batch.graded
-        return float((outputs[graded].argmax(-1) == batch.targets[graded]).float().mean())
+        return float((outputs[batch.graded].argmax(-1) == batch.targets[batch.graded]).float().mean())
 
     def knobs(self) -> dict[str, Any]:
         """The difficulty knobs (the dataclass fields, ``seq_len_`` shown as ``seq_len``) and their values."""
@@ -331,8 +319,7 @@ class InContextRegressionTask(Task):
         return F.mse_loss(outputs[..., 0][batch.graded], batch.targets[batch.graded])
 
     def metric(self, outputs: Tensor, batch: Batch) -> float:
-        error = F.mse_loss(outputs[..., 0][batch.graded], batch.targets[batch.graded])
-        return float(error / (1.0 + self.noise ** 2))
+        return float(self.loss(outputs, batch) / (1.0 + self.noise ** 2))
 
     def least_squares_metric(self, batch: Batch, ridge: float = 1e-6) -> float:
         """The metric of (nearly unregularized) least squares on each sequence's examples: the reference floor."""
