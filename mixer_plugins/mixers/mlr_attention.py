@@ -32,7 +32,9 @@ cache, each level only over the slots in the query's own block (a token's blocks
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from functools import reduce
 from typing import Any, Literal, Optional
 
 import torch
@@ -40,20 +42,19 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from ..kernels import mlr_attention
-from ..layers.masks import dense_allowed
+from ..kernels.mlr_attention.reference import same_block_mask
 from ..registry.spec import MixerSpec
 from ._softmax_common import (
     AttentionLinkOptions,
-    AttentionLogitsMixin,
     LevelRanksConfig,
     QKVSoftmaxConfig,
     QKVSoftmaxMixer,
+    StructuredSoftmaxMixer,
     attention_weights,
     dot_scores,
-    tensor_sum,
 )
 from .base import QKContext
-from .cache import MixerCache
+from .cache import MixerCache, append_kv
 
 __all__ = ["MLRAttention", "MLRAttentionConfig", "SPEC", "mlr_level_counts", "same_block_mask"]
 
@@ -104,14 +105,6 @@ class MLRAttentionConfig(QKVSoftmaxConfig, LevelRanksConfig, AttentionLinkOption
             return list(self.block_sizes)
         levels = len(self.resolved_ranks())
         return [None] + [self.min_block_size * 2 ** (levels - 1 - level) for level in range(1, levels)]
-
-
-def same_block_mask(length: int, block_size: Optional[int], device: torch.device | None = None) -> Tensor:
-    """Bool (L, L): True where tokens ``i`` and ``j`` fall in the same block (blocks aligned at 0; None = global)."""
-    if block_size is None:
-        return torch.ones(length, length, dtype=torch.bool, device=device)
-    block = torch.arange(length, device=device) // block_size
-    return block[:, None] == block[None, :]
 
 
 def mlr_level_counts(length: int, block_sizes: list[Optional[int]], device: torch.device | None = None) -> Tensor:
@@ -191,25 +184,16 @@ class _MergeBlocks(torch.autograd.Function):
         return (grad_scores, None, None, *grad_subs)
 
 
-class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
+class MLRAttention(QKVSoftmaxMixer, StructuredSoftmaxMixer[QKContext]):
     """MLR attention: q/k/v projections, QK-LN, multi-level block-diagonal low-rank scores, softmax, ``proj``."""
-
-    steppable = True
 
     def __init__(self, config: MLRAttentionConfig):
         super().__init__(config)
         self.ranks = config.resolved_ranks()
         self.block_sizes = config.resolved_block_sizes()
-        levels = len(self.ranks)
-        divide = levels if config.divide_by_levels else 1
+        divide = len(self.ranks) if config.divide_by_levels else 1
         self.level_scales = [config.logit_scale(r) / divide for r in self.ranks]
         self.block_divide = config.block_divide
-        self.link_function = config.link_function
-        self.attn_dropout = config.attn_dropout
-
-    def _weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
-        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
-        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
 
     def logits(self, ctx: QKContext) -> Tensor:
         """Pre-link (pre-softmax) scores, unmasked, (batch, heads, L, L): :meth:`scores`."""
@@ -290,11 +274,6 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             scores = self._add_blocks(scores, q_seg, k_seg, sizes, level + 1)
         return scores
 
-    def uses_tiled_op(self) -> bool:
-        """Whether :meth:`mix` runs the tiled op (memory linear in L) rather than the materialized ``L x L`` path: it
-        does unless dropout is active (``attn_dropout > 0`` in training mode) or the link is ``"identity"``."""
-        return self.link_function == "softmax" and not (self.attn_dropout and self.training)
-
     def mix(self, ctx: QKContext) -> Tensor:
         if self.uses_tiled_op():
             return mlr_attention(ctx.q, ctx.k, ctx.values, ranks=self.ranks, block_sizes=self.block_sizes,
@@ -302,24 +281,19 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
                                  block_divide=self.block_divide)
         return self.mix_materialized(ctx)
 
-    def mix_materialized(self, ctx: QKContext) -> Tensor:
-        """The materialized path: blocked scores into one dense ``L x L`` per head, link, dropout, ``A V``."""
-        probs = self._weights(self.scores(ctx), ctx.mask)
-        return torch.einsum("bhij,bjhp->bihp", probs, ctx.values)
-
     def matrix(self, ctx: QKContext) -> Tensor:
         # The definition, level by level with dense masks (independent of the blocked fast path).
         length = ctx.q.shape[1]
         device = ctx.q.device
-        scores = tensor_sum(dot_scores(q, k) * scale * same_block_mask(length, size, device)
-                            for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales,
-                                                         self.block_sizes))
+        scores = reduce(operator.add, (dot_scores(q, k) * scale * same_block_mask(length, size, device)
+                                       for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k),
+                                                                    self.level_scales, self.block_sizes)))
         if self.block_divide:
             scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
-        return self._weights(scores, ctx.mask)
+        return self.weights(scores, ctx.mask)
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
-        positions, allowed = self.append_kv(ctx, cache)
+        positions, allowed = append_kv(cache, ctx.k, ctx.values)
         slots = torch.arange(cache.max_len, device=positions.device)
         if ctx.q.shape[1] == 1:
             return self._mix_one_token(ctx, cache, positions, slots, allowed)
@@ -335,7 +309,7 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             else:
                 counts = counts + 1
             levels.append(level)
-        scores = tensor_sum(levels)
+        scores = reduce(operator.add, levels)
         if self.block_divide:
             scores = scores / torch.as_tensor(counts).clamp(min=1)
         weights = attention_weights(scores, allowed[:, None], self.link_function)
@@ -363,23 +337,14 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         weights = attention_weights(scores.transpose(1, 2)[:, :, None], allowed[:, None], self.link_function)
         return torch.einsum("bhtj,bjhp->bthp", weights, cache.read("v", weights.dtype))
 
-    def score_pairs(self, length: int) -> list[int]:
-        """Per level, the number of (query, key) products computed per (batch, head): ``sum over blocks of size^2``."""
-        pairs = []
-        for size in self.block_sizes:
-            if size is None:
-                pairs.append(length * length)
-            else:
-                n, rem = divmod(length, size)
-                pairs.append(n * size * size + rem * rem)
-        return pairs
-
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
-        score_macs = sum(r * p for r, p in zip(self.ranks, self.score_pairs(length)))
+        # per level, the (query, key) products per (batch, head): the sum over its blocks of size^2
+        pairs = [length * length if size is None else (length // size) * size * size + (length % size) ** 2
+                 for size in self.block_sizes]
         proj = self.projection_flops(batch, length)
         return {
             "qkv_proj": proj["qkv_proj"],
-            "scores": 2 * batch * self.num_heads * score_macs,
+            "scores": 2 * batch * self.num_heads * sum(r * p for r, p in zip(self.ranks, pairs)),
             "weighted_values": 2 * batch * self.num_heads * length * length * self.head_dim,
             "out_proj": proj["out_proj"],
         }

@@ -46,8 +46,6 @@ class SlidingWindowAttentionConfig(QKVSoftmaxConfig):
 class SlidingWindowAttention(QKVSoftmaxMixer):
     """Sliding-window softmax attention (blocked, ``O(L * window)``)."""
 
-    steppable = True
-
     def __init__(self, config: SlidingWindowAttentionConfig):
         super().__init__(config)
         self.window = config.window
