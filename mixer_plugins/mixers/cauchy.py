@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
-from functools import reduce
+from functools import partial, reduce
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +45,8 @@ class CauchyMixer(QKMixerBlock):
 
     def __init__(self, config: CauchyConfig):
         super().__init__(config)
-        self.shift_start = 1.0 if config.data_dependent else 0.01
-        self.shift_raw = nn.Parameter(torch.tensor(_inverse_softplus(self.shift_start)))
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self.shift_raw.fill_(_inverse_softplus(self.shift_start))
+        raw = _inverse_softplus(1.0 if config.data_dependent else 0.01)
+        self.shift_raw = self.free_parameter("shift_raw", (), partial(nn.init.constant_, val=raw))
 
     def output_scale(self) -> float:
         return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
