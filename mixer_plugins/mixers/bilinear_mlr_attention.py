@@ -8,12 +8,9 @@ shared by heads), and::
 
     score_h(i, j) = sum_l tau_l * q_h^(l)(i) . k_h^(l)(j),       tau_l = 1/sqrt(r_l p_l)  (or multiplier/(r_l p_l))
 
-Without the LN, the per-head bilinear matrix is ``W_h = sum_l tau_l blockdiag_k(W_Q^(l)[k]_h W_K^(l)[k]_h^T)``: an
-MLR matrix of rank up to ``sum_l r_l p_l``, more than the head dim, for the parameters (``2 D^2``) and projection
-FLOPs of dense ``W_Q, W_K``; only the score width grows, to ``sum_l r_l p_l``. The sequence axis is untouched:
-ordinary (optionally causal) softmax over keys, dense values, output projection.
-
-Decoding (causal) keeps every token's keys (all levels side by side, width ``sum_l r_l p_l``) and values.
+Without the LN, the per-head bilinear matrix is an MLR matrix of rank up to ``sum_l r_l p_l`` for the parameters of
+dense ``W_Q, W_K``. The sequence axis is untouched: ordinary (optionally causal) softmax over keys, dense values, output
+projection. Decoding (causal) keeps every token's keys (all levels side by side) and values.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """``btt_attention``: Bilinear-BTT softmax attention (Kuang et al. 2025).
 
-Standard attention scores with a ``D x D`` bilinear form ``W_Q^h W_K^h^T`` of rank at most ``D / H`` per head.
-Bilinear-BTT gives every head its own **full-rank-capable** ``D x D`` matrix ``M_h``, a block tensor-train (BTT) of
-rank ``s`` (``s = 1`` is Monarch), and scores
+Every head scores with its own full-rank-capable ``D x D`` matrix ``M_h``, a block tensor-train (BTT) of rank ``s``
+(``s = 1`` is Monarch)::
 
     score_h(i, j) = tau * x_i . LN( M_h x_j ),         M_h[(a, b), (g, d)] = sum_s L[(h, b), a, g, s] R[g, d, (h, b, s)]
 
-The query side is the raw input (no projection); the LayerNorm over ``D`` on the transformed key is shared by the
-heads and plays the role of QK-LN. ``D = c * d`` with ``(c, d) = factorize(D)`` (``d`` the smallest divisor above
-``sqrt(D)``) unless ``factors`` is given; as in the paper's code the output factors equal the input ones (a = c,
-b = d). ``tau = 1/sqrt(D)`` (standard) or ``multiplier / D`` (muP). Then softmax over keys, dense values per head and
-an output projection, as in ordinary attention.
-
-The key transform is an :class:`~mixer_plugins.layers.mlbtc.MLBTC` (one BTT level with the heads folded into its ``n2``
-factor), so the muP rules know its cores' fan-ins (``d`` and ``c * s``). Cost per token: ``H * D * s * (c + d)`` MACs
-for the keys (instead of ``2 D^2`` for dense q/k), but ``H * L * D`` per query for the scores (``H`` times standard
-attention's ``L * D``): compare at matched compute, as the paper does.
-
-Decoding (causal) keeps every token's transformed keys ``LN(M_h x_j)`` (batch, max_len, heads, dim) and values;
-a step scores its raw (normalised) input against them.
+The query is the raw input; the LayerNorm over ``D`` on the transformed key is shared by the heads (BTT's QK-LN).
+``D = c * d`` with ``(c, d) = factorize(D)`` unless ``factors`` is given; as in the paper's code the output factors
+equal the input ones. The key transform is an :class:`~mixer_plugins.layers.mlbtc.MLBTC` (one BTT level, the heads
+folded into its ``n2`` factor), so muP knows its cores' fan-ins. Decoding (causal) keeps every token's transformed
+keys and values.
 """
 
 from __future__ import annotations

@@ -1,33 +1,19 @@
 """``mlr_attention``: Multi-Level Low-Rank (MLR) softmax attention on the sequence axis (Kuang et al. 2025).
 
-Queries and keys (per head, after QK-LN) are split along the head dim into levels of widths ``r_0, ..., r_{L-1}``
-(summing to the head dim). Level ``l`` cuts the sequence into contiguous blocks of ``s_l`` tokens aligned at position
-0 and scores only pairs inside a block::
+Queries and keys (per head, after QK-LN) are split along the head dim into levels of widths ``r_0, ..., r_{L-1}``.
+Level ``l`` cuts the sequence into contiguous blocks of ``s_l`` tokens aligned at position 0 and scores only pairs
+inside a block::
 
     S(i, j) = sum_l [i, j in the same level-l block] * tau_l * q_i^(l) . k_j^(l),      tau_l = 1 / r_l (muP, default)
 
-so the pre-softmax score matrix is a sum of block-diagonal low-rank matrices: neighbours share every level (up to the
-full head dim), distant tokens only the coarse ones. With ``block_divide`` (default, as in the paper's language-model
-runs) each score is divided by the number of levels whose block holds both tokens; ``divide_by_levels`` divides by
-``L``. Then the causal mask (optional), softmax over all keys and the values.
+divided, with ``block_divide``, by the number of levels whose block holds both tokens. Blocks are a fixed number of
+tokens (the last, partial block is a block), so the mixer runs at any length and is padding-invariant.
 
-Unlike the reference code this runs at **any length**: blocks are a fixed number of tokens (the last, partial block is
-a block), so a token's blocks never depend on the sequence length or on padding. The default ``block_sizes`` are
-level 0 global and then halving down to ``min_block_size`` at the last level: with 8 levels and 8 tokens that is the
-paper's ``1024, 512, ..., 8`` at its training length 1024.
-
-The forward runs the tiled op :func:`mixer_plugins.kernels.mlr_attention` (flash-style: the pairs are grouped by the
-levels they share, each group's scores computed at its own width and merged by log-sum-exp; memory linear in the
-length, no ``L x L`` tensor). Score FLOPs are ``T * sum_l s_l * r_l`` per head (``L^2 * sum_l r_l 2^-l`` with
-halving blocks) instead of ``L^2 * head_dim``, as ``FlopCounterMode`` counts them (the op's registered formula).
-
-The op has neither dropout nor the identity link: with ``attn_dropout > 0`` in training mode, or
-``link_function="identity"``, the mixer falls back to the materialized path (:meth:`MLRAttention.scores`: block by
-block into one dense ``L x L`` per head, then the link, dropout and ``A V``), which is also what
-:meth:`~MLRAttention.logits` returns.
-
-Decoding (causal) keeps the keys and values of every token; a step scores its queries level by level against the
-cache, each level only over the slots in the query's own block (a token's blocks never depend on the length).
+The forward runs the tiled op :func:`mixer_plugins.kernels.mlr_attention` (memory linear in the length). With
+``attn_dropout > 0`` in training mode, or ``link_function="identity"``, it falls back to the materialized path
+(:meth:`MLRAttention.scores`: block by block into one dense ``L x L`` per head, then the link, dropout and ``A V``).
+Decoding (causal) keeps every token's keys and values; a step scores each level only over the slots in the query's
+own block.
 """
 
 from __future__ import annotations
@@ -126,28 +112,23 @@ def _inverse_counts(size: int, block_sizes: Sequence[Optional[int]], coarser: in
     return (coarser / (coarser + counts)).to(dtype)
 
 
-def _block_view(scores: Tensor, num: int, size: int) -> Tensor:
-    """The ``num`` leading diagonal blocks of ``size`` tokens of ``scores`` (B, h, m, m), a (B, h, s, s, num) view."""
-    span = num * size
-    blocks = scores[:, :, :span, :span].unflatten(3, (num, size)).unflatten(2, (num, size))
-    return blocks.diagonal(dim1=2, dim2=4)
-
-
-def _diagonal_regions(scores: Tensor, size: int) -> list[tuple[Tensor, int]]:
+def _diagonal_regions(scores: Tensor, size: int) -> list[Tensor]:
     """Views of the diagonal blocks of ``size`` tokens of ``scores`` (B, h, m, m): the full blocks as (B, h, s, s, n)
-    and the last partial block as (B, h, rem, rem); with the width of each."""
+    and the last partial block as (B, h, rem, rem)."""
     full, rem = divmod(scores.shape[-1], size)
     regions = []
     if full:
-        regions.append((_block_view(scores, full, size), size))
+        span = full * size
+        blocks = scores[:, :, :span, :span].unflatten(3, (full, size)).unflatten(2, (full, size))
+        regions.append(blocks.diagonal(dim1=2, dim2=4))
     if rem:
-        regions.append((scores[:, :, full * size:, full * size:], rem))
+        regions.append(scores[:, :, full * size:, full * size:])
     return regions
 
 
 def _merge_blocks_(scores: Tensor, size: int, keeps: Sequence[Tensor | None], subs: Sequence[Tensor]) -> Tensor:
     """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place."""
-    for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
+    for region, keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
         if keep is not None:
             region.mul_(keep)
         region.add_(sub)
@@ -174,11 +155,11 @@ class _MergeBlocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grad_subs = [region.clone() for region, _ in _diagonal_regions(grad, ctx.size)]
+        grad_subs = [region.clone() for region in _diagonal_regions(grad, ctx.size)]
         grad_scores = grad
         if any(keep is not None for keep in ctx.keeps):
             grad_scores = grad.clone()
-            for (region, _), keep in zip(_diagonal_regions(grad_scores, ctx.size), ctx.keeps):
+            for region, keep in zip(_diagonal_regions(grad_scores, ctx.size), ctx.keeps):
                 if keep is not None:
                     region.mul_(keep)
         return (grad_scores, None, None, *grad_subs)

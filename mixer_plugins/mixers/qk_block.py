@@ -168,15 +168,11 @@ class QKMixerBlock(SequenceMixerBlock[BlockQKContext]):
             ctx.k = self.k_param[positions].to(ctx.values.dtype)
         return ctx
 
-    def raw_matrix(self, ctx: BlockQKContext) -> Tensor:
-        """M (without scale and identity), causal-masked, broadcast to the batch."""
+    def matrix(self, ctx: BlockQKContext) -> Tensor:
         matrix = self.qk_matrix(ctx.q, ctx.k, ctx)
         if self.causal:
             matrix = torch.tril(matrix)
-        return matrix.expand(ctx.values.shape[0], -1, -1, -1)
-
-    def matrix(self, ctx: BlockQKContext) -> Tensor:
-        return self.identity_plus(self.raw_matrix(ctx), self.output_scale())
+        return self.identity_plus(matrix.expand(ctx.values.shape[0], -1, -1, -1), self.output_scale())
 
     # -- decoding (causal): a cache of keys and values, rows of M against it ---------------------------
     def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
@@ -211,10 +207,6 @@ class QKMixerBlock(SequenceMixerBlock[BlockQKContext]):
         return self.output_scale() * torch.einsum("bhtj,bjhp->bthp", rows, cache.read("v", v.dtype)) + v
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
-        # Materialized form: build M (about 2 * qk_dim multiply-adds per entry, counted as one contraction)
-        # and apply it to the values.
-        heads, p = self.num_heads, self.head_dim
-        return {
-            "matrix": 2 * batch * heads * length * length * self.qk_dim,
-            "apply": 2 * batch * heads * length * length * p,
-        }
+        # materialized: build M (about 2 * qk_dim multiply-adds per entry) and apply it to the values
+        pairs = batch * self.num_heads * length * length
+        return {"matrix": 2 * pairs * self.qk_dim, "apply": 2 * pairs * self.head_dim}
