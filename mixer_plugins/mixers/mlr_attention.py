@@ -277,30 +277,15 @@ class MLRAttention(QKVSoftmaxMixer, StructuredSoftmaxMixer[QKContext]):
         positions, allowed = append_kv(cache, ctx.k, ctx.values)
         slots = torch.arange(cache.max_len, device=positions.device)
         if ctx.q.shape[1] == 1:
-            return self._mix_one_token(ctx, cache, positions, slots, allowed)
-        levels = []
-        counts: Tensor | int = 0
-        keys = cache.read("k", ctx.q.dtype)
-        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(keys), self.level_scales, self.block_sizes):
-            level = torch.einsum("bthe,bjhe->bhtj", q, k) * scale
-            if size is not None:
-                same = (positions[:, :, None] // size == slots[None, None, :] // size)[:, None]   # (b, 1, t, J)
-                level = level * same
-                counts = counts + same
-            else:
-                counts = counts + 1
-            levels.append(level)
-        scores = reduce(operator.add, levels)
-        if self.block_divide:
-            scores = scores / torch.as_tensor(counts).clamp(min=1)
-        weights = attention_weights(scores, allowed[:, None], self.link_function)
-        return torch.einsum("bhtj,bjhp->bthp", weights, cache.read("v", weights.dtype))
+            return self._mix_one_token(ctx.q, cache, positions, slots, allowed)
+        return torch.cat([self._mix_one_token(ctx.q[:, i:i + 1], cache, positions[:, i:i + 1], slots,
+                                              allowed[:, i:i + 1]) for i in range(ctx.q.shape[1])], dim=1)
 
-    def _mix_one_token(self, ctx: QKContext, cache: MixerCache, positions: Tensor, slots: Tensor,
+    def _mix_one_token(self, q: Tensor, cache: MixerCache, positions: Tensor, slots: Tensor,
                        allowed: Tensor) -> Tensor:
-        """One token's mixed values: every level's dot products with the cached keys from one elementwise product,
-        each level kept inside the query's own block."""
-        products = cache.read("k", ctx.q.dtype) * ctx.q                                # (b, max_len, heads, e)
+        """One token's mixed values (``q``: (batch, 1, heads, e) at ``positions`` (batch, 1)): every level's dot
+        products with the cached keys from one elementwise product, each level kept inside the query's own block."""
+        products = cache.read("k", q.dtype) * q                                        # (b, max_len, heads, e)
         scores: Tensor | None = None
         counts: Tensor | int = 0
         for part, scale, size in zip(self._levels(products), self.level_scales, self.block_sizes):
