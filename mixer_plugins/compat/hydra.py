@@ -156,12 +156,6 @@ _OUR_MIXER = {"dense": "dense", "toeplitz": "toeplitz", "vandermonde": "vandermo
 NO_SHIFT_RAW = -40.0
 
 
-def roll_released_toeplitz_taps(conv_params: Tensor) -> Tensor:
-    """The released data-independent Toeplitz kernel (heads, 2 Lmax - 1), read as ``m_ij = c[(i - j + Lmax) mod K]``,
-    in our layout (offsets ``-(Lmax-1) .. Lmax-1`` in order): ``roll(c, -1)``."""
-    return torch.roll(conv_params, shifts=-1, dims=-1)
-
-
 def matrix_mixer_options(matrix_mixer_type: str, is_data_dependent: bool, d_model: int, qk_dim: int, *,
                          max_seq_len: Optional[int] = None, d_conv: int = 7, expand: int = 2, headdim: int = 128,
                          bias: bool = False, conv_bias: bool = True,
@@ -204,7 +198,7 @@ def convert_matrix_mixer_state_dict(state_dict: Mapping[str, Tensor], matrix_mix
     released type (form)    ours
     ======================  ============================================================================================
     dense (DI only)         ``dense``: ``matrix_mixer.M`` -> ``weight``
-    toeplitz (DI)           ``toeplitz``: taps rolled by one (:func:`roll_released_toeplitz_taps`)
+    toeplitz (DI)           ``toeplitz``: taps rolled by one (``m_ij = c[(i - j + Lmax) mod K]`` in order)
     vandermonde (DD)        ``vandermonde``: the block's weights only (the mixer has none)
     vandermonde (DI)        ``vandermonde`` DFT: the ``dft_matrix`` buffer is checked and dropped
     cauchy (DD)             ``cauchy``: the shift ``2 beta`` -> ``shift_raw = log(expm1(2 beta))`` (must be > 0)
@@ -245,7 +239,7 @@ def convert_matrix_mixer_state_dict(state_dict: Mapping[str, Tensor], matrix_mix
                 _check_dft(value)
                 continue
             if matrix_mixer_type == "toeplitz" and local == "conv_params":
-                value = roll_released_toeplitz_taps(value)
+                value = torch.roll(value, shifts=-1, dims=-1)  # offsets -(Lmax-1) .. Lmax-1 in order
             if matrix_mixer_type == "cauchy" and local == "bias":
                 value = _cauchy_shift_raw(value)
             out[target] = value

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
+from functools import reduce
 from typing import Any
 
 import torch
@@ -213,31 +215,27 @@ class MLBTC(nn.Module):
     def cores(self, level: int) -> tuple[Tensor, Tensor]:
         """The effective ``(L, R)`` of a level, expanded over tied axes and RMS-capped when ``rms_cap``."""
         lv = self.levels[level]
+        (n1, n2), (m1, m2) = lv.out_factors, lv.in_factors
         left, right = getattr(self, f"left_{level}"), getattr(self, f"right_{level}")
         if self.rms_cap:
-            (n1, n2), (m1, m2) = lv.out_factors, lv.in_factors
             left = rms_cap(left, lv.left_fan_in(), n1)
             right = rms_cap(right, lv.right_fan_in(), n2 * lv.rank)
-        p, s = lv.blocks, lv.rank
-        (n1, n2), (m1, m2) = lv.out_factors, lv.in_factors
-        return left.expand(p, n2, n1, m1, s), right.expand(p, m1, m2, n2, s)
+        return left.expand(lv.blocks, n2, n1, m1, lv.rank), right.expand(lv.blocks, m1, m2, n2, lv.rank)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x @ W.T`` over the last axis: (..., in_features) -> (..., out_features)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MLBTC expects a last axis of {self.in_features}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        out: Tensor | None = None
-        for level, lv in enumerate(self.levels):
-            left, right = self.cores(level)
-            m1, m2 = lv.in_factors
-            xb = x.reshape(*lead, lv.blocks, m1, m2)
+
+        def level(i: int) -> Tensor:
+            left, right = self.cores(i)
+            xb = x.reshape(*lead, self.levels[i].blocks, *self.levels[i].in_factors)
             # R: contract each input block's m2 entries -> (.., p, m1, n2, s); then L: contract (m1, s) -> n1.
             u = torch.einsum("...pab,pabcs->...pacs", xb, right)
-            y = torch.einsum("...pacs,pcdas->...pdc", u, left).reshape(*lead, self.out_features)
-            out = y if out is None else out + y
-        assert out is not None, "an MLBTC has at least one level"
-        return out
+            return torch.einsum("...pacs,pcdas->...pdc", u, left).reshape(*lead, self.out_features)
+
+        return reduce(operator.add, (level(i) for i in range(len(self.levels))))
 
     def level_dense(self, level: int) -> Tensor:
         """The ``out_features x in_features`` matrix of one level."""
@@ -249,10 +247,7 @@ class MLBTC(nn.Module):
 
     def to_dense(self) -> Tensor:
         """``W``, (out_features, in_features)."""
-        dense = self.level_dense(0)
-        for level in range(1, len(self.levels)):
-            dense = dense + self.level_dense(level)
-        return dense
+        return reduce(operator.add, (self.level_dense(i) for i in range(len(self.levels))))
 
     def macs_per_vector(self) -> int:
         """Multiply-adds of one matrix-vector product (the FLOPs of ``forward`` are twice this per vector)."""

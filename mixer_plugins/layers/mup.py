@@ -46,18 +46,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "AttentionLogitsProbe",
-    "CoordCheckModel",
-    "CoordCheckResult",
-    "MixerFactory",
-    "attention_logit_scale",
-    "coord_check",
-    "mup_fan_ins",
-    "mup_init",
-    "mup_param_groups",
-    "RMS_CAP_EPS",
-    "rms_cap",
-    "rms_cap_target",
+    "AttentionLogitsProbe", "CoordCheckModel", "CoordCheckResult", "MixerFactory", "attention_logit_scale",
+    "coord_check", "mup_fan_ins", "mup_init", "mup_param_groups", "RMS_CAP_EPS", "rms_cap", "rms_cap_target",
     "standard_init",
 ]
 
@@ -421,26 +411,42 @@ def coord_check(build_model: Callable[[int], nn.Module], widths: Sequence[int], 
     """
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
-    runs = [
-        _coord_check_once(build_model, widths, steps, data=data, probe=probe, loss_fn=loss_fn, lr=lr,
-                          parametrization=parametrization, base_width=base_width, zero_init=zero_init,
-                          sp_init_std=sp_init_std, seed=seed + k, include=include, logits=logits)
-        for k in range(seeds)
-    ]
-    first = runs[0]
+    if parametrization not in ("mup", "sp"):
+        raise ValueError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
+    widths = sorted(int(w) for w in widths)
+    if len(widths) < 2 or len(set(widths)) != len(widths):
+        raise ValueError(f"coord_check needs at least two distinct widths, got {widths}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    batch_at = data if callable(data) else (lambda _step: data)
+    probe_inputs, _ = probe if probe is not None else batch_at(0)
+    loss_fn = loss_fn or (lambda out, tgt: (out - tgt).pow(2).mean())
+    base = base_width or widths[0]
 
-    def mean(values: list[Tensor]) -> Tensor:
-        total = values[0]
-        for value in values[1:]:
-            total = total + value
-        return total / len(values)
+    runs = []  # (rms, delta, losses) per seed, then per width
+    for run_seed in range(seed, seed + seeds):
+        for width in widths:
+            torch.manual_seed(run_seed)
+            model = build_model(width)
+            if parametrization == "mup":
+                mup_init(model, zero_init=zero_init)
+                groups = mup_param_groups(model, lr, base_width=base)
+            else:
+                standard_init(model, std=sp_init_std)
+                groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+            runs.append(_train_one_width(model, optimizer, steps, batch_at, probe_inputs, loss_fn, include, logits))
 
-    return CoordCheckResult(
-        widths=first.widths, steps=first.steps, parametrization=first.parametrization,
-        rms={k: mean([r.rms[k] for r in runs]) for k in first.rms if all(k in r.rms for r in runs)},
-        delta={k: mean([r.delta[k] for r in runs]) for k in first.delta if all(k in r.delta for r in runs)},
-        losses=mean([r.losses for r in runs]),
-    )
+    def seed_mean(rows: list[list[float]]) -> Tensor:  # (seeds * widths, n) -> (widths, n), averaged over seeds
+        return torch.tensor(rows, dtype=torch.float64).view(seeds, len(widths), -1).mean(0)
+
+    def table(records: Sequence[dict[str, list[float]]]) -> dict[str, Tensor]:
+        names = set.intersection(*(set(record) for record in records))  # recorded at every width and seed
+        return {name: seed_mean([record[name] for record in records]) for name in sorted(names)}
+
+    rms, delta, losses = zip(*runs)
+    return CoordCheckResult(widths=widths, steps=steps, parametrization=parametrization, rms=table(rms),
+                            delta=table(delta), losses=seed_mean(list(losses)))
 
 
 #: Suffix of the recorded attention logits of a module that exposes them (see :class:`AttentionLogitsProbe`).
@@ -550,43 +556,3 @@ def _train_one_width(model: nn.Module, optimizer: torch.optim.Optimizer, steps: 
         loss.backward()
         optimizer.step()
     return rms, delta, losses
-
-
-def _coord_check_once(build_model: Callable[[int], nn.Module], widths: Sequence[int], steps: int, *,
-                      data: tuple[Tensor, Tensor] | Callable[[int], tuple[Tensor, Tensor]],
-                      probe: tuple[Tensor, Tensor] | None, loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
-                      lr: float, parametrization: Literal["mup", "sp"], base_width: int | None,
-                      zero_init: Iterable[str], sp_init_std: float, seed: int,
-                      include: Callable[[str, nn.Module], bool] | None, logits: bool = False) -> CoordCheckResult:
-    if parametrization not in ("mup", "sp"):
-        raise ValueError(f"parametrization must be 'mup' or 'sp', got {parametrization!r}")
-    widths = sorted(int(w) for w in widths)
-    if len(widths) < 2 or len(set(widths)) != len(widths):
-        raise ValueError(f"coord_check needs at least two distinct widths, got {widths}")
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    batch_at = data if callable(data) else (lambda _step: data)
-    probe_inputs, _ = probe if probe is not None else batch_at(0)
-    loss_fn = loss_fn or (lambda out, tgt: (out - tgt).pow(2).mean())
-    base = base_width or widths[0]
-
-    per_width = []
-    for width in widths:
-        torch.manual_seed(seed)
-        model = build_model(width)
-        if parametrization == "mup":
-            mup_init(model, zero_init=zero_init)
-            groups = mup_param_groups(model, lr, base_width=base)
-        else:
-            standard_init(model, std=sp_init_std)
-            groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
-        optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        per_width.append(_train_one_width(model, optimizer, steps, batch_at, probe_inputs, loss_fn, include, logits))
-
-    def stack(records: list[dict[str, list[float]]]) -> dict[str, Tensor]:
-        names = set.intersection(*(set(record) for record in records))  # recorded at every width
-        return {name: torch.tensor([record[name] for record in records], dtype=torch.float64) for name in sorted(names)}
-
-    return CoordCheckResult(widths=widths, steps=steps, parametrization=parametrization,
-                            rms=stack([run[0] for run in per_width]), delta=stack([run[1] for run in per_width]),
-                            losses=torch.tensor([run[2] for run in per_width], dtype=torch.float64))

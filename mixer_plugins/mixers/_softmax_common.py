@@ -1,16 +1,13 @@
 """Pieces shared by the structured softmax-attention mixers (Kuang et al. 2025) and their baselines.
 
 ``btt_attention``, ``mlr_attention``, ``bilinear_mlr_attention``, ``sliding_window_attention`` and
-``global_local_attention`` all compute ``softmax_j(score(i, j))`` over allowed keys and apply it to value heads;
-they differ in the score. This module holds what they share: the common options, the logit scale, a fused (SDPA)
-path, the blocked sliding-window kernel, and the q/k/v base class of the mixers whose queries and keys are ordinary
-projections. The masks live in :mod:`mixer_plugins.layers.masks`.
+``global_local_attention`` all compute ``softmax_j(score(i, j))`` over allowed keys and apply it to value heads; they
+differ in the score. Here: their options, the fused (SDPA) and sliding-window paths, and their base classes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Literal, Optional, Protocol
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,28 +19,19 @@ from ..kernels import local_attention as _local_attention_op
 from ..layers.masks import (
     attention_bias_mask,
     causal_nonfinite_guard_many,
+    dense_allowed,
     masked_softmax,
     poison_after,
 )
 from ..layers.mup import attention_logit_scale
 from ..registry.spec import MixerConfig
-from .base import MatrixMixer, QKContext
+from .base import CtxT, MatrixMixer, QKContext
 from .cache import MixerCache, append_kv, fill_kv, init_kv
 
 __all__ = [
-    "AttentionLinkOptions",
-    "AttentionLogitsMixin",
-    "LevelRanksConfig",
-    "LocalPlan",
-    "QKVSoftmaxMixer",
-    "QKVSoftmaxConfig",
-    "SoftmaxMixerConfig",
-    "attention_weights",
-    "cached_attention",
-    "dot_scores",
-    "fused_attention",
-    "local_attention",
-    "local_attention_flops",
+    "AttentionLinkOptions", "LevelRanksConfig", "LocalPlan", "QKNormOptions", "QKVSoftmaxConfig", "QKVSoftmaxMixer",
+    "SoftmaxMixer", "SoftmaxMixerConfig", "StructuredSoftmaxMixer", "attention_weights", "cached_attention",
+    "dot_scores", "fused_attention", "local_attention", "local_attention_flops",
 ]
 
 
@@ -93,25 +81,23 @@ class AttentionLinkOptions(MixerConfig):
     )
 
 
-class _LogitsMixer(Protocol):
-    """What :class:`AttentionLogitsMixin` needs of the mixer it is mixed into."""
+class QKNormOptions(MixerConfig):
+    """Mixin options of the mixers with LayerNorms on their queries and keys (QK-LN)."""
 
-    def _begin(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]: ...
+    qk_norm: bool = Field(
+        True, description="LayerNorm on queries and keys over their per-head width, shared by heads (the paper's "
+        "QK-LN; Bilinear-MLR has one per level)"
+    )
+    ln_bias: bool = Field(
+        False, description="a learned bias in the QK LayerNorms: the paper's experiments ran without (their "
+        "scripts set bias=False); the released code's model configs default to bias=True, so set it to load those"
+    )
 
-    def prepare(self, x: Tensor, mask: Tensor | None) -> Any: ...
-
-    def logits(self, ctx: Any) -> Tensor: ...
-
-
-class AttentionLogitsMixin:
-    """Gives a softmax mixer with a ``logits(ctx)`` method the public probe
-    :meth:`attention_logits` (the :class:`~mixer_plugins.layers.mup.AttentionLogitsProbe` protocol the coordinate check
-    uses to record attention logits)."""
-
-    def attention_logits(self: _LogitsMixer, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
-        """Pre-softmax logits (batch, heads, L, L) for input ``x`` (scale included, before masking)."""
-        x, mask, _ = self._begin(x, mask)
-        return self.logits(self.prepare(x, mask))
+    @model_validator(mode="after")
+    def _check_ln_bias(self) -> QKNormOptions:
+        if self.ln_bias and not self.qk_norm:
+            raise ValueError("ln_bias=True needs qk_norm=True: the bias belongs to the query/key LayerNorms")
+        return self
 
 
 #: Levels of the multi-level mixers when no rank list is given.
@@ -129,7 +115,7 @@ class LevelRanksConfig(SoftmaxMixerConfig):
 
     @model_validator(mode="after")
     def _check_ranks(self) -> LevelRanksConfig:
-        head_dim = self.dim // self.num_heads
+        head_dim = self.head_dim
         if self.ranks is None:
             if head_dim % DEFAULT_LEVELS:
                 raise ValueError(
@@ -152,44 +138,15 @@ class LevelRanksConfig(SoftmaxMixerConfig):
         return [self.head_dim // DEFAULT_LEVELS] * DEFAULT_LEVELS
 
 
-class QKVSoftmaxConfig(SoftmaxMixerConfig):
+class QKVSoftmaxConfig(SoftmaxMixerConfig, QKNormOptions):
     """Options of the mixers whose queries and keys are ordinary per-head projections."""
-
-    qk_norm: bool = Field(
-        True, description="LayerNorm on queries and keys over the head dim, shared by heads (the paper's QK-LN)"
-    )
-    ln_bias: bool = Field(
-        False, description="a learned bias in the QK LayerNorms: the paper's experiments ran without (their "
-        "scripts set bias=False); the released code's model configs default to bias=True, so set it to load those"
-    )
-
-    @model_validator(mode="after")
-    def _check_ln_bias(self) -> QKVSoftmaxConfig:
-        if self.ln_bias and not self.qk_norm:
-            raise ValueError("ln_bias=True needs qk_norm=True: the bias belongs to the query/key LayerNorms")
-        return self
 
 
 # -- scores and the fused path ----------------------------------------------------------------------------------------
 
-def tensor_sum(terms: Iterable[Tensor]) -> Tensor:
-    """The sum of one or more tensors, added left to right as they come (what the builtin ``sum`` gives, without its
-    ``0``): pass a generator, and only the running total and one term exist at a time."""
-    it = iter(terms)
-    try:
-        total = next(it)
-    except StopIteration:
-        raise ValueError("tensor_sum needs at least one term") from None
-    for term in it:
-        total = total + term
-    return total
-
-
 def dot_scores(q: Tensor, k: Tensor) -> Tensor:
-    """Per-head dot products of every query with every key: (batch, L, heads, e) x 2 -> (batch, heads, L, L).
-
-    Written with ``matmul``, whose result is a fresh tensor (not a view), so callers may update it in place.
-    """
+    """Per-head dot products of every query with every key: (batch, L, heads, e) x 2 -> (batch, heads, L, L), a
+    fresh tensor (``matmul``, not a view), so callers may update it in place."""
     return torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))
 
 
@@ -253,8 +210,6 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal
     return poison_after(y.transpose(1, 2), poisoned)
 
 
-# -- sliding-window attention ------------------------------------------------------------------------------------
-
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: bool, mask: Tensor | None,
                     scale: float, guard: bool = False) -> Tensor:
     """Sliding-window softmax attention in O(L * window): each query ``i`` sees keys ``|i - j| <= window``
@@ -272,9 +227,93 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, window: int, causal: boo
     return _local_attention_op(q, k, v, window=window, causal=causal, mask=mask, scale=scale)
 
 
-# -- the q/k/v base class ---------------------------------------------------------------------------------------------
+# -- the base classes -------------------------------------------------------------------------------------------------
 
-class QKVSoftmaxMixer(MatrixMixer[QKContext]):
+class SoftmaxMixer(MatrixMixer[CtxT]):
+    """Base of the softmax mixers: ``num_heads`` value heads of ``head_dim``, the output projection ``proj`` (built by
+    the subclass) and, for decoding, a KV cache of every token: the keys of :meth:`qk`, ``key_width`` wide."""
+
+    steppable = True
+    proj: nn.Linear
+    key_width: int
+
+    def __init__(self, config: SoftmaxMixerConfig):
+        super().__init__(config)
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+
+    def qk(self, ctx: CtxT) -> tuple[Tensor, Tensor]:
+        """Per-head queries and keys (batch, length, heads, key_width) of the fused path and the KV cache."""
+        raise NotImplementedError
+
+    def finish(self, ctx: CtxT, y: Tensor) -> Tensor:
+        return self.proj(y.flatten(2))
+
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        init_kv(cache, batch, max_len, self.num_heads, self.key_width, self.head_dim, dtype, device)
+
+    def fill_cache(self, cache: MixerCache, ctx: CtxT, x: Tensor, lengths: Tensor) -> Tensor:
+        fill_kv(cache, self.qk(ctx)[1], ctx.values)
+        return self.mix(ctx)
+
+
+class StructuredSoftmaxMixer(SoftmaxMixer[CtxT]):
+    """Base of the mixers that follow the paper's code past the scores (BTT, MLR, Bilinear-MLR): the link function
+    and attention dropout, the logits probe :meth:`attention_logits`, and a fast path that falls back to the
+    materialized one when the link or dropout needs the weights."""
+
+    #: The logit scale of :meth:`qk`'s dot products (1 where the queries carry it).
+    scale: float = 1.0
+    link_function: str
+    attn_dropout: float
+
+    def __init__(self, config: SoftmaxMixerConfig):
+        super().__init__(config)
+        assert isinstance(config, AttentionLinkOptions), "the structured mixers' configs have the link options"
+        self.link_function = config.link_function
+        self.attn_dropout = config.attn_dropout
+
+    def logits(self, ctx: CtxT) -> Tensor:
+        """Pre-link (pre-softmax) scaled scores, unmasked, (batch, heads, L, L)."""
+        q, k = self.qk(ctx)
+        return dot_scores(q, k) * self.scale
+
+    def attention_logits(self, x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        """Pre-softmax logits (batch, heads, L, L) for input ``x`` (scale included, before masking): the
+        :class:`~mixer_plugins.layers.mup.AttentionLogitsProbe` the coordinate check records."""
+        x, mask, _ = self._begin(x, mask)
+        return self.logits(self.prepare(x, mask))
+
+    def weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
+        """Scores -> attention weights: causal and pad masks, the link function, dropout (training only)."""
+        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
+        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
+
+    def uses_tiled_op(self) -> bool:
+        """Whether :meth:`mix` runs the fast op (memory linear in L: SDPA, or MLR's tiled op) rather than the
+        materialized ``L x L`` path: it does unless dropout is active (``attn_dropout > 0`` in training mode) or the
+        link is ``"identity"``."""
+        return self.link_function == "softmax" and not (self.attn_dropout and self.training)
+
+    def mix(self, ctx: CtxT) -> Tensor:
+        if not self.uses_tiled_op():
+            return self.mix_materialized(ctx)
+        q, k = self.qk(ctx)
+        return fused_attention(q, k, ctx.values, ctx.mask, self.causal, self.scale, self.guard_nonfinite)
+
+    def mix_materialized(self, ctx: CtxT) -> Tensor:
+        """The materialized path: :meth:`logits` into one dense ``L x L`` per head, link, dropout, ``A V``."""
+        return torch.einsum("bhij,bjhp->bihp", self.weights(self.logits(ctx), ctx.mask), ctx.values)
+
+    def mix_step(self, ctx: CtxT, cache: MixerCache) -> Tensor:
+        q, k = self.qk(ctx)
+        _, allowed = append_kv(cache, k, ctx.values)
+        return cached_attention(q, cache.read("k", q.dtype), cache.read("v", q.dtype), allowed, self.scale,
+                                self.link_function)
+
+
+class QKVSoftmaxMixer(SoftmaxMixer[QKContext]):
     """Base of the mixers with dense q/k/v projections (MLR, SWA, GSWA): ``qkv``, optional QK-LN, ``proj``.
 
     ``prepare`` puts the (normalised) queries and keys in ``ctx.q``/``ctx.k`` and the values in ``ctx.values``, all
@@ -283,8 +322,7 @@ class QKVSoftmaxMixer(MatrixMixer[QKContext]):
 
     def __init__(self, config: QKVSoftmaxConfig):
         super().__init__(config)
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
+        self.key_width = self.head_dim
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.proj_bias)
         self.q_norm: nn.LayerNorm | None = None
         self.k_norm: nn.LayerNorm | None = None
@@ -303,22 +341,8 @@ class QKVSoftmaxMixer(MatrixMixer[QKContext]):
             q, k = self.q_norm(q), self.k_norm(k)
         return QKContext(values=v, mask=mask, q=q, k=k)
 
-    def finish(self, ctx: QKContext, y: Tensor) -> Tensor:
-        return self.proj(y.flatten(2))
-
-    # -- decoding (causal): a KV cache of every token; subclasses score against it ------------------
-    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                   device: torch.device) -> None:
-        init_kv(cache, batch, max_len, self.num_heads, self.head_dim, self.head_dim, dtype, device)
-
-    def fill_cache(self, cache: MixerCache, ctx: QKContext, x: Tensor, lengths: Tensor) -> Tensor:
-        fill_kv(cache, ctx.k, ctx.values)
-        return self.mix(ctx)
-
-    def append_kv(self, ctx: QKContext, cache: MixerCache) -> tuple[Tensor, Tensor]:
-        """Write a step's keys and values into the KV cache; returns the positions (batch, t) and the allowed
-        slots (batch, t, max_len) of its queries (slot ``j <= position``)."""
-        return append_kv(cache, ctx.k, ctx.values)
+    def qk(self, ctx: QKContext) -> tuple[Tensor, Tensor]:
+        return ctx.q, ctx.k
 
     def projection_flops(self, batch: int, length: int) -> dict[str, int]:
         """FLOPs of the q/k/v and output projections."""

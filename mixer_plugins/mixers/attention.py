@@ -18,8 +18,9 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from ..kernels import flop_formulas  # noqa: F401  (so FlopCounterMode counts CPU SDPA)
-from ..layers.masks import attention_bias_mask
+from ..layers.masks import attention_bias_mask, masked_softmax
 from ..registry.spec import MixerConfig, MixerSpec
+from ._softmax_common import cached_attention
 from .base import MatrixMixer, QKContext
 from .cache import MixerCache, append_kv, append_kv_token, fill_kv, init_kv
 
@@ -110,18 +111,11 @@ class SoftmaxAttention(MatrixMixer[QKContext]):
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
         _, allowed = append_kv(cache, ctx.k, ctx.values)
-        dtype = ctx.q.dtype
-        y = F.scaled_dot_product_attention(ctx.q.transpose(1, 2), cache.read("k", dtype).transpose(1, 2),
-                                           cache.read("v", dtype).transpose(1, 2), attn_mask=allowed[:, None],
-                                           scale=self.scale)
-        return y.transpose(1, 2)
+        return cached_attention(ctx.q, cache.read("k", ctx.q.dtype), cache.read("v", ctx.q.dtype), allowed, self.scale)
 
     def matrix(self, ctx: QKContext) -> Tensor:
         scores = torch.einsum("bihd,bjhd->bhij", ctx.q, ctx.k) * self.scale
-        allowed = attention_bias_mask(ctx.mask, scores.shape[-1], self.causal, scores.device)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        return scores.softmax(dim=-1)
+        return masked_softmax(scores, attention_bias_mask(ctx.mask, scores.shape[-1], self.causal, scores.device))
 
     def finish(self, ctx: QKContext, y: Tensor) -> Tensor:
         return self.proj(y.flatten(2))

@@ -8,39 +8,27 @@ shared by heads), and::
 
     score_h(i, j) = sum_l tau_l * q_h^(l)(i) . k_h^(l)(j),       tau_l = 1/sqrt(r_l p_l)  (or multiplier/(r_l p_l))
 
-Without the LN, the per-head bilinear matrix is ``W_h = sum_l tau_l blockdiag_k(W_Q^(l)[k]_h W_K^(l)[k]_h^T)``: an
-MLR matrix of rank up to ``sum_l r_l p_l``, more than the head dim, for the parameters (``2 D^2``) and projection
-FLOPs of dense ``W_Q, W_K``; only the score width grows, to ``sum_l r_l p_l``. The sequence axis is untouched:
-ordinary (optionally causal) softmax over keys, dense values, output projection.
-
-Decoding (causal) keeps every token's keys (all levels side by side, width ``sum_l r_l p_l``) and values.
+Without the LN, the per-head bilinear matrix is an MLR matrix of rank up to ``sum_l r_l p_l`` for the parameters of
+dense ``W_Q, W_K``. The sequence axis is untouched: ordinary (optionally causal) softmax over keys, dense values, output
+projection. Decoding (causal) keeps every token's keys (all levels side by side) and values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+from functools import reduce
 from typing import Optional
 
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..layers.masks import dense_allowed
 from ..layers.mup import rms_cap
 from ..registry.spec import MixerSpec
-from ._softmax_common import (
-    AttentionLinkOptions,
-    AttentionLogitsMixin,
-    LevelRanksConfig,
-    attention_weights,
-    cached_attention,
-    dot_scores,
-    fused_attention,
-    tensor_sum,
-)
-from .base import MatrixMixer, MixerContext
-from .cache import MixerCache, append_kv, fill_kv, init_kv
+from ._softmax_common import AttentionLinkOptions, LevelRanksConfig, QKNormOptions, StructuredSoftmaxMixer, dot_scores
+from .base import MixerContext
 
 __all__ = ["BilinearMLRAttention", "BilinearMLRAttentionConfig", "LevelsContext", "SPEC"]
 
@@ -53,23 +41,12 @@ class LevelsContext(MixerContext):
     k_levels: list[Tensor]
 
 
-class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
+class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions, QKNormOptions):
     """Options of Bilinear-MLR attention (levels on the feature axis)."""
 
     num_blocks: Optional[list[int]] = Field(
         None, description="feature chunks p_l of each level (each must divide dim); default 2^l"
     )
-    qk_norm: bool = Field(True, description="LayerNorm on each level's per-head query and key (width r_l * p_l)")
-    ln_bias: bool = Field(
-        False, description="a learned bias in the level LayerNorms: the paper's experiments ran without (their "
-        "scripts set bias=False); the released code's model configs default to bias=True, so set it to load those"
-    )
-
-    @model_validator(mode="after")
-    def _check_ln_bias(self) -> BilinearMLRAttentionConfig:
-        if self.ln_bias and not self.qk_norm:
-            raise ValueError("ln_bias=True needs qk_norm=True: the bias belongs to the query/key LayerNorms")
-        return self
     divide_by_levels: bool = Field(False, description="divide every score by the number of levels")
     rms_cap: bool = Field(True, description="cap the RMS of the level weights in the forward pass (see muP docs)")
 
@@ -94,22 +71,17 @@ class BilinearMLRAttentionConfig(LevelRanksConfig, AttentionLinkOptions):
         return [2**level for level in range(len(self.resolved_ranks()))]
 
 
-class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
+class BilinearMLRAttention(StructuredSoftmaxMixer[LevelsContext]):
     """Bilinear-MLR attention: per-level block-diagonal q/k maps ``q_weight_<l>``/``k_weight_<l>`` of shape
     ``(p_l, D/p_l, H r_l)``, per-level LNs, softmax, dense ``value`` and ``proj``."""
-
-    steppable = True
 
     def __init__(self, config: BilinearMLRAttentionConfig):
         super().__init__(config)
         dim = config.dim
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
         self.ranks = config.resolved_ranks()
         self.num_blocks = config.resolved_num_blocks()
+        self.key_width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
         self.rms_cap = config.rms_cap
-        self.link_function = config.link_function
-        self.attn_dropout = config.attn_dropout
         divide = len(self.ranks) if config.divide_by_levels else 1
         self.level_scales = [config.logit_scale(r * p) / divide for r, p in zip(self.ranks, self.num_blocks)]
         self.mup_fan_in: dict[str, int] = {}
@@ -132,18 +104,11 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Level weights ``N(0, 1/fan_in)`` (level by level, q then k), norm gains ones, then ``value`` and ``proj``:
-        the order of the constructor's draws."""
-        for level in range(len(self.ranks)):
-            for side in ("q", "k"):
-                name = f"{side}_weight_{level}"
-                getattr(self, name).normal_(0.0, 1.0 / math.sqrt(self.mup_fan_in[name]))
-        for norms in (self.q_norms, self.k_norms):
-            for norm in norms or ():
-                assert isinstance(norm, nn.LayerNorm)
-                norm.reset_parameters()
-        self.value.reset_parameters()
-        self.proj.reset_parameters()
+        """Level weights ``N(0, 1/fan_in)`` (level by level, q then k), then the norms, ``value`` and ``proj``: the
+        order of the constructor's draws."""
+        for name, fan_in in self.mup_fan_in.items():
+            getattr(self, name).normal_(0.0, 1.0 / math.sqrt(fan_in))
+        super().reset_parameters()
 
     def level_weight(self, side: str, level: int) -> Tensor:
         """The effective (RMS-capped when ``rms_cap``) ``W_Q^(l)`` or ``W_K^(l)``, (p_l, D/p_l, H r_l)."""
@@ -170,28 +135,15 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
         values = self.value(x).view(b, l, self.num_heads, self.head_dim)
         return LevelsContext(values=values, mask=mask, q_levels=q_levels, k_levels=k_levels)
 
-    def _fused_qk(self, ctx: LevelsContext) -> tuple[Tensor, Tensor]:
+    def qk(self, ctx: LevelsContext) -> tuple[Tensor, Tensor]:
         # All levels in one product: the scales go on the queries, and the widths concatenate.
         q = torch.cat([q * s for q, s in zip(ctx.q_levels, self.level_scales)], dim=-1)
         return q, torch.cat(ctx.k_levels, dim=-1)
 
-    def logits(self, ctx: LevelsContext) -> Tensor:
-        """Pre-link (pre-softmax) scores ``sum_l tau_l q^(l) . k^(l)``, unmasked, (batch, heads, L, L)."""
-        return dot_scores(*self._fused_qk(ctx))
-
-    def _weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
-        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
-        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
-
-    def mix(self, ctx: LevelsContext) -> Tensor:
-        if self.link_function != "softmax" or (self.attn_dropout and self.training):
-            return torch.einsum("bhij,bjhp->bihp", self._weights(self.logits(ctx), ctx.mask), ctx.values)
-        q, k = self._fused_qk(ctx)
-        return fused_attention(q, k, ctx.values, ctx.mask, self.causal, 1.0, self.guard_nonfinite)
-
     def matrix(self, ctx: LevelsContext) -> Tensor:
-        scores = tensor_sum(dot_scores(q, k) * s for q, k, s in zip(ctx.q_levels, ctx.k_levels, self.level_scales))
-        return self._weights(scores, ctx.mask)
+        scores = reduce(operator.add, (dot_scores(q, k) * s for q, k, s in zip(ctx.q_levels, ctx.k_levels,
+                                                                                self.level_scales)))
+        return self.weights(scores, ctx.mask)
 
     def bilinear_matrices(self) -> Tensor:
         """Per head, ``W_h = sum_l tau_l blockdiag_k(W_Q^(l)[k]_h W_K^(l)[k]_h^T)``, (heads, D, D).
@@ -204,35 +156,15 @@ class BilinearMLRAttention(AttentionLogitsMixin, MatrixMixer[LevelsContext]):
             wk = self.level_weight("k", level).view(p, self.dim // p, self.num_heads, r)
             blocks = torch.einsum("pahr,pbhr->hpab", wq, wk) * s  # (H, p, D/p, D/p)
             mats.append(torch.stack([torch.block_diag(*blocks[h].unbind(0)) for h in range(self.num_heads)]))
-        return tensor_sum(mats)
-
-    def finish(self, ctx: LevelsContext, y: Tensor) -> Tensor:
-        return self.proj(y.flatten(2))
-
-    # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                   device: torch.device) -> None:
-        width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
-        init_kv(cache, batch, max_len, self.num_heads, width, self.head_dim, dtype, device)
-
-    def fill_cache(self, cache: MixerCache, ctx: LevelsContext, x: Tensor, lengths: Tensor) -> Tensor:
-        fill_kv(cache, self._fused_qk(ctx)[1], ctx.values)
-        return self.mix(ctx)
-
-    def mix_step(self, ctx: LevelsContext, cache: MixerCache) -> Tensor:
-        q, k = self._fused_qk(ctx)
-        _, allowed = append_kv(cache, k, ctx.values)
-        return cached_attention(q, cache.read("k", q.dtype), cache.read("v", q.dtype), allowed, 1.0,
-                                self.link_function)
+        return reduce(operator.add, mats)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length
-        score_width = sum(r * p for r, p in zip(self.ranks, self.num_blocks))
         return {
             # each level maps p chunks of D/p to H r_l: D * H * r_l MACs per token, summed over levels and q, k
             "qk_proj": 2 * 2 * tokens * self.dim * self.num_heads * sum(self.ranks),
             "value_proj": 2 * tokens * self.dim * self.dim,
-            "scores": 2 * batch * self.num_heads * length * length * score_width,
+            "scores": 2 * batch * self.num_heads * length * length * self.key_width,
             "weighted_values": 2 * batch * self.num_heads * length * length * self.head_dim,
             "out_proj": 2 * tokens * self.dim * self.dim,
         }

@@ -6,8 +6,8 @@ Per head ``M_ij = softmax_j(<q_i, k_j> / sqrt(qk_dim))``, applied as ``y = M v +
 mislabelled the length axis as heads). Named ``block_attention`` so it does not clash with the plain
 ``attention`` mixer (standard multi-head attention).
 
-Decoding (causal) keeps the keys and values of every token (a KV cache of ``max_len`` slots) and the short
-convolution's last inputs; a step scores its queries against the cache (slots past each row's position masked).
+Decoding (causal) keeps the keys and values of every token and the short convolution's last inputs; a step computes
+its rows of the softmax against the cache.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..layers.masks import attention_bias_mask
+from ..layers.masks import attention_bias_mask, masked_softmax
 from ..registry.spec import MixerSpec
-from .cache import MixerCache, kv_positions, kv_write
+from .cache import kv_positions
 from .qk_block import BlockQKContext, QKBlockConfig, QKMixerBlock, queries_and_keys
 
 __all__ = ["BlockAttentionConfig", "BlockAttentionMixer", "SPEC"]
@@ -38,16 +38,15 @@ class BlockAttentionMixer(QKMixerBlock):
     def output_scale(self) -> float:
         return 1.0
 
-    def _allowed(self, ctx: BlockQKContext, length: int) -> Tensor | None:
-        return attention_bias_mask(ctx.mask, length, self.causal, ctx.values.device)
+    def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
+        q, k = queries_and_keys(q, k)
+        scores = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(self.qk_dim)
+        return masked_softmax(scores, attention_bias_mask(ctx.mask, scores.shape[-1], self.causal, scores.device))
 
-    def raw_matrix(self, ctx: BlockQKContext) -> Tensor:
-        b, length = ctx.values.shape[:2]
-        scores = torch.einsum("bihd,bjhd->bhij", *queries_and_keys(ctx.q, ctx.k)) / math.sqrt(self.qk_dim)
-        allowed = self._allowed(ctx, length)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        return scores.softmax(-1).expand(b, -1, -1, -1)
+    def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
+        q, keys = queries_and_keys(q, keys)
+        scores = torch.einsum("bthd,bjhd->bhtj", q, keys) / math.sqrt(self.qk_dim)
+        return masked_softmax(scores, kv_positions(positions, max_len)[:, None])
 
     def mix(self, ctx: BlockQKContext) -> Tensor:
         v = ctx.values
@@ -56,38 +55,9 @@ class BlockAttentionMixer(QKMixerBlock):
         q, k = q.expand(b, -1, -1, -1).transpose(1, 2), k.expand(b, -1, -1, -1).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v.transpose(1, 2),
-            attn_mask=self._allowed(ctx, length) if ctx.mask is not None else None,
+            attn_mask=attention_bias_mask(ctx.mask, length, self.causal, v.device) if ctx.mask is not None else None,
             is_causal=self.causal and ctx.mask is None,
             scale=1.0 / math.sqrt(self.qk_dim),
-        )
-        return y.transpose(1, 2) + v
-
-    # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                   device: torch.device) -> None:
-        super().init_cache(cache, batch, max_len, dtype, device)
-        cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.qk_dim, dtype=dtype, device=device)
-        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
-
-    def fill_cache(self, cache: MixerCache, ctx: BlockQKContext, x: Tensor, lengths: Tensor) -> Tensor:
-        self.fill_conv_cache(cache, x, lengths)
-        b, length = ctx.values.shape[:2]
-        _, k = queries_and_keys(ctx.q, ctx.k)
-        cache.state["k"][:, :length] = k.expand(b, -1, -1, -1).detach()
-        cache.state["v"][:, :length] = ctx.values.detach()
-        return self.mix(ctx)
-
-    def mix_step(self, ctx: BlockQKContext, cache: MixerCache) -> Tensor:
-        v = ctx.values
-        b, t = v.shape[:2]
-        positions = cache.positions(t)
-        q, k = queries_and_keys(ctx.q, ctx.k)
-        kv_write(cache.state["k"], k.expand(b, -1, -1, -1), positions)   # (a step records no history)
-        kv_write(cache.state["v"], v, positions)
-        allowed = kv_positions(positions, cache.max_len)[:, None]                 # (b, 1, t, max_len)
-        y = F.scaled_dot_product_attention(
-            q.expand(b, -1, -1, -1).transpose(1, 2), cache.read("k", q.dtype).transpose(1, 2),
-            cache.read("v", q.dtype).transpose(1, 2), attn_mask=allowed, scale=1.0 / math.sqrt(self.qk_dim),
         )
         return y.transpose(1, 2) + v
 

@@ -1,24 +1,15 @@
 """``btt_attention``: Bilinear-BTT softmax attention (Kuang et al. 2025).
 
-Standard attention scores with a ``D x D`` bilinear form ``W_Q^h W_K^h^T`` of rank at most ``D / H`` per head.
-Bilinear-BTT gives every head its own **full-rank-capable** ``D x D`` matrix ``M_h``, a block tensor-train (BTT) of
-rank ``s`` (``s = 1`` is Monarch), and scores
+Every head scores with its own full-rank-capable ``D x D`` matrix ``M_h``, a block tensor-train (BTT) of rank ``s``
+(``s = 1`` is Monarch)::
 
     score_h(i, j) = tau * x_i . LN( M_h x_j ),         M_h[(a, b), (g, d)] = sum_s L[(h, b), a, g, s] R[g, d, (h, b, s)]
 
-The query side is the raw input (no projection); the LayerNorm over ``D`` on the transformed key is shared by the
-heads and plays the role of QK-LN. ``D = c * d`` with ``(c, d) = factorize(D)`` (``d`` the smallest divisor above
-``sqrt(D)``) unless ``factors`` is given; as in the paper's code the output factors equal the input ones (a = c,
-b = d). ``tau = 1/sqrt(D)`` (standard) or ``multiplier / D`` (muP). Then softmax over keys, dense values per head and
-an output projection, as in ordinary attention.
-
-The key transform is an :class:`~mixer_plugins.layers.mlbtc.MLBTC` (one BTT level with the heads folded into its ``n2``
-factor), so the muP rules know its cores' fan-ins (``d`` and ``c * s``). Cost per token: ``H * D * s * (c + d)`` MACs
-for the keys (instead of ``2 D^2`` for dense q/k), but ``H * L * D`` per query for the scores (``H`` times standard
-attention's ``L * D``): compare at matched compute, as the paper does.
-
-Decoding (causal) keeps every token's transformed keys ``LN(M_h x_j)`` (batch, max_len, heads, dim) and values;
-a step scores its raw (normalised) input against them.
+The query is the raw input; the LayerNorm over ``D`` on the transformed key is shared by the heads (BTT's QK-LN).
+``D = c * d`` with ``(c, d) = factorize(D)`` unless ``factors`` is given; as in the paper's code the output factors
+equal the input ones. The key transform is an :class:`~mixer_plugins.layers.mlbtc.MLBTC` (one BTT level, the heads
+folded into its ``n2`` factor), so muP knows its cores' fan-ins. Decoding (causal) keeps every token's transformed
+keys and values.
 """
 
 from __future__ import annotations
@@ -30,19 +21,10 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from ..layers.masks import dense_allowed
 from ..layers.mlbtc import MLBTC, BTCLevel, factorize
 from ..registry.spec import MixerSpec
-from ._softmax_common import (
-    AttentionLinkOptions,
-    AttentionLogitsMixin,
-    SoftmaxMixerConfig,
-    attention_weights,
-    cached_attention,
-    fused_attention,
-)
-from .base import MatrixMixer, MixerContext
-from .cache import MixerCache, append_kv, fill_kv, init_kv
+from ._softmax_common import AttentionLinkOptions, SoftmaxMixerConfig, StructuredSoftmaxMixer
+from .base import MixerContext
 
 __all__ = ["BTTAttention", "BTTAttentionConfig", "BTTContext", "SPEC"]
 
@@ -90,16 +72,13 @@ class BTTAttentionConfig(SoftmaxMixerConfig, AttentionLinkOptions):
         return c, d
 
 
-class BTTAttention(AttentionLogitsMixin, MatrixMixer[BTTContext]):
+class BTTAttention(StructuredSoftmaxMixer[BTTContext]):
     """Bilinear-BTT attention. ``key_transform`` is the MLBTC of all heads' ``M_h``; ``key_norm`` the shared LN."""
-
-    steppable = True
 
     def __init__(self, config: BTTAttentionConfig):
         super().__init__(config)
         dim = config.dim
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
+        self.key_width = dim
         self.c, self.d = config.resolved_factors()
         self.btt_rank = config.btt_rank
         # Rows of the MLBTC are (alpha, (h, beta)) = (i1, i2); its cores have the paper's layouts:
@@ -115,8 +94,6 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer[BTTContext]):
         self.value = nn.Linear(dim, dim, bias=config.proj_bias)
         self.proj = nn.Linear(dim, dim, bias=config.proj_bias)
         self.scale = config.logit_scale(dim)
-        self.link_function = config.link_function
-        self.attn_dropout = config.attn_dropout
 
     def _heads_last(self, z: Tensor) -> Tensor:
         """MLBTC output rows (alpha, h, beta) -> (h, alpha * b + beta): (..., H*D) -> (..., H, D)."""
@@ -140,47 +117,16 @@ class BTTAttention(AttentionLogitsMixin, MatrixMixer[BTTContext]):
         """LN(M_h x_j) through the cores (fast path), (batch, length, heads, dim)."""
         return self.key_norm(self._heads_last(self.key_transform(ctx.query)))
 
-    def logits(self, ctx: BTTContext) -> Tensor:
-        """Pre-link (pre-softmax) scaled scores ``tau x_i . LN(M_h x_j)``, unmasked, (batch, heads, L, L)."""
-        return torch.einsum("bie,bjhe->bhij", ctx.query, self.keys(ctx)) * self.scale
-
-    def _weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
-        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
-        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
-
-    def mix(self, ctx: BTTContext) -> Tensor:
-        if self.link_function != "softmax" or (self.attn_dropout and self.training):
-            return torch.einsum("bhij,bjhp->bihp", self._weights(self.logits(ctx), ctx.mask), ctx.values)
+    def qk(self, ctx: BTTContext) -> tuple[Tensor, Tensor]:
+        """The raw query broadcast over the heads, and the keys :meth:`keys`."""
         keys = self.keys(ctx)
-        b, l, h, _ = keys.shape
-        query = ctx.query[:, :, None, :].expand(b, l, h, self.dim)
-        return fused_attention(query, keys, ctx.values, ctx.mask, self.causal, self.scale, self.guard_nonfinite)
+        return ctx.query[:, :, None, :].expand(keys.shape), keys
 
     def matrix(self, ctx: BTTContext) -> Tensor:
         # Independent of the fast path: keys through the materialized M_h, scores and softmax written out.
         keys = self.key_norm(torch.einsum("bjg,heg->bjhe", ctx.query, self.key_matrices()))
         scores = torch.einsum("bie,bjhe->bhij", ctx.query, keys) * self.scale
-        return self._weights(scores, ctx.mask)
-
-    def finish(self, ctx: BTTContext, y: Tensor) -> Tensor:
-        return self.proj(y.flatten(2))
-
-    # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                   device: torch.device) -> None:
-        init_kv(cache, batch, max_len, self.num_heads, self.dim, self.head_dim, dtype, device)
-
-    def fill_cache(self, cache: MixerCache, ctx: BTTContext, x: Tensor, lengths: Tensor) -> Tensor:
-        fill_kv(cache, self.keys(ctx), ctx.values)
-        return self.mix(ctx)
-
-    def mix_step(self, ctx: BTTContext, cache: MixerCache) -> Tensor:
-        b, t = ctx.values.shape[:2]
-        _, allowed = append_kv(cache, self.keys(ctx), ctx.values)
-        query = ctx.query[:, :, None, :].expand(b, t, self.num_heads, self.dim)
-        dtype = query.dtype
-        return cached_attention(query, cache.read("k", dtype), cache.read("v", dtype), allowed, self.scale,
-                                self.link_function)
+        return self.weights(scores, ctx.mask)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         tokens = batch * length

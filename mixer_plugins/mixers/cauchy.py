@@ -15,6 +15,8 @@ Decoding (causal) keeps every token's keys and values; a step computes its rows 
 from __future__ import annotations
 
 import math
+import operator
+from functools import partial, reduce
 
 import torch
 import torch.nn.functional as F
@@ -43,40 +45,26 @@ class CauchyMixer(QKMixerBlock):
 
     def __init__(self, config: CauchyConfig):
         super().__init__(config)
-        self.shift_start = 1.0 if config.data_dependent else 0.01
-        self.shift_raw = nn.Parameter(torch.tensor(_inverse_softplus(self.shift_start)))
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        self.shift_raw.fill_(_inverse_softplus(self.shift_start))
+        raw = _inverse_softplus(1.0 if config.data_dependent else 0.01)
+        self.shift_raw = self.free_parameter("shift_raw", (), partial(nn.init.constant_, val=raw))
 
     def output_scale(self) -> float:
         return 1.0 / math.sqrt(self.norm_length * self.qk_dim)
 
     def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
-        q, k = queries_and_keys(q, k)
-        shift = F.softplus(self.shift_raw).to(q.dtype) + _TOL
-        eq = torch.exp(q).permute(0, 2, 1, 3)                                            # (b, h, L, d)
-        ek = torch.exp(k).permute(0, 2, 1, 3)
-        matrix: Tensor | None = None
-        for d in range(self.qk_dim):  # O(L^2) memory, not O(L^2 qk_dim)
-            term = torch.reciprocal(eq[..., d, None] + ek[..., d, None].transpose(-1, -2) + shift)
-            matrix = term if matrix is None else matrix + term
-        assert matrix is not None, "qk_dim >= 1"
-        return matrix
+        return self._rows(q, k)
 
     def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
+        return self._rows(q, keys)
+
+    def _rows(self, q: Tensor | None, keys: Tensor | None) -> Tensor:
         q, keys = queries_and_keys(q, keys)
         shift = F.softplus(self.shift_raw).to(q.dtype) + _TOL
         eq = torch.exp(q).permute(0, 2, 1, 3)                                            # (b, h, t, d)
         ek = torch.exp(keys).permute(0, 2, 1, 3)                                         # (b, h, J, d)
-        rows: Tensor | None = None
-        for d in range(self.qk_dim):
-            term = torch.reciprocal(eq[..., d, None] + ek[..., d, None].transpose(-1, -2) + shift)
-            rows = term if rows is None else rows + term
-        assert rows is not None, "qk_dim >= 1"
-        return rows
+        # summed over d one slice at a time: O(t J) memory, not O(t J qk_dim)
+        return reduce(operator.add, (torch.reciprocal(eq[..., d, None] + ek[..., d, None].transpose(-1, -2) + shift)
+                                     for d in range(self.qk_dim)))
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         h, p = self.num_heads, self.head_dim

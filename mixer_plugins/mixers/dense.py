@@ -16,8 +16,9 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from ..registry.spec import MixerSpec
-from .block import BlockConfig, BlockContext, ChannelGroup, MatrixMixerBlock
+from .block import BlockConfig, BlockContext, ChannelGroup
 from .cache import MixerCache, kv_positions, kv_write
+from .qk_block import SequenceMixerBlock
 
 __all__ = ["DenseConfig", "DenseMixer", "SPEC"]
 
@@ -29,7 +30,7 @@ class DenseConfig(BlockConfig):
     causal: bool = Field(False, description="use only the lower triangle (j <= i)")
 
 
-class DenseMixer(MatrixMixerBlock[BlockContext]):
+class DenseMixer(SequenceMixerBlock[BlockContext]):
     """A free (heads, max_seq_len, max_seq_len) matrix per head, applied as ``y = s W v + v``."""
 
     steppable = True
@@ -38,42 +39,26 @@ class DenseMixer(MatrixMixerBlock[BlockContext]):
     def __init__(self, config: DenseConfig):
         super().__init__(config, [ChannelGroup("v", config.d_inner)])
         self.max_seq_len = config.max_seq_len
-        self.weight = nn.Parameter(torch.empty(self.num_heads, config.max_seq_len, config.max_seq_len))
-        nn.init.xavier_normal_(self.weight)
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        nn.init.xavier_normal_(self.weight)
+        self.weight = self.free_parameter("weight", (self.num_heads, config.max_seq_len, config.max_seq_len),
+                                          nn.init.xavier_normal_)
 
     def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> BlockContext:
         return BlockContext(values=self.heads(parts["v"]), mask=mask)
 
-    def matrix(self, ctx: BlockContext) -> Tensor:
-        b, length = ctx.values.shape[:2]
+    def _weight(self, ctx: BlockContext) -> Tensor:
+        """W's leading block at the input's length (its lower triangle when causal), in the values' dtype."""
+        length = ctx.values.shape[1]
         w = self.weight[:, :length, :length].to(ctx.values.dtype)
-        if self.causal:
-            w = torch.tril(w)
-        return self.identity_plus(w, 1.0 / math.sqrt(self.max_seq_len))[None].expand(b, -1, -1, -1)
+        return torch.tril(w) if self.causal else w
+
+    def matrix(self, ctx: BlockContext) -> Tensor:
+        w = self.identity_plus(self._weight(ctx), 1.0 / math.sqrt(self.max_seq_len))
+        return w[None].expand(ctx.values.shape[0], -1, -1, -1)
 
     def mix(self, ctx: BlockContext) -> Tensor:
-        b, length = ctx.values.shape[:2]
-        w = self.weight[:, :length, :length].to(ctx.values.dtype)
-        if self.causal:
-            w = torch.tril(w)
-        return torch.einsum("hij,bjhp->bihp", w, ctx.values) / math.sqrt(self.max_seq_len) + ctx.values
+        return torch.einsum("hij,bjhp->bihp", self._weight(ctx), ctx.values) / math.sqrt(self.max_seq_len) + ctx.values
 
-    # -- decoding (causal) ----------------------------------------------------------------------------
-    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
-                   device: torch.device) -> None:
-        super().init_cache(cache, batch, max_len, dtype, device)
-        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
-
-    def fill_cache(self, cache: MixerCache, ctx: BlockContext, x: Tensor, lengths: Tensor) -> Tensor:
-        self.fill_conv_cache(cache, x, lengths)
-        cache.state["v"][:, :ctx.values.shape[1]] = ctx.values.detach()
-        return self.mix(ctx)
-
+    # -- decoding (causal): every token's values ----------------------------------------------------------
     def mix_step(self, ctx: BlockContext, cache: MixerCache) -> Tensor:
         v = ctx.values
         positions = cache.positions(v.shape[1])

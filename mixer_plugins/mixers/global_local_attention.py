@@ -36,7 +36,7 @@ from ._softmax_common import (
     local_attention_flops,
 )
 from .base import QKContext
-from .cache import MixerCache
+from .cache import MixerCache, append_kv
 
 __all__ = ["GlobalLocalAttention", "GlobalLocalAttentionConfig", "SPEC"]
 
@@ -74,8 +74,6 @@ class GlobalLocalAttentionConfig(QKVSoftmaxConfig):
 class GlobalLocalAttention(QKVSoftmaxMixer):
     """GSWA: global softmax on the first ``global_dim`` q/k dims plus windowed softmax on the rest."""
 
-    steppable = True
-
     def __init__(self, config: GlobalLocalAttentionConfig):
         super().__init__(config)
         self.window = config.window
@@ -105,7 +103,7 @@ class GlobalLocalAttention(QKVSoftmaxMixer):
         return p_global + p_local
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
-        positions, allowed = self.append_kv(ctx, cache)
+        positions, allowed = append_kv(cache, ctx.k, ctx.values)
         keys, values = cache.read("k", ctx.q.dtype), cache.read("v", ctx.q.dtype)
         (qg, ql), (kg, kl) = self._split(ctx.q), self._split(keys)
         slots = torch.arange(cache.max_len, device=positions.device)

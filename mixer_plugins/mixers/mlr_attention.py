@@ -1,38 +1,26 @@
 """``mlr_attention``: Multi-Level Low-Rank (MLR) softmax attention on the sequence axis (Kuang et al. 2025).
 
-Queries and keys (per head, after QK-LN) are split along the head dim into levels of widths ``r_0, ..., r_{L-1}``
-(summing to the head dim). Level ``l`` cuts the sequence into contiguous blocks of ``s_l`` tokens aligned at position
-0 and scores only pairs inside a block::
+Queries and keys (per head, after QK-LN) are split along the head dim into levels of widths ``r_0, ..., r_{L-1}``.
+Level ``l`` cuts the sequence into contiguous blocks of ``s_l`` tokens aligned at position 0 and scores only pairs
+inside a block::
 
     S(i, j) = sum_l [i, j in the same level-l block] * tau_l * q_i^(l) . k_j^(l),      tau_l = 1 / r_l (muP, default)
 
-so the pre-softmax score matrix is a sum of block-diagonal low-rank matrices: neighbours share every level (up to the
-full head dim), distant tokens only the coarse ones. With ``block_divide`` (default, as in the paper's language-model
-runs) each score is divided by the number of levels whose block holds both tokens; ``divide_by_levels`` divides by
-``L``. Then the causal mask (optional), softmax over all keys and the values.
+divided, with ``block_divide``, by the number of levels whose block holds both tokens. Blocks are a fixed number of
+tokens (the last, partial block is a block), so the mixer runs at any length and is padding-invariant.
 
-Unlike the reference code this runs at **any length**: blocks are a fixed number of tokens (the last, partial block is
-a block), so a token's blocks never depend on the sequence length or on padding. The default ``block_sizes`` are
-level 0 global and then halving down to ``min_block_size`` at the last level: with 8 levels and 8 tokens that is the
-paper's ``1024, 512, ..., 8`` at its training length 1024.
-
-The forward runs the tiled op :func:`mixer_plugins.kernels.mlr_attention` (flash-style: the pairs are grouped by the
-levels they share, each group's scores computed at its own width and merged by log-sum-exp; memory linear in the
-length, no ``L x L`` tensor). Score FLOPs are ``T * sum_l s_l * r_l`` per head (``L^2 * sum_l r_l 2^-l`` with
-halving blocks) instead of ``L^2 * head_dim``, as ``FlopCounterMode`` counts them (the op's registered formula).
-
-The op has neither dropout nor the identity link: with ``attn_dropout > 0`` in training mode, or
-``link_function="identity"``, the mixer falls back to the materialized path (:meth:`MLRAttention.scores`: block by
-block into one dense ``L x L`` per head, then the link, dropout and ``A V``), which is also what
-:meth:`~MLRAttention.logits` returns.
-
-Decoding (causal) keeps the keys and values of every token; a step scores its queries level by level against the
-cache, each level only over the slots in the query's own block (a token's blocks never depend on the length).
+The forward runs the tiled op :func:`mixer_plugins.kernels.mlr_attention` (memory linear in the length). With
+``attn_dropout > 0`` in training mode, or ``link_function="identity"``, it falls back to the materialized path
+(:meth:`MLRAttention.scores`: block by block into one dense ``L x L`` per head, then the link, dropout and ``A V``).
+Decoding (causal) keeps every token's keys and values; a step scores each level only over the slots in the query's
+own block.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from functools import reduce
 from typing import Any, Literal, Optional
 
 import torch
@@ -40,20 +28,19 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from ..kernels import mlr_attention
-from ..layers.masks import dense_allowed
+from ..kernels.mlr_attention.reference import same_block_mask
 from ..registry.spec import MixerSpec
 from ._softmax_common import (
     AttentionLinkOptions,
-    AttentionLogitsMixin,
     LevelRanksConfig,
     QKVSoftmaxConfig,
     QKVSoftmaxMixer,
+    StructuredSoftmaxMixer,
     attention_weights,
     dot_scores,
-    tensor_sum,
 )
 from .base import QKContext
-from .cache import MixerCache
+from .cache import MixerCache, append_kv
 
 __all__ = ["MLRAttention", "MLRAttentionConfig", "SPEC", "mlr_level_counts", "same_block_mask"]
 
@@ -106,14 +93,6 @@ class MLRAttentionConfig(QKVSoftmaxConfig, LevelRanksConfig, AttentionLinkOption
         return [None] + [self.min_block_size * 2 ** (levels - 1 - level) for level in range(1, levels)]
 
 
-def same_block_mask(length: int, block_size: Optional[int], device: torch.device | None = None) -> Tensor:
-    """Bool (L, L): True where tokens ``i`` and ``j`` fall in the same block (blocks aligned at 0; None = global)."""
-    if block_size is None:
-        return torch.ones(length, length, dtype=torch.bool, device=device)
-    block = torch.arange(length, device=device) // block_size
-    return block[:, None] == block[None, :]
-
-
 def mlr_level_counts(length: int, block_sizes: list[Optional[int]], device: torch.device | None = None) -> Tensor:
     """(L, L) int: number of levels whose block holds both tokens (the block-divide denominator)."""
     counts = torch.zeros(length, length, dtype=torch.long, device=device)
@@ -133,28 +112,23 @@ def _inverse_counts(size: int, block_sizes: Sequence[Optional[int]], coarser: in
     return (coarser / (coarser + counts)).to(dtype)
 
 
-def _block_view(scores: Tensor, num: int, size: int) -> Tensor:
-    """The ``num`` leading diagonal blocks of ``size`` tokens of ``scores`` (B, h, m, m), a (B, h, s, s, num) view."""
-    span = num * size
-    blocks = scores[:, :, :span, :span].unflatten(3, (num, size)).unflatten(2, (num, size))
-    return blocks.diagonal(dim1=2, dim2=4)
-
-
-def _diagonal_regions(scores: Tensor, size: int) -> list[tuple[Tensor, int]]:
+def _diagonal_regions(scores: Tensor, size: int) -> list[Tensor]:
     """Views of the diagonal blocks of ``size`` tokens of ``scores`` (B, h, m, m): the full blocks as (B, h, s, s, n)
-    and the last partial block as (B, h, rem, rem); with the width of each."""
+    and the last partial block as (B, h, rem, rem)."""
     full, rem = divmod(scores.shape[-1], size)
     regions = []
     if full:
-        regions.append((_block_view(scores, full, size), size))
+        span = full * size
+        blocks = scores[:, :, :span, :span].unflatten(3, (full, size)).unflatten(2, (full, size))
+        regions.append(blocks.diagonal(dim1=2, dim2=4))
     if rem:
-        regions.append((scores[:, :, full * size:, full * size:], rem))
+        regions.append(scores[:, :, full * size:, full * size:])
     return regions
 
 
 def _merge_blocks_(scores: Tensor, size: int, keeps: Sequence[Tensor | None], subs: Sequence[Tensor]) -> Tensor:
     """``scores[B] = keep * scores[B] + sub[B]`` on every diagonal block ``B`` of ``size`` tokens, in place."""
-    for (region, _), keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
+    for region, keep, sub in zip(_diagonal_regions(scores, size), keeps, subs):
         if keep is not None:
             region.mul_(keep)
         region.add_(sub)
@@ -181,35 +155,26 @@ class _MergeBlocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grad_subs = [region.clone() for region, _ in _diagonal_regions(grad, ctx.size)]
+        grad_subs = [region.clone() for region in _diagonal_regions(grad, ctx.size)]
         grad_scores = grad
         if any(keep is not None for keep in ctx.keeps):
             grad_scores = grad.clone()
-            for (region, _), keep in zip(_diagonal_regions(grad_scores, ctx.size), ctx.keeps):
+            for region, keep in zip(_diagonal_regions(grad_scores, ctx.size), ctx.keeps):
                 if keep is not None:
                     region.mul_(keep)
         return (grad_scores, None, None, *grad_subs)
 
 
-class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
+class MLRAttention(QKVSoftmaxMixer, StructuredSoftmaxMixer[QKContext]):
     """MLR attention: q/k/v projections, QK-LN, multi-level block-diagonal low-rank scores, softmax, ``proj``."""
-
-    steppable = True
 
     def __init__(self, config: MLRAttentionConfig):
         super().__init__(config)
         self.ranks = config.resolved_ranks()
         self.block_sizes = config.resolved_block_sizes()
-        levels = len(self.ranks)
-        divide = levels if config.divide_by_levels else 1
+        divide = len(self.ranks) if config.divide_by_levels else 1
         self.level_scales = [config.logit_scale(r) / divide for r in self.ranks]
         self.block_divide = config.block_divide
-        self.link_function = config.link_function
-        self.attn_dropout = config.attn_dropout
-
-    def _weights(self, scores: Tensor, mask: Tensor | None) -> Tensor:
-        allowed = dense_allowed(mask, scores.shape[-1], self.causal, scores.device)
-        return attention_weights(scores, allowed, self.link_function, self.attn_dropout, self.training)
 
     def logits(self, ctx: QKContext) -> Tensor:
         """Pre-link (pre-softmax) scores, unmasked, (batch, heads, L, L): :meth:`scores`."""
@@ -290,11 +255,6 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
             scores = self._add_blocks(scores, q_seg, k_seg, sizes, level + 1)
         return scores
 
-    def uses_tiled_op(self) -> bool:
-        """Whether :meth:`mix` runs the tiled op (memory linear in L) rather than the materialized ``L x L`` path: it
-        does unless dropout is active (``attn_dropout > 0`` in training mode) or the link is ``"identity"``."""
-        return self.link_function == "softmax" and not (self.attn_dropout and self.training)
-
     def mix(self, ctx: QKContext) -> Tensor:
         if self.uses_tiled_op():
             return mlr_attention(ctx.q, ctx.k, ctx.values, ranks=self.ranks, block_sizes=self.block_sizes,
@@ -302,50 +262,30 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
                                  block_divide=self.block_divide)
         return self.mix_materialized(ctx)
 
-    def mix_materialized(self, ctx: QKContext) -> Tensor:
-        """The materialized path: blocked scores into one dense ``L x L`` per head, link, dropout, ``A V``."""
-        probs = self._weights(self.scores(ctx), ctx.mask)
-        return torch.einsum("bhij,bjhp->bihp", probs, ctx.values)
-
     def matrix(self, ctx: QKContext) -> Tensor:
         # The definition, level by level with dense masks (independent of the blocked fast path).
         length = ctx.q.shape[1]
         device = ctx.q.device
-        scores = tensor_sum(dot_scores(q, k) * scale * same_block_mask(length, size, device)
-                            for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k), self.level_scales,
-                                                         self.block_sizes))
+        scores = reduce(operator.add, (dot_scores(q, k) * scale * same_block_mask(length, size, device)
+                                       for q, k, scale, size in zip(self._levels(ctx.q), self._levels(ctx.k),
+                                                                    self.level_scales, self.block_sizes)))
         if self.block_divide:
             scores = scores / mlr_level_counts(length, self.block_sizes, device).clamp(min=1)
-        return self._weights(scores, ctx.mask)
+        return self.weights(scores, ctx.mask)
 
     def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
-        positions, allowed = self.append_kv(ctx, cache)
+        positions, allowed = append_kv(cache, ctx.k, ctx.values)
         slots = torch.arange(cache.max_len, device=positions.device)
         if ctx.q.shape[1] == 1:
-            return self._mix_one_token(ctx, cache, positions, slots, allowed)
-        levels = []
-        counts: Tensor | int = 0
-        keys = cache.read("k", ctx.q.dtype)
-        for q, k, scale, size in zip(self._levels(ctx.q), self._levels(keys), self.level_scales, self.block_sizes):
-            level = torch.einsum("bthe,bjhe->bhtj", q, k) * scale
-            if size is not None:
-                same = (positions[:, :, None] // size == slots[None, None, :] // size)[:, None]   # (b, 1, t, J)
-                level = level * same
-                counts = counts + same
-            else:
-                counts = counts + 1
-            levels.append(level)
-        scores = tensor_sum(levels)
-        if self.block_divide:
-            scores = scores / torch.as_tensor(counts).clamp(min=1)
-        weights = attention_weights(scores, allowed[:, None], self.link_function)
-        return torch.einsum("bhtj,bjhp->bthp", weights, cache.read("v", weights.dtype))
+            return self._mix_one_token(ctx.q, cache, positions, slots, allowed)
+        return torch.cat([self._mix_one_token(ctx.q[:, i:i + 1], cache, positions[:, i:i + 1], slots,
+                                              allowed[:, i:i + 1]) for i in range(ctx.q.shape[1])], dim=1)
 
-    def _mix_one_token(self, ctx: QKContext, cache: MixerCache, positions: Tensor, slots: Tensor,
+    def _mix_one_token(self, q: Tensor, cache: MixerCache, positions: Tensor, slots: Tensor,
                        allowed: Tensor) -> Tensor:
-        """One token's mixed values: every level's dot products with the cached keys from one elementwise product,
-        each level kept inside the query's own block."""
-        products = cache.read("k", ctx.q.dtype) * ctx.q                                # (b, max_len, heads, e)
+        """One token's mixed values (``q``: (batch, 1, heads, e) at ``positions`` (batch, 1)): every level's dot
+        products with the cached keys from one elementwise product, each level kept inside the query's own block."""
+        products = cache.read("k", q.dtype) * q                                        # (b, max_len, heads, e)
         scores: Tensor | None = None
         counts: Tensor | int = 0
         for part, scale, size in zip(self._levels(products), self.level_scales, self.block_sizes):
@@ -363,23 +303,14 @@ class MLRAttention(AttentionLogitsMixin, QKVSoftmaxMixer):
         weights = attention_weights(scores.transpose(1, 2)[:, :, None], allowed[:, None], self.link_function)
         return torch.einsum("bhtj,bjhp->bthp", weights, cache.read("v", weights.dtype))
 
-    def score_pairs(self, length: int) -> list[int]:
-        """Per level, the number of (query, key) products computed per (batch, head): ``sum over blocks of size^2``."""
-        pairs = []
-        for size in self.block_sizes:
-            if size is None:
-                pairs.append(length * length)
-            else:
-                n, rem = divmod(length, size)
-                pairs.append(n * size * size + rem * rem)
-        return pairs
-
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
-        score_macs = sum(r * p for r, p in zip(self.ranks, self.score_pairs(length)))
+        # per level, the (query, key) products per (batch, head): the sum over its blocks of size^2
+        pairs = [length * length if size is None else (length // size) * size * size + (length % size) ** 2
+                 for size in self.block_sizes]
         proj = self.projection_flops(batch, length)
         return {
             "qkv_proj": proj["qkv_proj"],
-            "scores": 2 * batch * self.num_heads * score_macs,
+            "scores": 2 * batch * self.num_heads * sum(r * p for r, p in zip(self.ranks, pairs)),
             "weighted_values": 2 * batch * self.num_heads * length * length * self.head_dim,
             "out_proj": proj["out_proj"],
         }

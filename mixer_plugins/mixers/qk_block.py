@@ -1,6 +1,7 @@
-"""Common machinery of the block mixers whose matrix is built from per-position query/key vectors.
+"""Common machinery of the sequence block mixers (Toeplitz, dense, and those built from per-position queries and keys).
 
-Vandermonde, Cauchy, low-rank and the block's softmax attention all have the same two forms:
+:class:`SequenceMixerBlock` carries their free parameters and their decoding cache of every token's values.
+Vandermonde, Cauchy, low-rank and the block's softmax attention (:class:`QKMixerBlock`) all have the same two forms:
 
 * data-dependent (sequence-aligned): q_i, k_i in R^{heads x qk_dim} come from token i through in_proj and
   the short convolution, so the mixer runs at any length;
@@ -14,17 +15,18 @@ apply to their values is ``s * M + I``; subclasses give ``M`` (:meth:`QKMixerBlo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from .block import BlockConfig, BlockContext, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
+from .block import BlockConfig, BlockContext, BlockCtxT, ChannelGroup, DataIndependentOptions, MatrixMixerBlock
 from .cache import MixerCache, kv_positions, kv_write
 
-__all__ = ["BlockQKContext", "QKBlockConfig", "QKMixerBlock", "SequenceBlockConfig", "queries_and_keys"]
+__all__ = ["BlockQKContext", "QKBlockConfig", "QKMixerBlock", "SequenceBlockConfig", "SequenceMixerBlock",
+           "queries_and_keys"]
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -59,6 +61,46 @@ class QKBlockConfig(SequenceBlockConfig):
     qk_dim: int = Field(16, gt=0, description="width of the per-head query/key vectors")
 
 
+class SequenceMixerBlock(MatrixMixerBlock[BlockCtxT]):
+    """Base of the sequence block mixers: the forms of a :class:`SequenceBlockConfig` (``data_dependent``,
+    ``max_seq_len``, ``norm_length``), free parameters (:meth:`free_parameter`) and, for decoding, every token's
+    values ``state["v"]``."""
+
+    def __init__(self, config: BlockConfig, groups: Sequence[ChannelGroup]):
+        super().__init__(config, groups)
+        self._free_inits: dict[str, Callable[[Tensor], object]] = {}
+        if isinstance(config, SequenceBlockConfig):
+            self.data_dependent = config.data_dependent
+            self.max_seq_len = None if config.data_dependent else config.max_seq_len
+            #: The L of the paper's 1/sqrt(L ...) output scales (max_seq_len in the data-independent form).
+            self.norm_length = config.scale_length if config.data_dependent else config.free_length
+
+    def free_parameter(self, name: str, shape: tuple[int, ...], init: Callable[[Tensor], object]) -> nn.Parameter:
+        """A new parameter ``name`` drawn in place by ``init``, here and (in the same order) by reset_parameters."""
+        param = nn.Parameter(torch.empty(shape))
+        with torch.no_grad():
+            init(param)
+        setattr(self, name, param)
+        self._free_inits[name] = init
+        return param
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        for name, init in self._free_inits.items():
+            init(getattr(self, name))
+
+    def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        super().init_cache(cache, batch, max_len, dtype, device)
+        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
+
+    def fill_cache(self, cache: MixerCache, ctx: BlockCtxT, x: Tensor, lengths: Tensor) -> Tensor:
+        self.fill_conv_cache(cache, x, lengths)
+        cache.state["v"][:, :ctx.values.shape[1]] = ctx.values.detach()
+        return self.mix(ctx)
+
+
 def qk_groups(config: QKBlockConfig, qk_activation: bool) -> list[ChannelGroup]:
     """in_proj's groups after ``z``: the values, then (data-dependent form) the queries and keys, all convolved."""
     groups = [ChannelGroup("v", config.d_inner, conv=True, activation=True)]
@@ -71,7 +113,7 @@ def qk_groups(config: QKBlockConfig, qk_activation: bool) -> list[ChannelGroup]:
     return groups
 
 
-class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
+class QKMixerBlock(SequenceMixerBlock[BlockQKContext]):
     """Block mixer with ``M = f(q, k)`` per head; subclasses define ``qk_matrix`` and ``output_scale``.
 
     ``free_qk``: whether the data-independent form has free Q/K parameters (the DFT form of Vandermonde has none);
@@ -85,28 +127,13 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
                  free_qk_init: Callable[[Tensor], object] = nn.init.xavier_normal_):
         super().__init__(config, qk_groups(config, self.qk_activation))
         self.qk_dim = config.qk_dim
-        self.data_dependent = config.data_dependent
-        self.max_seq_len = None if config.data_dependent else config.max_seq_len
-        # The L of the paper's 1/sqrt(L ...) output scales (max_seq_len in the data-independent form).
-        self.norm_length = config.scale_length if config.data_dependent else config.free_length
         self.free_qk = free_qk and not config.data_dependent
-        self._free_qk_init = free_qk_init
         self.q_param: nn.Parameter | None = None
         self.k_param: nn.Parameter | None = None
         if self.free_qk:
             shape = (config.free_length, self.num_heads, config.qk_dim)
-            self.q_param = nn.Parameter(torch.empty(shape))
-            self.k_param = nn.Parameter(torch.empty(shape))
-            with torch.no_grad():
-                free_qk_init(self.q_param)
-                free_qk_init(self.k_param)
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.q_param is not None and self.k_param is not None:
-            self._free_qk_init(self.q_param)
-            self._free_qk_init(self.k_param)
+            self.q_param = self.free_parameter("q_param", shape, free_qk_init)
+            self.k_param = self.free_parameter("k_param", shape, free_qk_init)
 
     # -- hooks ----------------------------------------------------------------------------------------
     def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
@@ -141,15 +168,11 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
             ctx.k = self.k_param[positions].to(ctx.values.dtype)
         return ctx
 
-    def raw_matrix(self, ctx: BlockQKContext) -> Tensor:
-        """M (without scale and identity), causal-masked, broadcast to the batch."""
+    def matrix(self, ctx: BlockQKContext) -> Tensor:
         matrix = self.qk_matrix(ctx.q, ctx.k, ctx)
         if self.causal:
             matrix = torch.tril(matrix)
-        return matrix.expand(ctx.values.shape[0], -1, -1, -1)
-
-    def matrix(self, ctx: BlockQKContext) -> Tensor:
-        return self.identity_plus(self.raw_matrix(ctx), self.output_scale())
+        return self.identity_plus(matrix.expand(ctx.values.shape[0], -1, -1, -1), self.output_scale())
 
     # -- decoding (causal): a cache of keys and values, rows of M against it ---------------------------
     def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
@@ -163,15 +186,11 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
         super().init_cache(cache, batch, max_len, dtype, device)
         if self.data_dependent or self.free_qk:
             cache.state["k"] = torch.zeros(batch, max_len, self.num_heads, self.qk_dim, dtype=dtype, device=device)
-        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
 
     def fill_cache(self, cache: MixerCache, ctx: BlockQKContext, x: Tensor, lengths: Tensor) -> Tensor:
-        self.fill_conv_cache(cache, x, lengths)
-        b, length = ctx.values.shape[:2]
         if ctx.k is not None:  # the cache holds keys
-            cache.state["k"][:, :length] = ctx.k.expand(b, -1, -1, -1).detach()
-        cache.state["v"][:, :length] = ctx.values.detach()
-        return self.mix(ctx)
+            cache.state["k"][:, :ctx.k.shape[1]] = ctx.k.expand(ctx.values.shape[0], -1, -1, -1).detach()
+        return super().fill_cache(cache, ctx, x, lengths)
 
     def mix_step(self, ctx: BlockQKContext, cache: MixerCache) -> Tensor:
         v = ctx.values
@@ -188,10 +207,6 @@ class QKMixerBlock(MatrixMixerBlock[BlockQKContext]):
         return self.output_scale() * torch.einsum("bhtj,bjhp->bthp", rows, cache.read("v", v.dtype)) + v
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
-        # Materialized form: build M (about 2 * qk_dim multiply-adds per entry, counted as one contraction)
-        # and apply it to the values.
-        heads, p = self.num_heads, self.head_dim
-        return {
-            "matrix": 2 * batch * heads * length * length * self.qk_dim,
-            "apply": 2 * batch * heads * length * length * p,
-        }
+        # materialized: build M (about 2 * qk_dim multiply-adds per entry) and apply it to the values
+        pairs = batch * self.num_heads * length * length
+        return {"matrix": 2 * pairs * self.qk_dim, "apply": 2 * pairs * self.head_dim}

@@ -1,22 +1,16 @@
 """Checkpoint records: what a mixer's ``state_dict`` says about the mixer that wrote it.
 
 A mixer's ``state_dict`` holds one extra entry, ``<prefix>_extra_state`` (PyTorch's extra-state mechanism): a uint8
-tensor of UTF-8 JSON naming the mixer (its registry name, or its class when it was built without the registry) and
-its options. A tensor, so every checkpoint path that expects tensors only (fairseq2's,
-``torch.load(weights_only=True)``, ``torch.distributed.checkpoint``) carries it unchanged. ``load_state_dict``
-compares it with the mixer being loaded and raises :class:`MixerCheckpointMismatchError`, naming both, when the
-checkpoint holds another mixer or other options (``chunk_size``, dropout rates and initialisation-only options
-excepted, see :data:`CHECKPOINT_FREE_OPTIONS`: they do not change what trained weights compute, and neither does
-``max_seq_len`` for a mixer that runs at any length).
+tensor of UTF-8 JSON naming the mixer (its registry name, or its class when built without the registry) and its
+options. A tensor, so every checkpoint path that expects tensors only (fairseq2's, ``torch.load(weights_only=True)``,
+``torch.distributed.checkpoint``) carries it unchanged. ``load_state_dict`` compares it with the mixer being loaded and
+raises :class:`MixerCheckpointMismatchError`, naming both, when the checkpoint holds another mixer or other options
+(except :data:`CHECKPOINT_FREE_OPTIONS`, and ``max_seq_len`` for a mixer that runs at any length).
 
-A checkpoint without the entry (converted from other code, or written without mixer records) loads without the
-check. To load weights into another mixer on purpose, drop the records first:
-``model.load_state_dict(strip_mixer_records(state_dict))``. The check runs when the loader reaches the mixer, so
-modules loaded before it keep their new weights when it raises (as with PyTorch's own size-mismatch errors).
-
-Writing the record costs nothing per forward: it is built when ``state_dict()`` is called, and compared when a
-checkpoint is loaded. A subclass that keeps another code's key set (the :mod:`mixer_plugins.compat` drop-ins) turns it
-off with ``get_extra_state = nn.Module.get_extra_state`` (and ``set_extra_state`` likewise).
+A checkpoint without the entry loads without the check; to load weights into another mixer on purpose, drop the
+records first: ``model.load_state_dict(strip_mixer_records(state_dict))``. A subclass that keeps another code's key
+set (the :mod:`mixer_plugins.compat` drop-ins) turns the record off with ``get_extra_state =
+nn.Module.get_extra_state`` (and ``set_extra_state`` likewise).
 """
 
 from __future__ import annotations

@@ -46,8 +46,6 @@ class SlidingWindowAttentionConfig(QKVSoftmaxConfig):
 class SlidingWindowAttention(QKVSoftmaxMixer):
     """Sliding-window softmax attention (blocked, ``O(L * window)``)."""
 
-    steppable = True
-
     def __init__(self, config: SlidingWindowAttentionConfig):
         super().__init__(config)
         self.window = config.window
@@ -88,31 +86,24 @@ class SlidingWindowAttention(QKVSoftmaxMixer):
         if x.shape[1] != 1:
             return super().step_tokens(x, cache)
         ctx = self.prepare(x, None)
-        pos = cache.lengths.view(-1, 1)                                               # (b, 1)
+        return self.finish(ctx, self._ring_step(ctx.q, ctx.k, ctx.values, cache.lengths.view(-1, 1), cache))
+
+    def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
+        positions = cache.positions(ctx.values.shape[1])
+        # token by token: each one's window is the ring after writing it
+        return torch.cat([self._ring_step(ctx.q[:, i:i + 1], ctx.k[:, i:i + 1], ctx.values[:, i:i + 1],
+                                          positions[:, i:i + 1], cache) for i in range(positions.shape[1])], dim=1)
+
+    def _ring_step(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, cache: MixerCache) -> Tensor:
+        """One token per row (at ``pos``, (batch, 1)): write its key and value into the ring, attend over the ring."""
         slot = pos % (self.window + 1)
-        index = slot.view(-1, 1, 1, 1).expand(ctx.k.shape)
-        for name, new in (("k", ctx.k), ("v", ctx.values)):
+        index = slot.view(-1, 1, 1, 1).expand(k.shape)
+        for name, new in (("k", k), ("v", v)):
             ring = cache.state[name]
             ring.scatter_(1, index, new if new.dtype == ring.dtype else new.to(ring.dtype))
         held = cache.state["pos"].scatter_(1, slot, pos)
         allowed = held >= (pos - self.window).clamp_(min=0)                           # (b, size): held < 0 is empty
-        y = cached_attention(ctx.q, cache.read("k", ctx.q.dtype), cache.read("v", ctx.q.dtype), allowed[:, None],
-                             self.scale)
-        return self.finish(ctx, y)
-
-    def mix_step(self, ctx: QKContext, cache: MixerCache) -> Tensor:
-        positions = cache.positions(ctx.values.shape[1])
-        outputs = []
-        for i in range(ctx.values.shape[1]):  # token by token: each one's window is the ring after writing it
-            pos = positions[:, i:i + 1]
-            ring_write(cache.state["k"], ctx.k[:, i:i + 1].detach(), pos)
-            ring_write(cache.state["v"], ctx.values[:, i:i + 1].detach(), pos)
-            ring_write(cache.state["pos"], pos, pos)
-            held = cache.state["pos"]
-            allowed = ((held >= 0) & (held >= pos - self.window))[:, None]           # (b, 1, size)
-            outputs.append(cached_attention(ctx.q[:, i:i + 1], cache.read("k", ctx.q.dtype),
-                                            cache.read("v", ctx.q.dtype), allowed, self.scale))
-        return torch.cat(outputs, dim=1)
+        return cached_attention(q, cache.read("k", q.dtype), cache.read("v", q.dtype), allowed[:, None], self.scale)
 
     def flops_breakdown(self, batch: int, length: int) -> dict[str, int]:
         proj = self.projection_flops(batch, length)

@@ -26,9 +26,9 @@ from torch import Tensor, nn
 
 from ..kernels import toeplitz_causal_flops, toeplitz_fft_flops, toeplitz_matrix, toeplitz_mix
 from ..registry.spec import MixerSpec
-from .block import BlockContext, ChannelGroup, MatrixMixerBlock
+from .block import BlockContext, ChannelGroup
 from .cache import MixerCache, kv_write
-from .qk_block import SequenceBlockConfig
+from .qk_block import SequenceBlockConfig, SequenceMixerBlock
 
 __all__ = ["ToeplitzConfig", "ToeplitzMixer", "SPEC"]
 
@@ -54,27 +54,18 @@ def _toeplitz_groups(config: ToeplitzConfig) -> list[ChannelGroup]:
     return groups
 
 
-class ToeplitzMixer(MatrixMixerBlock[ToeplitzContext]):
+class ToeplitzMixer(SequenceMixerBlock[ToeplitzContext]):
     """Toeplitz (long-convolution) mixer by FFT, with data-dependent or free taps."""
 
     steppable = True
 
     def __init__(self, config: ToeplitzConfig):
         super().__init__(config, _toeplitz_groups(config))
-        self.data_dependent = config.data_dependent
+        self.scale = 0.5 / math.sqrt(self.norm_length)
         self.taps: nn.Parameter | None = None
-        self.max_seq_len = None if config.data_dependent else config.max_seq_len
-        norm_length = config.scale_length if config.data_dependent else config.free_length
-        self.scale = 0.5 / math.sqrt(norm_length)
         if not config.data_dependent:
-            self.taps = nn.Parameter(torch.empty(self.num_heads, 2 * config.free_length - 1))
-            nn.init.xavier_uniform_(self.taps)
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.taps is not None:
-            nn.init.xavier_uniform_(self.taps)
+            self.taps = self.free_parameter("taps", (self.num_heads, 2 * config.free_length - 1),
+                                            nn.init.xavier_uniform_)
 
     def _free_taps(self) -> tuple[nn.Parameter, int]:
         """The data-independent form's taps (heads, 2 max_seq_len - 1) and the index of offset 0 in them."""
@@ -112,17 +103,14 @@ class ToeplitzMixer(MatrixMixerBlock[ToeplitzContext]):
     def init_cache(self, cache: MixerCache, batch: int, max_len: int, dtype: torch.dtype,
                    device: torch.device) -> None:
         super().init_cache(cache, batch, max_len, dtype, device)
-        cache.state["v"] = torch.zeros(batch, max_len, self.num_heads, self.head_dim, dtype=dtype, device=device)
         if self.data_dependent:
             cache.state["taps"] = torch.zeros(batch, max_len, self.num_heads, dtype=dtype, device=device)
 
     def fill_cache(self, cache: MixerCache, ctx: ToeplitzContext, x: Tensor, lengths: Tensor) -> Tensor:
-        self.fill_conv_cache(cache, x, lengths)
-        length = ctx.values.shape[1]
-        cache.state["v"][:, :length] = ctx.values.detach()
         if self.data_dependent:  # the non-negative offsets 0 .. L-1: token d's tap c_d
+            length = ctx.values.shape[1]
             cache.state["taps"][:, :length] = ctx.taps[..., length - 1:].transpose(1, 2).detach()
-        return self.mix(ctx)
+        return super().fill_cache(cache, ctx, x, lengths)
 
     def prepare_step(self, x: Tensor, cache: MixerCache) -> ToeplitzContext:
         ctx = super().prepare_step(x, cache)

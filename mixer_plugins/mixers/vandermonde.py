@@ -20,6 +20,8 @@ Decoding (causal) keeps every token's keys and values; a step computes its rows 
 from __future__ import annotations
 
 import math
+import operator
+from functools import reduce
 from typing import Literal
 
 import torch
@@ -58,37 +60,25 @@ class VandermondeMixer(QKMixerBlock):
         return 1.0 / math.sqrt(2 * self.norm_length * self.qk_dim)
 
     def qk_matrix(self, q: Tensor | None, k: Tensor | None, ctx: BlockQKContext) -> Tensor:
-        values = ctx.values
-        length = values.shape[1]
-        t = torch.arange(length, device=values.device, dtype=values.dtype)
-        if q is None or k is None:  # the DFT: one matrix shared by every head (norm_length is max_seq_len)
-            angle = 2 * math.pi * torch.outer(t, t) / self.norm_length
-            return torch.cos(angle)[None, None].expand(1, self.num_heads, -1, -1)
-        omega_q = (2 * math.pi * self.frequency_scale) * q.permute(0, 2, 1, 3)   # (b, h, L, d)
-        omega_k = (2 * math.pi * self.frequency_scale) * k.permute(0, 2, 1, 3)
-        # Accumulate over d one slice at a time: O(L^2) memory, not O(L^2 qk_dim).
-        matrix: Tensor | None = None
-        for d in range(self.qk_dim):
-            term = torch.cos(omega_q[..., d, None] * t) - torch.cos(omega_k[..., d, None] * t).transpose(-1, -2)
-            matrix = term if matrix is None else matrix + term
-        assert matrix is not None, "qk_dim >= 1"
-        return matrix
+        t = torch.arange(ctx.values.shape[1], device=ctx.values.device, dtype=ctx.values.dtype)
+        return self._rows(q, k, t[None], t)
 
     def qk_rows(self, q: Tensor | None, keys: Tensor | None, positions: Tensor, max_len: int) -> Tensor:
         dtype = self.in_proj.weight.dtype if q is None else q.dtype
-        i = positions.to(dtype)                                                          # (b, t)
-        j = torch.arange(max_len, device=positions.device, dtype=dtype)                  # (J,)
-        if q is None or keys is None:  # the DFT (norm_length is max_seq_len)
-            angle = 2 * math.pi * i[:, :, None] * j / self.norm_length
+        return self._rows(q, keys, positions.to(dtype), torch.arange(max_len, device=positions.device, dtype=dtype))
+
+    def _rows(self, q: Tensor | None, k: Tensor | None, i: Tensor, j: Tensor) -> Tensor:
+        """Rows at positions ``i`` (b|1, t) of M against columns ``j`` (J,): (b|1, heads, t, J). ``q`` (b|1, t, h, d)
+        and ``k`` (b|1, J, h, d) are None for the DFT: one matrix shared by every head (norm_length is max_seq_len)."""
+        if q is None or k is None:
+            angle = 2 * math.pi * (i[:, :, None] * j) / self.norm_length
             return torch.cos(angle)[:, None].expand(-1, self.num_heads, -1, -1)
         omega_q = (2 * math.pi * self.frequency_scale) * q.permute(0, 2, 1, 3)          # (b, h, t, d)
-        omega_k = (2 * math.pi * self.frequency_scale) * keys.permute(0, 2, 1, 3)       # (b, h, J, d)
-        rows: Tensor | None = None
-        for d in range(self.qk_dim):
-            term = torch.cos(omega_q[..., d, None] * j) - torch.cos(omega_k[:, :, None, :, d] * i[:, None, :, None])
-            rows = term if rows is None else rows + term
-        assert rows is not None, "qk_dim >= 1"
-        return rows
+        omega_k = (2 * math.pi * self.frequency_scale) * k.permute(0, 2, 1, 3)          # (b, h, J, d)
+        # summed over d one slice at a time: O(t J) memory, not O(t J qk_dim)
+        return reduce(operator.add, (torch.cos(omega_q[..., d, None] * j)
+                                     - torch.cos(omega_k[:, :, None, :, d] * i[:, None, :, None])
+                                     for d in range(self.qk_dim)))
 
     def mixer_flops(self, batch: int, length: int) -> dict[str, int]:
         h, p = self.num_heads, self.head_dim
