@@ -17,9 +17,8 @@ def local_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, window: int, caus
     finite: the op selects the pads away). Differentiable in q, k and v. Returns v's dtype (pad outputs not zeroed:
     the op does that). ``tile_size``: square tiles of that many tokens for every kernel (None: the kernels'
     defaults; the interpreter tests use tiny tiles)."""
-    from ..mlr_attention.triton_kernels import MLRSpec, Tiles, _tile_size, mlr_triton
+    from ..mlr_attention.triton_kernels import MLRSpec, Tiles, mlr_triton
 
     spec = MLRSpec(ranks=(q.shape[-1],), sizes=(0,), taus=(float(scale),), block_divide=False, causal=bool(causal),
                    window=int(window), num_global=int(num_global))
-    tiles = None if tile_size is None else Tiles.uniform(_tile_size(tile_size))
-    return mlr_triton(q, k, v, spec, mask=mask, tiles=tiles)
+    return mlr_triton(q, k, v, spec, mask=mask, tiles=Tiles.uniform(tile_size))
