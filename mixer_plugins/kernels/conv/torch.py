@@ -202,18 +202,21 @@ def depthwise_conv1d_flops(batch: int, length: int, channels: int, kernel: int) 
     return 2 * batch * length * channels * kernel
 
 
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d)
-def _flop_formula(x_shape: Shape, w_shape: Shape, bias_shape: Shape | None, left: int, right: int, silu: bool,
-                  *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
-    return depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
+def register_flops(forward: Any, backward: Any) -> None:
+    """Register the FLOP formulas of a convolution op ``(x, weight, ...)`` and of its backward op ``(grad, x,
+    weight, ...)``: the input and the weight gradients each cost one forward convolution."""
+
+    @register_flop_formula(forward)
+    def _forward(x: Shape, weight: Shape, *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
+        return depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])
+
+    @register_flop_formula(backward)
+    def _backward(grad: Shape, x: Shape, weight: Shape, *args: Any, out_shape: Shape | None = None,
+                  **kwargs: Any) -> int:
+        return 2 * depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])
 
 
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_backward)
-def _backward_flop_formula(grad_shape: Shape, x_shape: Shape, w_shape: Shape, bias_shape: Shape | None, left: int,
-                           right: int, with_bias: bool, silu: bool, *args: Any, out_shape: Shape | None = None,
-                           **kwargs: Any) -> int:
-    # the input gradient and the weight gradient each cost one forward convolution
-    return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
+register_flops(torch.ops.mixer_plugins.depthwise_conv1d, torch.ops.mixer_plugins.depthwise_conv1d_backward)
 
 
 def conv_torch(x: Tensor, weight: Tensor, bias: Tensor | None, left: int, right: int, silu: bool) -> Tensor:

@@ -35,11 +35,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
-from .._triton._common import available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
+from .._triton._common import available, cdiv, grid_1d, offset64, on_device, pow2, require, rows_last, tl, triton
 from ..norm.triton_kernels import persistent_programs
-from .torch import depthwise_conv1d_flops
+from .torch import _taps_first, register_flops
 
 __all__ = ["MAX_TAPS", "available", "backward_layout", "depthwise_conv1d_triton", "forward_layout"]
 
@@ -204,17 +203,6 @@ if triton is not None:
             tl.store(db_ptr + c, tl.sum(tl.where(kk == K, acc, 0.0), 0).to(db_ptr.dtype.element_ty), mask=c < C)
 
 
-def _taps_first(weight: Tensor) -> Tensor:
-    """(channels, k) -> (k, channels), contiguous: each tap's channel vector is then one vectorized load (read
-    from a (channels, k) weight it is k scalar loads per thread, with as many 64-bit addresses held in registers)."""
-    return weight.t().contiguous()
-
-
-def _channels_last(t: Tensor) -> Tensor:
-    """``t`` with unit channel stride (the kernels' loads are vectorized along channels): itself when it has."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _check_pads(weight: Tensor, left: int, right: int) -> int:
     k = weight.shape[1]
     if left < 0 or right < 0 or left + right != k - 1:
@@ -232,7 +220,7 @@ def _conv_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, righ
     batch, length, channels = x.shape
     grid, blocks = forward_layout(batch, length, channels)
     nt, ncb = blocks.pop("NT"), blocks.pop("NCB")
-    x, taps = _channels_last(x), _taps_first(weight)
+    x, taps = rows_last(x), _taps_first(weight)
     with on_device(x.device):
         _conv_fwd_kernel[grid](
             x, taps, taps if bias is None else bias, out, length, channels, nt, ncb,
@@ -256,7 +244,7 @@ def _conv_bwd(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], l
     items, per = blocks.pop("ITEMS"), blocks.pop("items_per_program")
     block_k = pow2(k + 1)
     part = torch.empty(splits, k + 1, channels, dtype=torch.float32, device=x.device)
-    grad, x, taps = _channels_last(grad), _channels_last(x), _taps_first(weight)
+    grad, x, taps = rows_last(grad), rows_last(x), _taps_first(weight)
     with on_device(x.device):
         _conv_bwd_kernel[grid](
             grad, x, taps, taps if bias is None else bias, dx, part, length, channels, nt, ncb, items, per,
@@ -309,17 +297,8 @@ def _backward(ctx, grad):
 
 _conv_op.register_autograd(_backward, setup_context=_setup_context)
 
-
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_triton)
-def _flop_formula(x_shape, w_shape, bias_shape, left, right, silu, *args, out_shape=None, **kwargs) -> int:
-    return depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
-
-
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_triton_backward)
-def _backward_flop_formula(grad_shape, x_shape, w_shape, bias_shape, left, right, silu, *args,
-                           out_shape=None, **kwargs) -> int:
-    # the input gradient and the weight gradient each cost one forward convolution
-    return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
+register_flops(torch.ops.mixer_plugins.depthwise_conv1d_triton,
+               torch.ops.mixer_plugins.depthwise_conv1d_triton_backward)
 
 
 def depthwise_conv1d_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int,
@@ -327,7 +306,5 @@ def depthwise_conv1d_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], l
     """Depthwise convolution over time of ``x`` (batch, length, channels) with ``weight`` (channels, k) (at most
     :data:`MAX_TAPS` taps), ``left`` / ``right`` zeros around the sequence, then SiLU when ``silu``; as
     :func:`mixer_plugins.kernels.depthwise_conv1d`. Differentiable in x, weight and bias; returns x's dtype."""
-    reason = available(x.device)
-    if reason is not None:
-        raise RuntimeError(f"triton depthwise_conv1d unavailable: {reason}")
+    require(x.device, "depthwise_conv1d")
     return _conv_op(x, weight, bias, int(left), int(right), bool(silu))

@@ -47,6 +47,7 @@ from .._requirements import MAX_ROW_SPAN
 from .._triton._common import INTERPRET, available, dot_precision_split, grid_1d, on_device, pow2, require, tl, triton
 from .._triton._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
 from .._triton._common import dot as _dot
+from .._triton._common import rows_last as _rows_last
 from .plan import tile_classes, tile_plan
 
 __all__ = ["MLRSpec", "Tiles", "available", "mlr_attention_triton", "mlr_triton"]
@@ -604,11 +605,6 @@ def _launch(kernel, tensors: tuple[Tensor, ...], strides: tuple[int, ...], spec:
 
 def _strides(*ts: Tensor) -> tuple[int, ...]:
     return tuple(s for t in ts for s in t.stride()[:3])
-
-
-def _rows_last(t: Tensor) -> Tensor:
-    """``t`` with unit stride on its last axis (the kernels read rows of features)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def mlr_forward(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | None, spec: MLRSpec,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._triton._common import MAX_GRID, available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
+from .._triton._common import MAX_GRID, available, cdiv, grid_1d, offset64, on_device, pow2, require, tl, triton
 
 __all__ = ["MAX_GRID", "MAX_WIDTH", "available", "backward_programs", "forward_grid", "forward_layout",
            "gated_rmsnorm_triton", "persistent_programs"]
@@ -243,7 +243,5 @@ def gated_rmsnorm_triton(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5
                          norm_before_gate: bool = True) -> Tensor:
     """Gated RMSNorm of ``y`` gated by ``z`` (same shape, width at most :data:`MAX_WIDTH`) with gain ``weight``
     (width,), as :func:`mixer_plugins.kernels.gated_rmsnorm`; differentiable in y, z and weight. Returns y's dtype."""
-    reason = available(y.device)
-    if reason is not None:
-        raise RuntimeError(f"triton gated_rmsnorm unavailable: {reason}")
+    require(y.device, "gated_rmsnorm")
     return _norm_op(y, z, weight, float(eps), bool(norm_before_gate))
