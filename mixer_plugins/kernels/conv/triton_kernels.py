@@ -21,12 +21,9 @@ of programs (a few per SM) each take one channel block and a contiguous range of
 their sums in registers and write one float32 partial each; :func:`_sum_partials_kernel` adds the partials in a
 fixed order and writes both gradients in their parameters' dtypes (no atomics: reproducible).
 
-Offsets are 64-bit before any multiplication by a stride (:func:`._common.offset64`); the grids are one-dimensional
-(CUDA allows 2^31 - 1 programs on the first grid dimension, 65,535 on the others).
-
-Both directions are ``torch.library`` custom ops with fake kernels and FLOP formulas, so ``torch.compile`` sees one
-opaque op each way and ``FlopCounterMode`` counts them like the ``torch`` backend's op. Run on CUDA, or on CPU tensors
-with ``TRITON_INTERPRET=1`` set before this module is imported.
+Offsets are 64-bit before any multiplication by a stride; the grids are one-dimensional. Both directions are
+``torch.library`` custom ops with fake kernels and FLOP formulas. Run on CUDA, or on CPU tensors with
+``TRITON_INTERPRET=1`` set before this module is imported.
 """
 
 from __future__ import annotations
@@ -48,8 +45,6 @@ MAX_TAPS = 16
 FORWARD_TILE = (32, 64, 4)
 #: time and channel tile of the backward kernel, and its warps
 BACKWARD_TILE = (16, 64, 4)
-
-
 
 
 def _tiles(length: int, channels: int, tile: tuple[int, int, int]) -> tuple[int, int, int, int, int]:
@@ -255,8 +250,6 @@ def _conv_bwd(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], l
             BLOCK_C=blocks["BLOCK_C"], BLOCK_K=block_k)
     return dx, dw, db
 
-
-# -- custom ops: opaque to torch.compile (fake kernels), counted by FlopCounterMode --------------------------
 
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d_triton", mutates_args=())
 def _conv_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int, silu: bool) -> Tensor:

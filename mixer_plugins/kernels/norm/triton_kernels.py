@@ -18,12 +18,9 @@ a fixed number of programs (a few per SM) each walk a contiguous range of row ti
 registers, writing one float32 row of partial sums each; one ``sum`` over those rows finishes it. No atomics, so the
 result does not depend on the order programs run in.
 
-Offsets: row indices are 64-bit before they are multiplied by a row stride (:func:`._common.offset64`), so tensors past
-2^31 elements are addressed correctly; the launch grids are one-dimensional (CUDA allows 2^31 - 1 programs on the
-first grid dimension, 65,535 on the others).
-
-Both directions are ``torch.library`` custom ops with fake kernels, so ``torch.compile`` sees one opaque op each way.
-Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
+Row indices are 64-bit before they are multiplied by a row stride; the grids are one-dimensional. Both directions are
+``torch.library`` custom ops with fake kernels. Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before
+this module is imported.
 """
 
 from __future__ import annotations
@@ -197,8 +194,6 @@ def _norm_bwd(grad: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float,
             BEFORE=bool(norm_before_gate), BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
     return dy, dz, partial.sum(0).to(weight.dtype)
 
-
-# -- custom ops: opaque to torch.compile (fake kernels) ------------------------------------------------------
 
 @torch.library.custom_op("mixer_plugins::gated_rmsnorm_triton", mutates_args=())
 def _norm_op(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
