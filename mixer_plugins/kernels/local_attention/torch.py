@@ -32,12 +32,8 @@ __all__ = ["LocalPlan", "local_attention_blocked", "local_attention_flops", "loc
 
 
 class LocalPlan:
-    """How the blocked path tiles a length-``L`` sequence for window ``w`` and ``num_global`` global tokens.
-
-    Queries are cut into chunks of ``chunk = w`` tokens (at least 1); chunk ``k`` sees the keys of chunks ``k-1, k``
-    (causal) or ``k-1, k, k+1`` (bidirectional), which hold every key within ``w`` of its queries. ``dense`` is True
-    when that tiling would cost at least as much as the plain L x L scores (short sequences, wide windows).
-    """
+    """How the blocked path tiles a length-``L`` sequence for window ``w`` and ``num_global`` global tokens (see the
+    module docstring); ``dense``: whether it computes the plain ``L x L`` scores instead."""
 
     def __init__(self, length: int, window: int, causal: bool, num_global: int = 0):
         self.length = length

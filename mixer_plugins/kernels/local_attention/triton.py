@@ -1,9 +1,5 @@
 """``triton`` form of :func:`..local_attention`: the fused MLR attention kernels
-(:mod:`..mlr_attention.triton_kernels`) with one global level of rank = head dim (plain attention) and a band: the
-tile plan never visits a tile pair outside the band (nor one of pads only), pairs wholly inside it run unmasked, a
-per-entry mask cuts the band on its edges. Forward and backward (flash-style, the row log-sum-exp kept). Loaded on
-first use; chosen first on CUDA for float32, bfloat16 and float16 inputs (it accumulates in float32; float64 goes to
-the ``torch`` backend)."""
+(:mod:`..mlr_attention.triton_kernels`) with one global level of rank = head dim and a band (see the package)."""
 
 from __future__ import annotations
 

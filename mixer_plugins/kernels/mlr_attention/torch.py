@@ -52,15 +52,7 @@ __all__ = ["ENGINES", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_t
 ENGINES = ("native", "matmul")
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # -- the custom op: what torch.compile, torch.export and FlopCounterMode see --------------------------------------
-
-def _sizes_arg(block_sizes: Sequence[Optional[int]]) -> list[int]:
-    return [0 if s is None else int(s) for s in block_sizes]  # the op schema has no optional ints in lists: 0 = None
-
 
 def _plan(length: int, ranks: Sequence[int], sizes: Sequence[int], causal: bool, block_divide: bool) -> MLRPlan:
     return _cached_plan(length, tuple(ranks), tuple(None if s == 0 else s for s in sizes), causal, block_divide)
@@ -124,7 +116,7 @@ def mlr_attention_tiled(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tens
 def _mlr_attention_tiled_fake(q, k, v, key_real, ranks, block_sizes, scales, causal, block_divide, engine):
     batch, length, heads, _ = q.shape
     return (q.new_empty(batch, length, heads, v.shape[-1]),
-            q.new_empty((batch, length, heads), dtype=_lse_dtype(q.dtype)))
+            q.new_empty((batch, length, heads), dtype=torch.promote_types(q.dtype, torch.float32)))
 
 
 @torch.library.custom_op("mixer_plugins::mlr_attention_tiled_backward", mutates_args=())
@@ -221,7 +213,8 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
         zero = torch.zeros((), dtype=q.dtype, device=q.device)
         q, k, v = (torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
         key_real = mask | ~mask.any(dim=1, keepdim=True)  # a row with no real token keeps every key
-    out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), _sizes_arg(block_sizes),
+    sizes = [0 if s is None else int(s) for s in block_sizes]  # the op schema has no optional ints in lists
+    out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), sizes,
                                  [float(s) for s in scales], causal, block_divide, engine)
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
