@@ -37,10 +37,6 @@ _LOCK = threading.Lock()
 _STATE: dict[str, Optional[str] | bool] = {"tried": False, "error": None}
 
 
-def _disabled() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def is_loaded() -> bool:
     """Whether the kernels are loaded in this process (never loads them; safe under ``torch.compile``)."""
     return bool(_STATE["tried"]) and _STATE["error"] is None
@@ -73,7 +69,7 @@ def load() -> bool:
         if _STATE["tried"]:
             return _STATE["error"] is None
         error = None
-        if _disabled():
+        if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
             error = f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}"
         else:
             try:

@@ -1,13 +1,10 @@
 """``torch`` form of :func:`..depthwise_conv1d`: shifted multiply-adds, tile by tile, as a custom op.
 
-The block's short convolution (kernel 4-7 over thousands of channels) is a handful of shifted
-multiply-adds. Written that way, on the (batch, length, channels) layout the block already has, forward
-and backward are a few vectorized passes, with no transposes. They run tile by tile along time (about
-1 MiB of temporaries per tile): full-size temporaries would each be a fresh ``mmap``'ed allocation on CPU,
-whose page faults cost several times the arithmetic. The block's SiLU can be fused in (``silu=True``).
-(PyTorch's CPU depthwise ``conv1d`` backward was ~40x slower than this at L=16384, 1792 channels.)
-It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a
-convolution: 2 * batch * length * channels * kernel. (On CPU the ``native`` backend, :mod:`.native`, runs first.)
+The block's short convolution (kernel 4-7 over thousands of channels) is a handful of shifted multiply-adds: on the
+(batch, length, channels) layout the block already has, forward and backward are a few vectorized passes, with no
+transposes (PyTorch's CPU depthwise ``conv1d`` backward is far slower). They run tile by tile along time: full-size
+temporaries would each be a fresh ``mmap``'ed allocation on CPU, whose page faults cost several times the arithmetic.
+The SiLU can be fused in. A ``torch.library`` custom op with a FLOP formula, counted like a convolution.
 
 Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the plain grouped ``conv1d`` of
 :mod:`.reference` is traced instead of the custom op, so an exported graph holds standard ops only.
