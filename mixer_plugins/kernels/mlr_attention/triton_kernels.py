@@ -1,18 +1,10 @@
 """Fused MLR (multi-level low-rank) attention in Triton, forward and backward: flash-style, no L x L tensor.
 
-Scores (per head; see :func:`mixer_plugins.kernels.mlr_attention`)::
-
-    S(i, j) = sum_l [i, j in the same level-l block] * tau_l * q_i^(l) . k_j^(l)     (/ cnt(i, j) with block_divide)
-
-with level l's features a contiguous slice of the head dim (widths ``ranks``) and its blocks ``block_sizes[l]``
-tokens aligned at 0 (None = global; the last, partial block is a block). Then the causal mask (optional), the
-right-padding mask, softmax over the keys, and the values.
-
-Blocks nest, so the levels a pair shares are a prefix ``0..m`` and its score is one dot product of the first
-``W_m = r_0 + ... + r_m`` features. The host (:func:`mixer_plugins.kernels.mlr_attention.plan.tile_plan`) sorts the
-(row tile, column tile) pairs of each program into runs of *uniform* pairs, grouped by class (every pair of the run
-shares levels ``0..m``), and a short list of *mixed* pairs (a block boundary, the causal diagonal or a band edge
-inside the pair, or the partial last tile). A kernel program holds one row tile and
+The scores are those of :func:`mixer_plugins.kernels.mlr_attention`. Blocks nest, so the levels a pair shares are a
+prefix ``0..m`` and its score is one dot product of the first ``W_m = r_0 + ... + r_m`` features. The host
+(:func:`.plan.tile_plan`) sorts the (row tile, column tile) pairs of each program into runs of *uniform* pairs, grouped
+by class (every pair of the run shares levels ``0..m``), and a short list of *mixed* pairs (a block boundary, the
+causal diagonal or a band edge inside the pair, or the partial last tile). A kernel program holds one row tile and
 
 * for each class (a compile-time loop; its width ``W_m``, the dot's width ``K`` = ``W_m`` rounded up to a power of
   two, at least 16, and its divisor are constants), loads its resident operand once at width ``K`` with the level
