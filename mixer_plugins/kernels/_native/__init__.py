@@ -1,22 +1,9 @@
-"""Our native CPU kernels: C++ beside this file (``mlr_attention.cpp``, ``conv.cpp``, ``norm.cpp``, ``scan.cpp``,
-``decode.cpp``, ``common.h``), compiled when the package is installed (``setup.py``, with
-``torch.utils.cpp_extension``) into the extension ``_C``, whose library registers ``torch.ops.mixer_plugins_native``:
-
-* ``mlr_forward`` / ``mlr_backward``: fused MLR attention, each group of levels at its own score width (the
-  ``native`` engine of ``kernels.mlr_attention``'s ``torch`` backend, :mod:`..mlr_attention.native`);
-* ``conv_forward`` / ``conv_backward``: the depthwise short convolution with SiLU fused (the ``native`` backend of
-  ``kernels.depthwise_conv1d``, :mod:`..conv.native`);
-* ``norm_forward`` / ``norm_backward``: the gated RMSNorm (the ``native`` backend of ``kernels.gated_rmsnorm``,
-  :mod:`..norm.native`);
-* ``scan_forward`` / ``scan_backward``: the chunked (bi)directional scan, every log decay summed over its own tokens
-  (see :mod:`..scan.native`);
-* ``ssd_decode``: one decoding step of an SSD-style block, the short convolution's and the state's updates fused
-  (the ``native`` backend of ``kernels.ssd_decode_step``, :mod:`..decode.native`);
-* ``vector_lanes``: the float32 lanes of the build's vector code (16 with AVX-512, 8 with AVX2, 1 for none).
-
-Each is called from inside our ``torch.library`` custom ops or autograd Functions, so ``torch.compile``,
-``torch.export`` and ``FlopCounterMode`` see our registered ops, whichever code runs inside. Outputs are plain
-torch allocations.
+"""Our native CPU kernels: C++ beside this file, compiled when the package is installed (``setup.py``, with
+``torch.utils.cpp_extension``) into the extension ``_C``, whose library registers the :data:`OPS` under
+``torch.ops.mixer_plugins_native``: the ``native`` backends of MLR attention, the short convolution, the gated norm,
+the scan and the decoding step (each op's ``native`` module), and ``vector_lanes`` (the float32 lanes of the build's
+vector code: 16 with AVX-512, 8 with AVX2, 1 for none). Each is called from inside our ``torch.library`` custom ops
+or autograd Functions, so ``torch.compile``, ``torch.export`` and ``FlopCounterMode`` see our registered ops.
 
 Nothing is compiled at run time: :func:`load` imports the extension, or says why it cannot (not built: the package
 was installed without torch in its build environment or without a C++ compiler; or built for another torch). Then
@@ -50,10 +37,6 @@ _LOCK = threading.Lock()
 _STATE: dict[str, Optional[str] | bool] = {"tried": False, "error": None}
 
 
-def _disabled() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def is_loaded() -> bool:
     """Whether the kernels are loaded in this process (never loads them; safe under ``torch.compile``)."""
     return bool(_STATE["tried"]) and _STATE["error"] is None
@@ -71,8 +54,7 @@ def library_path() -> Optional[str]:
     return str(importlib.import_module(f"{__name__}._C").__file__)
 
 
-def _import() -> None:
-    """Import the extension (its library registers the ops)."""
+def _import() -> None:  # (its library registers the ops)
     importlib.import_module(f"{__name__}._C")
 
 
@@ -87,7 +69,7 @@ def load() -> bool:
         if _STATE["tried"]:
             return _STATE["error"] is None
         error = None
-        if _disabled():
+        if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
             error = f"disabled by {ENV_VAR}={os.environ.get(ENV_VAR)}"
         else:
             try:

@@ -26,8 +26,8 @@ import os
 import torch
 
 __all__ = ["DOT_PRECISION_NAME", "IMPORT_ERROR", "INTERPRET", "INTERPRET_AT_IMPORT", "MAX_GRID", "available", "cdiv",
-           "dot", "dot_precision", "dot_precision_split", "grid_1d", "mm", "offset64", "on_device", "pow2", "tl",
-           "triton"]
+           "dot", "dot_precision", "dot_precision_split", "grid_1d", "mm", "offset64", "on_device", "pow2", "require",
+           "rows_last", "tl", "triton"]
 
 try:  # the ``triton`` package
     import triton
@@ -159,3 +159,15 @@ def available(device: torch.device | str | None = None) -> str | None:
         return ("the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before mixer_plugins.kernels._triton "
                 "is imported, to run them on CPU)")
     return None
+
+
+def rows_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride on its last axis (the kernels' loads are vectorized along it): itself when it has."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def require(device: torch.device, what: str) -> None:
+    """Raise a ``RuntimeError`` naming ``what`` and the reason when the kernels cannot run on ``device``."""
+    reason = available(device)
+    if reason is not None:
+        raise RuntimeError(f"triton {what} unavailable: {reason}")

@@ -10,11 +10,10 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
-from .._library import Grads, Shape
+from .._library import Grads
 from .._native_check import require_native
-from .torch import depthwise_conv1d_flops
+from .torch import register_flops
 
 
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d_native", mutates_args=())
@@ -60,14 +59,6 @@ def _backward(ctx: Any, grad: Tensor) -> Grads:
 conv_native.register_autograd(_backward, setup_context=_setup_context)
 
 
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_native)
-def _forward_flops(x: Shape, weight: Shape, bias: Shape | None, left: int, silu: bool, *args: Any,
-                   out_shape: Shape | None = None, **kwargs: Any) -> int:
-    return depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])
-
-
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_native_backward)
-def _backward_flops(grad: Shape, x: Shape, weight: Shape, bias: Shape | None, left: int, silu: bool, with_bias: bool,
-                    *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
-    return 2 * depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])  # the input and the weight gradients
+register_flops(torch.ops.mixer_plugins.depthwise_conv1d_native,
+               torch.ops.mixer_plugins.depthwise_conv1d_native_backward)
 

@@ -1,13 +1,10 @@
 """``torch`` form of :func:`..depthwise_conv1d`: shifted multiply-adds, tile by tile, as a custom op.
 
-The block's short convolution (kernel 4-7 over thousands of channels) is a handful of shifted
-multiply-adds. Written that way, on the (batch, length, channels) layout the block already has, forward
-and backward are a few vectorized passes, with no transposes. They run tile by tile along time (about
-1 MiB of temporaries per tile): full-size temporaries would each be a fresh ``mmap``'ed allocation on CPU,
-whose page faults cost several times the arithmetic. The block's SiLU can be fused in (``silu=True``).
-(PyTorch's CPU depthwise ``conv1d`` backward was ~40x slower than this at L=16384, 1792 channels.)
-It is a ``torch.library`` custom op with a FLOP formula, so ``FlopCounterMode`` counts it like a
-convolution: 2 * batch * length * channels * kernel. (On CPU the ``native`` backend, :mod:`.native`, runs first.)
+The block's short convolution (kernel 4-7 over thousands of channels) is a handful of shifted multiply-adds: on the
+(batch, length, channels) layout the block already has, forward and backward are a few vectorized passes, with no
+transposes (PyTorch's CPU depthwise ``conv1d`` backward is far slower). They run tile by tile along time: full-size
+temporaries would each be a fresh ``mmap``'ed allocation on CPU, whose page faults cost several times the arithmetic.
+The SiLU can be fused in. A ``torch.library`` custom op with a FLOP formula, counted like a convolution.
 
 Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the plain grouped ``conv1d`` of
 :mod:`.reference` is traced instead of the custom op, so an exported graph holds standard ops only.
@@ -202,18 +199,21 @@ def depthwise_conv1d_flops(batch: int, length: int, channels: int, kernel: int) 
     return 2 * batch * length * channels * kernel
 
 
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d)
-def _flop_formula(x_shape: Shape, w_shape: Shape, bias_shape: Shape | None, left: int, right: int, silu: bool,
-                  *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
-    return depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
+def register_flops(forward: Any, backward: Any) -> None:
+    """Register the FLOP formulas of a convolution op ``(x, weight, ...)`` and of its backward op ``(grad, x,
+    weight, ...)``: the input and the weight gradients each cost one forward convolution."""
+
+    @register_flop_formula(forward)
+    def _forward(x: Shape, weight: Shape, *args: Any, out_shape: Shape | None = None, **kwargs: Any) -> int:
+        return depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])
+
+    @register_flop_formula(backward)
+    def _backward(grad: Shape, x: Shape, weight: Shape, *args: Any, out_shape: Shape | None = None,
+                  **kwargs: Any) -> int:
+        return 2 * depthwise_conv1d_flops(x[0], x[1], x[2], weight[1])
 
 
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_backward)
-def _backward_flop_formula(grad_shape: Shape, x_shape: Shape, w_shape: Shape, bias_shape: Shape | None, left: int,
-                           right: int, with_bias: bool, silu: bool, *args: Any, out_shape: Shape | None = None,
-                           **kwargs: Any) -> int:
-    # the input gradient and the weight gradient each cost one forward convolution
-    return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
+register_flops(torch.ops.mixer_plugins.depthwise_conv1d, torch.ops.mixer_plugins.depthwise_conv1d_backward)
 
 
 def conv_torch(x: Tensor, weight: Tensor, bias: Tensor | None, left: int, right: int, silu: bool) -> Tensor:

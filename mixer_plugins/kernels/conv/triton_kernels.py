@@ -21,12 +21,9 @@ of programs (a few per SM) each take one channel block and a contiguous range of
 their sums in registers and write one float32 partial each; :func:`_sum_partials_kernel` adds the partials in a
 fixed order and writes both gradients in their parameters' dtypes (no atomics: reproducible).
 
-Offsets are 64-bit before any multiplication by a stride (:func:`._common.offset64`); the grids are one-dimensional
-(CUDA allows 2^31 - 1 programs on the first grid dimension, 65,535 on the others).
-
-Both directions are ``torch.library`` custom ops with fake kernels and FLOP formulas, so ``torch.compile`` sees one
-opaque op each way and ``FlopCounterMode`` counts them like the ``torch`` backend's op. Run on CUDA, or on CPU tensors
-with ``TRITON_INTERPRET=1`` set before this module is imported.
+Offsets are 64-bit before any multiplication by a stride; the grids are one-dimensional. Both directions are
+``torch.library`` custom ops with fake kernels and FLOP formulas. Run on CUDA, or on CPU tensors with
+``TRITON_INTERPRET=1`` set before this module is imported.
 """
 
 from __future__ import annotations
@@ -35,11 +32,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
-from .._triton._common import available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
+from .._triton._common import available, cdiv, grid_1d, offset64, on_device, pow2, require, rows_last, tl, triton
 from ..norm.triton_kernels import persistent_programs
-from .torch import depthwise_conv1d_flops
+from .torch import _taps_first, register_flops
 
 __all__ = ["MAX_TAPS", "available", "backward_layout", "depthwise_conv1d_triton", "forward_layout"]
 
@@ -49,8 +45,6 @@ MAX_TAPS = 16
 FORWARD_TILE = (32, 64, 4)
 #: time and channel tile of the backward kernel, and its warps
 BACKWARD_TILE = (16, 64, 4)
-
-
 
 
 def _tiles(length: int, channels: int, tile: tuple[int, int, int]) -> tuple[int, int, int, int, int]:
@@ -204,17 +198,6 @@ if triton is not None:
             tl.store(db_ptr + c, tl.sum(tl.where(kk == K, acc, 0.0), 0).to(db_ptr.dtype.element_ty), mask=c < C)
 
 
-def _taps_first(weight: Tensor) -> Tensor:
-    """(channels, k) -> (k, channels), contiguous: each tap's channel vector is then one vectorized load (read
-    from a (channels, k) weight it is k scalar loads per thread, with as many 64-bit addresses held in registers)."""
-    return weight.t().contiguous()
-
-
-def _channels_last(t: Tensor) -> Tensor:
-    """``t`` with unit channel stride (the kernels' loads are vectorized along channels): itself when it has."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _check_pads(weight: Tensor, left: int, right: int) -> int:
     k = weight.shape[1]
     if left < 0 or right < 0 or left + right != k - 1:
@@ -232,7 +215,7 @@ def _conv_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, righ
     batch, length, channels = x.shape
     grid, blocks = forward_layout(batch, length, channels)
     nt, ncb = blocks.pop("NT"), blocks.pop("NCB")
-    x, taps = _channels_last(x), _taps_first(weight)
+    x, taps = rows_last(x), _taps_first(weight)
     with on_device(x.device):
         _conv_fwd_kernel[grid](
             x, taps, taps if bias is None else bias, out, length, channels, nt, ncb,
@@ -256,7 +239,7 @@ def _conv_bwd(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], l
     items, per = blocks.pop("ITEMS"), blocks.pop("items_per_program")
     block_k = pow2(k + 1)
     part = torch.empty(splits, k + 1, channels, dtype=torch.float32, device=x.device)
-    grad, x, taps = _channels_last(grad), _channels_last(x), _taps_first(weight)
+    grad, x, taps = rows_last(grad), rows_last(x), _taps_first(weight)
     with on_device(x.device):
         _conv_bwd_kernel[grid](
             grad, x, taps, taps if bias is None else bias, dx, part, length, channels, nt, ncb, items, per,
@@ -267,8 +250,6 @@ def _conv_bwd(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], l
             BLOCK_C=blocks["BLOCK_C"], BLOCK_K=block_k)
     return dx, dw, db
 
-
-# -- custom ops: opaque to torch.compile (fake kernels), counted by FlopCounterMode --------------------------
 
 @torch.library.custom_op("mixer_plugins::depthwise_conv1d_triton", mutates_args=())
 def _conv_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int, silu: bool) -> Tensor:
@@ -309,17 +290,8 @@ def _backward(ctx, grad):
 
 _conv_op.register_autograd(_backward, setup_context=_setup_context)
 
-
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_triton)
-def _flop_formula(x_shape, w_shape, bias_shape, left, right, silu, *args, out_shape=None, **kwargs) -> int:
-    return depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
-
-
-@register_flop_formula(torch.ops.mixer_plugins.depthwise_conv1d_triton_backward)
-def _backward_flop_formula(grad_shape, x_shape, w_shape, bias_shape, left, right, silu, *args,
-                           out_shape=None, **kwargs) -> int:
-    # the input gradient and the weight gradient each cost one forward convolution
-    return 2 * depthwise_conv1d_flops(x_shape[0], x_shape[1], x_shape[2], w_shape[1])
+register_flops(torch.ops.mixer_plugins.depthwise_conv1d_triton,
+               torch.ops.mixer_plugins.depthwise_conv1d_triton_backward)
 
 
 def depthwise_conv1d_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], left: int, right: int,
@@ -327,7 +299,5 @@ def depthwise_conv1d_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], l
     """Depthwise convolution over time of ``x`` (batch, length, channels) with ``weight`` (channels, k) (at most
     :data:`MAX_TAPS` taps), ``left`` / ``right`` zeros around the sequence, then SiLU when ``silu``; as
     :func:`mixer_plugins.kernels.depthwise_conv1d`. Differentiable in x, weight and bias; returns x's dtype."""
-    reason = available(x.device)
-    if reason is not None:
-        raise RuntimeError(f"triton depthwise_conv1d unavailable: {reason}")
+    require(x.device, "depthwise_conv1d")
     return _conv_op(x, weight, bias, int(left), int(right), bool(silu))

@@ -32,12 +32,8 @@ __all__ = ["LocalPlan", "local_attention_blocked", "local_attention_flops", "loc
 
 
 class LocalPlan:
-    """How the blocked path tiles a length-``L`` sequence for window ``w`` and ``num_global`` global tokens.
-
-    Queries are cut into chunks of ``chunk = w`` tokens (at least 1); chunk ``k`` sees the keys of chunks ``k-1, k``
-    (causal) or ``k-1, k, k+1`` (bidirectional), which hold every key within ``w`` of its queries. ``dense`` is True
-    when that tiling would cost at least as much as the plain L x L scores (short sequences, wide windows).
-    """
+    """How the blocked path tiles a length-``L`` sequence for window ``w`` and ``num_global`` global tokens (see the
+    module docstring); ``dense``: whether it computes the plain ``L x L`` scores instead."""
 
     def __init__(self, length: int, window: int, causal: bool, num_global: int = 0):
         self.length = length
@@ -75,44 +71,68 @@ def _dscores(probs: Tensor, dprobs: Tensor, allowed: Tensor, scale: float) -> Te
     return ds.masked_fill_(~allowed, 0)
 
 
+def _allowed(qpos: Tensor, kpos: Tensor, length: int, window: int, num_global: int, causal: bool,
+             key_real: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Which keys each chunk's queries ``qpos`` (n, c) may attend: (b or 1, n, c, K [+ G]), its key slots ``kpos``
+    (n, K) (band, causal and padding masks) and then the global keys; and the global queries' dense rows (b or 1, 1,
+    G, L) (None without global tokens)."""
+    n, c = qpos.shape
+    G, device = num_global, qpos.device
+    diff = qpos[:, :, None] - kpos[:, None, :]
+    allowed = (diff.abs() <= window) & (kpos >= G)[:, None, :] & (kpos < length)[:, None, :]
+    if causal:
+        allowed = allowed & (diff >= 0)
+    allowed = allowed[None]
+    if key_real is not None:  # key slots off the ends read the padding: False
+        allowed = allowed & F.pad(key_real, (c, 3 * c))[:, kpos + c][:, :, None, :]
+    if not G:
+        return allowed, None
+    gpos, pos = torch.arange(G, device=device), torch.arange(length, device=device)
+    g_allowed = (gpos <= qpos[:, :, None]) if causal else torch.ones(n, c, G, dtype=torch.bool, device=device)
+    rows = (pos[None, :] <= pos[:G, None]) if causal else torch.ones(G, length, dtype=torch.bool, device=device)
+    g_allowed, rows = g_allowed[None], rows[None, None]
+    if key_real is not None:
+        g_allowed = g_allowed & key_real[:, None, None, :G]
+        rows = rows & key_real[:, None, None, :]
+    allowed = torch.cat([allowed.expand(g_allowed.shape[0], -1, -1, -1),
+                         g_allowed.expand(allowed.shape[0], -1, -1, -1)], dim=-1)
+    return allowed, rows
+
+
+def _attend_chunks(qc: Tensor, kc: Tensor, vc: Tensor, k: Tensor, v: Tensor, num_global: int, allowed: Tensor,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """Chunk queries ``qc`` (b, n, c, h, e) against their neighbour keys and values ``kc``, ``vc`` (b, n, K, h, *)
+    and the global keys: the probabilities (b, n, h, c, K + G) and the output chunks (b, n, c, h, p)."""
+    G = num_global
+    scores = torch.einsum("bnqhe,bnkhe->bnhqk", qc, kc)
+    if G:
+        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bnhqk", qc, k[:, :G])], dim=-1)
+    probs = _softmax(scores * scale, allowed)
+    K = kc.shape[2]
+    y = torch.einsum("bnhqk,bnkhp->bnqhp", probs[..., :K], vc)
+    if G:
+        y = y + torch.einsum("bnhqk,bkhp->bnqhp", probs[..., K:], v[:, :G])
+    return probs, y
+
+
+def _dense(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Rows ``q`` against every key: the output and the probabilities."""
+    probs = _softmax(torch.einsum("bihe,bjhe->bhij", q, k) * scale, allowed)
+    return torch.einsum("bhij,bjhp->bihp", probs, v), probs
+
+
 class _Blocks:
     """The chunk layout of one call (see :class:`LocalPlan`): chunked / neighbour views and the allowed masks."""
 
     def __init__(self, q: Tensor, key_real: Tensor | None, plan: LocalPlan, window: int, causal: bool):
         b, length, h, _ = q.shape
-        device = q.device
         self.plan, self.b, self.h, self.length = plan, b, h, length
-        c, n, G = plan.chunk, plan.num_chunks, plan.num_global
+        c, n = plan.chunk, plan.num_chunks
         self.padded = n * c
         self.extra = self.padded - length
-        # absolute positions of every query and key slot: the band / causal / padding mask of each chunk
-        qpos = torch.arange(self.padded, device=device).view(n, c)
-        starts = torch.arange(n, device=device)[:, None] * c
-        kpos = torch.cat([starts + off * c + torch.arange(c, device=device) for off in plan.offsets], dim=1)
-        diff = qpos[:, :, None] - kpos[:, None, :]  # (n, c, K)
-        allowed = (diff.abs() <= window) & (kpos >= G)[:, None, :] & (kpos < length)[:, None, :]
-        if causal:
-            allowed = allowed & (diff >= 0)
-        allowed = allowed[None]  # (1, n, c, K)
-        if key_real is not None:
-            slots = F.pad(key_real, (c, self.extra + c))[:, kpos + c]  # (b, n, K): False on pads, out of range
-            allowed = allowed & slots[:, :, None, :]
-        self.rows_allowed = None
-        if G:  # every chunk also scores the global keys; the global queries' rows are dense
-            gpos = torch.arange(G, device=device)
-            g_allowed = (gpos[None, None, :] <= qpos[:, :, None]) if causal else torch.ones(
-                n, c, G, dtype=torch.bool, device=device)
-            g_allowed = g_allowed[None]
-            if key_real is not None:
-                g_allowed = g_allowed & key_real[:, None, None, :G]
-            allowed = torch.cat([allowed.expand(g_allowed.shape[0], -1, -1, -1), g_allowed], dim=-1)
-            pos = torch.arange(length, device=device)
-            rows = (pos[None, :] <= pos[:G, None]) if causal else torch.ones(G, length, dtype=torch.bool,
-                                                                             device=device)
-            rows = rows[None, None]
-            if key_real is not None:
-                rows = rows & key_real[:, None, None, :]
-            self.rows_allowed = rows
+        qpos = torch.arange(self.padded, device=q.device).view(n, c)
+        kpos = torch.cat([qpos + off * c for off in plan.offsets], dim=1)
+        allowed, self.rows_allowed = _allowed(qpos, kpos, length, window, plan.num_global, causal, key_real)
         self.allowed = allowed[:, :, None]  # (b or 1, n, 1, c, K [+ G]): probabilities are (b, n, h, c, K [+ G])
 
     def chunks(self, t: Tensor) -> Tensor:
@@ -151,85 +171,46 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: i
     plan = LocalPlan(length, window, causal, num_global)
     no_rows = q.new_empty(_prob_shapes(q.shape, plan)[1])
     if plan.dense:
-        allowed = _dense_allowed(key_real, length, window, num_global, causal, q.device)
-        probs = _softmax(torch.einsum("bihe,bjhe->bhij", q, k) * scale, allowed)
-        return torch.einsum("bhij,bjhp->bihp", probs, v), probs, no_rows
+        y, probs = _dense(q, k, v, _dense_allowed(key_real, length, window, num_global, causal, q.device), scale)
+        return y, probs, no_rows
     blocks = _Blocks(q, key_real, plan, window, causal)
     G = num_global
-    qc = blocks.chunks(q)
     kc, vc = blocks.neighbours(blocks.chunks(k)), blocks.neighbours(blocks.chunks(v))
-    scores = torch.einsum("bnqhe,bnkhe->bnhqk", qc, kc)
-    if G:
-        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bnhqk", qc, k[:, :G])], dim=-1)
-    probs = _softmax(scores * scale, blocks.allowed)
-    K = kc.shape[2]
-    y = torch.einsum("bnhqk,bnkhp->bnqhp", probs[..., :K], vc)
-    if G:
-        y = y + torch.einsum("bnhqk,bkhp->bnqhp", probs[..., K:], v[:, :G])
+    probs, y = _attend_chunks(blocks.chunks(q), kc, vc, k, v, G, blocks.allowed, scale)
     y = blocks.unchunk(y)
     if not G:
         return y, probs, no_rows
-    # the global queries see every key: dense rows
     assert blocks.rows_allowed is not None   # set whenever there are global queries
-    r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, blocks.rows_allowed)
-    return torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1), probs, r_probs
+    y_rows, r_probs = _dense(q[:, :G], k, v, blocks.rows_allowed, scale)  # the global queries see every key
+    return torch.cat([y_rows, y[:, G:]], dim=1), probs, r_probs
 
 
 def _blocked_by_index(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor | None, window: int, num_global: int,
                       causal: bool, scale: float) -> Tensor:
     """The forward of :func:`_blocked` for a symbolic length (a dynamic axis of ``torch.export``), ``O(L * window)``
-    as that one: chunks of ``window`` tokens, one or two more than the tokens need (``L // window + 2``), each
-    scoring the keys of its neighbour chunks and the global keys. The chunks are gathered by index from the inputs
-    padded by a fixed number of tokens, and the output rows gathered back, so no shape of the graph depends on the
-    length but through that chunk count: cutting padded tensors into chunks (:class:`_Blocks`) needs the padded
-    length, a multiple of the chunk, which the exporter cannot bound for every length and so fixes to the
-    example's."""
+    as that one, with ``L // window + 2`` chunks gathered by index from the inputs padded by a fixed number of
+    tokens, and the output rows gathered back: no shape of the graph depends on the length but through that chunk
+    count (:class:`_Blocks` needs a padded length that is a multiple of the chunk, which the exporter cannot bound
+    for every length and so fixes to the example's)."""
     length = q.shape[1]
-    device = q.device
     G = num_global
     c = max(1, window)
     offsets = (-1, 0) if causal else (-1, 0, 1)
     n = length // c + 2  # at least 2 at any length: a chunk count of 1 would be fixed as that size
-    qpos = torch.arange(n * c, device=device).view(n, c)                    # (n, c): n * c <= length + 2c
+    qpos = torch.arange(n * c, device=q.device).view(n, c)                  # (n, c): n * c <= length + 2c
     kpos = torch.cat([qpos + off * c for off in offsets], dim=1)            # (n, K): in [-c, length + 3c)
-    diff = qpos[:, :, None] - kpos[:, None, :]
-    allowed = (diff.abs() <= window) & (kpos >= G)[:, None, :] & (kpos < length)[:, None, :]
-    if causal:
-        allowed = allowed & (diff >= 0)
-    allowed = allowed[None]                                                  # (1, n, c, K)
-    if key_real is not None:
-        allowed = allowed & F.pad(key_real, (c, 3 * c))[:, kpos + c][:, :, None, :]
+    allowed, rows = _allowed(qpos, kpos, length, window, G, causal, key_real)
 
     def neighbours(t: Tensor) -> Tensor:  # (b, L, h, e) -> (b, n, K, h, e)
         return F.pad(t, (0, 0, 0, 0, c, 3 * c))[:, kpos + c]
 
     qc = F.pad(q, (0, 0, 0, 0, 0, 2 * c))[:, qpos]                          # (b, n, c, h, e)
-    scores = torch.einsum("bnqhe,bnkhe->bnhqk", qc, neighbours(k))
-    if G:
-        g_allowed = (torch.arange(G, device=device) <= qpos[:, :, None]) if causal else torch.ones(
-            n, c, G, dtype=torch.bool, device=device)
-        g_allowed = g_allowed[None]
-        if key_real is not None:
-            g_allowed = g_allowed & key_real[:, None, None, :G]
-        allowed = torch.cat([allowed.expand(g_allowed.shape[0], -1, -1, -1),
-                             g_allowed.expand(allowed.shape[0], -1, -1, -1)], dim=-1)
-        scores = torch.cat([scores, torch.einsum("bnqhe,bkhe->bnhqk", qc, k[:, :G])], dim=-1)
-    probs = _softmax(scores * scale, allowed[:, :, None])
-    K = kpos.shape[1]
-    y = torch.einsum("bnhqk,bnkhp->bnqhp", probs[..., :K], neighbours(v))
-    if G:
-        y = y + torch.einsum("bnhqk,bkhp->bnqhp", probs[..., K:], v[:, :G])
-    y = y.flatten(1, 2)[:, torch.arange(length, device=device)]            # the real rows, (b, L, h, p)
+    _, y = _attend_chunks(qc, neighbours(k), neighbours(v), k, v, G, allowed[:, :, None], scale)
+    y = y.flatten(1, 2)[:, torch.arange(length, device=q.device)]          # the real rows, (b, L, h, p)
     if not G:
         return y
-    # the global queries see every key: dense rows
-    pos = torch.arange(length, device=device)
-    rows = (pos[None, :] <= pos[:G, None]) if causal else torch.ones(G, length, dtype=torch.bool, device=device)
-    rows = rows[None, None]
-    if key_real is not None:
-        rows = rows & key_real[:, None, None, :]
-    r_probs = _softmax(torch.einsum("bihe,bjhe->bhij", q[:, :G], k) * scale, rows)
-    return torch.cat([torch.einsum("bhij,bjhp->bihp", r_probs, v), y[:, G:]], dim=1)
+    assert rows is not None
+    return torch.cat([_dense(q[:, :G], k, v, rows, scale)[0], y[:, G:]], dim=1)
 
 
 def _prob_shapes(q_shape, plan: LocalPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,9 +1,5 @@
 """``triton`` form of :func:`..local_attention`: the fused MLR attention kernels
-(:mod:`..mlr_attention.triton_kernels`) with one global level of rank = head dim (plain attention) and a band: the
-tile plan never visits a tile pair outside the band (nor one of pads only), pairs wholly inside it run unmasked, a
-per-entry mask cuts the band on its edges. Forward and backward (flash-style, the row log-sum-exp kept). Loaded on
-first use; chosen first on CUDA for float32, bfloat16 and float16 inputs (it accumulates in float32; float64 goes to
-the ``torch`` backend)."""
+(:mod:`..mlr_attention.triton_kernels`) with one global level of rank = head dim and a band (see the package)."""
 
 from __future__ import annotations
 
@@ -17,9 +13,8 @@ def local_attention_triton(q: Tensor, k: Tensor, v: Tensor, *, window: int, caus
     finite: the op selects the pads away). Differentiable in q, k and v. Returns v's dtype (pad outputs not zeroed:
     the op does that). ``tile_size``: square tiles of that many tokens for every kernel (None: the kernels'
     defaults; the interpreter tests use tiny tiles)."""
-    from ..mlr_attention.triton_kernels import MLRSpec, Tiles, _tile_size, mlr_triton
+    from ..mlr_attention.triton_kernels import MLRSpec, Tiles, mlr_triton
 
     spec = MLRSpec(ranks=(q.shape[-1],), sizes=(0,), taus=(float(scale),), block_divide=False, causal=bool(causal),
                    window=int(window), num_global=int(num_global))
-    tiles = None if tile_size is None else Tiles.uniform(_tile_size(tile_size))
-    return mlr_triton(q, k, v, spec, mask=mask, tiles=tiles)
+    return mlr_triton(q, k, v, spec, mask=mask, tiles=Tiles.uniform(tile_size))

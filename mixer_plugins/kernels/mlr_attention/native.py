@@ -11,16 +11,17 @@ q.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _native
-from .._native import ENV_VAR, is_loaded, load, unavailable_reason
+from .._native import is_loaded, load
+from .._native_check import require_native
 
-__all__ = ["ENV_VAR", "TILES", "backward", "forward", "is_loaded", "load", "unavailable_reason"]
+__all__ = ["TILES", "backward", "forward", "is_loaded", "load"]
 
 #: (query rows, keys) per tile of the forward and of the backward (measured at L = 4096 on 2 cores: 256 x 512 and
 #: 128 x 256 within 2% of the best; the score tile stays in the L2 cache)
@@ -29,16 +30,8 @@ TILES = {"forward": (256, 512), "backward": (128, 256)}
 
 def _levels(ranks: Sequence[int], block_divide: bool) -> tuple[list[int], list[float]]:
     """Per level ``m``: the score width of the pairs sharing levels ``0..m``, and their divisor's inverse."""
-    widths, total = [], 0
-    for r in ranks:
-        total += int(r)
-        widths.append(total)
+    widths = list(itertools.accumulate(int(r) for r in ranks))
     return widths, [1.0 / (m + 1) if block_divide else 1.0 for m in range(len(ranks))]
-
-
-def _ready() -> None:
-    if not _native.load():
-        raise RuntimeError(f"the native MLR engine is unavailable: {_native.unavailable_reason()}")
 
 
 def _feature_rows(t: Tensor) -> Tensor:
@@ -52,7 +45,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, key_len: Optional[Tensor], ranks: S
     """Output (B, L, H, P) and row log-sum-exp (B, L, H) of MLR attention: q, k (B, L, H, D), v (B, L, H, P),
     float32 or float64 CPU tensors (any strides); ``taus`` the level scales (applied inside); ``key_len`` int64 (B,)
     (keys at and beyond it are excluded; None: none); ``block_sizes`` with 0 for a global level."""
-    _ready()
+    require_native()
     widths, scales = _levels(ranks, block_divide)
     tq, tk = TILES["forward"]
     return torch.ops.mixer_plugins_native.mlr_forward(
@@ -64,7 +57,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              ranks: Sequence[int], block_sizes: Sequence[int], taus: Sequence[float], causal: bool,
              block_divide: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of :func:`forward` given its output and log-sum-exp."""
-    _ready()
+    require_native()
     widths, scales = _levels(ranks, block_divide)
     tq, tk = TILES["backward"]
     return torch.ops.mixer_plugins_native.mlr_backward(

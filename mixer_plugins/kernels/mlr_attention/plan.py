@@ -42,17 +42,6 @@ class Group:
 class MLRPlan:
     length: int
     groups: tuple[Group, ...]
-    block_divide: bool = True
-
-    def pairs(self) -> int:
-        """(query, key) pairs computed per (batch, head): the causal pairs or all ``L^2``."""
-        return sum(t.count * t.q_len * (t.k_len + 1) // 2 if t.causal else t.count * t.q_len * t.k_len
-                   for g in self.groups for t in g.tasks)
-
-    def score_macs(self) -> int:
-        """Multiply-adds of the scores at the groups' own widths, per (batch, head)."""
-        return sum((t.count * t.q_len * (t.k_len + 1) // 2 if t.causal else t.count * t.q_len * t.k_len) * g.width
-                   for g in self.groups for t in g.tasks)
 
 
 def _segments(start: int, end: int, size: int) -> list[tuple[int, int, int]]:
@@ -120,9 +109,7 @@ def plan_tasks(length: int, ranks: Sequence[int], block_sizes: Sequence[Optional
     diag = [(0, 1, length)] if finest is None else _segments(0, length, finest)
     groups.append(Group(n - 1, widths[-1], divisor(n - 1),
                         tuple(Task(s, c, p, 0, p, 0, p, causal) for s, c, p in diag)))
-    return MLRPlan(length, tuple(g for g in groups if g.tasks), block_divide)
-
-
+    return MLRPlan(length, tuple(g for g in groups if g.tasks))
 
 
 # -- the tile plan of the Triton kernels --------------------------------------------------------------------------

@@ -19,19 +19,10 @@ A task returns its softmax-normalized output and log-sum-exp; the tasks are merg
 flash attention's split-KV). The backward of a task uses the *final* output and log-sum-exp of the whole row, so
 each task's gradient is exactly its share of the full softmax's gradient (split-KV backward).
 
-Engines (``engine=``; the op's ``native`` and ``torch`` backends):
-
-* ``native`` (the CPU default for float32 and float64): our fused C++ kernel (:mod:`.native`, compiled on first
-  use): for each query tile, key ranges whose pairs share the same levels, each at its own width ``R_m`` with one
-  BLAS product for its scores and one for its values, online softmax, no Python per range; near the diagonal the
-  finer levels per entry; the backward recomputes the scores. q, k, v read in place (no copies), the level scales
-  applied inside. Right padding only (keys beyond each row's length are skipped).
-* ``matmul``: :mod:`.chunked`, batched matmuls per task at the group's own width ``R_m`` (any device, any dtype), rows
-  in chunks whose scores fit one reused scratch buffer; no padding.
-
-Both run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so
-``torch.compile`` sees one node and ``FlopCounterMode`` counts it by its registered formula (the paper's count,
-:func:`paper_flops`). It saves only q, k, v, the output and the log-sum-exp.
+Engines (``engine=``): ``native`` (the op's ``native`` backend, :mod:`.native`: our fused C++ kernel, right padding
+only) and ``matmul`` (its ``torch`` backend, :mod:`.chunked`: batched matmuls per task, any device and dtype). Both
+run inside one ``torch.library`` custom op (:func:`mlr_attention_tiled`, with its backward op), so ``torch.compile``
+sees one node and ``FlopCounterMode`` counts it by its registered formula (the paper's count, :func:`paper_flops`).
 
 Under ``torch.export`` (and so ``torch.onnx.export(..., dynamo=True)``) the materialized formula of
 :mod:`.reference` is traced instead (standard ops only, ``O(L^2)`` memory like plain attention), so an exported graph
@@ -61,15 +52,7 @@ __all__ = ["ENGINES", "MLRPlan", "Task", "mlr_attention_tiled", "mlr_attention_t
 ENGINES = ("native", "matmul")
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # -- the custom op: what torch.compile, torch.export and FlopCounterMode see --------------------------------------
-
-def _sizes_arg(block_sizes: Sequence[Optional[int]]) -> list[int]:
-    return [0 if s is None else int(s) for s in block_sizes]  # the op schema has no optional ints in lists: 0 = None
-
 
 def _plan(length: int, ranks: Sequence[int], sizes: Sequence[int], causal: bool, block_divide: bool) -> MLRPlan:
     return _cached_plan(length, tuple(ranks), tuple(None if s == 0 else s for s in sizes), causal, block_divide)
@@ -133,7 +116,7 @@ def mlr_attention_tiled(q: Tensor, k: Tensor, v: Tensor, key_real: Optional[Tens
 def _mlr_attention_tiled_fake(q, k, v, key_real, ranks, block_sizes, scales, causal, block_divide, engine):
     batch, length, heads, _ = q.shape
     return (q.new_empty(batch, length, heads, v.shape[-1]),
-            q.new_empty((batch, length, heads), dtype=_lse_dtype(q.dtype)))
+            q.new_empty((batch, length, heads), dtype=torch.promote_types(q.dtype, torch.float32)))
 
 
 @torch.library.custom_op("mixer_plugins::mlr_attention_tiled_backward", mutates_args=())
@@ -215,19 +198,12 @@ def _backward_flop_formula(dout_shape, q_shape, k_shape, v_shape, key_real_shape
 def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int],
                         block_sizes: Sequence[Optional[int]], scales: Sequence[float], causal: bool = False,
                         mask: Tensor | None = None, block_divide: bool = True, engine: str = "matmul") -> Tensor:
-    """The tiled fast path (see the module docstring); arguments as :func:`mixer_plugins.kernels.mlr_attention`.
-
-    ``engine``: ``"matmul"`` (the chunked matmul engine, :mod:`.chunked`: any device and dtype; the op's ``torch``
-    backend) or ``"native"`` (our fused C++ CPU kernel, :mod:`.native`: float32/float64; the op's ``native``
-    backend). Under ``torch.export`` the materialized formula is traced instead (see
-    the module docstring).
-    """
+    """The tiled fast path (see the module docstring); arguments as :func:`mixer_plugins.kernels.mlr_attention`,
+    and ``engine``: ``"matmul"`` or ``"native"`` (CPU float32/float64)."""
     _check_engine(engine)
     if engine == "native" and not torch.compiler.is_compiling():
         if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"the native engine takes float32 or float64 CPU tensors; got {q.device.type} {q.dtype}")
-        if not native.load():
-            raise RuntimeError(f"the native MLR engine is unavailable: {native.unavailable_reason()}")
     if torch.compiler.is_exporting():
         return mlr_attention_reference(q, k, v, ranks=ranks, block_sizes=block_sizes, scales=scales, causal=causal,
                                        mask=mask, block_divide=block_divide)
@@ -237,7 +213,8 @@ def mlr_attention_torch(q: Tensor, k: Tensor, v: Tensor, *, ranks: Sequence[int]
         zero = torch.zeros((), dtype=q.dtype, device=q.device)
         q, k, v = (torch.where(real, t, zero) for t in (q, k, v))  # select: NaN in pads never propagates
         key_real = mask | ~mask.any(dim=1, keepdim=True)  # a row with no real token keeps every key
-    out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), _sizes_arg(block_sizes),
+    sizes = [0 if s is None else int(s) for s in block_sizes]  # the op schema has no optional ints in lists
+    out, _ = mlr_attention_tiled(q, k, v, key_real, list(ranks), sizes,
                                  [float(s) for s in scales], causal, block_divide, engine)
     if mask is not None:
         out = torch.where(mask[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -1,18 +1,10 @@
 """Fused MLR (multi-level low-rank) attention in Triton, forward and backward: flash-style, no L x L tensor.
 
-Scores (per head; see :func:`mixer_plugins.kernels.mlr_attention`)::
-
-    S(i, j) = sum_l [i, j in the same level-l block] * tau_l * q_i^(l) . k_j^(l)     (/ cnt(i, j) with block_divide)
-
-with level l's features a contiguous slice of the head dim (widths ``ranks``) and its blocks ``block_sizes[l]``
-tokens aligned at 0 (None = global; the last, partial block is a block). Then the causal mask (optional), the
-right-padding mask, softmax over the keys, and the values.
-
-Blocks nest, so the levels a pair shares are a prefix ``0..m`` and its score is one dot product of the first
-``W_m = r_0 + ... + r_m`` features. The host (:func:`mixer_plugins.kernels.mlr_attention.plan.tile_plan`) sorts the
-(row tile, column tile) pairs of each program into runs of *uniform* pairs, grouped by class (every pair of the run
-shares levels ``0..m``), and a short list of *mixed* pairs (a block boundary, the causal diagonal or a band edge
-inside the pair, or the partial last tile). A kernel program holds one row tile and
+The scores are those of :func:`mixer_plugins.kernels.mlr_attention`. Blocks nest, so the levels a pair shares are a
+prefix ``0..m`` and its score is one dot product of the first ``W_m = r_0 + ... + r_m`` features. The host
+(:func:`.plan.tile_plan`) sorts the (row tile, column tile) pairs of each program into runs of *uniform* pairs, grouped
+by class (every pair of the run shares levels ``0..m``), and a short list of *mixed* pairs (a block boundary, the
+causal diagonal or a band edge inside the pair, or the partial last tile). A kernel program holds one row tile and
 
 * for each class (a compile-time loop; its width ``W_m``, the dot's width ``K`` = ``W_m`` rounded up to a power of
   two, at least 16, and its divisor are constants), loads its resident operand once at width ``K`` with the level
@@ -36,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -45,10 +36,11 @@ from torch import Tensor
 
 from .._dispatch import row_span
 from .._requirements import MAX_ROW_SPAN
-from .._triton._common import INTERPRET, available, dot_precision_split, grid_1d, on_device, tl, triton
+from .._triton._common import INTERPRET, available, dot_precision_split, grid_1d, on_device, pow2, require, tl, triton
 from .._triton._common import INTERPRET_AT_IMPORT as _INTERPRET_AT_IMPORT
 from .._triton._common import dot as _dot
-from .plan import TilePlan, tile_classes, tile_plan
+from .._triton._common import rows_last as _rows_last
+from .plan import tile_classes, tile_plan
 
 __all__ = ["MLRSpec", "Tiles", "available", "mlr_attention_triton", "mlr_triton"]
 
@@ -63,6 +55,27 @@ if triton is not None:
         for lv in tl.static_range(NL):
             s = tl.where((offs >= OFFS[lv]) & (offs < OFFS[lv] + RANKS[lv]), TAUS[lv], s)
         return s
+
+    @triton.jit
+    def _scaled(x, offs, DIV: tl.constexpr, OFFS: tl.constexpr, RANKS: tl.constexpr, TAUS: tl.constexpr,
+                NL: tl.constexpr):
+        """``x`` with each feature's level scale, ``log2(e)`` and ``1 / DIV`` folded in, in x's dtype."""
+        scale = _col_scale(offs, OFFS, RANKS, TAUS, NL) * (1.4426950408889634 / DIV)
+        return (x.to(tl.float32) * scale[None, :]).to(x.dtype)
+
+    @triton.jit
+    def _add_to(base, rows, row_ok, cols, LIMIT: tl.constexpr, stride, x):
+        """``base[rows * stride + cols] += x`` (float32) where ``row_ok`` and ``cols < LIMIT``."""
+        ptrs = base + rows[:, None] * stride + cols[None, :]
+        msk = row_ok[:, None] & (cols < LIMIT)[None, :]
+        tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + x, mask=msk)
+
+    @triton.jit
+    def _span(t, BLOCK: tl.constexpr, L):
+        """Tile ``t`` of ``BLOCK`` tokens: its first and last token, its offsets and which of them are < L."""
+        lo = t * BLOCK
+        offs = lo + tl.arange(0, BLOCK)
+        return lo, tl.minimum(lo + BLOCK, L) - 1, offs, offs < L
 
     @triton.jit
     def _tile(base, rows, stride, cols, row_ok, LIMIT: tl.constexpr, WIDTH: tl.constexpr,
@@ -147,15 +160,18 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _program(n_tiles, H, CAUSAL: tl.constexpr):
-        """(row tile, batch * head, batch, head) of this program: one flat grid (no 65,535 limit on batch * heads);
-        causal query tiles in decreasing order (the longest rows start first)."""
+    def _program(n_tiles, H, L, keylen_ptr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
+        """(row tile, batch * head, batch, head, key length) of this program: one flat grid (no 65,535 limit on
+        batch * heads); causal query tiles in decreasing order (the longest rows start first)."""
         pid = tl.program_id(0)
         bh = pid // n_tiles
         t = pid % n_tiles
         if CAUSAL:
             t = n_tiles - 1 - t
-        return t, bh, bh // H, bh % H
+        kl = L
+        if HAS_KEYLEN:
+            kl = tl.load(keylen_ptr + bh // H)
+        return t, bh, bh // H, bh % H, kl
 
     @triton.jit
     def _softmax_step(S, v_tile, m_i, l_i, acc, DOT: tl.constexpr):
@@ -233,9 +249,7 @@ if triton is not None:
         s_end = tl.load(ptr + 1)
         if s_end > s:
             offs_k = tl.arange(0, K)
-            qk = _tile(q_base, offs_m, sql, offs_k, m_ok, W, K, False)
-            scale = _col_scale(offs_k, OFFS, RANKS, TAUS, NL) * (1.4426950408889634 / DIV)
-            qk = (qk.to(tl.float32) * scale[None, :]).to(qk.dtype)
+            qk = _scaled(_tile(q_base, offs_m, sql, offs_k, m_ok, W, K, False), offs_k, DIV, OFFS, RANKS, TAUS, NL)
             while s < s_end:
                 n_first = tl.load(segs_ptr + 2 * s)
                 n_end = tl.load(segs_ptr + 2 * s + 1)
@@ -267,9 +281,8 @@ if triton is not None:
             s_end = tl.load(ptr + 1)
             if s_end > s:
                 offs_k = tl.arange(0, K)
-                qk = _tile(q_base, offs_m, sql, offs_k, m_ok, W, K, False)
-                scale = _col_scale(offs_k, OFFS, RANKS, TAUS, NL) * (1.4426950408889634 / DIV)
-                qk = (qk.to(tl.float32) * scale[None, :]).to(qk.dtype)
+                qk = _scaled(_tile(q_base, offs_m, sql, offs_k, m_ok, W, K, False), offs_k, DIV, OFFS, RANKS, TAUS,
+                             NL)
                 dq = tl.zeros([BLOCK_M, K], dtype=tl.float32)
                 while s < s_end:
                     n_first = tl.load(segs_ptr + 2 * s)
@@ -288,10 +301,8 @@ if triton is not None:
                                              W, K, P, BLOCK_P, HAS_KEYLEN, DOT, BLOCK_M, BLOCK_N)
                     s += 1
                 # the gradient of the original q: the level scales and the divisor (log2(e) is not in dS)
-                ptrs = dq_base + offs_m[:, None] * (H * E) + offs_k[None, :]
-                msk = m_ok[:, None] & (offs_k < W)[None, :]
-                flush = dq * (_col_scale(offs_k, OFFS, RANKS, TAUS, NL) / DIV)[None, :]
-                tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + flush, mask=msk)
+                _add_to(dq_base, offs_m, m_ok, offs_k, W, H * E,
+                        dq * (_col_scale(offs_k, OFFS, RANKS, TAUS, NL) / DIV)[None, :])
 
     @triton.jit
     def _dkdv_class(q_base, k_base, vv, do_base, dk_base, lse_base, delta_base, ptr, segs_ptr, live, offs_n, n_ok,
@@ -305,9 +316,7 @@ if triton is not None:
         s_end = tl.load(ptr + 1)
         if live & (s_end > s):
             offs_k = tl.arange(0, K)
-            kk = _tile(k_base, offs_n, skl, offs_k, n_ok, W, K, False)
-            scale = _col_scale(offs_k, OFFS, RANKS, TAUS, NL) * (1.4426950408889634 / DIV)
-            kk = (kk.to(tl.float32) * scale[None, :]).to(kk.dtype)
+            kk = _scaled(_tile(k_base, offs_n, skl, offs_k, n_ok, W, K, False), offs_k, DIV, OFFS, RANKS, TAUS, NL)
             dk = tl.zeros([BLOCK_N, K], dtype=tl.float32)
             while s < s_end:
                 m_first = tl.load(segs_ptr + 2 * s)
@@ -326,10 +335,8 @@ if triton is not None:
                                                BLOCK_N)
                 s += 1
             if W > 0:
-                ptrs = dk_base + offs_n[:, None] * (H * E) + offs_k[None, :]
-                msk = n_ok[:, None] & (offs_k < W)[None, :]
-                flush = dk * (_col_scale(offs_k, OFFS, RANKS, TAUS, NL) / DIV)[None, :]
-                tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + flush, mask=msk)
+                _add_to(dk_base, offs_n, n_ok, offs_k, W, H * E,
+                        dk * (_col_scale(offs_k, OFFS, RANKS, TAUS, NL) / DIV)[None, :])
         return dv
 
     @triton.jit
@@ -342,18 +349,12 @@ if triton is not None:
         CLS_DIV: tl.constexpr, CAUSAL: tl.constexpr, BANDED: tl.constexpr, HAS_KEYLEN: tl.constexpr,
         BLOCK_DIVIDE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        t, bh, b, h = _program(n_tiles, H, CAUSAL)
+        t, bh, b, h, kl = _program(n_tiles, H, L, keylen_ptr, CAUSAL, HAS_KEYLEN)
         q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
         k_base = k_ptr + b.to(tl.int64) * skb + h * skh
         v_base = v_ptr + b.to(tl.int64) * svb + h * svh
-        m_lo = t * BLOCK_M
-        m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
-        offs_m = m_lo + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < L
+        m_lo, m_hi, offs_m, m_ok = _span(t, BLOCK_M, L)
         offs_p = tl.arange(0, BLOCK_P)
-        kl = L
-        if HAS_KEYLEN:
-            kl = tl.load(keylen_ptr + b)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
@@ -367,14 +368,10 @@ if triton is not None:
         i_end = tl.load(mix_ptr + t + 1)
         if i_end > i:
             offs_e = tl.arange(0, BLOCK_E)
-            qf = _tile(q_base, offs_m, sql, offs_e, m_ok, E, BLOCK_E, False)
-            scale = _col_scale(offs_e, OFFS, RANKS, TAUS, NL) * 1.4426950408889634
-            qf = (qf.to(tl.float32) * scale[None, :]).to(q_ptr.dtype.element_ty)
+            qf = _scaled(_tile(q_base, offs_m, sql, offs_e, m_ok, E, BLOCK_E, False), offs_e, 1.0, OFFS, RANKS, TAUS,
+                         NL)
             while i < i_end:
-                n_lo = tl.load(mix_cols_ptr + i) * BLOCK_N
-                n_hi = tl.minimum(n_lo + BLOCK_N, L) - 1
-                offs_n = n_lo + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < L
+                n_lo, n_hi, offs_n, n_ok = _span(tl.load(mix_cols_ptr + i), BLOCK_N, L)
                 kf = _tile(k_base, offs_n, skl, offs_e, n_ok, E, BLOCK_E, False)
                 S = _mixed_scores(qf, kf, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e, NL, NG, WG, OFFS, RANKS,
                                   SIZES, DOT)
@@ -403,20 +400,14 @@ if triton is not None:
         CLS_DIV: tl.constexpr, CAUSAL: tl.constexpr, BANDED: tl.constexpr, HAS_KEYLEN: tl.constexpr,
         BLOCK_DIVIDE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        t, bh, b, h = _program(n_tiles, H, CAUSAL)
+        t, bh, b, h, kl = _program(n_tiles, H, L, keylen_ptr, CAUSAL, HAS_KEYLEN)
         q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
         k_base = k_ptr + b.to(tl.int64) * skb + h * skh
         v_base = v_ptr + b.to(tl.int64) * svb + h * svh
         do_base = do_ptr + b.to(tl.int64) * sdb + h * sdh
         dq_base = dq_ptr + (b.to(tl.int64) * L * H + h) * E
-        m_lo = t * BLOCK_M
-        m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
-        offs_m = m_lo + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < L
+        m_lo, m_hi, offs_m, m_ok = _span(t, BLOCK_M, L)
         offs_p = tl.arange(0, BLOCK_P)
-        kl = L
-        if HAS_KEYLEN:
-            kl = tl.load(keylen_ptr + b)
         do = _tile(do_base, offs_m, sdl, offs_p, m_ok, P, BLOCK_P, False)
         lse = tl.load(lse_ptr + bh.to(tl.int64) * L + offs_m, mask=m_ok, other=float("inf"))
         delta = tl.load(delta_ptr + bh.to(tl.int64) * L + offs_m, mask=m_ok, other=0.0)
@@ -433,10 +424,7 @@ if triton is not None:
             qf = (qf.to(tl.float32) * (col_tau * 1.4426950408889634)[None, :]).to(q_ptr.dtype.element_ty)
             dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
             while i < i_end:
-                n_lo = tl.load(mix_cols_ptr + i) * BLOCK_N
-                n_hi = tl.minimum(n_lo + BLOCK_N, L) - 1
-                offs_n = n_lo + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < L
+                n_lo, n_hi, offs_n, n_ok = _span(tl.load(mix_cols_ptr + i), BLOCK_N, L)
                 kf = _tile(k_base, offs_n, skl, offs_e, n_ok, E, BLOCK_E, False)
                 vv = _tile(v_base, offs_n, svl, offs_p, n_ok, P, BLOCK_P, False)
                 S = _mixed_scores(qf, kf, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e, NL, NG, WG, OFFS, RANKS,
@@ -452,9 +440,7 @@ if triton is not None:
                 dq = _mixed_grads(ds, kf, dq, offs_m, m_lo, m_hi, offs_n, n_lo, n_hi, offs_e, NL, NG, WG, OFFS,
                                   RANKS, SIZES, DOT)
                 i += 1
-            ptrs = dq_base + offs_m[:, None] * (H * E) + offs_e[None, :]
-            msk = m_ok[:, None] & (offs_e < E)[None, :]
-            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + dq * col_tau[None, :], mask=msk)
+            _add_to(dq_base, offs_m, m_ok, offs_e, E, H * E, dq * col_tau[None, :])
 
     @triton.jit
     def _mlr_bwd_dkdv_kernel(
@@ -467,7 +453,7 @@ if triton is not None:
         BLOCK_DIVIDE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # rows: key tiles of BLOCK_N; columns: query tiles of BLOCK_M (the plan has keys_are_rows)
-        t, bh, b, h = _program(n_tiles, H, False)
+        t, bh, b, h, kl = _program(n_tiles, H, L, keylen_ptr, False, HAS_KEYLEN)
         q_base = q_ptr + b.to(tl.int64) * sqb + h * sqh
         k_base = k_ptr + b.to(tl.int64) * skb + h * skh
         v_base = v_ptr + b.to(tl.int64) * svb + h * svh
@@ -475,14 +461,8 @@ if triton is not None:
         dk_base = dk_ptr + (b.to(tl.int64) * L * H + h) * E
         lse_base = lse_ptr + bh.to(tl.int64) * L
         delta_base = delta_ptr + bh.to(tl.int64) * L
-        n_lo = t * BLOCK_N
-        n_hi = tl.minimum(n_lo + BLOCK_N, L) - 1
-        offs_n = n_lo + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < L
+        n_lo, n_hi, offs_n, n_ok = _span(t, BLOCK_N, L)
         offs_p = tl.arange(0, BLOCK_P)
-        kl = L
-        if HAS_KEYLEN:
-            kl = tl.load(keylen_ptr + b)
         live = n_lo < kl  # a key tile of pads only: no gradient, nothing to visit
         vv = _tile(v_base, offs_n, svl, offs_p, n_ok, P, BLOCK_P, False)
         dv = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
@@ -499,10 +479,7 @@ if triton is not None:
             kf = (kf.to(tl.float32) * (col_tau * 1.4426950408889634)[None, :]).to(k_ptr.dtype.element_ty)
             dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
             while i < i_end:
-                m_lo = tl.load(mix_cols_ptr + i) * BLOCK_M
-                m_hi = tl.minimum(m_lo + BLOCK_M, L) - 1
-                offs_m = m_lo + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < L
+                m_lo, m_hi, offs_m, m_ok = _span(tl.load(mix_cols_ptr + i), BLOCK_M, L)
                 qf = _tile(q_base, offs_m, sql, offs_e, m_ok, E, BLOCK_E, False)
                 do = _tile(do_base, offs_m, sdl, offs_p, m_ok, P, BLOCK_P, False)
                 lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
@@ -521,19 +498,16 @@ if triton is not None:
                 dk = _mixed_grads(dst, qf, dk, offs_n, n_lo, n_hi, offs_m, m_lo, m_hi, offs_e, NL, NG, WG, OFFS,
                                   RANKS, SIZES, DOT)
                 i += 1
-            ptrs = dk_base + offs_n[:, None] * (H * E) + offs_e[None, :]
-            msk = n_ok[:, None] & (offs_e < E)[None, :]
-            tl.store(ptrs, tl.load(ptrs, mask=msk, other=0.0) + dk * col_tau[None, :], mask=msk)
+            _add_to(dk_base, offs_n, n_ok, offs_e, E, H * E, dk * col_tau[None, :])
         dv_ptrs = dv_ptr + ((b.to(tl.int64) * L + offs_n[:, None]) * H + h) * P + offs_p[None, :]
         tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_p < P)[None, :])
 
 
 @dataclasses.dataclass(frozen=True)
 class MLRSpec:
-    """What the kernels are specialized on (besides dtypes, widths and tiles): the levels and the masks.
-
-    ``sizes``: tokens per block of each level, 0 = global; ``taus``: each level's logit scale; ``window`` (not None):
-    the band of local attention, with ``num_global`` global tokens."""
+    """What the kernels are specialized on besides dtypes, widths and tiles. ``sizes``: tokens per block of each
+    level, 0 = global; ``taus``: each level's logit scale; ``window`` (not None): the band of local attention, with
+    ``num_global`` global tokens."""
 
     ranks: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -549,9 +523,8 @@ class MLRSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Tile sizes (tokens) and launch options of the three kernels: (rows, columns, warps, pipeline stages). The
-    forward and dq kernels hold query rows and stream key columns; the dk/dv kernel holds key rows and streams query
-    columns."""
+    """(rows, columns, warps, pipeline stages) of the three kernels. The forward and dq kernels hold query rows and
+    stream key columns; the dk/dv kernel holds key rows and streams query columns."""
 
     forward: tuple[int, int, int, int]
     dq: tuple[int, int, int, int]
@@ -559,11 +532,9 @@ class Tiles:
 
     @staticmethod
     def default(dtype: torch.dtype, head_width: int) -> Tiles:
-        """The tiles the kernels run with on a GPU: checked free of register spills at sm_90 with Triton 3.5 and 3.6
-        (``benchmarks/gpu/compile_check.py``) for bfloat16 and float16 at head widths up to 64, one level (local
-        attention) up to 128, and float32 up to 64. Several levels at head width 128 spill in the backward, and so
-        does float32 at 128. The dk/dv kernel streams 16 query columns where it holds the widest accumulators
-        (head width 128 in half precision, 128 key rows in float32): at 32, Triton 3.6 spills there."""
+        """The GPU tiles: free of register spills at sm_90 with Triton 3.5 and 3.6 (``benchmarks/gpu/compile_check.py``)
+        for half precision at head widths up to 64 (one level up to 128) and float32 up to 64. The dk/dv kernel
+        streams 16 query columns where it holds the widest accumulators (at 32, Triton 3.6 spills there)."""
         if dtype == torch.float32:
             if head_width > 64:
                 return Tiles(forward=(128, 32, 8, 2), dq=(64, 16, 8, 2), dkdv=(64, 16, 8, 2))
@@ -573,107 +544,89 @@ class Tiles:
         return Tiles(forward=(128, 64, 8, 3), dq=(128, 32, 8, 2), dkdv=(128, 32, 8, 2))
 
     @staticmethod
-    def uniform(size: int) -> Tiles:
-        """Every kernel with ``size`` x ``size`` tiles (4 warps, 2 stages): the interpreter tests use tiny ones."""
+    def uniform(size: int | None) -> Tiles | None:
+        """Every kernel with square tiles of at least ``size`` tokens (a power of two, at least 16 on GPUs for
+        ``tl.dot``), 4 warps, 2 stages: the interpreter tests use tiny ones. None for None (the defaults)."""
+        if size is None:
+            return None
+        size = max(1 if _INTERPRET_AT_IMPORT else 16, pow2(size))
         return Tiles(forward=(size, size, 4, 2), dq=(size, size, 4, 2), dkdv=(size, size, 4, 2))
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 @functools.lru_cache(maxsize=128)
 def _constants(spec: MLRSpec, e: int, p: int) -> dict[str, Any]:
     """The kernels' compile-time arguments for ``spec`` at head widths ``e`` (q, k) and ``p`` (v)."""
     n = len(spec.ranks)
-    offs = tuple(sum(spec.ranks[:i]) for i in range(n))
     widths = [0] + [sum(spec.ranks[: m + 1]) for m in range(n)]
     classes = tile_classes(spec.block_sizes())
     num_global = next((i for i, s in enumerate(spec.sizes) if s != 0), n)
     return dict(
-        E=e, P=p, BLOCK_E=_pow2(e), BLOCK_P=_pow2(p), NL=n, NG=num_global, WG=widths[num_global], OFFS=offs,
-        RANKS=tuple(spec.ranks), SIZES=tuple(max(s, 1) if s else 0 for s in spec.sizes),
+        E=e, P=p, BLOCK_E=max(16, pow2(e)), BLOCK_P=max(16, pow2(p)), NL=n, NG=num_global, WG=widths[num_global],
+        OFFS=tuple(widths[:n]), RANKS=tuple(spec.ranks), SIZES=tuple(spec.sizes),
         TAUS=tuple(float(t) for t in spec.taus), NCLS=len(classes), CLS_W=tuple(widths[c] for c in classes),
-        CLS_K=tuple(_pow2(widths[c]) if widths[c] else 16 for c in classes),
+        CLS_K=tuple(max(16, pow2(widths[c])) for c in classes),
         CLS_DIV=tuple(float(c) if spec.block_divide and c else 1.0 for c in classes),
         CAUSAL=bool(spec.causal), BANDED=spec.window is not None, BLOCK_DIVIDE=bool(spec.block_divide))
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(spec: MLRSpec, length: int, rows: int, cols: int, keys_are_rows: bool, device: torch.device) -> TilePlan:
+def _plan(spec: MLRSpec, length: int, rows: int, cols: int, keys_are_rows: bool,
+          device: torch.device) -> tuple[int, tuple[Tensor, ...]]:
+    """The tile plan's row count and its four index tensors on ``device`` (each a valid pointer, even if empty)."""
     plan = tile_plan(length, rows, cols, spec.block_sizes(), causal=spec.causal, keys_are_rows=keys_are_rows,
                      window=spec.window, num_global=spec.num_global)
-    if device.type == "cpu":
-        return plan
-    return dataclasses.replace(plan, seg_ptr=plan.seg_ptr.to(device), segs=plan.segs.to(device),
-                               mixed_ptr=plan.mixed_ptr.to(device), mixed=plan.mixed.to(device))
-
-
-def _plan_args(plan: TilePlan) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    segs = plan.segs if plan.segs.numel() else plan.seg_ptr  # a valid pointer even when there is no run
+    segs = plan.segs if plan.segs.numel() else plan.seg_ptr
     mixed = plan.mixed if plan.mixed.numel() else plan.mixed_ptr
-    return plan.seg_ptr, segs, plan.mixed_ptr, mixed
+    return plan.n_rows, tuple(t.to(device) for t in (plan.seg_ptr, segs, plan.mixed_ptr, mixed))
 
 
-def _strides(t: Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+def _launch(kernel, tensors: tuple[Tensor, ...], strides: tuple[int, ...], spec: MLRSpec, tile: tuple[int, ...],
+            keys_are_rows: bool, key_len: Tensor | None) -> None:
+    """Launch one of the kernels on (b, L, H, E) ``tensors[0]`` with ``tile`` (rows, columns, warps, stages)."""
+    q, v = tensors[0], tensors[2]
+    b, L, H, E = q.shape
+    rows, cols, warps, stages = tile
+    n_rows, plan = _plan(spec, L, rows, cols, keys_are_rows, q.device)
+    block_m, block_n = (cols, rows) if keys_are_rows else (rows, cols)
+    with on_device(q.device):
+        kernel[grid_1d(n_rows * b * H, "mlr attention")](
+            *tensors, *plan, L, H, n_rows, *strides, 0 if spec.window is None else int(spec.window),
+            int(spec.num_global), **_constants(spec, E, v.shape[-1]), HAS_KEYLEN=key_len is not None,
+            DOT=dot_precision_split(v.dtype), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
-def _rows_last(t: Tensor) -> Tensor:
-    """``t`` with unit stride on its last axis (the kernels read rows of features)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _strides(*ts: Tensor) -> tuple[int, ...]:
+    return tuple(s for t in ts for s in t.stride()[:3])
 
 
 def mlr_forward(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | None, spec: MLRSpec,
                 tiles: Tiles) -> tuple[Tensor, Tensor]:
     """Output (b, L, H, P) in v's dtype and the row log-sum-exp in base 2, (b * H, L) float32 (+inf for a row with
     no allowed key)."""
-    b, L, H, E = q.shape
-    P = v.shape[-1]
-    rows, cols, warps, stages = tiles.forward
-    plan = _plan(spec, L, rows, cols, False, q.device)
-    o = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
+    b, L, H, _ = q.shape
+    o = torch.empty(b, L, H, v.shape[-1], dtype=v.dtype, device=v.device)
     lse = torch.empty(b * H, L, dtype=torch.float32, device=v.device)
-    with on_device(q.device):
-        _mlr_fwd_kernel[grid_1d(plan.n_rows * b * H, "mlr attention")](
-            q, k, v, o, lse, key_len if key_len is not None else lse, *_plan_args(plan), L, H, plan.n_rows,
-            *_strides(q), *_strides(k), *_strides(v), *_band(spec), **_constants(spec, E, P),
-            HAS_KEYLEN=key_len is not None, DOT=dot_precision_split(v.dtype), BLOCK_M=rows, BLOCK_N=cols,
-            num_warps=warps, num_stages=stages)
+    _launch(_mlr_fwd_kernel, (q, k, v, o, lse, lse if key_len is None else key_len), _strides(q, k, v), spec,
+            tiles.forward, False, key_len)
     return o, lse
 
 
 def mlr_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, key_len: Tensor | None, o: Tensor, lse: Tensor,
                  spec: MLRSpec, tiles: Tiles) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of :func:`mlr_forward` in the inputs' dtypes."""
-    b, L, H, E = q.shape
-    P = v.shape[-1]
+    b, L, H, _ = q.shape
     do = _rows_last(do)
     if row_span(do) >= MAX_ROW_SPAN:  # a gradient arriving as a narrow view of a wider tensor
         do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).reshape(b * H, L).contiguous()  # D_i = dO_i . O_i
-    dq = torch.zeros(b, L, H, E, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros_like(dq)
-    dv = torch.empty(b, L, H, P, dtype=v.dtype, device=v.device)
-    common = dict(**_constants(spec, E, P), HAS_KEYLEN=key_len is not None, DOT=dot_precision_split(v.dtype))
-    kl = key_len if key_len is not None else lse
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_band(spec))
-    with on_device(q.device):
-        rows, cols, warps, stages = tiles.dq
-        plan = _plan(spec, L, rows, cols, False, q.device)
-        _mlr_bwd_dq_kernel[grid_1d(plan.n_rows * b * H, "mlr attention backward")](
-            q, k, v, do, lse, delta, kl, dq, *_plan_args(plan), L, H, plan.n_rows, *strides, **common, BLOCK_M=rows,
-            BLOCK_N=cols, num_warps=warps, num_stages=stages)
-        rows, cols, warps, stages = tiles.dkdv
-        plan = _plan(spec, L, rows, cols, True, q.device)
-        _mlr_bwd_dkdv_kernel[grid_1d(plan.n_rows * b * H, "mlr attention backward")](
-            q, k, v, do, lse, delta, kl, dk, dv, *_plan_args(plan), L, H, plan.n_rows, *strides, **common,
-            BLOCK_M=cols, BLOCK_N=rows, num_warps=warps, num_stages=stages)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    inputs = (q, k, v, do, lse, delta, lse if key_len is None else key_len)
+    strides = _strides(q, k, v, do)
+    _launch(_mlr_bwd_dq_kernel, (*inputs, dq), strides, spec, tiles.dq, False, key_len)
+    _launch(_mlr_bwd_dkdv_kernel, (*inputs, dk, dv), strides, spec, tiles.dkdv, True, key_len)
     return dq.to(q.dtype), dk.to(k.dtype), dv
-
-
-def _band(spec: MLRSpec) -> tuple[int, int]:
-    return (0 if spec.window is None else int(spec.window)), int(spec.num_global)
 
 
 class _MLRFunction(torch.autograd.Function):
@@ -709,9 +662,7 @@ def mlr_triton(q: Tensor, k: Tensor, v: Tensor, spec: MLRSpec, *, mask: Tensor |
     if span >= MAX_ROW_SPAN:
         raise ValueError(f"the Triton attention kernels index a batch's slice in 32 bits: its span is {span} >= 2^31 "
                          f"elements; run this call on the torch backend (backend='torch')")
-    reason = available(q.device)
-    if reason is not None:
-        raise RuntimeError(f"triton MLR attention unavailable: {reason}")
+    require(q.device, "MLR attention")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"the Triton MLR kernels take float32, bfloat16 or float16 inputs of one dtype; got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
@@ -730,20 +681,12 @@ def mlr_attention_triton(
     q, k (b, l, h, e) with ``sum(ranks) == e`` (level l = the next ``ranks[l]`` features); v (b, l, h, p);
     ``block_sizes[l]`` tokens per level-l block (None = global; blocks aligned at 0; nested, coarse first, as the
     op validates); ``level_scales[l]`` = tau_l; ``mask`` bool (b, l), True on real tokens, right padding (pad keys
-    are excluded; a row with no real token keeps all keys). ``tile_size``: every kernel with square tiles of that
-    many tokens (None: :meth:`Tiles.default`; tests use tiny tiles under the interpreter). Returns (b, l, h, p) in
-    v's dtype (pad outputs are not zeroed: the op does that).
+    are excluded; a row with no real token keeps all keys). ``tile_size``: :meth:`Tiles.uniform` (None: the
+    defaults). Returns (b, l, h, p) in v's dtype (pad outputs are not zeroed: the op does that).
     """
     e = q.shape[-1]
     if sum(ranks) != e or len(ranks) != len(block_sizes) or len(ranks) != len(level_scales):
         raise ValueError(f"ranks {list(ranks)} must sum to the q/k width {e} and match block_sizes/level_scales")
     spec = MLRSpec(tuple(int(r) for r in ranks), tuple(0 if s is None else int(s) for s in block_sizes),
                    tuple(float(s) for s in level_scales), bool(block_divide), bool(causal))
-    tiles = None if tile_size is None else Tiles.uniform(_tile_size(tile_size))
-    return mlr_triton(q, k, v, spec, mask=mask, tiles=tiles)
-
-
-def _tile_size(size: int) -> int:
-    """A tile of at least ``size`` tokens: a power of two, at least 16 on GPUs (``tl.dot``), any under the
-    interpreter."""
-    return _pow2(size, 1 if _INTERPRET_AT_IMPORT else 16)
+    return mlr_triton(q, k, v, spec, mask=mask, tiles=Tiles.uniform(tile_size))

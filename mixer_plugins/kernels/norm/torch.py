@@ -1,12 +1,9 @@
 """``torch`` form of :func:`..gated_rmsnorm`: tile by tile, with a hand-written backward.
 
-Why not plain PyTorch ops: written as ops on the whole (tokens, width) tensors, the norm is about eight
-full-size temporaries forward and twice that backward. On CPU each is a fresh allocation that glibc
-serves with ``mmap`` once it passes 32 MiB (at L=16384 and width 512 every one does), so every pass also
-pays the page faults of touching new memory: the norm cost more than the matmuls around it. Here the
-tokens are processed in tiles of :data:`TILE_ELEMENTS` elements: the temporaries are small, stay in cache
-and are reused by the allocator, and only the output (and, backward, the input gradients) is full size.
-The backward recomputes the per-tile statistics instead of storing them.
+Written as ops on whole (tokens, width) tensors, the norm makes about eight full-size temporaries forward and twice
+that backward, each (on CPU, past glibc's ``mmap`` threshold) paying the page faults of fresh memory. In tiles of
+:data:`TILE_ELEMENTS` elements the temporaries stay small, cached and reused; the backward recomputes the per-tile
+statistics instead of storing them.
 
 Under ``torch.compile`` the plain formula (:func:`.reference.gated_rmsnorm_reference`) is traced instead:
 the compiler fuses it. (On CPU the ``native`` backend, :mod:`.native`, runs first.)

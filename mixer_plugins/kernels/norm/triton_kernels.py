@@ -18,12 +18,9 @@ a fixed number of programs (a few per SM) each walk a contiguous range of row ti
 registers, writing one float32 row of partial sums each; one ``sum`` over those rows finishes it. No atomics, so the
 result does not depend on the order programs run in.
 
-Offsets: row indices are 64-bit before they are multiplied by a row stride (:func:`._common.offset64`), so tensors past
-2^31 elements are addressed correctly; the launch grids are one-dimensional (CUDA allows 2^31 - 1 programs on the
-first grid dimension, 65,535 on the others).
-
-Both directions are ``torch.library`` custom ops with fake kernels, so ``torch.compile`` sees one opaque op each way.
-Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
+Row indices are 64-bit before they are multiplied by a row stride; the grids are one-dimensional. Both directions are
+``torch.library`` custom ops with fake kernels. Run on CUDA, or on CPU tensors with ``TRITON_INTERPRET=1`` set before
+this module is imported.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._triton._common import MAX_GRID, available, cdiv, grid_1d, offset64, on_device, pow2, tl, triton
+from .._triton._common import MAX_GRID, available, cdiv, grid_1d, offset64, on_device, pow2, require, tl, triton
 
 __all__ = ["MAX_GRID", "MAX_WIDTH", "available", "backward_programs", "forward_grid", "forward_layout",
            "gated_rmsnorm_triton", "persistent_programs"]
@@ -198,8 +195,6 @@ def _norm_bwd(grad: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float,
     return dy, dz, partial.sum(0).to(weight.dtype)
 
 
-# -- custom ops: opaque to torch.compile (fake kernels) ------------------------------------------------------
-
 @torch.library.custom_op("mixer_plugins::gated_rmsnorm_triton", mutates_args=())
 def _norm_op(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
     """Fused gated RMSNorm forward over the last dimension; y's dtype, contiguous."""
@@ -243,7 +238,5 @@ def gated_rmsnorm_triton(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5
                          norm_before_gate: bool = True) -> Tensor:
     """Gated RMSNorm of ``y`` gated by ``z`` (same shape, width at most :data:`MAX_WIDTH`) with gain ``weight``
     (width,), as :func:`mixer_plugins.kernels.gated_rmsnorm`; differentiable in y, z and weight. Returns y's dtype."""
-    reason = available(y.device)
-    if reason is not None:
-        raise RuntimeError(f"triton gated_rmsnorm unavailable: {reason}")
+    require(y.device, "gated_rmsnorm")
     return _norm_op(y, z, weight, float(eps), bool(norm_before_gate))
