@@ -69,8 +69,8 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_
 
 def norm_unchecked(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool,
                    backend: str | None = None) -> Tensor:
-    """:func:`gated_rmsnorm` without its shape checks: for callers whose shapes are right by construction (a block's
-    one-token step)."""
+    """:func:`gated_rmsnorm` without its shape checks: for callers whose shapes are right by construction (the
+    decoding step's forms that do not normalize in their own kernel)."""
     name = NORM.choose(backend, y.device, y=y, z=z, weight=weight)
     if name == "native":
         return norm_native(y, z, weight, eps, norm_before_gate)
