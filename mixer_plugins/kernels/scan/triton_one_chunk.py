@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._triton._common import available, cdiv, dot_precision, grid_1d, on_device, pow2, tl, triton
+from .._triton._common import cdiv, dot_precision, grid_1d, on_device, pow2, tl, triton
 from .._triton._common import mm as _mm
 from . import triton_kernels as _chunked
 
@@ -719,13 +719,7 @@ def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt
     bsz, L, H, G, P, N, NT = geo.dims
     T = geo.tile
     dev = x.device
-
-    def like(t: Tensor | None) -> Tensor:
-        return x.new_empty(0) if t is None else torch.empty(t.shape, device=dev, dtype=t.dtype)
-
-    dx = like(x)
-    ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b = (like(t) for t in (dt_f, B_f, C_f, dt_b, B_b, C_b))
-    ddiag = like(diag)
+    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag = _chunked._grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag)
     part = torch.empty(bsz * NT, 3, H, device=dev, dtype=torch.float32)
     if x.numel() == 0:
         return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
@@ -766,8 +760,7 @@ def _op(
     diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float,
     softplus: bool, shift: bool, a_log: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One-chunk scan forward: (y, ``C~ B^T`` of the tile pairs, prepared step sizes and their log decays).
-    Raw step sizes, prepared in the kernels; the two directions' generators share dtypes."""
+    """The one-chunk scan's forward (:func:`_fwd`); the two directions' generators share dtypes."""
     return tuple(_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                       shift, a_log))
 
@@ -792,9 +785,7 @@ def _bwd_op(
     C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float,
     dt_hi: float, softplus: bool, shift: bool, cb: Tensor, dtc: Tensor, a_log: bool = False,
 ) -> list[Tensor]:
-    """One-chunk scan backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes
-    (an empty tensor for each absent input); ``partials`` (b, 3, h) float32: dA forward, dA backward, d dt_bias, per
-    sequence, summed by the caller."""
+    """The one-chunk scan's backward (:func:`_bwd`); the partials are summed by the caller."""
     return _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                 shift, cb, dtc, a_log)
 
@@ -802,45 +793,25 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_op_fake(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                  shift, cb, dtc, a_log=False):
-    def like(t):
-        return x.new_empty(0) if t is None else t.new_empty(t.shape)
-
-    ref_B = B_f if B_f is not None else B_b
-    geo = OneChunkGeometry(x.shape[0], x.shape[1], x.shape[2], ref_B.shape[2], x.shape[3], ref_B.shape[3])
-    return [like(x), like(dt_f), like(B_f), like(C_f), like(dt_b), like(B_b), like(C_b), like(diag),
-            x.new_empty(x.shape[0] * geo.ntiles, 3, x.shape[2], dtype=torch.float32)]
+    ntiles = OneChunkGeometry(*x.shape[:3], 1, x.shape[3], 1).ntiles   # set by the length alone
+    return [*_chunked._grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag),
+            x.new_empty(x.shape[0] * ntiles, 3, x.shape[2], dtype=torch.float32)]
 
 
 _INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "seg", "dt_bias")
 
 
 def _setup_context(ctx, inputs, output):
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log = inputs
-    _, cb, dtc = output
-    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc)
-    ctx.options = (dt_lo, dt_hi, softplus, shift)
-    ctx.a_log = a_log
-    ctx.mark_non_differentiable(cb, dtc)
-    ctx.set_materialize_grads(False)
+    _chunked._save(ctx, inputs[:12], output[1:], inputs[12:16], inputs[16])
 
 
 def _autograd_backward(ctx, dy, dcb, ddtc):
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc = ctx.saved_tensors
-    need = dict(zip(_INPUTS, ctx.needs_input_grad))
     if dy is None:
         return (None,) * 17
-    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part = _bwd_op(
-        dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options, cb, dtc, ctx.a_log)
-    sums = part.sum(0)                                      # (3, h): dA forward, dA backward, d dt_bias
-
-    def keep(name, g, like=None):
-        if not need[name]:
-            return None
-        return g if like is None else g.to(like.dtype)
-
-    return (keep("x", dx), keep("dt_f", ddt_f), keep("A_f", sums[0], A_f), keep("B_f", dB_f), keep("C_f", dC_f),
-            keep("dt_b", ddt_b), keep("A_b", sums[1], A_b), keep("B_b", dB_b), keep("C_b", dC_b),
-            keep("diag", ddiag), None, keep("dt_bias", sums[2], dt_bias), None, None, None, None, None)
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc = ctx.saved_tensors
+    grads = _bwd_op(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options, cb, dtc,
+                    ctx.a_log)
+    return _chunked._input_grads(ctx, _INPUTS, grads, _chunked._GRADS)
 
 
 _op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -864,21 +835,13 @@ def scan_one_chunk_flops(batch: int, length: int, heads: int, head_dim: int, sta
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_one_chunk)
-def _op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape, *args,
-              out_shape=None, **kwargs) -> int:
-    b, l, h, p = x_shape
-    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
-    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_one_chunk_flops(b, l, h, p, n, directions, groups=g)
+def _op_flops(*shapes, out_shape=None, **kwargs) -> int:
+    return scan_one_chunk_flops(**_chunked._flop_shapes(*shapes))
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_one_chunk_backward)
-def _bwd_op_flops(dy_shape, x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape,
-                  *args, out_shape=None, **kwargs) -> int:
-    b, l, h, p = x_shape
-    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
-    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_one_chunk_flops(b, l, h, p, n, directions, backward=True, groups=g)
+def _bwd_op_flops(dy_shape, *shapes, out_shape=None, **kwargs) -> int:
+    return scan_one_chunk_flops(**_chunked._flop_shapes(*shapes), backward=True)
 
 
 def scan_one_chunk(
@@ -892,12 +855,7 @@ def scan_one_chunk(
     """The one-chunk scan (no states), differentiable; the arguments of :func:`.triton_kernels.scan_triton` without
     the states (raw step sizes prepared in the kernels, ``seq_idx`` normalised segment ids, ``a_log``: the ``A``
     arguments hold ``A_log``)."""
-    reason = available(x.device)
-    if reason is not None:
-        raise RuntimeError(f"triton scan unavailable: {reason}")
-    if dt_f is None and dt_b is None:
-        raise ValueError("scan_one_chunk needs at least one direction")
-    dt_b, A_b, B_b, C_b = _chunked._backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
+    dt_b, A_b, B_b, C_b = _chunked._backward_generators(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
     lo, hi = dt_limit
     y, _, _ = _op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, _chunked._seg_arg(seq_idx), dt_bias, float(lo),
                   float(hi), bool(dt_softplus), bool(shift), bool(a_log))
