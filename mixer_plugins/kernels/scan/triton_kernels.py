@@ -932,8 +932,9 @@ class _Call:
     def C_pair(self) -> tuple[Any, ...]:
         return (*self.C, *_s3(self.B[0]))
 
-    def B_pair(self) -> tuple[Any, ...]:
-        return (*self.B, *_s3(self.B[0]))
+    def outputs(self, f: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """A forward/backward pair of gradient buffers as the kernels take them (see :func:`_fill`)."""
+        return _fill(f if self.has_f else None, b if self.has_b else None)
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -1030,15 +1031,12 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
         _dx_kernel[geo.head_grid()](
             x, *_s3(x), dy, *_s3(dy), k.dt[0], k.A[0], k.B[0], k.dt[1], k.A[1], k.B[1], *_s3(k.dt[0]),
             *_s3(k.B[0]), k.ptr(diag), *_s3(diag), k.ptr(k.bias), k.ptr(seg), cb, ds, dtc, rr, dlg, dx,
-            k.ptr(ddiag if diag is not None else None), *_fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None),
-            part, *k.dims, nblk, *k.lo_hi, **k.flags, HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A,
-            **blocks,
-            BLOCK_K=max(2, pow2(nblk)), **LAUNCH["dx"])
+            k.ptr(ddiag if diag is not None else None), *k.outputs(ddt_f, ddt_b), part, *k.dims, nblk, *k.lo_hi,
+            **k.flags, HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A, **blocks, BLOCK_K=max(2, pow2(nblk)),
+            **LAUNCH["dx"])
         _dbc_kernel[geo.group_grid()](
             x, *_s3(x), dy, *_s3(dy), k.B[0], k.C[0], k.B[1], k.C[1], *_s3(k.B[0]), k.ptr(seg), ds, dtc, tacc,
-            *_fill(dB_f if k.has_f else None, dB_b if k.has_b else None),
-            *_fill(dC_f if k.has_f else None, dC_b if k.has_b else None), *k.dims, **k.flags, **blocks,
-            **LAUNCH["dbc"])
+            *k.outputs(dB_f, dB_b), *k.outputs(dC_f, dC_b), *k.dims, **k.flags, **blocks, **LAUNCH["dbc"])
     if need_dinit and (BP, BN) != (P, N):
         dinit = dinit[..., :P, :N].contiguous()
     return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part]
@@ -1162,7 +1160,7 @@ def scan_triton_flops(batch: int, length: int, heads: int, head_dim: int, state:
 
 
 def _flop_shapes(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape,
-                 *args) -> dict[str, int]:
+                 *args) -> dict[str, Any]:
     """An op's sizes, from its arguments' shapes, as the FLOP counts take them."""
     b, l, h, p = x_shape
     g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]

@@ -86,10 +86,11 @@ class OneChunkGeometry:
         self.tile = min(int(tile or TILE), max(16, pow2(self.length)))
         self.ntiles = cdiv(self.length, self.tile)
 
-    def blocks(self, dtype: torch.dtype) -> dict[str, Any]:
+    def blocks(self, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The block sizes of the kernels that tile the head dimension, and of those that tile the state."""
         bp, bn = max(16, pow2(self.head_dim)), max(16, pow2(self.state))
-        return dict(BLOCK_T=self.tile, BLOCK_P=bp, BLOCK_N=bn, EVEN_P=bp == self.head_dim, EVEN_N=bn == self.state,
-                    DOT=dot_precision(dtype))
+        common = dict(BLOCK_T=self.tile, DOT=dot_precision(dtype))
+        return dict(common, BLOCK_P=bp, EVEN_P=bp == self.head_dim), dict(common, BLOCK_N=bn, EVEN_N=bn == self.state)
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -679,14 +680,14 @@ class _Call(_chunked._Call):
                          shift, _chunked.ScanGeometry.MAX_CHUNK, a_log)
         g = self.geo
         self.one = OneChunkGeometry(g.batch, g.length, g.heads, g.groups, g.head_dim, g.state, tile)
-        self.oblocks = self.one.blocks(self.x.dtype)
+        self.p_blocks, self.n_blocks = self.one.blocks(self.x.dtype)
 
 
 def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log=False):
     """Forward: (y, ``C~ B^T`` of the tile pairs (directions, b, g, NT, NT, T, T), prepared step sizes and their log
     decays ``A dt`` (2, directions, b, h, L))."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log)
-    geo, blocks = k.one, k.oblocks
+    geo = k.one
     bsz, L, H, G, P, N, NT = geo.dims
     T = geo.tile
     dev = x.device
@@ -701,12 +702,10 @@ def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo,
         _prep_kernel[geo.tile_grid(G)](
             *k.generators()[:8], *_chunked._s3(k.dt[0]), *_chunked._s3(k.B[0]), k.ptr(k.bias), cb, dtc,
             *geo.dims[:6], NT, *k.lo_hi, HG=flags["HG"], D0=flags["D0"], D1=flags["D1"], **k.prep,
-            SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"], EVEN_N=blocks["EVEN_N"], DOT=blocks["DOT"],
-            **LAUNCH["prep"])
+            SHIFT=flags["SHIFT"], **k.n_blocks, **LAUNCH["prep"])
         _out_kernel[geo.tile_grid(H)](
             x, *_chunked._s3(x), k.ptr(diag), *_chunked._s3(diag), k.ptr(seg), cb, dtc, y, *geo.dims, **flags,
-            HAS_DIAG=diag is not None, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"], EVEN_P=blocks["EVEN_P"],
-            DOT=blocks["DOT"], **LAUNCH["out"])
+            HAS_DIAG=diag is not None, **k.p_blocks, **LAUNCH["out"])
     return y, cb, dtc
 
 
@@ -715,9 +714,8 @@ def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt
     """Backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes (an empty tensor
     for an absent input); ``partials`` (b, 3, h) float32: per-sequence dA forward, dA backward, d dt_bias."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log)
-    geo, blocks = k.one, k.oblocks
+    geo = k.one
     bsz, L, H, G, P, N, NT = geo.dims
-    T = geo.tile
     dev = x.device
     dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag = _chunked._grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag)
     part = torch.empty(bsz * NT, 3, H, device=dev, dtype=torch.float32)
@@ -731,23 +729,19 @@ def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt
     flags = k.flags
     grids = geo.grids()
     s3 = _chunked._s3
-    fill = _chunked._fill
     with on_device(dev):
         _dx_kernel[grids["dx"]](
             x, *s3(x), dy, *s3(dy), k.ptr(diag), *s3(diag), k.ptr(seg), cb, dtc, kq, tot, dx,
-            k.ptr(ddiag if diag is not None else None), *geo.dims, **flags, HAS_DIAG=diag is not None, BLOCK_T=T,
-            BLOCK_P=blocks["BLOCK_P"], EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dx"])
+            k.ptr(ddiag if diag is not None else None), *geo.dims, **flags, HAS_DIAG=diag is not None, **k.p_blocks,
+            **LAUNCH["dx"])
         _dcb_kernel[grids["dcb"]](
             x, *s3(x), dy, *s3(dy), k.dt[0], k.A[0], k.dt[1], k.A[1], *s3(k.dt[0]), k.ptr(k.bias), k.ptr(seg), dtc,
-            kq, tot, dcb, *fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None), part, *geo.dims, *k.lo_hi,
-            HB=HB, **flags, **k.prep, SHARED_A=k.shared_A, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"],
-            BLOCK_NT=max(2, pow2(NT)), EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dcb"])
+            kq, tot, dcb, *k.outputs(ddt_f, ddt_b), part, *geo.dims, *k.lo_hi, HB=HB, **flags, **k.prep,
+            SHARED_A=k.shared_A, BLOCK_NT=max(2, pow2(NT)), **k.p_blocks, **LAUNCH["dcb"])
         _dbc_kernel[grids["dbc"]](
-            k.B[0], k.C[0], k.B[1], k.C[1], *s3(k.B[0]), dcb,
-            *fill(dB_f if k.has_f else None, dB_b if k.has_b else None),
-            *fill(dC_f if k.has_f else None, dC_b if k.has_b else None), bsz, L, G, N, NT, HB=HB, D0=flags["D0"],
-            D1=flags["D1"], SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"], EVEN_N=blocks["EVEN_N"],
-            DOT=blocks["DOT"], **LAUNCH["dbc"])
+            k.B[0], k.C[0], k.B[1], k.C[1], *s3(k.B[0]), dcb, *k.outputs(dB_f, dB_b), *k.outputs(dC_f, dC_b),
+            bsz, L, G, N, NT, HB=HB, D0=flags["D0"], D1=flags["D1"], SHIFT=flags["SHIFT"], **k.n_blocks,
+            **LAUNCH["dbc"])
     return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
 
 
@@ -793,9 +787,10 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_op_fake(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                  shift, cb, dtc, a_log=False):
-    ntiles = OneChunkGeometry(*x.shape[:3], 1, x.shape[3], 1).ntiles   # set by the length alone
+    ref_B = B_f if B_f is not None else B_b
+    geo = OneChunkGeometry(x.shape[0], x.shape[1], x.shape[2], ref_B.shape[2], x.shape[3], ref_B.shape[3])
     return [*_chunked._grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag),
-            x.new_empty(x.shape[0] * ntiles, 3, x.shape[2], dtype=torch.float32)]
+            x.new_empty(x.shape[0] * geo.ntiles, 3, x.shape[2], dtype=torch.float32)]
 
 
 _INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "seg", "dt_bias")
