@@ -30,21 +30,11 @@ accuracy at any decay. Then ``d dt += A da`` and ``dA = sum_k dt_k da_k``.
 Step sizes are prepared inside the kernels (``clamp(softplus(dt + dt_bias), *dt_limit)``, each part optional), and
 their gradient is taken back through it there, so the raw ``dt`` goes in and its gradient comes out.
 
-Launches (each program one chunk of one sequence and one head, or of one group of heads that share B and C; every grid
-is one-dimensional, so ``batch * heads`` may pass 65,535):
-
-* forward, 3: ``_states_kernel`` (per group: ``C~ B^T`` of both directions once per group and chunk, kept for the
-  output and the backward; per head of the group, each chunk's own states and log carries), ``_pass_kernel`` (the
-  inter-chunk recurrence ``S <- exp(lg_c) S + S_c`` of both directions, in place: each chunk's own state is replaced by
-  the state entering it), ``_out_kernel`` (per head: y = (lower + upper + diagonal block) @ x + both read-outs, and
-  the read-outs' log weights kept for the backward);
-* backward, 4 (+ one small sum of per-chunk partials of dA and d dt_bias): ``_dstate_kernel`` (per group: the
-  gradient of each read-out with respect to the entering state, and the read-out's share of dC~, summed over the
-  group's heads), ``_pass_kernel`` (the state gradients, the same recurrence run the other way, in place; it also
-  forms the gradient of each log carry), ``_dx_kernel`` (per head: dx in x's dtype, d diag, and per direction the
-  step-size gradients, with the intra pairs' share of the log-decay gradient from ``dy x^T``, and the chunk's
-  partials of dA and d dt_bias), ``_dbc_kernel`` (per group, head by head: ``dy x^T`` once per head and chunk for
-  both directions, and dB, dC finished per group in their own dtypes).
+Launches (each kernel's docstring says what its programs do; every grid is one-dimensional, so ``batch * heads`` may
+pass 65,535): forward, 3: ``_states_kernel`` (per sequence, chunk and group of heads that share B and C),
+``_pass_kernel`` (the inter-chunk recurrence of both directions), ``_out_kernel`` (per sequence, chunk and head);
+backward, 4 (+ one small sum of per-chunk partials of dA and d dt_bias): ``_dstate_kernel`` (per group),
+``_pass_kernel`` (the same recurrence run the other way), ``_dx_kernel`` (per head), ``_dbc_kernel`` (per group).
 
 Passed states and their gradients are stored in bfloat16 where the inputs are half precision (float32 otherwise);
 every sum runs in float32. Offsets are 64-bit (``tokens * heads * head_dim * state / chunk`` and ``tokens * width``

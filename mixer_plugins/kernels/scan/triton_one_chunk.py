@@ -17,29 +17,14 @@ The log-decay gradient likewise takes each term once (:func:`_dx_kernel`): the d
 from ``dy x^T``, the other tile pairs' row sums on the query side and on the key side, and their totals on the tiles
 strictly between.
 
-Launches:
-
-* forward, 2: ``_prep_kernel`` (per sequence, group and query tile: ``C~ B^T`` of every tile pair a direction needs,
-  once per group, and the heads' prepared step sizes and log decays), ``_out_kernel`` (per sequence, head and query
-  tile: y over the key tiles, both directions and the diagonal);
-* backward, 3 (+ one small sum of per-tile partials of dA and d dt_bias), each over many programs so that a ViT's
-  step fills the GPU, with no atomics (every output written by one program, every sum in a fixed order):
-
-  - ``_dx_kernel`` (per sequence, head and tile t): tile t as keys, ``dx_t``, dt's direct gradient and the key
-    rows' share of the log-decay gradient over the query tiles of each direction's side; tile t as queries, the
-    diagonal tile pair's and the query rows' shares, and each tile pair's total (a scalar per pair, ``tot``), which
-    the rows of the tiles strictly between its two tiles get;
-  - ``_dcb_kernel`` (per sequence, group, query tile and block of the group's heads,
-    :meth:`OneChunkGeometry.head_blocks` blocks: as few as give :data:`MIN_PROGRAMS` programs): the block's share
-    of ``d(C~ B^T)`` of every tile pair of the query tile (``dy x^T`` once per head and tile pair), one slab of
-    partial sums per block; then its heads' step-size gradients on the tile (the shares above plus the totals of
-    the pairs that straddle it) and the tile's partials of dA and d dt_bias;
-  - ``_dbc_kernel`` (per sequence, group, tile and which of dB or dC): the blocks' slabs summed in order, then
-    ``dC~_t`` over the tile's key tiles or ``dB_t`` over its query tiles.
-
-  A ViT-B step (batch 64, 197 tokens in 4 tiles, 24 heads, 1 group) runs 6,144 + 512 + 512 programs (two head
-  blocks). The tile walks are ``while`` loops: the 3.5 interpreter's ``range()`` cannot take a bound computed from
-  the program id.
+Launches (each kernel's docstring says what its programs do): forward, 2: ``_prep_kernel`` (per sequence, group and
+query tile), ``_out_kernel`` (per sequence, head and query tile); backward, 3 (+ one small sum of per-tile partials
+of dA and d dt_bias), each over many programs so that a ViT's step fills the GPU, with no atomics (every output
+written by one program, every sum in a fixed order): ``_dx_kernel`` (per sequence, head and tile), ``_dcb_kernel``
+(per sequence, group, query tile and block of the group's heads: :meth:`OneChunkGeometry.head_blocks`),
+``_dbc_kernel`` (per sequence, group, tile and which of dB or dC). A ViT-B step (batch 64, 197 tokens in 4 tiles, 24
+heads, 1 group) runs 6,144 + 512 + 512 programs (two head blocks). The tile walks are ``while`` loops: the 3.5
+interpreter's ``range()`` cannot take a bound computed from the program id.
 
 Every grid is one-dimensional and every offset of a whole tensor 64-bit (see :mod:`.triton_kernels`). Run on CUDA, or
 on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
@@ -179,12 +164,8 @@ if triton is not None:
             slot = d - D0
             rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
             Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
-            if d == 0:
-                n = 0
-                n_end = m + 1
-            else:
-                n = m
-                n_end = NT
+            n, count = _span(m, NT, d == 0)   # m's key tiles: up to it forward, from it backward
+            n_end = n + count
             while n < n_end:
                 s0 = n * BLOCK_T
                 Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, s0, g, sbb, sbl, sbg), offs, offs < (L - s0).to(tl.int32),
@@ -229,10 +210,7 @@ if triton is not None:
             acc += _mm(M, xn, DOT)
             if n != m:
                 between += tot_n
-            if d == 0:
-                n -= 1
-            else:
-                n += 1
+            n += _pick(d, -1, 1)
         return acc
 
     @triton.jit
@@ -297,10 +275,7 @@ if triton is not None:
                 decay = _intra_decay(d, a_n, okn, SHIFT)
             else:
                 dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
-                if d == 0:
-                    between = _between(dtc_ptr, plane, vrow, n, m, L, BLOCK_T)
-                else:
-                    between = _between(dtc_ptr, plane, vrow, m, n, L, BLOCK_T)
+                between = _between(dtc_ptr, plane, vrow, _pick(d, n, m), _pick(d, m, n), L, BLOCK_T)
                 decay = _pair_decay(read_m, own_n, ok, okn, between)
             dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
             xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
@@ -527,16 +502,10 @@ if triton is not None:
             # the other query tiles of the direction's side, the decay between tiles carried along
             Z = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
             between = 0.0
-            if d == 0:
-                count = NT - 1 - n
-            else:
-                count = n
+            count = _pick(d, NT - 1 - n, n)
             i = count * 0
             while i < count:
-                if d == 0:
-                    m = n + 1 + i
-                else:
-                    m = n - 1 - i
+                m = _pick(d, n + 1 + i, n - 1 - i)
                 t0 = m * BLOCK_T
                 rem = (L - t0).to(tl.int32)
                 ok = offs < rem
@@ -612,16 +581,10 @@ if triton is not None:
             dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
             qx = tl.zeros([BLOCK_T], dtype=tl.float32)
             between = 0.0
-            if d == 0:
-                count = m
-            else:
-                count = NT - 1 - m
+            count = _pick(d, m, NT - 1 - m)
             i = count * 0
             while i < count:
-                if d == 0:
-                    n = m - 1 - i
-                else:
-                    n = m + 1 + i
+                n = _pick(d, m - 1 - i, m + 1 + i)
                 s0 = n * BLOCK_T
                 rem_n = (L - s0).to(tl.int32)
                 okn = offs < rem_n
