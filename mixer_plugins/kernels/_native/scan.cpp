@@ -677,19 +677,6 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->numel() > 0 ? t->data_ptr<T>() : nullptr;
 }
 
-// Both forwards' outputs: y (zero-filled, accumulated into) and the final state (B, H, P, N) when wanted (else
-// empty).
-std::tuple<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
-                                                   const c10::optional<at::Tensor>& Bf,
-                                                   const c10::optional<at::Tensor>& Bb, bool want_final) {
-  TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
-  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
-  at::Tensor y = at::zeros(x.sizes(), x.options());
-  at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
-                                : at::empty({0}, x.options());
-  return {y, final};
-}
-
 std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::optional<at::Tensor>& dtf,
                                                 const c10::optional<at::Tensor>& Af,
                                                 const c10::optional<at::Tensor>& Bf,
@@ -701,8 +688,11 @@ std::tuple<at::Tensor, at::Tensor> scan_forward(const at::Tensor& x, const c10::
                                                 const c10::optional<at::Tensor>& init, bool shift, int64_t chunk,
                                                 bool want_final) {
   check_scan(x, nullptr, dtf, Af, Bf, Cf, dtb, Ab, Bb, Cb, init, chunk);
-  at::Tensor y, final;  // (not a structured binding: lambdas below capture them, which C++17 does not allow)
-  std::tie(y, final) = forward_outputs(x, dtf, Bf, Bb, want_final);
+  TORCH_CHECK(!want_final || dtf.has_value(), "native scan: the final state needs the forward direction");
+  const int64_t N = (dtf.has_value() ? *Bf : *Bb).size(3);
+  at::Tensor y = at::zeros(x.sizes(), x.options());  // accumulated into
+  at::Tensor final = want_final ? at::empty({x.size(0), x.size(2), x.size(3), N}, x.options())
+                                : at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scan_forward", [&] {
     const Shape s = shape_of(x, dtf.has_value() ? *Bf : *Bb, chunk);
     ScanWork<scalar_t> work(s);

@@ -100,35 +100,28 @@ def _scan(x: Tensor, forward: Direction | None, backward: Direction | None = Non
     others = (*(forward or ()), *(backward or ()), diag, initial_state, dt_bias, D, z)
     name = SCAN.choose(backend, x.device, x=x, others=others, seq_idx=seq_idx, carries_state=carries_state,
                        causal=backward is None and not shift and diag is None)
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype  # half precision in float32
+    skip = _skip_as_diag(diag, D, x)
+    dt_options: dict[str, Any] = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     if name == "triton":  # raw step sizes and A_log go into the kernels; every tensor in its own dtype and strides
+        generators = (*_generators(forward), *_generators(backward), skip, seq_idx)
         if uses_one_chunk(x, d.B.shape[-1], chunk_size, carries_state):
             from .triton_one_chunk import scan_one_chunk
 
-            y = scan_one_chunk(x, *_generators(forward), *_generators(backward), _skip_as_diag(diag, D, x),
-                               seq_idx, shift=shift, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                               a_log=A_is_log)
-            return _finish(y, None, x, D, z)
+            return _finish(scan_one_chunk(x, *generators, shift=shift, a_log=A_is_log, **dt_options), x, D, z)
         from .triton_kernels import scan_triton
 
-        out = scan_triton(x, *_generators(forward), *_generators(backward), _skip_as_diag(diag, D, x),
-                          seq_idx, initial_state, shift=shift, chunk_size=chunk_size,
-                          return_final_state=return_final_state, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                          dt_limit=dt_limit, a_log=A_is_log)
-        return _finish(*out, x, D, z) if isinstance(out, tuple) else _finish(out, None, x, D, z)
+        return _finish(scan_triton(x, *generators, initial_state, shift=shift, chunk_size=chunk_size,
+                                   return_final_state=return_final_state, a_log=A_is_log, **dt_options), x, D, z)
     if name == "mamba_ssm":  # takes A itself and raw step sizes
-        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         forward, backward = _with_rates(forward, A_is_log, compute), _with_rates(backward, A_is_log, compute)
-        dt_options: dict[str, Any] = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
         if forward is not None and backward is None and not shift and diag is None:  # SSD: mamba-ssm's own call
             return load_mamba_ssm()(x, *forward, chunk_size, D=D, z=z, initial_states=initial_state,
                                     seq_idx=seq_idx, return_final_states=return_final_state, **dt_options)
-        y = mamba_ssm_scan(x, forward, backward, diag=_skip_as_diag(diag, D, x), seq_idx=seq_idx, shift=shift,
-                           chunk_size=chunk_size, **dt_options)
-        return _finish(y, None, x, D, z)
-    # reference, torch, native: prepared step sizes and rates, half precision in float32
-    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        return _finish(mamba_ssm_scan(x, forward, backward, diag=skip, seq_idx=seq_idx, shift=shift,
+                                      chunk_size=chunk_size, **dt_options), x, D, z)
 
-    def prepared(d: Direction | None) -> Direction | None:
+    def prepared(d: Direction | None) -> Direction | None:  # reference, torch, native: prepared step sizes and rates
         if d is None:
             return None
         dt = prepare_dt(d.dt, dt_bias, dt_softplus, dt_limit).to(compute)
@@ -136,20 +129,14 @@ def _scan(x: Tensor, forward: Direction | None, backward: Direction | None = Non
         return Direction(dt, A, d.B.to(compute), d.C.to(compute))
 
     xc, fwd, bwd = x.to(compute), prepared(forward), prepared(backward)
-    skip = _skip_as_diag(diag, D, x)
-    diag_c = None if skip is None else skip.to(compute)
-    init = None if initial_state is None else initial_state.to(compute)
+    common: dict[str, Any] = dict(diag=None if skip is None else skip.to(compute), shift=shift,
+                                  initial_state=None if initial_state is None else initial_state.to(compute),
+                                  return_final_state=return_final_state)
     if name == "native":
-        y, final = scan_native(xc, fwd, bwd, diag=diag_c, initial_state=init, shift=shift, chunk_size=chunk_size,
-                               return_final_state=return_final_state)
-        return _finish(y, final, x, D, z)
+        return _finish(scan_native(xc, fwd, bwd, chunk_size=chunk_size, **common), x, D, z)
     if name == "reference":
-        out = reference_scan(xc, fwd, bwd, diag=diag_c, seq_idx=seq_idx, initial_state=init, shift=shift,
-                             return_final_state=return_final_state)
-    else:
-        out = scan_chunked(xc, fwd, bwd, diag=diag_c, seq_idx=seq_idx, initial_state=init, shift=shift,
-                           chunk_size=chunk_size, return_final_state=return_final_state)
-    return _finish(*out, x, D, z) if isinstance(out, tuple) else _finish(out, None, x, D, z)
+        return _finish(reference_scan(xc, fwd, bwd, seq_idx=seq_idx, **common), x, D, z)
+    return _finish(scan_chunked(xc, fwd, bwd, seq_idx=seq_idx, chunk_size=chunk_size, **common), x, D, z)
 
 
 def _generators(d: Direction | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
@@ -170,10 +157,11 @@ def _skip_as_diag(diag: Tensor | None, D: Tensor | None, x: Tensor) -> Tensor | 
     return skip if diag is None else diag + skip
 
 
-def _finish(y: Tensor, final: Tensor | None, x: Tensor, D: Tensor | None,
+def _finish(out: Tensor | tuple[Tensor, Tensor | None], x: Tensor, D: Tensor | None,
             z: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
-    """``y`` with a per-channel skip ``D`` (h, p) added (a per-head one went into the diagonal) and the ``silu(z)``
-    gate applied, in ``x``'s dtype; with the final state when there is one."""
+    """A form's ``y`` (or ``(y, final state)``) with a per-channel skip ``D`` (h, p) added (a per-head one went into
+    the diagonal) and the ``silu(z)`` gate applied, in ``x``'s dtype."""
+    y, final = out if isinstance(out, tuple) else (out, None)   # (y, None): no final state
     if D is not None and D.dim() == 2:
         y = y + x.to(y.dtype) * D.to(y.dtype)
     if z is not None:

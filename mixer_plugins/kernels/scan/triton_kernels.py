@@ -30,21 +30,11 @@ accuracy at any decay. Then ``d dt += A da`` and ``dA = sum_k dt_k da_k``.
 Step sizes are prepared inside the kernels (``clamp(softplus(dt + dt_bias), *dt_limit)``, each part optional), and
 their gradient is taken back through it there, so the raw ``dt`` goes in and its gradient comes out.
 
-Launches (each program one chunk of one sequence and one head, or of one group of heads that share B and C; every grid
-is one-dimensional, so ``batch * heads`` may pass 65,535):
-
-* forward, 3: ``_states_kernel`` (per group: ``C~ B^T`` of both directions once per group and chunk, kept for the
-  output and the backward; per head of the group, each chunk's own states and log carries), ``_pass_kernel`` (the
-  inter-chunk recurrence ``S <- exp(lg_c) S + S_c`` of both directions, in place: each chunk's own state is replaced by
-  the state entering it), ``_out_kernel`` (per head: y = (lower + upper + diagonal block) @ x + both read-outs, and
-  the read-outs' log weights kept for the backward);
-* backward, 4 (+ one small sum of per-chunk partials of dA and d dt_bias): ``_dstate_kernel`` (per group: the
-  gradient of each read-out with respect to the entering state, and the read-out's share of dC~, summed over the
-  group's heads), ``_pass_kernel`` (the state gradients, the same recurrence run the other way, in place; it also
-  forms the gradient of each log carry), ``_dx_kernel`` (per head: dx in x's dtype, d diag, and per direction the
-  step-size gradients, with the intra pairs' share of the log-decay gradient from ``dy x^T``, and the chunk's
-  partials of dA and d dt_bias), ``_dbc_kernel`` (per group, head by head: ``dy x^T`` once per head and chunk for
-  both directions, and dB, dC finished per group in their own dtypes).
+Launches (each kernel's docstring says what its programs do; every grid is one-dimensional, so ``batch * heads`` may
+pass 65,535): forward, 3: ``_states_kernel`` (per sequence, chunk and group of heads that share B and C),
+``_pass_kernel`` (the inter-chunk recurrence of both directions), ``_out_kernel`` (per sequence, chunk and head);
+backward, 4 (+ one small sum of per-chunk partials of dA and d dt_bias): ``_dstate_kernel`` (per group),
+``_pass_kernel`` (the same recurrence run the other way), ``_dx_kernel`` (per head), ``_dbc_kernel`` (per group).
 
 Passed states and their gradients are stored in bfloat16 where the inputs are half precision (float32 otherwise);
 every sum runs in float32. Offsets are 64-bit (``tokens * heads * head_dim * state / chunk`` and ``tokens * width``
@@ -932,8 +922,9 @@ class _Call:
     def C_pair(self) -> tuple[Any, ...]:
         return (*self.C, *_s3(self.B[0]))
 
-    def B_pair(self) -> tuple[Any, ...]:
-        return (*self.B, *_s3(self.B[0]))
+    def outputs(self, f: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """A forward/backward pair of gradient buffers as the kernels take them (see :func:`_fill`)."""
+        return _fill(f if self.has_f else None, b if self.has_b else None)
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -945,6 +936,11 @@ def _fill(f: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor]:
     first, second = (b if f is None else f), (f if b is None else b)
     assert first is not None and second is not None, "neither direction is present"
     return first, second
+
+
+def _grad_buffers(x: Tensor, *ts: Tensor | None) -> list[Tensor]:
+    """Uninitialised gradients of ``x`` and ``ts`` in their shapes and dtypes (an empty tensor for an absent one)."""
+    return [x.new_empty(0) if t is None else torch.empty(t.shape, device=x.device, dtype=t.dtype) for t in (x, *ts)]
 
 
 def _padded(t: Tensor, pad: tuple[int, int]) -> Tensor:
@@ -1002,13 +998,7 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
     BP, BN = k.pad
     dev = x.device
     f32 = dict(device=dev, dtype=torch.float32)
-
-    def like(t: Tensor | None) -> Tensor:
-        return x.new_empty(0) if t is None else torch.empty(t.shape, device=dev, dtype=t.dtype)
-
-    dx = like(x)
-    ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b = (like(t) for t in (dt_f, B_f, C_f, dt_b, B_b, C_b))
-    ddiag = like(diag)
+    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag = _grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag)
     dinit = torch.empty(bsz, H, BP, BN, **f32) if need_dinit else x.new_empty(0)
     part = torch.empty(bsz * NC, 3, H, **f32)
     if x.numel() == 0:
@@ -1031,15 +1021,12 @@ def _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg
         _dx_kernel[geo.head_grid()](
             x, *_s3(x), dy, *_s3(dy), k.dt[0], k.A[0], k.B[0], k.dt[1], k.A[1], k.B[1], *_s3(k.dt[0]),
             *_s3(k.B[0]), k.ptr(diag), *_s3(diag), k.ptr(k.bias), k.ptr(seg), cb, ds, dtc, rr, dlg, dx,
-            k.ptr(ddiag if diag is not None else None), *_fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None),
-            part, *k.dims, nblk, *k.lo_hi, **k.flags, HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A,
-            **blocks,
-            BLOCK_K=max(2, pow2(nblk)), **LAUNCH["dx"])
+            k.ptr(ddiag if diag is not None else None), *k.outputs(ddt_f, ddt_b), part, *k.dims, nblk, *k.lo_hi,
+            **k.flags, HAS_DIAG=diag is not None, **k.prep, SHARED_A=k.shared_A, **blocks, BLOCK_K=max(2, pow2(nblk)),
+            **LAUNCH["dx"])
         _dbc_kernel[geo.group_grid()](
             x, *_s3(x), dy, *_s3(dy), k.B[0], k.C[0], k.B[1], k.C[1], *_s3(k.B[0]), k.ptr(seg), ds, dtc, tacc,
-            *_fill(dB_f if k.has_f else None, dB_b if k.has_b else None),
-            *_fill(dC_f if k.has_f else None, dC_b if k.has_b else None), *k.dims, **k.flags, **blocks,
-            **LAUNCH["dbc"])
+            *k.outputs(dB_f, dB_b), *k.outputs(dC_f, dC_b), *k.dims, **k.flags, **blocks, **LAUNCH["dbc"])
     if need_dinit and (BP, BN) != (P, N):
         dinit = dinit[..., :P, :N].contiguous()
     return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part]
@@ -1054,11 +1041,7 @@ def _qs_op(
     diag: Optional[Tensor], init: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor],
     dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int, return_final: bool, a_log: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Fused scan forward: (y, passed states (directions, b, NC, h, p, n), log carries (directions, b, NC, h),
-    ``C~ B^T`` (directions, b, NC, g, Q, Q), prepared step sizes, their log decays ``A dt`` and the read-outs' log
-    weights (3, directions, b, h, L), final state (b, h, p, n) or an empty tensor). ``dt_*`` are raw step sizes,
-    prepared in the kernels as ``clamp(softplus?(dt + dt_bias), dt_lo, dt_hi)``; the two directions' generators share
-    dtypes. ``a_log``: ``A_f``/``A_b`` hold ``A_log`` (``A = -exp(A_log)`` formed in the kernels)."""
+    """The fused scan's forward (:func:`_scan_fwd`); the two directions' generators share dtypes."""
     return tuple(_scan_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi,
                            softplus, shift, chunk_size, return_final, a_log))
 
@@ -1088,9 +1071,7 @@ def _qs_bwd_op(
     dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float, softplus: bool, shift: bool, chunk_size: int,
     states: Tensor, lg: Tensor, cb: Tensor, dtc: Tensor, need_dinit: bool, a_log: bool = False,
 ) -> list[Tensor]:
-    """Fused scan backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, partials] in the inputs' dtypes
-    (dinit float32; an empty tensor for each absent input); ``partials`` (b * NC, 3, h) float32: per-chunk sums of dA
-    forward, dA backward and d dt_bias, summed by the caller."""
+    """The fused scan's backward (:func:`_scan_bwd`); the partials are summed by the caller."""
     return _scan_bwd(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
                      softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit, a_log)
 
@@ -1098,53 +1079,53 @@ def _qs_bwd_op(
 @_qs_bwd_op.register_fake
 def _qs_bwd_op_fake(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi,
                     softplus, shift, chunk_size, states, lg, cb, dtc, need_dinit, a_log=False):
-    def like(t):
-        return x.new_empty(0) if t is None else t.new_empty(t.shape)
-
     bsz, L, H, P = x.shape
     N = (B_f if B_f is not None else B_b).shape[-1]
     dinit = x.new_empty(bsz, H, P, N, dtype=torch.float32) if need_dinit else x.new_empty(0)
     part = x.new_empty(bsz * states.shape[2], 3, H, dtype=torch.float32)
-    return [like(x), like(dt_f), like(B_f), like(C_f), like(dt_b), like(B_b), like(C_b), like(diag), dinit, part]
+    return [*_grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag), dinit, part]
 
 
 _INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag", "init", "seg", "dt_bias")
+#: the gradients a backward op returns, in order (then, in the chunked one, "init"; then the partials)
+_GRADS = ("x", "dt_f", "B_f", "C_f", "dt_b", "B_b", "C_b", "diag")
+
+
+def _save(ctx, tensors, aux, options, a_log: bool) -> None:
+    """Keeps an op's input ``tensors`` and its auxiliary outputs ``aux`` (which carry no gradient) for the backward;
+    absent gradients stay None (no zero-filled tensors)."""
+    ctx.save_for_backward(*tensors, *aux)
+    ctx.options, ctx.a_log = tuple(options), a_log
+    ctx.mark_non_differentiable(*aux)
+    ctx.set_materialize_grads(False)
+
+
+def _input_grads(ctx, names: tuple[str, ...], grads: list[Tensor], grad_names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The backward's result: each input's gradient (``grads`` named ``grad_names``, then the partials of dA forward,
+    dA backward and d dt_bias, summed here) in its dtype where the input needs one, else None; None for the options
+    after the ``names`` inputs."""
+    inputs = dict(zip(names, ctx.saved_tensors))
+    got = dict(zip(grad_names, grads))
+    got["A_f"], got["A_b"], got["dt_bias"] = grads[-1].sum(0)
+    asked = [got[name].to(inputs[name].dtype) if need else None for name, need in zip(names, ctx.needs_input_grad)]
+    return (*asked, *(None,) * (len(ctx.needs_input_grad) - len(names)))
 
 
 def _qs_setup_context(ctx, inputs, output):
-    (x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, dt_lo, dt_hi, softplus, shift,
-     chunk_size, return_final, a_log) = inputs
     _, states, lg, cb, dtc, final = output
-    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, states, lg, cb, dtc)
-    ctx.options = (dt_lo, dt_hi, softplus, shift, chunk_size)
-    ctx.a_log = a_log
-    # the auxiliary outputs carry no gradient, and absent gradients stay None (no zero-filled tensors)
-    ctx.mark_non_differentiable(states, lg, cb, dtc)
-    if not return_final:
+    _save(ctx, inputs[:13], (states, lg, cb, dtc), inputs[13:18], inputs[19])
+    if not inputs[18]:   # return_final
         ctx.mark_non_differentiable(final)
-    ctx.set_materialize_grads(False)
 
 
 def _qs_autograd_backward(ctx, dy, dstates, dlg, dcb, ddtc, dfinal):
     x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, seg, dt_bias, states, lg, cb, dtc = ctx.saved_tensors
     if dy is None:   # only the final state was used
         dy = torch.zeros_like(x)
-    need = dict(zip(_INPUTS, ctx.needs_input_grad))
     dfinal = None if dfinal is None or dt_f is None else dfinal.contiguous()
     grads = _qs_bwd_op(dy, dfinal, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options,
-                       states, lg, cb, dtc, bool(need["init"]), ctx.a_log)
-    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, dinit, part = grads
-    sums = part.sum(0)                                      # (3, h): dA forward, dA backward, d dt_bias
-
-    def keep(name, g, like=None):
-        if not need[name]:
-            return None
-        return g if like is None else g.to(like.dtype)
-
-    return (keep("x", dx), keep("dt_f", ddt_f), keep("A_f", sums[0], A_f), keep("B_f", dB_f), keep("C_f", dC_f),
-            keep("dt_b", ddt_b), keep("A_b", sums[1], A_b), keep("B_b", dB_b), keep("C_b", dC_b),
-            keep("diag", ddiag), keep("init", dinit, init), None, keep("dt_bias", sums[2], dt_bias),
-            None, None, None, None, None, None, None)
+                       states, lg, cb, dtc, bool(ctx.needs_input_grad[10]), ctx.a_log)
+    return _input_grads(ctx, _INPUTS, grads, (*_GRADS, "init"))
 
 
 _qs_op.register_autograd(_qs_autograd_backward, setup_context=_qs_setup_context)
@@ -1168,22 +1149,23 @@ def scan_triton_flops(batch: int, length: int, heads: int, head_dim: int, state:
     return batch * (directions * per_dir + 4 * padded * q * heads * head_dim)
 
 
-@register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton)
-def _qs_op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape, *args,
-                 out_shape=None, **kwargs) -> int:
+def _flop_shapes(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape,
+                 *args) -> dict[str, Any]:
+    """An op's sizes, from its arguments' shapes, as the FLOP counts take them."""
     b, l, h, p = x_shape
     g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
-    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_triton_flops(b, l, h, p, n, directions, args[9], groups=g)   # chunk_size
+    return dict(batch=b, length=l, heads=h, head_dim=p, state=n, groups=g,
+                directions=int(dt_f_shape is not None) + int(dt_b_shape is not None))
+
+
+@register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton)
+def _qs_op_flops(*shapes, out_shape=None, **kwargs) -> int:
+    return scan_triton_flops(**_flop_shapes(*shapes), chunk_size=shapes[17])
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_backward)
-def _qs_bwd_op_flops(dy_shape, dfinal_shape, x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape,
-                     A_b_shape, B_b_shape, *args, out_shape=None, **kwargs) -> int:
-    b, l, h, p = x_shape
-    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
-    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_triton_flops(b, l, h, p, n, directions, args[8], backward=True, groups=g)   # chunk_size
+def _qs_bwd_op_flops(dy_shape, dfinal_shape, *shapes, out_shape=None, **kwargs) -> int:
+    return scan_triton_flops(**_flop_shapes(*shapes), chunk_size=shapes[16], backward=True)
 
 
 def _seg_arg(seq_idx: Tensor | None) -> Tensor | None:
@@ -1195,10 +1177,15 @@ def _seg_arg(seq_idx: Tensor | None) -> Tensor | None:
         seq_idx.to(torch.int32).contiguous()
 
 
-def _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b) -> tuple[Any, ...]:
+def _backward_generators(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b) -> tuple[Any, ...]:
     """The backward direction's generators as the kernels take them: in the forward's dtypes (one dtype per
     generator), and ``A_b`` None when it is the forward's tensor itself (then its gradient is one sum, not two
-    added)."""
+    added). Raises when the kernels cannot run on ``x``'s device or neither direction is given."""
+    reason = available(x.device)
+    if reason is not None:
+        raise RuntimeError(f"triton scan unavailable: {reason}")
+    if dt_f is None and dt_b is None:
+        raise ValueError("a triton scan needs at least one direction")
     if dt_f is None or dt_b is None:
         return dt_b, A_b, B_b, C_b
     if A_b is A_f:
@@ -1222,16 +1209,11 @@ def scan_triton(
     Either direction may be None (not both). ``initial_state`` / the final state belong to the forward direction.
     Every tensor is read through its strides. The result has ``x``'s dtype; the final state is float32.
     """
-    reason = available(x.device)
-    if reason is not None:
-        raise RuntimeError(f"triton scan unavailable: {reason}")
-    if dt_f is None and dt_b is None:
-        raise ValueError("scan_triton needs at least one direction")
+    dt_b, A_b, B_b, C_b = _backward_generators(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
     if (initial_state is not None or return_final_state) and dt_f is None:
         raise ValueError("initial and final states belong to the forward direction, which is absent")
     init = None if initial_state is None else initial_state.contiguous()
     lo, hi = dt_limit
-    dt_b, A_b, B_b, C_b = _backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
     y, _, _, _, _, final = _qs_op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, init, _seg_arg(seq_idx), dt_bias,
                                float(lo), float(hi), bool(dt_softplus), bool(shift), int(chunk_size),
                                bool(return_final_state), bool(a_log))

@@ -17,29 +17,14 @@ The log-decay gradient likewise takes each term once (:func:`_dx_kernel`): the d
 from ``dy x^T``, the other tile pairs' row sums on the query side and on the key side, and their totals on the tiles
 strictly between.
 
-Launches:
-
-* forward, 2: ``_prep_kernel`` (per sequence, group and query tile: ``C~ B^T`` of every tile pair a direction needs,
-  once per group, and the heads' prepared step sizes and log decays), ``_out_kernel`` (per sequence, head and query
-  tile: y over the key tiles, both directions and the diagonal);
-* backward, 3 (+ one small sum of per-tile partials of dA and d dt_bias), each over many programs so that a ViT's
-  step fills the GPU, with no atomics (every output written by one program, every sum in a fixed order):
-
-  - ``_dx_kernel`` (per sequence, head and tile t): tile t as keys, ``dx_t``, dt's direct gradient and the key
-    rows' share of the log-decay gradient over the query tiles of each direction's side; tile t as queries, the
-    diagonal tile pair's and the query rows' shares, and each tile pair's total (a scalar per pair, ``tot``), which
-    the rows of the tiles strictly between its two tiles get;
-  - ``_dcb_kernel`` (per sequence, group, query tile and block of the group's heads,
-    :meth:`OneChunkGeometry.head_blocks` blocks: as few as give :data:`MIN_PROGRAMS` programs): the block's share
-    of ``d(C~ B^T)`` of every tile pair of the query tile (``dy x^T`` once per head and tile pair), one slab of
-    partial sums per block; then its heads' step-size gradients on the tile (the shares above plus the totals of
-    the pairs that straddle it) and the tile's partials of dA and d dt_bias;
-  - ``_dbc_kernel`` (per sequence, group, tile and which of dB or dC): the blocks' slabs summed in order, then
-    ``dC~_t`` over the tile's key tiles or ``dB_t`` over its query tiles.
-
-  A ViT-B step (batch 64, 197 tokens in 4 tiles, 24 heads, 1 group) runs 6,144 + 512 + 512 programs (two head
-  blocks). The tile walks are ``while`` loops: the 3.5 interpreter's ``range()`` cannot take a bound computed from
-  the program id.
+Launches (each kernel's docstring says what its programs do): forward, 2: ``_prep_kernel`` (per sequence, group and
+query tile), ``_out_kernel`` (per sequence, head and query tile); backward, 3 (+ one small sum of per-tile partials
+of dA and d dt_bias), each over many programs so that a ViT's step fills the GPU, with no atomics (every output
+written by one program, every sum in a fixed order): ``_dx_kernel`` (per sequence, head and tile), ``_dcb_kernel``
+(per sequence, group, query tile and block of the group's heads: :meth:`OneChunkGeometry.head_blocks`),
+``_dbc_kernel`` (per sequence, group, tile and which of dB or dC). A ViT-B step (batch 64, 197 tokens in 4 tiles, 24
+heads, 1 group) runs 6,144 + 512 + 512 programs (two head blocks). The tile walks are ``while`` loops: the 3.5
+interpreter's ``range()`` cannot take a bound computed from the program id.
 
 Every grid is one-dimensional and every offset of a whole tensor 64-bit (see :mod:`.triton_kernels`). Run on CUDA, or
 on CPU tensors with ``TRITON_INTERPRET=1`` set before this module is imported.
@@ -54,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from .._triton._common import available, cdiv, dot_precision, grid_1d, on_device, pow2, tl, triton
+from .._triton._common import cdiv, dot_precision, grid_1d, on_device, pow2, tl, triton
 from .._triton._common import mm as _mm
 from . import triton_kernels as _chunked
 
@@ -86,10 +71,11 @@ class OneChunkGeometry:
         self.tile = min(int(tile or TILE), max(16, pow2(self.length)))
         self.ntiles = cdiv(self.length, self.tile)
 
-    def blocks(self, dtype: torch.dtype) -> dict[str, Any]:
+    def blocks(self, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The block sizes of the kernels that tile the head dimension, and of those that tile the state."""
         bp, bn = max(16, pow2(self.head_dim)), max(16, pow2(self.state))
-        return dict(BLOCK_T=self.tile, BLOCK_P=bp, BLOCK_N=bn, EVEN_P=bp == self.head_dim, EVEN_N=bn == self.state,
-                    DOT=dot_precision(dtype))
+        common = dict(BLOCK_T=self.tile, DOT=dot_precision(dtype))
+        return dict(common, BLOCK_P=bp, EVEN_P=bp == self.head_dim), dict(common, BLOCK_N=bn, EVEN_N=bn == self.state)
 
     @property
     def dims(self) -> tuple[int, ...]:
@@ -178,12 +164,8 @@ if triton is not None:
             slot = d - D0
             rc, c_ok = _c_rows(d, offs, ok, t0, rem, SHIFT)
             Ct = _tile(_at(_pick(d, Cf_ptr, Cb_ptr), b, t0, g, sbb, sbl, sbg), rc, c_ok, offs_n, N, sbl, EVEN_N)
-            if d == 0:
-                n = 0
-                n_end = m + 1
-            else:
-                n = m
-                n_end = NT
+            n, count = _span(m, NT, d == 0)   # m's key tiles: up to it forward, from it backward
+            n_end = n + count
             while n < n_end:
                 s0 = n * BLOCK_T
                 Bt = _tile(_at(_pick(d, Bf_ptr, Bb_ptr), b, s0, g, sbb, sbl, sbg), offs, offs < (L - s0).to(tl.int32),
@@ -228,10 +210,7 @@ if triton is not None:
             acc += _mm(M, xn, DOT)
             if n != m:
                 between += tot_n
-            if d == 0:
-                n -= 1
-            else:
-                n += 1
+            n += _pick(d, -1, 1)
         return acc
 
     @triton.jit
@@ -296,10 +275,7 @@ if triton is not None:
                 decay = _intra_decay(d, a_n, okn, SHIFT)
             else:
                 dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
-                if d == 0:
-                    between = _between(dtc_ptr, plane, vrow, n, m, L, BLOCK_T)
-                else:
-                    between = _between(dtc_ptr, plane, vrow, m, n, L, BLOCK_T)
+                between = _between(dtc_ptr, plane, vrow, _pick(d, n, m), _pick(d, m, n), L, BLOCK_T)
                 decay = _pair_decay(read_m, own_n, ok, okn, between)
             dy = _tile(_at(dy_ptr, b, t0, h, syb, syl, syh), offs, ok, offs_p, P, syl, EVEN_P)
             xn = _tile(_at(x_ptr, b, s0, h, sxb, sxl, sxh), offs, okn, offs_p, P, sxl, EVEN_P)
@@ -526,16 +502,10 @@ if triton is not None:
             # the other query tiles of the direction's side, the decay between tiles carried along
             Z = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32)
             between = 0.0
-            if d == 0:
-                count = NT - 1 - n
-            else:
-                count = n
+            count = _pick(d, NT - 1 - n, n)
             i = count * 0
             while i < count:
-                if d == 0:
-                    m = n + 1 + i
-                else:
-                    m = n - 1 - i
+                m = _pick(d, n + 1 + i, n - 1 - i)
                 t0 = m * BLOCK_T
                 rem = (L - t0).to(tl.int32)
                 ok = offs < rem
@@ -611,16 +581,10 @@ if triton is not None:
             dt_m, a_m, read_m, own_m, tot_m = _tile_logs(d, dtc_ptr, vrow + t0, offs, ok, plane, SHIFT)
             qx = tl.zeros([BLOCK_T], dtype=tl.float32)
             between = 0.0
-            if d == 0:
-                count = m
-            else:
-                count = NT - 1 - m
+            count = _pick(d, m, NT - 1 - m)
             i = count * 0
             while i < count:
-                if d == 0:
-                    n = m - 1 - i
-                else:
-                    n = m + 1 + i
+                n = _pick(d, m - 1 - i, m + 1 + i)
                 s0 = n * BLOCK_T
                 rem_n = (L - s0).to(tl.int32)
                 okn = offs < rem_n
@@ -679,14 +643,14 @@ class _Call(_chunked._Call):
                          shift, _chunked.ScanGeometry.MAX_CHUNK, a_log)
         g = self.geo
         self.one = OneChunkGeometry(g.batch, g.length, g.heads, g.groups, g.head_dim, g.state, tile)
-        self.oblocks = self.one.blocks(self.x.dtype)
+        self.p_blocks, self.n_blocks = self.one.blocks(self.x.dtype)
 
 
 def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log=False):
     """Forward: (y, ``C~ B^T`` of the tile pairs (directions, b, g, NT, NT, T, T), prepared step sizes and their log
     decays ``A dt`` (2, directions, b, h, L))."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log)
-    geo, blocks = k.one, k.oblocks
+    geo = k.one
     bsz, L, H, G, P, N, NT = geo.dims
     T = geo.tile
     dev = x.device
@@ -701,12 +665,10 @@ def _fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo,
         _prep_kernel[geo.tile_grid(G)](
             *k.generators()[:8], *_chunked._s3(k.dt[0]), *_chunked._s3(k.B[0]), k.ptr(k.bias), cb, dtc,
             *geo.dims[:6], NT, *k.lo_hi, HG=flags["HG"], D0=flags["D0"], D1=flags["D1"], **k.prep,
-            SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"], EVEN_N=blocks["EVEN_N"], DOT=blocks["DOT"],
-            **LAUNCH["prep"])
+            SHIFT=flags["SHIFT"], **k.n_blocks, **LAUNCH["prep"])
         _out_kernel[geo.tile_grid(H)](
             x, *_chunked._s3(x), k.ptr(diag), *_chunked._s3(diag), k.ptr(seg), cb, dtc, y, *geo.dims, **flags,
-            HAS_DIAG=diag is not None, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"], EVEN_P=blocks["EVEN_P"],
-            DOT=blocks["DOT"], **LAUNCH["out"])
+            HAS_DIAG=diag is not None, **k.p_blocks, **LAUNCH["out"])
     return y, cb, dtc
 
 
@@ -715,17 +677,10 @@ def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt
     """Backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes (an empty tensor
     for an absent input); ``partials`` (b, 3, h) float32: per-sequence dA forward, dA backward, d dt_bias."""
     k = _Call(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log)
-    geo, blocks = k.one, k.oblocks
+    geo = k.one
     bsz, L, H, G, P, N, NT = geo.dims
-    T = geo.tile
     dev = x.device
-
-    def like(t: Tensor | None) -> Tensor:
-        return x.new_empty(0) if t is None else torch.empty(t.shape, device=dev, dtype=t.dtype)
-
-    dx = like(x)
-    ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b = (like(t) for t in (dt_f, B_f, C_f, dt_b, B_b, C_b))
-    ddiag = like(diag)
+    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag = _chunked._grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag)
     part = torch.empty(bsz * NT, 3, H, device=dev, dtype=torch.float32)
     if x.numel() == 0:
         return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
@@ -737,23 +692,19 @@ def _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt
     flags = k.flags
     grids = geo.grids()
     s3 = _chunked._s3
-    fill = _chunked._fill
     with on_device(dev):
         _dx_kernel[grids["dx"]](
             x, *s3(x), dy, *s3(dy), k.ptr(diag), *s3(diag), k.ptr(seg), cb, dtc, kq, tot, dx,
-            k.ptr(ddiag if diag is not None else None), *geo.dims, **flags, HAS_DIAG=diag is not None, BLOCK_T=T,
-            BLOCK_P=blocks["BLOCK_P"], EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dx"])
+            k.ptr(ddiag if diag is not None else None), *geo.dims, **flags, HAS_DIAG=diag is not None, **k.p_blocks,
+            **LAUNCH["dx"])
         _dcb_kernel[grids["dcb"]](
             x, *s3(x), dy, *s3(dy), k.dt[0], k.A[0], k.dt[1], k.A[1], *s3(k.dt[0]), k.ptr(k.bias), k.ptr(seg), dtc,
-            kq, tot, dcb, *fill(ddt_f if k.has_f else None, ddt_b if k.has_b else None), part, *geo.dims, *k.lo_hi,
-            HB=HB, **flags, **k.prep, SHARED_A=k.shared_A, BLOCK_T=T, BLOCK_P=blocks["BLOCK_P"],
-            BLOCK_NT=max(2, pow2(NT)), EVEN_P=blocks["EVEN_P"], DOT=blocks["DOT"], **LAUNCH["dcb"])
+            kq, tot, dcb, *k.outputs(ddt_f, ddt_b), part, *geo.dims, *k.lo_hi, HB=HB, **flags, **k.prep,
+            SHARED_A=k.shared_A, BLOCK_NT=max(2, pow2(NT)), **k.p_blocks, **LAUNCH["dcb"])
         _dbc_kernel[grids["dbc"]](
-            k.B[0], k.C[0], k.B[1], k.C[1], *s3(k.B[0]), dcb,
-            *fill(dB_f if k.has_f else None, dB_b if k.has_b else None),
-            *fill(dC_f if k.has_f else None, dC_b if k.has_b else None), bsz, L, G, N, NT, HB=HB, D0=flags["D0"],
-            D1=flags["D1"], SHIFT=flags["SHIFT"], BLOCK_T=T, BLOCK_N=blocks["BLOCK_N"], EVEN_N=blocks["EVEN_N"],
-            DOT=blocks["DOT"], **LAUNCH["dbc"])
+            k.B[0], k.C[0], k.B[1], k.C[1], *s3(k.B[0]), dcb, *k.outputs(dB_f, dB_b), *k.outputs(dC_f, dC_b),
+            bsz, L, G, N, NT, HB=HB, D0=flags["D0"], D1=flags["D1"], SHIFT=flags["SHIFT"], **k.n_blocks,
+            **LAUNCH["dbc"])
     return [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part]
 
 
@@ -766,8 +717,7 @@ def _op(
     diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float, dt_hi: float,
     softplus: bool, shift: bool, a_log: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One-chunk scan forward: (y, ``C~ B^T`` of the tile pairs, prepared step sizes and their log decays).
-    Raw step sizes, prepared in the kernels; the two directions' generators share dtypes."""
+    """The one-chunk scan's forward (:func:`_fwd`); the two directions' generators share dtypes."""
     return tuple(_fwd(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                       shift, a_log))
 
@@ -792,9 +742,7 @@ def _bwd_op(
     C_b: Optional[Tensor], diag: Optional[Tensor], seg: Optional[Tensor], dt_bias: Optional[Tensor], dt_lo: float,
     dt_hi: float, softplus: bool, shift: bool, cb: Tensor, dtc: Tensor, a_log: bool = False,
 ) -> list[Tensor]:
-    """One-chunk scan backward: [dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, partials] in the inputs' dtypes
-    (an empty tensor for each absent input); ``partials`` (b, 3, h) float32: dA forward, dA backward, d dt_bias, per
-    sequence, summed by the caller."""
+    """The one-chunk scan's backward (:func:`_bwd`); the partials are summed by the caller."""
     return _bwd(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                 shift, cb, dtc, a_log)
 
@@ -802,12 +750,9 @@ def _bwd_op(
 @_bwd_op.register_fake
 def _bwd_op_fake(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus,
                  shift, cb, dtc, a_log=False):
-    def like(t):
-        return x.new_empty(0) if t is None else t.new_empty(t.shape)
-
     ref_B = B_f if B_f is not None else B_b
     geo = OneChunkGeometry(x.shape[0], x.shape[1], x.shape[2], ref_B.shape[2], x.shape[3], ref_B.shape[3])
-    return [like(x), like(dt_f), like(B_f), like(C_f), like(dt_b), like(B_b), like(C_b), like(diag),
+    return [*_chunked._grad_buffers(x, dt_f, B_f, C_f, dt_b, B_b, C_b, diag),
             x.new_empty(x.shape[0] * geo.ntiles, 3, x.shape[2], dtype=torch.float32)]
 
 
@@ -815,32 +760,16 @@ _INPUTS = ("x", "dt_f", "A_f", "B_f", "C_f", "dt_b", "A_b", "B_b", "C_b", "diag"
 
 
 def _setup_context(ctx, inputs, output):
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, dt_lo, dt_hi, softplus, shift, a_log = inputs
-    _, cb, dtc = output
-    ctx.save_for_backward(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc)
-    ctx.options = (dt_lo, dt_hi, softplus, shift)
-    ctx.a_log = a_log
-    ctx.mark_non_differentiable(cb, dtc)
-    ctx.set_materialize_grads(False)
+    _chunked._save(ctx, inputs[:12], output[1:], inputs[12:16], inputs[16])
 
 
 def _autograd_backward(ctx, dy, dcb, ddtc):
-    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc = ctx.saved_tensors
-    need = dict(zip(_INPUTS, ctx.needs_input_grad))
     if dy is None:
         return (None,) * 17
-    dx, ddt_f, dB_f, dC_f, ddt_b, dB_b, dC_b, ddiag, part = _bwd_op(
-        dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options, cb, dtc, ctx.a_log)
-    sums = part.sum(0)                                      # (3, h): dA forward, dA backward, d dt_bias
-
-    def keep(name, g, like=None):
-        if not need[name]:
-            return None
-        return g if like is None else g.to(like.dtype)
-
-    return (keep("x", dx), keep("dt_f", ddt_f), keep("A_f", sums[0], A_f), keep("B_f", dB_f), keep("C_f", dC_f),
-            keep("dt_b", ddt_b), keep("A_b", sums[1], A_b), keep("B_b", dB_b), keep("C_b", dC_b),
-            keep("diag", ddiag), None, keep("dt_bias", sums[2], dt_bias), None, None, None, None, None)
+    x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, cb, dtc = ctx.saved_tensors
+    grads = _bwd_op(dy, x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, seg, dt_bias, *ctx.options, cb, dtc,
+                    ctx.a_log)
+    return _chunked._input_grads(ctx, _INPUTS, grads, _chunked._GRADS)
 
 
 _op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -864,21 +793,13 @@ def scan_one_chunk_flops(batch: int, length: int, heads: int, head_dim: int, sta
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_one_chunk)
-def _op_flops(x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape, *args,
-              out_shape=None, **kwargs) -> int:
-    b, l, h, p = x_shape
-    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
-    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_one_chunk_flops(b, l, h, p, n, directions, groups=g)
+def _op_flops(*shapes, out_shape=None, **kwargs) -> int:
+    return scan_one_chunk_flops(**_chunked._flop_shapes(*shapes))
 
 
 @register_flop_formula(torch.ops.mixer_plugins.quasiseparable_triton_one_chunk_backward)
-def _bwd_op_flops(dy_shape, x_shape, dt_f_shape, A_f_shape, B_f_shape, C_f_shape, dt_b_shape, A_b_shape, B_b_shape,
-                  *args, out_shape=None, **kwargs) -> int:
-    b, l, h, p = x_shape
-    g, n = (B_f_shape if B_f_shape is not None else B_b_shape)[2:]
-    directions = int(dt_f_shape is not None) + int(dt_b_shape is not None)
-    return scan_one_chunk_flops(b, l, h, p, n, directions, backward=True, groups=g)
+def _bwd_op_flops(dy_shape, *shapes, out_shape=None, **kwargs) -> int:
+    return scan_one_chunk_flops(**_chunked._flop_shapes(*shapes), backward=True)
 
 
 def scan_one_chunk(
@@ -892,12 +813,7 @@ def scan_one_chunk(
     """The one-chunk scan (no states), differentiable; the arguments of :func:`.triton_kernels.scan_triton` without
     the states (raw step sizes prepared in the kernels, ``seq_idx`` normalised segment ids, ``a_log``: the ``A``
     arguments hold ``A_log``)."""
-    reason = available(x.device)
-    if reason is not None:
-        raise RuntimeError(f"triton scan unavailable: {reason}")
-    if dt_f is None and dt_b is None:
-        raise ValueError("scan_one_chunk needs at least one direction")
-    dt_b, A_b, B_b, C_b = _chunked._backward_generators(dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
+    dt_b, A_b, B_b, C_b = _chunked._backward_generators(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b)
     lo, hi = dt_limit
     y, _, _ = _op(x, dt_f, A_f, B_f, C_f, dt_b, A_b, B_b, C_b, diag, _chunked._seg_arg(seq_idx), dt_bias, float(lo),
                   float(hi), bool(dt_softplus), bool(shift), bool(a_log))
