@@ -2,8 +2,8 @@
 oracle): y, the convolution state and the SSD state over a few consecutive steps (states carried), for both orders of
 B and C, one and several groups, with and without step sizes and decay, every form of the skip D, clamped step
 sizes, a read-out scale, SiLU on and off, no convolution bias, xbc and dt as strided views of a fused projection,
-float32 and bfloat16 inputs with float32 states; the fused gated norm; both states updated in place; the float64 refusal; the custom op
-under ``torch.compile(fullgraph=True)`` and its fake kernel.
+float32 and bfloat16 inputs with float32 states; the fused gated norm; both states updated in place; the float64
+refusal; the custom op under ``torch.compile(fullgraph=True)`` and its fake kernel.
 
 Shapes are tiny (the interpreter runs each program in Python). On a machine without CUDA this module runs in a fresh
 interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite.py``; collected in any other
