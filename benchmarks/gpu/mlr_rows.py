@@ -25,6 +25,7 @@ checked inside the timing loops and between rows. ``benchmarks/gpu/run.sh`` runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ if str(HERE) not in sys.path:
 
 import deadline as deadlines  # noqa: E402  (benchmarks/gpu/deadline.py)
 import targets as target_list  # noqa: E402  (benchmarks/gpu/targets.py)
+from throughput import fast_interpreter  # noqa: E402  (benchmarks/gpu/throughput.py)
 
 from mixer_plugins.tools.benchmarking import time_calls  # noqa: E402
 
@@ -259,11 +261,12 @@ def main(argv: list[str] | None = None) -> int:
 
     write()
     try:
-        rows(setup, on_row=on_row, dry=args.dry)
-        if DEADLINE.passed():
-            state["checks"] = [{"case": "(all)", "error": deadlines.NOT_STARTED}]
-        else:
-            state["checks"] = checks(setup)
+        with fast_interpreter() if args.dry else contextlib.nullcontext():
+            rows(setup, on_row=on_row, dry=args.dry)
+            if DEADLINE.passed():
+                state["checks"] = [{"case": "(all)", "error": deadlines.NOT_STARTED}]
+            else:
+                state["checks"] = checks(setup)
     except KeyboardInterrupt:   # the step's hard limit (run.sh's timeout): keep what was measured
         write()
         print("stopped at the step's limit: the rows left not measured", flush=True)

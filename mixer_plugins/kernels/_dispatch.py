@@ -51,7 +51,11 @@ ENV_VAR = "MIXER_PLUGINS_BACKEND"
 _ELSEWHERE = ("torch",)
 
 class _Preference(threading.local):
-    backend: str | None = None   # set by use_backend, per thread
+    """The backend :func:`use_backend` prefers, per thread (set on the instance, which ``torch.compile`` reads while
+    tracing; a class default would be read in its place)."""
+
+    def __init__(self) -> None:
+        self.backend: str | None = None
 
 
 _local = _Preference()

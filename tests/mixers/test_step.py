@@ -296,6 +296,7 @@ def test_one_token_step_is_a_few_ops(name):
     names = [e.name for e in prof.events()]
     ops = [n for n in names if "::" in n]
     assert "mixer_plugins_native::ssd_decode" in ops, ops
+    assert "mixer_plugins_native::norm_forward" not in ops, ops   # the block's gated norm runs inside the step op
     assert len(ops) <= 40, f"{len(ops)} ops: {sorted(set(ops))}"
     assert "aten::item" not in ops and "aten::_local_scalar_dense" not in ops
 

@@ -126,7 +126,8 @@ def test_unchecked_entry_takes_the_depthwise_weight(case, backend):
     conv_2, state_2 = conv_state.clone(), state.clone()
     y = decode_unchecked(xbc, conv_state, weight[:, None, :].clone(), bias, state, dt, A, D, kw["bc_order"],
                          kw["dt_bias"], kw["dt_softplus"], kw["dt_limit"], kw["scale"], kw["silu"], None, backend)
-    y_2 = ssd_decode_step(xbc, conv_2, weight, bias, state_2, dt, A, D, backend=backend, **kw)
+    D_2 = D.contiguous() if isinstance(D, torch.Tensor) else D
+    y_2 = ssd_decode_step(xbc, conv_2, weight, bias, state_2, dt, A, D_2, backend=backend, **kw)
     torch.testing.assert_close(y, y_2, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(conv_state, conv_2, rtol=0, atol=0)
     torch.testing.assert_close(state, state_2, rtol=1e-14, atol=1e-14)

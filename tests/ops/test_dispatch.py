@@ -278,3 +278,31 @@ def test_conv_and_norm_check_their_arguments_and_match_their_references():
     expected = F.rms_norm(y, (8,), eps=1e-5) * F.silu(z) * wn
     torch.testing.assert_close(kernels.gated_rmsnorm(y, z, wn, backend="reference"), expected)
     torch.testing.assert_close(kernels.gated_rmsnorm(y, z, wn), expected)
+
+
+def test_a_preference_holds_while_torch_compile_traces(monkeypatch):
+    """``use_backend`` set around a compiled call is the preference the traced ops see (a per-thread value that
+    ``torch.compile`` reads while tracing, not a default in its place)."""
+    import mixer_plugins.kernels.norm as norm_op
+
+    calls = []
+    reference = norm_op.gated_rmsnorm_reference
+
+    def counted(*args):
+        calls.append(1)
+        return reference(*args)
+
+    monkeypatch.setattr(norm_op, "gated_rmsnorm_reference", counted)
+    y, z, w = torch.randn(3, 8), torch.randn(3, 8), torch.rand(8)
+
+    def f(y, z, w):
+        return kernels.gated_rmsnorm(y, z, w)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    compiled(y, z, w)
+    assert not calls, "no preference: the automatic choice"
+    torch._dynamo.reset()
+    with kernels.use_backend("reference"):
+        torch.testing.assert_close(compiled(y, z, w), reference(y, z, w, 1e-5, True))
+    assert calls, "the preference reached the traced op"

@@ -129,8 +129,11 @@ at::Tensor ssd_decode(const at::Tensor& xbc, at::Tensor conv_state, const at::Te
   TORCH_CHECK(!dt.has_value() || dt->stride(1) == 1, "native decode: dt must have contiguous heads");
   TORCH_CHECK(z.has_value() == norm_weight.has_value() && same(z) && same(norm_weight),
               "native decode: the norm takes z and its weight, in the state's dtype");
-  TORCH_CHECK(!z.has_value() || (z->dim() == 2 && z->stride(1) == 1 && z->size(1) == state.size(1) * state.size(2)),
-              "native decode: z must be (batch, heads * head_dim) with contiguous channels");
+  TORCH_CHECK(!z.has_value() || (z->dim() == 2 && z->stride(1) == 1 && z->size(0) == state.size(0) &&
+                                  z->size(1) == state.size(1) * state.size(2) &&
+                                  norm_weight->numel() == z->size(1)),
+              "native decode: z must be (batch, heads * head_dim) with contiguous channels, the norm's weight "
+              "(heads * head_dim,)");
   const c10::optional<at::Tensor> norm_w =
       norm_weight.has_value() ? c10::optional<at::Tensor>(norm_weight->contiguous()) : norm_weight;
   const c10::optional<at::Tensor> skip = D.has_value() ? c10::optional<at::Tensor>(D->contiguous()) : D;

@@ -29,7 +29,7 @@ from .._checks import check
 from .._dispatch import Op
 from .._native_check import native_unavailable
 from .._requirements import triton_unavailable
-from ..norm import norm_unchecked
+from ..norm import NORM, norm_unchecked
 from .native import decode_native
 from .reference import decode_reference
 from .torch import decode_torch
@@ -151,6 +151,9 @@ def decode_unchecked(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_
     if name == "native":
         return decode_native(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, bc_order == "CB",
                              dt_bias, dt_softplus, dt_limit, scale, silu, norm)
+    # the other forms normalize with the norm op: its backend (the one named in the call, or its own automatic
+    # choice) is chosen before the step updates the states, so a refusal leaves them as they were
+    norm_name = None if norm is None else NORM.choose(backend, xbc.device, y=norm[0], z=norm[0], weight=norm[1])
     conv_weight = conv_weight.flatten(1)
     if name == "triton":
         from .triton_kernels import ssd_decode_step_triton
@@ -163,5 +166,4 @@ def decode_unchecked(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_
         groups = (xbc.shape[1] - state.shape[1] * state.shape[2]) // (2 * state.shape[3])
         y = form(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, groups=groups, bc_order=bc_order,
                  dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, scale=scale, silu=silu)
-    # the other forms normalize with the norm op (the backend named in the call, or its own automatic choice)
-    return y if norm is None else norm_unchecked(y, *norm, backend)
+    return y if norm is None else norm_unchecked(y, *norm, norm_name)
