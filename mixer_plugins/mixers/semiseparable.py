@@ -158,9 +158,8 @@ class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
     def step_tokens(self, x: Tensor, cache: MixerCache) -> Tensor:
         if x.shape[1] == 1:   # one token: the fused step
             ssm = self.ssm
-            D = ssm.D
-            out = self.fused_ssd_step(x, cache, "ssm", A_log=ssm.A_log, D=self.skip() if self.D_has_hdim else D,
-                                      dt_bias=ssm.dt_bias, dt_softplus=True, dt_limit=ssm.dt_limit)
+            out = self.fused_ssd_step(x, cache, "ssm", A_log=ssm.A_log, D=self.skip(), dt_bias=ssm.dt_bias,
+                                      dt_softplus=True, dt_limit=ssm.dt_limit)
             if out is not None:
                 return out
         return super().step_tokens(x, cache)

@@ -29,7 +29,7 @@ from .._checks import check
 from .._dispatch import Op
 from .._native_check import native_unavailable
 from .._requirements import triton_unavailable
-from ..norm import NORM, norm_unchecked
+from ..norm import NORM, norm_by_name
 from .native import decode_native
 from .reference import decode_reference
 from .torch import decode_torch
@@ -166,4 +166,4 @@ def decode_unchecked(xbc: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_
         groups = (xbc.shape[1] - state.shape[1] * state.shape[2]) // (2 * state.shape[3])
         y = form(xbc, conv_state, conv_weight, conv_bias, state, dt, A_log, D, groups=groups, bc_order=bc_order,
                  dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, scale=scale, silu=silu)
-    return y if norm is None else norm_unchecked(y, *norm, norm_name)
+    return y if norm is None or norm_name is None else norm_by_name(norm_name, y, *norm)

@@ -64,14 +64,12 @@ def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float = 1e-5, norm_
           lambda: f"gated_rmsnorm: y and z must have the same shape, got {tuple(y.shape)} and {tuple(z.shape)}")
     check(weight.shape == (y.shape[-1],),
           lambda: f"gated_rmsnorm: weight must be ({y.shape[-1]},), got {tuple(weight.shape)}")
-    return norm_unchecked(y, z, weight, eps, norm_before_gate, backend)
+    return norm_by_name(NORM.choose(backend, y.device, y=y, z=z, weight=weight), y, z, weight, eps,
+                        norm_before_gate)
 
 
-def norm_unchecked(y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool,
-                   backend: str | None = None) -> Tensor:
-    """:func:`gated_rmsnorm` without its shape checks: for callers whose shapes are right by construction (the
-    decoding step's forms that do not normalize in their own kernel)."""
-    name = NORM.choose(backend, y.device, y=y, z=z, weight=weight)
+def norm_by_name(name: str, y: Tensor, z: Tensor, weight: Tensor, eps: float, norm_before_gate: bool) -> Tensor:
+    """The norm on the backend ``name`` that :data:`NORM` chose."""
     if name == "native":
         return norm_native(y, z, weight, eps, norm_before_gate)
     if name == "triton":
