@@ -113,8 +113,9 @@ class SemiseparableMixer(MatrixMixerBlock[SSDContext]):
 
     def skip(self) -> Tensor:
         """The skip ``D``: (heads,), or (heads, head_dim) with ``D_has_hdim``."""
-        assert self.ssm.D is not None, "the SSD mixer has a skip"
-        return self.ssm.D.view(self.num_heads, self.head_dim) if self.D_has_hdim else self.ssm.D
+        D = self.ssm.D   # one module look-up: a decoding step calls this once a token
+        assert D is not None, "the SSD mixer has a skip"
+        return D.view(self.num_heads, self.head_dim) if self.D_has_hdim else D
 
     def build_context(self, parts: dict[str, Tensor], mask: Tensor | None) -> SSDContext:
         x = self.heads(parts["x"])
