@@ -105,8 +105,8 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
         if saved is not None:
             base = {"model_family": saved["model_family"], "model_config": saved["model_config"],
                     "__base_path__": folder}
-            card = AssetCard(f"checkpoint_step_{chosen}", {"checkpoint": str(folder / f"step_{chosen}" / "model")},
-                             base=AssetCard("checkpoint", base))
+            weights = _file_uri(folder / f"step_{chosen}" / "model")
+            card = AssetCard(f"checkpoint_step_{chosen}", {"checkpoint": weights}, base=AssetCard("checkpoint", base))
             return load_model(card, device=device, dtype=dtype)
     if not (folder / MODEL_METADATA).is_file():
         raise FileNotFoundError(
@@ -123,8 +123,16 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
             f"(found: {', '.join(found) or 'none'})"
         )
     metadata = {k: v for k, v in metadata.items() if k != "base"}
+    metadata["checkpoint"] = _file_uri(Path(metadata["checkpoint"]))
     card = AssetCard(name.rstrip("@"), metadata, base=AssetCard("checkpoint", base_metadata))
     return load_model(card, device=device, dtype=dtype)
+
+
+def _file_uri(path: Path) -> str:
+    """``path`` as an asset card's ``checkpoint`` field. fairseq2 turns a plain path into a percent-encoded URI and
+    reads the path back without decoding it, so a folder with a space in its name would not be found; a ``file://``
+    URI written out as is reads back as the path itself."""
+    return "file://" + path.as_posix()
 
 
 def with_mixer_records(factory: Callable[[Any], Module],
