@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import inductor_settings
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -144,11 +145,16 @@ def test_every_custom_op_is_opchecked():
         assert test in globals(), test
 
 
-#: what both interpreter scripts start with: a check that an op's real and fake outputs have the same layout
+#: what both interpreter scripts start with: the interpreter's speed shims (tests/helpers.py, semantics unchanged)
+#: for the whole script, and a check that an op's real and fake outputs have the same layout
 _SAME_LAYOUT = """
 import torch
+from helpers import interpreter_shims
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+
+shims = interpreter_shims()   # kept: the shims stay on until the process ends
+shims.__enter__()
 
 def same_layout(op, args):
     real = op(*args)
@@ -203,7 +209,7 @@ def _run_script_under_the_interpreter(script: str) -> None:
 
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
                          timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
@@ -255,17 +261,7 @@ def test_opcheck_triton_scan_ops_under_the_interpreter():
     """The Triton scan's forward and backward ops: fake kernels with the real kernels' strides, and the backward
     under opcheck (the forward's opcheck is in tests/ops/test_scan_triton.py). A fresh interpreter: Triton reads
     ``TRITON_INTERPRET`` when its kernels are defined."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-c", _TRITON_OPCHECK], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
+    _run_script_under_the_interpreter(_TRITON_OPCHECK)
 
 
 @pytest.mark.parametrize("silu", [False, True])
@@ -308,8 +304,9 @@ def test_quasiseparable_compiles_with_inductor():
     def f(x, dt, A, B, C):
         return kernels.quasiseparable(x, dt, A, B, C, chunk_size=4) * 2
 
-    compiled = torch.compile(f, backend="inductor", fullgraph=True)
-    torch.testing.assert_close(compiled(x, dt, A, B, C), f(x, dt, A, B, C))
+    with inductor_settings():
+        compiled = torch.compile(f, backend="inductor", fullgraph=True)
+        torch.testing.assert_close(compiled(x, dt, A, B, C), f(x, dt, A, B, C))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -321,9 +318,10 @@ def test_depthwise_conv1d_compiles_with_inductor(causal):
     def f(x, w, b):
         return kernels.depthwise_conv1d(x, w, b, causal=causal, silu=True) + 1
 
-    compiled = torch.compile(f, backend="inductor", fullgraph=True)
-    torch.testing.assert_close(compiled(x, w, b), f(x, w, b))
-    grads = torch.autograd.grad(compiled(x, w, b).square().sum(), (x, w, b))
+    with inductor_settings():
+        compiled = torch.compile(f, backend="inductor", fullgraph=True)
+        torch.testing.assert_close(compiled(x, w, b), f(x, w, b))
+        grads = torch.autograd.grad(compiled(x, w, b).square().sum(), (x, w, b))
     expected = torch.autograd.grad(f(x, w, b).square().sum(), (x, w, b))
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)

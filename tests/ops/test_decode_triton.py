@@ -6,7 +6,7 @@ float32 and bfloat16 inputs with float32 states; the fused gated norm; both stat
 refusal; the custom op under ``torch.compile(fullgraph=True)`` and its fake kernel.
 
 Shapes are tiny (the interpreter runs each program in Python). On a machine without CUDA this module runs in a fresh
-interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite.py``; collected in any other
+interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite_decode.py``; collected in any other
 process it is skipped. With CUDA it runs in this process.
 """
 

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import inductor_settings
 
 from mixer_plugins.kernels import _native
 from mixer_plugins.kernels._dispatch import resolve_backend
@@ -148,10 +149,10 @@ def test_under_torch_compile_with_inductor():
         return mlr_attention_torch(q, k, v, ranks=ranks, block_sizes=sizes, scales=[0.5, 0.5, 0.5], causal=True,
                                    mask=mask, engine="native")
 
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend="inductor")
-    eager, eager_grads = _value_and_grads(fn, (q, k, v))
-    out, grads = _value_and_grads(compiled, (q, k, v))
+    with inductor_settings():
+        compiled = torch.compile(fn, fullgraph=True, backend="inductor")
+        eager, eager_grads = _value_and_grads(fn, (q, k, v))
+        out, grads = _value_and_grads(compiled, (q, k, v))
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,7 @@ Shapes are tiny: the interpreter runs each kernel program in Python.
 ``TRITON_INTERPRET`` is read by ``triton.jit`` when a kernel is *defined* (triton 3.5:
 ``knobs.runtime.interpret`` in the decorator), and the interpreter's state does not survive every other test that
 may run before these in one process (inductor compiles, for one). So on a machine without CUDA this module runs
-in a fresh interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite.py``
+in a fresh interpreter with ``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite_mlr_attention.py``
 (``MIXER_PLUGINS_TRITON_FRESH=1`` marks that run); collected in any other process it is skipped.
 """
 

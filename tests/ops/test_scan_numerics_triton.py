@@ -9,8 +9,8 @@ decay: each pair's term must enter once, with its own decay, not as a total minu
 same (float32) inputs, so the errors are the kernels' own.
 
 As ``tests/ops/test_scan_triton.py``: on a machine without CUDA this module runs in a fresh interpreter with
-``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite.py`` (``MIXER_PLUGINS_TRITON_FRESH=1`` marks that
-run); collected in any other process it is skipped.
+``TRITON_INTERPRET=1``, started by ``tests/ops/test_triton_suite_scan_numerics.py``
+(``MIXER_PLUGINS_TRITON_FRESH=1`` marks that run); collected in any other process it is skipped.
 """
 
 from __future__ import annotations
