@@ -117,11 +117,11 @@ def assert_passes_fresh(test_file: str, env: dict[str, str], timeout: int, *, al
 
 def triton_kernels_module(name: str) -> tuple[Any, str, list[pytest.MarkDecorator]]:
     """The module prelude of a Triton kernel test file: on a machine without CUDA it runs only in the fresh
-    interpreter the Triton suite starts (``tests/ops/test_triton_suite.py`` sets ``MIXER_PLUGINS_TRITON_FRESH=1``
+    interpreter the Triton suite starts (each ``tests/ops/test_triton_suite*.py`` sets ``MIXER_PLUGINS_TRITON_FRESH=1``
     and ``TRITON_INTERPRET=1``) and is skipped in any other process. Returns the kernels module ``name``, the device
     its tensors live on (CPU under the interpreter, else CUDA) and the module's ``pytestmark``."""
     if os.environ.get("MIXER_PLUGINS_TRITON_FRESH") != "1" and not torch.cuda.is_available():
-        pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite.py)",
+        pytest.skip("the Triton kernels' CPU checks run in a fresh interpreter (tests/ops/test_triton_suite*.py)",
                     allow_module_level=True)
     pytest.importorskip("triton")
     module = pytest.importorskip(name)
