@@ -250,24 +250,43 @@ def test_features_only_getter(mixer, path):
         torch.testing.assert_close(got, want)
 
 
+@pytest.fixture(scope="module")
+def fx_pair():
+    """``fx_pair(path, mixer)``: a model and its FX feature extractor, built and traced once for the FX forward and
+    backward checks. The extractor holds a training graph and an eval graph (``.train()``/``.eval()`` picks one);
+    each check sets the mode it needs."""
+    pairs: dict[tuple[str, str], tuple[nn.Module, nn.Module]] = {}
+
+    def get(path: str, mixer: str) -> tuple[nn.Module, nn.Module]:
+        if (path, mixer) not in pairs:
+            model = build(path, mixer, num_classes=42).train()
+            pairs[path, mixer] = model, create_fx_model(model, train=True)
+        return pairs[path, mixer]
+
+    return get
+
+
 @every_mixer
 @both_paths
-def test_fx_forward(mixer, path):
-    model = build(path, mixer).eval()
+def test_fx_forward(mixer, path, fx_pair):
+    model, fx_model = fx_pair(path, mixer)
+    model.eval()
+    fx_model.eval()
     x = _image()
     with torch.no_grad():
         out = model(x)
-        fx_out = torch.cat(tuple(create_fx_model(model)(x).values()))
+        fx_out = torch.cat(tuple(fx_model(x).values()))
     assert torch.all(fx_out == out), "FX-traced model differs from the eager one"
     assert not torch.isnan(out).any()
 
 
 @every_mixer
 @both_paths
-def test_fx_backward(mixer, path):
-    model = build(path, mixer, num_classes=42).train()
+def test_fx_backward(mixer, path, fx_pair):
+    model, fx_model = fx_pair(path, mixer)
+    model.train()
+    fx_model.train()
     num_params = sum(p.numel() for p in model.parameters())
-    fx_model = create_fx_model(model, train=True)
     out = torch.cat(tuple(fx_model(_image(2)).values()))
     out.mean().backward()
     for name, p in fx_model.named_parameters():
