@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import fields, replace
@@ -712,10 +713,25 @@ def _tree(folder: Path) -> dict[str, bytes]:
 _SMALL_RUN = ("regime.num_steps=2", "data.num_examples=32", "data.batch_size=8", "data.max_seq_len=32")
 
 
-@pytest.mark.slow  # three fresh fairseq2 processes: ~1 min
-def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, tmp_path):
-    first = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN)
+@pytest.fixture(scope="module")
+def small_attention_run(tmp_path_factory) -> Path:
+    """The output folder of one recipe run (``mixer=attention``, ``_SMALL_RUN``): the tests that run the recipe
+    again into such a folder start from a copy of it (:func:`_copy_of`), so the first run is paid once."""
+    folder = tmp_path_factory.mktemp("small_attention_run")
+    first = _run_recipe(folder, "model.config_overrides.mixer=attention", *_SMALL_RUN)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return folder
+
+
+def _copy_of(run: Path, folder: Path) -> Path:
+    """``folder`` (a test's own, maybe existing and empty) holding a copy of the output folder ``run``."""
+    shutil.copytree(run, folder, dirs_exist_ok=True)
+    return folder
+
+
+@pytest.mark.slow  # two fresh fairseq2 processes (and the shared first run): ~40 s
+def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, small_attention_run, tmp_path):
+    _copy_of(small_attention_run, tmp_path)  # a first run: mixer=attention, _SMALL_RUN
     ckpt = tmp_path / "checkpoints"
     tokens = _padded_tokens([20, 11, 3], seed=8, vocab=120)
     layout = BatchLayout.of(tokens, [20, 11, 3])
@@ -747,12 +763,14 @@ def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, tmp_pat
     assert all(layer.self_attn.mixer_name == mp.get_spec(other).name for layer in reloaded.encoder.layers)
 
 
-@pytest.mark.slow  # five fresh fairseq2 processes: ~2 min
-def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, tmp_path):
+@pytest.mark.slow  # three fresh fairseq2 processes (and the shared first run): ~1 min
+def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, small_attention_run, tmp_path):
     """fairseq2 rewrites checkpoints/model.yaml at every start, not atomically: a start killed while writing it leaves
-    it empty or cut. The steps keep their own copy, so resume, refusal and reload do not depend on that file."""
-    first = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    it empty or cut. The steps keep their own copy, so resume, refusal and reload do not depend on that file.
+
+    A rerun with the same config resumes whatever the folder's model.yaml holds: the check compares with the last
+    step's own copy first, which is intact here whether model.yaml is intact or empty."""
+    _copy_of(small_attention_run, tmp_path)  # a first run: mixer=attention, _SMALL_RUN
     ckpt = tmp_path / "checkpoints"
     intact = (ckpt / "model.yaml").read_bytes()
     assert (ckpt / "step_2" / "model.yaml").read_bytes() == intact  # the step's own copy of its config
@@ -767,6 +785,7 @@ def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, tmp_path):
         torch.testing.assert_close(fs2.load_mixer_checkpoint(ckpt).eval()(tokens, layout), before, rtol=0, atol=0)
     again = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN[1:], "regime.num_steps=3")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "step_3").is_dir()  # the rerun with the same config resumed
     assert (ckpt / "step_3" / "model.yaml").read_bytes() == intact
 
     # a cut model.yaml and another mixer: refused from the step's own config, without suggesting to delete anything
@@ -950,15 +969,6 @@ def test_load_mixer_checkpoint_with_a_cut_step_model_yaml(fs2, hub, tmp_path):
     (tmp_path / "model.yaml").write_text(other)
     with pytest.raises(ValueError, match="holds another model config"):
         fs2.load_mixer_checkpoint(tmp_path)
-
-
-@pytest.mark.slow  # a fresh fairseq2 process: ~20 s
-def test_recipe_rerun_with_the_same_config_still_resumes(fs2, tmp_path):
-    first = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    again = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN[1:], "regime.num_steps=3")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert (tmp_path / "checkpoints" / "step_3").is_dir()
 
 
 @pytest.mark.slow  # a fresh fairseq2 process: ~15 s
