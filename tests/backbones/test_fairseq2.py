@@ -971,6 +971,27 @@ def test_load_mixer_checkpoint_with_a_cut_step_model_yaml(fs2, hub, tmp_path):
         fs2.load_mixer_checkpoint(tmp_path)
 
 
+def test_load_mixer_checkpoint_from_a_folder_whose_path_needs_percent_encoding(fs2, hub, tmp_path):
+    """fairseq2 turns a checkpoint path into a percent-encoded URI and reads it back undecoded; a folder whose path
+    holds a space (or '%', '#') loads all the same, through the step's own model.yaml and through the folder's."""
+    config = _tiny(fs2, mixer="quasi", mixer_options={"quasi": {"head_dim": 16, "d_state": 8}})
+    torch.manual_seed(0)
+    model = hub.create_new_model(config, device=CPU).eval()
+    folder = tmp_path / "my runs #1 (50% done)" / "checkpoints"
+    folder.parent.mkdir()
+    _write_recipe_checkpoint(folder, model, config, model.state_dict(), step=3)
+    tokens = _padded_tokens([12, 5], seed=3)
+    layout = BatchLayout.of(tokens, [12, 5])
+    with torch.no_grad():
+        expected = model(tokens, layout)
+        torch.testing.assert_close(fs2.load_mixer_checkpoint(folder).eval()(tokens, layout), expected,
+                                   rtol=0, atol=0)
+        (folder / "step_3" / "model.yaml").unlink()  # a run saved before steps kept their own copy
+        for step in (None, 3):
+            loaded = fs2.load_mixer_checkpoint(folder, step=step).eval()
+            torch.testing.assert_close(loaded(tokens, layout), expected, rtol=0, atol=0)
+
+
 @pytest.mark.slow  # a fresh fairseq2 process: ~15 s
 def test_recipe_fails_clearly_on_a_non_finite_loss(tmp_path):
     proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", "optimizer.config.lr=1e30",
