@@ -123,7 +123,7 @@ def load_mixer_checkpoint(checkpoint_dir: Path, *, step: int | None = None, devi
             f"(found: {', '.join(found) or 'none'})"
         )
     metadata = {k: v for k, v in metadata.items() if k != "base"}
-    metadata["checkpoint"] = _file_uri(Path(metadata["checkpoint"]))
+    metadata["checkpoint"] = _file_uri(Path(str(metadata["checkpoint"])))
     card = AssetCard(name.rstrip("@"), metadata, base=AssetCard("checkpoint", base_metadata))
     return load_model(card, device=device, dtype=dtype)
 
