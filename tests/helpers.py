@@ -318,3 +318,19 @@ def fast_interpreter():
     """The speed shims of :func:`interpreter_shims` around every test module that imports this fixture."""
     with interpreter_shims():
         yield
+
+
+def triton_file_runner(test_file: str) -> Callable[[], None]:
+    """The test of a ``tests/ops/test_triton_suite*.py`` module: runs ``test_file`` (under ``tests/``), a Triton kernel
+    test file, in a fresh interpreter under ``TRITON_INTERPRET=1`` on machines without CUDA. The kernels are defined in
+    interpreter mode when their module is imported, and the interpreter's state does not reliably survive what other
+    tests do in the same process; a fresh process makes the check exact and repeatable (the child's failures are shown).
+    One file per module, so that the test workers (``--dist loadfile``) share them."""
+
+    @pytest.mark.triton
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, the Triton tests run in this process")
+    def run() -> None:
+        pytest.importorskip("triton")
+        assert_passes_fresh(test_file, {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=1200)
+
+    return run

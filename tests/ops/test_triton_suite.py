@@ -1,23 +1,6 @@
-"""Runs ``tests/ops/test_scan_triton.py`` (the Triton scan's kernels) in a fresh interpreter under
-``TRITON_INTERPRET=1`` (CPU machines).
+"""Runs ``tests/ops/test_scan_triton.py`` (the Triton scan's kernels) in a fresh interpreter
+under ``TRITON_INTERPRET=1`` (CPU machines): see :func:`helpers.triton_file_runner`."""
 
-The kernels are defined in interpreter mode when their module is imported, and the Triton interpreter's state does
-not reliably survive what other tests do in the same process; a fresh process makes the check exact and
-repeatable. The child's failures are shown here. One Triton test file per module: the test workers
-(``--dist loadfile``) share them.
-"""
+from helpers import triton_file_runner
 
-from __future__ import annotations
-
-import pytest
-import torch
-from helpers import assert_passes_fresh
-
-pytestmark = pytest.mark.triton
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, the Triton tests run in this process")
-def test_scan_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
-    assert_passes_fresh("ops/test_scan_triton.py",
-                        {"TRITON_INTERPRET": "1", "MIXER_PLUGINS_TRITON_FRESH": "1"}, timeout=1200)
+test_scan_kernels_under_the_interpreter = triton_file_runner("ops/test_scan_triton.py")
