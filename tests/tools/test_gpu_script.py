@@ -94,57 +94,39 @@ def test_the_dry_run_writes_every_table(dry_run):
     assert all(c["ok"] for c in mlr["checks"])
 
 
-_THROUGHPUT_RUNS = """
-import os, runpy, sys, time
-sys.path.insert(0, {gpu!r})
-import deadline, throughput
-
-# the vit table, with the number of rows recorded at each write of its results
+def test_the_tables_are_written_after_every_row(tmp_path):
+    """A run stopped from outside keeps what it measured: ``NAME.json`` is rewritten after each row."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(GPU)!r})
+import throughput
 sizes = []
 original = throughput.write
 def write(out, info, rows, name="throughput"):
     sizes.append(len(rows))
     return original(out, info, rows, name)
 throughput.write = write
-throughput.main(["--out", {rows_out!r}, "--dry", "--tables", "vit", "--name", "vit"])
-print("sizes", sizes, flush=True)
-
-# then throughput.py as a script, its deadline (from the environment, as run.sh gives it) passed: the process's
-# exit status is the script's
-os.environ[deadline.ENV] = str(time.time() - 1)
-sys.argv = [{script!r}, "--out", {cut_out!r}, "--dry", "--tables", "qs16k,launches", "--name", "cut"]
-runpy.run_path({script!r}, run_name="__main__")
+throughput.main(["--out", {str(tmp_path)!r}, "--dry", "--tables", "vit", "--name", "vit"])
+print("sizes", sizes)
 """
-
-
-@pytest.fixture(scope="module")
-def throughput_runs(tmp_path_factory):
-    """Two runs of ``throughput.py`` in one fresh interpreter (torch and the Triton interpreter loaded once): the
-    ``vit`` table with its writes recorded, into ``rows/``; then the script past its deadline, into ``cut/``."""
-    out = tmp_path_factory.mktemp("throughput")
-    script = _THROUGHPUT_RUNS.format(gpu=str(GPU), script=str(GPU / "throughput.py"), rows_out=str(out / "rows"),
-                                     cut_out=str(out / "cut"))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env.pop(deadline.ENV, None)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                             cwd=ROOT)
-    return out, result
-
-
-def test_the_tables_are_written_after_every_row(throughput_runs):
-    """A run stopped from outside keeps what it measured: ``NAME.json`` is rewritten after each row."""
-    out, result = throughput_runs
-    assert "sizes [" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sizes = [int(n) for n in result.stdout.split("sizes [")[1].split("]")[0].split(",")]
     assert sizes[:4] == [0, 1, 2, 3]    # before any row, then after each of the three ViT rows
-    assert (out / "rows" / "vit.json").exists()
+    assert (tmp_path / "vit.json").exists()
 
 
-def test_past_the_deadline_the_rows_left_are_not_measured(throughput_runs):
+def test_past_the_deadline_the_rows_left_are_not_measured(tmp_path):
     """A step whose deadline has passed measures nothing more: its rows, and its targets, say so."""
-    out, result = throughput_runs
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
+           deadline.ENV: str(time.time() - 1)}
+    result = subprocess.run([sys.executable, str(GPU / "throughput.py"), "--out", str(tmp_path), "--dry",
+                             "--tables", "qs16k,launches", "--name", "cut"], env=env, capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)
     assert result.returncode == deadline.EXIT_CUT, result.stdout[-3000:] + result.stderr[-3000:]
-    data = json.loads((out / "cut" / "cut.json").read_text())
+    data = json.loads((tmp_path / "cut.json").read_text())
     assert data["rows"] and all(r["ms"] is None and r["note"] == deadline.NOT_STARTED for r in data["rows"])
     assert data["targets"] and all(m["value"] is None and m["verdict"] == targets.NOT_MEASURED
                                    for m in data["targets"])
