@@ -225,6 +225,7 @@ def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int, data_paralleli
     import subprocess
     import sys
 
+    from forked import python_m
     from helpers import free_port
 
     # the LR schedule must not depend on num_steps: the run is stopped at step 3, then resumed to step 6
@@ -234,12 +235,12 @@ def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int, data_paralleli
               f"trainer.data_parallelism={data_parallelism}"]
     module = ["-m", "mixer_plugins.backbones.fairseq2", str(out_dir)]
     if nproc == 1:
-        cmd = [sys.executable, *module, *config]
+        done = python_m(module[1], [*module[2:], *config], env=_recipe_env(), cwd=os.getcwd(), timeout=600)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module, *config]
-    done = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        done = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(done.args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
 def _losses(out_dir) -> dict[int, float]:

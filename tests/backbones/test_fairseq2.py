@@ -32,6 +32,7 @@ pytest.importorskip("fairseq2")
 import torch  # noqa: E402
 from fairseq2.device import CPU  # noqa: E402
 from fairseq2.nn import BatchLayout  # noqa: E402
+from forked import python_m  # noqa: E402
 
 import mixer_plugins as mp  # noqa: E402
 from mixer_plugins import InvalidMixerOptions, MixerConfig, MixerContext, MixerSpec, UnknownMixerError  # noqa: E402
@@ -639,9 +640,9 @@ def test_data_reader_is_deterministic_and_resumes():
 def _run_recipe(out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1",
            "FAIRSEQ2_EXTENSION_TRACE": "1"}
-    cmd = [sys.executable, "-m", "mixer_plugins.backbones.fairseq2", str(out_dir), "--no-rich", "--config",
-           "common.torch.num_threads=1", "common.metric_recorders.tensorboard.enabled=false", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    args = [str(out_dir), "--no-rich", "--config", "common.torch.num_threads=1",
+            "common.metric_recorders.tensorboard.enabled=false", *overrides]
+    return python_m("mixer_plugins.backbones.fairseq2", args, env=env, cwd=REPO, timeout=300)
 
 
 @pytest.mark.slow  # a fresh fairseq2 process: ~15-30 s
@@ -1007,8 +1008,7 @@ def test_recipe_fails_clearly_on_a_non_finite_loss(tmp_path):
 
 def _recipe_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1"}
-    return subprocess.run([sys.executable, "-m", "mixer_plugins.backbones.fairseq2", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=300)
+    return python_m("mixer_plugins.backbones.fairseq2", args, env=env, cwd=REPO, timeout=300)
 
 
 def test_recipe_help_describes_the_recipe(fs2, monkeypatch, capsys):

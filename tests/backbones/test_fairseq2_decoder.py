@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch  # noqa: E402
 from fairseq2.device import CPU  # noqa: E402
 from fairseq2.models.clm import CausalLM  # noqa: E402
 from fairseq2.nn import BatchLayout, IncrementalState, IncrementalStateBag  # noqa: E402
+from forked import python_m  # noqa: E402
 
 import mixer_plugins as mp  # noqa: E402
 from mixer_plugins.registry import default_registry  # noqa: E402
@@ -244,12 +243,12 @@ def test_recipe_trains_checkpoints_and_generates(fs2, tmp_path, capsys, monkeypa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1",
            "FAIRSEQ2_EXTENSION_TRACE": "1", "PYTHONPATH": path}
     steps = 6
-    cmd = [sys.executable, "-m", "mixer_plugins.backbones.fairseq2.lm", str(tmp_path), "--no-rich", "--config",
-           "common.torch.num_threads=1", "common.metric_recorders.tensorboard.enabled=false",
-           "mixer.name=semiseparable", "mixer.options.head_dim=8", "mixer.options.d_state=8",
-           f"regime.num_steps={steps}", "regime.publish_metrics_every_n_steps=1", "data.num_examples=64",
-           "data.batch_size=8", "data.max_seq_len=40", "optimizer.config.lr=0.003"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    args = [str(tmp_path), "--no-rich", "--config", "common.torch.num_threads=1",
+            "common.metric_recorders.tensorboard.enabled=false", "mixer.name=semiseparable",
+            "mixer.options.head_dim=8", "mixer.options.d_state=8", f"regime.num_steps={steps}",
+            "regime.publish_metrics_every_n_steps=1", "data.num_examples=64", "data.batch_size=8",
+            "data.max_seq_len=40", "optimizer.config.lr=0.003"]
+    proc = python_m("mixer_plugins.backbones.fairseq2.lm", args, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "metrics" / "train.jsonl").read_text().splitlines()]
     losses = [r["NLL Loss"] for r in records if "NLL Loss" in r]
