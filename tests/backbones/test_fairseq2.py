@@ -645,7 +645,7 @@ def _run_recipe(out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return python_m("mixer_plugins.backbones.fairseq2", args, env=env, cwd=REPO, timeout=300)
 
 
-@pytest.mark.slow  # a fresh fairseq2 process: ~15-30 s
+@pytest.mark.slow  # a recipe run (tests/forked.py)
 def test_recipe_trains_checkpoints_and_reloads_through_load_model(fs2, hub, tmp_path):
     name = _example_mixer()
     spec = mp.get_spec(name)
@@ -698,7 +698,7 @@ def test_recipe_trains_checkpoints_and_reloads_through_load_model(fs2, hub, tmp_
         torch.testing.assert_close(loaded(tokens, layout), rebuilt(tokens, layout), rtol=0, atol=0)
 
 
-@pytest.mark.slow  # a fresh fairseq2 process: ~15 s
+@pytest.mark.slow  # a recipe run (tests/forked.py)
 def test_recipe_command_line_rejects_a_bad_mixer_with_our_message(tmp_path):
     proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attentoin", "regime.num_steps=1")
     output = proc.stdout + proc.stderr
@@ -730,7 +730,7 @@ def _copy_of(run: Path, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.slow  # two fresh fairseq2 processes (and the shared first run): ~40 s
+@pytest.mark.slow  # two recipe runs (and the shared first run)
 def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, small_attention_run, tmp_path):
     _copy_of(small_attention_run, tmp_path)  # a first run: mixer=attention, _SMALL_RUN
     ckpt = tmp_path / "checkpoints"
@@ -764,7 +764,7 @@ def test_recipe_refuses_a_folder_holding_another_models_checkpoints(fs2, small_a
     assert all(layer.self_attn.mixer_name == mp.get_spec(other).name for layer in reloaded.encoder.layers)
 
 
-@pytest.mark.slow  # three fresh fairseq2 processes (and the shared first run): ~1 min
+@pytest.mark.slow  # three recipe runs (and the shared first run)
 def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, small_attention_run, tmp_path):
     """fairseq2 rewrites checkpoints/model.yaml at every start, not atomically: a start killed while writing it leaves
     it empty or cut. The steps keep their own copy, so resume, refusal and reload do not depend on that file.
@@ -810,7 +810,7 @@ def test_recipe_resume_reads_the_config_of_the_step_it_resumes(fs2, small_attent
     assert "cannot be read" in proc.stdout + proc.stderr and (ckpt / "step_4").is_dir()
 
 
-@pytest.mark.slow  # four fresh fairseq2 processes: ~1 min
+@pytest.mark.slow  # four recipe runs
 @pytest.mark.parametrize("override, message", [
     ("data.text_file=/no/such/file.txt", "`text_file` '/no/such/file.txt' does not exist"),
     ("data.mask_prob=abc", "`mask_prob` field cannot be structured"),
@@ -826,7 +826,7 @@ def test_recipe_bad_config_values_are_one_line_and_exit_2(tmp_path, override, me
     assert "Traceback" not in output and len(proc.stderr.splitlines()) < 10
 
 
-@pytest.mark.slow  # a fresh fairseq2 process: ~15 s
+@pytest.mark.slow  # a recipe run (tests/forked.py)
 def test_recipe_model_too_large_to_allocate_is_one_line_and_exit_2(tmp_path):
     """Found when fairseq2 builds the model (after its log has started): one error line naming the sizes."""
     proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", *_SMALL_RUN,
@@ -993,7 +993,7 @@ def test_load_mixer_checkpoint_from_a_folder_whose_path_needs_percent_encoding(f
             torch.testing.assert_close(loaded(tokens, layout), expected, rtol=0, atol=0)
 
 
-@pytest.mark.slow  # a fresh fairseq2 process: ~15 s
+@pytest.mark.slow  # a recipe run (tests/forked.py)
 def test_recipe_fails_clearly_on_a_non_finite_loss(tmp_path):
     proc = _run_recipe(tmp_path, "model.config_overrides.mixer=attention", "optimizer.config.lr=1e30",
                        "regime.num_steps=4", *_SMALL_RUN[1:])
@@ -1131,7 +1131,7 @@ def test_mixer_plugins_recipe_commands_run_the_recipes(tmp_path):
     assert yaml.safe_load(proc.stdout)["mixer"] == {"name": "quasi", "options": {"d_state": 32}}
 
 
-@pytest.mark.slow  # a fresh fairseq2 process: ~10 s
+@pytest.mark.slow  # a recipe run (tests/forked.py)
 def test_recipe_dump_config_shows_the_mixer_fields():
     proc = _recipe_cli("--dump-config", "--no-rich", "--config", "mixer.name=quasi", "mixer.options.d_state=32")
     assert proc.returncode == 0, proc.stderr[-3000:]

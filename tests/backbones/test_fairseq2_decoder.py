@@ -235,9 +235,9 @@ def test_bad_decoder_mixers_fail_with_our_message(fs2, hub, mixer, options, mess
 
 # -- the recipe end to end --------------------------------------------------------------------------------------------
 
-@pytest.mark.slow  # a fresh fairseq2 process: ~15-25 s
+@pytest.mark.slow  # a recipe run (tests/forked.py)
 def test_recipe_trains_checkpoints_and_generates(fs2, tmp_path, capsys, monkeypatch):
-    """A tiny semiseparable decoder trains a few steps (a fresh fairseq2 process), checkpoints, and ``generate``
+    """A tiny semiseparable decoder trains a few steps (a recipe run), checkpoints, and ``generate``
     continues prompts from the checkpoint with sampling and with beam search."""
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1",
