@@ -66,12 +66,13 @@ run: setup
 
 # Lint, the layer contracts and the type check (mypy, settings in pyproject.toml), then the unit tests and, once each
 # with timing disabled, the benchmark suites (so they cannot rot). --dist loadfile keeps each test module on one worker
-# (fairseq2 is initialised once per process).
+# (fairseq2 is initialised once per process); --no-loadscope-reorder keeps the modules in collection order, where
+# tests/conftest.py puts the ones holding a slow test first.
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -n 2 --dist loadfile tests benchmarks --benchmark-disable $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests benchmarks --benchmark-disable $(PYTEST_ARGS)
 
 # Timed benchmark runs, saved as JSON under .benchmarks/ (render them with: mixer-plugins bench-table .benchmarks)
 bench: setup

@@ -154,6 +154,7 @@ def _print_tables(rows: dict[str, dict[int, dict]]) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")
+@pytest.mark.slow  # gloo ranks in fresh processes
 def test_context_parallel_memory_and_exchange(benchmarking_enabled):
     if benchmarking_enabled:    # one configuration per spawn: a process's peak is its own
         rows = {name: {w: run_config((name,), w, LONG, reps=3)[name] for w in WORLDS} for name in MIXERS}

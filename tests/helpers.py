@@ -328,6 +328,7 @@ def triton_file_runner(test_file: str) -> Callable[[], None]:
     One file per module, so that the test workers (``--dist loadfile``) share them."""
 
     @pytest.mark.triton
+    @pytest.mark.slow  # a Triton-interpreter suite in a fresh process
     @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, the Triton tests run in this process")
     def run() -> None:
         pytest.importorskip("triton")

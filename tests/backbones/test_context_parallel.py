@@ -142,6 +142,7 @@ def cp_results() -> list[dict]:
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(MIXERS))
+@pytest.mark.slow  # its first case starts the gloo ranks
 def test_context_parallel_matches_single_process(cp_results, name, world):
     for rank in range(world):
         for length in LENGTHS:

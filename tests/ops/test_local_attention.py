@@ -81,6 +81,7 @@ def test_argument_errors(bad, match):
         kernels.local_attention(q, k, v, **kw)
 
 
+@pytest.mark.slow  # inductor compiles
 def test_compiles_fullgraph_with_inductor():
     q, k, v, mask = _inputs(13, masked=True, dtype=torch.float32)
 

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.triton
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the checks run in this process")
+@pytest.mark.slow  # a Triton-interpreter suite in a fresh process
 def test_mlr_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     from helpers import assert_passes_fresh

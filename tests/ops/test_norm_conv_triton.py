@@ -25,6 +25,7 @@ pytestmark = pytest.mark.triton
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the checks run in this process")
+@pytest.mark.slow  # a Triton-interpreter suite in a fresh process
 def test_norm_conv_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     from helpers import assert_passes_fresh

@@ -570,6 +570,7 @@ def test_the_scan_compiles_without_graph_breaks_and_exports():
     torch.testing.assert_close(exported.module()(x, dt, A, B, C), f(x, dt, A, B, C), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # inductor compiles the scan forward and backward
 def test_the_scan_compiles_with_inductor_values_and_gradients():
     leaves = [t.float().detach().requires_grad_() for t in _qs_inputs(length=12)]
 

@@ -38,6 +38,7 @@ def _run(tmp_path, cache, *args: str) -> tuple[subprocess.CompletedProcess, dict
     return result, (json.loads(out.read_text()) if out.exists() else {})
 
 
+@pytest.mark.slow  # every kernel through ptxas: ~2 min
 def test_every_triton_kernel_compiles_for_sm90(tmp_path, triton_cache):
     result, report = _run(tmp_path, triton_cache)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -40,6 +40,7 @@ def dry_run(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow  # the whole dry run (its fixture): ~1.5 min
 def test_the_dry_run_takes_its_steps_in_priority_order(dry_run):
     out, _ = dry_run
     log = (out / "log.txt").read_text()
