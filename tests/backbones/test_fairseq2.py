@@ -645,6 +645,31 @@ def _run_recipe(out_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return python_m("mixer_plugins.backbones.fairseq2", args, env=env, cwd=REPO, timeout=300)
 
 
+def test_forked_commands_behave_as_fresh_interpreters(tmp_path):
+    """The recipe tests' runner (tests/forked.py) gives what ``subprocess.run([python, "-m", ...])`` gives: the
+    exit status and both streams; the child sees exactly the environment and the folder it is given, its own
+    ``sys.argv`` and ``__main__``; an uncaught exception is status 1 with its traceback, ``sys.exit("text")``
+    status 1 with the text."""
+    (tmp_path / "probe_cmd.py").write_text(
+        "import os, sys\n"
+        "print(os.getcwd(), sys.argv[1:], os.environ.get('PROBE'), 'OMP_NUM_THREADS' in os.environ, __name__)\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "if sys.argv[1] == 'raise':\n    raise ValueError('boom')\n"
+        "if sys.argv[1] == 'text':\n    sys.exit('stopped: text')\n"
+        "sys.exit(int(sys.argv[1]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PROBE"] = "yes"
+    for arg, status, last_line in (("0", 0, "to stderr"), ("3", 3, "to stderr"), ("raise", 1, "ValueError: boom"),
+                                   ("text", 1, "stopped: text")):
+        got = python_m("probe_cmd", [arg], env=env, cwd=tmp_path, timeout=60)
+        want = subprocess.run([sys.executable, "-m", "probe_cmd", arg], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+        assert (got.returncode, got.stdout) == (want.returncode, want.stdout) == (
+            status, f"{tmp_path} {[arg]} yes False __main__\n"), (arg, got, want)
+        # a traceback names the runner's frames (runpy) above the command's own: compare the last lines
+        assert got.stderr.splitlines()[-1] == want.stderr.splitlines()[-1] == last_line, (got.stderr, want.stderr)
+
+
 @pytest.mark.slow  # a recipe run (tests/forked.py)
 def test_recipe_trains_checkpoints_and_reloads_through_load_model(fs2, hub, tmp_path):
     name = _example_mixer()
