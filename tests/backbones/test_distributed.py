@@ -233,12 +233,12 @@ def _recipe(out_dir, nproc: int, batch_size: int, num_steps: int, data_paralleli
               "regime.publish_metrics_every_n_steps=1", "data.num_examples=64", f"data.batch_size={batch_size}",
               "model.config_overrides.mixer=quasiseparable", "lr_scheduler.config.cycle_len=6",
               f"trainer.data_parallelism={data_parallelism}"]
-    module = ["-m", "mixer_plugins.backbones.fairseq2", str(out_dir)]
+    recipe, args = "mixer_plugins.backbones.fairseq2", [str(out_dir), *config]
     if nproc == 1:
-        done = python_m(module[1], [*module[2:], *config], env=_recipe_env(), cwd=os.getcwd(), timeout=600)
+        done = python_m(recipe, args, env=_recipe_env(), cwd=os.getcwd(), timeout=600)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module, *config]
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", recipe, *args]
         done = subprocess.run(cmd, env=_recipe_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(done.args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 

@@ -239,9 +239,8 @@ def test_bad_decoder_mixers_fail_with_our_message(fs2, hub, mixer, options, mess
 def test_recipe_trains_checkpoints_and_generates(fs2, tmp_path, capsys, monkeypatch):
     """A tiny semiseparable decoder trains a few steps (a recipe run), checkpoints, and ``generate``
     continues prompts from the checkpoint with sampling and with beam search."""
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIRSEQ2_DEVICE": "cpu", "FAIRSEQ2_NO_PROGRESS": "1",
-           "FAIRSEQ2_EXTENSION_TRACE": "1", "PYTHONPATH": path}
+           "FAIRSEQ2_EXTENSION_TRACE": "1"}
     steps = 6
     args = [str(tmp_path), "--no-rich", "--config", "common.torch.num_threads=1",
             "common.metric_recorders.tensorboard.enabled=false", "mixer.name=semiseparable",
