@@ -72,39 +72,88 @@ Levels make_levels(int64_t length, const std::vector<int64_t>& widths, const std
 }
 
 // Products with a narrow output: dQ and dK of the coarse levels' score width (often 8 or 16 features). BLAS packs
-// panels for such shapes at a cost several times the arithmetic, so up to NARROW features they are loops vectorized
-// along the chunk's keys (dQ on a transposed copy kt (w x kn) of the chunk's key features).
+// panels for such shapes at a cost several times the arithmetic, so up to NARROW features they are loops: dQ's rows
+// as NARROW-wide vectors, over a copy kp (kn x NARROW) of the chunk's key features padded with zeros; dK's columns
+// along the chunk's keys.
 constexpr int64_t NARROW = 16;
 
 template <typename T>
-void transpose_rows(T* kt, const T* K, int64_t ldk, int64_t kn, int64_t w) {
+void pad_rows(T* kp, const T* K, int64_t ldk, int64_t kn, int64_t w) {
   for (int64_t j = 0; j < kn; ++j) {
-    const T* kj = K + j * ldk;
-    for (int64_t c = 0; c < w; ++c) kt[c * kn + j] = kj[c];
+    std::copy_n(K + j * ldk, w, kp + j * NARROW);
+    std::fill(kp + j * NARROW + w, kp + (j + 1) * NARROW, T(0));
   }
 }
 
-// dq (rn x w, rows ldq apart) += ds (rn x kn) kt^T
+// dq (rn x w, rows ldq apart) += ds (rn x kn) kp[:, :w]
 template <typename T>
-void narrow_dq(T* dq, int64_t ldq, const T* ds, const T* kt, int64_t rn, int64_t kn, int64_t w) {
+void narrow_dq(T* dq, int64_t ldq, const T* ds, const T* kp, int64_t rn, int64_t kn, int64_t w) {
   for (int64_t i = 0; i < rn; ++i) {
-    const T* di = ds + i * kn;
-    for (int64_t c = 0; c < w; ++c) {
-      const T* kc = kt + c * kn;
-      T acc = T(0);
-#pragma omp simd reduction(+ : acc)
-      for (int64_t j = 0; j < kn; ++j) acc += di[j] * kc[j];
-      dq[i * ldq + c] += acc;
+    T* dqi = dq + i * ldq;
+    for (int64_t j = 0; j < kn; ++j) {
+      const T d = ds[i * kn + j];
+      for (int64_t c = 0; c < w; ++c) dqi[c] += d * kp[j * NARROW + c];
     }
   }
 }
 
-// dk (kn x w, rows ldk apart) += ds^T q (q: rn x w, rows ldq apart), through dkt (w x kn) scratch
+#ifdef MIXER_PLUGINS_NATIVE_VECTOR
+// The same for float32 in ATen's vectors, R rows at a time: each key's padded features are loaded once for the R
+// rows, whose sums stay in registers (two per row, over alternate keys, so that the additions overlap)
+template <int64_t R>
+inline void narrow_dq_rows(float* dq, int64_t ldq, const float* d, const float* kp, int64_t kn, int64_t w) {
+  constexpr int64_t V = NARROW / kLanes;
+  Vec acc[2][R][V];
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t v = 0; v < V; ++v) acc[h][r][v] = Vec(0.0f);
+  int64_t j = 0;
+  for (; j + 2 <= kn; j += 2) {
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t v = 0; v < V; ++v) {
+        const Vec kv = Vec::loadu(kp + (j + h) * NARROW + v * kLanes);
+        for (int64_t r = 0; r < R; ++r) acc[h][r][v] = at::vec::fmadd(Vec(d[r * kn + j + h]), kv, acc[h][r][v]);
+      }
+    }
+  }
+  if (j < kn) {
+    for (int64_t v = 0; v < V; ++v) {
+      const Vec kv = Vec::loadu(kp + j * NARROW + v * kLanes);
+      for (int64_t r = 0; r < R; ++r) acc[0][r][v] = at::vec::fmadd(Vec(d[r * kn + j]), kv, acc[0][r][v]);
+    }
+  }
+  float sum[NARROW];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < V; ++v) (acc[0][r][v] + acc[1][r][v]).store(sum + v * kLanes);
+    float* dqi = dq + r * ldq;
+    for (int64_t c = 0; c < w; ++c) dqi[c] += sum[c];
+  }
+}
+
+inline void narrow_dq(float* dq, int64_t ldq, const float* ds, const float* kp, int64_t rn, int64_t kn, int64_t w) {
+  int64_t i = 0;
+  for (; i + 4 <= rn; i += 4) narrow_dq_rows<4>(dq + i * ldq, ldq, ds + i * kn, kp, kn, w);
+  for (; i < rn; ++i) narrow_dq_rows<1>(dq + i * ldq, ldq, ds + i * kn, kp, kn, w);
+}
+#endif
+
+// dk (kn x w, rows ldk apart) += ds^T q (q: rn x w, rows ldq apart), through dkt (w x kn) scratch, four rows of ds
+// at a time
 template <typename T>
 void narrow_dk(T* dk, int64_t ldk, const T* ds, const T* q, int64_t ldq, T* dkt, int64_t rn, int64_t kn,
                int64_t w) {
   std::fill(dkt, dkt + w * kn, T(0));
-  for (int64_t i = 0; i < rn; ++i) {
+  int64_t i = 0;
+  for (; i + 4 <= rn; i += 4) {
+    const T *d0 = ds + i * kn, *d1 = d0 + kn, *d2 = d1 + kn, *d3 = d2 + kn;
+    for (int64_t c = 0; c < w; ++c) {
+      const T q0 = q[i * ldq + c], q1 = q[(i + 1) * ldq + c], q2 = q[(i + 2) * ldq + c], q3 = q[(i + 3) * ldq + c];
+      T* dc = dkt + c * kn;
+#pragma omp simd
+      for (int64_t j = 0; j < kn; ++j) dc[j] += (q0 * d0[j] + q1 * d1[j]) + (q2 * d2[j] + q3 * d3[j]);
+    }
+  }
+  for (; i < rn; ++i) {
     const T* di = ds + i * kn;
     for (int64_t c = 0; c < w; ++c) {
       const T qc = q[i * ldq + c];
@@ -279,13 +328,14 @@ struct Tiles {
 };
 
 // Scratch of one thread for a whole call (reused by every tile): scores, the leaf's level products, the score
-// gradients (backward), the tile's scaled queries and transposed narrow keys, and two row statistics.
+// gradients (backward), the tile's scaled queries, the padded narrow keys and dK's narrow columns, and two row
+// statistics.
 template <typename T>
 struct Scratch {
-  std::vector<T> s, g, p, qs, kt, dkt, r1, r2;
+  std::vector<T> s, g, p, qs, kp, dkt, r1, r2;
   Scratch(Tiles tiles, int64_t width, bool backward)
       : s(tiles.q * tiles.k), g(tiles.q * tiles.k), p(backward ? tiles.q * tiles.k : 0), qs(tiles.q * width),
-        kt(backward ? NARROW * tiles.k : 0), dkt(backward ? NARROW * tiles.k : 0), r1(tiles.q), r2(tiles.q) {}
+        kp(backward ? NARROW * tiles.k : 0), dkt(backward ? NARROW * tiles.k : 0), r1(tiles.q), r2(tiles.q) {}
 };
 
 // qs (rn x D, contiguous) = the rows of Q from t0 times each feature's level scale
@@ -461,8 +511,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             // dQ[rows, :W] += dS K[keys, :W];  dK[keys, :W] += dS^T qs[rows, :W]
             const int64_t w = lv.width[d];
             if (w > 0 && w <= NARROW) {
-              transpose_rows(buf.kt.data(), K + kc * Ks.ld, Ks.ld, kn, w);
-              narrow_dq(dQr, ldg, ds, buf.kt.data(), n, kn, w);
+              pad_rows(buf.kp.data(), K + kc * Ks.ld, Ks.ld, kn, w);
+              narrow_dq(dQr, ldg, ds, buf.kp.data(), n, kn, w);
               narrow_dk(dK + kc * ldg, ldg, ds, qr, D, buf.dkt.data(), n, kn, w);
             } else if (w > 0) {
               gemm<T>(false, false, n, w, kn, T(1), ds, kn, K + kc * Ks.ld, Ks.ld, T(1), dQr, ldg);
